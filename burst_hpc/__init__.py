@@ -1,0 +1,25 @@
+"""burst-hpc: exact attention over sequences split across MPI ranks (BurstAttention + DistFlashAttn)."""
+__version__ = "0.1.0"
+
+from .api import attention, attention_backward
+from .errors import (BackendError, BurstError, DTypeError, LayoutError, RankMismatchError, ShapeError,
+                     TransportError)
+from .layout import layout_indices, shard, unshard
+from .reference import attention_backward_reference, attention_reference
+
+
+def burst_attention(*args, **kwargs):
+    from .distributed import burst_attention as impl
+
+    return impl(*args, **kwargs)
+
+
+def burst_attention_backward(*args, **kwargs):
+    from .distributed import burst_attention_backward as impl
+
+    return impl(*args, **kwargs)
+
+
+__all__ = ["attention", "attention_backward", "burst_attention", "burst_attention_backward", "layout_indices",
+           "shard", "unshard", "attention_reference", "attention_backward_reference", "BurstError", "ShapeError",
+           "DTypeError", "LayoutError", "TransportError", "RankMismatchError", "BackendError", "__version__"]

@@ -1,0 +1,115 @@
+"""NumPy block backend: tiled online-softmax attention, the CPU twin of the CUDA kernels.
+
+Each (query tile, key tile) pair is scored on its own, so no more than one tile of scores
+exists at a time. Query heads are grouped under their key/value head (GQA) so a key tile is
+read once per group. Causal masks use global positions; key tiles wholly after a query tile
+are never visited.
+"""
+import numpy as np
+
+from ..dtypes import accum_dtype
+from ..merge import merge_into
+
+
+def _grouped(x, n_kv, acc):
+    """(B, n, Hq, D) -> (B, Hkv, G, n, D) in the accumulator type."""
+    b, n, h, d = x.shape
+    return x.astype(acc, copy=False).reshape(b, n, n_kv, h // n_kv, d).transpose(0, 2, 3, 1, 4)
+
+
+def _heads_first(x, acc):
+    """(B, m, Hkv, D) -> (B, Hkv, 1, m, D): broadcasts over the query heads of a group."""
+    return x.astype(acc, copy=False).transpose(0, 2, 1, 3)[:, :, None]
+
+
+def _ungroup(x):
+    """(B, Hkv, G, n, D) -> (B, n, Hkv*G, D)."""
+    b, hk, g, n, d = x.shape
+    return x.transpose(0, 3, 1, 2, 4).reshape(b, n, hk * g, d)
+
+
+class NumpyBackend:
+    name = "numpy"
+    xp = np
+
+    def __init__(self, block_q=128, block_k=128):
+        self.block_q = block_q
+        self.block_k = block_k
+
+    def _key_tiles(self, q0, q1, n_keys, causal, q_start, k_start):
+        """Key tiles (k0, k1, needs_mask) visible to query rows q0..q1-1."""
+        last_q = q_start + q1 - 1
+        k_end = n_keys if not causal else max(0, min(n_keys, last_q - k_start + 1))
+        for k0 in range(0, k_end, self.block_k):
+            k1 = min(k_end, k0 + self.block_k)
+            yield k0, k1, causal and (k_start + k1 - 1 > q_start + q0)
+
+    @staticmethod
+    def _mask(q_start, q0, q1, k_start, k0, k1):
+        q_pos = q_start + np.arange(q0, q1)
+        k_pos = k_start + np.arange(k0, k1)
+        return k_pos[None, :] > q_pos[:, None]
+
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0):
+        acc = o.dtype
+        n_kv = k.shape[2]
+        for q0 in range(0, q.shape[1], self.block_q):
+            q1 = min(q.shape[1], q0 + self.block_q)
+            qt = _grouped(q[:, q0:q1], n_kv, acc) * acc.type(scale)
+            shape = qt.shape[:-1]
+            row_max = np.full(shape, -np.inf, acc)
+            row_sum = np.zeros(shape, acc)
+            out = np.zeros(qt.shape, acc)
+            for k0, k1, needs_mask in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start):
+                kt = _heads_first(k[:, k0:k1], acc)
+                vt = _heads_first(v[:, k0:k1], acc)
+                s = qt @ kt.swapaxes(-1, -2)
+                if needs_mask:
+                    s = np.where(self._mask(q_start, q0, q1, k_start, k0, k1), -np.inf, s)
+                new_max = np.maximum(row_max, s.max(-1))
+                safe_max = np.where(np.isneginf(new_max), 0, new_max)
+                p = np.exp(s - safe_max[..., None])
+                rescale = np.exp(row_max - safe_max)
+                row_sum = row_sum * rescale + p.sum(-1)
+                out = out * rescale[..., None] + p @ vt
+                row_max = new_max
+            seen = row_sum > 0
+            block_lse = np.where(seen, row_max + np.log(np.where(seen, row_sum, 1)), -np.inf)
+            block_o = out / np.where(seen, row_sum, 1)[..., None]
+            b, hk, g, n = block_lse.shape
+            merge_into(o[:, q0:q1], lse[:, :, q0:q1], _ungroup(block_o), block_lse.reshape(b, hk * g, n))
+
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
+        acc = dq.dtype
+        b, _, n_kv, d = k.shape
+        group = q.shape[2] // n_kv
+        for q0 in range(0, q.shape[1], self.block_q):
+            q1 = min(q.shape[1], q0 + self.block_q)
+            qt = _grouped(q[:, q0:q1], n_kv, acc)
+            dot = _grouped(do[:, q0:q1], n_kv, acc)
+            n = q1 - q0
+            lse_t = lse[:, :, q0:q1].astype(acc).reshape(b, n_kv, group, n)
+            delta_t = delta[:, :, q0:q1].astype(acc).reshape(b, n_kv, group, n)
+            visible = ~np.isneginf(lse_t)
+            lse_t = np.where(visible, lse_t, 0)
+            dq_t = np.zeros(qt.shape, acc)
+            for k0, k1, needs_mask in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start):
+                kt = _heads_first(k[:, k0:k1], acc)
+                vt = _heads_first(v[:, k0:k1], acc)
+                s = (qt @ kt.swapaxes(-1, -2)) * acc.type(scale)
+                p = np.exp(s - lse_t[..., None])
+                keep = visible[..., None]
+                if needs_mask:
+                    keep = keep & ~self._mask(q_start, q0, q1, k_start, k0, k1)
+                p = np.where(keep, p, 0)
+                dp = dot @ vt.swapaxes(-1, -2)
+                ds = p * (dp - delta_t[..., None])
+                dq_t += (ds @ kt) * acc.type(scale)
+                # sum over the group's query heads: (B, Hkv, G, m, D) -> (B, m, Hkv, D)
+                dv[:, k0:k1] += (p.swapaxes(-1, -2) @ dot).sum(2).transpose(0, 2, 1, 3)
+                dk[:, k0:k1] += ((ds.swapaxes(-1, -2) @ qt).sum(2) * acc.type(scale)).transpose(0, 2, 1, 3)
+            dq[:, q0:q1] += _ungroup(dq_t)
+
+    def delta(self, do, o):
+        acc = accum_dtype(do.dtype)
+        return np.einsum("bshd,bshd->bhs", do.astype(acc, copy=False), o.astype(acc, copy=False))

@@ -1,0 +1,88 @@
+"""Which global tokens each rank owns.
+
+- contiguous: S is cut into P equal chunks; rank r owns chunk r.
+- zigzag: S is cut into 2P equal chunks; rank r owns chunks r and 2P-1-r (in that order),
+  which balances causal work across ranks.
+
+A rank's shard is described by its pieces: (global_start, length) runs, in local order.
+"""
+import numpy as np
+
+from .errors import LayoutError
+
+LAYOUTS = ("contiguous", "zigzag")
+
+
+def default_layout(causal):
+    return "zigzag" if causal else "contiguous"
+
+
+def check_layout(layout):
+    if layout not in LAYOUTS:
+        raise LayoutError(f"unknown layout {layout!r}; use one of {', '.join(LAYOUTS)}")
+    return layout
+
+
+def check_split(seqlen, size, layout):
+    """Raise LayoutError unless ``seqlen`` tokens split evenly over ``size`` ranks."""
+    check_layout(layout)
+    if size < 1:
+        raise LayoutError(f"need at least one rank; got {size}")
+    parts = size if layout == "contiguous" else 2 * size
+    if seqlen % parts:
+        raise LayoutError(
+            f"sequence length {seqlen} does not split over {size} ranks with the {layout} layout: "
+            f"it must be a multiple of {parts}")
+    return seqlen // size
+
+
+def pieces(seqlen, rank, size, layout):
+    """The (global_start, length) runs rank ``rank`` owns, in local order."""
+    local = check_split(seqlen, size, layout)
+    if not 0 <= rank < size:
+        raise LayoutError(f"rank {rank} is outside 0..{size - 1}")
+    if layout == "contiguous":
+        return [(rank * local, local)]
+    chunk = local // 2
+    return [(rank * chunk, chunk), ((2 * size - 1 - rank) * chunk, chunk)]
+
+
+def layout_indices(seqlen, rank, size, layout):
+    """Global token indices of rank ``rank``'s shard, in local order."""
+    return np.concatenate([np.arange(start, start + n) for start, n in pieces(seqlen, rank, size, layout)])
+
+
+def shard(x, rank, size, layout, axis=1):
+    """Rank ``rank``'s shard of the global array ``x`` along ``axis`` (NumPy or CuPy)."""
+    runs = pieces(x.shape[axis], rank, size, layout)
+    parts = [x[(slice(None),) * axis + (slice(start, start + n),)] for start, n in runs]
+    if len(parts) == 1:
+        return parts[0].copy()
+    xp = _array_module(x)
+    return xp.concatenate(parts, axis=axis)
+
+
+def unshard(shards, layout, axis=1):
+    """The global array from every rank's shard (``shards[r]`` from rank r)."""
+    shards = list(shards)
+    size = len(shards)
+    local = shards[0].shape[axis]
+    seqlen = local * size
+    check_split(seqlen, size, layout)
+    xp = _array_module(shards[0])
+    out = xp.empty(shards[0].shape[:axis] + (seqlen,) + shards[0].shape[axis + 1:], shards[0].dtype)
+    for rank, part in enumerate(shards):
+        if part.shape[axis] != local:
+            raise LayoutError(f"shard {rank} has {part.shape[axis]} tokens; shard 0 has {local}")
+        offset = 0
+        for start, n in pieces(seqlen, rank, size, layout):
+            index = (slice(None),) * axis
+            out[index + (slice(start, start + n),)] = part[index + (slice(offset, offset + n),)]
+            offset += n
+    return out
+
+
+def _array_module(x):
+    from .merge import array_module
+
+    return array_module(x)

@@ -1,0 +1,42 @@
+"""GAO: merging partial attention results of the same queries over disjoint key sets.
+
+    lse = logaddexp(lse_a, lse_b)
+    o   = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
+
+Both exponents are <= 0, so nothing overflows; where both parts are empty (lse = -inf) the
+weights are exp(-inf) = 0 and o stays 0. Works on NumPy and CuPy arrays alike.
+"""
+
+
+def array_module(x):
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    import numpy
+
+    return numpy
+
+
+def merge_weights(lse_a, lse_b):
+    """(lse, w_a, w_b) for merging two parts; lse arrays of any matching shape."""
+    xp = array_module(lse_a)
+    lse = xp.logaddexp(lse_a, lse_b)
+    # where both parts are empty lse is -inf; subtract 0 instead so the weights are exp(-inf) = 0
+    finite = xp.where(xp.isneginf(lse), 0, lse)
+    return lse, xp.exp(lse_a - finite), xp.exp(lse_b - finite)
+
+
+def merge(o_a, lse_a, o_b, lse_b):
+    """Merged (o, lse) of two parts. o: (B, S, H, D), lse: (B, H, S)."""
+    lse, w_a, w_b = merge_weights(lse_a, lse_b)
+    w_a = w_a.transpose(0, 2, 1)[..., None]
+    w_b = w_b.transpose(0, 2, 1)[..., None]
+    return o_a * w_a + o_b * w_b, lse
+
+
+def merge_into(o, lse, o_b, lse_b):
+    """Merge the part (o_b, lse_b) into the running (o, lse) in place (both may be views)."""
+    merged_o, merged_lse = merge(o, lse, o_b, lse_b)
+    o[...] = merged_o
+    lse[...] = merged_lse

@@ -1,0 +1,56 @@
+"""The float64 oracle: plain full-matrix attention, forward and backward.
+
+Causal masks use global positions: query i sits at q_start + i, key j at k_start + j, and a
+key is hidden when its position is larger. So a block cut from a longer sequence can be
+checked on its own. Rows with every key hidden give o = 0, lse = -inf and zero gradients.
+"""
+import numpy as np
+
+
+def _inputs(q, k, v, scale):
+    q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
+    group = q.shape[2] // k.shape[2]
+    scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+    return q, np.repeat(k, group, axis=2), np.repeat(v, group, axis=2), group, scale
+
+
+def _probabilities(q, k, scale, causal, q_start, k_start):
+    """(p, lse): p (B, H, Sq, Sk) softmax probabilities, lse (B, H, Sq)."""
+    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    if causal:
+        q_pos = q_start + np.arange(q.shape[1])
+        k_pos = k_start + np.arange(k.shape[1])
+        s = np.where(k_pos[None, :] > q_pos[:, None], -np.inf, s)
+    row_max = s.max(-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf)
+    safe_max = np.where(np.isneginf(row_max), 0.0, row_max)
+    e = np.exp(s - safe_max)
+    total = e.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (np.log(total) + safe_max)[..., 0]
+    p = e / np.where(total > 0, total, 1.0)
+    return p, lse
+
+
+def _sum_groups(x, group):
+    b, s, h, d = x.shape
+    return x.reshape(b, s, h // group, group, d).sum(3)
+
+
+def attention_reference(q, k, v, causal=False, scale=None, q_start=0, k_start=0):
+    """(o, lse) in float64: o (B, Sq, Hq, D), lse (B, Hq, Sq)."""
+    q, k, v, _, scale = _inputs(q, k, v, scale)
+    p, lse = _probabilities(q, k, scale, causal, q_start, k_start)
+    return np.einsum("bhqk,bkhd->bqhd", p, v), lse
+
+
+def attention_backward_reference(do, q, k, v, causal=False, scale=None, q_start=0, k_start=0):
+    """(dq, dk, dv) in float64 for the loss sum(do * o)."""
+    q, k, v, group, scale = _inputs(q, k, v, scale)
+    do = np.asarray(do).astype(np.float64)
+    p, _ = _probabilities(q, k, scale, causal, q_start, k_start)
+    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, v)
+    ds = p * (dp - (p * dp).sum(-1, keepdims=True))
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, k) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    return dq, _sum_groups(dk, group), _sum_groups(dv, group)

@@ -1,0 +1,48 @@
+"""Argument checks shared by the single-device and the distributed API."""
+import numpy as np
+
+from .dtypes import check_supported, dtype_name
+from .errors import DTypeError, ShapeError
+
+SUPPORTED_HEAD_DIMS = None  # any D on NumPy; the CUDA backend narrows this itself
+
+
+def check_qkv(q, k, v, causal=False):
+    """Validate q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); return (B, Sq, Sk, Hq, Hkv, D)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if getattr(x, "ndim", None) != 4:
+            raise ShapeError(f"{name} must be rank 4 (batch, seqlen, heads, head_dim); got shape {getattr(x, 'shape', None)}")
+    b, sq, hq, d = q.shape
+    _, sk, hkv, _ = k.shape
+    if k.shape != v.shape:
+        raise ShapeError(f"k and v must have the same shape; got {k.shape} and {v.shape}")
+    if k.shape[0] != b or k.shape[3] != d:
+        raise ShapeError(f"q {q.shape} and k {k.shape} must agree in batch and head_dim")
+    if hkv == 0 or hq % hkv:
+        raise ShapeError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if d == 0:
+        raise ShapeError("head_dim must be positive")
+    if causal and sq != sk:
+        raise ShapeError(f"causal attention needs as many queries as keys; got {sq} and {sk}")
+    dtype = check_supported(q.dtype)
+    for name, x in (("k", k), ("v", v)):
+        if np.dtype(x.dtype) != dtype:
+            raise DTypeError(f"q, k and v must share one dtype; q is {dtype_name(dtype)}, {name} is {dtype_name(x.dtype)}")
+    return b, sq, sk, hq, hkv, d
+
+
+def check_like(name, x, shape, dtype):
+    if getattr(x, "shape", None) != tuple(shape):
+        raise ShapeError(f"{name} must have shape {tuple(shape)}; got {getattr(x, 'shape', None)}")
+    if dtype is not None and np.dtype(x.dtype) != np.dtype(dtype):
+        raise DTypeError(f"{name} must be {dtype_name(dtype)}; got {dtype_name(x.dtype)}")
+
+
+def check_same_kind(*arrays):
+    kinds = {type(x).__module__.split(".")[0] for x in arrays}
+    if len(kinds) > 1:
+        raise DTypeError("mix of NumPy and CuPy arrays; pass all on the host or all on the device")
+
+
+def resolve_scale(scale, head_dim):
+    return head_dim ** -0.5 if scale is None else float(scale)
