@@ -1,0 +1,181 @@
+"""burst_attention: exact attention over a sequence sharded across the ranks of an MPI communicator.
+
+Each rank passes its own shard (in ``layout``) of q, k, v. The forward pass sends K/V around
+the ring and merges partial results (GAO); the backward pass reuses (o, lse) from the forward
+pass and sends either the query side (q-ring) or K/V (kv-ring) around, whichever moves fewer
+bytes.
+"""
+import logging
+
+import numpy as np
+
+from .backends import get_backend
+from .dtypes import accum_dtype, dtype_name
+from .errors import BurstError, ShapeError
+from .layout import check_layout, check_split, default_layout, pieces
+from .merge import array_module
+from .ring import ring_loop
+from .schedule import block_pairs
+from .transport import agree, choose_transport, make_transport
+from .validate import check_like, check_qkv, check_same_kind, resolve_scale
+
+log = logging.getLogger("burst_hpc")
+BACKWARD_RINGS = ("auto", "q", "kv")
+
+
+def _world():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+class _Plan:
+    """What every rank agreed on before the first exchange."""
+
+    def __init__(self, comm, q, k, v, causal, scale, layout, transport, extra=()):
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        error, signature = None, None
+        try:
+            check_same_kind(q, k, v, *[x for _, x, _, _ in extra])
+            b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
+            if sq != sk:
+                raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
+            for name, x, shape, dtype in extra:
+                check_like(name, x, shape(q), dtype(q))
+            self.layout = check_layout(default_layout(causal) if layout is None else layout)
+            self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
+            self.scale = resolve_scale(scale, d)
+            self.causal = bool(causal)
+            self.backend = get_backend(q)
+            self.transport_name = choose_transport(transport, on_device=self.backend.name == "cuda")
+            self.heads, self.kv_heads, self.head_dim = hq, hkv, d
+            signature = {"q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
+                         "causal": self.causal, "layout": self.layout, "scale": self.scale,
+                         "transport": self.transport_name}
+        except Exception as e:  # shared with every rank below, so no rank is left waiting
+            error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
+        agree(comm, error, signature)
+        self.xp = self.backend.xp
+        self.acc = accum_dtype(q.dtype)
+
+    def pieces(self, rank):
+        return tuple(pieces(self.seqlen, rank, self.size, self.layout))
+
+    def transport(self):
+        return make_transport(self.transport_name, self.comm, self.xp)
+
+
+def _device_of(x):
+    return x.device if hasattr(x, "device") and not isinstance(x, np.ndarray) else _NoDevice()
+
+
+class _NoDevice:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto"):
+    """This rank's (o, lse) of attention over the whole sharded sequence.
+
+    q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous'
+    or 'zigzag'; default zigzag when causal). Returns o like q and lse float32 (B, Hq, S/P)."""
+    comm = _world() if comm is None else comm
+    plan = _Plan(comm, q, k, v, causal, scale, layout, transport)
+    with _device_of(q):
+        return _forward(plan, q, k, v)
+
+
+def _forward(plan, q, k, v, skip_compute=False, transport=None):
+    xp, be = plan.xp, plan.backend
+    o = xp.zeros(q.shape, plan.acc)
+    lse = xp.full((q.shape[0], plan.heads, q.shape[1]), -xp.inf, plan.acc)
+    mine = plan.pieces(plan.rank)
+
+    def compute(source, kv, _carried):
+        k_src, v_src = kv
+        for pair in block_pairs(mine, plan.pieces(source), plan.causal):
+            be.forward_block(q[:, pair.q], k_src[:, pair.k], v_src[:, pair.k], o[:, pair.q], lse[:, :, pair.q],
+                             scale=plan.scale, causal=pair.causal, q_start=pair.q_start, k_start=pair.k_start)
+
+    ring_loop(transport or plan.transport(), [k, v], compute, skip_compute=skip_compute)
+    return o.astype(q.dtype), lse.astype(xp.float32)
+
+
+def backward_ring_bytes(heads, kv_heads, head_dim, itemsize):
+    """Bytes per token moved each step by the (q-ring, kv-ring) backward (DESIGN.md)."""
+    q_ring = heads * head_dim * (2 * itemsize + 4) + 8 * heads
+    kv_ring = kv_heads * head_dim * (2 * itemsize + 2 * 4)
+    return q_ring, kv_ring
+
+
+def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize):
+    if name not in BACKWARD_RINGS:
+        raise BurstError(f"unknown backward_ring {name!r}; use one of {', '.join(BACKWARD_RINGS)}")
+    if name != "auto":
+        return name
+    q_bytes, kv_bytes = backward_ring_bytes(heads, kv_heads, head_dim, itemsize)
+    choice = "q" if q_bytes < kv_bytes else "kv"
+    log.info("backward ring auto -> %s-ring (%d vs %d bytes per token per step)", choice,
+             min(q_bytes, kv_bytes), max(q_bytes, kv_bytes))
+    return choice
+
+
+def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale=None, layout=None,
+                             transport="auto", backward_ring="auto"):
+    """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention."""
+    comm = _world() if comm is None else comm
+    extra = [("do", do, lambda q: q.shape, lambda q: q.dtype), ("o", o, lambda q: q.shape, lambda q: q.dtype),
+             ("lse", lse, lambda q: (q.shape[0], q.shape[2], q.shape[1]), lambda q: np.float32)]
+    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, extra)
+    error = None
+    try:
+        ring = choose_backward_ring(backward_ring, plan.heads, plan.kv_heads, plan.head_dim, q.dtype.itemsize)
+    except BurstError as e:
+        error = e
+    agree(comm, error)
+    with _device_of(q):
+        return _backward(plan, ring, do, q, k, v, o, lse)
+
+
+def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None):
+    xp, be, acc = plan.xp, plan.backend, plan.acc
+    delta = be.delta(do, o)
+    mine = plan.pieces(plan.rank)
+    transport = transport or plan.transport()
+    kw = dict(scale=plan.scale)
+    if ring == "kv":
+        dq = xp.zeros(q.shape, acc)
+
+        def compute(source, kv, carried):
+            k_src, v_src = kv
+            dk_part, dv_part = carried
+            for p in block_pairs(mine, plan.pieces(source), plan.causal):
+                be.backward_block(q[:, p.q], k_src[:, p.k], v_src[:, p.k], do[:, p.q], lse[:, :, p.q],
+                                  delta[:, :, p.q], dq[:, p.q], dk_part[:, p.k], dv_part[:, p.k],
+                                  causal=p.causal, q_start=p.q_start, k_start=p.k_start, **kw)
+
+        dk, dv = ring_loop(transport, [k, v], compute, carried=[(k.shape, acc), (v.shape, acc)],
+                           skip_compute=skip_compute)
+    else:
+        dk = xp.zeros(k.shape, acc)
+        dv = xp.zeros(v.shape, acc)
+
+        def compute(source, qside, carried):
+            q_src, do_src, lse_src, delta_src = qside
+            (dq_part,) = carried
+            for p in block_pairs(plan.pieces(source), mine, plan.causal):
+                be.backward_block(q_src[:, p.q], k[:, p.k], v[:, p.k], do_src[:, p.q], lse_src[:, :, p.q],
+                                  delta_src[:, :, p.q], dq_part[:, p.q], dk[:, p.k], dv[:, p.k],
+                                  causal=p.causal, q_start=p.q_start, k_start=p.k_start, **kw)
+
+        lse32 = lse.astype(xp.float32, copy=False)
+        (dq,) = ring_loop(transport, [q, do, lse32, delta.astype(xp.float32, copy=False)], compute,
+                          carried=[(q.shape, acc)], skip_compute=skip_compute)
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+__all__ = ["burst_attention", "burst_attention_backward", "choose_backward_ring", "backward_ring_bytes",
+           "array_module"]

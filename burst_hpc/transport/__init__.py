@@ -1,0 +1,142 @@
+"""Transports: send to the next rank and receive from the previous one, nonblocking.
+
+``exchange(sends, recvs)`` posts the transfer of every array in ``sends`` to rank+1 and into
+every array of ``recvs`` from rank-1, and returns a handle whose ``wait()`` completes it.
+Arrays travel as raw bytes, so bfloat16 and float16 need no MPI datatype.
+
+- host:   NumPy buffers over MPI (the CPU path).
+- mpi:    CuPy device buffers handed straight to a CUDA-aware MPI.
+- nccl:   cupy.cuda.nccl send/recv on a communication stream.
+- staged: device -> pinned host -> MPI -> pinned host -> device, in pipelined chunks.
+- auto:   host for NumPy; for CuPy mpi if the MPI is known to be CUDA-aware, else nccl, else staged.
+"""
+import ctypes
+import logging
+import os
+
+from ..errors import BurstError, TransportError
+
+log = logging.getLogger("burst_hpc")
+
+TRANSPORTS = ("auto", "host", "mpi", "nccl", "staged")
+DEVICE_TRANSPORTS = ("mpi", "nccl", "staged")
+
+
+def _libmpi_path():
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if "libmpi" in os.path.basename(path) and ".so" in path:
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def cuda_aware_mpi():
+    """(is_cuda_aware, reason). BURST_HPC_CUDA_AWARE=1/0 overrides what the library reports."""
+    forced = os.environ.get("BURST_HPC_CUDA_AWARE")
+    if forced is not None and forced.strip() != "":
+        aware = forced.strip().lower() in ("1", "yes", "true", "on")
+        return aware, f"BURST_HPC_CUDA_AWARE={forced}"
+    from mpi4py import MPI  # noqa: F401  (loads libmpi)
+
+    path = _libmpi_path()
+    if path is None:
+        return False, "libmpi not found in this process"
+    try:
+        query = ctypes.CDLL(path).MPIX_Query_cuda_support
+    except (OSError, AttributeError):
+        return False, "the MPI library has no MPIX_Query_cuda_support"
+    query.restype = ctypes.c_int
+    aware = bool(query())
+    return aware, f"MPIX_Query_cuda_support() = {int(aware)}"
+
+
+def nccl_available():
+    try:
+        from cupy.cuda import nccl
+    except Exception:
+        return False
+    return bool(getattr(nccl, "available", True))
+
+
+def choose_transport(name, on_device):
+    """The concrete transport for ``name`` ('auto' or one of TRANSPORTS) and the data's location."""
+    if name not in TRANSPORTS:
+        raise TransportError(f"unknown transport {name!r}; use one of {', '.join(TRANSPORTS)}")
+    if not on_device:
+        if name not in ("auto", "host"):
+            raise TransportError(f"transport {name!r} moves CuPy device arrays; NumPy arrays use 'host'")
+        return "host"
+    if name == "host":
+        raise TransportError("transport 'host' moves NumPy arrays; for CuPy arrays use mpi, nccl, staged or auto")
+    if name == "mpi":
+        aware, reason = cuda_aware_mpi()
+        if not aware:
+            raise TransportError(
+                "transport 'mpi' needs a CUDA-aware MPI and this one is not known to be (" + reason + "); "
+                "device buffers are never handed to it. Use nccl or staged, or set BURST_HPC_CUDA_AWARE=1 "
+                "if your MPI is CUDA-aware.")
+        return "mpi"
+    if name == "nccl" and not nccl_available():
+        raise TransportError("transport 'nccl' needs cupy.cuda.nccl, which is not available")
+    if name != "auto":
+        return name
+    aware, reason = cuda_aware_mpi()
+    if aware:
+        choice = "mpi"
+    elif nccl_available():
+        choice = "nccl"
+    else:
+        choice = "staged"
+    log.info("transport auto -> %s (CUDA-aware MPI: %s)", choice, reason)
+    return choice
+
+
+def agree(comm, error=None, signature=None):
+    """Collective: if any rank has an error, raise the same one (the first failing rank's) on
+    every rank; then, if ``signature`` (a dict) differs between ranks, raise RankMismatchError."""
+    mine = None if error is None else (type(error).__name__, str(error), comm.rank)
+    gathered = comm.allgather((mine, signature))
+    found = [e for e, _ in gathered if e is not None]
+    if found:
+        name, message, rank = found[0]
+        from .. import errors
+
+        cls = getattr(errors, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, BurstError)):
+            cls, message = BurstError, f"{name}: {message}"
+        everywhere = len(found) == comm.size and all(e[1] == found[0][1] for e in found)
+        raise cls(message if everywhere or comm.size == 1 else f"rank {rank}: {message}")
+    if signature is not None:
+        from ..errors import RankMismatchError
+
+        for rank, (_, theirs) in enumerate(gathered):
+            for key in signature:
+                if theirs.get(key) != gathered[0][1].get(key):
+                    raise RankMismatchError(
+                        f"ranks disagree on {key}: rank 0 has {gathered[0][1].get(key)!r}, "
+                        f"rank {rank} has {theirs.get(key)!r}; every rank must pass matching arguments")
+
+
+def make_transport(name, comm, xp):
+    """An open transport of the concrete kind ``name`` over ``comm``."""
+    if name == "host":
+        from .mpi import MpiTransport
+
+        return MpiTransport(comm, xp, device=False)
+    if name == "mpi":
+        from .mpi import MpiTransport
+
+        return MpiTransport(comm, xp, device=True)
+    if name == "nccl":
+        from .nccl import NcclTransport
+
+        return NcclTransport(comm)
+    if name == "staged":
+        from .staged import StagedTransport
+
+        return StagedTransport(comm)
+    raise TransportError(f"unknown transport {name!r}")

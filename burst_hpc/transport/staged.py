@@ -1,0 +1,112 @@
+"""Host-staged transport for MPIs that are not CUDA-aware.
+
+device -> pinned host (copy stream) -> MPI -> pinned host -> device (copy stream), cut into
+chunks so the copies of one chunk overlap the MPI transfer of another. A worker thread drives
+the pipeline so the caller can queue kernels meanwhile; ``wait()`` joins it and makes the
+compute stream wait for the last upload. Pinned buffers grow to the largest exchange and are
+reused.
+"""
+import threading
+
+import cupy
+import numpy as np
+from mpi4py import MPI
+
+CHUNK = 16 << 20
+
+
+def _pinned(nbytes):
+    mem = cupy.cuda.alloc_pinned_memory(nbytes)
+    return np.frombuffer(mem, np.uint8, nbytes)
+
+
+def _chunks(nbytes):
+    return [(i, min(nbytes, i + CHUNK)) for i in range(0, nbytes, CHUNK)] or [(0, 0)]
+
+
+def _flat(buf):
+    return buf.reshape(-1).view(cupy.uint8)
+
+
+class Pending:
+    def __init__(self, thread, transport):
+        self.thread, self.transport = thread, transport
+
+    def wait(self):
+        self.thread.join()
+        if self.transport.error is not None:
+            error, self.transport.error = self.transport.error, None
+            raise error
+        cupy.cuda.get_current_stream().wait_event(self.transport.uploaded)
+
+
+class StagedTransport:
+    xp = cupy
+
+    def __init__(self, comm):
+        self.comm = comm
+        self.rank, self.size = comm.rank, comm.size
+        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
+        self.down = cupy.cuda.Stream(non_blocking=True)
+        self.up = cupy.cuda.Stream(non_blocking=True)
+        self.host_send = self.host_recv = np.empty(0, np.uint8)
+        self.device = cupy.cuda.Device()
+        self.error = None
+        self.uploaded = None
+
+    def _reserve(self, send_bytes, recv_bytes):
+        if self.host_send.size < send_bytes:
+            self.host_send = _pinned(send_bytes)
+        if self.host_recv.size < recv_bytes:
+            self.host_recv = _pinned(recv_bytes)
+
+    def exchange(self, sends, recvs):
+        self._reserve(sum(b.nbytes for b in sends), sum(b.nbytes for b in recvs))
+        ready = cupy.cuda.get_current_stream().record()
+        self.down.wait_event(ready)
+        self.up.wait_event(ready)  # the kernels still reading the receive buffers come first
+        downloads = []
+        offset = 0
+        for buf in sends:
+            flat = _flat(buf)
+            for lo, hi in _chunks(buf.nbytes):
+                host = self.host_send[offset + lo:offset + hi]
+                flat[lo:hi].get(stream=self.down, out=host, blocking=False)
+                downloads.append((host, self.down.record()))
+            offset += buf.nbytes
+        thread = threading.Thread(target=self._transfer, args=(downloads, recvs), daemon=True)
+        thread.start()
+        return Pending(thread, self)
+
+    def _transfer(self, downloads, recvs):
+        try:
+            self.device.use()  # a new thread starts on device 0
+            if self.uploaded is not None:
+                self.uploaded.synchronize()  # the last uploads still read host_recv
+            uploads = []
+            offset = 0
+            requests = []
+            tag = 0
+            for buf in recvs:
+                flat = _flat(buf)
+                for lo, hi in _chunks(buf.nbytes):
+                    host = self.host_recv[offset + lo:offset + hi]
+                    requests.append(self.comm.Irecv(host, source=self.prev, tag=tag))
+                    uploads.append((flat[lo:hi], host))
+                    tag += 1
+                offset += buf.nbytes
+            sends = []
+            for n, (host, done) in enumerate(downloads):
+                done.synchronize()
+                sends.append(self.comm.Isend(host, dest=self.next, tag=n))
+            for request, (device, host) in zip(requests, uploads):
+                request.Wait()
+                device.set(host, stream=self.up)
+            MPI.Request.Waitall(sends)
+            self.uploaded = self.up.record()
+        except BaseException as error:  # surfaced by wait() on the calling thread
+            self.error = error
+            self.uploaded = None
+
+    def close(self):
+        pass
