@@ -1,0 +1,549 @@
+"""HDF5 in and out, each MPI rank touching only its own tokens.
+
+File format (see docs/USAGE.md):
+- datasets ``q`` (B, S, Hq, D), ``k``, ``v`` (B, S, Hkv, D) and optionally ``do`` (like ``q``);
+  outputs ``o`` (like ``q``), ``lse`` float32 (B, Hq, S) and optionally ``dq``, ``dk``, ``dv``.
+  Tokens are stored in global order whatever layout a run used.
+- float16 / float32 / float64 are stored natively; bfloat16 is stored as uint16 bits with the
+  dataset attribute ``dtype = "bfloat16"``.
+- every dataset is chunked along the token axis; file attributes record the format, the library
+  version, shapes, dtype and (for outputs) causal, scale and how the run was made.
+
+Reading: every rank opens the input read-only and reads only the token runs it owns
+(both halves under the zigzag layout).
+
+Writing: the output is built under a temporary name next to the final one and renamed only once
+every rank has written its part, so a failure never leaves a file under the output's name.
+With an MPI-enabled h5py the ranks write through parallel HDF5 (driver ``mpio``); otherwise rank 0
+creates the file and the ranks write their token runs one after another, passing a token along
+the ranks (each opens, writes, closes, then hands on), which is safe on any file system.
+
+Every collective step ends with :func:`agree`: if any rank failed, every rank raises the same
+error (the lowest failing rank's message), so the job exits cleanly everywhere.
+"""
+import os
+import uuid
+
+import numpy as np
+
+from . import __version__
+from . import errors as _errors
+from .dtypes import SUPPORTED, bfloat16, dtype_name
+from .errors import BurstError, DTypeError, ShapeError
+from .layout import check_split, pieces
+
+FORMAT = "burst-hpc/1"
+INPUTS = ("q", "k", "v", "do")
+GRADS = ("dq", "dk", "dv")
+TOKEN_AXIS = {"q": 1, "k": 1, "v": 1, "do": 1, "o": 1, "dq": 1, "dk": 1, "dv": 1, "lse": 2}
+CHUNK_BYTES = 1 << 20  # aim for about 1 MiB per chunk
+_TAG = 7301
+
+
+class FileError(BurstError):
+    """An input file or dataset is missing or unreadable, or the output cannot be written."""
+
+
+# --------------------------------------------------------------------------- collective errors
+
+def agree(comm, err):
+    """Raise the same error on every rank if any rank has one; return None otherwise.
+
+    ``err`` is this rank's exception or None. The error raised is the lowest failing rank's,
+    rebuilt as the same BurstError subclass (anything else becomes a plain BurstError), and
+    marked ``agreed = True`` so the CLI knows every rank raised it.
+    """
+    mine = None if err is None else (type(err).__name__, _message(err))
+    verdicts = comm.allgather(mine) if comm is not None and comm.size > 1 else [mine]
+    first = next((v for v in verdicts if v is not None), None)
+    if first is None:
+        return None
+    name, message = first
+    cls = getattr(_errors, name, None)
+    if cls is None:
+        cls = FileError if name == "FileError" else BurstError
+    if not (isinstance(cls, type) and issubclass(cls, BurstError)):
+        cls = BurstError
+    exc = cls(message)
+    exc.agreed = True
+    if err is not None and mine == first:
+        raise exc from err
+    raise exc
+
+
+def _message(err):
+    if isinstance(err, BurstError):
+        return str(err)
+    return f"{type(err).__name__}: {err}"
+
+
+# --------------------------------------------------------------------------- dtypes and chunks
+
+def stored_dtype(dtype):
+    """(HDF5 dtype, attrs) for an array dtype: bfloat16 becomes uint16 plus a dtype attribute."""
+    dtype = np.dtype(dtype)
+    if dtype == bfloat16:
+        return np.dtype(np.uint16), {"dtype": "bfloat16"}
+    return dtype, {}
+
+
+def dataset_dtype(ds, name="dataset", path=""):
+    """The logical dtype of an HDF5 dataset (bfloat16 when stored as tagged uint16)."""
+    tag = ds.attrs.get("dtype")
+    if isinstance(tag, bytes):
+        tag = tag.decode()
+    if tag == "bfloat16":
+        if ds.dtype != np.uint16:
+            raise DTypeError(f"{path}: dataset {name!r} is tagged bfloat16 but stored as {ds.dtype}; expected uint16")
+        return bfloat16
+    dtype = np.dtype(ds.dtype)
+    if dtype not in SUPPORTED or dtype == bfloat16:
+        hint = " (bfloat16 must be stored as uint16 with attribute dtype='bfloat16')" if dtype == np.uint16 else ""
+        raise DTypeError(f"{path}: dataset {name!r} has unsupported dtype {dtype}{hint}; "
+                         "use float16, bfloat16, float32 or float64")
+    return dtype
+
+
+def to_stored(array):
+    array = np.ascontiguousarray(array)
+    return array.view(np.uint16) if array.dtype == bfloat16 else array
+
+
+def from_stored(array, dtype):
+    return array.view(bfloat16) if np.dtype(dtype) == bfloat16 else array
+
+
+def chunk_shape(shape, itemsize, token_axis):
+    """Chunks of whole rows along the token axis (a power of two of tokens, about CHUNK_BYTES)."""
+    row = int(np.prod([n for i, n in enumerate(shape) if i > token_axis], dtype=np.int64)) * itemsize
+    tokens = 1
+    while tokens * 2 * max(row, 1) <= CHUNK_BYTES:
+        tokens *= 2
+    chunk = [1] * len(shape)
+    chunk[token_axis] = max(1, min(shape[token_axis], tokens))
+    for i in range(token_axis + 1, len(shape)):
+        chunk[i] = max(1, shape[i])
+    return tuple(chunk)
+
+
+def create_dataset(f, name, shape, dtype):
+    """A chunked dataset for a tensor of ``dtype`` (token axis from TOKEN_AXIS, else 1)."""
+    stored, attrs = stored_dtype(dtype)
+    chunks = chunk_shape(shape, stored.itemsize, TOKEN_AXIS.get(name, 1)) if all(shape) else None
+    ds = f.create_dataset(name, shape=shape, dtype=stored, chunks=chunks)
+    for key, value in attrs.items():
+        ds.attrs[key] = value
+    return ds
+
+
+def write_slab(ds, index, array):
+    ds[index] = to_stored(array)
+
+
+def read_slab(ds, index, dtype):
+    return from_stored(np.asarray(ds[index]), dtype)
+
+
+# --------------------------------------------------------------------------- inputs
+
+class InputSpec:
+    """What an input file holds: shapes and dtype of q, k, v (and do)."""
+
+    def __init__(self, path, batch, seqlen, heads, kv_heads, head_dim, dtype, names, attrs):
+        self.path = path
+        self.batch, self.seqlen, self.heads, self.kv_heads, self.head_dim = batch, seqlen, heads, kv_heads, head_dim
+        self.dtype = dtype
+        self.names = names
+        self.attrs = attrs
+
+    @property
+    def has_grad(self):
+        return "do" in self.names
+
+    def shape(self, name):
+        if name in ("k", "v", "dk", "dv"):
+            return (self.batch, self.seqlen, self.kv_heads, self.head_dim)
+        if name == "lse":
+            return (self.batch, self.heads, self.seqlen)
+        return (self.batch, self.seqlen, self.heads, self.head_dim)
+
+    def describe(self):
+        return (f"B={self.batch} S={self.seqlen} Hq={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
+                f"dtype={dtype_name(self.dtype)}")
+
+
+def _open_read(path):
+    import h5py
+
+    if not os.path.exists(path):
+        raise FileError(f"input file {path!r} does not exist")
+    if os.path.isdir(path):
+        raise FileError(f"input {path!r} is a directory, not an HDF5 file")
+    try:
+        return h5py.File(path, "r")
+    except OSError as e:
+        raise FileError(f"cannot open {path!r} as HDF5: {e}") from None
+
+
+def inspect_input(path, need=("q", "k", "v")):
+    """Check an input file's datasets and return its InputSpec (reads metadata only)."""
+    with _open_read(path) as f:
+        return _inspect(f, path, need)
+
+
+def _inspect(f, path, need):
+    import h5py
+
+    names = [n for n in INPUTS if n in f]
+    for name in need:
+        if name not in f:
+            hint = " (make one with: burst-hpc gen ... --with-grad)" if name == "do" else ""
+            raise FileError(f"{path}: dataset {name!r} is missing{hint}; found {sorted(f.keys()) or 'no datasets'}")
+        if not isinstance(f[name], h5py.Dataset):
+            raise FileError(f"{path}: {name!r} is a group, not a dataset")
+    dtypes = {n: dataset_dtype(f[n], n, path) for n in names}
+    shapes = {n: tuple(f[n].shape) for n in names}
+    for n in names:
+        if len(shapes[n]) != 4:
+            raise ShapeError(f"{path}: dataset {n!r} must be rank 4 (batch, seqlen, heads, head_dim); got shape {shapes[n]}")
+    b, s, hq, d = shapes["q"]
+    _, sk, hkv, dk = shapes["k"]
+    if shapes["v"] != shapes["k"]:
+        raise ShapeError(f"{path}: k and v must have the same shape; got {shapes['k']} and {shapes['v']}")
+    if shapes["k"][0] != b or dk != d:
+        raise ShapeError(f"{path}: q {shapes['q']} and k {shapes['k']} must agree in batch and head_dim")
+    if sk != s:
+        raise ShapeError(f"{path}: q has {s} tokens but k and v have {sk}; the ring splits one sequence, they must match")
+    if hkv == 0 or hq % hkv:
+        raise ShapeError(f"{path}: query heads ({hq}) must be a multiple of key/value heads ({hkv})")
+    if 0 in shapes["q"]:
+        raise ShapeError(f"{path}: q has an empty dimension: {shapes['q']}")
+    if "do" in names and shapes["do"] != shapes["q"]:
+        raise ShapeError(f"{path}: do must have q's shape {shapes['q']}; got {shapes['do']}")
+    for n in names:
+        if dtypes[n] != dtypes["q"]:
+            raise DTypeError(f"{path}: all inputs must share one dtype; q is {dtype_name(dtypes['q'])}, "
+                             f"{n} is {dtype_name(dtypes[n])}")
+    attrs = {key: _plain(value) for key, value in f.attrs.items()}
+    return InputSpec(path, b, s, hq, hkv, d, dtypes["q"], tuple(names), attrs)
+
+
+def _plain(value):
+    if isinstance(value, bytes):
+        return value.decode()
+    if isinstance(value, np.generic):
+        return value.item()
+    return value
+
+
+def read_tokens(ds, runs, dtype, token_axis=1):
+    """The token runs ``[(start, length), ...]`` of a dataset, concatenated along ``token_axis``."""
+    parts = []
+    for start, n in runs:
+        index = (slice(None),) * token_axis + (slice(start, start + n),)
+        parts.append(read_slab(ds, index, dtype))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=token_axis)
+
+
+def read_shards(path, comm, layout, names=("q", "k", "v")):
+    """(InputSpec, {name: this rank's shard}) for ``names``; collective, errors agreed on every rank.
+
+    Each rank reads only its own token runs (both zigzag halves) with the file opened read-only.
+    """
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    spec, shards, err = None, {}, None
+    try:
+        with _open_read(path) as f:
+            spec = _inspect(f, path, names)
+            check_split(spec.seqlen, size, layout)
+            runs = pieces(spec.seqlen, rank, size, layout)
+            for name in names:
+                shards[name] = read_tokens(f[name], runs, spec.dtype)
+    except Exception as e:  # noqa: BLE001 - every failure is agreed across ranks below
+        err = e
+    agree(comm, err)
+    return spec, shards
+
+
+# --------------------------------------------------------------------------- outputs
+
+def _mpio_enabled(comm):
+    import h5py
+
+    if comm is None or comm.size == 1 or os.environ.get("BURST_HPC_HDF5_MPIO", "1") == "0":
+        return False
+    return bool(h5py.get_config().mpi)
+
+
+class OutputFile:
+    """One HDF5 output written by every rank, visible under its name only after :meth:`commit`.
+
+    Collective use (every rank, same order)::
+
+        out = OutputFile.create(path, comm, {"o": (shape, dtype), ...}, attrs)   # early: path checked
+        try:
+            out.write(shards, layout)        # each rank writes only its token runs
+            out.commit()                     # rename once every rank has finished
+        except BaseException:
+            out.abort()                      # temporary file removed; nothing under ``path``
+            raise
+    """
+
+    def __init__(self, path, tmp, comm, datasets, mpio):
+        self.path, self.tmp, self.comm, self.datasets, self.mpio = path, tmp, comm, datasets, mpio
+        self.done = False
+
+    @property
+    def rank(self):
+        return self.comm.rank if self.comm is not None else 0
+
+    @property
+    def size(self):
+        return self.comm.size if self.comm is not None else 1
+
+    @classmethod
+    def create(cls, path, comm, datasets, attrs=None, inputs=()):
+        """Create the temporary file with every dataset and attribute (collective)."""
+        import h5py
+
+        rank = comm.rank if comm is not None else 0
+        mpio = _mpio_enabled(comm)
+        tmp, err = None, None
+        if rank == 0:
+            try:
+                tmp = _check_output_path(path, inputs)
+            except Exception as e:  # noqa: BLE001
+                err = e
+        if comm is not None and comm.size > 1:
+            tmp = comm.bcast(tmp, root=0)
+        agree(comm, err)
+        self = cls(path, tmp, comm, dict(datasets), mpio)
+        err = None
+        try:
+            if mpio:
+                with h5py.File(tmp, "w", driver="mpio", comm=comm) as f:
+                    self._layout(f, attrs)
+            elif rank == 0:
+                with h5py.File(tmp, "w") as f:
+                    self._layout(f, attrs)
+        except Exception as e:  # noqa: BLE001
+            err = FileError(f"cannot write output {path!r}: {_message(e)}")
+        try:
+            agree(comm, err)
+        except BurstError:
+            self._remove()
+            raise
+        return self
+
+    def _layout(self, f, attrs):
+        for name, (shape, dtype) in self.datasets.items():
+            create_dataset(f, name, tuple(int(n) for n in shape), dtype)
+        f.attrs["format"] = FORMAT
+        f.attrs["burst_hpc_version"] = __version__
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value
+
+    def write(self, shards, layout):
+        """Write this rank's shards ``{name: array}`` (local layout order) into their token runs."""
+        import h5py
+
+        err = None
+        if self.mpio:
+            try:
+                with h5py.File(self.tmp, "r+", driver="mpio", comm=self.comm) as f:
+                    self._write_mine(f, shards, layout)
+            except Exception as e:  # noqa: BLE001
+                err = e
+        else:
+            # rank-ordered: wait for the previous rank's token, write, close, hand the token on
+            failed = False
+            if self.rank > 0:
+                failed = self.comm.recv(source=self.rank - 1, tag=_TAG)
+            if not failed:
+                try:
+                    with h5py.File(self.tmp, "r+") as f:
+                        self._write_mine(f, shards, layout)
+                except Exception as e:  # noqa: BLE001
+                    err = e
+            if self.rank < self.size - 1:
+                self.comm.send(bool(failed or err), dest=self.rank + 1, tag=_TAG)
+        if err is not None:
+            err = FileError(f"writing {self.path!r} failed on rank {self.rank}: {_message(err)}")
+        agree(self.comm, err)
+
+    def _write_mine(self, f, shards, layout):
+        for name, array in shards.items():
+            if name not in self.datasets:
+                raise BurstError(f"output dataset {name!r} was not declared")
+            shape, dtype = self.datasets[name]
+            axis = TOKEN_AXIS.get(name, 1)
+            array = np.asarray(array)
+            if array.dtype != np.dtype(dtype):
+                array = array.astype(dtype)
+            seqlen = shape[axis]
+            offset = 0
+            for start, n in pieces(seqlen, self.rank, self.size, layout):
+                src = (slice(None),) * axis + (slice(offset, offset + n),)
+                dst = (slice(None),) * axis + (slice(start, start + n),)
+                write_slab(f[name], dst, array[src])
+                offset += n
+            if offset != array.shape[axis]:
+                raise ShapeError(f"output {name!r}: shard has {array.shape[axis]} tokens, layout gives {offset}")
+
+    def commit(self):
+        """Rename the temporary file to the output's name once every rank has finished."""
+        err = None
+        if self.comm is not None and self.size > 1:
+            self.comm.Barrier()
+        if self.rank == 0:
+            try:
+                os.replace(self.tmp, self.path)
+            except OSError as e:
+                err = FileError(f"cannot move the finished output to {self.path!r}: {e}")
+        try:
+            agree(self.comm, err)
+        except BurstError:
+            self._remove()
+            raise
+        self.done = True
+
+    def abort(self):
+        """Remove the temporary file (rank 0; no communication, safe after any agreed error)."""
+        if not self.done:
+            self._remove()
+
+    def _remove(self):
+        if self.rank == 0 and self.tmp and os.path.exists(self.tmp):
+            try:
+                os.remove(self.tmp)
+            except OSError:
+                pass
+
+
+def _check_output_path(path, inputs=()):
+    """Validate the output path on rank 0 and return a temporary name next to it."""
+    if not path:
+        raise FileError("no output path given")
+    full = os.path.abspath(path)
+    for src in inputs:
+        if src and os.path.exists(src) and os.path.exists(full) and os.path.samefile(src, full):
+            raise FileError(f"output {path!r} is the input file; choose another name")
+    if os.path.isdir(full):
+        raise FileError(f"cannot write output {path!r}: it is a directory")
+    parent = os.path.dirname(full)
+    if not os.path.isdir(parent):
+        raise FileError(f"cannot write output {path!r}: directory {parent!r} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise FileError(f"cannot write output {path!r}: directory {parent!r} is not writable")
+    return f"{full}.tmp-{uuid.uuid4().hex[:12]}"
+
+
+def output_datasets(spec, backward):
+    """Output dataset declarations {name: (shape, dtype)} for a run over ``spec``."""
+    out = {"o": (spec.shape("q"), spec.dtype), "lse": (spec.shape("lse"), np.dtype(np.float32))}
+    if backward:
+        for name in GRADS:
+            out[name] = (spec.shape(name), spec.dtype)
+    return out
+
+
+# --------------------------------------------------------------------------- whole-file helpers
+
+def read_global(path, names=None):
+    """{name: whole array} from a burst-hpc file (single process; small files, tests)."""
+    with _open_read(path) as f:
+        out = {}
+        for name in names or list(f.keys()):
+            if name not in f:
+                raise FileError(f"{path}: dataset {name!r} is missing")
+            out[name] = read_slab(f[name], (), dataset_dtype(f[name], name, path))
+        return out
+
+
+def write_global(path, arrays, attrs=None):
+    """Write whole arrays {name: array} into a new file atomically (single process)."""
+    import h5py
+
+    tmp = _check_output_path(path)
+    try:
+        with h5py.File(tmp, "w") as f:
+            for name, array in arrays.items():
+                array = np.asarray(array)
+                ds = create_dataset(f, name, array.shape, array.dtype)
+                if array.size:
+                    write_slab(ds, (), array)
+            f.attrs["format"] = FORMAT
+            f.attrs["burst_hpc_version"] = __version__
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+# --------------------------------------------------------------------------- random inputs
+
+GEN_BLOCK_TOKENS = 1024  # random numbers come in blocks of this many tokens (fixed: same data whatever chunking)
+
+
+def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with_grad=False,
+             max_elements=1 << 22, attrs=None, progress=None):
+    """Write random standard-normal q, k, v (and do) to ``path``, chunk by chunk (single process).
+
+    A block of GEN_BLOCK_TOKENS tokens of one batch entry of one tensor draws from its own
+    generator seeded by (seed, tensor, batch, block), so the data does not depend on how much is
+    written at once, and no more than about ``max_elements`` values are in memory at a time.
+    The file is built under a temporary name and renamed when complete.
+    """
+    import h5py
+
+    dtype = np.dtype(dtype)
+    for label, n in (("batch", batch), ("seqlen", seqlen), ("heads", heads), ("kv-heads", kv_heads),
+                     ("head-dim", head_dim)):
+        if n < 1:
+            raise ShapeError(f"--{label} must be positive; got {n}")
+    if heads % kv_heads:
+        raise ShapeError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+    names = ("q", "k", "v", "do") if with_grad else ("q", "k", "v")
+    shapes = {"q": (batch, seqlen, heads, head_dim), "k": (batch, seqlen, kv_heads, head_dim)}
+    shapes["v"] = shapes["k"]
+    shapes["do"] = shapes["q"]
+    tmp = _check_output_path(path)
+    total = sum(batch * seqlen * shapes[n][2] * head_dim for n in names)
+    written = 0
+    try:
+        with h5py.File(tmp, "w") as f:
+            f.attrs["format"] = FORMAT
+            f.attrs["burst_hpc_version"] = __version__
+            f.attrs["kind"] = "inputs"
+            f.attrs["seed"] = int(seed)
+            f.attrs["batch"], f.attrs["seqlen"] = batch, seqlen
+            f.attrs["heads"], f.attrs["kv_heads"], f.attrs["head_dim"] = heads, kv_heads, head_dim
+            f.attrs["dtype"] = dtype_name(dtype)
+            for key, value in (attrs or {}).items():
+                f.attrs[key] = value
+            for t, name in enumerate(names):
+                shape = shapes[name]
+                ds = create_dataset(f, name, shape, dtype)
+                row = shape[2] * head_dim
+                blocks_per_write = max(1, max_elements // (GEN_BLOCK_TOKENS * row))
+                step = blocks_per_write * GEN_BLOCK_TOKENS
+                for b in range(batch):
+                    for s0 in range(0, seqlen, step):
+                        s1 = min(seqlen, s0 + step)
+                        buf = np.empty((1, s1 - s0, shape[2], head_dim), dtype)
+                        for blk0 in range(s0, s1, GEN_BLOCK_TOKENS):
+                            blk1 = min(s1, blk0 + GEN_BLOCK_TOKENS)
+                            rng = np.random.default_rng([int(seed), t, b, blk0 // GEN_BLOCK_TOKENS])
+                            values = rng.standard_normal((1, blk1 - blk0, shape[2], head_dim), np.float32)
+                            buf[:, blk0 - s0:blk1 - s0] = values.astype(dtype)
+                        write_slab(ds, (slice(b, b + 1), slice(s0, s1)), buf)
+                        written += buf.size
+                        if progress is not None:
+                            progress(written, total)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return names
