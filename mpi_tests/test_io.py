@@ -1,0 +1,160 @@
+"""HDF5 round trips under 1..4 ranks: each rank reads only its tokens and writes only its tokens.
+
+Every test is collective: all ranks run it, in the same order, and every rank checks that the
+same error reaches it when one is expected.
+"""
+import glob
+import os
+import shutil
+import tempfile
+
+import numpy as np
+import pytest
+
+from burst_hpc import io
+from burst_hpc.dtypes import bfloat16
+from burst_hpc.errors import BurstError, DTypeError, LayoutError, ShapeError
+from burst_hpc.layout import LAYOUTS, shard
+
+
+@pytest.fixture
+def workdir(comm):
+    path = tempfile.mkdtemp(prefix="burst-io-") if comm.rank == 0 else None
+    path = comm.bcast(path, root=0)
+    yield path
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _global_inputs(comm, seqlen, dtype, seed=3):
+    rng = np.random.default_rng(seed)
+    b, hq, hkv, d = 2, 4, 2, 8
+    arrays = {"q": rng.standard_normal((b, seqlen, hq, d)), "k": rng.standard_normal((b, seqlen, hkv, d)),
+              "v": rng.standard_normal((b, seqlen, hkv, d)), "do": rng.standard_normal((b, seqlen, hq, d))}
+    return {n: a.astype(dtype) for n, a in arrays.items()}
+
+
+def _write_inputs(comm, path, arrays):
+    if comm.rank == 0:
+        io.write_global(path, arrays)
+    comm.Barrier()
+
+
+def _same(a, b):
+    return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", [bfloat16, np.float16, np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+def test_round_trip(comm, workdir, layout, dtype):
+    seqlen = 8 * comm.size
+    arrays = _global_inputs(comm, seqlen, dtype)
+    src = os.path.join(workdir, f"in-{layout}.h5")
+    _write_inputs(comm, src, arrays)
+
+    spec, shards = io.read_shards(src, comm, layout, names=("q", "k", "v", "do"))
+    assert (spec.batch, spec.seqlen, spec.heads, spec.kv_heads, spec.head_dim) == (2, seqlen, 4, 2, 8)
+    assert spec.dtype == np.dtype(dtype) and spec.has_grad
+    for name, part in shards.items():
+        assert _same(part, shard(arrays[name], comm.rank, comm.size, layout)), name
+
+    # write the shards back (o := q's shard, dq/dk/dv := do/k/v, lse := a rank-and-position code)
+    dst = os.path.join(workdir, f"out-{layout}.h5")
+    lse_global = np.arange(2 * 4 * seqlen, dtype=np.float32).reshape(2, 4, seqlen)
+    out = io.OutputFile.create(dst, comm, io.output_datasets(spec, backward=True), {"causal": False}, inputs=[src])
+    assert not os.path.exists(dst)
+    try:
+        out.write({"o": shards["q"], "lse": shard(lse_global, comm.rank, comm.size, layout, axis=2),
+                   "dq": shards["do"], "dk": shards["k"], "dv": shards["v"]}, layout)
+        assert not os.path.exists(dst)
+        out.commit()
+    except BaseException:
+        out.abort()
+        raise
+    assert os.path.exists(dst)
+    result = io.read_global(dst)
+    assert _same(result["o"], arrays["q"]) and _same(result["dq"], arrays["do"])
+    assert _same(result["dk"], arrays["k"]) and _same(result["dv"], arrays["v"])
+    assert _same(result["lse"], lse_global)
+    if comm.rank == 0:
+        import h5py
+
+        with h5py.File(dst, "r") as f:
+            assert f.attrs["format"] == io.FORMAT and f.attrs["burst_hpc_version"]
+            assert f["o"].chunks is not None
+            if np.dtype(dtype) == bfloat16:
+                assert f["o"].dtype == np.uint16 and f["o"].attrs["dtype"] == "bfloat16"
+    comm.Barrier()
+    assert not glob.glob(os.path.join(workdir, "*.tmp*"))
+
+
+def _expect_same_error(comm, cls, fragment, fn):
+    with pytest.raises(cls) as info:
+        fn()
+    message = str(info.value)
+    assert fragment in message, message
+    assert getattr(info.value, "agreed", False)
+    messages = comm.allgather(message)
+    assert len(set(messages)) == 1, messages
+
+
+def test_missing_file_and_dataset(comm, workdir):
+    _expect_same_error(comm, io.FileError, "does not exist",
+                       lambda: io.read_shards(os.path.join(workdir, "nope.h5"), comm, "contiguous"))
+    src = os.path.join(workdir, "nodo.h5")
+    arrays = _global_inputs(comm, 4 * comm.size, np.float32)
+    del arrays["do"]
+    _write_inputs(comm, src, arrays)
+    _expect_same_error(comm, io.FileError, "'do' is missing",
+                       lambda: io.read_shards(src, comm, "zigzag", names=("q", "k", "v", "do")))
+
+
+def test_bad_inputs(comm, workdir):
+    arrays = _global_inputs(comm, 4 * comm.size, np.float32)
+    bad_shape = dict(arrays, k=arrays["k"][:, :-1], v=arrays["v"][:, :-1])
+    src = os.path.join(workdir, "shape.h5")
+    _write_inputs(comm, src, bad_shape)
+    _expect_same_error(comm, ShapeError, "tokens", lambda: io.read_shards(src, comm, "contiguous"))
+
+    src = os.path.join(workdir, "int.h5")
+    _write_inputs(comm, src, {n: a.astype(np.int32) for n, a in arrays.items()})
+    _expect_same_error(comm, DTypeError, "unsupported dtype int32", lambda: io.read_shards(src, comm, "contiguous"))
+
+    odd = _global_inputs(comm, 2 * comm.size + 1, np.float32)
+    src = os.path.join(workdir, "odd.h5")
+    _write_inputs(comm, src, odd)
+    _expect_same_error(comm, LayoutError, "does not split", lambda: io.read_shards(src, comm, "zigzag"))
+
+
+def test_unwritable_output_leaves_nothing(comm, workdir):
+    spec = io.InputSpec("x", 1, 4 * comm.size, 2, 1, 4, np.dtype(np.float32), ("q", "k", "v"), {})
+    missing_dir = os.path.join(workdir, "no-such-dir", "out.h5")
+    _expect_same_error(comm, io.FileError, "does not exist",
+                       lambda: io.OutputFile.create(missing_dir, comm, io.output_datasets(spec, False)))
+    assert not os.path.exists(os.path.dirname(missing_dir))
+
+
+def test_failed_write_leaves_nothing(comm, workdir):
+    """One rank hands a wrong shard: every rank gets the error, no output, no temporary file."""
+    seqlen = 4 * comm.size
+    spec = io.InputSpec("x", 1, seqlen, 2, 1, 4, np.dtype(np.float32), ("q", "k", "v"), {})
+    dst = os.path.join(workdir, "broken.h5")
+    out = io.OutputFile.create(dst, comm, io.output_datasets(spec, False))
+    local = seqlen // comm.size
+    bad_rank = comm.size - 1
+    o = np.zeros((1, local + (1 if comm.rank == bad_rank else 0), 2, 4), np.float32)
+    lse = np.zeros((1, 2, local), np.float32)
+
+    def write():
+        try:
+            out.write({"o": o, "lse": lse}, "contiguous")
+            out.commit()
+        except BaseException:
+            out.abort()
+            raise
+
+    _expect_same_error(comm, BurstError, f"rank {bad_rank}", write)
+    comm.Barrier()
+    assert not os.path.exists(dst)
+    assert not glob.glob(os.path.join(workdir, "*.tmp*"))
