@@ -8,6 +8,12 @@ from .layout import layout_indices, shard, unshard
 from .reference import attention_backward_reference, attention_reference
 
 
+def select_device(comm=None):
+    from .device import select_device as impl
+
+    return impl(comm)
+
+
 def burst_attention(*args, **kwargs):
     from .distributed import burst_attention as impl
 
@@ -20,6 +26,6 @@ def burst_attention_backward(*args, **kwargs):
     return impl(*args, **kwargs)
 
 
-__all__ = ["attention", "attention_backward", "burst_attention", "burst_attention_backward", "layout_indices",
+__all__ = ["select_device", "attention", "attention_backward", "burst_attention", "burst_attention_backward", "layout_indices",
            "shard", "unshard", "attention_reference", "attention_backward_reference", "BurstError", "ShapeError",
            "DTypeError", "LayoutError", "TransportError", "RankMismatchError", "BackendError", "__version__"]

@@ -1,0 +1,159 @@
+"""The ring on the CPU path: every rank runs these tests with its own shard, against the
+float64 oracle on the whole (unsharded) problem. Runs under mpiexec with 1..4 ranks."""
+import numpy as np
+import pytest
+
+import burst_hpc
+from burst_hpc.dtypes import bfloat16
+from burst_hpc.errors import DTypeError, LayoutError, RankMismatchError, ShapeError, TransportError
+from burst_hpc.reference import attention_backward_reference, attention_reference
+
+
+def shared_rng(comm):
+    seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if comm.rank == 0 else None)
+    return np.random.default_rng(seed), seed
+
+
+def problem(comm, batch, local, heads, kv_heads, dim, dtype=np.float64):
+    rng, seed = shared_rng(comm)
+    seqlen = local * comm.size
+    q = rng.standard_normal((batch, seqlen, heads, dim)).astype(dtype)
+    k = rng.standard_normal((batch, seqlen, kv_heads, dim)).astype(dtype)
+    v = rng.standard_normal((batch, seqlen, kv_heads, dim)).astype(dtype)
+    do = rng.standard_normal((batch, seqlen, heads, dim)).astype(dtype)
+    return q, k, v, do, seed
+
+
+SHAPES = [(2, 4, 4, 64), (2, 8, 2, 128), (1, 8, 1, 64)]  # (batch, Hq, Hkv, D): MHA, GQA 4:1, MQA 8:1
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,dim", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_both_backward_rings(comm, causal, layout, batch, heads, kv_heads, dim):
+    P, r = comm.size, comm.rank
+    q, k, v, do, seed = problem(comm, batch, 14, heads, kv_heads, dim)
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
+    ref_grads = attention_backward_reference(do, q, k, v, causal=causal)
+
+    def mine(x, axis=1):
+        return burst_hpc.shard(x, r, P, layout, axis=axis)
+
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=causal, layout=layout)
+    assert o.dtype == q.dtype and lse.dtype == np.float32
+    np.testing.assert_allclose(o, mine(ref_o), atol=1e-6, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(lse, mine(ref_lse, axis=2), atol=1e-5, err_msg=f"seed {seed}")
+    for ring in ("q", "kv"):
+        grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm,
+                                                   causal=causal, layout=layout, backward_ring=ring)
+        for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
+            np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4,
+                                       err_msg=f"{name} {ring}-ring seed {seed}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16])
+def test_low_precision_inputs_stay_within_flash_tolerance(comm, dtype):
+    """Error against the float64 oracle at most 2x (forward) / 3x (grads) that of a plain
+    single-device computation from the same low-precision inputs, plus a small floor."""
+    P, r = comm.size, comm.rank
+    q, k, v, do, seed = problem(comm, 2, 16, 4, 2, 64, dtype)
+    ref_o, _ = attention_reference(q, k, v, causal=True)
+    ref_grads = attention_backward_reference(do, q, k, v, causal=True)
+    plain_o = ref_o.astype(dtype)  # best a plain same-precision implementation can store
+    plain_grads = [g.astype(dtype) for g in ref_grads]
+
+    def mine(x):
+        return burst_hpc.shard(x, r, P, "zigzag")
+
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=True)
+    floor = 1e-3 if dtype != np.float32 else 1e-6
+    err = np.abs(o.astype(np.float64) - mine(ref_o)).max()
+    base = np.abs(plain_o.astype(np.float64) - ref_o).max()
+    assert err <= 2 * base + floor, f"forward error {err} vs plain {base} (seed {seed})"
+    grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm, causal=True)
+    for name, got, want, plain in zip("dq dk dv".split(), grads, ref_grads, plain_grads):
+        assert got.dtype == np.dtype(dtype)
+        err = np.abs(got.astype(np.float64) - mine(want)).max()
+        base = np.abs(plain.astype(np.float64) - want).max()
+        assert err <= 3 * base + 3 * floor * max(1.0, np.abs(want).max()), f"{name}: {err} vs {base} (seed {seed})"
+
+
+def test_inputs_are_not_modified(comm):
+    q, k, v, do, _ = problem(comm, 1, 8, 2, 2, 64)
+    shards = [burst_hpc.shard(x, comm.rank, comm.size, "zigzag") for x in (q, k, v, do)]
+    copies = [s.copy() for s in shards]
+    o, lse = burst_hpc.burst_attention(*shards[:3], comm=comm, causal=True)
+    burst_hpc.burst_attention_backward(shards[3], *shards[:3], o, lse, comm=comm, causal=True)
+    for s, c in zip(shards, copies):
+        np.testing.assert_array_equal(s, c)
+
+
+def local_inputs(comm, local=8, heads=4, kv_heads=2, dim=64, dtype=np.float32):
+    rng = np.random.default_rng()
+    return [rng.standard_normal((1, local, h, dim)).astype(dtype) for h in (heads, kv_heads, kv_heads)]
+
+
+def raises_everywhere(comm, error, fn, match=None):
+    """Every rank raises ``error`` (nobody hangs) and all ranks got the same message."""
+    with pytest.raises(error, match=match) as info:
+        fn()
+    messages = comm.allgather(str(info.value))
+    assert len(set(messages)) == 1, messages
+    return messages[0]
+
+
+def test_length_that_does_not_split_fails_on_every_rank(comm):
+    q, k, v = local_inputs(comm, local=7)
+    raises_everywhere(comm, LayoutError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, causal=True),
+                      match="does not split")
+
+
+def test_one_rank_with_a_different_shape_fails_on_every_rank(comm):
+    odd = comm.rank == comm.size - 1 and comm.size > 1
+    q, k, v = local_inputs(comm, local=10 if odd else 8)
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    message = raises_everywhere(comm, RankMismatchError,
+                                lambda: burst_hpc.burst_attention(q, k, v, comm=comm, layout="contiguous"))
+    assert "q shape" in message
+
+
+@pytest.mark.parametrize("field", ["dtype", "causal", "layout", "scale"])
+def test_ranks_that_disagree_fail_on_every_rank(comm, field):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    odd = comm.rank == 1
+    q, k, v = local_inputs(comm, dtype=np.float64 if (odd and field == "dtype") else np.float32)
+    kwargs = {"causal": odd and field == "causal", "layout": "zigzag" if odd and field == "layout" else "contiguous",
+              "scale": 0.5 if odd and field == "scale" else None}
+    message = raises_everywhere(comm, RankMismatchError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, **kwargs))
+    assert field in message
+
+
+def test_bad_shape_on_one_rank_names_that_rank(comm):
+    q, k, v = local_inputs(comm, heads=3 if comm.rank == 0 else 4)
+    message = raises_everywhere(comm, ShapeError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm))
+    assert "multiple" in message
+
+
+def test_backward_with_wrong_lse_shape_fails_on_every_rank(comm):
+    q, k, v = local_inputs(comm)
+    o, lse = burst_hpc.burst_attention(q, k, v, comm=comm)
+    bad = lse[:, :, :-1] if comm.rank == 0 else lse
+    raises_everywhere(comm, ShapeError, lambda: burst_hpc.burst_attention_backward(q, q, k, v, o, bad, comm=comm))
+
+
+def test_device_transport_with_numpy_arrays_fails_on_every_rank(comm):
+    q, k, v = local_inputs(comm)
+    raises_everywhere(comm, TransportError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, transport="nccl"))
+
+
+def test_mixed_dtypes_fail_on_every_rank(comm):
+    q, k, v = local_inputs(comm)
+    raises_everywhere(comm, DTypeError, lambda: burst_hpc.burst_attention(q, k.astype(np.float64), v, comm=comm))
+
+
+def test_ring_still_works_after_errors(comm):
+    q, k, v = local_inputs(comm)
+    o, lse = burst_hpc.burst_attention(q, k, v, comm=comm)
+    assert np.isfinite(o).all() and np.isfinite(lse).all()

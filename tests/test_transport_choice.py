@@ -1,0 +1,48 @@
+"""Transport choice and the CUDA-awareness guard (no GPU needed)."""
+import pytest
+
+from burst_hpc.distributed import backward_ring_bytes, choose_backward_ring
+from burst_hpc.errors import TransportError
+from burst_hpc.transport import choose_transport, cuda_aware_mpi
+
+
+def test_numpy_arrays_use_host():
+    assert choose_transport("auto", on_device=False) == "host"
+    assert choose_transport("host", on_device=False) == "host"
+    for name in ("mpi", "nccl", "staged"):
+        with pytest.raises(TransportError):
+            choose_transport(name, on_device=False)
+
+
+def test_unknown_transport():
+    with pytest.raises(TransportError, match="unknown transport"):
+        choose_transport("carrier-pigeon", on_device=False)
+
+
+def test_device_buffers_never_go_to_an_mpi_not_known_cuda_aware(monkeypatch):
+    monkeypatch.setenv("BURST_HPC_CUDA_AWARE", "0")
+    assert cuda_aware_mpi()[0] is False
+    with pytest.raises(TransportError, match="CUDA-aware"):
+        choose_transport("mpi", on_device=True)
+    assert choose_transport("auto", on_device=True) in ("nccl", "staged")
+
+
+def test_user_can_declare_cuda_aware(monkeypatch):
+    monkeypatch.setenv("BURST_HPC_CUDA_AWARE", "1")
+    assert choose_transport("mpi", on_device=True) == "mpi"
+    assert choose_transport("auto", on_device=True) == "mpi"
+
+
+def test_library_query_answers_without_override(monkeypatch):
+    monkeypatch.delenv("BURST_HPC_CUDA_AWARE", raising=False)
+    aware, reason = cuda_aware_mpi()
+    assert isinstance(aware, bool) and reason
+
+
+def test_backward_ring_picks_fewer_bytes():
+    # MHA, bf16: the q-ring moves a third less (DESIGN.md); GQA 8:1: the kv-ring moves far less
+    q_bytes, kv_bytes = backward_ring_bytes(32, 32, 128, 2)
+    assert q_bytes < kv_bytes
+    assert choose_backward_ring("auto", 32, 32, 128, 2) == "q"
+    assert choose_backward_ring("auto", 32, 4, 128, 2) == "kv"
+    assert choose_backward_ring("kv", 32, 32, 128, 2) == "kv"
