@@ -1,0 +1,164 @@
+"""Ring benchmark, under mpiexec on GPUs (one rank per GPU).
+
+For each transport and layout: time per call of the forward and forward+backward ring, the
+same run with communication skipped (compute only) and with compute skipped (communication
+only), TFLOP/s per GPU, overlap (compute-only time / full time) and scaling efficiency against
+one GPU running the whole sequence with the same kernels (T1 / (P * TP)). Peak device memory
+per rank is the CuPy pool's high-water mark.
+
+    mpirun -np 4 python bench/bench_ring.py --tokens-per-rank 32768 --causal --transports nccl,mpi
+"""
+import argparse
+import datetime
+import json
+import statistics
+import sys
+import time
+
+import cupy
+import numpy as np
+from mpi4py import MPI
+
+import burst_hpc
+from burst_hpc.distributed import _backward, _forward, _Plan, choose_backward_ring
+from burst_hpc.dtypes import parse_dtype
+
+
+class NoComm:
+    """Stands in for a transport: every exchange completes at once (compute-only timing)."""
+
+    def __init__(self, comm):
+        self.xp, self.rank, self.size = cupy, comm.rank, comm.size
+
+    def exchange(self, sends, recvs):
+        return self
+
+    def wait(self):
+        pass
+
+
+def flops(seqlen, heads, dim, causal, backward):
+    f = 4.0 * seqlen * seqlen * heads * dim * (3.5 if backward else 1.0)
+    return f / 2 if causal else f
+
+
+def timed(comm, fn, iters, warmup):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        cupy.cuda.Device().synchronize()
+        comm.Barrier()
+        t0 = time.perf_counter()
+        fn()
+        cupy.cuda.Device().synchronize()
+        comm.Barrier()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens-per-rank", type=int, default=32768)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--transports", default="nccl")
+    ap.add_argument("--layouts", default=None, help="default: zigzag,contiguous when causal, else contiguous")
+    ap.add_argument("--passes", default="fwd,fwdbwd")
+    ap.add_argument("--modes", default="full,compute,comm")
+    ap.add_argument("--backward-ring", default="auto")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--single", action="store_true", help="also time one GPU on the whole sequence")
+    ap.add_argument("--out", default=None, help="append JSON lines and a markdown table here (rank 0)")
+    args = ap.parse_args()
+
+    comm = MPI.COMM_WORLD
+    burst_hpc.select_device(comm)
+    P, r = comm.size, comm.rank
+    dtype = parse_dtype(args.dtype)
+    kv_heads = args.kv_heads or args.heads
+    n, S = args.tokens_per_rank, args.tokens_per_rank * P
+    layouts = (args.layouts or ("zigzag,contiguous" if args.causal else "contiguous")).split(",")
+    rng = cupy.random.default_rng()
+
+    def rand(h):
+        return rng.standard_normal((args.batch, n, h, args.head_dim), dtype=cupy.float32).astype(dtype)
+
+    q, k, v, do = rand(args.heads), rand(kv_heads), rand(kv_heads), rand(args.heads)
+    ring = choose_backward_ring(args.backward_ring, args.heads, kv_heads, args.head_dim, dtype.itemsize)
+    rows = []
+    pool = cupy.get_default_memory_pool()
+    for transport in args.transports.split(","):
+        for layout in layouts:
+            plan = _Plan(comm, q, k, v, args.causal, None, layout, transport)
+            real = plan.transport()
+            o, lse = _forward(plan, q, k, v, transport=real)
+            for pass_ in args.passes.split(","):
+                backward = pass_ == "fwdbwd"
+                result = {"transport": plan.transport_name, "layout": layout, "pass": pass_, "P": P,
+                          "tokens": S, "ring": ring if backward else "kv"}
+                for mode in args.modes.split(","):
+                    t = NoComm(comm) if mode == "compute" else real
+                    skip = mode == "comm"
+
+                    def run():
+                        oo, ll = _forward(plan, q, k, v, skip_compute=skip, transport=t)
+                        if backward:
+                            _backward(plan, ring, do, q, k, v, o, lse, skip_compute=skip, transport=t)
+
+                    result[mode] = timed(comm, run, args.iters, args.warmup)
+                result["tflops_per_gpu"] = flops(S, args.heads, args.head_dim, args.causal, backward) * args.batch / P / result["full"] / 1e12
+                if "compute" in result:
+                    result["overlap"] = result["compute"] / result["full"]
+                result["peak_gib"] = max(comm.allgather(pool.total_bytes())) / 2**30
+                rows.append(result)
+                if r == 0:
+                    print(json.dumps(result), flush=True)
+    singles = {}
+    if args.single:
+        for pass_ in args.passes.split(","):
+            if r == 0:
+                qs = cupy.concatenate([q] * P, axis=1)
+                ks, vs, dos = (cupy.concatenate([x] * P, axis=1) for x in (k, v, do))
+
+                def one():
+                    oo, ll = burst_hpc.attention(qs, ks, vs, causal=args.causal)
+                    if pass_ == "fwdbwd":
+                        burst_hpc.attention_backward(dos, qs, ks, vs, oo, ll, causal=args.causal)
+
+                singles[pass_] = timed(MPI.COMM_SELF, one, args.iters, args.warmup)
+                del qs, ks, vs, dos
+            comm.Barrier()
+        singles = comm.bcast(singles)
+    if r != 0:
+        return
+    dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    header = (f"\n### Ring, {P} x {dev}, {datetime.date.today()}: {'causal' if args.causal else 'non-causal'} "
+              f"{args.dtype}, B={args.batch}, H={args.heads}, Hkv={kv_heads}, D={args.head_dim}, "
+              f"{n} tokens per GPU ({S} total)\n\n`mpirun -np {P} python {' '.join(sys.argv)}`\n\n"
+              "| transport | layout | pass | ring | time (s) | compute only (s) | comm only (s) | TFLOP/s/GPU | overlap | "
+              "efficiency vs 1 GPU | peak GiB/rank |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for row in rows:
+        eff = f"{singles[row['pass']] / (P * row['full']):.1%}" if row["pass"] in singles else "-"
+        fmt = lambda key: f"{row[key]:.3f}" if key in row else "-"  # noqa: E731
+        lines.append(f"| {row['transport']} | {row['layout']} | {row['pass']} | {row['ring']} | {fmt('full')} | "
+                     f"{fmt('compute')} | {fmt('comm')} | {row['tflops_per_gpu']:.0f} | "
+                     f"{row.get('overlap', float('nan')):.1%} | {eff} | {row['peak_gib']:.1f} |")
+    if singles:
+        lines.append(f"\nOne GPU, whole sequence ({S} tokens): " +
+                     ", ".join(f"{p} {t:.3f} s" for p, t in singles.items()))
+    table = header + "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table)
+
+
+if __name__ == "__main__":
+    main()
