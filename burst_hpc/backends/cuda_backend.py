@@ -1,0 +1,273 @@
+"""CUDA block backend: the raw kernels of cuda/*.cu, compiled once per process with cupy.RawModule.
+
+Conventions (docs/KERNELS.md has the full page):
+- q, k, v, do: CuPy arrays of bfloat16 (``ml_dtypes.bfloat16``, which CuPy 14 supports natively),
+  float16, or float32. float32 inputs are converted once per call to bfloat16 and then run on the
+  bf16 tensor-core path (accumulation stays float32). A uint16 array is taken as raw bf16 bits.
+- o, lse, dq, dk, dv, delta: float32, any strides along batch/seq/head (views are fine).
+- head dims 64 and 128; anything else raises BackendError.
+- every launch goes on CuPy's current stream; nothing here synchronizes the device.
+"""
+import hashlib
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+try:  # the module is importable without CuPy (CI); instance() says why it cannot run
+    import cupy
+except ImportError:  # pragma: no cover - exercised only where CuPy is missing
+    cupy = None
+
+from ..errors import BackendError
+
+SUPPORTED_HEAD_DIMS = (64, 128)
+_LOG2E = 1.4426950408889634
+_FWD_BM, _FWD_BN, _BWD_BN, _BWD_BM = 128, 64, 128, 64
+_THREADS = 256
+
+
+def cuda_dir():
+    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else <repo>/cuda."""
+    env = os.environ.get("BURST_HPC_CUDA_DIR")
+    if env:
+        return Path(env)
+    return Path(__file__).resolve().parents[2] / "cuda"
+
+
+def _inline_source(name, root):
+    """Source of cuda/<name> with its local #include "x.cuh" headers pasted in (once each), so the
+    text CuPy hashes for its compile cache covers the headers too. #line directives keep error
+    messages pointing at the real files."""
+    seen = set()
+
+    def expand(fname):
+        text = (root / fname).read_text()
+        out = [f'#line 1 "cuda/{fname}"']
+        for i, line in enumerate(text.splitlines(), start=1):
+            m = re.match(r'\s*#\s*include\s+"([^"]+)"', line)
+            if m:
+                inc = m.group(1)
+                if inc not in seen:
+                    seen.add(inc)
+                    out.append(expand(inc))
+                out.append(f'#line {i + 1} "cuda/{fname}"')
+            elif line.strip() == "#pragma once":
+                out.append("")
+            else:
+                out.append(line)
+        return "\n".join(out)
+
+    return expand(name)
+
+
+def _dtype_kind(dtype):
+    """'bf16' | 'f16' | 'f32' for an input dtype, or raise."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return "f16"
+    if dtype.name == "bfloat16" or dtype == np.uint16:
+        return "bf16"
+    if dtype == np.float32:
+        return "f32"
+    raise BackendError(f"the cuda backend takes bfloat16, float16 or float32 inputs; got {dtype}")
+
+
+class CudaBackend:
+    name = "cuda"
+    xp = cupy
+    _instance = None
+
+    @classmethod
+    def instance(cls):
+        if cls._instance is None:
+            cls._instance = cls()
+        return cls._instance
+
+    def __init__(self):
+        if cupy is None:
+            raise BackendError("the cuda backend needs CuPy (pip install cupy-cuda13x)")
+        try:
+            n = cupy.cuda.runtime.getDeviceCount()
+        except Exception as exc:  # noqa: BLE001 - any runtime failure means no usable GPU
+            raise BackendError(f"the cuda backend found no usable GPU: {exc}") from exc
+        if n < 1:
+            raise BackendError("the cuda backend found no GPU")
+        self._modules = {}
+        self._kernels = {}
+        self._bf16 = np.dtype("bfloat16") if _has_bf16() else None
+        self.source_hash = None
+
+    # ---- compilation -------------------------------------------------------------------------------
+    def _module(self, fname):
+        mod = self._modules.get(fname)
+        if mod is None:
+            src = _inline_source(fname, cuda_dir())
+            self.source_hash = hashlib.sha256(src.encode()).hexdigest()[:12]
+            mod = cupy.RawModule(code=src, options=("-std=c++17",))
+            self._modules[fname] = mod
+        return mod
+
+    def _kernel(self, fname, kname, smem):
+        key = (fname, kname)
+        kern = self._kernels.get(key)
+        if kern is None:
+            kern = self._module(fname).get_function(kname)
+            if smem > 48 * 1024:
+                kern.max_dynamic_shared_size_bytes = smem
+            self._kernels[key] = kern
+        return kern
+
+    # ---- argument preparation ----------------------------------------------------------------------
+    def _half(self, x, want):
+        """A 16-bit device array (kernel input) with D contiguous and 16-byte aligned rows.
+        want: 'bf16' or 'f16' (what float32 inputs are converted to)."""
+        kind = _dtype_kind(x.dtype)
+        if kind == "f32" or (kind != want):
+            x = x.astype(self._bf16_dtype() if want == "bf16" else np.float16)
+        item = x.itemsize
+        ok = (x.strides[-1] == item and x.data.ptr % 16 == 0
+              and all((s // item) % 8 == 0 and s % item == 0 for s in x.strides[:-1]))
+        if not ok:
+            x = cupy.ascontiguousarray(x)
+        return x
+
+    def _bf16_dtype(self):
+        if self._bf16 is None:
+            raise BackendError("float32 inputs need CuPy with bfloat16 support (CuPy >= 14 with ml_dtypes)")
+        return self._bf16
+
+    @staticmethod
+    def _out(x, name):
+        """(array the kernel writes, array to copy back into x or None). float32, D contiguous, 8-byte
+        aligned pairs; otherwise a contiguous scratch copy is used and copied back on the stream."""
+        if x.dtype != np.float32:
+            raise BackendError(f"{name} must be a float32 accumulator; got {x.dtype}")
+        ok = (x.strides[-1] == 4 and x.data.ptr % 8 == 0 and all(s % 8 == 0 for s in x.strides[:-1]))
+        if ok:
+            return x, None
+        tmp = cupy.ascontiguousarray(x)
+        return tmp, x
+
+    @staticmethod
+    def _f32_rows(x, name):
+        """lse / delta (B, H, S) float32 views: any strides, element-aligned."""
+        if x.dtype != np.float32:
+            raise BackendError(f"{name} must be float32; got {x.dtype}")
+        if x.data.ptr % 4 or any(s % 4 for s in x.strides):
+            return cupy.ascontiguousarray(x), x
+        return x, None
+
+    @staticmethod
+    def _strides(x):
+        return [np.int64(s // x.itemsize) for s in x.strides]
+
+    @staticmethod
+    def _check_dims(q, k):
+        d = q.shape[-1]
+        if d not in SUPPORTED_HEAD_DIMS:
+            raise BackendError(f"the cuda backend supports head_dim {SUPPORTED_HEAD_DIMS}; got {d}")
+        if k.shape[-1] != d or q.shape[2] % k.shape[2]:
+            raise BackendError(f"bad shapes q {q.shape} k {k.shape}")
+        return d
+
+    def _kind_pair(self, q):
+        kind = _dtype_kind(q.dtype)
+        return "bf16" if kind in ("bf16", "f32") else "f16"
+
+    # ---- the three block calls ---------------------------------------------------------------------
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0):
+        d = self._check_dims(q, k)
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        if b == 0 or sq == 0 or hq == 0 or sk == 0:
+            return
+        kind = self._kind_pair(q)
+        q, k, v = (self._half(x, kind) for x in (q, k, v))
+        o_w, o_back = self._out(o, "o")
+        l_w, l_back = self._f32_rows(lse, "lse")
+        smem = (_FWD_BM * d + 4 * _FWD_BN * d) * 2
+        kern = self._kernel("attn_fwd.cu", f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
+        grid = ((sq + _FWD_BM - 1) // _FWD_BM, hq, b)
+        args = (q, k, v, o_w, l_w, *self._strides(q)[:3], *self._strides(k)[:3], *self._strides(v)[:3],
+                *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk), np.int32(hq // hkv),
+                np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
+        kern(grid, (_THREADS,), args, shared_mem=smem)
+        if o_back is not None:
+            o_back[...] = o_w
+        if l_back is not None:
+            l_back[...] = l_w
+
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
+        d = self._check_dims(q, k)
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        if b == 0 or sq == 0 or hq == 0 or sk == 0:
+            return
+        kind = self._kind_pair(q)
+        q, k, v, do = (self._half(x, kind) for x in (q, k, v, do))
+        lse_r, _ = self._f32_rows(lse, "lse")
+        delta_r, _ = self._f32_rows(delta, "delta")
+        dq_w, dq_back = self._out(dq, "dq")
+        dk_w, dk_back = self._out(dk, "dk")
+        dv_w, dv_back = self._out(dv, "dv")
+        group = hq // hkv
+        nkb = (sk + _BWD_BN - 1) // _BWD_BN
+        # split the GQA group over CTAs only as far as needed to fill the GPU (fewer dK/dV atomics)
+        target = 2 * _sm_count()
+        hpb = group
+        while hpb > 1 and nkb * b * hkv * (group // hpb) < target:
+            hpb -= 1
+            while group % hpb:
+                hpb -= 1
+        nsplit = group // hpb
+        smem = (2 * _BWD_BN * d + 4 * _BWD_BM * d + _BWD_BN * _BWD_BM) * 2 + 4 * _BWD_BM * 4
+        kern = self._kernel("attn_bwd.cu", f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
+        grid = (nkb, nsplit, b * hkv)
+        s = self._strides
+        args = (q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, *s(q)[:3], *s(k)[:3], *s(v)[:3], *s(do)[:3],
+                *s(lse_r), *s(delta_r), *s(dq_w)[:3], *s(dk_w)[:3], *s(dv_w)[:3], np.int32(sq), np.int32(sk),
+                np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * _LOG2E),
+                np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
+        kern(grid, (_THREADS,), args, shared_mem=smem)
+        for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
+            if back is not None:
+                back[...] = w
+
+    def delta(self, do, o):
+        b, s, h, d = do.shape
+        out = cupy.empty((b, h, s), np.float32)
+        if out.size == 0:
+            return out
+        kinds = {"bf16": 0, "f16": 1, "f32": 2}
+        if do.strides[-1] != do.itemsize:
+            do = cupy.ascontiguousarray(do)
+        if o.strides[-1] != o.itemsize:
+            o = cupy.ascontiguousarray(o)
+        kern = self._kernel("attn_bwd.cu", "attn_delta", 0)
+        rows = b * s * h
+        kern(((rows + 7) // 8,), (_THREADS,),
+             (do, o, out, *self._strides(do)[:3], *self._strides(o)[:3], np.int32(b), np.int32(s), np.int32(h),
+              np.int32(d), np.int32(kinds[_dtype_kind(do.dtype)]), np.int32(kinds[_dtype_kind(o.dtype)])))
+        return out
+
+
+_SM_COUNT = None
+
+
+def _sm_count():
+    global _SM_COUNT
+    if _SM_COUNT is None:
+        _SM_COUNT = cupy.cuda.Device().attributes["MultiProcessorCount"]
+    return _SM_COUNT
+
+
+def _has_bf16():
+    try:
+        import ml_dtypes  # noqa: F401
+
+        cupy.zeros(1, dtype=np.dtype("bfloat16"))
+        return True
+    except Exception:  # noqa: BLE001 - older CuPy: no bf16 arrays
+        return False

@@ -1,0 +1,299 @@
+// Attention backward over one (query block, key block) pair, added into float32 (dq, dk, dv).
+//
+// A CTA owns BN = 128 keys of one (batch, kv head) and walks every query tile (BM rows) of the
+// query heads it was given (all of the GQA group, or a slice of it when the grid needs more CTAs).
+// 8 warps each own 16 keys, so the key side is the MMA "M" dimension:
+//   S^T = K Q^T, P^T = exp2(S^T * scale*log2e - lse*log2e), dP^T = V dO^T, dS^T = P^T (dP^T - delta)
+//   dV += P^T dO and dK += dS^T Q with P^T, dS^T straight from registers (accumulator -> A fragment).
+// dS^T goes through swizzled shared memory, then the 8 warps re-split over (query, head-dim) to form
+// dQ = dS K, which is added to global dq with float2 atomics. dK, dV stay in registers for the whole
+// walk and are added once at the end (plain read-add-write when this CTA is their only writer,
+// atomics when the GQA group is split over CTAs).
+// Q, dO, lse and delta tiles stream through a two-stage cp.async pipeline; K, V stay resident.
+// Rows with lse = -inf (nothing visible in the forward) get P = 0; out-of-range query rows are
+// zero-filled (their dO and delta are 0, so they add nothing); out-of-range keys are masked.
+#include "common.cuh"
+
+template <int D, int BM, bool BF16, bool CAUSAL>
+__device__ __forceinline__ void attn_bwd(const u16* __restrict__ q, const u16* __restrict__ k,
+                                         const u16* __restrict__ v, const u16* __restrict__ dout,
+                                         const float* __restrict__ lse, const float* __restrict__ delta, float* dq,
+                                         float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb, i64 kss, i64 ksh,
+                                         i64 vsb, i64 vss, i64 vsh, i64 gsb, i64 gss, i64 gsh, i64 lsb, i64 lsh,
+                                         i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb, i64 qgss, i64 qgsh, i64 kgsb,
+                                         i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,
+                                         int group, int hpb, float scale, float sl2, i64 off, int atomic_kv) {
+  constexpr int NW = 8, NT = 256, BN = 16 * NW;
+  constexpr int QG = BM / 16;         // query groups of 16 in the dQ phase
+  constexpr int DSPL = NW / QG;       // head-dim splits in the dQ phase
+  constexpr int DQN = D / DSPL;       // head-dim columns per warp in the dQ phase
+  static_assert(NW % QG == 0 && DQN % 16 == 0, "bad dQ split");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 sK = smem_u32(smem);
+  const u32 sV = sK + BN * D * 2;
+  const u32 sQ = sV + BN * D * 2;        // [2][BM][D]
+  const u32 sDO = sQ + 2 * BM * D * 2;   // [2][BM][D]
+  const u32 sDS = sDO + 2 * BM * D * 2;  // [BN][BM] (dS^T)
+  float* sL = reinterpret_cast<float*>(smem + (sDS - sK) + BN * BM * 2);  // [2][BM]
+  float* sDl = sL + 2 * BM;                                               // [2][BM]
+
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int n0 = blockIdx.x * BN;
+  const int hs = blockIdx.y;
+  const int b = blockIdx.z / Hkv, hk = blockIdx.z % Hkv;
+  const int h_first = hk * group + hs * hpb;
+
+  int m_begin = 0;
+  if (CAUSAL) {
+    const i64 first = static_cast<i64>(n0) - off;  // first query that sees key n0
+    if (first >= Sq) return;
+    m_begin = first <= 0 ? 0 : static_cast<int>(first / BM) * BM;
+  }
+  const int nmt = (Sq - m_begin + BM - 1) / BM;
+  const int total = nmt * hpb;
+  if (total <= 0) return;
+
+  const u16* kg = k + b * ksb + hk * ksh + static_cast<i64>(n0) * kss;
+  const u16* vg = v + b * vsb + hk * vsh + static_cast<i64>(n0) * vss;
+  load_tile<BN, D, NT>(sK, kg, kss, Sk - n0, tid);
+  load_tile<BN, D, NT>(sV, vg, vss, Sk - n0, tid);
+
+  auto load_q = [&](int it, int stage) {
+    const int h = h_first + it / nmt;
+    const int m0 = m_begin + (it % nmt) * BM;
+    load_tile<BM, D, NT>(sQ + stage * BM * D * 2, q + b * qsb + h * qsh + static_cast<i64>(m0) * qss, qss, Sq - m0,
+                         tid);
+    load_tile<BM, D, NT>(sDO + stage * BM * D * 2, dout + b * gsb + h * gsh + static_cast<i64>(m0) * gss, gss,
+                         Sq - m0, tid);
+    if (tid < BM) {
+      const int r = m0 + tid;
+      const bool ok = r < Sq;
+      const i64 rr = ok ? r : 0;
+      cp_async4(smem_u32(sL + stage * BM + tid), lse + b * lsb + h * lsh + rr * lss, ok);
+      cp_async4(smem_u32(sDl + stage * BM + tid), delta + b * dsb + h * dsh + rr * dss, ok);
+    }
+  };
+  load_q(0, 0);
+  cp_async_commit();
+
+  float dka[D / 8][4], dva[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) {
+    dka[i][0] = dka[i][1] = dka[i][2] = dka[i][3] = 0.f;
+    dva[i][0] = dva[i][1] = dva[i][2] = dva[i][3] = 0.f;
+  }
+  const int key_lo = w * 16 + (lane >> 2);  // this thread's key rows (tile-local): key_lo, key_lo + 8
+  const int kmax = min(n0 + BN, Sk) - 1;    // last valid key of this CTA
+
+  for (int it = 0; it < total; ++it) {
+    const int st = it & 1;
+    if (it + 1 < total) load_q(it + 1, st ^ 1);
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    const int h = h_first + it / nmt;
+    const int m0 = m_begin + (it % nmt) * BM;
+    const u32 sQt = sQ + st * BM * D * 2, sDOt = sDO + st * BM * D * 2;
+    const float* sLt = sL + st * BM;
+    const float* sDlt = sDl + st * BM;
+
+    // S^T = K_w Q^T and dP^T = V_w dO^T: 16 keys x BM queries per warp
+    float sT[BM / 8][4], pT[BM / 8][4];
+#pragma unroll
+    for (int i = 0; i < BM / 8; ++i) {
+      sT[i][0] = sT[i][1] = sT[i][2] = sT[i][3] = 0.f;
+      pT[i][0] = pT[i][1] = pT[i][2] = pT[i][3] = 0.f;
+    }
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      u32 ka[4], va[4];
+      ldsm_x4(sK + tile_off<D>(w * 16 + (lane & 15), kk * 2 + (lane >> 4)), ka[0], ka[1], ka[2], ka[3]);
+      ldsm_x4(sV + tile_off<D>(w * 16 + (lane & 15), kk * 2 + (lane >> 4)), va[0], va[1], va[2], va[3]);
+#pragma unroll
+      for (int np = 0; np < BM / 16; ++np) {
+        const int row = np * 16 + ((lane >> 4) << 3) + (lane & 7);
+        const int ch = kk * 2 + ((lane >> 3) & 1);
+        u32 b0, b1, b2, b3;
+        ldsm_x4(sQt + tile_off<D>(row, ch), b0, b1, b2, b3);
+        mma16816<BF16>(sT[2 * np], ka, b0, b1);
+        mma16816<BF16>(sT[2 * np + 1], ka, b2, b3);
+        ldsm_x4(sDOt + tile_off<D>(row, ch), b0, b1, b2, b3);
+        mma16816<BF16>(pT[2 * np], va, b0, b1);
+        mma16816<BF16>(pT[2 * np + 1], va, b2, b3);
+      }
+    }
+
+    // P^T and dS^T (sT <- P^T, pT <- dS^T)
+    const bool need_mask =
+        (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(kmax) > static_cast<i64>(m0) + off);
+#pragma unroll
+    for (int i = 0; i < BM / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int qc = i * 8 + (lane & 3) * 2 + (e & 1);
+        float l2 = sLt[qc];
+        l2 = (l2 == -BH_INF) ? BH_INF : l2 * BH_LOG2E;
+        float p = fast_exp2(sT[i][e] * sl2 - l2);
+        if (need_mask) {
+          const int gk = n0 + key_lo + (e >> 1) * 8;
+          if (gk >= Sk || (CAUSAL && static_cast<i64>(gk) > static_cast<i64>(m0 + qc) + off)) p = 0.f;
+        }
+        sT[i][e] = p;
+        pT[i][e] = p * (pT[i][e] - sDlt[qc]);
+      }
+    }
+
+    // dV += P^T dO, dK += dS^T Q (queries are the reduction dimension)
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk) {
+      u32 pa[4], da[4];
+      pa[0] = pack2<BF16>(sT[2 * kk][0], sT[2 * kk][1]);
+      pa[1] = pack2<BF16>(sT[2 * kk][2], sT[2 * kk][3]);
+      pa[2] = pack2<BF16>(sT[2 * kk + 1][0], sT[2 * kk + 1][1]);
+      pa[3] = pack2<BF16>(sT[2 * kk + 1][2], sT[2 * kk + 1][3]);
+      da[0] = pack2<BF16>(pT[2 * kk][0], pT[2 * kk][1]);
+      da[1] = pack2<BF16>(pT[2 * kk][2], pT[2 * kk][3]);
+      da[2] = pack2<BF16>(pT[2 * kk + 1][0], pT[2 * kk + 1][1]);
+      da[3] = pack2<BF16>(pT[2 * kk + 1][2], pT[2 * kk + 1][3]);
+      // dS^T to shared memory (row = key, col = query), for the dQ phase
+      {
+        u32* base = reinterpret_cast<u32*>(smem + (sDS - sK));
+        const int c2 = (lane & 3);  // 32-bit word inside the 16-byte chunk
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int qchunk = 2 * kk + half;
+#pragma unroll
+          for (int rr = 0; rr < 2; ++rr) {
+            const int kr = key_lo + rr * 8;
+            base[tile_off<BM>(kr, qchunk) / 4 + c2] = da[half * 2 + rr];
+          }
+        }
+      }
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        const int row = kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7);
+        const int ch = dp * 2 + (lane >> 4);
+        u32 b0, b1, b2, b3;
+        ldsm_x4_t(sDOt + tile_off<D>(row, ch), b0, b1, b2, b3);
+        mma16816<BF16>(dva[2 * dp], pa, b0, b1);
+        mma16816<BF16>(dva[2 * dp + 1], pa, b2, b3);
+        ldsm_x4_t(sQt + tile_off<D>(row, ch), b0, b1, b2, b3);
+        mma16816<BF16>(dka[2 * dp], da, b0, b1);
+        mma16816<BF16>(dka[2 * dp + 1], da, b2, b3);
+      }
+    }
+    __syncthreads();
+
+    // dQ (BM x D) += dS K: warp -> (16 queries, DQN head-dim columns)
+    {
+      const int qg = w % QG, dh = w / QG;
+      float dqa[DQN / 8][4];
+#pragma unroll
+      for (int i = 0; i < DQN / 8; ++i) dqa[i][0] = dqa[i][1] = dqa[i][2] = dqa[i][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        u32 a[4];
+        ldsm_x4_t(sDS + tile_off<BM>(kk * 16 + ((lane >> 4) << 3) + (lane & 7), qg * 2 + ((lane >> 3) & 1)), a[0],
+                  a[1], a[2], a[3]);
+#pragma unroll
+        for (int dp = 0; dp < DQN / 16; ++dp) {
+          u32 b0, b1, b2, b3;
+          ldsm_x4_t(sK + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
+                                     (dh * DQN) / 8 + dp * 2 + (lane >> 4)),
+                    b0, b1, b2, b3);
+          mma16816<BF16>(dqa[2 * dp], a, b0, b1);
+          mma16816<BF16>(dqa[2 * dp + 1], a, b2, b3);
+        }
+      }
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const int row = m0 + qg * 16 + (lane >> 2) + rr * 8;
+        if (row < Sq) {
+          float* p = dq + b * qgsb + h * qgsh + static_cast<i64>(row) * qgss + dh * DQN + (lane & 3) * 2;
+#pragma unroll
+          for (int i = 0; i < DQN / 8; ++i)
+            atomicAdd(reinterpret_cast<float2*>(p + i * 8),
+                      make_float2(dqa[i][2 * rr] * scale, dqa[i][2 * rr + 1] * scale));
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // dK, dV epilogue
+#pragma unroll
+  for (int rr = 0; rr < 2; ++rr) {
+    const int key = n0 + key_lo + rr * 8;
+    if (key < Sk) {
+      float* pk = dk + b * kgsb + hk * kgsh + static_cast<i64>(key) * kgss + (lane & 3) * 2;
+      float* pv = dv + b * vgsb + hk * vgsh + static_cast<i64>(key) * vgss + (lane & 3) * 2;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        const float2 gk = make_float2(dka[i][2 * rr] * scale, dka[i][2 * rr + 1] * scale);
+        const float2 gv = make_float2(dva[i][2 * rr], dva[i][2 * rr + 1]);
+        float2* ak = reinterpret_cast<float2*>(pk + i * 8);
+        float2* av = reinterpret_cast<float2*>(pv + i * 8);
+        if (atomic_kv) {
+          atomicAdd(ak, gk);
+          atomicAdd(av, gv);
+        } else {
+          float2 x = *ak, y = *av;
+          x.x += gk.x;
+          x.y += gk.y;
+          y.x += gv.x;
+          y.y += gv.y;
+          *ak = x;
+          *av = y;
+        }
+      }
+    }
+  }
+}
+
+#define BH_BWD(NAME, D, BM, BF16, CAUSAL)                                                                        \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                                        \
+      const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse, const float* delta,           \
+      float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss,   \
+      i64 vsh, i64 gsb, i64 gss, i64 gsh, i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,        \
+      i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,   \
+      int group, int hpb, float scale, float sl2, i64 off, int atomic_kv) {                                      \
+    attn_bwd<D, BM, BF16, CAUSAL>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, \
+                                  vsh, gsb, gss, gsh, lsb, lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb,      \
+                                  kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb, scale, sl2, off,        \
+                                  atomic_kv);                                                                    \
+  }
+
+BH_BWD(attn_bwd_bf16_d128_full, 128, 64, true, false)
+BH_BWD(attn_bwd_bf16_d128_causal, 128, 64, true, true)
+BH_BWD(attn_bwd_f16_d128_full, 128, 64, false, false)
+BH_BWD(attn_bwd_f16_d128_causal, 128, 64, false, true)
+BH_BWD(attn_bwd_bf16_d64_full, 64, 64, true, false)
+BH_BWD(attn_bwd_bf16_d64_causal, 64, 64, true, true)
+BH_BWD(attn_bwd_f16_d64_full, 64, 64, false, false)
+BH_BWD(attn_bwd_f16_d64_causal, 64, 64, false, true)
+
+// delta[b, h, s] = sum_d do[b, s, h, d] * o[b, s, h, d]; one warp per (b, s, h) row.
+// kinds: 0 = bf16, 1 = fp16, 2 = fp32 (for do and o independently).
+__device__ __forceinline__ float load_kind(const void* p, i64 i, int kind) {
+  if (kind == 2) return static_cast<const float*>(p)[i];
+  const u16 bits = static_cast<const u16*>(p)[i];
+  return kind == 0 ? bf16_bits_to_float(bits) : half_bits_to_float(bits);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    attn_delta(const void* dout, const void* o, float* delta, i64 gsb, i64 gss, i64 gsh, i64 osb, i64 oss, i64 osh,
+               int B, int S, int H, int D, int gkind, int okind) {
+  const i64 row = static_cast<i64>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const int lane = threadIdx.x & 31;
+  if (row >= static_cast<i64>(B) * S * H) return;
+  const int h = static_cast<int>(row % H);
+  const int s = static_cast<int>((row / H) % S);
+  const int b = static_cast<int>(row / (static_cast<i64>(H) * S));
+  const i64 g0 = b * gsb + s * gss + h * gsh, o0 = b * osb + s * oss + h * osh;
+  float acc = 0.f;
+  for (int d = lane; d < D; d += 32) acc += load_kind(dout, g0 + d, gkind) * load_kind(o, o0 + d, okind);
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
+  if (lane == 0) delta[(static_cast<i64>(b) * H + h) * S + s] = acc;
+}

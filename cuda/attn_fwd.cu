@@ -1,0 +1,228 @@
+// Attention forward over one (query block, key block) pair, merged into a running (o, lse).
+//
+// FlashAttention-2 layout: a CTA owns BM = 128 query rows of one (batch, query head); 8 warps each
+// own 16 rows, so the softmax state never leaves a warp. Q is loaded once (cp.async -> swizzled
+// shared memory -> ldmatrix -> registers); K and V tiles of BN keys stream through a two-stage
+// cp.async pipeline. S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 or fp16, fp32 accumulate),
+// the online softmax runs in base 2 (ex2.approx). The epilogue merges the block result into the
+// caller's float32 (o, lse) in place (GAO), so no separate pass over o is needed.
+//
+// Causal masking is on global positions: key j is hidden from query i when j > i + off, with
+// off = q_start - k_start. Key tiles wholly hidden are never loaded, tiles wholly visible skip the
+// mask, and only tiles that straddle the diagonal (or the key tail) are masked.
+#include "common.cuh"
+
+template <int D, int BN, bool BF16, bool CAUSAL>
+__device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k,
+                                         const u16* __restrict__ v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh,
+                                         i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss,
+                                         i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int group, float sl2,
+                                         i64 off) {
+  constexpr int BM = 128, NT = 256;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 sQ = smem_u32(smem);
+  const u32 sK = sQ + BM * D * 2;
+  const u32 sV = sK + 2 * BN * D * 2;
+
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int mb = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int m0 = mb * BM;
+
+  int n_end = Sk;
+  if (CAUSAL) {
+    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
+    n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
+  }
+  if (n_end <= 0) return;  // nothing visible: (o, lse) stay as they are
+  const int ntiles = (n_end + BN - 1) / BN;
+
+  const u16* qg = q + b * qsb + h * qsh + static_cast<i64>(m0) * qss;
+  const u16* kg = k + b * ksb + hk * ksh;
+  const u16* vg = v + b * vsb + hk * vsh;
+
+  load_tile<BM, D, NT>(sQ, qg, qss, Sq - m0, tid);
+  load_tile<BN, D, NT>(sK, kg, kss, Sk, tid);
+  load_tile<BN, D, NT>(sV, vg, vss, Sk, tid);
+  cp_async_commit();
+
+  u32 qf[D / 16][4];
+  float acc[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
+  float mrow[2] = {-BH_INF, -BH_INF}, lrow[2] = {0.f, 0.f};
+  const int row_lo = m0 + w * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
+
+  for (int t = 0; t < ntiles; ++t) {
+    const int st = t & 1;
+    if (t + 1 < ntiles) {
+      const int n1 = (t + 1) * BN;
+      load_tile<BN, D, NT>(sK + (st ^ 1) * BN * D * 2, kg + n1 * kss, kss, Sk - n1, tid);
+      load_tile<BN, D, NT>(sV + (st ^ 1) * BN * D * 2, vg + n1 * vss, vss, Sk - n1, tid);
+    }
+    cp_async_commit();
+    cp_async_wait<1>();
+    __syncthreads();
+
+    if (t == 0) {
+#pragma unroll
+      for (int kk = 0; kk < D / 16; ++kk)
+        ldsm_x4(sQ + tile_off<D>(w * 16 + (lane & 15), kk * 2 + (lane >> 4)), qf[kk][0], qf[kk][1], qf[kk][2],
+                qf[kk][3]);
+    }
+    const u32 sKt = sK + st * BN * D * 2, sVt = sV + st * BN * D * 2;
+
+    // S = Q K^T for this warp's 16 rows x BN keys
+    float s[BN / 8][4];
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+#pragma unroll
+      for (int np = 0; np < BN / 16; ++np) {
+        u32 b0, b1, b2, b3;
+        ldsm_x4(sKt + tile_off<D>(np * 16 + ((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1)), b0, b1,
+                b2, b3);
+        mma16816<BF16>(s[2 * np], qf[kk], b0, b1);
+        mma16816<BF16>(s[2 * np + 1], qf[kk], b2, b3);
+      }
+    }
+
+    const int n0 = t * BN;
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      s[i][0] *= sl2;
+      s[i][1] *= sl2;
+      s[i][2] *= sl2;
+      s[i][3] *= sl2;
+    }
+    const bool need_mask =
+        (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(m0 + w * 16) + off);
+    if (need_mask) {
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int col = n0 + i * 8 + (lane & 3) * 2 + (e & 1);
+          const int row = row_lo + (e >> 1) * 8;
+          const bool hid = (col >= Sk) || (CAUSAL && static_cast<i64>(col) > static_cast<i64>(row) + off);
+          if (hid) s[i][e] = -BH_INF;
+        }
+      }
+    }
+
+    // online softmax (base 2)
+    float mx[2] = {mrow[0], mrow[1]};
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+      mx[0] = fmaxf(mx[0], fmaxf(s[i][0], s[i][1]));
+      mx[1] = fmaxf(mx[1], fmaxf(s[i][2], s[i][3]));
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    }
+    float mu[2], alpha[2], ls[2] = {0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mu[r] = (mx[r] == -BH_INF) ? 0.f : mx[r];
+      alpha[r] = fast_exp2(mrow[r] - mu[r]);
+      mrow[r] = mx[r];
+    }
+#pragma unroll
+    for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = fast_exp2(s[i][e] - mu[e >> 1]);
+        s[i][e] = p;
+        ls[e >> 1] += p;
+      }
+    }
+    lrow[0] = lrow[0] * alpha[0] + ls[0];
+    lrow[1] = lrow[1] * alpha[1] + ls[1];
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      acc[i][0] *= alpha[0];
+      acc[i][1] *= alpha[0];
+      acc[i][2] *= alpha[1];
+      acc[i][3] *= alpha[1];
+    }
+
+    // O += P V
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk) {
+      u32 pa[4];
+      pa[0] = pack2<BF16>(s[2 * kk][0], s[2 * kk][1]);
+      pa[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
+      pa[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
+      pa[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+#pragma unroll
+      for (int dp = 0; dp < D / 16; ++dp) {
+        u32 b0, b1, b2, b3;
+        ldsm_x4_t(sVt + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7), dp * 2 + (lane >> 4)), b0, b1,
+                  b2, b3);
+        mma16816<BF16>(acc[2 * dp], pa, b0, b1);
+        mma16816<BF16>(acc[2 * dp + 1], pa, b2, b3);
+      }
+    }
+    __syncthreads();
+  }
+  cp_async_wait<0>();
+
+  // epilogue: GAO merge into the running (o, lse)
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
+    lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
+  }
+  float lold[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_lo + r * 8;
+    lold[r] = (row < Sq) ? lse[b * lsb + h * lsh + row * lss] : -BH_INF;
+  }
+  __syncwarp();
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row_lo + r * 8;
+    if (row < Sq && lrow[r] > 0.f) {
+      const float lb = (mrow[r] + __log2f(lrow[r])) * BH_LN2;
+      const float lo = lold[r];
+      const bool fresh = !(lo > -BH_INF);  // -inf (or NaN): nothing merged yet
+      const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
+      const float wo = fresh ? 0.f : __expf(lo - ln);
+      const float wb = __expf(lb - ln) / lrow[r];
+      float* op = o + b * osb + h * osh + row * oss + (lane & 3) * 2;
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) {
+        float2 val = make_float2(acc[i][2 * r] * wb, acc[i][2 * r + 1] * wb);
+        if (!fresh) {
+          const float2 old = *reinterpret_cast<const float2*>(op + i * 8);
+          val.x += old.x * wo;
+          val.y += old.y * wo;
+        }
+        *reinterpret_cast<float2*>(op + i * 8) = val;
+      }
+      if ((lane & 3) == 0) lse[b * lsb + h * lsh + row * lss] = ln;
+    }
+  }
+}
+
+#define BH_FWD(NAME, D, BN, BF16, CAUSAL)                                                                      \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
+      const u16* q, const u16* k, const u16* v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh, i64 ksb,      \
+      i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,       \
+      int Sq, int Sk, int group, float sl2, i64 off) {                                                         \
+    attn_fwd<D, BN, BF16, CAUSAL>(q, k, v, o, lse, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh, \
+                                  lsb, lsh, lss, Sq, Sk, group, sl2, off);                                     \
+  }
+
+BH_FWD(attn_fwd_bf16_d128_full, 128, 64, true, false)
+BH_FWD(attn_fwd_bf16_d128_causal, 128, 64, true, true)
+BH_FWD(attn_fwd_f16_d128_full, 128, 64, false, false)
+BH_FWD(attn_fwd_f16_d128_causal, 128, 64, false, true)
+BH_FWD(attn_fwd_bf16_d64_full, 64, 64, true, false)
+BH_FWD(attn_fwd_bf16_d64_causal, 64, 64, true, true)
+BH_FWD(attn_fwd_f16_d64_full, 64, 64, false, false)
+BH_FWD(attn_fwd_f16_d64_causal, 64, 64, false, true)

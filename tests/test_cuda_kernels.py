@@ -1,0 +1,316 @@
+"""GPU tests of the CUDA block kernels (skipped without CuPy or without a GPU).
+
+Rule (FlashAttention style): against a float64 oracle, the max-abs error of our result must be
+at most 2x (forward) / 3x (gradients) the error of a plain same-precision implementation
+(bf16/fp16 matmul -> softmax -> matmul, each step rounded to the input type, computed here with
+CuPy), plus a small floor. Inputs are fresh random draws on every run (no fixed seed); outputs are
+poisoned before each call (NaN in o for rows that must be written, random values in the gradient
+accumulators, which must be added to).
+
+The float64 oracle runs on the GPU (cupy float64, the same formulas as burst_hpc.reference; a test
+below ties the two together on a small case) because the NumPy einsum oracle is too slow at S=4097.
+"""
+import math
+
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    _NGPU = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # noqa: BLE001
+    _NGPU = 0
+pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
+
+import burst_hpc  # noqa: E402
+from burst_hpc.backends import get_backend  # noqa: E402
+from burst_hpc.errors import BackendError  # noqa: E402
+
+BF16 = np.dtype("bfloat16")
+
+
+def _be():
+    return get_backend(cupy.zeros(1))
+
+
+# ---------------------------------------------------------------- oracles (float64 and plain low precision)
+def _expand(k, group):
+    return cupy.repeat(k, group, axis=2)
+
+
+def _mask(sq, sk, q_start, k_start):
+    qp = q_start + cupy.arange(sq)
+    kp = k_start + cupy.arange(sk)
+    return kp[None, :] > qp[:, None]
+
+
+def ref_forward(q, k, v, scale, causal, q_start=0, k_start=0, dtype=cupy.float64, rnd=None):
+    """(o, lse, p): dtype float64 -> the oracle; rnd=low-precision rounding for the plain version."""
+    rnd = rnd or (lambda x: x)
+    group = q.shape[2] // k.shape[2]
+    q, k, v = (x.astype(dtype) for x in (q, k, v))
+    k, v = _expand(k, group), _expand(v, group)
+    s = rnd(cupy.einsum("bqhd,bkhd->bhqk", q, k) * scale)
+    if causal:
+        s = cupy.where(_mask(q.shape[1], k.shape[1], q_start, k_start), -cupy.inf, s)
+    m = s.max(-1, keepdims=True)
+    ms = cupy.where(cupy.isneginf(m), 0, m)
+    e = cupy.exp(s - ms)
+    tot = e.sum(-1, keepdims=True)
+    with np.errstate(divide="ignore"):
+        lse = (cupy.log(tot) + ms)[..., 0]
+    p = rnd(e / cupy.where(tot > 0, tot, 1))
+    o = rnd(cupy.einsum("bhqk,bkhd->bqhd", p, v))
+    return o, lse, p
+
+
+def ref_backward(do, q, k, v, scale, causal, q_start=0, k_start=0, dtype=cupy.float64, rnd=None):
+    rnd = rnd or (lambda x: x)
+    group = q.shape[2] // k.shape[2]
+    o, _, p = ref_forward(q, k, v, scale, causal, q_start, k_start, dtype, rnd)
+    q, k, v, do = (x.astype(dtype) for x in (q, k, v, do))
+    ke, ve = _expand(k, group), _expand(v, group)
+    dv = rnd(cupy.einsum("bhqk,bqhd->bkhd", p, do))
+    dp = rnd(cupy.einsum("bqhd,bkhd->bhqk", do, ve))
+    delta = cupy.einsum("bqhd,bqhd->bhq", do, o.astype(dtype))[..., None]
+    ds = rnd(p * (dp - delta))
+    dq = rnd(cupy.einsum("bhqk,bkhd->bqhd", ds, ke) * scale)
+    dk = rnd(cupy.einsum("bhqk,bqhd->bkhd", ds, q) * scale)
+    b, sk, hq, d = dk.shape
+    dk = dk.reshape(b, sk, hq // group, group, d).sum(3)
+    dv = dv.reshape(b, sk, hq // group, group, d).sum(3)
+    return dq, dk, dv
+
+
+def _rounder(dtype):
+    return lambda x: x.astype(dtype).astype(cupy.float32)
+
+
+def _rand(shape, dtype, scale=1.0):
+    return (cupy.random.standard_normal(shape, dtype=cupy.float32) * scale).astype(dtype)
+
+
+def _maxerr(a, b):
+    a = a.astype(cupy.float64)
+    b = b.astype(cupy.float64)
+    return float(cupy.abs(a - b).max()) if a.size else 0.0
+
+
+def _check(name, ours, plain, ref, factor, rel_floor=2.0 ** -10):
+    assert bool(cupy.isfinite(ours).all()), f"{name}: non-finite values"
+    e_ours, e_plain = _maxerr(ours, ref), _maxerr(plain, ref)
+    floor = 1e-5 + rel_floor * (float(cupy.abs(ref).max()) if ref.size else 0.0)
+    assert e_ours <= factor * e_plain + floor, f"{name}: error {e_ours:.3e} > {factor} x {e_plain:.3e} + {floor:.2e}"
+
+
+def _run_forward(q, k, v, scale, causal, q_start=0, k_start=0, o=None, lse=None):
+    b, sq, hq, d = q.shape
+    if o is None:
+        o = cupy.full((b, sq, hq, d), cupy.nan, cupy.float32)  # poison: every visible row must be written
+        lse = cupy.full((b, hq, sq), -cupy.inf, cupy.float32)
+    _be().forward_block(q, k, v, o, lse, scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+    return o, lse
+
+
+def _visible_rows(sq, sk, causal, q_start, k_start):
+    if not causal:
+        return cupy.ones(sq, bool) if sk else cupy.zeros(sq, bool)
+    return (q_start + cupy.arange(sq)) >= k_start
+
+
+# ---------------------------------------------------------------- forward
+HEADS_SMALL = [(32, 8), (32, 1)]
+HEADS_LARGE = [(8, 2), (8, 1)]  # S = 4097: fewer heads (4:1 GQA and MQA) keep the float64 oracle fast
+
+
+def _fwd_cases():
+    for s in (1, 17, 128, 1000, 4097):
+        heads = HEADS_LARGE if s > 1000 else HEADS_SMALL
+        for d in (64, 128):
+            for causal in (False, True):
+                for hq, hkv in heads:
+                    yield s, d, causal, hq, hkv
+
+
+@pytest.mark.parametrize("s,d,causal,hq,hkv", list(_fwd_cases()))
+def test_forward(s, d, causal, hq, hkv):
+    b = 2
+    q, k, v = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv))
+    scale = d ** -0.5
+    o, lse = _run_forward(q, k, v, scale, causal)
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
+    _check("o", o, pl_o, ref_o, 2)
+    assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max()))
+
+
+@pytest.mark.parametrize("s,d,causal,hq,hkv", list(_fwd_cases()))
+def test_backward(s, d, causal, hq, hkv):
+    b = 2
+    q, k, v, do = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv, hq))
+    scale = d ** -0.5
+    be = _be()
+    o, lse = _run_forward(q, k, v, scale, causal)
+    delta = be.delta(do, o)
+    # poison: accumulators start from random values and must be *added* to
+    init = [cupy.random.standard_normal(x.shape, dtype=cupy.float32) for x in (q, k, v)]
+    dq, dk, dv = (x.copy() for x in init)
+    be.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale, causal=causal)
+    ref = ref_backward(do, q, k, v, scale, causal)
+    plain = ref_backward(do, q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
+    for name, got, i0, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), init, ref, plain):
+        _check(name, got - i0, p, r, 3)
+
+
+# ---------------------------------------------------------------- strided views, offsets, merging
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_views_offsets_and_merge(d, causal):
+    """Two key blocks at global offsets merged into one running (o, lse), all arrays strided views,
+    then the backward over the same two blocks adds into view accumulators."""
+    b, hq, hkv = 2, 8, 2
+    sq, sk1, sk2 = 333, 200, 517
+    q_start, k_start = 450, 100  # keys 100..816, queries 450..782: diagonal tiles, hidden tiles, tails
+    scale = d ** -0.5
+    qbig = _rand((b, sq + 40, hq, d), BF16)
+    q = qbig[:, 17:17 + sq]  # a view along S
+    kvbig = _rand((b, sk1 + sk2, 2, hkv, d), BF16)  # k and v interleaved: non-contiguous heads
+    k_all, v_all = kvbig[:, :, 0], kvbig[:, :, 1]
+    obig = cupy.full((b, sq + 10, hq, d), cupy.nan, cupy.float32)
+    lbig = cupy.full((b, hq, sq + 10), -cupy.inf, cupy.float32)
+    o, lse = obig[:, 5:5 + sq], lbig[:, :, 5:5 + sq]
+    be = _be()
+    # the later key block first: the merge order must not matter
+    be.forward_block(q, k_all[:, sk1:], v_all[:, sk1:], o, lse, scale=scale, causal=causal,
+                     q_start=q_start, k_start=k_start + sk1)
+    be.forward_block(q, k_all[:, :sk1], v_all[:, :sk1], o, lse, scale=scale, causal=causal,
+                     q_start=q_start, k_start=k_start)
+    ref_o, ref_lse, _ = ref_forward(q, k_all, v_all, scale, causal, q_start, k_start)
+    pl_o, _, _ = ref_forward(q, k_all, v_all, scale, causal, q_start, k_start, cupy.float32, _rounder(BF16))
+    _check("o", o, pl_o, ref_o, 2)
+    assert _maxerr(lse, ref_lse) < 1e-3 * float(cupy.abs(ref_lse).max())
+    assert bool(cupy.isnan(obig[:, :5]).all()) and bool(cupy.isnan(obig[:, 5 + sq:]).all()), "wrote outside the view"
+
+    do = _rand((b, sq + 3, hq, d), BF16)[:, 3:]
+    delta = be.delta(do, o)
+    dqb = cupy.random.standard_normal((b, sq + 8, hq, d), dtype=cupy.float32)
+    dkvb = cupy.random.standard_normal((b, sk1 + sk2, 2, hkv, d), dtype=cupy.float32)
+    init = (dqb.copy(), dkvb.copy())
+    dq, dk, dv = dqb[:, 8:], dkvb[:, :, 0], dkvb[:, :, 1]
+    for lo, hi in ((0, sk1), (sk1, sk1 + sk2)):
+        be.backward_block(q, k_all[:, lo:hi], v_all[:, lo:hi], do, lse, delta, dq[:, :], dk[:, lo:hi], dv[:, lo:hi],
+                          scale=scale, causal=causal, q_start=q_start, k_start=k_start + lo)
+    ref = ref_backward(do, q, k_all, v_all, scale, causal, q_start, k_start)
+    plain = ref_backward(do, q, k_all, v_all, scale, causal, q_start, k_start, cupy.float32, _rounder(BF16))
+    got = (dq - init[0][:, 8:], dk - init[1][:, :, 0], dv - init[1][:, :, 1])
+    for name, g, r, p in zip(("dq", "dk", "dv"), got, ref, plain):
+        _check(name, g, p, r, 3)
+    assert bool((dqb[:, :8] == init[0][:, :8]).all()), "dq written outside its view"
+
+
+def test_fully_masked_rows_untouched():
+    """Queries before every key of the block: (o, lse) must stay exactly as they were."""
+    b, h, d = 1, 2, 64
+    q, k, v = (_rand((b, n, h, d), BF16) for n in (130, 64, 64))
+    o = cupy.random.standard_normal((b, 130, h, d), dtype=cupy.float32)
+    lse = cupy.random.standard_normal((b, h, 130), dtype=cupy.float32)
+    o0, l0 = o.copy(), lse.copy()
+    _be().forward_block(q, k, v, o, lse, scale=0.125, causal=True, q_start=0, k_start=100)
+    vis = (cupy.arange(130) >= 100)
+    assert bool((o[:, ~vis] == o0[:, ~vis]).all()) and bool((lse[:, :, ~vis] == l0[:, :, ~vis]).all())
+    assert not bool((o[:, vis] == o0[:, vis]).all())
+    # a block wholly hidden is a no-op
+    _be().forward_block(q, k, v, o, lse, scale=0.125, causal=True, q_start=0, k_start=1000)
+    assert bool(cupy.isfinite(o).all())
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_other_input_types(dtype):
+    """fp16 runs the fp16 kernels; float32 is converted once to bf16 (documented in docs/KERNELS.md)."""
+    dt = np.dtype(dtype)
+    low = np.dtype(np.float16) if dt == np.float16 else BF16
+    b, s, hq, hkv, d = 2, 300, 4, 2, 128
+    q, k, v, do = (_rand((b, s, h, d), dt) for h in (hq, hkv, hkv, hq))
+    o, lse = _run_forward(q, k, v, d ** -0.5, True)
+    ref_o, _, _ = ref_forward(q, k, v, d ** -0.5, True)
+    pl_o, _, _ = ref_forward(q.astype(low), k.astype(low), v.astype(low), d ** -0.5, True, dtype=cupy.float32,
+                             rnd=_rounder(low))
+    _check("o", o, pl_o, ref_o, 2)
+    be = _be()
+    dq, dk, dv = (cupy.zeros(x.shape, cupy.float32) for x in (q, k, v))
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=True)
+    ref = ref_backward(do, q, k, v, d ** -0.5, True)
+    plain = ref_backward(*(x.astype(low) for x in (do, q, k, v)), d ** -0.5, True, dtype=cupy.float32,
+                         rnd=_rounder(low))
+    for name, g, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain):
+        _check(name, g, p, r, 3)
+
+
+def test_api_end_to_end():
+    """burst_hpc.attention / attention_backward take CuPy bf16 arrays and return CuPy arrays."""
+    b, s, hq, hkv, d = 2, 257, 8, 2, 64
+    q, k, v, do = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv, hq))
+    o, lse = burst_hpc.attention(q, k, v, causal=True)
+    assert isinstance(o, cupy.ndarray) and o.dtype == BF16 and lse.dtype == np.float32
+    dq, dk, dv = burst_hpc.attention_backward(do, q, k, v, o, lse, causal=True)
+    assert isinstance(dq, cupy.ndarray) and dq.dtype == BF16 and dk.shape == k.shape
+    ref_o, _, _ = ref_forward(q, k, v, d ** -0.5, True)
+    assert _maxerr(o, ref_o) < 2e-2
+    ref = ref_backward(do, q, k, v, d ** -0.5, True)
+    for g, r in zip((dq, dk, dv), ref):
+        assert _maxerr(g, r) < 3e-2 * max(1.0, float(cupy.abs(r).max()))
+
+
+def test_oracle_matches_numpy_reference():
+    """The GPU float64 oracle used above is the project's float64 NumPy oracle."""
+    b, s, hq, hkv, d = 1, 37, 4, 2, 64
+    q, k, v, do = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv, hq))
+    o, lse, _ = ref_forward(q, k, v, 0.1, True, 5, 9)
+    hq_ = [cupy.asnumpy(x) for x in (q, k, v, do)]
+    ro, rl = burst_hpc.attention_reference(*hq_[:3], causal=True, scale=0.1, q_start=5, k_start=9)
+    assert np.allclose(cupy.asnumpy(o), ro, atol=1e-12) and np.allclose(cupy.asnumpy(lse), rl, atol=1e-12)
+    g = ref_backward(do, q, k, v, 0.1, True, 5, 9)
+    rg = burst_hpc.attention_backward_reference(hq_[3], *hq_[:3], causal=True, scale=0.1, q_start=5, k_start=9)
+    for a, r in zip(g, rg):
+        assert np.allclose(cupy.asnumpy(a), r, atol=1e-10)
+
+
+def test_unsupported_head_dim():
+    q = cupy.zeros((1, 8, 2, 96), BF16)
+    o = cupy.zeros((1, 8, 2, 96), cupy.float32)
+    lse = cupy.full((1, 2, 8), -cupy.inf, cupy.float32)
+    with pytest.raises(BackendError, match="head_dim"):
+        _be().forward_block(q, q, q, o, lse, scale=0.1)
+
+
+# ---------------------------------------------------------------- torch SDPA as a second oracle
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+def test_against_torch_sdpa(d, causal):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    b, s, hq, hkv = 2, 1000, 8, 2
+    q, k, v, do = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv, hq))
+
+    def t(x):  # bf16 cupy -> torch (B, H, S, D) through raw int16 bits
+        u = x.view(cupy.int16)
+        return torch.as_tensor(u, device="cuda").view(torch.bfloat16).transpose(1, 2)
+
+    tq, tk, tv, tdo = (t(x).detach().clone().requires_grad_(True) for x in (q, k, v, do))
+    to = torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal, enable_gqa=True)
+    to.backward(tdo.detach())
+    torch.cuda.synchronize()
+
+    def c(x):  # torch (B, H, S, D) -> cupy float32 (B, S, H, D)
+        return cupy.asarray(x.detach().float().transpose(1, 2).contiguous())
+
+    o, lse = _run_forward(q, k, v, d ** -0.5, causal)
+    be = _be()
+    dq, dk, dv = (cupy.zeros(x.shape, cupy.float32) for x in (q, k, v))
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=causal)
+    ref_o, _, _ = ref_forward(q, k, v, d ** -0.5, causal)
+    _check("o vs torch", o, c(to), ref_o, 2)
+    ref = ref_backward(do, q, k, v, d ** -0.5, causal)
+    for name, g, tg, r in zip(("dq", "dk", "dv"), (dq, dk, dv), (tq.grad, tk.grad, tv.grad), ref):
+        _check(name + " vs torch", g, c(tg), r, 3)
