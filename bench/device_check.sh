@@ -10,7 +10,7 @@ echo "== nvcc resource report"
 for f in cuda/*.cu; do nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c "$f" -o /dev/null 2>&1; done \
   | grep -E "Function properties|registers|spill" > "$LOG/ptxas.txt"; grep -c spill "$LOG/ptxas.txt" >/dev/null
 echo "== pytest"
-timeout 420 python3 -m pytest -q -x --timeout 300 -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tee "$LOG/pytest.txt" | tail -30
+timeout 420 python3 -m pytest -q --maxfail=8 --timeout 300 -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tee "$LOG/pytest.txt" | tail -30
 echo "== bench"
 timeout 300 python3 bench/bench_kernels.py --md "$LOG/bench.md" ${1:-} 2>&1 | tee "$LOG/bench.txt" | grep -v '^|' 
 echo "== summary"
