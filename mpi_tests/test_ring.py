@@ -66,7 +66,7 @@ def test_low_precision_inputs_stay_within_flash_tolerance(comm, dtype):
         return burst_hpc.shard(x, r, P, "zigzag")
 
     o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=True)
-    floor = 1e-3 if dtype != np.float32 else 1e-6
+    floor = 1e-3 if dtype != np.float32 else 1e-5
     err = np.abs(o.astype(np.float64) - mine(ref_o)).max()
     base = np.abs(plain_o.astype(np.float64) - ref_o).max()
     assert err <= 2 * base + floor, f"forward error {err} vs plain {base} (seed {seed})"
