@@ -188,13 +188,11 @@ def _setup_backend(name, comm):
     except Exception as e:  # noqa: BLE001
         raise BackendError(f"--backend cuda needs CuPy ({type(e).__name__}: {e}); "
                            "pip install 'burst-hpc[cuda12]' or use --backend numpy") from None
-    from mpi4py import MPI
+    from .device import select_device
 
-    n = _gpu_count()
-    if n == 0:
+    if _gpu_count() == 0:
         raise BackendError("--backend cuda: no GPU visible to this rank; use --backend numpy")
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED).rank
-    cupy.cuda.Device(local % n).use()
+    select_device(comm)  # node-local rank mod GPU count
     return cupy, "cuda"
 
 
