@@ -61,6 +61,8 @@ def main():
     ap.add_argument("--md", default=None, help="write the markdown table here")
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--dims", default=None, help="comma-separated head dims (default 128,64)")
+    ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 4096,16384,32768)")
     args = ap.parse_args()
 
     torch = None
@@ -75,6 +77,10 @@ def main():
     B, H = 1, 32
     dims = (128,) if args.quick else (128, 64)
     seqs = (16384,) if args.quick else (4096, 16384, 32768)
+    if args.dims:
+        dims = tuple(int(x) for x in args.dims.split(","))
+    if args.seqs:
+        seqs = tuple(int(x) for x in args.seqs.split(","))
     rows = []
     for d in dims:
         for s in seqs:

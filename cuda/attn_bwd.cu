@@ -14,7 +14,7 @@
 // zero-filled (their dO and delta are 0, so they add nothing); out-of-range keys are masked.
 #include "common.cuh"
 
-template <int D, int BM, bool BF16, bool CAUSAL>
+template <int D, int BM, int NW, bool BF16, bool CAUSAL>
 __device__ __forceinline__ void attn_bwd(const u16* __restrict__ q, const u16* __restrict__ k,
                                          const u16* __restrict__ v, const u16* __restrict__ dout,
                                          const float* __restrict__ lse, const float* __restrict__ delta, float* dq,
@@ -23,7 +23,7 @@ __device__ __forceinline__ void attn_bwd(const u16* __restrict__ q, const u16* _
                                          i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb, i64 qgss, i64 qgsh, i64 kgsb,
                                          i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,
                                          int group, int hpb, float scale, float sl2, i64 off, int atomic_kv) {
-  constexpr int NW = 8, NT = 256, BN = 16 * NW;
+  constexpr int NT = NW * 32, BN = 16 * NW;
   constexpr int QG = BM / 16;         // query groups of 16 in the dQ phase
   constexpr int DSPL = NW / QG;       // head-dim splits in the dQ phase
   constexpr int DQN = D / DSPL;       // head-dim columns per warp in the dQ phase
@@ -251,27 +251,36 @@ __device__ __forceinline__ void attn_bwd(const u16* __restrict__ q, const u16* _
   }
 }
 
-#define BH_BWD(NAME, D, BM, BF16, CAUSAL)                                                                        \
-  extern "C" __global__ void __launch_bounds__(256) NAME(                                                        \
+#define BH_BWD(NAME, D, BM, NW, BF16, CAUSAL)                                                                        \
+  extern "C" __global__ void __launch_bounds__(NW * 32) NAME(                                                    \
       const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse, const float* delta,           \
       float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss,   \
       i64 vsh, i64 gsb, i64 gss, i64 gsh, i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,        \
       i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,   \
       int group, int hpb, float scale, float sl2, i64 off, int atomic_kv) {                                      \
-    attn_bwd<D, BM, BF16, CAUSAL>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, \
+    attn_bwd<D, BM, NW, BF16, CAUSAL>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, \
                                   vsh, gsb, gss, gsh, lsb, lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb,      \
                                   kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb, scale, sl2, off,        \
                                   atomic_kv);                                                                    \
   }
 
-BH_BWD(attn_bwd_bf16_d128_full, 128, 64, true, false)
-BH_BWD(attn_bwd_bf16_d128_causal, 128, 64, true, true)
-BH_BWD(attn_bwd_f16_d128_full, 128, 64, false, false)
-BH_BWD(attn_bwd_f16_d128_causal, 128, 64, false, true)
-BH_BWD(attn_bwd_bf16_d64_full, 64, 64, true, false)
-BH_BWD(attn_bwd_bf16_d64_causal, 64, 64, true, true)
-BH_BWD(attn_bwd_f16_d64_full, 64, 64, false, false)
-BH_BWD(attn_bwd_f16_d64_causal, 64, 64, false, true)
+// name: attn_bwd_<dtype>_d<D>_<mask>_w<warps>  (a CTA owns 16 * warps keys)
+BH_BWD(attn_bwd_bf16_d128_full_w8, 128, 64, 8, true, false)
+BH_BWD(attn_bwd_bf16_d128_causal_w8, 128, 64, 8, true, true)
+BH_BWD(attn_bwd_f16_d128_full_w8, 128, 64, 8, false, false)
+BH_BWD(attn_bwd_f16_d128_causal_w8, 128, 64, 8, false, true)
+BH_BWD(attn_bwd_bf16_d128_full_w4, 128, 64, 4, true, false)
+BH_BWD(attn_bwd_bf16_d128_causal_w4, 128, 64, 4, true, true)
+BH_BWD(attn_bwd_f16_d128_full_w4, 128, 64, 4, false, false)
+BH_BWD(attn_bwd_f16_d128_causal_w4, 128, 64, 4, false, true)
+BH_BWD(attn_bwd_bf16_d64_full_w8, 64, 64, 8, true, false)
+BH_BWD(attn_bwd_bf16_d64_causal_w8, 64, 64, 8, true, true)
+BH_BWD(attn_bwd_f16_d64_full_w8, 64, 64, 8, false, false)
+BH_BWD(attn_bwd_f16_d64_causal_w8, 64, 64, 8, false, true)
+BH_BWD(attn_bwd_bf16_d64_full_w4, 64, 64, 4, true, false)
+BH_BWD(attn_bwd_bf16_d64_causal_w4, 64, 64, 4, true, true)
+BH_BWD(attn_bwd_f16_d64_full_w4, 64, 64, 4, false, false)
+BH_BWD(attn_bwd_f16_d64_causal_w4, 64, 64, 4, false, true)
 
 // delta[b, h, s] = sum_d do[b, s, h, d] * o[b, s, h, d]; one warp per (b, s, h) row.
 // kinds: 0 = bf16, 1 = fp16, 2 = fp32 (for do and o independently).

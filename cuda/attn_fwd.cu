@@ -12,13 +12,15 @@
 // mask, and only tiles that straddle the diagonal (or the key tail) are masked.
 #include "common.cuh"
 
-template <int D, int BN, bool BF16, bool CAUSAL>
+template <int D, int BN, int NW, int MT, bool BF16, bool CAUSAL>
 __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k,
                                          const u16* __restrict__ v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh,
                                          i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss,
                                          i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int group, float sl2,
                                          i64 off) {
-  constexpr int BM = 128, NT = 256;
+  // NW warps, each owning MT m16 row tiles (MT = 2: every K/V fragment read from shared memory
+  // feeds two MMAs, halving shared-memory traffic per FLOP against one tile per warp).
+  constexpr int NT = NW * 32, WM = 16 * MT, BM = NW * WM;
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 sQ = smem_u32(smem);
   const u32 sK = sQ + BM * D * 2;
@@ -46,12 +48,15 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
   load_tile<BN, D, NT>(sV, vg, vss, Sk, tid);
   cp_async_commit();
 
-  u32 qf[D / 16][4];
-  float acc[D / 8][4];
+  float acc[MT][D / 8][4];
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) acc[i][0] = acc[i][1] = acc[i][2] = acc[i][3] = 0.f;
-  float mrow[2] = {-BH_INF, -BH_INF}, lrow[2] = {0.f, 0.f};
-  const int row_lo = m0 + w * 16 + (lane >> 2);  // this thread's rows: row_lo, row_lo + 8
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) acc[m][i][0] = acc[m][i][1] = acc[m][i][2] = acc[m][i][3] = 0.f;
+  float mrow[MT][2], lrow[MT][2];
+#pragma unroll
+  for (int m = 0; m < MT; ++m) mrow[m][0] = mrow[m][1] = -BH_INF, lrow[m][0] = lrow[m][1] = 0.f;
+  const int row_lo = m0 + w * WM + (lane >> 2);  // rows row_lo + 16*m + 8*r
 
   for (int t = 0; t < ntiles; ++t) {
     const int st = t & 1;
@@ -63,107 +68,132 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
     cp_async_commit();
     cp_async_wait<1>();
     __syncthreads();
-
-    if (t == 0) {
-#pragma unroll
-      for (int kk = 0; kk < D / 16; ++kk)
-        ldsm_x4(sQ + tile_off<D>(w * 16 + (lane & 15), kk * 2 + (lane >> 4)), qf[kk][0], qf[kk][1], qf[kk][2],
-                qf[kk][3]);
-    }
     const u32 sKt = sK + st * BN * D * 2, sVt = sV + st * BN * D * 2;
 
-    // S = Q K^T for this warp's 16 rows x BN keys
-    float s[BN / 8][4];
+    // S = Q K^T for this warp's WM rows x BN keys
+    float s[MT][BN / 8][4];
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) s[i][0] = s[i][1] = s[i][2] = s[i][3] = 0.f;
+    for (int m = 0; m < MT; ++m)
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) s[m][i][0] = s[m][i][1] = s[m][i][2] = s[m][i][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < D / 16; ++kk) {
+      u32 qf[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+        ldsm_x4(sQ + tile_off<D>(w * WM + m * 16 + (lane & 15), kk * 2 + (lane >> 4)), qf[m][0], qf[m][1], qf[m][2],
+                qf[m][3]);
 #pragma unroll
       for (int np = 0; np < BN / 16; ++np) {
         u32 b0, b1, b2, b3;
         ldsm_x4(sKt + tile_off<D>(np * 16 + ((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1)), b0, b1,
                 b2, b3);
-        mma16816<BF16>(s[2 * np], qf[kk], b0, b1);
-        mma16816<BF16>(s[2 * np + 1], qf[kk], b2, b3);
-      }
-    }
-
-    const int n0 = t * BN;
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      s[i][0] *= sl2;
-      s[i][1] *= sl2;
-      s[i][2] *= sl2;
-      s[i][3] *= sl2;
-    }
-    const bool need_mask =
-        (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(m0 + w * 16) + off);
-    if (need_mask) {
-#pragma unroll
-      for (int i = 0; i < BN / 8; ++i) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int col = n0 + i * 8 + (lane & 3) * 2 + (e & 1);
-          const int row = row_lo + (e >> 1) * 8;
-          const bool hid = (col >= Sk) || (CAUSAL && static_cast<i64>(col) > static_cast<i64>(row) + off);
-          if (hid) s[i][e] = -BH_INF;
+        for (int m = 0; m < MT; ++m) {
+          mma16816<BF16>(s[m][2 * np], qf[m], b0, b1);
+          mma16816<BF16>(s[m][2 * np + 1], qf[m], b2, b3);
         }
       }
     }
 
+    const int n0 = t * BN;
+    const bool need_mask =
+        (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(m0 + w * WM) + off);
+    // scores are used as exp2(s * mul - max * mul); a non-positive scale is applied up front instead
+    float mul = sl2;
+    if (!(sl2 > 0.f)) {
+      mul = 1.f;
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[m][i][e] *= sl2;
+    }
+    if (need_mask) {
+      // hidden when (col - row) > off, col = n0 + i*8 + (lane&3)*2 + (e&1), row = row_lo + m*16 + (e>>1)*8
+      const int cbase = n0 + (lane & 3) * 2;
+      const i64 dlim = off - static_cast<i64>(cbase) + row_lo;  // hidden when i*8+(e&1)-m*16-(e>>1)*8 > dlim
+      const int dl = static_cast<int>(max(static_cast<i64>(-4 * BN), min(static_cast<i64>(4 * BN), dlim)));
+      const int klim = Sk - cbase;  // key out of range when i*8 + (e&1) >= klim
+#pragma unroll
+      for (int m = 0; m < MT; ++m)
+#pragma unroll
+        for (int i = 0; i < BN / 8; ++i)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int c = i * 8 + (e & 1);
+            const bool hid = (c >= klim) || (CAUSAL && c - m * 16 - (e >> 1) * 8 > dl);
+            if (hid) s[m][i][e] = -BH_INF;
+          }
+    }
+
     // online softmax (base 2)
-    float mx[2] = {mrow[0], mrow[1]};
 #pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-      mx[0] = fmaxf(mx[0], fmaxf(s[i][0], s[i][1]));
-      mx[1] = fmaxf(mx[1], fmaxf(s[i][2], s[i][3]));
-    }
+    for (int m = 0; m < MT; ++m) {
+      float mx[2] = {-BH_INF, -BH_INF};
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
-      mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
-    }
-    float mu[2], alpha[2], ls[2] = {0.f, 0.f};
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mu[r] = (mx[r] == -BH_INF) ? 0.f : mx[r];
-      alpha[r] = fast_exp2(mrow[r] - mu[r]);
-      mrow[r] = mx[r];
-    }
-#pragma unroll
-    for (int i = 0; i < BN / 8; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float p = fast_exp2(s[i][e] - mu[e >> 1]);
-        s[i][e] = p;
-        ls[e >> 1] += p;
+      for (int i = 0; i < BN / 8; ++i) {
+        mx[0] = fmaxf(mx[0], fmaxf(s[m][i][0], s[m][i][1]));
+        mx[1] = fmaxf(mx[1], fmaxf(s[m][i][2], s[m][i][3]));
       }
-    }
-    lrow[0] = lrow[0] * alpha[0] + ls[0];
-    lrow[1] = lrow[1] * alpha[1] + ls[1];
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      acc[i][0] *= alpha[0];
-      acc[i][1] *= alpha[0];
-      acc[i][2] *= alpha[1];
-      acc[i][3] *= alpha[1];
+      for (int r = 0; r < 2; ++r) {
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+        mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+        mx[r] = fmaxf(mrow[m][r], mx[r] * mul);  // running max, in scaled base-2 units
+      }
+      float mu[2], alpha[2], ls[2] = {0.f, 0.f};
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        mu[r] = (mx[r] == -BH_INF) ? 0.f : mx[r];
+        alpha[r] = fast_exp2(mrow[m][r] - mu[r]);
+        mrow[m][r] = mx[r];
+      }
+#pragma unroll
+      for (int i = 0; i < BN / 8; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float p = fast_exp2(fmaf(s[m][i][e], mul, -mu[e >> 1]));
+          s[m][i][e] = p;
+          ls[e >> 1] += p;
+        }
+      }
+      lrow[m][0] = lrow[m][0] * alpha[0] + ls[0];
+      lrow[m][1] = lrow[m][1] * alpha[1] + ls[1];
+      // the running max rarely moves once it has settled: skip the rescale when no row's did
+      if (__any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f)) {
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+          acc[m][i][0] *= alpha[0];
+          acc[m][i][1] *= alpha[0];
+          acc[m][i][2] *= alpha[1];
+          acc[m][i][3] *= alpha[1];
+        }
+      }
     }
 
     // O += P V
 #pragma unroll
     for (int kk = 0; kk < BN / 16; ++kk) {
-      u32 pa[4];
-      pa[0] = pack2<BF16>(s[2 * kk][0], s[2 * kk][1]);
-      pa[1] = pack2<BF16>(s[2 * kk][2], s[2 * kk][3]);
-      pa[2] = pack2<BF16>(s[2 * kk + 1][0], s[2 * kk + 1][1]);
-      pa[3] = pack2<BF16>(s[2 * kk + 1][2], s[2 * kk + 1][3]);
+      u32 pa[MT][4];
+#pragma unroll
+      for (int m = 0; m < MT; ++m) {
+        pa[m][0] = pack2<BF16>(s[m][2 * kk][0], s[m][2 * kk][1]);
+        pa[m][1] = pack2<BF16>(s[m][2 * kk][2], s[m][2 * kk][3]);
+        pa[m][2] = pack2<BF16>(s[m][2 * kk + 1][0], s[m][2 * kk + 1][1]);
+        pa[m][3] = pack2<BF16>(s[m][2 * kk + 1][2], s[m][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int dp = 0; dp < D / 16; ++dp) {
         u32 b0, b1, b2, b3;
         ldsm_x4_t(sVt + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7), dp * 2 + (lane >> 4)), b0, b1,
                   b2, b3);
-        mma16816<BF16>(acc[2 * dp], pa, b0, b1);
-        mma16816<BF16>(acc[2 * dp + 1], pa, b2, b3);
+#pragma unroll
+        for (int m = 0; m < MT; ++m) {
+          mma16816<BF16>(acc[m][2 * dp], pa[m], b0, b1);
+          mma16816<BF16>(acc[m][2 * dp + 1], pa[m], b2, b3);
+        }
       }
     }
     __syncthreads();
@@ -172,57 +202,74 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
 
   // epilogue: GAO merge into the running (o, lse)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 1);
-    lrow[r] += __shfl_xor_sync(0xffffffffu, lrow[r], 2);
-  }
-  float lold[2];
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_lo + r * 8;
-    lold[r] = (row < Sq) ? lse[b * lsb + h * lsh + row * lss] : -BH_INF;
+    for (int r = 0; r < 2; ++r) {
+      lrow[m][r] += __shfl_xor_sync(0xffffffffu, lrow[m][r], 1);
+      lrow[m][r] += __shfl_xor_sync(0xffffffffu, lrow[m][r], 2);
+    }
   }
+  float lold[MT][2];
+#pragma unroll
+  for (int m = 0; m < MT; ++m)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_lo + m * 16 + r * 8;
+      lold[m][r] = (row < Sq) ? lse[b * lsb + h * lsh + row * lss] : -BH_INF;
+    }
   __syncwarp();
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row_lo + r * 8;
-    if (row < Sq && lrow[r] > 0.f) {
-      const float lb = (mrow[r] + __log2f(lrow[r])) * BH_LN2;
-      const float lo = lold[r];
-      const bool fresh = !(lo > -BH_INF);  // -inf (or NaN): nothing merged yet
-      const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
-      const float wo = fresh ? 0.f : __expf(lo - ln);
-      const float wb = __expf(lb - ln) / lrow[r];
-      float* op = o + b * osb + h * osh + row * oss + (lane & 3) * 2;
+  for (int m = 0; m < MT; ++m) {
 #pragma unroll
-      for (int i = 0; i < D / 8; ++i) {
-        float2 val = make_float2(acc[i][2 * r] * wb, acc[i][2 * r + 1] * wb);
-        if (!fresh) {
-          const float2 old = *reinterpret_cast<const float2*>(op + i * 8);
-          val.x += old.x * wo;
-          val.y += old.y * wo;
+    for (int r = 0; r < 2; ++r) {
+      const int row = row_lo + m * 16 + r * 8;
+      if (row < Sq && lrow[m][r] > 0.f) {
+        const float lb = (mrow[m][r] + __log2f(lrow[m][r])) * BH_LN2;
+        const float lo = lold[m][r];
+        const bool fresh = !(lo > -BH_INF);  // -inf (or NaN): nothing merged yet
+        const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
+        const float wo = fresh ? 0.f : __expf(lo - ln);
+        const float wb = __expf(lb - ln) / lrow[m][r];
+        float* op = o + b * osb + h * osh + row * oss + (lane & 3) * 2;
+#pragma unroll
+        for (int i = 0; i < D / 8; ++i) {
+          float2 val = make_float2(acc[m][i][2 * r] * wb, acc[m][i][2 * r + 1] * wb);
+          if (!fresh) {
+            const float2 old = *reinterpret_cast<const float2*>(op + i * 8);
+            val.x += old.x * wo;
+            val.y += old.y * wo;
+          }
+          *reinterpret_cast<float2*>(op + i * 8) = val;
         }
-        *reinterpret_cast<float2*>(op + i * 8) = val;
+        if ((lane & 3) == 0) lse[b * lsb + h * lsh + row * lss] = ln;
       }
-      if ((lane & 3) == 0) lse[b * lsb + h * lsh + row * lss] = ln;
     }
   }
 }
 
-#define BH_FWD(NAME, D, BN, BF16, CAUSAL)                                                                      \
-  extern "C" __global__ void __launch_bounds__(256) NAME(                                                      \
+#define BH_FWD(NAME, D, BN, NW, MT, BF16, CAUSAL)                                                              \
+  extern "C" __global__ void __launch_bounds__(NW * 32) NAME(                                                      \
       const u16* q, const u16* k, const u16* v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh, i64 ksb,      \
       i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,       \
       int Sq, int Sk, int group, float sl2, i64 off) {                                                         \
-    attn_fwd<D, BN, BF16, CAUSAL>(q, k, v, o, lse, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh, \
+    attn_fwd<D, BN, NW, MT, BF16, CAUSAL>(q, k, v, o, lse, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh, \
                                   lsb, lsh, lss, Sq, Sk, group, sl2, off);                                     \
   }
 
-BH_FWD(attn_fwd_bf16_d128_full, 128, 64, true, false)
-BH_FWD(attn_fwd_bf16_d128_causal, 128, 64, true, true)
-BH_FWD(attn_fwd_f16_d128_full, 128, 64, false, false)
-BH_FWD(attn_fwd_f16_d128_causal, 128, 64, false, true)
-BH_FWD(attn_fwd_bf16_d64_full, 64, 64, true, false)
-BH_FWD(attn_fwd_bf16_d64_causal, 64, 64, true, true)
-BH_FWD(attn_fwd_f16_d64_full, 64, 64, false, false)
-BH_FWD(attn_fwd_f16_d64_causal, 64, 64, false, true)
+// name: attn_fwd_<dtype>_d<D>_<mask>_<warps>x<row tiles per warp>
+BH_FWD(attn_fwd_bf16_d128_full_4x2, 128, 64, 4, 2, true, false)
+BH_FWD(attn_fwd_bf16_d128_causal_4x2, 128, 64, 4, 2, true, true)
+BH_FWD(attn_fwd_f16_d128_full_4x2, 128, 64, 4, 2, false, false)
+BH_FWD(attn_fwd_f16_d128_causal_4x2, 128, 64, 4, 2, false, true)
+BH_FWD(attn_fwd_bf16_d128_full_8x1, 128, 64, 8, 1, true, false)
+BH_FWD(attn_fwd_bf16_d128_causal_8x1, 128, 64, 8, 1, true, true)
+BH_FWD(attn_fwd_f16_d128_full_8x1, 128, 64, 8, 1, false, false)
+BH_FWD(attn_fwd_f16_d128_causal_8x1, 128, 64, 8, 1, false, true)
+BH_FWD(attn_fwd_bf16_d64_full_4x2, 64, 64, 4, 2, true, false)
+BH_FWD(attn_fwd_bf16_d64_causal_4x2, 64, 64, 4, 2, true, true)
+BH_FWD(attn_fwd_f16_d64_full_4x2, 64, 64, 4, 2, false, false)
+BH_FWD(attn_fwd_f16_d64_causal_4x2, 64, 64, 4, 2, false, true)
+BH_FWD(attn_fwd_bf16_d64_full_8x1, 64, 64, 8, 1, true, false)
+BH_FWD(attn_fwd_bf16_d64_causal_8x1, 64, 64, 8, 1, true, true)
+BH_FWD(attn_fwd_f16_d64_full_8x1, 64, 64, 8, 1, false, false)
+BH_FWD(attn_fwd_f16_d64_causal_8x1, 64, 64, 8, 1, false, true)

@@ -24,7 +24,11 @@ from ..errors import BackendError
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
-_FWD_BM, _FWD_BN, _BWD_BN, _BWD_BM = 128, 64, 128, 64
+_FWD_BN, _BWD_BM = 64, 64
+# backward warps per CTA (each warp owns 16 keys); BURST_HPC_BWD_WARPS=4 picks the other build
+_BWD_NW = int(os.environ.get("BURST_HPC_BWD_WARPS", "8"))
+# forward warp layout (warps, m16 row tiles per warp); BURST_HPC_FWD_LAYOUT=8x1 picks the other build
+_FWD_LAYOUT = tuple(int(x) for x in os.environ.get("BURST_HPC_FWD_LAYOUT", "4x2").split("x"))
 _THREADS = 256
 
 
@@ -187,13 +191,15 @@ class CudaBackend:
         q, k, v = (self._half(x, kind) for x in (q, k, v))
         o_w, o_back = self._out(o, "o")
         l_w, l_back = self._f32_rows(lse, "lse")
-        smem = (_FWD_BM * d + 4 * _FWD_BN * d) * 2
-        kern = self._kernel("attn_fwd.cu", f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
-        grid = ((sq + _FWD_BM - 1) // _FWD_BM, hq, b)
+        nw, mt = _FWD_LAYOUT
+        bm = nw * mt * 16
+        smem = (bm * d + 4 * _FWD_BN * d) * 2
+        kern = self._kernel("attn_fwd.cu", f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}_{nw}x{mt}", smem)
+        grid = ((sq + bm - 1) // bm, hq, b)
         args = (q, k, v, o_w, l_w, *self._strides(q)[:3], *self._strides(k)[:3], *self._strides(v)[:3],
                 *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk), np.int32(hq // hkv),
                 np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
-        kern(grid, (_THREADS,), args, shared_mem=smem)
+        kern(grid, (nw * 32,), args, shared_mem=smem)
         if o_back is not None:
             o_back[...] = o_w
         if l_back is not None:
@@ -213,7 +219,8 @@ class CudaBackend:
         dk_w, dk_back = self._out(dk, "dk")
         dv_w, dv_back = self._out(dv, "dv")
         group = hq // hkv
-        nkb = (sk + _BWD_BN - 1) // _BWD_BN
+        bn = 16 * _BWD_NW
+        nkb = (sk + bn - 1) // bn
         # split the GQA group over CTAs only as far as needed to fill the GPU (fewer dK/dV atomics)
         target = 2 * _sm_count()
         hpb = group
@@ -222,15 +229,15 @@ class CudaBackend:
             while group % hpb:
                 hpb -= 1
         nsplit = group // hpb
-        smem = (2 * _BWD_BN * d + 4 * _BWD_BM * d + _BWD_BN * _BWD_BM) * 2 + 4 * _BWD_BM * 4
-        kern = self._kernel("attn_bwd.cu", f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
+        smem = (2 * bn * d + 4 * _BWD_BM * d + bn * _BWD_BM) * 2 + 4 * _BWD_BM * 4
+        kern = self._kernel("attn_bwd.cu", f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}_w{_BWD_NW}", smem)
         grid = (nkb, nsplit, b * hkv)
         s = self._strides
         args = (q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, *s(q)[:3], *s(k)[:3], *s(v)[:3], *s(do)[:3],
                 *s(lse_r), *s(delta_r), *s(dq_w)[:3], *s(dk_w)[:3], *s(dv_w)[:3], np.int32(sq), np.int32(sk),
                 np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * _LOG2E),
                 np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
-        kern(grid, (_THREADS,), args, shared_mem=smem)
+        kern(grid, (_BWD_NW * 32,), args, shared_mem=smem)
         for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
             if back is not None:
                 back[...] = w
