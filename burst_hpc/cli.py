@@ -196,6 +196,18 @@ def _setup_backend(name, comm):
     return cupy, "cuda"
 
 
+def _gpus_shared(comm):
+    """True on every rank when some node runs more ranks than it has GPUs."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        shared = local.size > max(1, _gpu_count())
+    finally:
+        local.Free()
+    return comm.allreduce(shared, op=MPI.LOR)
+
+
 def _to_host(x):
     if type(x).__module__.startswith("cupy"):
         import cupy
@@ -240,6 +252,10 @@ def cmd_run(args):
     progress(f"read {args.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
 
     err, transport = None, args.transport
+    if backend == "cuda" and args.transport == "auto" and _gpus_shared(comm):
+        # NCCL refuses two ranks on one GPU: host staging works with any number of ranks per GPU
+        args.transport = "staged"
+        progress("more ranks than GPUs on a node: transport auto -> staged")
     try:
         transport = choose_transport(args.transport, on_device=backend == "cuda")
     except Exception as e:  # noqa: BLE001
@@ -285,6 +301,13 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
     size = comm.size
     dev = {name: xp.asarray(a) for name, a in shards.items()}
     kw = dict(comm=comm, causal=causal, scale=scale, layout=layout, transport=args.transport)
+    if args.warmup:
+        progress("warm-up pass (kernel compilation, transport set-up), not timed")
+        o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], **kw)
+        if args.backward:
+            _collective(burst_attention_backward, dev["do"], dev["q"], dev["k"], dev["v"], o, lse,
+                        backward_ring=args.backward_ring, **kw)
+        _sync(xp)
     progress("forward")
     comm.Barrier()
     t0 = time.perf_counter()
@@ -580,6 +603,8 @@ def build_parser():
     p.add_argument("--verify-rows", type=int, default=256,
                    help="query rows per rank checked when the input is too large for a full check")
     p.add_argument("--verify-seed", type=int, default=0)
+    p.add_argument("--warmup", action="store_true",
+                   help="run the passes once untimed first (GPU kernels compile on first use)")
     p.add_argument("--progress", action="store_true", help="show stage progress even on short runs")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
     p.set_defaults(func=cmd_run)

@@ -90,7 +90,7 @@ def test_run_writes_and_verifies(tmp_path, ranks, causal, dtype):
     seqlen = 48 * ranks
     assert burst("gen", src, "--seqlen", seqlen, "--heads", 4, "--kv-heads", 2, "--head-dim", 16, "--dtype", dtype,
                  "--seed", 1, "--with-grad").returncode == 0
-    flags = ["--backward", "--verify"] + (["--causal"] if causal else [])
+    flags = ["--backward", "--verify", "--backend", "numpy"] + (["--causal"] if causal else [])
     r = mpirun(ranks, "run", src, dst, *flags)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("burst-hpc run:")]
@@ -171,7 +171,8 @@ def test_killed_run_leaves_no_output(tmp_path):
     """A run killed while computing leaves nothing under the output's name (only its temporary)."""
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     assert burst("gen", src, "--seqlen", 8192, "--heads", 4, "--head-dim", 64, "--dtype", "float32").returncode == 0
-    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "burst_hpc", "run", str(src), str(dst), "--backward-ring", "q"]
+    cmd = [MPIEXEC, "-n", "2", sys.executable, "-m", "burst_hpc", "run", str(src), str(dst), "--backward-ring", "q",
+           "--backend", "numpy"]
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.time() + 60
@@ -198,6 +199,6 @@ def test_console_script_under_mpiexec(tmp_path):
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     _write(src, **_qkv(32, np.float64))
     r = subprocess.run([MPIEXEC, "-n", "2", str(script), "run", str(src), str(dst), "--causal", "--verify",
-                        "--layout", "contiguous"], env=ENV, capture_output=True, text=True, timeout=120)
+                        "--layout", "contiguous", "--backend", "numpy", "--warmup"], env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "verify=PASS" in r.stdout and dst.exists()

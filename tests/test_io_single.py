@@ -101,8 +101,8 @@ def test_mismatch_exits_3_and_writes_nothing(tmp_path, monkeypatch):
         return o + 1, lse
 
     monkeypatch.setattr(dist, "burst_attention", broken)
-    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet"]) == cli.EXIT_MISMATCH
+    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == cli.EXIT_MISMATCH
     assert not dst.exists() and not list(tmp_path.glob("*.tmp*"))
     monkeypatch.setattr(dist, "burst_attention", real)
-    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet"]) == 0
+    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == 0
     assert dst.exists()
