@@ -25,6 +25,7 @@ from ..errors import BackendError
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 _FWD_BN, _BWD_BM = 64, 64
+_FWD_BN64 = int(os.environ.get("BURST_HPC_FWD_BN64", "64"))  # key tile of the D=64 forward: 64 or 128
 # backward warps per CTA (each warp owns 16 keys); BURST_HPC_BWD_WARPS=4 picks the other build
 _BWD_NW = int(os.environ.get("BURST_HPC_BWD_WARPS", "8"))
 # forward warp layout (warps, m16 row tiles per warp); BURST_HPC_FWD_LAYOUT=8x1 picks the other build
@@ -193,8 +194,10 @@ class CudaBackend:
         l_w, l_back = self._f32_rows(lse, "lse")
         nw, mt = _FWD_LAYOUT
         bm = nw * mt * 16
-        smem = (bm * d + 4 * _FWD_BN * d) * 2
-        kern = self._kernel("attn_fwd.cu", f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}_{nw}x{mt}", smem)
+        bn = _FWD_BN64 if (d == 64 and (nw, mt) == (4, 2)) else _FWD_BN
+        smem = (bm * d + 4 * bn * d) * 2
+        name = f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}_{nw}x{mt}" + ("_bn128" if bn == 128 else "")
+        kern = self._kernel("attn_fwd.cu", name, smem)
         grid = ((sq + bm - 1) // bm, hq, b)
         args = (q, k, v, o_w, l_w, *self._strides(q)[:3], *self._strides(k)[:3], *self._strides(v)[:3],
                 *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk), np.int32(hq // hkv),
