@@ -26,13 +26,14 @@ def parse_dtype(name_or_dtype):
         if name not in SUPPORTED_NAMES:
             raise DTypeError(f"unsupported dtype {name_or_dtype!r}; use one of {sorted(SUPPORTED_NAMES)}")
         return SUPPORTED_NAMES[name]
-    dtype = np.dtype(name_or_dtype)
-    check_supported(dtype)
-    return dtype
+    return check_supported(name_or_dtype)
 
 
 def check_supported(dtype):
-    dtype = np.dtype(dtype)
+    try:
+        dtype = np.dtype(dtype)
+    except TypeError:
+        raise DTypeError(f"{dtype!r} is not a dtype; use float16, bfloat16, float32 or float64") from None
     if dtype not in SUPPORTED:
         raise DTypeError(f"unsupported dtype {dtype_name(dtype)}; use float16, bfloat16, float32 or float64")
     return dtype

@@ -54,6 +54,7 @@ def layout_indices(seqlen, rank, size, layout):
 
 def shard(x, rank, size, layout, axis=1):
     """Rank ``rank``'s shard of the global array ``x`` along ``axis`` (NumPy or CuPy)."""
+    axis = _normalize_axis(axis, x.ndim)
     runs = pieces(x.shape[axis], rank, size, layout)
     parts = [x[(slice(None),) * axis + (slice(start, start + n),)] for start, n in runs]
     if len(parts) == 1:
@@ -66,14 +67,18 @@ def unshard(shards, layout, axis=1):
     """The global array from every rank's shard (``shards[r]`` from rank r)."""
     shards = list(shards)
     size = len(shards)
+    if size == 0:
+        raise LayoutError("unshard needs the shard of at least one rank; got none")
+    axis = _normalize_axis(axis, shards[0].ndim)
     local = shards[0].shape[axis]
     seqlen = local * size
     check_split(seqlen, size, layout)
     xp = _array_module(shards[0])
     out = xp.empty(shards[0].shape[:axis] + (seqlen,) + shards[0].shape[axis + 1:], shards[0].dtype)
     for rank, part in enumerate(shards):
-        if part.shape[axis] != local:
-            raise LayoutError(f"shard {rank} has {part.shape[axis]} tokens; shard 0 has {local}")
+        if part.shape != shards[0].shape:
+            raise LayoutError(f"shard {rank} has shape {part.shape}; shard 0 has {shards[0].shape} "
+                              f"(every rank's shard must have the same shape)")
         offset = 0
         for start, n in pieces(seqlen, rank, size, layout):
             index = (slice(None),) * axis
@@ -86,3 +91,10 @@ def _array_module(x):
     from .merge import array_module
 
     return array_module(x)
+
+
+def _normalize_axis(axis, ndim):
+    """``axis`` in 0..ndim-1 (negative counts from the end, as in NumPy)."""
+    if not -ndim <= axis < ndim:
+        raise LayoutError(f"axis {axis} is out of range for an array of rank {ndim}")
+    return axis % ndim

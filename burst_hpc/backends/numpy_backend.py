@@ -97,11 +97,11 @@ class NumpyBackend:
                 kt = _heads_first(k[:, k0:k1], acc)
                 vt = _heads_first(v[:, k0:k1], acc)
                 s = (qt @ kt.swapaxes(-1, -2)) * acc.type(scale)
-                p = np.exp(s - lse_t[..., None])
                 keep = visible[..., None]
                 if needs_mask:
                     keep = keep & ~self._mask(q_start, q0, q1, k_start, k0, k1)
-                p = np.where(keep, p, 0)
+                # mask before exp: a hidden score can sit far above the row's lse and overflow
+                p = np.exp(np.where(keep, s - lse_t[..., None], -np.inf))
                 dp = dot @ vt.swapaxes(-1, -2)
                 ds = p * (dp - delta_t[..., None])
                 dq_t += (ds @ kt) * acc.type(scale)

@@ -1,0 +1,126 @@
+"""Layouts: which global tokens each rank owns, and shard/unshard round trips."""
+import numpy as np
+import pytest
+
+import burst_hpc
+from burst_hpc.errors import BurstError, LayoutError
+from burst_hpc.layout import LAYOUTS, check_split, default_layout, layout_indices, pieces, shard, unshard
+
+from burst_testing import BF16
+
+
+def _array(rng, shape, axis, seqlen, dtype=np.float64):
+    shape = list(shape)
+    shape[axis] = seqlen
+    return rng.standard_normal(shape).astype(dtype)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+@pytest.mark.parametrize("axis", [1, 0, 2, -1, -3])
+def test_shard_unshard_round_trip(layout, size, axis, rng, seed):
+    chunks = size if layout == "contiguous" else 2 * size
+    seqlen = chunks * int(rng.integers(1, 6))
+    x = _array(rng, (2, 3, 4, 5), axis, seqlen)
+    ctx = f"seed={seed} layout={layout} P={size} S={seqlen} axis={axis}"
+    shards = [shard(x, r, size, layout, axis=axis) for r in range(size)]
+    seen = []
+    for r, part in enumerate(shards):
+        idx = layout_indices(seqlen, r, size, layout)
+        assert part.shape[axis] == seqlen // size, ctx
+        np.testing.assert_array_equal(part, np.take(x, idx, axis=axis), err_msg=f"{ctx} rank={r}")
+        assert part.dtype == x.dtype, ctx
+        seen.append(idx)
+    # every token is owned by exactly one rank
+    np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(seqlen), err_msg=ctx)
+    back = unshard(shards, layout, axis=axis)
+    assert back.shape == x.shape and back.dtype == x.dtype, ctx
+    np.testing.assert_array_equal(back, x, err_msg=ctx)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_round_trip_low_precision_and_public_names(layout, rng, seed):
+    x = _array(rng, (1, 1, 2, 8), 1, 24, BF16)
+    shards = [burst_hpc.shard(x, r, 3, layout) for r in range(3)]
+    back = burst_hpc.unshard(shards, layout)
+    assert back.dtype == BF16
+    np.testing.assert_array_equal(back.view(np.uint16), x.view(np.uint16), err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_zigzag_ownership(size):
+    seqlen = 2 * size * 3
+    for r in range(size):
+        assert pieces(seqlen, r, size, "zigzag") == [(r * 3, 3), ((2 * size - 1 - r) * 3, 3)]
+        idx = layout_indices(seqlen, r, size, "zigzag")
+        chunks = sorted(set((idx // 3).tolist()))
+        assert chunks == sorted({r, 2 * size - 1 - r})
+        # local order: chunk r first, then chunk 2P-1-r
+        np.testing.assert_array_equal(idx, np.r_[r * 3:r * 3 + 3, (2 * size - 1 - r) * 3:(2 * size - r) * 3])
+
+
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
+def test_contiguous_ownership(size):
+    seqlen = size * 4
+    for r in range(size):
+        assert pieces(seqlen, r, size, "contiguous") == [(r * 4, 4)]
+        np.testing.assert_array_equal(layout_indices(seqlen, r, size, "contiguous"), np.arange(r * 4, r * 4 + 4))
+
+
+def test_zigzag_balances_causal_work():
+    """Visible (query, key) pairs per rank are equal under zigzag (the reason it exists)."""
+    size, seqlen = 4, 64
+    work = [int(np.sum(layout_indices(seqlen, r, size, "zigzag") + 1)) for r in range(size)]
+    assert len(set(work)) == 1, work
+
+
+def test_length_that_does_not_split():
+    with pytest.raises(LayoutError, match=r"multiple of 6"):
+        check_split(9, 3, "zigzag")
+    # contiguous needs only S % P == 0; zigzag needs S % 2P == 0
+    assert check_split(9, 3, "contiguous") == 3
+    with pytest.raises(LayoutError, match=r"sequence length 9 does not split over 3 ranks with the zigzag layout"):
+        shard(np.zeros((1, 9, 1, 1)), 0, 3, "zigzag")
+    with pytest.raises(LayoutError, match=r"multiple of 4"):
+        layout_indices(10, 1, 4, "contiguous")
+    with pytest.raises(LayoutError, match=r"multiple of 4"):
+        shard(np.zeros((1, 6, 1, 1)), 0, 2, "zigzag")
+    with pytest.raises(LayoutError):  # a zigzag shard must have an even length
+        unshard([np.zeros((1, 3, 1, 1))] * 2, "zigzag")
+
+
+def test_bad_arguments_raise_layout_error():
+    with pytest.raises(LayoutError, match=r"unknown layout 'ring'.*contiguous, zigzag"):
+        layout_indices(8, 0, 2, "ring")
+    with pytest.raises(LayoutError, match=r"unknown layout"):
+        shard(np.zeros((1, 8)), 0, 2, "Zigzag")
+    with pytest.raises(LayoutError, match=r"unknown layout"):
+        unshard([np.zeros((1, 4))] * 2, "striped")
+    with pytest.raises(LayoutError, match=r"rank 2 is outside 0..1"):
+        pieces(8, 2, 2, "contiguous")
+    with pytest.raises(LayoutError, match=r"rank -1"):
+        shard(np.zeros((1, 8)), -1, 2, "zigzag")
+    with pytest.raises(LayoutError, match=r"at least one rank"):
+        check_split(8, 0, "contiguous")
+    with pytest.raises(LayoutError, match=r"axis 3 is out of range"):
+        shard(np.zeros((1, 8, 2)), 0, 2, "contiguous", axis=3)
+    with pytest.raises(LayoutError, match=r"at least one rank"):
+        unshard([], "contiguous")
+    with pytest.raises(LayoutError, match=r"shard 1 has shape"):
+        unshard([np.zeros((1, 4, 2)), np.zeros((1, 2, 2))], "contiguous")
+    with pytest.raises(LayoutError, match=r"shard 1 has shape"):
+        unshard([np.zeros((1, 4, 2)), np.zeros((1, 4, 1))], "contiguous")
+    assert issubclass(LayoutError, BurstError) and issubclass(LayoutError, ValueError)
+
+
+def test_shard_is_a_copy(rng):
+    x = rng.standard_normal((1, 8, 2))
+    for layout in LAYOUTS:
+        part = shard(x, 0, 2, layout)
+        part[...] = 0
+        assert np.all(x != 0), layout
+
+
+def test_default_layout():
+    assert default_layout(True) == "zigzag"
+    assert default_layout(False) == "contiguous"

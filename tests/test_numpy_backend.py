@@ -1,0 +1,280 @@
+"""The NumPy block backend (DESIGN.md layer 5) against the float64 oracle.
+
+Each test draws its block lengths and offsets from the per-run seed, so the shapes vary from
+run to run (S is almost never a multiple of the tile); the seed and the shapes are in every
+failure message.
+"""
+import numpy as np
+import pytest
+
+from burst_hpc.backends import get_backend
+from burst_hpc.backends.numpy_backend import NumpyBackend
+from burst_hpc.dtypes import accum_dtype
+from burst_hpc.layout import pieces
+from burst_hpc.reference import attention_backward_reference, attention_reference
+
+from burst_testing import (BF16, DTYPE_IDS, DTYPES, FLOOR, FP32, FP64, assert_lse_close, assert_rule, f64, max_err,
+                      plain_backward, plain_forward, qkv, randn)
+
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+HEADS = [(8, 1), (8, 2), (4, 4)]
+HEAD_IDS = ["gqa8", "gqa4", "mha"]
+TILES = [(16, 32), (48, 16), (128, 128)]
+TILE_IDS = ["t16x32", "t48x16", "t128"]
+
+
+def _blocks(rng, causal):
+    """Random (Sq, Sk, q_start, k_start): lengths of different sizes, offsets that put the causal
+    diagonal somewhere inside the block pair (rows that see nothing included now and then)."""
+    sq, sk = (int(x) for x in rng.integers(20, 100, size=2))
+    if not causal:
+        return sq, sk, int(rng.integers(0, 200)), int(rng.integers(0, 200))
+    q_start = int(rng.integers(0, 150))
+    k_start = max(0, q_start + int(rng.integers(-sk + 1, sq // 2)))
+    return sq, sk, q_start, k_start
+
+
+def _empty_acc(be, b, s, h, d, dtype):
+    acc = accum_dtype(dtype)
+    return np.zeros((b, s, h, d), acc), np.full((b, h, s), -np.inf, acc)
+
+
+def _fwd(be, q, k, v, scale, causal, q_start, k_start):
+    o, lse = _empty_acc(be, q.shape[0], q.shape[1], q.shape[2], q.shape[3], q.dtype)
+    be.forward_block(q, k, v, o, lse, scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+    return o, lse
+
+
+def _check_forward(o, lse, q, k, v, scale, causal, q_start, k_start, ctx):
+    ref_o, ref_lse = attention_reference(q, k, v, causal=causal, scale=scale, q_start=q_start, k_start=k_start)
+    pl_o, pl_lse = plain_forward(q, k, v, causal=causal, scale=scale, q_start=q_start, k_start=k_start)
+    dtype = np.dtype(q.dtype)
+    assert o.dtype == accum_dtype(dtype) and lse.dtype == accum_dtype(dtype), ctx
+    assert_rule("o", o, ref_o, pl_o, 2, dtype, ctx)
+    finite = ~np.isneginf(ref_lse)
+    lse_tol = 2 * (max_err(pl_lse[finite], ref_lse[finite]) if finite.any() else 0) + FLOOR[dtype] * max(
+        1.0, float(np.abs(ref_lse[finite]).max()) if finite.any() else 1.0)
+    assert_lse_close(lse, ref_lse, lse_tol, ctx)
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=TILE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_forward_block_matches_oracle(dtype, heads, d, causal, tiles, rng, seed):
+    hq, hkv = heads
+    sq, sk, q_start, k_start = _blocks(rng, causal)
+    ctx = f"seed={seed} {dtype} Sq={sq} Sk={sk} H={hq}:{hkv} D={d} causal={causal} q_start={q_start} " \
+          f"k_start={k_start} tiles={tiles}"
+    q, k, v = qkv(rng, 2, sq, sk, hq, hkv, d, dtype)
+    scale = d ** -0.5
+    be = NumpyBackend(*tiles)
+    o, lse = _fwd(be, q, k, v, scale, causal, q_start, k_start)
+    _check_forward(o, lse, q, k, v, scale, causal, q_start, k_start, ctx)
+
+
+@pytest.mark.parametrize("tiles", TILES, ids=TILE_IDS)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_backward_block_matches_oracle(dtype, heads, d, causal, tiles, rng, seed):
+    hq, hkv = heads
+    sq, sk, q_start, k_start = _blocks(rng, causal)
+    ctx = f"seed={seed} {dtype} Sq={sq} Sk={sk} H={hq}:{hkv} D={d} causal={causal} q_start={q_start} " \
+          f"k_start={k_start} tiles={tiles}"
+    q, k, v = qkv(rng, 2, sq, sk, hq, hkv, d, dtype)
+    do = randn(rng, q.shape, dtype)
+    scale = d ** -0.5
+    be = NumpyBackend(*tiles)
+    o, lse = _fwd(be, q, k, v, scale, causal, q_start, k_start)
+    # what the API / ring hand over: o in the input dtype, lse in float32
+    o_in, lse_in = o.astype(dtype), lse.astype(np.float32)
+    delta = be.delta(do, o_in)
+    acc = accum_dtype(dtype)
+    assert delta.dtype == acc and delta.shape == (2, hq, sq), ctx
+    np.testing.assert_allclose(delta, np.einsum("bshd,bshd->bhs", f64(do), f64(o_in)), rtol=1e-5, atol=1e-5,
+                               err_msg=ctx)
+    dq, dk, dv = np.zeros(q.shape, acc), np.zeros(k.shape, acc), np.zeros(v.shape, acc)
+    be.backward_block(q, k, v, do, lse_in, delta, dq, dk, dv, scale=scale, causal=causal, q_start=q_start,
+                      k_start=k_start)
+    ref = attention_backward_reference(do, q, k, v, causal=causal, scale=scale, q_start=q_start, k_start=k_start)
+    plain = plain_backward(do, q, k, v, causal=causal, scale=scale, q_start=q_start, k_start=k_start)
+    # float64 inputs: lse is handed over in float32 (DESIGN.md), which bounds the accuracy to ~1e-7 relative
+    floor = 1e-6 if dtype == FP64 else None
+    for name, g, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain):
+        assert g.dtype == acc, ctx
+        assert_rule(name, g, r, p, 3, dtype, ctx, floor=floor)
+
+
+def test_backward_block_with_float64_lse_is_tight(rng, seed):
+    """With lse kept in the float64 accumulator the float64 path is exact to rounding."""
+    q, k, v = qkv(rng, 2, 37, 53, 8, 2, 64, FP64)
+    do = randn(rng, q.shape, FP64)
+    be = NumpyBackend(16, 16)
+    o, lse = _fwd(be, q, k, v, 0.125, True, 20, 10)
+    dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=0.125, causal=True, q_start=20, k_start=10)
+    ref = attention_backward_reference(do, q, k, v, causal=True, scale=0.125, q_start=20, k_start=10)
+    for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12, err_msg=f"seed={seed} {name}")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+def test_key_blocks_merge_into_running_result(dtype, causal, rng, seed):
+    """Forward over 2-3 key blocks (with k_start offsets), in random order, merged into a running
+    (o, lse) that is already non-empty, equals one pass over all keys; the backward accumulates
+    dq over key blocks and dk, dv over query blocks."""
+    hq, hkv, d = 8, 2, 64
+    sq = int(rng.integers(40, 90))
+    sk = sq if causal else int(rng.integers(40, 90))
+    n_parts = int(rng.integers(2, 4))
+    cuts = [0] + sorted(int(c) for c in rng.choice(np.arange(1, sk), n_parts - 1, replace=False)) + [sk]
+    order = rng.permutation(n_parts)
+    ctx = f"seed={seed} {dtype} Sq={sq} Sk={sk} causal={causal} cuts={cuts} order={order.tolist()}"
+    q, k, v = qkv(rng, 2, sq, sk, hq, hkv, d, dtype)
+    do = randn(rng, q.shape, dtype)
+    be = NumpyBackend(int(rng.choice([16, 32])), int(rng.choice([16, 32])))
+    o, lse = _empty_acc(be, 2, sq, hq, d, dtype)
+    for part in order:
+        k0, k1 = cuts[part], cuts[part + 1]
+        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=d ** -0.5, causal=causal, q_start=0, k_start=k0)
+    _check_forward(o, lse, q, k, v, d ** -0.5, causal, 0, 0, ctx)
+
+    o_in, lse_in = o.astype(dtype), lse.astype(np.float32)
+    delta = be.delta(do, o_in)
+    acc = accum_dtype(dtype)
+    dq, dk, dv = np.zeros(q.shape, acc), np.zeros(k.shape, acc), np.zeros(v.shape, acc)
+    q_cut = int(rng.integers(1, sq))
+    for part in order:
+        k0, k1 = cuts[part], cuts[part + 1]
+        for q0, q1 in ((q_cut, sq), (0, q_cut)):
+            be.backward_block(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], do[:, q0:q1], lse_in[:, :, q0:q1],
+                              delta[:, :, q0:q1], dq[:, q0:q1], dk[:, k0:k1], dv[:, k0:k1], scale=d ** -0.5,
+                              causal=causal, q_start=q0, k_start=k0)
+    ref = attention_backward_reference(do, q, k, v, causal=causal, scale=d ** -0.5)
+    plain = plain_backward(do, q, k, v, causal=causal, scale=d ** -0.5)
+    floor = 1e-6 if dtype == FP64 else None
+    for name, g, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain):
+        assert_rule(name, g, r, p, 3, dtype, ctx + f" q_cut={q_cut}", floor=floor)
+
+
+@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
+def test_zigzag_halves_and_strided_views(dtype, rng, seed):
+    """One rank of a P-rank zigzag layout, simulated in one process: the rank's queries are two
+    strided views of the global q; its o/lse/dq accumulators are used half by half through views;
+    each key chunk of the global sequence is a view; the result equals the oracle's rows."""
+    size = int(rng.integers(2, 4))
+    rank = int(rng.integers(0, size))
+    chunk = int(rng.integers(9, 20))
+    s, hq, hkv, d = 2 * size * chunk, 8, 2, 64
+    ctx = f"seed={seed} {dtype} P={size} rank={rank} chunk={chunk}"
+    # the global inputs live inside bigger arrays, so every operand is a non-contiguous view
+    big = randn(rng, (2, s + 7, hq + 3, d), dtype)
+    q = big[:, 5:5 + s, 1:1 + hq]
+    k = randn(rng, (2, 2 * s, hkv, d), dtype)[:, ::2]
+    v = np.ascontiguousarray(randn(rng, (2, hkv, s, d), dtype)).transpose(0, 2, 1, 3)
+    do = randn(rng, (2, s, hq, d), dtype)
+    assert not q.flags.c_contiguous and not k.flags.c_contiguous and not v.flags.c_contiguous
+    be = NumpyBackend(int(rng.choice([16, 32])), int(rng.choice([16, 48])))
+    acc = accum_dtype(dtype)
+    n = 2 * chunk
+    sentinel = 12345.0
+    o = np.full((2, n + 3, hq, d), sentinel, acc)[:, 1:1 + n]  # guard rows on both sides
+    o[...] = 0
+    lse = np.full((2, hq, n), -np.inf, acc)
+    runs = pieces(s, rank, size, "zigzag")
+    for t in range(size):  # key chunks in ring order, both halves of the owning rank
+        for k0, kn in pieces(s, (rank - t) % size, size, "zigzag"):
+            offset = 0
+            for q0, qn in runs:
+                be.forward_block(q[:, q0:q0 + qn], k[:, k0:k0 + kn], v[:, k0:k0 + kn], o[:, offset:offset + qn],
+                                 lse[:, :, offset:offset + qn], scale=d ** -0.5, causal=True, q_start=q0, k_start=k0)
+                offset += qn
+    base = o.base
+    assert np.all(base[:, 0] == sentinel) and np.all(base[:, n + 1:] == sentinel), ctx + ": wrote outside the view"
+    rows = np.concatenate([np.arange(a, a + m) for a, m in runs])
+    ref_o, ref_lse = attention_reference(q, k, v, causal=True, scale=d ** -0.5)
+    pl_o, _ = plain_forward(q, k, v, causal=True, scale=d ** -0.5)
+    assert_rule("o", o, ref_o[:, rows], pl_o[:, rows], 2, dtype, ctx)
+    assert_lse_close(lse, ref_lse[:, :, rows], 1e-4, ctx)
+
+    # backward: this rank's dq (two halves) and its contribution to every key chunk's dk, dv
+    o_in, lse_in = o.astype(dtype), lse.astype(np.float32)
+    do_r = do[:, rows]
+    delta = be.delta(do_r, o_in)
+    dq = np.zeros((2, n, hq, d), acc)
+    dk, dv = np.zeros(k.shape, acc), np.zeros(v.shape, acc)
+    for t in range(size):
+        for k0, kn in pieces(s, (rank + t) % size, size, "zigzag"):
+            offset = 0
+            for q0, qn in runs:
+                sl = slice(offset, offset + qn)
+                be.backward_block(q[:, q0:q0 + qn], k[:, k0:k0 + kn], v[:, k0:k0 + kn], do_r[:, sl], lse_in[:, :, sl],
+                                  delta[:, :, sl], dq[:, sl], dk[:, k0:k0 + kn], dv[:, k0:k0 + kn],
+                                  scale=d ** -0.5, causal=True, q_start=q0, k_start=k0)
+                offset += qn
+    # the oracle on the rank's rows only (do = 0 elsewhere) gives this rank's share of dk, dv
+    do_only = np.zeros(do.shape, np.float64)
+    do_only[:, rows] = f64(do_r)
+    ref = attention_backward_reference(do_only, q, k, v, causal=True, scale=d ** -0.5)
+    plain = plain_backward(do_only.astype(dtype), q, k, v, causal=True, scale=d ** -0.5)
+    assert_rule("dq", dq, ref[0][:, rows], plain[0][:, rows], 3, dtype, ctx)
+    assert_rule("dk", dk, ref[1], plain[1], 3, dtype, ctx)
+    assert_rule("dv", dv, ref[2], plain[2], 3, dtype, ctx)
+
+
+def test_hidden_key_block_is_a_no_op(rng, seed):
+    """Keys wholly after every query leave (o, lse) and the gradients exactly as they were."""
+    q, k, v = qkv(rng, 2, 20, 30, 4, 2, 64, FP32)
+    be = NumpyBackend(16, 16)
+    o = randn(rng, q.shape, FP32)
+    lse = randn(rng, (2, 4, 20), FP32)
+    o0, lse0 = o.copy(), lse.copy()
+    be.forward_block(q, k, v, o, lse, scale=0.1, causal=True, q_start=100, k_start=120)
+    np.testing.assert_array_equal(o, o0, err_msg=f"seed={seed}")
+    np.testing.assert_array_equal(lse, lse0, err_msg=f"seed={seed}")
+    dq, dk, dv = (randn(rng, x.shape, FP32) for x in (q, k, v))
+    saved = [x.copy() for x in (dq, dk, dv)]
+    do = randn(rng, q.shape, FP32)
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=0.1, causal=True, q_start=100,
+                      k_start=120)
+    for got, want in zip((dq, dk, dv), saved):
+        np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")
+
+
+def test_rows_that_see_nothing_and_large_scores(rng, seed):
+    """Causal block whose first rows see no key, with large logits: o = 0 and lse = -inf on
+    those rows, no NaN, no overflow warning (RuntimeWarning is an error here) in either pass."""
+    hq, hkv, d = 4, 2, 64
+    q, k, v = qkv(rng, 2, 40, 40, hq, hkv, d, FP32, scale=6.0)  # logits ~ 36 * N(0, 1): exp overflows float32 if unmasked
+    do = randn(rng, q.shape, FP32)
+    be = NumpyBackend(16, 16)
+    o, lse = _fwd(be, q, k, v, d ** -0.5, True, 0, 10)
+    ctx = f"seed={seed}"
+    assert np.all(o[:, :10] == 0) and np.all(np.isneginf(lse[:, :, :10])), ctx
+    _check_forward(o, lse, q, k, v, d ** -0.5, True, 0, 10, ctx)
+    dq, dk, dv = (np.zeros(x.shape, np.float32) for x in (q, k, v))
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=True, q_start=0,
+                      k_start=10)
+    assert np.all(dq[:, :10] == 0), ctx
+    ref = attention_backward_reference(do, q, k, v, causal=True, scale=d ** -0.5, k_start=10)
+    for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
+        assert np.isfinite(g).all(), f"{ctx} {name}"
+        scale = max(1.0, np.abs(r).max())
+        assert max_err(g, r) <= 1e-4 * scale, f"{ctx} {name}: {max_err(g, r):.3e}"
+
+
+def test_empty_key_block(rng, seed):
+    q, k, v = qkv(rng, 1, 9, 0, 4, 1, 64, FP32)
+    be = NumpyBackend(16, 16)
+    o, lse = _fwd(be, q, k, v, 0.125, False, 0, 0)
+    assert np.all(o == 0) and np.all(np.isneginf(lse)), f"seed={seed}"
+
+
+def test_get_backend_defaults_to_numpy():
+    be = get_backend(np.zeros(1))
+    assert isinstance(be, NumpyBackend) and be.xp is np
