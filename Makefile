@@ -13,6 +13,9 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_rmaps_base_oversubscribe := 1
 export PRTE_MCA_rmaps_default_mapping_policy := :oversubscribe
 export PYTHONUNBUFFERED := 1
+# one BLAS thread per process: the MPI tests run several ranks on two cores
+export OPENBLAS_NUM_THREADS := 1
+export OMP_NUM_THREADS := 1
 
 .PHONY: test test-unit test-mpi cuda-check demo clean setup
 
