@@ -18,7 +18,9 @@ import numpy as np
 
 from . import __version__
 from .dtypes import SUPPORTED_NAMES, bfloat16, dtype_name, parse_dtype
-from .errors import BackendError, BurstError
+from .collective import agree
+from .device import gpu_count as _gpu_count
+from .errors import BackendError, BurstError, FileError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
@@ -116,15 +118,6 @@ def cmd_info(args):
     return 0
 
 
-def _gpu_count():
-    try:
-        import cupy
-
-        return cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # noqa: BLE001
-        return 0
-
-
 def _gpu_summary():
     try:
         import cupy
@@ -170,8 +163,8 @@ def cmd_gen(args):
                   f"Hq={args.heads} Hkv={args.kv_heads or args.heads} D={args.head_dim} {dtype_name(dtype)} "
                   f"seed={args.seed} ({total} tokens)", flush=True)
         except Exception as e:  # noqa: BLE001
-            err = e if isinstance(e, BurstError) else io.FileError(f"cannot write {args.output!r}: {io._message(e)}")
-    io.agree(comm, err)
+            err = e if isinstance(e, BurstError) else FileError(f"cannot write {args.output!r}: {io._message(e)}")
+    agree(comm, err)
     return 0
 
 
@@ -194,18 +187,6 @@ def _setup_backend(name, comm):
         raise BackendError("--backend cuda: no GPU visible to this rank; use --backend numpy")
     select_device(comm)  # node-local rank mod GPU count
     return cupy, "cuda"
-
-
-def _gpus_shared(comm):
-    """True on every rank when some node runs more ranks than it has GPUs."""
-    from mpi4py import MPI
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        shared = local.size > max(1, _gpu_count())
-    finally:
-        local.Free()
-    return comm.allreduce(shared, op=MPI.LOR)
 
 
 def _to_host(x):
@@ -231,6 +212,7 @@ def cmd_run(args):
     from . import io
     from .distributed import burst_attention, burst_attention_backward
     from .layout import default_layout
+    from .device import gpus_shared
     from .transport import choose_transport
 
     comm = _world()
@@ -242,7 +224,7 @@ def cmd_run(args):
         xp, backend = _setup_backend(args.backend, comm)
     except Exception as e:  # noqa: BLE001
         err = e
-    io.agree(comm, err)
+    agree(comm, err)
 
     names = ("q", "k", "v", "do") if args.backward else ("q", "k", "v")
     spec, shards = io.read_shards(args.input, comm, layout, names)
@@ -252,15 +234,12 @@ def cmd_run(args):
     progress(f"read {args.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
 
     err, transport = None, args.transport
-    if backend == "cuda" and args.transport == "auto" and _gpus_shared(comm):
-        # NCCL refuses two ranks on one GPU: host staging works with any number of ranks per GPU
-        args.transport = "staged"
-        progress("more ranks than GPUs on a node: transport auto -> staged")
+    shared = gpus_shared(comm) if backend == "cuda" else False  # NCCL refuses two ranks on one GPU
     try:
-        transport = choose_transport(args.transport, on_device=backend == "cuda")
+        transport = choose_transport(args.transport, backend == "cuda", shared)
     except Exception as e:  # noqa: BLE001
         err = e
-    io.agree(comm, err)
+    agree(comm, err)
 
     attrs = {"kind": "outputs", "causal": causal, "scale": float(scale), "source": os.path.abspath(args.input),
              "batch": spec.batch, "seqlen": spec.seqlen, "heads": spec.heads, "kv_heads": spec.kv_heads,
@@ -548,7 +527,7 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
                         ref_max[name] = max(ref_max[name], _max_abs(ref[name]))
     except Exception as e:  # noqa: BLE001
         failure = e if isinstance(e, BurstError) else BurstError(f"verification could not run: {io._message(e)}")
-    io.agree(comm, failure)
+    agree(comm, failure)
     err = {n: comm.allreduce(err[n], op=MPI.MAX) for n in names}
     err_plain = {n: comm.allreduce(err_plain[n], op=MPI.MAX) for n in names}
     ref_max = {n: comm.allreduce(ref_max[n], op=MPI.MAX) for n in names}

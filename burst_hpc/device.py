@@ -17,3 +17,30 @@ def select_device(comm=None):
     device = local_rank % cupy.cuda.runtime.getDeviceCount()
     cupy.cuda.Device(device).use()
     return device
+
+
+def node_ranks(comm):
+    """How many ranks of ``comm`` share this node (collective)."""
+    from mpi4py import MPI
+
+    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
+    try:
+        return local.size
+    finally:
+        local.Free()
+
+
+def gpu_count():
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount()
+    except Exception:  # no CuPy, no driver
+        return 0
+
+
+def gpus_shared(comm):
+    """Collective: True on every rank when some node runs more ranks than it has GPUs."""
+    from mpi4py import MPI
+
+    return comm.allreduce(node_ranks(comm) > max(1, gpu_count()), op=MPI.LOR)

@@ -16,7 +16,9 @@ from .layout import check_layout, check_split, default_layout, pieces
 from .merge import array_module
 from .ring import ring_loop
 from .schedule import block_pairs
-from .transport import agree, choose_transport, make_transport
+from .collective import agree
+from .device import gpus_shared
+from .transport import choose_transport, make_transport
 from .validate import check_like, check_qkv, check_same_kind, resolve_scale
 
 log = logging.getLogger("burst_hpc")
@@ -35,6 +37,8 @@ class _Plan:
     def __init__(self, comm, q, k, v, causal, scale, layout, transport, extra=()):
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
         error, signature = None, None
+        on_device = type(q).__module__.startswith("cupy")
+        shared = gpus_shared(comm) if comm.allreduce(on_device) else False  # collective on every rank
         try:
             check_same_kind(q, k, v, *[x for _, x, _, _ in extra])
             b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
@@ -47,7 +51,7 @@ class _Plan:
             self.scale = resolve_scale(scale, d)
             self.causal = bool(causal)
             self.backend = get_backend(q)
-            self.transport_name = choose_transport(transport, on_device=self.backend.name == "cuda")
+            self.transport_name = choose_transport(transport, self.backend.name == "cuda", shared)
             self.heads, self.kv_heads, self.head_dim = hq, hkv, d
             signature = {"q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
                          "causal": self.causal, "layout": self.layout, "scale": self.scale,

@@ -27,3 +27,7 @@ class RankMismatchError(BurstError):
 
 class BackendError(BurstError):
     """A compute backend cannot run the request (no GPU, unsupported head dim, ...)."""
+
+
+class FileError(BurstError):
+    """An input or output file cannot be read or written as asked."""

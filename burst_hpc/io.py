@@ -27,9 +27,9 @@ import uuid
 import numpy as np
 
 from . import __version__
-from . import errors as _errors
+from .collective import agree
 from .dtypes import SUPPORTED, bfloat16, dtype_name
-from .errors import BurstError, DTypeError, ShapeError
+from .errors import BurstError, DTypeError, FileError, ShapeError
 from .layout import check_split, pieces
 
 FORMAT = "burst-hpc/1"
@@ -40,36 +40,7 @@ CHUNK_BYTES = 1 << 20  # aim for about 1 MiB per chunk
 _TAG = 7301
 
 
-class FileError(BurstError):
-    """An input file or dataset is missing or unreadable, or the output cannot be written."""
-
-
 # --------------------------------------------------------------------------- collective errors
-
-def agree(comm, err):
-    """Raise the same error on every rank if any rank has one; return None otherwise.
-
-    ``err`` is this rank's exception or None. The error raised is the lowest failing rank's,
-    rebuilt as the same BurstError subclass (anything else becomes a plain BurstError), and
-    marked ``agreed = True`` so the CLI knows every rank raised it.
-    """
-    mine = None if err is None else (type(err).__name__, _message(err))
-    verdicts = comm.allgather(mine) if comm is not None and comm.size > 1 else [mine]
-    first = next((v for v in verdicts if v is not None), None)
-    if first is None:
-        return None
-    name, message = first
-    cls = getattr(_errors, name, None)
-    if cls is None:
-        cls = FileError if name == "FileError" else BurstError
-    if not (isinstance(cls, type) and issubclass(cls, BurstError)):
-        cls = BurstError
-    exc = cls(message)
-    exc.agreed = True
-    if err is not None and mine == first:
-        raise exc from err
-    raise exc
-
 
 def _message(err):
     if isinstance(err, BurstError):

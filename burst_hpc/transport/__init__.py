@@ -14,7 +14,8 @@ import ctypes
 import logging
 import os
 
-from ..errors import BurstError, TransportError
+from ..collective import agree  # noqa: F401  (re-exported)
+from ..errors import TransportError
 
 log = logging.getLogger("burst_hpc")
 
@@ -62,8 +63,9 @@ def nccl_available():
     return bool(getattr(nccl, "available", True))
 
 
-def choose_transport(name, on_device):
-    """The concrete transport for ``name`` ('auto' or one of TRANSPORTS) and the data's location."""
+def choose_transport(name, on_device, gpus_shared=False):
+    """The concrete transport for ``name`` ('auto' or one of TRANSPORTS) and the data's location.
+    ``gpus_shared``: some node runs more ranks than it has GPUs (NCCL refuses that)."""
     if name not in TRANSPORTS:
         raise TransportError(f"unknown transport {name!r}; use one of {', '.join(TRANSPORTS)}")
     if not on_device:
@@ -82,43 +84,20 @@ def choose_transport(name, on_device):
         return "mpi"
     if name == "nccl" and not nccl_available():
         raise TransportError("transport 'nccl' needs cupy.cuda.nccl, which is not available")
+    if name == "nccl" and gpus_shared:
+        raise TransportError("transport 'nccl' needs one GPU per rank, and some node runs more ranks than it "
+                             "has GPUs; use staged (or mpi with a CUDA-aware MPI)")
     if name != "auto":
         return name
     aware, reason = cuda_aware_mpi()
     if aware:
         choice = "mpi"
-    elif nccl_available():
+    elif nccl_available() and not gpus_shared:
         choice = "nccl"
     else:
         choice = "staged"
     log.info("transport auto -> %s (CUDA-aware MPI: %s)", choice, reason)
     return choice
-
-
-def agree(comm, error=None, signature=None):
-    """Collective: if any rank has an error, raise the same one (the first failing rank's) on
-    every rank; then, if ``signature`` (a dict) differs between ranks, raise RankMismatchError."""
-    mine = None if error is None else (type(error).__name__, str(error), comm.rank)
-    gathered = comm.allgather((mine, signature))
-    found = [e for e, _ in gathered if e is not None]
-    if found:
-        name, message, rank = found[0]
-        from .. import errors
-
-        cls = getattr(errors, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, BurstError)):
-            cls, message = BurstError, f"{name}: {message}"
-        everywhere = len(found) == comm.size and all(e[1] == found[0][1] for e in found)
-        raise cls(message if everywhere or comm.size == 1 else f"rank {rank}: {message}")
-    if signature is not None:
-        from ..errors import RankMismatchError
-
-        for rank, (_, theirs) in enumerate(gathered):
-            for key in signature:
-                if theirs.get(key) != gathered[0][1].get(key):
-                    raise RankMismatchError(
-                        f"ranks disagree on {key}: rank 0 has {gathered[0][1].get(key)!r}, "
-                        f"rank {rank} has {theirs.get(key)!r}; every rank must pass matching arguments")
 
 
 def make_transport(name, comm, xp):
