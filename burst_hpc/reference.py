@@ -16,7 +16,7 @@ def _inputs(q, k, v, scale):
 
 def _probabilities(q, k, scale, causal, q_start, k_start):
     """(p, lse): p (B, H, Sq, Sk) softmax probabilities, lse (B, H, Sq)."""
-    s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+    s = np.einsum("bqhd,bkhd->bhqk", q, k, optimize=True) * scale
     if causal:
         q_pos = q_start + np.arange(q.shape[1])
         k_pos = k_start + np.arange(k.shape[1])
@@ -40,7 +40,7 @@ def attention_reference(q, k, v, causal=False, scale=None, q_start=0, k_start=0)
     """(o, lse) in float64: o (B, Sq, Hq, D), lse (B, Hq, Sq)."""
     q, k, v, _, scale = _inputs(q, k, v, scale)
     p, lse = _probabilities(q, k, scale, causal, q_start, k_start)
-    return np.einsum("bhqk,bkhd->bqhd", p, v), lse
+    return np.einsum("bhqk,bkhd->bqhd", p, v, optimize=True), lse
 
 
 def attention_backward_reference(do, q, k, v, causal=False, scale=None, q_start=0, k_start=0):
@@ -48,9 +48,9 @@ def attention_backward_reference(do, q, k, v, causal=False, scale=None, q_start=
     q, k, v, group, scale = _inputs(q, k, v, scale)
     do = np.asarray(do).astype(np.float64)
     p, _ = _probabilities(q, k, scale, causal, q_start, k_start)
-    dv = np.einsum("bhqk,bqhd->bkhd", p, do)
-    dp = np.einsum("bqhd,bkhd->bhqk", do, v)
+    dv = np.einsum("bhqk,bqhd->bkhd", p, do, optimize=True)
+    dp = np.einsum("bqhd,bkhd->bhqk", do, v, optimize=True)
     ds = p * (dp - (p * dp).sum(-1, keepdims=True))
-    dq = np.einsum("bhqk,bkhd->bqhd", ds, k) * scale
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, q) * scale
+    dq = np.einsum("bhqk,bkhd->bqhd", ds, k, optimize=True) * scale
+    dk = np.einsum("bhqk,bqhd->bkhd", ds, q, optimize=True) * scale
     return dq, _sum_groups(dk, group), _sum_groups(dv, group)
