@@ -16,7 +16,6 @@ import sys
 import time
 
 import cupy
-import numpy as np
 from mpi4py import MPI
 
 import burst_hpc

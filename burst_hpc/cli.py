@@ -9,7 +9,6 @@ Exit status: 0 success, 1 bad input or a failed run (one message, on rank 0, eve
 2 bad command line, 3 ``--verify`` found a mismatch. See docs/USAGE.md.
 """
 import argparse
-import math
 import os
 import sys
 import time
@@ -17,7 +16,8 @@ import time
 import numpy as np
 
 from . import __version__
-from .dtypes import SUPPORTED_NAMES, bfloat16, dtype_name, parse_dtype
+from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
+from . import verify
 from .collective import agree
 from .device import gpu_count as _gpu_count
 from .errors import BackendError, BurstError, FileError
@@ -275,8 +275,6 @@ def _collective(fn, *args, **kwargs):
 
 def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, scale, transport, progress,
                    burst_attention, burst_attention_backward):
-    from . import io
-
     size = comm.size
     dev = {name: xp.asarray(a) for name, a in shards.items()}
     kw = dict(comm=comm, causal=causal, scale=scale, layout=layout, transport=args.transport)
@@ -320,223 +318,13 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
     code = 0
     if args.verify:
         progress("verifying against the float64 oracle")
-        report = verify(args.input, spec, host, comm, layout, causal, scale, rows=args.verify_rows,
+        report = verify.verify(args.input, spec, host, comm, layout, causal, scale, rows=args.verify_rows,
                         seed=args.verify_seed, progress=progress)
         errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
         parts.append(f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}")
         code = 0 if report["ok"] else EXIT_MISMATCH
     parts.append(f"-> {args.output}")
     return "  ".join(parts), code
-
-
-# =========================================================================== verification
-#
-# Error of our result against the float64 oracle must stay within FACTOR x the error of a plain
-# computation in the input precision (scores, probabilities and products rounded to the input dtype,
-# float32 accumulation, as a PyTorch-style implementation does) plus a floor:
-#     max|ours - ref| <= FACTOR[name] * max|plain - ref| + ATOL[dtype] * max(1, max|ref|)
-# FACTOR is 2 for o and lse, 3 for dq, dk, dv (FlashAttention's test convention).
-
-FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
-ATOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
-LSE_ATOL = 5e-7  # lse is stored as float32 whatever the inputs
-FULL_LIMIT = 1 << 22  # B * Hq * S * S at most this: every row, every output, checked in full
-KEY_CHUNK = 1 << 21  # elements of one (B, Hq, rows, keys) score block in the sampled check
-
-
-def _compute_type(lowp):
-    return np.float64 if lowp is None or np.dtype(lowp) == np.float64 else np.float32
-
-
-def _rounder(lowp, ct):
-    if lowp is None:
-        return lambda x: x
-    return lambda x: x.astype(lowp).astype(ct)
-
-
-def _expand(x, heads, ct):
-    return np.repeat(x.astype(ct), heads // x.shape[2], axis=2)
-
-
-def _scores(q, k, scale, causal, q_start, k_start, rnd):
-    s = rnd(np.einsum("bqhd,bkhd->bhqk", q, k) * scale)
-    if causal:
-        hidden = (k_start + np.arange(k.shape[1]))[None, :] > (q_start + np.arange(q.shape[1]))[:, None]
-        s = np.where(hidden, -np.inf, s)
-    return s
-
-
-def plain_attention(q, k, v, do=None, causal=False, scale=None, lowp=None):
-    """(o, lse, dq, dk, dv) by the textbook formulas; in float64 when ``lowp`` is None, else as a plain
-    same-precision implementation: products rounded to ``lowp``, float32 arithmetic in between."""
-    ct = _compute_type(lowp)
-    rnd = _rounder(lowp, ct)
-    heads, group = q.shape[2], q.shape[2] // k.shape[2]
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    qc, kc, vc = q.astype(ct), _expand(k, heads, ct), _expand(v, heads, ct)
-    s = _scores(qc, kc, scale, causal, 0, 0, rnd)
-    lse = _logsumexp(s)
-    p = rnd(np.exp(s - np.where(np.isneginf(lse), 0, lse)[..., None]))
-    o = rnd(np.einsum("bhqk,bkhd->bqhd", p, vc))
-    if do is None:
-        return o, lse, None, None, None
-    doc = do.astype(ct)
-    dv = np.einsum("bhqk,bqhd->bkhd", p, doc)
-    dp = rnd(np.einsum("bqhd,bkhd->bhqk", doc, vc))
-    delta = np.einsum("bqhd,bqhd->bhq", doc, o)
-    ds = rnd(p * (dp - delta[..., None]))
-    dq = rnd(np.einsum("bhqk,bkhd->bqhd", ds, kc) * scale)
-    dk = np.einsum("bhqk,bqhd->bkhd", ds, qc) * scale
-    b, n, _, d = k.shape
-    return o, lse, dq, rnd(dk.reshape(b, n, -1, group, d).sum(3)), rnd(dv.reshape(b, n, -1, group, d).sum(3))
-
-
-def _logsumexp(s):
-    m = s.max(-1)
-    safe = np.where(np.isneginf(m), 0, m)
-    with np.errstate(divide="ignore"):
-        return np.log(np.exp(s - safe[..., None]).sum(-1)) + safe
-
-
-def window_attention(q, do, key_blocks, causal, scale, q_start, lowp=None):
-    """(o, lse, dq) of a window of query rows against keys that arrive in blocks.
-
-    q, do (B, W, Hq, D) (do may be None); ``key_blocks()`` yields (k_start, k, v) blocks covering the
-    keys, read again for each of the (up to) three passes, so memory stays at one score block.
-    float64 and exact when ``lowp`` is None; else the plain same-precision computation."""
-    ct = _compute_type(lowp)
-    rnd = _rounder(lowp, ct)
-    heads = q.shape[2]
-    qc = q.astype(ct)
-    lse = np.full((q.shape[0], heads, q.shape[1]), -np.inf, ct)
-    for k0, k, _ in key_blocks():
-        lse = np.logaddexp(lse, _logsumexp(_scores(qc, _expand(k, heads, ct), scale, causal, q_start, k0, rnd)))
-    safe = np.where(np.isneginf(lse), 0, lse)[..., None]
-
-    def probabilities(k0, k):
-        kc = _expand(k, heads, ct)
-        return kc, rnd(np.exp(_scores(qc, kc, scale, causal, q_start, k0, rnd) - safe))
-
-    o = np.zeros(q.shape, ct)
-    for k0, k, v in key_blocks():
-        _, p = probabilities(k0, k)
-        o += np.einsum("bhqk,bkhd->bqhd", p, _expand(v, heads, ct))
-    o = rnd(o)
-    if do is None:
-        return o, lse, None
-    doc = do.astype(ct)
-    delta = np.einsum("bqhd,bqhd->bhq", doc, o)[..., None]
-    dq = np.zeros(q.shape, ct)
-    for k0, k, v in key_blocks():
-        kc, p = probabilities(k0, k)
-        dp = rnd(np.einsum("bqhd,bkhd->bhqk", doc, _expand(v, heads, ct)))
-        dq += np.einsum("bhqk,bkhd->bqhd", rnd(p * (dp - delta)), kc) * scale
-    return o, lse, rnd(dq)
-
-
-def _max_err(ours, ref):
-    ours = np.asarray(ours, np.float64)
-    ref = np.asarray(ref, np.float64)
-    both_inf = np.isneginf(ours) & np.isneginf(ref)
-    diff = np.where(both_inf, 0.0, np.abs(ours - ref))
-    diff = np.where(np.isnan(diff), np.inf, diff)
-    return float(diff.max()) if diff.size else 0.0
-
-
-def _max_abs(ref):
-    ref = np.asarray(ref, np.float64)
-    finite = ref[np.isfinite(ref)]
-    return float(np.abs(finite).max()) if finite.size else 0.0
-
-
-def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, progress=None):
-    """Check this rank's outputs ``ours`` (host arrays, local layout order) against the float64 oracle.
-
-    Collective. Full check (every row of every output) when B*Hq*S*S <= FULL_LIMIT; otherwise
-    ``rows`` query rows per rank in random windows, checking o, lse (and dq when present) with the
-    keys read from ``path`` in blocks. Returns {'ok', 'mode', 'err', 'tol'} (the same on every rank).
-    """
-    from mpi4py import MPI
-
-    from . import io
-    from .layout import layout_indices, pieces
-    from .reference import attention_backward_reference, attention_reference
-
-    names = [n for n in ("o", "lse", "dq", "dk", "dv") if n in ours]
-    full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
-    lowp = spec.dtype
-    err, err_plain, ref_max = {}, {}, {}
-    failure = None
-    try:
-        if full:
-            data = io.read_global(path, ["q", "k", "v"] + (["do"] if "dq" in ours else []))
-            q, k, v, do = data["q"], data["k"], data["v"], data.get("do")
-            ref = dict(zip(("o", "lse"), attention_reference(q, k, v, causal, scale)))
-            if do is not None:
-                ref.update(zip(("dq", "dk", "dv"), attention_backward_reference(do, q, k, v, causal, scale)))
-            plain = dict(zip(("o", "lse", "dq", "dk", "dv"), plain_attention(q, k, v, do, causal, scale, lowp)))
-            idx = layout_indices(spec.seqlen, comm.rank, comm.size, layout)
-            for name in names:
-                axis = 2 if name == "lse" else 1
-                mine = np.take(ref[name], idx, axis=axis)
-                err[name] = _max_err(ours[name], mine)
-                err_plain[name] = _max_err(np.take(plain[name], idx, axis=axis).astype(
-                    np.float32 if name == "lse" else lowp), mine)
-                ref_max[name] = _max_abs(mine)
-        else:
-            names = [n for n in names if n in ("o", "lse", "dq")]
-            for n in names:
-                err[n] = err_plain[n] = ref_max[n] = 0.0
-            rng = np.random.default_rng([seed, comm.rank])
-            runs = pieces(spec.seqlen, comm.rank, comm.size, layout)
-            per_run = max(1, rows // len(runs))
-            width = max(1, min(per_run, KEY_CHUNK // (spec.batch * spec.heads * 128)))
-            with io._open_read(path) as f:
-                dsq, dsk, dsv = f["q"], f["k"], f["v"]
-                dsdo = f["do"] if "dq" in ours else None
-                block = max(128, KEY_CHUNK // (spec.batch * spec.heads * width))
-                offset = 0
-                windows = []
-                for start, n in runs:
-                    for _ in range(max(1, per_run // width)):
-                        w = min(width, n)
-                        g0 = start + int(rng.integers(0, n - w + 1))
-                        windows.append((g0, w, offset + g0 - start))
-                    offset += n
-                for i, (g0, w, local0) in enumerate(windows):
-                    if progress is not None:
-                        progress(f"verify window {i + 1}/{len(windows)} on rank 0: rows {g0}..{g0 + w - 1}")
-                    q = io.read_slab(dsq, (slice(None), slice(g0, g0 + w)), spec.dtype)
-                    do = io.read_slab(dsdo, (slice(None), slice(g0, g0 + w)), spec.dtype) if dsdo is not None else None
-                    k_end = g0 + w if causal else spec.seqlen
-
-                    def key_blocks():
-                        for k0 in range(0, k_end, block):
-                            k1 = min(k_end, k0 + block)
-                            yield (k0, io.read_slab(dsk, (slice(None), slice(k0, k1)), spec.dtype),
-                                   io.read_slab(dsv, (slice(None), slice(k0, k1)), spec.dtype))
-
-                    ref = dict(zip(("o", "lse", "dq"), window_attention(q, do, key_blocks, causal, scale, g0)))
-                    plain = dict(zip(("o", "lse", "dq"), window_attention(q, do, key_blocks, causal, scale, g0, lowp)))
-                    for name in names:
-                        axis = 2 if name == "lse" else 1
-                        sel = (slice(None),) * axis + (slice(local0, local0 + w),)
-                        err[name] = max(err[name], _max_err(ours[name][sel], ref[name]))
-                        err_plain[name] = max(err_plain[name], _max_err(plain[name].astype(
-                            np.float32 if name == "lse" else lowp), ref[name]))
-                        ref_max[name] = max(ref_max[name], _max_abs(ref[name]))
-    except Exception as e:  # noqa: BLE001
-        failure = e if isinstance(e, BurstError) else BurstError(f"verification could not run: {io._message(e)}")
-    agree(comm, failure)
-    err = {n: comm.allreduce(err[n], op=MPI.MAX) for n in names}
-    err_plain = {n: comm.allreduce(err_plain[n], op=MPI.MAX) for n in names}
-    ref_max = {n: comm.allreduce(ref_max[n], op=MPI.MAX) for n in names}
-    atol = ATOL[dtype_name(spec.dtype)]
-    tol = {n: FACTOR[n] * err_plain[n] + max(atol, LSE_ATOL if n == "lse" else 0.0) * max(1.0, ref_max[n])
-           for n in names}
-    ok = all(err[n] <= tol[n] for n in names)
-    return {"ok": ok, "mode": "full" if full else f"sampled {rows} rows/rank", "err": err, "tol": tol,
-            "plain": err_plain}
 
 
 # =========================================================================== main

@@ -4,7 +4,7 @@ import os
 import numpy as np
 import pytest
 
-from burst_hpc import cli, io
+from burst_hpc import cli, io, verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
@@ -27,7 +27,7 @@ def test_chunk_shape_bounds_bytes():
 @pytest.mark.parametrize("causal", [False, True])
 def test_plain_float64_matches_oracle(causal):
     q, k, v, do = _inputs(dtype=np.float64)
-    o, lse, dq, dk, dv = cli.plain_attention(q, k, v, do, causal, 0.3)
+    o, lse, dq, dk, dv = verify.plain_attention(q, k, v, do, causal, 0.3)
     ro, rlse = attention_reference(q, k, v, causal, 0.3)
     rdq, rdk, rdv = attention_backward_reference(do, q, k, v, causal, 0.3)
     for ours, ref in ((o, ro), (lse, rlse), (dq, rdq), (dk, rdk), (dv, rdv)):
@@ -45,14 +45,14 @@ def test_window_reference_matches_oracle(causal):
         for k0 in range(0, k_end, 7):
             yield k0, k[:, k0:min(k_end, k0 + 7)], v[:, k0:min(k_end, k0 + 7)]
 
-    o, lse, dq = cli.window_attention(q[:, g0:g0 + w], do[:, g0:g0 + w], blocks, causal, 0.35, g0)
+    o, lse, dq = verify.window_attention(q[:, g0:g0 + w], do[:, g0:g0 + w], blocks, causal, 0.35, g0)
     ro, rlse = attention_reference(q, k, v, causal, 0.35)
     rdq, _, _ = attention_backward_reference(do, q, k, v, causal, 0.35)
     np.testing.assert_allclose(o, ro[:, g0:g0 + w], atol=1e-12)
     np.testing.assert_allclose(lse, rlse[:, :, g0:g0 + w], atol=1e-12)
     np.testing.assert_allclose(dq, rdq[:, g0:g0 + w], atol=1e-12)
     # the same-precision plain version is close but not exact
-    po, _, pdq = cli.window_attention(q[:, g0:g0 + w], do[:, g0:g0 + w], blocks, causal, 0.35, g0, bfloat16)
+    po, _, pdq = verify.window_attention(q[:, g0:g0 + w], do[:, g0:g0 + w], blocks, causal, 0.35, g0, bfloat16)
     assert 0 < np.abs(po - ro[:, g0:g0 + w]).max() < 5e-2
 
 
@@ -70,7 +70,7 @@ def _run_verify(tmp_path, monkeypatch, seqlen, corrupt, backward=True, rows=16):
     if corrupt:
         ours[corrupt] = ours[corrupt].copy()
         ours[corrupt][0, 5] = ours[corrupt][0, 5] + np.asarray(0.5, ours[corrupt].dtype)
-    return cli.verify(src, spec, ours, MPI.COMM_SELF, "contiguous", True, 8 ** -0.5, rows=rows)
+    return verify.verify(src, spec, ours, MPI.COMM_SELF, "contiguous", True, 8 ** -0.5, rows=rows)
 
 
 @pytest.mark.parametrize("corrupt", [None, "o", "dk"])
@@ -82,7 +82,7 @@ def test_verify_full_detects_mismatch(tmp_path, monkeypatch, corrupt):
 
 @pytest.mark.parametrize("corrupt", [None, "o", "dq"])
 def test_verify_sampled_detects_mismatch(tmp_path, monkeypatch, corrupt):
-    monkeypatch.setattr(cli, "FULL_LIMIT", 100)
+    monkeypatch.setattr(verify, "FULL_LIMIT", 100)
     report = _run_verify(tmp_path, monkeypatch, 40, corrupt, rows=40)  # the windows cover every row
     assert report["mode"].startswith("sampled") and set(report["err"]) == {"o", "lse", "dq"}
     assert report["ok"] == (corrupt is None), report

@@ -14,7 +14,6 @@ import ctypes
 import logging
 import os
 
-from ..collective import agree  # noqa: F401  (re-exported)
 from ..errors import TransportError
 
 log = logging.getLogger("burst_hpc")
