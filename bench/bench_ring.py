@@ -148,7 +148,7 @@ def main():
         fmt = lambda key: f"{row[key]:.3f}" if key in row else "-"  # noqa: E731
         lines.append(f"| {row['transport']} | {row['layout']} | {row['pass']} | {row['ring']} | {fmt('full')} | "
                      f"{fmt('compute')} | {fmt('comm')} | {row['tflops_per_gpu']:.0f} | "
-                     f"{row.get('overlap', float('nan')):.1%} | {eff} | {row['peak_gib']:.1f} |")
+                     f"{format(row['overlap'], '.1%') if 'overlap' in row else '-'} | {eff} | {row['peak_gib']:.1f} |")
     if singles:
         lines.append(f"\nOne GPU, whole sequence ({S} tokens): " +
                      ", ".join(f"{p} {t:.3f} s" for p, t in singles.items()))
