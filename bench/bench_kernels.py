@@ -166,7 +166,10 @@ def fmt_row(r):
 
 def table(rows, dev, cmd):
     date = datetime.date.today().isoformat()
-    head = (f"{date}, {dev}, `{cmd}` (bf16, B=1, H=32; TFLOP/s; median of CUDA-event timings)\n\n"
+    from burst_hpc.backends import cuda_backend
+
+    head = (f"{date}, {dev}, `{cmd}` (bf16, B=1, H=32; TFLOP/s; median of CUDA-event timings; "
+            f"backward layout {cuda_backend._BWD_LAYOUT})\n\n"
             "| D | S | causal | ours fwd | flash fwd | cuDNN fwd | ours/flash fwd | ours fwd+bwd | flash fwd+bwd | "
             "cuDNN fwd+bwd | ours/flash fwd+bwd |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|\n")

@@ -282,6 +282,325 @@ BH_BWD(attn_bwd_bf16_d64_causal_w4, 64, 64, 4, true, true)
 BH_BWD(attn_bwd_f16_d64_full_w4, 64, 64, 4, false, false)
 BH_BWD(attn_bwd_f16_d64_causal_w4, 64, 64, 4, false, true)
 
+// ---------------------------------------------------------------------------------------------------
+// Layout k4x2 (default): BN = 128 keys, BM = 64 queries, 8 warps. Less shared-memory traffic per MMA
+// than the layout above (about 0.42 ldmatrix.x4 per MMA instead of 0.57):
+//   * S^T, dP^T: warp (kb, hh) = (w >> 1, w & 1) computes 32 keys [32 kb, +32) x 32 queries [32 hh, +32):
+//     per k16 step 2 K and 2 Q fragments feed 8 MMAs (and the same for V, dO).
+//   * P^T and dS^T are packed to 16 bits, kept in registers and also written to shared memory.
+//   * dV += P^T dO and dK += dS^T Q: the same warp owns keys [32 kb, +32) x head-dim half hh; its own
+//     32 queries come from registers, the partner warp's (w ^ 1) 32 queries from shared memory.
+//     dK, dV (32 keys x D/2 each) stay in registers for the whole walk.
+//   * dQ = dS K: warps re-split 2 (32 queries) x 4 (D/4 columns), float2 atomics into global dq.
+// Q, dO, lse, delta for tile it+1 are loaded (cp.async) during tile it; two barriers per tile.
+template <int D, bool BF16, bool CAUSAL>
+__device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u16* __restrict__ k,
+                                              const u16* __restrict__ v, const u16* __restrict__ dout,
+                                              const float* __restrict__ lse, const float* __restrict__ delta,
+                                              float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb,
+                                              i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 gsb, i64 gss, i64 gsh,
+                                              i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,
+                                              i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss,
+                                              i64 vgsh, int Sq, int Sk, int Hkv, int group, int hpb, float scale,
+                                              float sl2, i64 off, int atomic_kv) {
+  constexpr int BM = 64, BN = 128, NT = 256;
+  constexpr int DH = D / 2;   // dK/dV head-dim columns per warp
+  constexpr int DQC = D / 4;  // dQ head-dim columns per warp
+  static_assert(DH % 16 == 0 && DQC % 16 == 0, "bad head dim");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const u32 sK = smem_u32(smem);
+  const u32 sV = sK + BN * D * 2;
+  const u32 sQ = sV + BN * D * 2;        // [2][BM][D]
+  const u32 sDO = sQ + 2 * BM * D * 2;   // [2][BM][D]
+  const u32 sP = sDO + 2 * BM * D * 2;   // [BN][BM] P^T
+  const u32 sDS = sP + BN * BM * 2;      // [BN][BM] dS^T
+  float* sL = reinterpret_cast<float*>(smem + (sDS - sK) + BN * BM * 2);  // [2][BM]
+  float* sDl = sL + 2 * BM;                                               // [2][BM]
+
+  const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
+  const int kb = w >> 1, hh = w & 1;
+  const int n0 = blockIdx.x * BN;
+  const int hs = blockIdx.y;
+  const int b = blockIdx.z / Hkv, hk = blockIdx.z % Hkv;
+  const int h_first = hk * group + hs * hpb;
+
+  int m_begin = 0;
+  if (CAUSAL) {
+    const i64 first = static_cast<i64>(n0) - off;  // first query that sees key n0
+    if (first >= Sq) return;
+    m_begin = first <= 0 ? 0 : static_cast<int>(first / BM) * BM;
+  }
+  const int nmt = (Sq - m_begin + BM - 1) / BM;
+  const int total = nmt * hpb;
+  if (total <= 0) return;
+
+  load_tile<BN, D, NT>(sK, k + b * ksb + hk * ksh + static_cast<i64>(n0) * kss, kss, Sk - n0, tid);
+  load_tile<BN, D, NT>(sV, v + b * vsb + hk * vsh + static_cast<i64>(n0) * vss, vss, Sk - n0, tid);
+
+  auto load_q = [&](int it, int stage) {
+    const int h = h_first + it / nmt;
+    const int m0 = m_begin + (it % nmt) * BM;
+    load_tile<BM, D, NT>(sQ + stage * BM * D * 2, q + b * qsb + h * qsh + static_cast<i64>(m0) * qss, qss, Sq - m0,
+                         tid);
+    load_tile<BM, D, NT>(sDO + stage * BM * D * 2, dout + b * gsb + h * gsh + static_cast<i64>(m0) * gss, gss,
+                         Sq - m0, tid);
+    if (tid < BM) {
+      const int r = m0 + tid;
+      const bool ok = r < Sq;
+      const i64 rr = ok ? r : 0;
+      cp_async4(smem_u32(sL + stage * BM + tid), lse + b * lsb + h * lsh + rr * lss, ok);
+      cp_async4(smem_u32(sDl + stage * BM + tid), delta + b * dsb + h * dsh + rr * dss, ok);
+    }
+  };
+  load_q(0, 0);
+  cp_async_commit();
+
+  float dka[2][DH / 8][4], dva[2][DH / 8][4];
+#pragma unroll
+  for (int i = 0; i < 2; ++i)
+#pragma unroll
+    for (int j = 0; j < DH / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dka[i][j][e] = dva[i][j][e] = 0.f;
+
+  const int wk_lo = kb * 32;                        // this warp's first key (tile-local)
+  const int wk_max = n0 + wk_lo + 31;               // its last key (global within the block)
+  u32* const sPw = reinterpret_cast<u32*>(smem + (sP - sK));
+  u32* const sDSw = reinterpret_cast<u32*>(smem + (sDS - sK));
+
+  for (int it = 0; it < total; ++it) {
+    const int st = it & 1;
+    cp_async_wait<0>();
+    __syncthreads();  // tile it landed; every warp is done with tile it-1 (its stage, P^T, dS^T)
+    if (it + 1 < total) load_q(it + 1, st ^ 1);
+    cp_async_commit();
+
+    const int h = h_first + it / nmt;
+    const int m0 = m_begin + (it % nmt) * BM;
+    const u32 sQt = sQ + st * BM * D * 2, sDOt = sDO + st * BM * D * 2;
+    const float* sLt = sL + st * BM;
+    const float* sDlt = sDl + st * BM;
+
+    // ---- S^T = K Q^T, dP^T = V dO^T: 32 keys x 32 queries per warp
+    float sT[2][4][4], pT[2][4][4];
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sT[i][j][e] = pT[i][j][e] = 0.f;
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      u32 ka[2][4], va[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const u32 o = tile_off<D>(wk_lo + i * 16 + (lane & 15), kk * 2 + (lane >> 4));
+        ldsm_x4(sK + o, ka[i][0], ka[i][1], ka[i][2], ka[i][3]);
+        ldsm_x4(sV + o, va[i][0], va[i][1], va[i][2], va[i][3]);
+      }
+#pragma unroll
+      for (int np = 0; np < 2; ++np) {
+        const u32 o = tile_off<D>(hh * 32 + np * 16 + ((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1));
+        u32 b0, b1, b2, b3;
+        ldsm_x4(sQt + o, b0, b1, b2, b3);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          mma16816<BF16>(sT[i][2 * np], ka[i], b0, b1);
+          mma16816<BF16>(sT[i][2 * np + 1], ka[i], b2, b3);
+        }
+        ldsm_x4(sDOt + o, b0, b1, b2, b3);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          mma16816<BF16>(pT[i][2 * np], va[i], b0, b1);
+          mma16816<BF16>(pT[i][2 * np + 1], va[i], b2, b3);
+        }
+      }
+    }
+
+    // ---- P^T, dS^T = P^T (dP^T - delta); pack to 16 bits (A fragments) and store to shared memory
+    const int qw0 = m0 + hh * 32;  // this warp's first query
+    const bool need_mask = (wk_max >= Sk) || (CAUSAL && static_cast<i64>(wk_max) > static_cast<i64>(qw0) + off);
+    u32 pa[2][2][4], da[2][2][4];
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      float l2[2], dl[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int qc = hh * 32 + nt * 8 + (lane & 3) * 2 + e;
+        const float x = sLt[qc];
+        l2[e] = (x == -BH_INF) ? BH_INF : x * BH_LOG2E;
+        dl[e] = sDlt[qc];
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float p = fast_exp2(sT[i][nt][e] * sl2 - l2[e & 1]);
+          if (need_mask) {
+            const int gk = n0 + wk_lo + i * 16 + (lane >> 2) + (e >> 1) * 8;
+            const int gq = qw0 + nt * 8 + (lane & 3) * 2 + (e & 1);
+            if (gk >= Sk || (CAUSAL && static_cast<i64>(gk) > static_cast<i64>(gq) + off)) p = 0.f;
+          }
+          sT[i][nt][e] = p;
+          pT[i][nt][e] = p * (pT[i][nt][e] - dl[e & 1]);
+        }
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const u32 pw = pack2<BF16>(sT[i][nt][2 * rr], sT[i][nt][2 * rr + 1]);
+          const u32 dw = pack2<BF16>(pT[i][nt][2 * rr], pT[i][nt][2 * rr + 1]);
+          pa[i][nt >> 1][(nt & 1) * 2 + rr] = pw;
+          da[i][nt >> 1][(nt & 1) * 2 + rr] = dw;
+          const u32 widx = tile_off<BM>(wk_lo + i * 16 + (lane >> 2) + rr * 8, hh * 4 + nt) / 4 + (lane & 3);
+          sPw[widx] = pw;
+          sDSw[widx] = dw;
+        }
+      }
+    }
+    __syncthreads();  // P^T, dS^T of every warp visible
+
+    // ---- dV += P^T dO, dK += dS^T Q: keys [32 kb, +32) x head-dim half hh, over all 64 queries
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const bool own = j < 2;
+      const int c = own ? 2 * hh + (j & 1) : 2 * (1 - hh) + (j & 1);  // 16-query chunk
+      u32 A[2][4], Ad[2][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (own) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            A[i][e] = pa[i][j & 1][e];
+            Ad[i][e] = da[i][j & 1][e];
+          }
+        } else {
+          const u32 o = tile_off<BM>(wk_lo + i * 16 + (lane & 15), c * 2 + (lane >> 4));
+          ldsm_x4(sP + o, A[i][0], A[i][1], A[i][2], A[i][3]);
+          ldsm_x4(sDS + o, Ad[i][0], Ad[i][1], Ad[i][2], Ad[i][3]);
+        }
+      }
+#pragma unroll
+      for (int dp = 0; dp < DH / 16; ++dp) {
+        const u32 o = tile_off<D>(c * 16 + (((lane >> 3) & 1) << 3) + (lane & 7), hh * (DH / 8) + dp * 2 + (lane >> 4));
+        u32 b0, b1, b2, b3;
+        ldsm_x4_t(sDOt + o, b0, b1, b2, b3);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          mma16816<BF16>(dva[i][2 * dp], A[i], b0, b1);
+          mma16816<BF16>(dva[i][2 * dp + 1], A[i], b2, b3);
+        }
+        ldsm_x4_t(sQt + o, b0, b1, b2, b3);
+#pragma unroll
+        for (int i = 0; i < 2; ++i) {
+          mma16816<BF16>(dka[i][2 * dp], Ad[i], b0, b1);
+          mma16816<BF16>(dka[i][2 * dp + 1], Ad[i], b2, b3);
+        }
+      }
+    }
+
+    // ---- dQ (BM x D) += dS K: warp -> 32 queries [32 wq, +32) x DQC columns [DQC wd, +DQC)
+    {
+      const int wq = w & 1, wd = w >> 1;
+      float dqa[2][DQC / 8][4];
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+#pragma unroll
+        for (int t = 0; t < DQC / 8; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dqa[i][t][e] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < BN / 16; ++kk) {
+        u32 a[2][4];
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          ldsm_x4_t(sDS + tile_off<BM>(kk * 16 + ((lane >> 4) << 3) + (lane & 7), wq * 4 + i * 2 + ((lane >> 3) & 1)),
+                    a[i][0], a[i][1], a[i][2], a[i][3]);
+#pragma unroll
+        for (int dp = 0; dp < DQC / 16; ++dp) {
+          u32 b0, b1, b2, b3;
+          ldsm_x4_t(sK + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
+                                     wd * (DQC / 8) + dp * 2 + (lane >> 4)),
+                    b0, b1, b2, b3);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            mma16816<BF16>(dqa[i][2 * dp], a[i], b0, b1);
+            mma16816<BF16>(dqa[i][2 * dp + 1], a[i], b2, b3);
+          }
+        }
+      }
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+#pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int row = m0 + wq * 32 + i * 16 + (lane >> 2) + rr * 8;
+          if (row < Sq) {
+            float* p = dq + b * qgsb + h * qgsh + static_cast<i64>(row) * qgss + wd * DQC + (lane & 3) * 2;
+#pragma unroll
+            for (int t = 0; t < DQC / 8; ++t)
+              atomicAdd(reinterpret_cast<float2*>(p + t * 8),
+                        make_float2(dqa[i][t][2 * rr] * scale, dqa[i][t][2 * rr + 1] * scale));
+          }
+        }
+      }
+    }
+  }
+  cp_async_wait<0>();
+
+  // ---- dK, dV epilogue: keys [32 kb, +32) x columns [DH hh, +DH)
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+#pragma unroll
+    for (int rr = 0; rr < 2; ++rr) {
+      const int key = n0 + wk_lo + i * 16 + (lane >> 2) + rr * 8;
+      if (key < Sk) {
+        float* pk = dk + b * kgsb + hk * kgsh + static_cast<i64>(key) * kgss + hh * DH + (lane & 3) * 2;
+        float* pv = dv + b * vgsb + hk * vgsh + static_cast<i64>(key) * vgss + hh * DH + (lane & 3) * 2;
+#pragma unroll
+        for (int t = 0; t < DH / 8; ++t) {
+          const float2 gk = make_float2(dka[i][t][2 * rr] * scale, dka[i][t][2 * rr + 1] * scale);
+          const float2 gv = make_float2(dva[i][t][2 * rr], dva[i][t][2 * rr + 1]);
+          float2* ak = reinterpret_cast<float2*>(pk + t * 8);
+          float2* av = reinterpret_cast<float2*>(pv + t * 8);
+          if (atomic_kv) {
+            atomicAdd(ak, gk);
+            atomicAdd(av, gv);
+          } else {
+            float2 x = *ak, y = *av;
+            x.x += gk.x;
+            x.y += gk.y;
+            y.x += gv.x;
+            y.y += gv.y;
+            *ak = x;
+            *av = y;
+          }
+        }
+      }
+    }
+  }
+}
+
+#define BH_BWD_K4(NAME, D, BF16, CAUSAL)                                                                           \
+  extern "C" __global__ void __launch_bounds__(256) NAME(                                                          \
+      const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse, const float* delta,           \
+      float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss,   \
+      i64 vsh, i64 gsb, i64 gss, i64 gsh, i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,        \
+      i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,   \
+      int group, int hpb, float scale, float sl2, i64 off, int atomic_kv) {                                      \
+    attn_bwd_k4x2<D, BF16, CAUSAL>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss,  \
+                                   vsh, gsb, gss, gsh, lsb, lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb,     \
+                                   kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb, scale, sl2, off,       \
+                                   atomic_kv);                                                                   \
+  }
+
+// name: attn_bwd_<dtype>_d<D>_<mask>_k4x2  (a CTA owns 128 keys)
+BH_BWD_K4(attn_bwd_bf16_d128_full_k4x2, 128, true, false)
+BH_BWD_K4(attn_bwd_bf16_d128_causal_k4x2, 128, true, true)
+BH_BWD_K4(attn_bwd_f16_d128_full_k4x2, 128, false, false)
+BH_BWD_K4(attn_bwd_f16_d128_causal_k4x2, 128, false, true)
+BH_BWD_K4(attn_bwd_bf16_d64_full_k4x2, 64, true, false)
+BH_BWD_K4(attn_bwd_bf16_d64_causal_k4x2, 64, true, true)
+BH_BWD_K4(attn_bwd_f16_d64_full_k4x2, 64, false, false)
+BH_BWD_K4(attn_bwd_f16_d64_causal_k4x2, 64, false, true)
+
 // delta[b, h, s] = sum_d do[b, s, h, d] * o[b, s, h, d]; one warp per (b, s, h) row.
 // kinds: 0 = bf16, 1 = fp16, 2 = fp32 (for do and o independently).
 __device__ __forceinline__ float load_kind(const void* p, i64 i, int kind) {

@@ -26,8 +26,11 @@ SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 _FWD_BN, _BWD_BM = 64, 64
 _FWD_BN64 = int(os.environ.get("BURST_HPC_FWD_BN64", "64"))  # key tile of the D=64 forward: 64 or 128
-# backward warps per CTA (each warp owns 16 keys); BURST_HPC_BWD_WARPS=4 picks the other build
-_BWD_NW = int(os.environ.get("BURST_HPC_BWD_WARPS", "8"))
+# backward layout: "k4x2" (8 warps; 32 keys x 32 queries per warp for S/dP, 32 keys x D/2 for dK/dV;
+# 128 keys per CTA) or the previous "w8" / "w4" (each warp owns 16 keys, 16 * warps keys per CTA).
+# BURST_HPC_BWD_LAYOUT picks; the older BURST_HPC_BWD_WARPS=4|8 still selects w4 / w8.
+_BWD_LAYOUT = os.environ.get("BURST_HPC_BWD_LAYOUT") or (
+    "w" + os.environ["BURST_HPC_BWD_WARPS"] if os.environ.get("BURST_HPC_BWD_WARPS") else "k4x2")
 # forward warp layout (warps, m16 row tiles per warp); BURST_HPC_FWD_LAYOUT=8x1 picks the other build
 _FWD_LAYOUT = tuple(int(x) for x in os.environ.get("BURST_HPC_FWD_LAYOUT", "4x2").split("x"))
 _THREADS = 256
@@ -222,7 +225,16 @@ class CudaBackend:
         dk_w, dk_back = self._out(dk, "dk")
         dv_w, dv_back = self._out(dv, "dv")
         group = hq // hkv
-        bn = 16 * _BWD_NW
+        layout = _BWD_LAYOUT
+        if layout == "k4x2":
+            nw, bn = 8, 128
+            smem = (2 * bn * d + 4 * _BWD_BM * d + 2 * bn * _BWD_BM) * 2 + 4 * _BWD_BM * 4
+        elif layout in ("w8", "w4"):
+            nw = int(layout[1:])
+            bn = 16 * nw
+            smem = (2 * bn * d + 4 * _BWD_BM * d + bn * _BWD_BM) * 2 + 4 * _BWD_BM * 4
+        else:
+            raise BackendError(f"BURST_HPC_BWD_LAYOUT must be k4x2, w8 or w4; got {layout!r}")
         nkb = (sk + bn - 1) // bn
         # split the GQA group over CTAs only as far as needed to fill the GPU (fewer dK/dV atomics)
         target = 2 * _sm_count()
@@ -232,15 +244,14 @@ class CudaBackend:
             while group % hpb:
                 hpb -= 1
         nsplit = group // hpb
-        smem = (2 * bn * d + 4 * _BWD_BM * d + bn * _BWD_BM) * 2 + 4 * _BWD_BM * 4
-        kern = self._kernel("attn_bwd.cu", f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}_w{_BWD_NW}", smem)
+        kern = self._kernel("attn_bwd.cu", f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}_{layout}", smem)
         grid = (nkb, nsplit, b * hkv)
         s = self._strides
         args = (q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, *s(q)[:3], *s(k)[:3], *s(v)[:3], *s(do)[:3],
                 *s(lse_r), *s(delta_r), *s(dq_w)[:3], *s(dk_w)[:3], *s(dv_w)[:3], np.int32(sq), np.int32(sk),
                 np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * _LOG2E),
                 np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
-        kern(grid, (_BWD_NW * 32,), args, shared_mem=smem)
+        kern(grid, (nw * 32,), args, shared_mem=smem)
         for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
             if back is not None:
                 back[...] = w
