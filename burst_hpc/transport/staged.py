@@ -24,8 +24,14 @@ def _chunks(nbytes):
     return [(i, min(nbytes, i + CHUNK)) for i in range(0, nbytes, CHUNK)] or [(0, 0)]
 
 
-def _flat(buf):
-    return buf.reshape(-1).view(cupy.uint8)
+def _slots(buffers, host):
+    """(device chunk, host chunk) pairs: each buffer's bytes in CHUNK pieces, end to end in ``host``."""
+    offset = 0
+    for buf in buffers:
+        flat = buf.reshape(-1).view(cupy.uint8)
+        for lo, hi in _chunks(buf.nbytes):
+            yield flat[lo:hi], host[offset + lo:offset + hi]
+        offset += buf.nbytes
 
 
 class Pending:
@@ -66,14 +72,9 @@ class StagedTransport:
         self.down.wait_event(ready)
         self.up.wait_event(ready)  # the kernels still reading the receive buffers come first
         downloads = []
-        offset = 0
-        for buf in sends:
-            flat = _flat(buf)
-            for lo, hi in _chunks(buf.nbytes):
-                host = self.host_send[offset + lo:offset + hi]
-                flat[lo:hi].get(stream=self.down, out=host, blocking=False)
-                downloads.append((host, self.down.record()))
-            offset += buf.nbytes
+        for device, host in _slots(sends, self.host_send):
+            device.get(stream=self.down, out=host, blocking=False)
+            downloads.append((host, self.down.record()))
         thread = threading.Thread(target=self._transfer, args=(downloads, recvs), daemon=True)
         thread.start()
         return Pending(thread, self)
@@ -83,18 +84,8 @@ class StagedTransport:
             self.device.use()  # a new thread starts on device 0
             if self.uploaded is not None:
                 self.uploaded.synchronize()  # the last uploads still read host_recv
-            uploads = []
-            offset = 0
-            requests = []
-            tag = 0
-            for buf in recvs:
-                flat = _flat(buf)
-                for lo, hi in _chunks(buf.nbytes):
-                    host = self.host_recv[offset + lo:offset + hi]
-                    requests.append(self.comm.Irecv(host, source=self.prev, tag=tag))
-                    uploads.append((flat[lo:hi], host))
-                    tag += 1
-                offset += buf.nbytes
+            uploads = list(_slots(recvs, self.host_recv))
+            requests = [self.comm.Irecv(host, source=self.prev, tag=tag) for tag, (_, host) in enumerate(uploads)]
             sends = []
             for n, (host, done) in enumerate(downloads):
                 done.synchronize()
