@@ -5,8 +5,9 @@ from mpi4py import MPI
 MAX_MESSAGE = 1 << 30
 
 
-def byte_chunks(array, limit=MAX_MESSAGE):
-    """Contiguous ``array`` as a list of flat byte views of at most ``limit`` bytes."""
+def byte_chunks(array, limit=None):
+    """Contiguous ``array`` as a list of flat byte views of at most ``limit`` (MAX_MESSAGE) bytes."""
+    limit = MAX_MESSAGE if limit is None else limit
     flat = array.reshape(-1).view("uint8")
     return [flat[i:i + limit] for i in range(0, flat.size, limit)] or [flat]
 
