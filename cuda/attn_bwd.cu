@@ -293,7 +293,7 @@ BH_BWD(attn_bwd_f16_d64_causal_w4, 64, 64, 4, false, true)
 //     dK, dV (32 keys x D/2 each) stay in registers for the whole walk.
 //   * dQ = dS K: warps re-split 2 (32 queries) x 4 (D/4 columns), float2 atomics into global dq.
 // Q, dO, lse, delta for tile it+1 are loaded (cp.async) during tile it; two barriers per tile.
-template <int D, bool BF16, bool CAUSAL>
+template <int D, bool BF16, bool CAUSAL, int VAR>
 __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u16* __restrict__ k,
                                               const u16* __restrict__ v, const u16* __restrict__ dout,
                                               const float* __restrict__ lse, const float* __restrict__ delta,
@@ -302,7 +302,7 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
                                               i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,
                                               i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss,
                                               i64 vgsh, int Sq, int Sk, int Hkv, int group, int hpb, float scale,
-                                              float sl2, i64 off, int atomic_kv) {
+                                              float sl2, i64 off, int atomic_kv, int order_g) {
   constexpr int BM = 64, BN = 128, NT = 256;
   constexpr int DH = D / 2;   // dK/dV head-dim columns per warp
   constexpr int DQC = D / 4;  // dQ head-dim columns per warp
@@ -319,9 +319,20 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int kb = w >> 1, hh = w & 1;
-  const int n0 = blockIdx.x * BN;
-  const int hs = blockIdx.y;
-  const int b = blockIdx.z / Hkv, hk = blockIdx.z % Hkv;
+  // 1-D grid over (key block, head slot): heads in chunks of order_g, key blocks slowest inside a chunk, so
+  // under causal masks the heavy key blocks (they see the most queries) of a chunk start first, and a
+  // chunk's Q, dO and dq stay few enough to share L2. order_g = 1: head after head, key blocks in order.
+  const int nkb = (Sk + BN - 1) / BN, nsplit = group / hpb;
+  const int nh = static_cast<int>(gridDim.x) / nkb;  // (batch, kv head, split) slots
+  const int lin = blockIdx.x;
+  const int chunk = lin / (order_g * nkb);
+  const int rem = lin - chunk * order_g * nkb;
+  const int gc = min(order_g, nh - chunk * order_g);
+  const int slot = chunk * order_g + rem % gc;
+  const int n0 = (rem / gc) * BN;
+  const int hs = slot % nsplit;
+  const int bz = slot / nsplit;
+  const int b = bz / Hkv, hk = bz % Hkv;
   const int h_first = hk * group + hs * hpb;
 
   int m_begin = 0;
@@ -366,6 +377,17 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
   const int wk_lo = kb * 32;                        // this warp's first key (tile-local)
   const int wk_max = n0 + wk_lo + 31;               // its last key (global within the block)
   u32* const sPw = reinterpret_cast<u32*>(smem + (sP - sK));
+  // VAR bit 0 (XA): swizzled offsets as base ^ (column step): the XOR swizzle c ^ (r & 7) with r & 7 fixed
+  // per thread and the column step on bits the in-row chunk index does not use, so each ldmatrix address
+  // is one XOR (+ a row immediate) from a handful of per-thread bases.
+  constexpr bool XA = (VAR & 1) != 0;
+  constexpr bool MS = (VAR & 2) != 0;
+  const u32 oK0 = tile_off<D>(wk_lo + (lane & 15), lane >> 4);
+  const u32 oQ0 = tile_off<D>(hh * 32 + ((lane >> 4) << 3) + (lane & 7), (lane >> 3) & 1);
+  const u32 oW0 = tile_off<BM>(wk_lo + (lane >> 2), hh * 4);
+  const u32 oA0 = tile_off<BM>(wk_lo + (lane & 15), lane >> 4);
+  const u32 oB0 = tile_off<D>((((lane >> 3) & 1) << 3) + (lane & 7), lane >> 4);
+  const u32 oQA0 = tile_off<BM>(((lane >> 4) << 3) + (lane & 7), (lane >> 3) & 1);
   u32* const sDSw = reinterpret_cast<u32*>(smem + (sDS - sK));
 
   for (int it = 0; it < total; ++it) {
@@ -394,13 +416,14 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
       u32 ka[2][4], va[2][4];
 #pragma unroll
       for (int i = 0; i < 2; ++i) {
-        const u32 o = tile_off<D>(wk_lo + i * 16 + (lane & 15), kk * 2 + (lane >> 4));
+        const u32 o = XA ? (oK0 ^ (kk * 32)) + i * 16 * D * 2 : tile_off<D>(wk_lo + i * 16 + (lane & 15), kk * 2 + (lane >> 4));
         ldsm_x4(sK + o, ka[i][0], ka[i][1], ka[i][2], ka[i][3]);
         ldsm_x4(sV + o, va[i][0], va[i][1], va[i][2], va[i][3]);
       }
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
-        const u32 o = tile_off<D>(hh * 32 + np * 16 + ((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1));
+        const u32 o = XA ? (oQ0 ^ (kk * 32)) + np * 16 * D * 2
+                         : tile_off<D>(hh * 32 + np * 16 + ((lane >> 4) << 3) + (lane & 7), kk * 2 + ((lane >> 3) & 1));
         u32 b0, b1, b2, b3;
         ldsm_x4(sQt + o, b0, b1, b2, b3);
 #pragma unroll
@@ -420,6 +443,16 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
     // ---- P^T, dS^T = P^T (dP^T - delta); pack to 16 bits (A fragments) and store to shared memory
     const int qw0 = m0 + hh * 32;  // this warp's first query
     const bool need_mask = (wk_max >= Sk) || (CAUSAL && static_cast<i64>(wk_max) > static_cast<i64>(qw0) + off);
+    // Mask by constant offsets: key (tile-local) kl = kt + i*16 + (e>>1)*8 and query qw0 + qt + nt*8 + (e&1),
+    // with this thread's kt = wk_lo + (lane>>2), qt = (lane&3)*2. Hidden when n0 + kl >= Sk, or (causal)
+    // n0 + kl > query + off  <=>  i*16 + (e>>1)*8 - nt*8 - (e&1) > cthr. Both thresholds fit an int after
+    // clamping (the left sides lie in [-32, 32)).
+    const int kthr = Sk - n0 - wk_lo - (lane >> 2);
+    int cthr = 0;
+    if (CAUSAL) {
+      const i64 t = static_cast<i64>(qw0) + (lane & 3) * 2 + off - n0 - wk_lo - (lane >> 2);
+      cthr = static_cast<int>(t < -64 ? -64 : (t > 64 ? 64 : t));
+    }
     u32 pa[2][2][4], da[2][2][4];
 #pragma unroll
     for (int nt = 0; nt < 4; ++nt) {
@@ -436,13 +469,39 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float p = fast_exp2(sT[i][nt][e] * sl2 - l2[e & 1]);
-          if (need_mask) {
-            const int gk = n0 + wk_lo + i * 16 + (lane >> 2) + (e >> 1) * 8;
-            const int gq = qw0 + nt * 8 + (lane & 3) * 2 + (e & 1);
-            if (gk >= Sk || (CAUSAL && static_cast<i64>(gk) > static_cast<i64>(gq) + off)) p = 0.f;
+          if (!MS && need_mask) {
+            const int kc = i * 16 + (e >> 1) * 8;
+            if (kc >= kthr || (CAUSAL && kc - nt * 8 - (e & 1) > cthr)) p = 0.f;
           }
           sT[i][nt][e] = p;
-          pT[i][nt][e] = p * (pT[i][nt][e] - dl[e & 1]);
+          if (!MS) pT[i][nt][e] = p * (pT[i][nt][e] - dl[e & 1]);
+        }
+      }
+    }
+    if (MS) {
+      // VAR bit 1 (MS): the mask as its own warp-uniform pass, so tiles off the diagonal skip it entirely
+      if (need_mask) {
+#pragma unroll
+        for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+          for (int i = 0; i < 2; ++i)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              const int kc = i * 16 + (e >> 1) * 8;
+              if (kc >= kthr || (CAUSAL && kc - nt * 8 - (e & 1) > cthr)) sT[i][nt][e] = 0.f;
+            }
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt) {
+      float dl[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) dl[e] = sDlt[hh * 32 + nt * 8 + (lane & 3) * 2 + e];
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        if (MS) {
+#pragma unroll
+          for (int e = 0; e < 4; ++e) pT[i][nt][e] = sT[i][nt][e] * (pT[i][nt][e] - dl[e & 1]);
         }
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
@@ -450,7 +509,8 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
           const u32 dw = pack2<BF16>(pT[i][nt][2 * rr], pT[i][nt][2 * rr + 1]);
           pa[i][nt >> 1][(nt & 1) * 2 + rr] = pw;
           da[i][nt >> 1][(nt & 1) * 2 + rr] = dw;
-          const u32 widx = tile_off<BM>(wk_lo + i * 16 + (lane >> 2) + rr * 8, hh * 4 + nt) / 4 + (lane & 3);
+          const u32 widx = (XA ? (oW0 ^ (nt * 16)) + (i * 16 + rr * 8) * BM * 2
+                                : tile_off<BM>(wk_lo + i * 16 + (lane >> 2) + rr * 8, hh * 4 + nt)) / 4 + (lane & 3);
           sPw[widx] = pw;
           sDSw[widx] = dw;
         }
@@ -473,14 +533,15 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
             Ad[i][e] = da[i][j & 1][e];
           }
         } else {
-          const u32 o = tile_off<BM>(wk_lo + i * 16 + (lane & 15), c * 2 + (lane >> 4));
+          const u32 o = XA ? (oA0 ^ (c * 32)) + i * 16 * BM * 2 : tile_off<BM>(wk_lo + i * 16 + (lane & 15), c * 2 + (lane >> 4));
           ldsm_x4(sP + o, A[i][0], A[i][1], A[i][2], A[i][3]);
           ldsm_x4(sDS + o, Ad[i][0], Ad[i][1], Ad[i][2], Ad[i][3]);
         }
       }
 #pragma unroll
       for (int dp = 0; dp < DH / 16; ++dp) {
-        const u32 o = tile_off<D>(c * 16 + (((lane >> 3) & 1) << 3) + (lane & 7), hh * (DH / 8) + dp * 2 + (lane >> 4));
+        const u32 o = XA ? (oB0 ^ (hh * DH * 2 + dp * 32)) + c * 16 * D * 2
+                         : tile_off<D>(c * 16 + (((lane >> 3) & 1) << 3) + (lane & 7), hh * (DH / 8) + dp * 2 + (lane >> 4));
         u32 b0, b1, b2, b3;
         ldsm_x4_t(sDOt + o, b0, b1, b2, b3);
 #pragma unroll
@@ -512,13 +573,15 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
         u32 a[2][4];
 #pragma unroll
         for (int i = 0; i < 2; ++i)
-          ldsm_x4_t(sDS + tile_off<BM>(kk * 16 + ((lane >> 4) << 3) + (lane & 7), wq * 4 + i * 2 + ((lane >> 3) & 1)),
+          ldsm_x4_t(sDS + (XA ? (oQA0 ^ ((wq * 4 + i * 2) * 16)) + kk * 16 * BM * 2
+                              : tile_off<BM>(kk * 16 + ((lane >> 4) << 3) + (lane & 7), wq * 4 + i * 2 + ((lane >> 3) & 1))),
                     a[i][0], a[i][1], a[i][2], a[i][3]);
 #pragma unroll
         for (int dp = 0; dp < DQC / 16; ++dp) {
           u32 b0, b1, b2, b3;
-          ldsm_x4_t(sK + tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
-                                     wd * (DQC / 8) + dp * 2 + (lane >> 4)),
+          ldsm_x4_t(sK + (XA ? (oB0 ^ ((wd * (DQC / 8) + dp * 2) * 16)) + kk * 16 * D * 2
+                             : tile_off<D>(kk * 16 + (((lane >> 3) & 1) << 3) + (lane & 7),
+                                           wd * (DQC / 8) + dp * 2 + (lane >> 4))),
                     b0, b1, b2, b3);
 #pragma unroll
           for (int i = 0; i < 2; ++i) {
@@ -578,28 +641,32 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
   }
 }
 
-#define BH_BWD_K4(NAME, D, BF16, CAUSAL)                                                                           \
+#define BH_BWD_K4(NAME, D, BF16, CAUSAL, VAR)                                                                         \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                                          \
       const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse, const float* delta,           \
       float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss,   \
       i64 vsh, i64 gsb, i64 gss, i64 gsh, i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,        \
       i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,   \
-      int group, int hpb, float scale, float sl2, i64 off, int atomic_kv) {                                      \
-    attn_bwd_k4x2<D, BF16, CAUSAL>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss,  \
+      int group, int hpb, float scale, float sl2, i64 off, int atomic_kv, int order_g) {                         \
+    attn_bwd_k4x2<D, BF16, CAUSAL, VAR>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss,  \
                                    vsh, gsb, gss, gsh, lsb, lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb,     \
                                    kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb, scale, sl2, off,       \
-                                   atomic_kv);                                                                   \
+                                   atomic_kv, order_g);                                                                   \
   }
 
 // name: attn_bwd_<dtype>_d<D>_<mask>_k4x2  (a CTA owns 128 keys)
-BH_BWD_K4(attn_bwd_bf16_d128_full_k4x2, 128, true, false)
-BH_BWD_K4(attn_bwd_bf16_d128_causal_k4x2, 128, true, true)
-BH_BWD_K4(attn_bwd_f16_d128_full_k4x2, 128, false, false)
-BH_BWD_K4(attn_bwd_f16_d128_causal_k4x2, 128, false, true)
-BH_BWD_K4(attn_bwd_bf16_d64_full_k4x2, 64, true, false)
-BH_BWD_K4(attn_bwd_bf16_d64_causal_k4x2, 64, true, true)
-BH_BWD_K4(attn_bwd_f16_d64_full_k4x2, 64, false, false)
-BH_BWD_K4(attn_bwd_f16_d64_causal_k4x2, 64, false, true)
+// code variant bits (see attn_bwd_k4x2): 1 = XOR-step addressing, 2 = separate mask pass; 3 measured best
+#ifndef BH_K4_VAR
+#define BH_K4_VAR 3
+#endif
+BH_BWD_K4(attn_bwd_bf16_d128_full_k4x2, 128, true, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d128_causal_k4x2, 128, true, true, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d128_full_k4x2, 128, false, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d128_causal_k4x2, 128, false, true, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d64_full_k4x2, 64, true, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d64_causal_k4x2, 64, true, true, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d64_full_k4x2, 64, false, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d64_causal_k4x2, 64, false, true, BH_K4_VAR)
 
 // delta[b, h, s] = sum_d do[b, s, h, d] * o[b, s, h, d]; one warp per (b, s, h) row.
 // kinds: 0 = bf16, 1 = fp16, 2 = fp32 (for do and o independently).

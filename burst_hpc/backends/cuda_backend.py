@@ -31,6 +31,8 @@ _FWD_BN64 = int(os.environ.get("BURST_HPC_FWD_BN64", "64"))  # key tile of the D
 # BURST_HPC_BWD_LAYOUT picks; the older BURST_HPC_BWD_WARPS=4|8 still selects w4 / w8.
 _BWD_LAYOUT = os.environ.get("BURST_HPC_BWD_LAYOUT") or (
     "w" + os.environ["BURST_HPC_BWD_WARPS"] if os.environ.get("BURST_HPC_BWD_WARPS") else "k4x2")
+# measurement knob of the k4x2 backward: the causal launch-order chunk (0 = automatic)
+_BWD_ORDER_G = int(os.environ.get("BURST_HPC_BWD_ORDER_G", "0"))
 # forward warp layout (warps, m16 row tiles per warp); BURST_HPC_FWD_LAYOUT=8x1 picks the other build
 _FWD_LAYOUT = tuple(int(x) for x in os.environ.get("BURST_HPC_FWD_LAYOUT", "4x2").split("x"))
 _THREADS = 256
@@ -244,13 +246,25 @@ class CudaBackend:
             while group % hpb:
                 hpb -= 1
         nsplit = group // hpb
-        kern = self._kernel("attn_bwd.cu", f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}_{layout}", smem)
-        grid = (nkb, nsplit, b * hkv)
+        kname = f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}_{layout}"
         s = self._strides
+        extra = ()
+        if layout == "k4x2":
+            # 1-D grid; causal: heavy key blocks first inside chunks of order_g head slots (see attn_bwd.cu)
+            slots = nsplit * b * hkv
+            order_g = 1
+            if causal:
+                order_g = min(slots, max(1, -(-2 * _sm_count() // nkb)))
+            order_g = _BWD_ORDER_G or order_g
+            grid = (nkb * slots, 1, 1)
+            extra = (np.int32(max(1, min(order_g, slots))),)
+        else:
+            grid = (nkb, nsplit, b * hkv)
         args = (q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, *s(q)[:3], *s(k)[:3], *s(v)[:3], *s(do)[:3],
                 *s(lse_r), *s(delta_r), *s(dq_w)[:3], *s(dk_w)[:3], *s(dv_w)[:3], np.int32(sq), np.int32(sk),
                 np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * _LOG2E),
-                np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
+                np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0), *extra)
+        kern = self._kernel("attn_bwd.cu", kname, smem)
         kern(grid, (nw * 32,), args, shared_mem=smem)
         for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
             if back is not None:
