@@ -25,12 +25,5 @@ for n in $GPUS; do
       >> "$OUT/scaling.log" 2>&1 || { status=1; tail -5 "$OUT/scaling.log"; }
   done
 done
-grep '^{' "$OUT/scaling.log" | python3 -c '
-import json, sys
-rows = [json.loads(l) for l in sys.stdin]
-print("| tokens in all | GPUs | transport | pass | time (s) | TFLOP/s/GPU |")
-print("|---|---|---|---|---|---|")
-for r in sorted(rows, key=lambda r: (r["tokens"], r["pass"], r["transport"], r["P"])):
-    print(f"| {r[\"tokens\"]} | {r[\"P\"]} | {r[\"transport\"]} | {r[\"pass\"]} | {r[\"full\"]:.3f} | {r[\"tflops_per_gpu\"]:.0f} |")
-' | tee "$OUT/scaling_summary.md"
+python3 bench/scaling_table.py "$WEAK" "$STRONG" < "$OUT/scaling.log" | tee "$OUT/scaling_summary.md"
 exit $status
