@@ -234,7 +234,7 @@ def cmd_run(args):
     progress(f"read {args.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
 
     err, transport = None, args.transport
-    shared = gpus_shared(comm) if backend == "cuda" else False  # NCCL refuses two ranks on one GPU
+    shared = gpus_shared(comm, xp.cuda.Device() if backend == "cuda" else None)  # NCCL refuses that
     try:
         transport = choose_transport(args.transport, backend == "cuda", shared)
     except Exception as e:  # noqa: BLE001

@@ -19,17 +19,6 @@ def select_device(comm=None):
     return device
 
 
-def node_ranks(comm):
-    """How many ranks of ``comm`` share this node (collective)."""
-    from mpi4py import MPI
-
-    local = comm.Split_type(MPI.COMM_TYPE_SHARED)
-    try:
-        return local.size
-    finally:
-        local.Free()
-
-
 def gpu_count():
     try:
         import cupy
@@ -39,8 +28,12 @@ def gpu_count():
         return 0
 
 
-def gpus_shared(comm):
-    """Collective: True on every rank when some node runs more ranks than it has GPUs."""
+def gpus_shared(comm, device=None):
+    """Collective: True on every rank when two ranks use the same GPU (NCCL refuses that).
+
+    ``device``: this rank's CuPy device, or None for a rank with no device data."""
     from mpi4py import MPI
 
-    return comm.allreduce(node_ranks(comm) > max(1, gpu_count()), op=MPI.LOR)
+    mine = None if device is None else (MPI.Get_processor_name(), device.pci_bus_id)
+    used = [where for where in comm.allgather(mine) if where is not None]
+    return len(set(used)) < len(used)

@@ -38,7 +38,7 @@ class _Plan:
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
         error, signature = None, None
         on_device = type(q).__module__.startswith("cupy")
-        shared = gpus_shared(comm) if comm.allreduce(on_device) else False  # collective on every rank
+        shared = gpus_shared(comm, q.device if on_device else None)  # collective: before any check can fail
         try:
             check_same_kind(q, k, v, *[x for _, x, _, _ in extra])
             b, sq, sk, hq, hkv, d = check_qkv(q, k, v)

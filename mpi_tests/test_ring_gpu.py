@@ -14,6 +14,7 @@ import burst_hpc  # noqa: E402
 from burst_hpc.dtypes import bfloat16  # noqa: E402
 from burst_hpc.errors import TransportError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
+from burst_hpc.device import gpus_shared  # noqa: E402
 from burst_hpc.transport import cuda_aware_mpi, make_transport  # noqa: E402
 
 
@@ -24,8 +25,10 @@ def one_gpu_per_rank():
     burst_hpc.select_device(MPI.COMM_WORLD)
 
 
-def device_transports():
-    names = ["nccl", "staged"]
+def device_transports(comm):
+    names = ["staged"]
+    if not gpus_shared(comm, cupy.cuda.Device()):
+        names.append("nccl")  # NCCL needs one GPU per rank
     if cuda_aware_mpi()[0]:
         names.append("mpi")
     return names
@@ -41,7 +44,7 @@ def to_host(x, dtype):
 
 @pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
 def test_exchange_moves_every_byte(comm, transport):
-    if transport not in device_transports():
+    if transport not in device_transports(comm):
         pytest.skip(f"{transport} not usable here")
     t = make_transport(transport, comm, cupy)
     rng = np.random.default_rng()
@@ -66,11 +69,25 @@ def test_auto_never_picks_mpi_without_cuda_awareness(comm):
             choose_transport("mpi", on_device=True)
 
 
+def test_ranks_sharing_a_gpu_never_get_nccl(comm):
+    """Arrays of every rank on GPU 0: auto falls back to a transport that works, explicit nccl
+    fails with one clear error on every rank instead of an NCCL crash."""
+    if comm.size == 1:
+        pytest.skip("needs two ranks")
+    with cupy.cuda.Device(0):
+        q, k, v = (cupy.asarray(np.random.default_rng().standard_normal((1, 64, 2, 64)).astype(bfloat16))
+                   for _ in range(3))
+        o, _ = burst_hpc.burst_attention(q, k, v, comm=comm, causal=True, transport="auto")
+        assert bool(cupy.isfinite(o.astype(cupy.float32)).all())
+        with pytest.raises(TransportError, match="same GPU"):
+            burst_hpc.burst_attention(q, k, v, comm=comm, causal=True, transport="nccl")
+
+
 @pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
 @pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False), ("contiguous", True)])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 128), (4, 4, 64)])
 def test_gpu_ring_matches_oracle(comm, transport, layout, causal, heads, kv_heads, dim):
-    if transport not in device_transports():
+    if transport not in device_transports(comm):
         pytest.skip(f"{transport} not usable here")
     P, r = comm.size, comm.rank
     seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if r == 0 else None)

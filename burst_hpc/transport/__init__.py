@@ -64,7 +64,7 @@ def nccl_available():
 
 def choose_transport(name, on_device, gpus_shared=False):
     """The concrete transport for ``name`` ('auto' or one of TRANSPORTS) and the data's location.
-    ``gpus_shared``: some node runs more ranks than it has GPUs (NCCL refuses that)."""
+    ``gpus_shared``: two ranks use the same GPU (NCCL refuses that)."""
     if name not in TRANSPORTS:
         raise TransportError(f"unknown transport {name!r}; use one of {', '.join(TRANSPORTS)}")
     if not on_device:
@@ -84,8 +84,9 @@ def choose_transport(name, on_device, gpus_shared=False):
     if name == "nccl" and not nccl_available():
         raise TransportError("transport 'nccl' needs cupy.cuda.nccl, which is not available")
     if name == "nccl" and gpus_shared:
-        raise TransportError("transport 'nccl' needs one GPU per rank, and some node runs more ranks than it "
-                             "has GPUs; use staged (or mpi with a CUDA-aware MPI)")
+        raise TransportError("transport 'nccl' needs one GPU per rank, and two ranks use the same GPU: call "
+                             "burst_hpc.select_device() before creating arrays, or use staged (or mpi with a "
+                             "CUDA-aware MPI)")
     if name != "auto":
         return name
     aware, reason = cuda_aware_mpi()
