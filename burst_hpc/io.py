@@ -40,7 +40,7 @@ CHUNK_BYTES = 1 << 20  # aim for about 1 MiB per chunk
 _TAG = 7301
 
 
-# --------------------------------------------------------------------------- collective errors
+# --------------------------------------------------------------------------- messages
 
 def _message(err):
     if isinstance(err, BurstError):
