@@ -18,7 +18,7 @@ import numpy as np
 from . import __version__
 from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
 from . import verify
-from .collective import agree
+from .collective import agree, describe
 from .device import gpu_count as _gpu_count
 from .errors import BackendError, BurstError, FileError
 
@@ -163,7 +163,7 @@ def cmd_gen(args):
                   f"Hq={args.heads} Hkv={args.kv_heads or args.heads} D={args.head_dim} {dtype_name(dtype)} "
                   f"seed={args.seed} ({total} tokens)", flush=True)
         except Exception as e:  # noqa: BLE001
-            err = e if isinstance(e, BurstError) else FileError(f"cannot write {args.output!r}: {io._message(e)}")
+            err = e if isinstance(e, BurstError) else FileError(f"cannot write {args.output!r}: {describe(e)}")
     agree(comm, err)
     return 0
 

@@ -3,7 +3,8 @@ from . import errors
 from .errors import BurstError, RankMismatchError
 
 
-def _describe(error):
+def describe(error):
+    """An exception as one line: the message of our own errors, 'Type: message' for others."""
     return str(error) if isinstance(error, BurstError) else f"{type(error).__name__}: {error}"
 
 
@@ -11,7 +12,7 @@ def agree(comm, error=None, signature=None):
     """Collective. If any rank has an error, raise the lowest failing rank's on every rank, as
     the same BurstError subclass and with the same text (marked ``agreed = True``). Then, if
     ``signature`` (a dict) differs between ranks, raise RankMismatchError everywhere."""
-    mine = None if error is None else (type(error).__name__, _describe(error), 0 if comm is None else comm.rank)
+    mine = None if error is None else (type(error).__name__, describe(error), 0 if comm is None else comm.rank)
     single = comm is None or comm.size == 1
     gathered = [(mine, signature)] if single else comm.allgather((mine, signature))
     failed = [e for e, _ in gathered if e is not None]

@@ -27,7 +27,7 @@ import uuid
 import numpy as np
 
 from . import __version__
-from .collective import agree
+from .collective import agree, describe
 from .dtypes import SUPPORTED, bfloat16, dtype_name
 from .errors import BurstError, DTypeError, FileError, ShapeError
 from .layout import check_split, pieces
@@ -38,14 +38,6 @@ GRADS = ("dq", "dk", "dv")
 TOKEN_AXIS = {"q": 1, "k": 1, "v": 1, "do": 1, "o": 1, "dq": 1, "dk": 1, "dv": 1, "lse": 2}
 CHUNK_BYTES = 1 << 20  # aim for about 1 MiB per chunk
 _TAG = 7301
-
-
-# --------------------------------------------------------------------------- messages
-
-def _message(err):
-    if isinstance(err, BurstError):
-        return str(err)
-    return f"{type(err).__name__}: {err}"
 
 
 # --------------------------------------------------------------------------- dtypes and chunks
@@ -298,7 +290,7 @@ class OutputFile:
                 with h5py.File(tmp, "w") as f:
                     self._layout(f, attrs)
         except Exception as e:  # noqa: BLE001
-            err = FileError(f"cannot write output {path!r}: {_message(e)}")
+            err = FileError(f"cannot write output {path!r}: {describe(e)}")
         try:
             agree(comm, err)
         except BurstError:
@@ -339,7 +331,7 @@ class OutputFile:
             if self.rank < self.size - 1:
                 self.comm.send(bool(failed or err), dest=self.rank + 1, tag=_TAG)
         if err is not None:
-            err = FileError(f"writing {self.path!r} failed on rank {self.rank}: {_message(err)}")
+            err = FileError(f"writing {self.path!r} failed on rank {self.rank}: {describe(err)}")
         agree(self.comm, err)
 
     def _write_mine(self, f, shards, layout):

@@ -9,7 +9,7 @@ FACTOR is 2 for o and lse, 3 for dq, dk, dv (FlashAttention's test convention).
 """
 import numpy as np
 
-from .collective import agree
+from .collective import agree, describe
 from .dtypes import dtype_name
 from .errors import BurstError
 
@@ -202,7 +202,7 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
                             np.float32 if name == "lse" else lowp), ref[name]))
                         ref_max[name] = max(ref_max[name], _max_abs(ref[name]))
     except Exception as e:  # noqa: BLE001
-        failure = e if isinstance(e, BurstError) else BurstError(f"verification could not run: {io._message(e)}")
+        failure = e if isinstance(e, BurstError) else BurstError(f"verification could not run: {describe(e)}")
     agree(comm, failure)
     err = {n: comm.allreduce(err[n], op=MPI.MAX) for n in names}
     err_plain = {n: comm.allreduce(err_plain[n], op=MPI.MAX) for n in names}
