@@ -58,34 +58,37 @@ def _check_forward(o, lse, q, k, v, scale, causal, q_start, k_start, ctx):
     assert_lse_close(lse, ref_lse, lse_tol, ctx)
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=TILE_IDS)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
-def test_forward_block_matches_oracle(dtype, heads, d, causal, tiles, rng, seed):
+def block_cases(test):
+    """Every dtype x head layout x head dim x mask x tile size."""
+    for name, values, ids in [("dtype", DTYPES, DTYPE_IDS), ("heads", HEADS, HEAD_IDS), ("d", [64, 128], None),
+                              ("causal", [False, True], ["full", "causal"]), ("tiles", TILES, TILE_IDS)]:
+        test = pytest.mark.parametrize(name, values, ids=ids)(test)
+    return test
+
+
+def _block_case(rng, seed, dtype, heads, d, causal, tiles):
+    """Random block pair: (q, k, v, q_start, k_start, context string for failures)."""
     hq, hkv = heads
     sq, sk, q_start, k_start = _blocks(rng, causal)
     ctx = f"seed={seed} {dtype} Sq={sq} Sk={sk} H={hq}:{hkv} D={d} causal={causal} q_start={q_start} " \
           f"k_start={k_start} tiles={tiles}"
     q, k, v = qkv(rng, 2, sq, sk, hq, hkv, d, dtype)
+    return q, k, v, q_start, k_start, ctx
+
+
+@block_cases
+def test_forward_block_matches_oracle(dtype, heads, d, causal, tiles, rng, seed):
+    q, k, v, q_start, k_start, ctx = _block_case(rng, seed, dtype, heads, d, causal, tiles)
     scale = d ** -0.5
     be = NumpyBackend(*tiles)
     o, lse = _fwd(be, q, k, v, scale, causal, q_start, k_start)
     _check_forward(o, lse, q, k, v, scale, causal, q_start, k_start, ctx)
 
 
-@pytest.mark.parametrize("tiles", TILES, ids=TILE_IDS)
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-@pytest.mark.parametrize("heads", HEADS, ids=HEAD_IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
+@block_cases
 def test_backward_block_matches_oracle(dtype, heads, d, causal, tiles, rng, seed):
-    hq, hkv = heads
-    sq, sk, q_start, k_start = _blocks(rng, causal)
-    ctx = f"seed={seed} {dtype} Sq={sq} Sk={sk} H={hq}:{hkv} D={d} causal={causal} q_start={q_start} " \
-          f"k_start={k_start} tiles={tiles}"
-    q, k, v = qkv(rng, 2, sq, sk, hq, hkv, d, dtype)
+    q, k, v, q_start, k_start, ctx = _block_case(rng, seed, dtype, heads, d, causal, tiles)
+    hq, sq = q.shape[2], q.shape[1]
     do = randn(rng, q.shape, dtype)
     scale = d ** -0.5
     be = NumpyBackend(*tiles)
