@@ -34,18 +34,24 @@ def _world():
 class _Plan:
     """What every rank agreed on before the first exchange."""
 
-    def __init__(self, comm, q, k, v, causal, scale, layout, transport, extra=()):
+    def __init__(self, comm, q, k, v, causal, scale, layout, transport, backward=None):
+        """``backward``: (do, o, lse, backward_ring) for the backward pass, checked too."""
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
         error, signature = None, None
         on_device = type(q).__module__.startswith("cupy")
         shared = gpus_shared(comm, q.device if on_device else None)  # collective: before any check can fail
         try:
-            check_same_kind(q, k, v, *[x for _, x, _, _ in extra])
+            check_same_kind(q, k, v, *(backward or ())[:3])
             b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
             if sq != sk:
                 raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
-            for name, x, shape, dtype in extra:
-                check_like(name, x, shape(q), dtype(q))
+            self.ring = None
+            if backward is not None:
+                do, o, lse, ring = backward
+                check_like("do", do, q.shape, q.dtype)
+                check_like("o", o, q.shape, q.dtype)
+                check_like("lse", lse, (b, hq, sq), np.float32)
+                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize)
             self.layout = check_layout(default_layout(causal) if layout is None else layout)
             self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
             self.scale = resolve_scale(scale, d)
@@ -55,7 +61,7 @@ class _Plan:
             self.heads, self.kv_heads, self.head_dim = hq, hkv, d
             signature = {"q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
                          "causal": self.causal, "layout": self.layout, "scale": self.scale,
-                         "transport": self.transport_name}
+                         "transport": self.transport_name, "backward ring": self.ring}
         except Exception as e:  # shared with every rank below, so no rank is left waiting
             error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
         agree(comm, error, signature)
@@ -124,17 +130,9 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
                              transport="auto", backward_ring="auto"):
     """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention."""
     comm = _world() if comm is None else comm
-    extra = [("do", do, lambda q: q.shape, lambda q: q.dtype), ("o", o, lambda q: q.shape, lambda q: q.dtype),
-             ("lse", lse, lambda q: (q.shape[0], q.shape[2], q.shape[1]), lambda q: np.float32)]
-    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, extra)
-    error = None
-    try:
-        ring = choose_backward_ring(backward_ring, plan.heads, plan.kv_heads, plan.head_dim, q.dtype.itemsize)
-    except BurstError as e:
-        error = e
-    agree(comm, error)
+    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring))
     with _device_of(q):
-        return _backward(plan, ring, do, q, k, v, o, lse)
+        return _backward(plan, plan.ring, do, q, k, v, o, lse)
 
 
 def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None):
