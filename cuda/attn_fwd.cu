@@ -1,7 +1,7 @@
 // Attention forward over one (query block, key block) pair, merged into a running (o, lse).
 //
-// FlashAttention-2 layout: a CTA owns BM = 128 query rows of one (batch, query head); 8 warps each
-// own 16 rows, so the softmax state never leaves a warp. Q is loaded once (cp.async -> swizzled
+// FlashAttention-2 layout: a CTA owns BM = 128 query rows of one (batch, query head); 4 warps each
+// own 32 rows (two m16 tiles), so the softmax state never leaves a warp. Q is loaded once (cp.async -> swizzled
 // shared memory -> ldmatrix -> registers); K and V tiles of BN keys stream through a two-stage
 // cp.async pipeline. S = Q K^T and O += P V run on mma.sync m16n8k16 (bf16 or fp16, fp32 accumulate),
 // the online softmax runs in base 2 (ex2.approx). The epilogue merges the block result into the
@@ -256,25 +256,12 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
                                   lsb, lsh, lss, Sq, Sk, group, sl2, off);                                     \
   }
 
-// name: attn_fwd_<dtype>_d<D>_<mask>_<warps>x<row tiles per warp>
-BH_FWD(attn_fwd_bf16_d128_full_4x2, 128, 64, 4, 2, true, false)
-BH_FWD(attn_fwd_bf16_d128_causal_4x2, 128, 64, 4, 2, true, true)
-BH_FWD(attn_fwd_f16_d128_full_4x2, 128, 64, 4, 2, false, false)
-BH_FWD(attn_fwd_f16_d128_causal_4x2, 128, 64, 4, 2, false, true)
-BH_FWD(attn_fwd_bf16_d128_full_8x1, 128, 64, 8, 1, true, false)
-BH_FWD(attn_fwd_bf16_d128_causal_8x1, 128, 64, 8, 1, true, true)
-BH_FWD(attn_fwd_f16_d128_full_8x1, 128, 64, 8, 1, false, false)
-BH_FWD(attn_fwd_f16_d128_causal_8x1, 128, 64, 8, 1, false, true)
-BH_FWD(attn_fwd_bf16_d64_full_4x2, 64, 64, 4, 2, true, false)
-BH_FWD(attn_fwd_bf16_d64_causal_4x2, 64, 64, 4, 2, true, true)
-BH_FWD(attn_fwd_f16_d64_full_4x2, 64, 64, 4, 2, false, false)
-BH_FWD(attn_fwd_f16_d64_causal_4x2, 64, 64, 4, 2, false, true)
-BH_FWD(attn_fwd_bf16_d64_full_8x1, 64, 64, 8, 1, true, false)
-BH_FWD(attn_fwd_bf16_d64_causal_8x1, 64, 64, 8, 1, true, true)
-BH_FWD(attn_fwd_f16_d64_full_8x1, 64, 64, 8, 1, false, false)
-BH_FWD(attn_fwd_f16_d64_causal_8x1, 64, 64, 8, 1, false, true)
-// D = 64 with 128-key tiles (FlashAttention-2's tile for this head dim)
-BH_FWD(attn_fwd_bf16_d64_full_4x2_bn128, 64, 128, 4, 2, true, false)
-BH_FWD(attn_fwd_bf16_d64_causal_4x2_bn128, 64, 128, 4, 2, true, true)
-BH_FWD(attn_fwd_f16_d64_full_4x2_bn128, 64, 128, 4, 2, false, false)
-BH_FWD(attn_fwd_f16_d64_causal_4x2_bn128, 64, 128, 4, 2, false, true)
+// name: attn_fwd_<dtype>_d<D>_<mask>
+BH_FWD(attn_fwd_bf16_d128_full, 128, 64, 4, 2, true, false)
+BH_FWD(attn_fwd_bf16_d128_causal, 128, 64, 4, 2, true, true)
+BH_FWD(attn_fwd_f16_d128_full, 128, 64, 4, 2, false, false)
+BH_FWD(attn_fwd_f16_d128_causal, 128, 64, 4, 2, false, true)
+BH_FWD(attn_fwd_bf16_d64_full, 64, 64, 4, 2, true, false)
+BH_FWD(attn_fwd_bf16_d64_causal, 64, 64, 4, 2, true, true)
+BH_FWD(attn_fwd_f16_d64_full, 64, 64, 4, 2, false, false)
+BH_FWD(attn_fwd_f16_d64_causal, 64, 64, 4, 2, false, true)

@@ -25,7 +25,6 @@ from ..errors import BackendError
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 _FWD_BN, _BWD_BM = 64, 64
-_FWD_BN64 = int(os.environ.get("BURST_HPC_FWD_BN64", "64"))  # key tile of the D=64 forward: 64 or 128
 # backward layout: "k4x2" (8 warps; 32 keys x 32 queries per warp for S/dP, 32 keys x D/2 for dK/dV;
 # 128 keys per CTA) or the previous "w8" / "w4" (each warp owns 16 keys, 16 * warps keys per CTA).
 # BURST_HPC_BWD_LAYOUT picks; the older BURST_HPC_BWD_WARPS=4|8 still selects w4 / w8.
@@ -33,8 +32,6 @@ _BWD_LAYOUT = os.environ.get("BURST_HPC_BWD_LAYOUT") or (
     "w" + os.environ["BURST_HPC_BWD_WARPS"] if os.environ.get("BURST_HPC_BWD_WARPS") else "k4x2")
 # measurement knob of the k4x2 backward: the causal launch-order chunk (0 = automatic)
 _BWD_ORDER_G = int(os.environ.get("BURST_HPC_BWD_ORDER_G", "0"))
-# forward warp layout (warps, m16 row tiles per warp); BURST_HPC_FWD_LAYOUT=8x1 picks the other build
-_FWD_LAYOUT = tuple(int(x) for x in os.environ.get("BURST_HPC_FWD_LAYOUT", "4x2").split("x"))
 _THREADS = 256
 
 
@@ -197,11 +194,9 @@ class CudaBackend:
         q, k, v = (self._half(x, kind) for x in (q, k, v))
         o_w, o_back = self._out(o, "o")
         l_w, l_back = self._f32_rows(lse, "lse")
-        nw, mt = _FWD_LAYOUT
-        bm = nw * mt * 16
-        bn = _FWD_BN64 if (d == 64 and (nw, mt) == (4, 2)) else _FWD_BN
+        nw, bm, bn = 4, 128, _FWD_BN  # 4 warps x 32 query rows, 64-key tiles
         smem = (bm * d + 4 * bn * d) * 2
-        name = f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}_{nw}x{mt}" + ("_bn128" if bn == 128 else "")
+        name = f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}"
         kern = self._kernel("attn_fwd.cu", name, smem)
         grid = ((sq + bm - 1) // bm, hq, b)
         args = (q, k, v, o_w, l_w, *self._strides(q)[:3], *self._strides(k)[:3], *self._strides(v)[:3],
