@@ -81,26 +81,75 @@ def _dtype_kind(dtype):
     raise BackendError(f"the cuda backend takes bfloat16, float16 or float32 inputs; got {dtype}")
 
 
+# Kernel families, newest first. "sm90": wgmma / TMA / warp-specialized kernels for Hopper (sm_90a);
+# "sm80": the mma.sync / ldmatrix / cp.async kernels, which run on any GPU of compute capability >= 8.0.
+FAMILIES = ("sm90", "sm80")
+_FAMILY_ENV = "BURST_HPC_KERNELS"  # set to "sm80" to force the mma.sync family on Hopper
+
+
+def kernel_families(capability=None):
+    """The kernel families the current GPU runs, the default first. ``capability``: (major, minor)."""
+    if capability is None:
+        capability = _capability()
+    major, minor = capability
+    families = []
+    if (major, minor) == (9, 0):
+        families.append("sm90")
+    if major >= 8:
+        families.append("sm80")
+    return tuple(families)
+
+
+def default_family(capability=None):
+    """The family used unless one is asked for: $BURST_HPC_KERNELS if set, else the newest this GPU runs."""
+    families = kernel_families(capability)
+    forced = os.environ.get(_FAMILY_ENV)
+    if forced:
+        if forced not in FAMILIES:
+            raise BackendError(f"{_FAMILY_ENV} must be one of {FAMILIES}; got {forced!r}")
+        if forced not in families:
+            raise BackendError(f"{_FAMILY_ENV}={forced} does not run on this GPU (it runs {families or 'none'})")
+        return forced
+    if not families:
+        raise BackendError("the cuda backend needs a GPU of compute capability 8.0 or newer")
+    return families[0]
+
+
+def _require_gpu():
+    if cupy is None:
+        raise BackendError("the cuda backend needs CuPy (pip install cupy-cuda13x)")
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - any runtime failure means no usable GPU
+        raise BackendError(f"the cuda backend found no usable GPU: {exc}") from exc
+    if n < 1:
+        raise BackendError("the cuda backend found no GPU")
+
+
+def _capability():
+    cc = cupy.cuda.Device().compute_capability  # e.g. "90"
+    return int(cc[:-1]), int(cc[-1])
+
+
 class CudaBackend:
     name = "cuda"
     xp = cupy
-    _instance = None
+    _instances = {}
 
     @classmethod
-    def instance(cls):
-        if cls._instance is None:
-            cls._instance = cls()
-        return cls._instance
+    def instance(cls, family=None):
+        """The process-wide backend of ``family`` (None: ``default_family()``)."""
+        _require_gpu()
+        family = family or default_family()
+        if family not in cls._instances:
+            cls._instances[family] = cls(family)
+        return cls._instances[family]
 
-    def __init__(self):
-        if cupy is None:
-            raise BackendError("the cuda backend needs CuPy (pip install cupy-cuda13x)")
-        try:
-            n = cupy.cuda.runtime.getDeviceCount()
-        except Exception as exc:  # noqa: BLE001 - any runtime failure means no usable GPU
-            raise BackendError(f"the cuda backend found no usable GPU: {exc}") from exc
-        if n < 1:
-            raise BackendError("the cuda backend found no GPU")
+    def __init__(self, family="sm80"):
+        if family not in FAMILIES:
+            raise BackendError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
+        _require_gpu()
+        self.family = family
         self._modules = {}
         self._kernels = {}
         self._bf16 = np.dtype("bfloat16") if _has_bf16() else None
