@@ -1,11 +1,11 @@
 // Attention forward over one (query block, key block) pair for Hopper (sm_90a), merged into a
 // running float32 (o, lse): the same contract as attn_fwd.cu (docs/KERNELS.md).
 //
-// A CTA owns BM = 128 query rows of one (batch, query head) and is three warpgroups:
+// A CTA owns BM = 64 x (consumer warpgroups) query rows of one (batch, query head):
 // - the producer (warpgroup 0) gives its registers away and has one thread issue TMA loads: the Q tile
 //   once, then K and V tiles of BN keys into a STAGES-deep ring of shared-memory buffers, each with a
 //   "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done reading);
-// - two consumers (warpgroups 1, 2), 64 query rows each, run S = Q K^T (wgmma, both operands in shared
+// - two consumers at D = 128, three at D = 64 (warpgroups 1..), 64 query rows each, run S = Q K^T (wgmma, both operands in shared
 //   memory), the online softmax on the accumulator registers, and O += P V (wgmma, P from registers).
 //   Inside a consumer the softmax of tile t overlaps the P V product of tile t-1: the loop issues
 //   S_t = Q K_t^T and O += P_{t-1} V_{t-1} back to back and waits only for S_t before the softmax.
@@ -15,12 +15,21 @@
 #include "sm90_primitives.cuh"
 
 namespace fwd90 {
-constexpr int BM = 128, BN = 128, STAGES = 2, CONSUMERS = 2;
-constexpr int THREADS = 128 * (1 + CONSUMERS);
+constexpr int BN = 128, STAGES = 2;
+// consumer warpgroups (64 query rows each): two at D = 128 (240 registers each), three at D = 64, where a
+// tile's GEMMs are half as long and a third warpgroup keeps the tensor cores fed during softmax
+template <int D>
+struct Cfg {
+  static constexpr int CONSUMERS = D == 64 ? 3 : 2;
+  static constexpr int BM = 64 * CONSUMERS;
+  static constexpr int THREADS = 128 * (1 + CONSUMERS);
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = D == 64 ? 160 : 240;
+};
 
 // shared memory, byte offsets from a 1024-aligned base: Q | K stages | V stages | barriers
 template <int D>
 struct Smem {
+  static constexpr int BM = Cfg<D>::BM;
   static constexpr u32 kTile = BN * D * 2;  // one K or V tile
   static constexpr u32 kQ = 0;
   static constexpr u32 kK = kQ + BM * D * 2;
@@ -38,11 +47,12 @@ struct Smem {
 template <int D, bool BF16>
 __device__ __forceinline__ void qk_issue(float* s, u32 q_rows, u32 k_tile) {
   using namespace fwd90;
+  constexpr int BM = Cfg<D>::BM;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk) {
     const u64 da = smem_desc(q_rows + (kk / 4) * BM * 128 + (kk % 4) * 32, 16, 1024);
     const u64 db = smem_desc(k_tile + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
-    wgmma_ss_n128<BF16, 0>(s, da, db, kk > 0);
+    wgmma_ss_n128<BF16, 0, 0>(s, da, db, kk > 0);
   }
 }
 
@@ -132,6 +142,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
                                               float sl2, i64 off) {
   using namespace fwd90;
   using L = Smem<D>;
+  constexpr int BM = Cfg<D>::BM, CONSUMERS = Cfg<D>::CONSUMERS;
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
 
@@ -160,7 +171,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 
   const int wg = threadIdx.x / 128;
   if (wg == 0) {  // ---------------------------------------------------------------- producer
-    warpgroup_reg_dealloc<24>();
+    warpgroup_reg_dealloc<Cfg<D>::PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;
       tensormap_acquire(tq);
@@ -187,7 +198,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  warpgroup_reg_alloc<240>();
+  warpgroup_reg_alloc<Cfg<D>::CONSUMER_REGS>();
   const int cw = wg - 1, tid = threadIdx.x % 128, lane = tid % 32;
   const bool leader = tid == 0;  // arrives on the "empty" barriers for its warpgroup
   const int mw0 = m0 + 64 * cw;  // first query row of this warpgroup
@@ -295,7 +306,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 }
 
 #define BH_FWD90(NAME, D, BF16, CAUSAL)                                                                         \
-  extern "C" __global__ void __launch_bounds__(fwd90::THREADS, 1)                                              \
+  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D>::THREADS, 1)                                              \
       NAME(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh,      \
            i64 lss, int Sq, int Sk, int group, float sl2, i64 off) {                                          \
     attn_fwd_sm90<D, BF16, CAUSAL>(tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, group, sl2, off);      \

@@ -26,8 +26,12 @@ from . import tma
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 _FWD_BN, _BWD_BM = 64, 64
-# sm90 forward (attn_fwd_sm90.cu): query rows per CTA, keys per tile, K/V pipeline depth, threads
-_FWD90_BM, _FWD90_BN, _FWD90_STAGES, _FWD90_THREADS = 128, 128, 2, 384
+# sm90 forward (attn_fwd_sm90.cu): keys per tile, K/V pipeline depth; per head dim, the consumer
+# warpgroups of 64 query rows (a CTA also has one producer warpgroup)
+_FWD90_BN, _FWD90_STAGES = 128, 2
+_FWD90_CONSUMERS = {64: 3, 128: 2}
+# sm90 backward (attn_bwd_sm90.cu): keys per CTA, queries per tile, Q/dO pipeline depth, threads
+_BWD90_BN, _BWD90_BM, _BWD90_STAGES, _BWD90_THREADS = 128, 64, 2, 384
 # backward layout: "k4x2" (8 warps; 32 keys x 32 queries per warp for S/dP, 32 keys x D/2 for dK/dV;
 # 128 keys per CTA) or the previous "w8" / "w4" (each warp owns 16 keys, 16 * warps keys per CTA).
 # BURST_HPC_BWD_LAYOUT picks; the older BURST_HPC_BWD_WARPS=4|8 still selects w4 / w8.
@@ -259,18 +263,20 @@ class CudaBackend:
     def _forward_sm90(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
+        consumers = _FWD90_CONSUMERS[d]
+        bm = 64 * consumers
         try:
-            maps = tma.device_maps(cupy, ((q, _FWD90_BM), (k, _FWD90_BN), (v, _FWD90_BN)))
+            maps = tma.device_maps(cupy, ((q, bm), (k, _FWD90_BN), (v, _FWD90_BN)))
         except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
             q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
-            maps = tma.device_maps(cupy, ((q, _FWD90_BM), (k, _FWD90_BN), (v, _FWD90_BN)))
-        smem = (_FWD90_BM * d + 2 * _FWD90_STAGES * _FWD90_BN * d) * 2 + 8 * (1 + 4 * _FWD90_STAGES) + 1024
+            maps = tma.device_maps(cupy, ((q, bm), (k, _FWD90_BN), (v, _FWD90_BN)))
+        smem = (bm * d + 2 * _FWD90_STAGES * _FWD90_BN * d) * 2 + 8 * (1 + 4 * _FWD90_STAGES) + 1024
         name = f"attn_fwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}"
         kern = self._kernel("attn_fwd_sm90.cu", name, smem)
-        grid = ((sq + _FWD90_BM - 1) // _FWD90_BM, hq, b)
+        grid = ((sq + bm - 1) // bm, hq, b)
         args = (maps, o_w, l_w, *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk),
                 np.int32(hq // hkv), np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
-        kern(grid, (_FWD90_THREADS,), args, shared_mem=smem)
+        kern(grid, (128 * (1 + consumers),), args, shared_mem=smem)
 
     def _forward_sm80(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
         b, sq, hq, _ = q.shape
@@ -298,6 +304,49 @@ class CudaBackend:
         dq_w, dq_back = self._out(dq, "dq")
         dk_w, dk_back = self._out(dk, "dk")
         dv_w, dv_back = self._out(dv, "dv")
+        launch = self._backward_sm90 if self.family == "sm90" else self._backward_sm80
+        launch(kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start, k_start)
+        for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
+            if back is not None:
+                back[...] = w
+
+    @staticmethod
+    def _group_split(group, key_blocks, kv_heads):
+        """(query heads per CTA, CTAs per GQA group): split the group over CTAs only as far as needed to
+        fill the GPU (fewer dK/dV atomics). ``kv_heads``: batch x kv heads."""
+        target = 2 * _sm_count()
+        hpb = group
+        while hpb > 1 and key_blocks * kv_heads * (group // hpb) < target:
+            hpb -= 1
+            while group % hpb:
+                hpb -= 1
+        return hpb, group // hpb
+
+    def _backward_sm90(self, kind, d, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        group = hq // hkv
+        nkb = (sk + _BWD90_BN - 1) // _BWD90_BN
+        hpb, nsplit = self._group_split(group, nkb, b * hkv)
+        geometry = ((q, _BWD90_BM), (k, _BWD90_BN), (v, _BWD90_BN), (do, _BWD90_BM))
+        try:
+            maps = tma.device_maps(cupy, geometry)
+        except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
+            q, k, v, do = (cupy.ascontiguousarray(x) for x in (q, k, v, do))
+            maps = tma.device_maps(cupy, ((q, _BWD90_BM), (k, _BWD90_BN), (v, _BWD90_BN), (do, _BWD90_BM)))
+        smem = ((2 * _BWD90_BN * d + 2 * _BWD90_STAGES * _BWD90_BM * d + 2 * _BWD90_BN * _BWD90_BM) * 2
+                + 2 * _BWD90_STAGES * _BWD90_BM * 4 + 8 * (1 + 2 * _BWD90_STAGES) + 1024)
+        kern = self._kernel("attn_bwd_sm90.cu", f"attn_bwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
+        s = self._strides
+        args = (maps, lse, delta, dq, dk, dv, *s(lse), *s(delta), *s(dq)[:3], *s(dk)[:3], *s(dv)[:3], np.int32(sq),
+                np.int32(sk), np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale),
+                np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
+        kern((nkb, nsplit, b * hkv), (_BWD90_THREADS,), args, shared_mem=smem)
+
+    def _backward_sm80(self, kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start,
+                       k_start):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
         group = hq // hkv
         layout = _BWD_LAYOUT
         if layout == "k4x2":
@@ -310,14 +359,7 @@ class CudaBackend:
         else:
             raise BackendError(f"BURST_HPC_BWD_LAYOUT must be k4x2, w8 or w4; got {layout!r}")
         nkb = (sk + bn - 1) // bn
-        # split the GQA group over CTAs only as far as needed to fill the GPU (fewer dK/dV atomics)
-        target = 2 * _sm_count()
-        hpb = group
-        while hpb > 1 and nkb * b * hkv * (group // hpb) < target:
-            hpb -= 1
-            while group % hpb:
-                hpb -= 1
-        nsplit = group // hpb
+        hpb, nsplit = self._group_split(group, nkb, b * hkv)
         kname = f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}_{layout}"
         s = self._strides
         extra = ()
@@ -338,9 +380,6 @@ class CudaBackend:
                 np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0), *extra)
         kern = self._kernel("attn_bwd.cu", kname, smem)
         kern(grid, (nw * 32,), args, shared_mem=smem)
-        for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
-            if back is not None:
-                back[...] = w
 
     def delta(self, do, o):
         b, s, h, d = do.shape
