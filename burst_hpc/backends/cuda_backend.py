@@ -11,6 +11,7 @@ Conventions (docs/KERNELS.md has the full page):
 import hashlib
 import os
 import re
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -36,10 +37,15 @@ _THREADS = 256
 
 
 def cuda_dir():
-    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else <repo>/cuda."""
+    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else the package's kernels/
+    (the repository's cuda/, which the wheel installs as burst_hpc/kernels), else the cuda/ of the
+    source tree this module runs from (a checkout on PYTHONPATH, an editable install)."""
     env = os.environ.get("BURST_HPC_CUDA_DIR")
     if env:
         return Path(env)
+    installed = resources.files("burst_hpc") / "kernels"
+    if installed.is_dir():
+        return installed
     return Path(__file__).resolve().parents[2] / "cuda"
 
 
