@@ -5,7 +5,8 @@ Conventions (docs/KERNELS.md has the full page):
   float16, or float32. float32 inputs are converted once per call to bfloat16 and then run on the
   bf16 tensor-core path (accumulation stays float32). A uint16 array is taken as raw bf16 bits.
 - o, lse, dq, dk, dv, delta: float32, any strides along batch/seq/head (views are fine).
-- head dims 64 and 128; anything else raises BackendError.
+- head dims 64 and 128 natively; any other D up to 128 is zero-padded to the next of those
+  (padding.py: exact, the scale stays the caller's); larger D raise BackendError.
 - every launch goes on CuPy's current stream; nothing here synchronizes the device.
 """
 import hashlib
@@ -22,6 +23,7 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cupy = None
 
 from ..errors import BackendError
+from . import padding
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
@@ -240,6 +242,9 @@ class CudaBackend:
 
     # ---- the three block calls ---------------------------------------------------------------------
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0):
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
+            return padding.forward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, o, lse, scale=scale, causal=causal,
+                                         q_start=q_start, k_start=k_start)
         d = self._check_dims(q, k)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -264,6 +269,9 @@ class CudaBackend:
             l_back[...] = l_w
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
+            return padding.backward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, do, lse, delta, dq, dk, dv, scale=scale,
+                                          causal=causal, q_start=q_start, k_start=k_start)
         d = self._check_dims(q, k)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
