@@ -23,11 +23,13 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cupy = None
 
 from ..errors import BackendError
-from . import padding
+from . import padding, tma
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 _FWD_BN, _BWD_BM = 64, 64
+# sm90 forward (attn_fwd_sm90.cu): query rows per CTA, keys per tile, K/V pipeline depth, threads
+_FWD90_BM, _FWD90_BN, _FWD90_STAGES, _FWD90_THREADS = 128, 128, 2, 384
 # backward layout: "k4x2" (8 warps; 32 keys x 32 queries per warp for S/dP, 32 keys x D/2 for dK/dV;
 # 128 keys per CTA) or the previous "w8" / "w4" (each warp owns 16 keys, 16 * warps keys per CTA).
 # BURST_HPC_BWD_LAYOUT picks; the older BURST_HPC_BWD_WARPS=4|8 still selects w4 / w8.
@@ -169,7 +171,8 @@ class CudaBackend:
         if mod is None:
             src = _inline_source(fname, cuda_dir())
             self.source_hash = hashlib.sha256(src.encode()).hexdigest()[:12]
-            mod = cupy.RawModule(code=src, options=("-std=c++17",))
+            options = ("-std=c++17", "-arch=sm_90a") if "sm90" in fname else ("-std=c++17",)
+            mod = cupy.RawModule(code=src, options=options)
             self._modules[fname] = mod
         return mod
 
@@ -254,6 +257,34 @@ class CudaBackend:
         q, k, v = (self._half(x, kind) for x in (q, k, v))
         o_w, o_back = self._out(o, "o")
         l_w, l_back = self._f32_rows(lse, "lse")
+        if self.family == "sm90":
+            self._forward_sm90(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start)
+        else:
+            self._forward_sm80(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start)
+        if o_back is not None:
+            o_back[...] = o_w
+        if l_back is not None:
+            l_back[...] = l_w
+
+    def _forward_sm90(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        try:
+            maps = tma.device_maps(cupy, ((q, _FWD90_BM), (k, _FWD90_BN), (v, _FWD90_BN)))
+        except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
+            q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
+            maps = tma.device_maps(cupy, ((q, _FWD90_BM), (k, _FWD90_BN), (v, _FWD90_BN)))
+        smem = (_FWD90_BM * d + 2 * _FWD90_STAGES * _FWD90_BN * d) * 2 + 8 * (1 + 4 * _FWD90_STAGES) + 1024
+        name = f"attn_fwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}"
+        kern = self._kernel("attn_fwd_sm90.cu", name, smem)
+        grid = ((sq + _FWD90_BM - 1) // _FWD90_BM, hq, b)
+        args = (maps, o_w, l_w, *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk),
+                np.int32(hq // hkv), np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
+        kern(grid, (_FWD90_THREADS,), args, shared_mem=smem)
+
+    def _forward_sm80(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
         nw, bm, bn = 4, 128, _FWD_BN  # 4 warps x 32 query rows, 64-key tiles
         smem = (bm * d + 4 * bn * d) * 2
         name = f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}"
@@ -263,10 +294,6 @@ class CudaBackend:
                 *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk), np.int32(hq // hkv),
                 np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
         kern(grid, (nw * 32,), args, shared_mem=smem)
-        if o_back is not None:
-            o_back[...] = o_w
-        if l_back is not None:
-            l_back[...] = l_w
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
