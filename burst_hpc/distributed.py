@@ -84,7 +84,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     """This rank's (o, lse) of attention over the whole sharded sequence.
 
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous'
-    or 'zigzag'; default zigzag when causal). Returns o like q and lse float32 (B, Hq, S/P)."""
+    or 'zigzag'; default zigzag when causal). Returns o like q and lse float32 (B, Hq, S/P).
+    NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention)."""
     comm = _world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport)
     with _device_of(q):

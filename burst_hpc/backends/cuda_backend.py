@@ -5,12 +5,14 @@ Conventions (docs/KERNELS.md has the full page):
   float16, or float32. float32 inputs are converted once per call to bfloat16 and then run on the
   bf16 tensor-core path (accumulation stays float32). A uint16 array is taken as raw bf16 bits.
 - o, lse, dq, dk, dv, delta: float32, any strides along batch/seq/head (views are fine).
-- head dims 64 and 128; anything else raises BackendError.
+- head dims 64 and 128 natively; any other D up to 128 is zero-padded to the next of those
+  (padding.py: exact, the scale stays the caller's); larger D raise BackendError.
 - every launch goes on CuPy's current stream; nothing here synchronizes the device.
 """
 import hashlib
 import os
 import re
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cupy = None
 
 from ..errors import BackendError
-from . import tma
+from . import padding, tma
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
@@ -43,10 +45,15 @@ _THREADS = 256
 
 
 def cuda_dir():
-    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else <repo>/cuda."""
+    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else the package's kernels/
+    (the repository's cuda/, which the wheel installs as burst_hpc/kernels), else the cuda/ of the
+    source tree this module runs from (a checkout on PYTHONPATH, an editable install)."""
     env = os.environ.get("BURST_HPC_CUDA_DIR")
     if env:
         return Path(env)
+    installed = resources.files("burst_hpc") / "kernels"
+    if installed.is_dir():
+        return installed
     return Path(__file__).resolve().parents[2] / "cuda"
 
 
@@ -242,6 +249,9 @@ class CudaBackend:
 
     # ---- the three block calls ---------------------------------------------------------------------
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0):
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
+            return padding.forward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, o, lse, scale=scale, causal=causal,
+                                         q_start=q_start, k_start=k_start)
         d = self._check_dims(q, k)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -292,6 +302,9 @@ class CudaBackend:
         kern(grid, (nw * 32,), args, shared_mem=smem)
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
+            return padding.backward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, do, lse, delta, dq, dk, dv, scale=scale,
+                                          causal=causal, q_start=q_start, k_start=k_start)
         d = self._check_dims(q, k)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
