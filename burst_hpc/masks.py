@@ -16,11 +16,12 @@ interval covers them: no mask) or masked; and a kernel needs only two int32 arra
 indexed by global query position (docs/KERNELS.md, "Masks").
 """
 import hashlib
-from functools import cached_property
+from functools import lru_cache
 
 import numpy as np
 
 from .errors import MaskError
+from .layout import pieces
 
 
 def check_window(window):
@@ -82,23 +83,10 @@ class Mask:
         docs = "none" if self.cu_seqlens is None else f"{self.cu_seqlens.size - 1}"
         return f"Mask(seqlen={self.seqlen}, causal={self.causal}, window={self.window}, documents={docs})"
 
-    @cached_property
+    @property
     def intervals(self):
         """(lo, hi): int64 arrays over global query positions; row i sees keys lo[i] <= j < hi[i]."""
-        i = np.arange(self.seqlen, dtype=np.int64)
-        lo, hi = np.zeros_like(i), np.full_like(i, self.seqlen)
-        if self.cu_seqlens is not None:
-            doc = np.searchsorted(self.cu_seqlens, i, side="right") - 1
-            lo, hi = self.cu_seqlens[doc], self.cu_seqlens[doc + 1]
-        if self.window is not None:
-            left, right = self.window
-            if left >= 0:
-                lo = np.maximum(lo, i - left)
-            if right >= 0:
-                hi = np.minimum(hi, i + right + 1)
-        if self.causal:
-            hi = np.minimum(hi, i + 1)
-        return lo, hi
+        return _intervals(self)
 
     def rows(self, q_start, n):
         """(lo, hi) of the n query rows from global position q_start."""
@@ -125,12 +113,33 @@ class Mask:
         return int(np.clip(np.minimum(hi, k_start + k_len) - np.maximum(lo, k_start), 0, None).sum())
 
     def device_intervals(self, xp):
-        """(lo, hi) as int32 arrays on ``xp``'s current device (cached per device): the kernels' view."""
-        cache = self.__dict__.setdefault("_device", {})
-        where = xp.cuda.Device().id if hasattr(xp, "cuda") else "host"
-        if where not in cache:
-            cache[where] = tuple(xp.asarray(x.astype(np.int32)) for x in self.intervals)
-        return cache[where]
+        """(lo, hi) as int32 arrays on ``xp``'s current device: the kernels' view of the mask."""
+        return _device_intervals(self, xp, xp.cuda.Device().id)
+
+
+# Bounded caches (a training loop meets new document offsets every batch): only the intervals
+# of the last few masks are kept; a Mask itself holds just its offsets.
+@lru_cache(maxsize=4)
+def _intervals(mask):
+    i = np.arange(mask.seqlen, dtype=np.int64)
+    lo, hi = np.zeros_like(i), np.full_like(i, mask.seqlen)
+    if mask.cu_seqlens is not None:
+        doc = np.searchsorted(mask.cu_seqlens, i, side="right") - 1
+        lo, hi = mask.cu_seqlens[doc], mask.cu_seqlens[doc + 1]
+    if mask.window is not None:
+        left, right = mask.window
+        if left >= 0:
+            lo = np.maximum(lo, i - left)
+        if right >= 0:
+            hi = np.minimum(hi, i + right + 1)
+    if mask.causal:
+        hi = np.minimum(hi, i + 1)
+    return lo, hi
+
+
+@lru_cache(maxsize=4)
+def _device_intervals(mask, xp, device):
+    return tuple(xp.asarray(x.astype(np.int32)) for x in _intervals(mask))
 
 
 def make(seqlen, causal=False, window=None, cu_seqlens=None):
@@ -145,7 +154,8 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
     return Mask(seqlen, causal, window, cu_seqlens)
 
 
-def ring_steps(mask, pieces_of, size, queries_travel=False):
+@lru_cache(maxsize=64)
+def ring_steps(mask, size, layout, queries_travel=False):
     """How many ring steps have work: 1 + the last step t at which some rank has a visible pair.
     At step t rank r holds the travelling shard of rank (r - t) mod P: its keys (forward and
     kv-ring), or its queries (q-ring, ``queries_travel``). Every rank computes the same number."""
@@ -154,7 +164,7 @@ def ring_steps(mask, pieces_of, size, queries_travel=False):
     last = 0
     for step in range(1, size):
         for rank in range(size):
-            travelling, staying = pieces_of((rank - step) % size), pieces_of(rank)
+            travelling, staying = _pieces(mask, (rank - step) % size, size, layout), _pieces(mask, rank, size, layout)
             q_pieces, k_pieces = (travelling, staying) if queries_travel else (staying, travelling)
             if any(mask.classify(qs, ql, ks, kl) != "hidden" for qs, ql in q_pieces for ks, kl in k_pieces):
                 last = step
@@ -162,15 +172,31 @@ def ring_steps(mask, pieces_of, size, queries_travel=False):
     return last + 1
 
 
-def rank_work(mask, pieces_of, size):
+def _pieces(mask, rank, size, layout):
+    return pieces(mask.seqlen, rank, size, layout)
+
+
+@lru_cache(maxsize=64)
+def rank_work(mask, size, layout):
     """Visible (query, key) pairs each rank computes over a whole ring (its queries against every
     shard's keys): the per-rank work, whose max over mean is the imbalance."""
     work = []
     for rank in range(size):
-        mine = pieces_of(rank)
-        work.append(sum(mask.visible_count(qs, ql, ks, kl) for qs, ql in mine
-                        for source in range(size) for ks, kl in pieces_of(source)))
-    return work
+        work.append(sum(mask.visible_count(qs, ql, ks, kl) for qs, ql in _pieces(mask, rank, size, layout)
+                        for source in range(size) for ks, kl in _pieces(mask, source, size, layout)))
+    return tuple(work)
+
+
+@lru_cache(maxsize=64)
+def default_layout(mask, size):
+    """The layout for a masked call (the user did not pick one): the one whose busiest rank has the
+    least visible work; contiguous when within 2%, since with documents or a window it runs only
+    the few ring steps the masks reach (zigzag's second chunk needs every step)."""
+    work = {layout: max(rank_work(mask, size, layout)) for layout in ("contiguous", "zigzag")
+            if mask.seqlen % (size if layout == "contiguous" else 2 * size) == 0}  # check_split reports misfits
+    if "zigzag" in work and work["zigzag"] < 0.98 * work.get("contiguous", np.inf):
+        return "zigzag"
+    return "contiguous"
 
 
 def random_documents(rng, seqlen, count):

@@ -196,3 +196,40 @@ def test_random_documents_fill_the_sequence(rng):
         assert cu[0] == 0 and cu[-1] == seqlen and len(cu) == count + 1 and np.all(np.diff(cu) >= 1)
     with pytest.raises(MaskError, match=r"cannot pack 11 documents into 10 tokens"):
         masks.random_documents(rng, 10, 11)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
+    """Block pairs with a Mask cover each visible (query, key) pair once and mask only where needed;
+    ring_steps is 1 + the last step at which some rank sees something, for either travelling side."""
+    from burst_hpc.layout import layout_indices, pieces
+    from burst_hpc.schedule import block_pairs
+
+    seqlen = 12 * size
+    window = [None, (int(rng.integers(0, 30)), 0), (int(rng.integers(0, 15)), int(rng.integers(0, 15)))][seed % 3]
+    docs = documents(rng, seqlen) if window is None or rng.random() < 0.5 else None
+    causal = bool(rng.integers(2))
+    mask = masks.make(seqlen, causal, window, docs)
+    dense = visible(np.arange(seqlen), np.arange(seqlen), causal, window, docs)
+    ctx = f"seed={seed} {mask}"
+    last = {False: 0, True: 0}
+    for step in range(size):
+        for rank in range(size):
+            source = (rank - step) % size
+            for queries_travel in (False, True):
+                q_rank, k_rank = (source, rank) if queries_travel else (rank, source)
+                if dense[np.ix_(layout_indices(seqlen, q_rank, size, layout), layout_indices(seqlen, k_rank, size, layout))].any():
+                    last[queries_travel] = step
+            q_pos, k_pos = layout_indices(seqlen, rank, size, layout), layout_indices(seqlen, source, size, layout)
+            covered = np.zeros((q_pos.size, k_pos.size), int)
+            for p in block_pairs(tuple(pieces(seqlen, rank, size, layout)), tuple(pieces(seqlen, source, size, layout)),
+                                 causal, mask):
+                block = dense[np.ix_(q_pos[p.q], k_pos[p.k])]
+                assert p.causal == (not block.all()), ctx  # unmasked only where wholly visible
+                assert q_pos[p.q][0] == p.q_start and k_pos[p.k][0] == p.k_start
+                covered[p.q, p.k] += 1
+            seen = dense[np.ix_(q_pos, k_pos)]
+            assert covered.max(initial=0) <= 1 and np.all(covered[seen] == 1), ctx
+    for queries_travel in (False, True):
+        assert masks.ring_steps(mask, size, layout, queries_travel) == last[queries_travel] + 1, ctx
