@@ -35,6 +35,7 @@ def packed(rng, seqlen, kind):
 CASES = [  # (documents, window, causal, layout); layout None: the default
     ("many", None, True, None),
     ("many", None, True, "zigzag"),
+    ("many", None, True, "contiguous"),     # the kv-ring stops early; dK, dV walk home
     ("many", None, False, "contiguous"),
     ("one", None, True, "zigzag"),
     (None, (0, 0), True, "contiguous"),
@@ -42,6 +43,7 @@ CASES = [  # (documents, window, causal, layout); layout None: the default
     (None, (5, 2), False, "zigzag"),
     (None, (15, 0), True, "contiguous"),    # larger than a shard
     (None, (15, 15), False, "contiguous"),
+    (None, (0, 15), False, "contiguous"),    # the q-ring stops early; dQ walks home
     ("many", (4, 0), True, "zigzag"),
     ("many", (3, 20), False, None),
 ]
