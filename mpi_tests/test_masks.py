@@ -8,13 +8,9 @@ from burst_hpc import masks
 from burst_hpc.distributed import _backward, _forward, _Plan
 from burst_hpc.errors import MaskError, RankMismatchError
 from burst_hpc.reference import attention_backward_reference, attention_reference
+from test_ring import raises_everywhere, shared_rng
 
 LOCAL = 12  # tokens per rank: zigzag halves of 6
-
-
-def shared_rng(comm):
-    seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if comm.rank == 0 else None)
-    return np.random.default_rng(seed), seed
 
 
 def packed(rng, seqlen, kind):
@@ -126,14 +122,6 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
 def local_inputs(comm, local=LOCAL):
     rng = np.random.default_rng()
     return [rng.standard_normal((1, local, h, 8)) for h in (2, 1, 1)]
-
-
-def raises_everywhere(comm, error, fn, match):
-    with pytest.raises(error, match=match) as info:
-        fn()
-    messages = comm.allgather(str(info.value))
-    assert len(set(messages)) == 1, messages
-    return messages[0]
 
 
 def test_bad_documents_on_one_rank_fail_on_every_rank(comm):
