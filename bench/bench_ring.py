@@ -4,7 +4,8 @@ For each transport and layout: time per call of the forward and forward+backward
 same run with communication skipped (compute only) and with compute skipped (communication
 only), TFLOP/s per GPU, overlap (compute-only time / full time) and scaling efficiency against
 one GPU running the whole sequence with the same kernels (T1 / (P * TP)). Peak device memory
-per rank is the CuPy pool's high-water mark.
+per rank is the CuPy pool's high-water mark. The three modes come from burst_hpc.benchmark.RingBenchmark,
+the library's documented timing hook.
 
     mpirun -np 4 python bench/bench_ring.py --tokens-per-rank 32768 --causal --transports nccl,mpi
 """
@@ -19,21 +20,8 @@ import cupy
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc.distributed import _backward, _forward, _Plan, choose_backward_ring
+from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.dtypes import parse_dtype
-
-
-class NoComm:
-    """Stands in for a transport: every exchange completes at once (compute-only timing)."""
-
-    def __init__(self, comm):
-        self.xp, self.rank, self.size = cupy, comm.rank, comm.size
-
-    def exchange(self, sends, recvs):
-        return self
-
-    def wait(self):
-        pass
 
 
 def flops(seqlen, heads, dim, causal, backward):
@@ -89,26 +77,23 @@ def main():
         return rng.standard_normal((args.batch, n, h, args.head_dim), dtype=cupy.float32).astype(dtype)
 
     q, k, v, do = rand(args.heads), rand(kv_heads), rand(kv_heads), rand(args.heads)
-    ring = choose_backward_ring(args.backward_ring, args.heads, kv_heads, args.head_dim, dtype.itemsize)
     rows = []
     pool = cupy.get_default_memory_pool()
     for transport in args.transports.split(","):
         for layout in layouts:
-            plan = _Plan(comm, q, k, v, args.causal, None, layout, transport)
-            real = plan.transport()
-            o, lse = _forward(plan, q, k, v, transport=real)
+            bench = RingBenchmark(q, k, v, comm=comm, causal=args.causal, layout=layout, transport=transport,
+                                  backward_ring=args.backward_ring)
+            o, lse = bench.forward()
             for pass_ in args.passes.split(","):
                 backward = pass_ == "fwdbwd"
-                result = {"transport": plan.transport_name, "layout": layout, "pass": pass_, "P": P,
-                          "tokens": S, "ring": ring if backward else "kv"}
+                result = {"transport": bench.transport_name, "layout": layout, "pass": pass_, "P": P,
+                          "tokens": S, "ring": bench.backward_ring if backward else "kv"}
                 for mode in args.modes.split(","):
-                    t = NoComm(comm) if mode == "compute" else real
-                    skip = mode == "comm"
 
                     def run():
-                        oo, ll = _forward(plan, q, k, v, skip_compute=skip, transport=t)
+                        bench.forward(mode)
                         if backward:
-                            _backward(plan, ring, do, q, k, v, o, lse, skip_compute=skip, transport=t)
+                            bench.backward(do, o, lse, mode)
 
                     result[mode] = timed(comm, run, args.iters, args.warmup)
                 result["tflops_per_gpu"] = flops(S, args.heads, args.head_dim, args.causal, backward) * args.batch / P / result["full"] / 1e12

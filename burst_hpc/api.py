@@ -16,7 +16,10 @@ def _mask(q, k, v, causal, window, cu_seqlens):
 def attention(q, k, v, causal=False, scale=None, backend=None, cu_seqlens=None, window=None):
     """Exact attention. Returns (o, lse): o like q, lse float32 (B, Hq, Sq) in natural log.
     ``cu_seqlens``: document offsets [0, ..., S] of a packed sequence (no attention across
-    documents); ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning)."""
+    documents); ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
+
+    Inputs are not scanned for NaN or Inf: like torch, they propagate into the outputs of every
+    query row that sees them (``burst-hpc run`` refuses such inputs before any work)."""
     check_same_kind(q, k, v)
     (b, sq, _, hq, _, d), mask = _mask(q, k, v, causal, window, cu_seqlens)
     be = get_backend(q, backend)
@@ -29,7 +32,7 @@ def attention(q, k, v, causal=False, scale=None, backend=None, cu_seqlens=None, 
 
 
 def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, backend=None, cu_seqlens=None, window=None):
-    """Gradients (dq, dk, dv) of sum(do * o), each in its input's dtype."""
+    """Gradients (dq, dk, dv) of sum(do * o), each in its input's dtype. NaN or Inf inputs propagate."""
     check_same_kind(do, q, k, v, o, lse)
     (b, sq, _, hq, _, d), mask = _mask(q, k, v, causal, window, cu_seqlens)
     check_like("do", do, q.shape, q.dtype)

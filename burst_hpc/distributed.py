@@ -101,7 +101,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     or 'zigzag'; default zigzag when causal, with documents or a window the one with the least
     work on the busiest rank). Returns o like q and lse float32 (B, Hq, S/P).
     ``cu_seqlens``: global document offsets [0, ..., S] of a packed sequence, the same on every
-    rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning)."""
+    rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
+    NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention)."""
     comm = _world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
