@@ -468,8 +468,8 @@ def build_parser():
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="which tokens each rank owns: contiguous (rank r: chunk r of P; S a multiple of P) or "
                    "zigzag (rank r: chunks r and 2P-1-r of 2P, balanced causal work; S a multiple of 2P) "
-                   "(default: zigzag with --causal, else contiguous; with documents or --window the one whose "
-                   "busiest rank has the least work)")
+                   "(default: zigzag with --causal, else contiguous; with documents or --window contiguous, "
+                   "unless zigzag's busiest rank has clearly less work)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
                    "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else mpi when the MPI is "

@@ -98,8 +98,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     """This rank's (o, lse) of attention over the whole sharded sequence.
 
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous'
-    or 'zigzag'; default zigzag when causal, with documents or a window the one with the least
-    work on the busiest rank). Returns o like q and lse float32 (B, Hq, S/P).
+    or 'zigzag'; default zigzag when causal; with documents or a window masks.default_layout).
+    Returns o like q and lse float32 (B, Hq, S/P).
     ``cu_seqlens``: global document offsets [0, ..., S] of a packed sequence, the same on every
     rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
     NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention)."""
