@@ -233,3 +233,17 @@ def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
             assert covered.max(initial=0) <= 1 and np.all(covered[seen] == 1), ctx
     for queries_travel in (False, True):
         assert masks.ring_steps(mask, size, layout, queries_travel) == last[queries_travel] + 1, ctx
+
+
+def test_default_layout():
+    """Windows: contiguous (equal work, fewer ring steps). One document is plain causal: zigzag
+    (balanced, and both layouts run every step). Short documents: contiguous unless zigzag is
+    clearly lighter on the busiest rank."""
+    seqlen, size = 64 * 8, 8
+    assert masks.default_layout(masks.make(seqlen, True, (40, 0)), size) == "contiguous"
+    assert masks.default_layout(masks.make(seqlen, True, None, np.array([0, seqlen])), size) == "zigzag"
+    # documents of 16 tokens across every chunk boundary: equal work, but zigzag needs every step
+    short = masks.make(seqlen, True, None, np.concatenate([[0], np.arange(8, seqlen, 16), [seqlen]]))
+    assert masks.ring_steps(short, size, "contiguous") == 2 and masks.ring_steps(short, size, "zigzag") == size
+    assert masks.default_layout(short, size) == "contiguous"
+    assert masks.default_layout(masks.make(60, True, (5, 0)), 4) == "contiguous"  # 60 does not split in 8
