@@ -10,8 +10,10 @@
 //     P^T = exp2(S^T * scale*log2e - lse*log2e), dS^T = P^T (dP^T - delta)   (registers)
 //     dV += P^T dO and dK += dS^T Q           (wgmma, P^T / dS^T from registers; dK, dV stay in
 //                                              registers for the whole walk)
-//     dQ = dS K                               (wgmma, dS^T from shared memory read M-major), added to
-//                                              global dq with float2 atomics.
+//     dQ = dS K                               (wgmma, dS^T from shared memory read M-major), staged in
+//                                              shared memory and added to global dq one row per
+//                                              bulk reduction (cp.reduce.async.bulk .add.f32) while
+//                                              the next step's S^T and dP^T run.
 //   At D = 128 each consumer forms dQ for one half of the head dim over all 128 keys (the two
 //   consumers meet at a named barrier once per tile); at D = 64 each forms a partial dQ over its own
 //   64 keys, so no barrier is needed.
@@ -23,6 +25,7 @@
 namespace bwd90 {
 constexpr int BN = 128, BM = 64, STAGES = 2, CONSUMERS = 2;
 constexpr int THREADS = 128 * (1 + CONSUMERS);
+constexpr int DQ_PITCH = 64 + 4;  // floats per staged dQ row: 16-byte aligned rows, conflict-free float2 writes
 
 // shared memory, byte offsets from a 1024-aligned base
 template <int D>
@@ -34,7 +37,8 @@ struct Smem {
   static constexpr u32 kDS = kDO + STAGES * BM * D * 2;     // 2 x dS^T [BN][BM]
   static constexpr u32 kLse = kDS + 2 * BN * BM * 2;        // STAGES x BM floats: lse * log2(e)
   static constexpr u32 kDelta = kLse + STAGES * BM * 4;     // STAGES x BM floats
-  static constexpr u32 kBar = kDelta + STAGES * BM * 4;     // kv_full, then per stage full, empty
+  static constexpr u32 kDQ = kDelta + STAGES * BM * 4;      // per consumer: 64 rows x DQ_PITCH floats of dQ
+  static constexpr u32 kBar = kDQ + CONSUMERS * BM * DQ_PITCH * 4;  // kv_full, then per stage full, empty
   static constexpr u32 kBytes = kBar + 8 * (1 + 2 * STAGES) + 1024;  // + alignment slack
   static constexpr u32 kQTile = BM * D * 2;
   __device__ static u32 kv_full(u32 base) { return base + kBar; }
@@ -96,6 +100,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   float* const s_lse = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kLse);
   float* const s_delta = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kDelta);
+  float* const s_dq_all = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kDQ);
 
   // grid: (key blocks, splits of the GQA group, batch x kv heads)
   const int n0 = blockIdx.x * BN;
@@ -172,14 +177,28 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   const int key0 = key_lo + 16 * warp + lane / 4;        // this thread's keys: key0, key0 + 8
   const int qc = 2 * (lane % 4);                         // this thread's first query column in a tile
   const u32 k_rows = base + L::kK + cw * 64 * 128, v_rows = base + L::kV + cw * 64 * 128;
+  float* const s_dq = s_dq_all + cw * BM * DQ_PITCH;
 
   float acc_dk[D / 2], acc_dv[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
+  // dQ of step n is staged in shared memory at the end of step n and handed to the bulk reductions at the
+  // start of step n + 1, after that step's S^T and dP^T are issued, so the tensor cores are busy meanwhile
+  const int dq_col = D == 128 ? 64 * cw : 0;
+  auto reduce_staged_dq = [&](int n) {  // add the staged dQ rows of step n to dq
+    const int h = h_first + n / tiles, m0 = (t_lo + n % tiles) * BM;
+    fence_async_shared();
+    named_barrier_sync(3 + cw, 128);
+    if (tid < BM && m0 + tid < Sq) {
+      bulk_reduce_add_f32(dq + b * qgsb + h * qgsh + static_cast<i64>(m0 + tid) * qgss + dq_col,
+                          smem_u32(s_dq + tid * DQ_PITCH), 64 * 4);
+      bulk_commit();
+    }
+  };
   mbar_wait(L::kv_full(base), 0);
   for (int n = 0; n < steps; ++n) {
-    const int s = n % STAGES, h = h_first + n / tiles, m0 = (t_lo + n % tiles) * BM;
+    const int s = n % STAGES, m0 = (t_lo + n % tiles) * BM;
     const u32 q_tile = base + L::kQ + s * L::kQTile, do_tile = base + L::kDO + s * L::kQTile;
     const u32 ds_tile = base + L::kDS + (n & 1) * BN * BM * 2;
     mbar_wait(L::full(base, s), (n / STAGES) & 1);
@@ -190,6 +209,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     wgmma_commit();
     ss_issue<D, BF16>(dpt, v_rows, do_tile);
     wgmma_commit();
+    if (n > 0) reduce_staged_dq(n - 1);
     wgmma_wait<1>();
     fence_operands<BM / 2>(st);
 
@@ -254,20 +274,20 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     fence_operands<32>(acc_dq);
     if (leader) mbar_arrive(L::empty(base, s));
 
-    // dq += scale * dQ: rows m0 + 16 warp + lane/4 (+8), columns dq_col + 8j + qc
-    const int dq_col = D == 128 ? 64 * cw : 0;
+    // stage scale * dQ (64 x 64: rows m0 + .., columns dq_col + ..) once the last step's rows have left
+    if (tid < BM) bulk_wait_read();
+    named_barrier_sync(3 + cw, 128);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const int row = m0 + 16 * warp + lane / 4 + 8 * r;
-      if (row < Sq) {
-        float* p = dq + b * qgsb + h * qgsh + static_cast<i64>(row) * qgss + dq_col + qc;
+      float* row_p = s_dq + (16 * warp + lane / 4 + 8 * r) * DQ_PITCH + qc;
 #pragma unroll
-        for (int j = 0; j < 8; ++j)
-          atomicAdd(reinterpret_cast<float2*>(p + 8 * j),
-                    make_float2(acc_dq[4 * j + 2 * r] * scale, acc_dq[4 * j + 2 * r + 1] * scale));
-      }
+      for (int j = 0; j < 8; ++j)
+        *reinterpret_cast<float2*>(row_p + 8 * j) =
+            make_float2(acc_dq[4 * j + 2 * r] * scale, acc_dq[4 * j + 2 * r + 1] * scale);
     }
   }
+  reduce_staged_dq(steps - 1);
+  if (tid < BM) bulk_wait_read();  // shared memory must outlive the reads of the last reductions
 
   // ---- epilogue: dk += scale * dK, dv += dV (atomics when the GQA group is split over CTAs)
 #pragma unroll

@@ -34,6 +34,7 @@ _FWD90_BN, _FWD90_STAGES = 128, 2
 _FWD90_CONSUMERS = {64: 3, 128: 2}
 # sm90 backward (attn_bwd_sm90.cu): keys per CTA, queries per tile, Q/dO pipeline depth, threads
 _BWD90_BN, _BWD90_BM, _BWD90_STAGES, _BWD90_THREADS = 128, 64, 2, 384
+_BWD90_DQ_PITCH = 68  # floats per staged dQ row
 # backward layout: "k4x2" (8 warps; 32 keys x 32 queries per warp for S/dP, 32 keys x D/2 for dK/dV;
 # 128 keys per CTA) or the previous "w8" / "w4" (each warp owns 16 keys, 16 * warps keys per CTA).
 # BURST_HPC_BWD_LAYOUT picks; the older BURST_HPC_BWD_WARPS=4|8 still selects w4 / w8.
@@ -365,13 +366,18 @@ class CudaBackend:
             q, k, v, do = (cupy.ascontiguousarray(x) for x in (q, k, v, do))
             maps = tma.device_maps(cupy, ((q, _BWD90_BM), (k, _BWD90_BN), (v, _BWD90_BN), (do, _BWD90_BM)))
         smem = ((2 * _BWD90_BN * d + 2 * _BWD90_STAGES * _BWD90_BM * d + 2 * _BWD90_BN * _BWD90_BM) * 2
-                + 2 * _BWD90_STAGES * _BWD90_BM * 4 + 8 * (1 + 2 * _BWD90_STAGES) + 1024)
+                + 2 * _BWD90_STAGES * _BWD90_BM * 4 + 2 * _BWD90_BM * _BWD90_DQ_PITCH * 4
+                + 8 * (1 + 2 * _BWD90_STAGES) + 1024)
+        # dQ rows are added by bulk reductions, which need 16-byte aligned rows
+        dq_w = dq if dq.data.ptr % 16 == 0 and all(st % 16 == 0 for st in dq.strides[:-1]) else cupy.zeros(dq.shape, np.float32)
         kern = self._kernel("attn_bwd_sm90.cu", f"attn_bwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
         s = self._strides
-        args = (maps, lse, delta, dq, dk, dv, *s(lse), *s(delta), *s(dq)[:3], *s(dk)[:3], *s(dv)[:3], np.int32(sq),
+        args = (maps, lse, delta, dq_w, dk, dv, *s(lse), *s(delta), *s(dq_w)[:3], *s(dk)[:3], *s(dv)[:3], np.int32(sq),
                 np.int32(sk), np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale),
                 np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
         kern((nkb, nsplit, b * hkv), (_BWD90_THREADS,), args, shared_mem=smem)
+        if dq_w is not dq:
+            dq += dq_w
 
     def _backward_sm80(self, kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start,
                        k_start, mask=None):
