@@ -475,8 +475,10 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
     // ---- P^T, dS^T = P^T (dP^T - delta); pack to 16 bits (A fragments) and store to shared memory
     const int qw0 = m0 + hh * 32;  // this warp's first query
     const i64 kw0 = kofs + n0 + wk_lo;  // IV: global position of this warp's first key
+    // IV: the bounds of rows past Sq read as 0 and break their order, so the test uses the warp's last valid row
+    const int last_row = min(hh * 32 + 31, Sq - 1 - m0);
     const bool need_mask = (wk_max >= Sk) || (CAUSAL && static_cast<i64>(wk_max) > static_cast<i64>(qw0) + off) ||
-                           (IV && !(sLot[hh * 32 + 31] <= kw0 && sHit[hh * 32] >= kw0 + 32));
+                           (IV && !(last_row >= hh * 32 && sLot[last_row] <= kw0 && sHit[hh * 32] >= kw0 + 32));
     // Mask by constant offsets: key (tile-local) kl = kt + i*16 + (e>>1)*8 and query qw0 + qt + nt*8 + (e&1),
     // with this thread's kt = wk_lo + (lane>>2), qt = (lane&3)*2. Hidden when n0 + kl >= Sk, or (causal)
     // n0 + kl > query + off  <=>  i*16 + (e>>1)*8 - nt*8 - (e&1) > cthr. Both thresholds fit an int after
