@@ -2,7 +2,7 @@
 isolates one idea at a time (NumPy + MPI on the CPU, CuPy + NCCL on GPUs; never torch):
 
 - ``untiled_ring``: RingAttention without tiling. The same ring, layout and GAO merge as ours, with
-  a block backend that materialises each block pair's whole score matrix (one head at a time:
+  a block backend that materialises each block pair's whole float32 score matrix (one head at a time:
   (S/P) x (S/P) on the contiguous layout, halves of it on zigzag) with plain matmuls and a softmax.
   Its backward is RingAttention's kv-ring. It isolates LAO (tiling) from the distribution.
 - ``AllGatherKV``: Llama-3 style. K and V are all-gathered, then one local call of our kernels per
@@ -53,16 +53,11 @@ class UntiledBackend:
 
     def __init__(self, xp):
         self.xp = xp
-        self._half_matmul = xp is not np  # 16-bit tensor-core matmuls on the GPU, until CuPy refuses
 
-    def _mm(self, a, b, acc):
-        """a @ b in the accumulator type; 16-bit inputs multiply in 16 bits on the GPU (as eager torch
-        would) where CuPy can, else in the accumulator type."""
-        if self._half_matmul and a.dtype.itemsize == 2 and b.dtype == a.dtype:
-            try:
-                return (a @ b).astype(acc, copy=False)
-            except (TypeError, NotImplementedError, ValueError):
-                self._half_matmul = False
+    @staticmethod
+    def _mm(a, b, acc):
+        """a @ b in the accumulator type (CuPy: TF32 tensor cores when CUPY_TF32=1; its 16-bit matmuls
+        do not cover bfloat16)."""
         return a.astype(acc, copy=False) @ b.astype(acc, copy=False)
 
     def _scores(self, q, k, acc, scale, causal, q_start, k_start):
@@ -85,7 +80,7 @@ class UntiledBackend:
                 total = p.sum(-1)
                 seen = total > 0
                 block_lse = xp.where(seen, safe_max + xp.log(xp.where(seen, total, 1)), -xp.inf)
-                block_o = self._mm(p.astype(q.dtype), v[b, :, h // group], acc) / xp.where(seen, total, 1)[:, None]
+                block_o = self._mm(p, v[b, :, h // group], acc) / xp.where(seen, total, 1)[:, None]
                 merged, w_old, w_new = merge_weights(lse[b, h], block_lse)  # GAO
                 o[b, :, h] = o[b, :, h] * w_old[:, None] + block_o * w_new[:, None]
                 lse[b, h] = merged
@@ -101,7 +96,6 @@ class UntiledBackend:
                 p = xp.exp(s - xp.where(xp.isneginf(row_lse), 0, row_lse)[:, None])
                 p[xp.isneginf(row_lse)] = 0
                 ds = p * (self._mm(do[b, :, h], v[b, :, g].T, acc) - delta[b, h].astype(acc)[:, None])
-                ds, p = ds.astype(q.dtype), p.astype(q.dtype)  # as eager autograd in the inputs' type
                 dq[b, :, h] += self._mm(ds, k[b, :, g], acc) * acc.type(scale)
                 dk[b, :, g] += self._mm(ds.T, q[b, :, h], acc) * acc.type(scale)
                 dv[b, :, g] += self._mm(p.T, do[b, :, h], acc)

@@ -20,6 +20,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export CUPY_TF32=1  # the untiled baseline multiplies in float32: on tensor cores (TF32)
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PART=${1:?usage: device_evidence.sh PART [GPUS] [METHOD]}
@@ -27,7 +28,7 @@ N=${2:-$(nvidia-smi -L | wc -l)}
 JSON="$OUT/evidence_${PART}_${N}.jsonl"; LOG="$OUT/evidence_${PART}_${N}.log"
 : > "$JSON"
 status=0
-envs="-x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS"
+envs="-x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x CUPY_TF32"
 transports=nccl
 if [ -f .devcarry/env.sh ]; then  # CUDA-aware MPI for our ring's mpi transport (docs/BENCHMARKS.md)
   source .devcarry/env.sh
