@@ -10,6 +10,7 @@ import logging
 
 import numpy as np
 
+from . import masks
 from .backends import get_backend
 from .dtypes import accum_dtype, dtype_name
 from .errors import BurstError, ShapeError
@@ -34,7 +35,7 @@ def _world():
 class _Plan:
     """What every rank agreed on before the first exchange."""
 
-    def __init__(self, comm, q, k, v, causal, scale, layout, transport, backward=None):
+    def __init__(self, comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None):
         """``backward``: (do, o, lse, backward_ring) for the backward pass, checked too."""
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
         error, signature = None, None
@@ -45,15 +46,19 @@ class _Plan:
             b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
             if sq != sk:
                 raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
+            self.mask = masks.make(sq * self.size, causal, window, cu_seqlens)
+            if layout is None and self.mask is not None:
+                layout = masks.default_layout(self.mask, self.size)
+            self.layout = check_layout(default_layout(causal) if layout is None else layout)
+            self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
             self.ring = None
             if backward is not None:
                 do, o, lse, ring = backward
                 check_like("do", do, q.shape, q.dtype)
                 check_like("o", o, q.shape, q.dtype)
                 check_like("lse", lse, (b, hq, sq), np.float32)
-                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize)
-            self.layout = check_layout(default_layout(causal) if layout is None else layout)
-            self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
+                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize, self.steps(True), self.steps(False),
+                                                 self.size)
             self.scale = resolve_scale(scale, d)
             self.causal = bool(causal)
             self.backend = get_backend(q)
@@ -61,7 +66,8 @@ class _Plan:
             self.heads, self.kv_heads, self.head_dim = hq, hkv, d
             signature = {"q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
                          "causal": self.causal, "layout": self.layout, "scale": self.scale,
-                         "transport": self.transport_name, "backward ring": self.ring}
+                         "transport": self.transport_name, "backward ring": self.ring,
+                         "documents and window": None if self.mask is None else self.mask.key}
         except Exception as e:  # shared with every rank below, so no rank is left waiting
             error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
         agree(comm, error, signature)
@@ -71,8 +77,15 @@ class _Plan:
     def pieces(self, rank):
         return tuple(pieces(self.seqlen, rank, self.size, self.layout))
 
-    def transport(self):
-        return make_transport(self.transport_name, self.comm, self.xp)
+    def transport(self, reverse=False):
+        transport = make_transport(self.transport_name, self.comm, self.xp)
+        if reverse:  # the carried accumulators' way home after a shortened ring
+            transport.next, transport.prev = transport.prev, transport.next
+        return transport
+
+    def steps(self, queries_travel):
+        """Ring steps with work: all P, or fewer with documents or a window (masks.ring_steps)."""
+        return masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
 
 
 def _device_of(x):
@@ -80,14 +93,18 @@ def _device_of(x):
     return x.device if type(x).__module__.startswith("cupy") else contextlib.nullcontext()
 
 
-def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto"):
+def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto", cu_seqlens=None,
+                    window=None):
     """This rank's (o, lse) of attention over the whole sharded sequence.
 
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous'
-    or 'zigzag'; default zigzag when causal). Returns o like q and lse float32 (B, Hq, S/P).
+    or 'zigzag'; default zigzag when causal; with documents or a window masks.default_layout).
+    Returns o like q and lse float32 (B, Hq, S/P).
+    ``cu_seqlens``: global document offsets [0, ..., S] of a packed sequence, the same on every
+    rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
     NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention)."""
     comm = _world() if comm is None else comm
-    plan = _Plan(comm, q, k, v, causal, scale, layout, transport)
+    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
         return _forward(plan, q, k, v)
 
@@ -100,11 +117,12 @@ def _forward(plan, q, k, v, skip_compute=False, transport=None):
 
     def compute(source, kv, _carried):
         k_src, v_src = kv
-        for pair in block_pairs(mine, plan.pieces(source), plan.causal):
+        for pair in block_pairs(mine, plan.pieces(source), plan.causal, plan.mask):
             be.forward_block(q[:, pair.q], k_src[:, pair.k], v_src[:, pair.k], o[:, pair.q], lse[:, :, pair.q],
-                             scale=plan.scale, causal=pair.causal, q_start=pair.q_start, k_start=pair.k_start)
+                             scale=plan.scale, causal=pair.causal, q_start=pair.q_start, k_start=pair.k_start,
+                             mask=plan.mask)
 
-    ring_loop(transport or plan.transport(), [k, v], compute, skip_compute=skip_compute)
+    ring_loop(transport or plan.transport(), [k, v], compute, skip_compute=skip_compute, steps=plan.steps(False))
     return o.astype(q.dtype), lse.astype(xp.float32)
 
 
@@ -115,12 +133,17 @@ def backward_ring_bytes(heads, kv_heads, head_dim, itemsize):
     return q_ring, kv_ring
 
 
-def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize):
+def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, kv_steps=1, size=1):
+    """The backward ring: ``name``, or for 'auto' the one moving fewer bytes over its steps (with
+    documents or a window a ring may stop early: ``q_steps``/``kv_steps`` of ``size``)."""
     if name not in BACKWARD_RINGS:
         raise BurstError(f"unknown backward_ring {name!r}; use one of {', '.join(BACKWARD_RINGS)}")
     if name != "auto":
         return name
     q_bytes, kv_bytes = backward_ring_bytes(heads, kv_heads, head_dim, itemsize)
+    if (q_steps, kv_steps) != (size, size):
+        # a shortened kv-ring walks dK, dV back home: kv_steps - 1 more hops of 8 bytes per element
+        q_bytes, kv_bytes = q_bytes * q_steps, kv_bytes * kv_steps + kv_heads * head_dim * 8 * (kv_steps - 1)
     choice = "q" if q_bytes < kv_bytes else "kv"
     log.info("backward ring auto -> %s-ring (%d vs %d bytes per token per step)", choice,
              min(q_bytes, kv_bytes), max(q_bytes, kv_bytes))
@@ -128,10 +151,12 @@ def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize):
 
 
 def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale=None, layout=None,
-                             transport="auto", backward_ring="auto"):
-    """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention."""
+                             transport="auto", backward_ring="auto", cu_seqlens=None, window=None):
+    """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention
+    (called with the same causal, layout, cu_seqlens and window)."""
     comm = _world() if comm is None else comm
-    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring))
+    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
+                 cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
         return _backward(plan, plan.ring, do, q, k, v, o, lse)
 
@@ -141,20 +166,22 @@ def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=Non
     delta = be.delta(do, o)
     mine = plan.pieces(plan.rank)
     transport = transport or plan.transport()
-    kw = dict(scale=plan.scale)
+    kw = dict(scale=plan.scale, mask=plan.mask)
     if ring == "kv":
         dq = xp.zeros(q.shape, acc)
 
         def compute(source, kv, carried):
             k_src, v_src = kv
             dk_part, dv_part = carried
-            for p in block_pairs(mine, plan.pieces(source), plan.causal):
+            for p in block_pairs(mine, plan.pieces(source), plan.causal, plan.mask):
                 be.backward_block(q[:, p.q], k_src[:, p.k], v_src[:, p.k], do[:, p.q], lse[:, :, p.q],
                                   delta[:, :, p.q], dq[:, p.q], dk_part[:, p.k], dv_part[:, p.k],
                                   causal=p.causal, q_start=p.q_start, k_start=p.k_start, **kw)
 
+        steps = plan.steps(False)
         dk, dv = ring_loop(transport, [k, v], compute, carried=[(k.shape, acc), (v.shape, acc)],
-                           skip_compute=skip_compute)
+                           skip_compute=skip_compute, steps=steps,
+                           back=plan.transport(reverse=True) if 1 < steps < plan.size else None)
     else:
         dk = xp.zeros(k.shape, acc)
         dv = xp.zeros(v.shape, acc)
@@ -162,14 +189,16 @@ def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=Non
         def compute(source, qside, carried):
             q_src, do_src, lse_src, delta_src = qside
             (dq_part,) = carried
-            for p in block_pairs(plan.pieces(source), mine, plan.causal):
+            for p in block_pairs(plan.pieces(source), mine, plan.causal, plan.mask):
                 be.backward_block(q_src[:, p.q], k[:, p.k], v[:, p.k], do_src[:, p.q], lse_src[:, :, p.q],
                                   delta_src[:, :, p.q], dq_part[:, p.q], dk[:, p.k], dv[:, p.k],
                                   causal=p.causal, q_start=p.q_start, k_start=p.k_start, **kw)
 
         lse32 = lse.astype(xp.float32, copy=False)
+        steps = plan.steps(True)
         (dq,) = ring_loop(transport, [q, do, lse32, delta.astype(xp.float32, copy=False)], compute,
-                          carried=[(q.shape, acc)], skip_compute=skip_compute)
+                          carried=[(q.shape, acc)], skip_compute=skip_compute, steps=steps,
+                          back=plan.transport(reverse=True) if 1 < steps < plan.size else None)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

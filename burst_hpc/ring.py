@@ -11,6 +11,8 @@ At step t this rank holds the travelling shard of rank (rank - t) mod P. The loo
 
 Carried accumulators (dQ on the q-ring, dK/dV on the kv-ring) follow their travelling
 shard one step behind and, after P steps, one last exchange brings each home.
+With documents or a window the ring may stop after T < P steps (masks.ring_steps: no rank has
+anything visible later); the carried accumulators then walk T - 1 hops back home.
 Receive buffers are allocated once per call; a buffer is never written while it is sent.
 """
 
@@ -19,12 +21,14 @@ def _zeros_like(xp, arrays):
     return [xp.zeros(a.shape, a.dtype) for a in arrays]
 
 
-def ring_loop(transport, travelling, compute, carried=(), skip_compute=False):
-    """Run P steps. ``travelling``: this rank's read-only arrays that visit every rank.
-    ``carried``: (shape, dtype) of accumulators that travel with them; ``compute(source,
+def ring_loop(transport, travelling, compute, carried=(), skip_compute=False, steps=None, back=None):
+    """Run P steps (or the first ``steps``). ``travelling``: this rank's read-only arrays that visit
+    every rank. ``carried``: (shape, dtype) of accumulators that travel with them; ``compute(source,
     travelling_bufs, carried_partials)`` adds this step's work. Returns the carried
-    accumulators of this rank's own travelling shard."""
+    accumulators of this rank's own travelling shard. ``back``: a transport sending to the
+    previous rank, for carried accumulators when 1 < steps < P."""
     xp, rank, size = transport.xp, transport.rank, transport.size
+    steps = size if steps is None else steps
     if size == 1:
         partial = [xp.zeros(shape, dtype) for shape, dtype in carried]
         if not skip_compute:
@@ -36,10 +40,10 @@ def ring_loop(transport, travelling, compute, carried=(), skip_compute=False):
     partial = [xp.zeros(shape, dtype) for shape, dtype in carried]
     incoming = _zeros_like(xp, partial)
     outgoing = _zeros_like(xp, partial)
-    for step in range(size):
+    for step in range(steps):
         source = (rank - step) % size
         sends, recvs = [], []
-        if step + 1 < size:
+        if step + 1 < steps:
             sends += current
             recvs += spare
         if carried and step > 0:
@@ -61,5 +65,10 @@ def ring_loop(transport, travelling, compute, carried=(), skip_compute=False):
         current, spare = spare, current
     if not carried:
         return []
-    transport.exchange(outgoing, incoming).wait()
-    return incoming
+    if steps == size:
+        transport.exchange(outgoing, incoming).wait()
+        return incoming
+    for _ in range(steps - 1):  # outgoing holds the accumulator of rank - (steps - 1): walk it back
+        back.exchange(outgoing, incoming).wait()
+        outgoing, incoming = incoming, outgoing
+    return outgoing

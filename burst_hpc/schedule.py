@@ -18,7 +18,7 @@ class BlockPair:
     k: slice        # local rows of the key-side shard
     q_start: int    # global position of the first query row
     k_start: int    # global position of the first key row
-    causal: bool    # True only for diagonal pairs, which need the mask
+    causal: bool    # True only for pairs that need the mask (diagonal, or masks.Mask's 'masked')
 
 
 def _classify(q_start, q_len, k_start, k_len, causal):
@@ -41,17 +41,21 @@ def _fuse(a, b):
 
 
 @lru_cache(maxsize=1024)
-def block_pairs(q_pieces, k_pieces, causal):
-    """The block pairs to run for a query shard against a key shard (pieces as tuples)."""
+def block_pairs(q_pieces, k_pieces, causal, mask=None):
+    """The block pairs to run for a query shard against a key shard (pieces as tuples).
+    ``mask``: a masks.Mask (documents, window) classifies the pairs instead of plain causal."""
     pairs = []
     q_off = 0
     for q_start, q_len in q_pieces:
         k_off = 0
         for k_start, k_len in k_pieces:
-            kind = _classify(q_start, q_len, k_start, k_len, causal)
+            if mask is not None:
+                kind = mask.classify(q_start, q_len, k_start, k_len)
+            else:
+                kind = _classify(q_start, q_len, k_start, k_len, causal)
             if kind != "hidden":
                 pairs.append(BlockPair(slice(q_off, q_off + q_len), slice(k_off, k_off + k_len),
-                                       q_start, k_start, kind == "diagonal"))
+                                       q_start, k_start, kind != "full"))
             k_off += k_len
         q_off += q_len
     fused = True

@@ -12,7 +12,8 @@
 //                                              registers for the whole walk)
 //     dQ = dS K                               (wgmma, dS^T from shared memory read M-major), staged in
 //                                              shared memory and added to global dq one row per
-//                                              bulk reduction (cp.reduce.async.bulk .add.f32).
+//                                              bulk reduction (cp.reduce.async.bulk .add.f32) while
+//                                              the next step's S^T and dP^T run.
 //   At D = 128 each consumer forms dQ for one half of the head dim over all 128 keys (the two
 //   consumers meet at a named barrier once per tile); at D = 64 each forms a partial dQ over its own
 //   64 keys, so no barrier is needed.
@@ -157,8 +158,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
         float l2 = BH_INF, dl = 0.f;  // rows past the end, and rows that saw nothing, get P = 0
         if (row < Sq) {
           const float x = lse[b * lsb + h * lsh + row * lss];
-          if (x > -BH_INF) l2 = x * BH_LOG2E;
-          dl = delta[b * dsb + h * dsh + row * dss];
+          if (x > -BH_INF) {
+            l2 = x * BH_LOG2E;
+            dl = delta[b * dsb + h * dsh + row * dss];
+          }
         }
         s_lse[s * BM + tid] = l2;
         s_delta[s * BM + tid] = dl;
@@ -182,9 +185,22 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
+  // dQ of step n is staged in shared memory at the end of step n and handed to the bulk reductions at the
+  // start of step n + 1, after that step's S^T and dP^T are issued, so the tensor cores are busy meanwhile
+  const int dq_col = D == 128 ? 64 * cw : 0;
+  auto reduce_staged_dq = [&](int n) {  // add the staged dQ rows of step n to dq
+    const int h = h_first + n / tiles, m0 = (t_lo + n % tiles) * BM;
+    fence_async_shared();
+    named_barrier_sync(3 + cw, 128);
+    if (tid < BM && m0 + tid < Sq) {
+      bulk_reduce_add_f32(dq + b * qgsb + h * qgsh + static_cast<i64>(m0 + tid) * qgss + dq_col,
+                          smem_u32(s_dq + tid * DQ_PITCH), 64 * 4);
+      bulk_commit();
+    }
+  };
   mbar_wait(L::kv_full(base), 0);
   for (int n = 0; n < steps; ++n) {
-    const int s = n % STAGES, h = h_first + n / tiles, m0 = (t_lo + n % tiles) * BM;
+    const int s = n % STAGES, m0 = (t_lo + n % tiles) * BM;
     const u32 q_tile = base + L::kQ + s * L::kQTile, do_tile = base + L::kDO + s * L::kQTile;
     const u32 ds_tile = base + L::kDS + (n & 1) * BN * BM * 2;
     mbar_wait(L::full(base, s), (n / STAGES) & 1);
@@ -195,6 +211,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     wgmma_commit();
     ss_issue<D, BF16>(dpt, v_rows, do_tile);
     wgmma_commit();
+    if (n > 0) reduce_staged_dq(n - 1);
     wgmma_wait<1>();
     fence_operands<BM / 2>(st);
 
@@ -259,10 +276,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     fence_operands<32>(acc_dq);
     if (leader) mbar_arrive(L::empty(base, s));
 
-    // dq += scale * dQ: the 64 x 64 slice (rows m0 + .., columns dq_col + ..) goes through shared memory,
-    // then each of 64 threads adds one row with a bulk reduction
-    const int dq_col = D == 128 ? 64 * cw : 0;
-    if (tid < BM) bulk_wait_read();  // the previous step's rows have left the staging buffer
+    // stage scale * dQ (64 x 64: rows m0 + .., columns dq_col + ..) once the last step's rows have left
+    if (tid < BM) bulk_wait_read();
     named_barrier_sync(3 + cw, 128);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -272,14 +287,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
         *reinterpret_cast<float2*>(row_p + 8 * j) =
             make_float2(acc_dq[4 * j + 2 * r] * scale, acc_dq[4 * j + 2 * r + 1] * scale);
     }
-    fence_async_shared();
-    named_barrier_sync(3 + cw, 128);
-    if (tid < BM && m0 + tid < Sq) {
-      bulk_reduce_add_f32(dq + b * qgsb + h * qgsh + static_cast<i64>(m0 + tid) * qgss + dq_col,
-                          smem_u32(s_dq + tid * DQ_PITCH), 64 * 4);
-      bulk_commit();
-    }
   }
+  reduce_staged_dq(steps - 1);
   if (tid < BM) bulk_wait_read();  // shared memory must outlive the reads of the last reductions
 
   // ---- epilogue: dk += scale * dK, dv += dV (atomics when the GQA group is split over CTAs)
