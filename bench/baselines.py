@@ -68,7 +68,13 @@ class UntiledBackend:
             s[hidden] = -xp.inf
         return s
 
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0):
+    @staticmethod
+    def _plain(mask):
+        if mask is not None:
+            raise BurstError("the untiled baseline knows plain causal masks only, not documents or windows")
+
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
+        self._plain(mask)
         xp, acc = self.xp, o.dtype
         group = q.shape[2] // k.shape[2]
         for b in range(q.shape[0]):
@@ -85,7 +91,9 @@ class UntiledBackend:
                 o[b, :, h] = o[b, :, h] * w_old[:, None] + block_o * w_new[:, None]
                 lse[b, h] = merged
 
-    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
+                       mask=None):
+        self._plain(mask)
         xp, acc = self.xp, dq.dtype
         group = q.shape[2] // k.shape[2]
         for b in range(q.shape[0]):
