@@ -12,8 +12,6 @@ its zigzag shard and compares o, dq, dk, dv with the float64 reference; the max 
 
     mpirun -np 2 python bench/bench_baselines.py --accuracy --tokens 16384 --kv-heads 8 --causal
 """
-import argparse
-
 import cupy
 from mpi4py import MPI
 
@@ -104,23 +102,11 @@ def accuracy(comm, args):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens-per-rank", default="8192", help="comma-separated, shortest first")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap = evidence.parser(__doc__.splitlines()[0])
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--methods", default=",".join(baselines.METHODS))
-    ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--transport", default="nccl", help="our ring: nccl or mpi; the baselines' collectives: nccl")
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--accuracy", action="store_true")
-    ap.add_argument("--tokens", type=int, default=16384, help="--accuracy: tokens in all, the same for every P")
-    ap.add_argument("--seed", type=int, default=12)
-    ap.add_argument("--out", default=None, help="append the JSON lines here too (rank 0)")
-    args = ap.parse_args()
-    args.kv_heads = args.kv_heads or args.heads
+    args = evidence.parse(ap)
     comm = MPI.COMM_WORLD
     burst_hpc.select_device(comm)
     (accuracy if args.accuracy else timing)(comm, args)

@@ -8,6 +8,7 @@ heads, kv_heads, head_dim, causal, transport, full (seconds per call), tflops_pe
 (per rank), bytes_sent (per rank per call), error (why a case did not run); accuracy rows carry
 err_o, err_dq, err_dk, err_dv (max |ours - reference| over the whole sequence).
 """
+import argparse
 import datetime
 import json
 
@@ -77,3 +78,27 @@ def emit(row, path=None):
     if path:
         with open(path, "a") as f:
             f.write(line + "\n")
+
+
+def parser(description):
+    """The command line every evidence benchmark shares (shape, passes, timing, accuracy, output);
+    ``parse(ap)`` then fills kv_heads (default: heads)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--tokens-per-rank", default="32768", help="comma-separated, shortest first")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--passes", default="fwd,fwdbwd")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--tokens", type=int, default=16384, help="--accuracy: tokens in all, the same for every P")
+    ap.add_argument("--seed", type=int, default=12)
+    ap.add_argument("--out", default=None, help="append the JSON lines here too (rank 0)")
+    return ap
+
+
+def parse(ap):
+    args = ap.parse_args()
+    args.kv_heads = args.kv_heads or args.heads
+    return args

@@ -20,7 +20,6 @@ backward; peak memory per rank = torch.cuda.max_memory_allocated. JSON lines as 
 describes them, method torch-cp-cudnn / torch-cp-flash; a case torch refuses (GQA on a backend, out
 of memory) gets a row with its error.
 """
-import argparse
 import contextlib
 import os
 import statistics
@@ -195,23 +194,11 @@ def accuracy(args, mesh, rank, world, local):
 
 
 def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens-per-rank", default="32768", help="comma-separated, shortest first")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=128)
+    ap = evidence.parser(__doc__.splitlines()[0])
     ap.add_argument("--backends", default="cudnn,flash")
-    ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--buffers", choices=("shard", "global"), default="shard")
     ap.add_argument("--rotate", choices=("allgather", "alltoall"), default=None, help="default: torch's")
-    ap.add_argument("--iters", type=int, default=3)
-    ap.add_argument("--warmup", type=int, default=1)
-    ap.add_argument("--accuracy", action="store_true")
-    ap.add_argument("--tokens", type=int, default=16384, help="--accuracy: tokens in all, the same for every P")
-    ap.add_argument("--seed", type=int, default=12)
-    ap.add_argument("--out", default=None, help="append the JSON lines here too (rank 0)")
-    args = ap.parse_args()
-    args.kv_heads = args.kv_heads or args.heads
+    args = evidence.parse(ap)
     rank, world, local = launch()
     if args.rotate:
         set_rotate_method(args.rotate)
