@@ -6,6 +6,7 @@
 #   bash bench/device_evidence.sh PART [GPUS] [METHOD]
 #
 # GPUS: ranks to use (default: every GPU of the machine). Parts:
+#   tests      the baselines on the GPU against the float64 oracle (mpi_tests/test_baselines_gpu.py)
 #   accuracy   ours, the baselines and torch CP: max error of o, dq, dk, dv against the float64 reference
 #              on one seeded input (ACC_TOKENS=16384 in all, bf16, causal, GQA 32/8); run it for each P
 #   peer       ours against torch CP (cuDNN, flash), PEER_TOKENS per GPU, MHA and GQA at D=128, MHA at D=64
@@ -25,7 +26,8 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 OUT=${OUT:-out}; mkdir -p "$OUT"
 PART=${1:?usage: device_evidence.sh PART [GPUS] [METHOD]}
 N=${2:-$(nvidia-smi -L | wc -l)}
-JSON="$OUT/evidence_${PART}_${N}.jsonl"; LOG="$OUT/evidence_${PART}_${N}.log"
+NAME="evidence_${PART}_${N}${3:+_$3}"  # a longest run of one METHOD keeps its own file
+JSON="$OUT/$NAME.jsonl"; LOG="$OUT/$NAME.log"
 : > "$JSON"
 status=0
 envs="-x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x TORCH_SYMM_MEM_DISABLE_MULTICAST -x NVSHMEM_DISABLE_NVLS -x CUPY_TF32"
@@ -62,6 +64,11 @@ shape_args() {  # H:Hkv:D -> bench arguments
 
 echo "== evidence: $PART on $N GPU(s), $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 case "$PART" in
+  tests)
+    timeout 240 mpirun -np "$N" --bind-to none $envs python3 -m mpi4py -m pytest -q -p no:cacheprovider \
+      mpi_tests/test_baselines_gpu.py > "$LOG" 2>&1 || failed "test_baselines_gpu"
+    grep -aE "passed|failed|Error" "$LOG" | sort | uniq -c
+    exit $status ;;
   accuracy)
     acc="--accuracy --tokens ${ACC_TOKENS:-16384} --heads 32 --kv-heads 8 --head-dim 128"
     ours 240 $acc --causal
