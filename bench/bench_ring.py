@@ -13,10 +13,9 @@ the library's documented timing hook. JSON lines as bench/evidence.py describes 
 """
 import argparse
 import datetime
+import functools
 import json
-import statistics
 import sys
-import time
 
 import cupy
 from mpi4py import MPI
@@ -25,6 +24,7 @@ import burst_hpc
 from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.distributed import backward_ring_bytes
 from burst_hpc.dtypes import parse_dtype
+import evidence
 from evidence import flops
 
 
@@ -36,19 +36,7 @@ def design_bytes(P, n, heads, kv_heads, dim, itemsize, ring, backward):
     return (P - 1) * n * sent
 
 
-def timed(comm, fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        cupy.cuda.Device().synchronize()
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        cupy.cuda.Device().synchronize()
-        comm.Barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+timed = functools.partial(evidence.timed, xp=cupy)  # median seconds per call, between barriers
 
 
 def main():

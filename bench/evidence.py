@@ -11,6 +11,8 @@ err_o, err_dq, err_dk, err_dv (max |ours - reference| over the whole sequence).
 import argparse
 import datetime
 import json
+import statistics
+import time
 
 import ml_dtypes
 import numpy as np
@@ -22,6 +24,26 @@ def flops(seqlen, heads, dim, causal, backward):
     """The FlashAttention count: 4 S^2 H D forward, x3.5 forward+backward, halved when causal."""
     f = 4.0 * seqlen * seqlen * heads * dim * (3.5 if backward else 1.0)
     return f / 2 if causal else f
+
+
+def timed(comm, fn, iters, warmup, xp=np):
+    """Median seconds per call of ``fn`` over ``iters`` calls after ``warmup``, each between barriers
+    (and, on the GPU, device synchronisations): the slowest rank's time."""
+    def sync():
+        if xp is not np:
+            xp.cuda.Device().synchronize()
+        comm.Barrier()
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def global_inputs(seed, seqlen, heads, kv_heads, dim, batch=1):
@@ -98,7 +120,7 @@ def parser(description):
     return ap
 
 
-def parse(ap):
-    args = ap.parse_args()
+def parse(ap, argv=None):
+    args = ap.parse_args(argv)
     args.kv_heads = args.kv_heads or args.heads
     return args
