@@ -4,44 +4,39 @@ For each transport and layout: time per call of the forward and forward+backward
 same run with communication skipped (compute only) and with compute skipped (communication
 only), TFLOP/s per GPU, overlap (compute-only time / full time) and scaling efficiency against
 one GPU running the whole sequence with the same kernels (T1 / (P * TP)). Peak device memory
-per rank is the CuPy pool's high-water mark. The three modes come from burst_hpc.benchmark.RingBenchmark,
-the library's documented timing hook.
+per rank is the CuPy pool's high-water mark. Bytes sent per rank per call are counted by the hook
+and set beside DESIGN.md's volume for the ring used (bytes_design: P-1 steps; the carried
+accumulators' trip home comes on top). The three modes come from burst_hpc.benchmark.RingBenchmark,
+the library's documented timing hook. JSON lines as bench/evidence.py describes them.
 
     mpirun -np 4 python bench/bench_ring.py --tokens-per-rank 32768 --causal --transports nccl,mpi
 """
 import argparse
 import datetime
+import functools
 import json
-import statistics
 import sys
-import time
 
 import cupy
 from mpi4py import MPI
 
 import burst_hpc
 from burst_hpc.benchmark import RingBenchmark
+from burst_hpc.distributed import backward_ring_bytes
 from burst_hpc.dtypes import parse_dtype
+import evidence
+from evidence import flops
 
 
-def flops(seqlen, heads, dim, causal, backward):
-    f = 4.0 * seqlen * seqlen * heads * dim * (3.5 if backward else 1.0)
-    return f / 2 if causal else f
+def design_bytes(P, n, heads, kv_heads, dim, itemsize, ring, backward):
+    """DESIGN.md's bytes per rank per call: K, V each step, plus the backward ring's volume."""
+    sent = 2 * kv_heads * dim * itemsize
+    if backward:
+        sent += backward_ring_bytes(heads, kv_heads, dim, itemsize)[0 if ring == "q" else 1]
+    return (P - 1) * n * sent
 
 
-def timed(comm, fn, iters, warmup):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        cupy.cuda.Device().synchronize()
-        comm.Barrier()
-        t0 = time.perf_counter()
-        fn()
-        cupy.cuda.Device().synchronize()
-        comm.Barrier()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+timed = functools.partial(evidence.timed, xp=cupy)  # median seconds per call, between barriers
 
 
 def main():
@@ -86,8 +81,9 @@ def main():
             o, lse = bench.forward()
             for pass_ in args.passes.split(","):
                 backward = pass_ == "fwdbwd"
-                result = {"transport": bench.transport_name, "layout": layout, "pass": pass_, "P": P,
-                          "tokens": S, "ring": bench.backward_ring if backward else "kv"}
+                result = {"kind": "time", "method": "burst", "transport": bench.transport_name, "layout": layout,
+                          "pass": pass_, "P": P, "tokens": S, "heads": args.heads, "kv_heads": kv_heads,
+                          "head_dim": args.head_dim, "causal": args.causal, "ring": bench.backward_ring if backward else "kv"}
                 for mode in args.modes.split(","):
 
                     def run():
@@ -95,7 +91,12 @@ def main():
                         if backward:
                             bench.backward(do, o, lse, mode)
 
+                    sent = bench.bytes_sent
                     result[mode] = timed(comm, run, args.iters, args.warmup)
+                    if mode == "full":  # every call sends the same
+                        result["bytes_sent"] = max(comm.allgather(bench.bytes_sent - sent)) // (args.iters + args.warmup)
+                        result["bytes_design"] = args.batch * design_bytes(P, n, args.heads, kv_heads, args.head_dim,
+                                                                           dtype.itemsize, result["ring"], backward)
                 result["tflops_per_gpu"] = flops(S, args.heads, args.head_dim, args.causal, backward) * args.batch / P / result["full"] / 1e12
                 if "compute" in result:
                     result["overlap"] = result["compute"] / result["full"]

@@ -13,11 +13,30 @@ How well communication hides behind compute is then full time against max(comput
     for mode in RingBenchmark.MODES:
         ring.forward(mode); ring.backward(do, o, lse, mode)   # time each between barriers
 
+``bytes_sent`` counts the bytes this rank hands to the transport (every mode but "compute"), so the
+volume of a call is measured, not computed. ``backend`` runs the block pairs with another block
+backend (a backend object, as burst_hpc.attention takes it): bench/baselines.py times the ring with
+an untiled one.
+
 Inputs are checked once, collectively, as burst_attention checks them. Every rank calls the same
 methods in the same order. bench/bench_ring.py is the worked example.
 """
+from .backends import get_backend
 from .distributed import _backward, _device_of, _forward, _Plan, _world, choose_backward_ring
 from .errors import BurstError
+
+
+class _Counted:
+    """A transport that counts the bytes this rank sends through it."""
+
+    def __init__(self, transport):
+        self._transport = transport
+        self.xp, self.rank, self.size = transport.xp, transport.rank, transport.size
+        self.bytes_sent = 0
+
+    def exchange(self, sends, recvs):
+        self.bytes_sent += sum(buf.nbytes for buf in sends)
+        return self._transport.exchange(sends, recvs)
 
 
 class _NoExchange:
@@ -37,16 +56,22 @@ class RingBenchmark:
     MODES = ("full", "compute", "comm")
 
     def __init__(self, q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto",
-                 backward_ring="auto"):
+                 backward_ring="auto", backend=None):
         """This rank's shards and the arguments of burst_attention; ``backward_ring`` as in
         burst_attention_backward ('auto' picks by bytes moved)."""
         self.q, self.k, self.v = q, k, v
         self._plan = _Plan(_world() if comm is None else comm, q, k, v, causal, scale, layout, transport)
+        if backend is not None:
+            self._plan.backend = get_backend(q, backend)
         self.transport_name, self.layout = self._plan.transport_name, self._plan.layout
         self.backward_ring = choose_backward_ring(backward_ring, self._plan.heads, self._plan.kv_heads,
                                                   self._plan.head_dim, q.dtype.itemsize)
-        self._transport = self._plan.transport()
+        self._transport = _Counted(self._plan.transport())
         self._no_exchange = _NoExchange(self._transport)
+
+    @property
+    def bytes_sent(self):
+        return self._transport.bytes_sent
 
     def _mode(self, mode):
         if mode not in self.MODES:

@@ -1,0 +1,126 @@
+"""What every evidence benchmark shares, whatever runs it (our ring, the baselines, torch's context
+parallelism): the FLOP count, the seeded global inputs, the float64 reference, the error measure and
+the JSON lines (one object per line, read back by bench/plot_evidence.py). No torch, no CuPy here:
+array code takes ``xp`` (NumPy or CuPy).
+
+JSON line keys: kind ("time" or "accuracy"), method, pass ("fwd", "fwdbwd"), P, tokens (in all),
+heads, kv_heads, head_dim, causal, transport, full (seconds per call), tflops_per_gpu, peak_gib
+(per rank), bytes_sent (per rank per call), error (why a case did not run); accuracy rows carry
+err_o, err_dq, err_dk, err_dv (max |ours - reference| over the whole sequence).
+"""
+import argparse
+import datetime
+import json
+import statistics
+import time
+
+import ml_dtypes
+import numpy as np
+
+GRADS = ("dq", "dk", "dv")
+
+
+def flops(seqlen, heads, dim, causal, backward):
+    """The FlashAttention count: 4 S^2 H D forward, x3.5 forward+backward, halved when causal."""
+    f = 4.0 * seqlen * seqlen * heads * dim * (3.5 if backward else 1.0)
+    return f / 2 if causal else f
+
+
+def timed(comm, fn, iters, warmup, xp=np):
+    """Median seconds per call of ``fn`` over ``iters`` calls after ``warmup``, each between barriers
+    (and, on the GPU, device synchronisations): the slowest rank's time."""
+    def sync():
+        if xp is not np:
+            xp.cuda.Device().synchronize()
+        comm.Barrier()
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def global_inputs(seed, seqlen, heads, kv_heads, dim, batch=1):
+    """q, k, v, do of the whole sequence as bfloat16 NumPy arrays (B, S, H, D), the same for every
+    process that passes the same seed: ours, the baselines and the peer see identical inputs."""
+    rng = np.random.default_rng(seed)
+    shapes = [(batch, seqlen, h, dim) for h in (heads, kv_heads, kv_heads, heads)]
+    return [rng.standard_normal(shape, dtype=np.float32).astype(ml_dtypes.bfloat16) for shape in shapes]
+
+
+def reference(q, k, v, do, causal, xp=np):
+    """float64 (o, dq, dk, dv) of the whole sequence, one head at a time on ``xp``'s device; returned
+    as NumPy arrays. Inputs: NumPy arrays (B, S, H, D) as global_inputs makes them."""
+    b, s, hq, d = q.shape
+    group = hq // k.shape[2]
+    scale = d ** -0.5
+    out = {name: np.zeros(x.shape, np.float64) for name, x in (("o", q), ("dq", q), ("dk", k), ("dv", k))}
+    hidden = xp.triu(xp.ones((s, s), dtype=bool), 1) if causal else None
+    for bi in range(b):
+        for h in range(hq):
+            g = h // group
+            qh, kh, vh, doh = (xp.asarray(x[bi, :, head].astype(np.float64)) for x, head in
+                               ((q, h), (k, g), (v, g), (do, h)))
+            scores = (qh @ kh.T) * scale
+            if causal:
+                scores[hidden] = -xp.inf
+            p = xp.exp(scores - scores.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            o = p @ vh
+            dp = doh @ vh.T
+            ds = p * (dp - (doh * o).sum(-1, keepdims=True))
+            host = (lambda x: x.get()) if xp is not np else (lambda x: x)  # noqa: E731
+            out["o"][bi, :, h] = host(o)
+            out["dq"][bi, :, h] = host(ds @ kh * scale)
+            out["dk"][bi, :, g] += host(ds.T @ qh * scale)
+            out["dv"][bi, :, g] += host(p.T @ doh)
+    return out
+
+
+def max_errors(got, want):
+    """{"err_o": ..., "err_dq": ...}: max |got - want| per tensor (NumPy arrays of the same shards)."""
+    return {f"err_{name}": float(np.abs(np.asarray(got[name], np.float64) - want[name]).max()) for name in got}
+
+
+def stamp(row, device):
+    """The row with the machine and the date, as every JSON line carries them."""
+    return {**row, "device": device, "date": str(datetime.date.today())}
+
+
+def emit(row, path=None):
+    """Print one JSON line (and append it to ``path``)."""
+    line = json.dumps(row)
+    print(line, flush=True)
+    if path:
+        with open(path, "a") as f:
+            f.write(line + "\n")
+
+
+def parser(description):
+    """The command line every evidence benchmark shares (shape, passes, timing, accuracy, output);
+    ``parse(ap)`` then fills kv_heads (default: heads)."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--tokens-per-rank", default="32768", help="comma-separated, shortest first")
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=None)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--passes", default="fwd,fwdbwd")
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--accuracy", action="store_true")
+    ap.add_argument("--tokens", type=int, default=16384, help="--accuracy: tokens in all, the same for every P")
+    ap.add_argument("--seed", type=int, default=12)
+    ap.add_argument("--out", default=None, help="append the JSON lines here too (rank 0)")
+    return ap
+
+
+def parse(ap, argv=None):
+    args = ap.parse_args(argv)
+    args.kv_heads = args.kv_heads or args.heads
+    return args
