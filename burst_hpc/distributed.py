@@ -14,8 +14,9 @@ from .backends import get_backend
 from .dtypes import accum_dtype, dtype_name
 from .errors import BurstError, ShapeError
 from .layout import check_layout, check_split, default_layout, pieces
-from .ring import ring_loop
-from .schedule import block_pairs
+from .merge import merge_into
+from .ring import Side, run
+from .schedule import steps, visit_pairs
 from .collective import agree
 from .device import gpus_shared
 from .transport import choose_transport, make_transport
@@ -71,6 +72,11 @@ class _Plan:
     def pieces(self, rank):
         return tuple(pieces(self.seqlen, rank, self.size, self.layout))
 
+    def steps(self, near, returns):
+        """This rank's schedule; ``near``: the side a plain ring sends around (and the balanced
+        schedule to its near chunk pairs); ``returns``: the sides whose visits return partials."""
+        return steps(self.layout, self.causal, self.rank, self.size, near, returns)
+
     def transport(self):
         return make_transport(self.transport_name, self.comm, self.xp)
 
@@ -95,16 +101,46 @@ def _forward(plan, q, k, v, skip_compute=False, transport=None):
     xp, be = plan.xp, plan.backend
     o = xp.zeros(q.shape, plan.acc)
     lse = xp.full((q.shape[0], plan.heads, q.shape[1]), -xp.inf, plan.acc)
+    sides = {"kv": Side(_contiguous(xp, k, v), []),
+             "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part))}
+
+    def pair(p, q_side, kv, q_out, _k_out):
+        be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
+                         scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start)
+
+    run(transport or plan.transport(), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
+        skip_compute=skip_compute)
+    return o.astype(q.dtype), lse.astype(xp.float32)
+
+
+def _contiguous(xp, *arrays):
+    return [xp.ascontiguousarray(a) for a in arrays]
+
+
+def _add(into, part):
+    for a, b in zip(into, part):
+        a += b
+
+
+def _visits(plan, sides, pair):
+    """The engine's compute: a kv visit meets this rank's query side with the visiting keys
+    (the partial holds key-side results), a q visit meets the visiting query side with this
+    rank's keys (the partial holds query-side results). ``pair(p, q_side, kv, q_out, k_out)``
+    runs one block pair."""
     mine = plan.pieces(plan.rank)
 
-    def compute(source, kv, _carried):
-        k_src, v_src = kv
-        for pair in block_pairs(mine, plan.pieces(source), plan.causal):
-            be.forward_block(q[:, pair.q], k_src[:, pair.k], v_src[:, pair.k], o[:, pair.q], lse[:, :, pair.q],
-                             scale=plan.scale, causal=pair.causal, q_start=pair.q_start, k_start=pair.k_start)
+    def compute(visit, data, partial):
+        theirs = plan.pieces(visit.shard)
+        if visit.side == "kv":
+            args = (sides["q"].travelling, data, sides["q"].results, partial)
+            q_pieces, k_pieces = mine, theirs
+        else:
+            args = (data, sides["kv"].travelling, partial, sides["kv"].results)
+            q_pieces, k_pieces = theirs, mine
+        for p in visit_pairs(q_pieces, k_pieces, plan.causal, visit.half):
+            pair(p, *args)
 
-    ring_loop(transport or plan.transport(), [k, v], compute, skip_compute=skip_compute)
-    return o.astype(q.dtype), lse.astype(xp.float32)
+    return compute
 
 
 def backward_ring_bytes(heads, kv_heads, head_dim, itemsize):
@@ -137,38 +173,19 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
 
 def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None):
     xp, be, acc = plan.xp, plan.backend, plan.acc
-    delta = be.delta(do, o)
-    mine = plan.pieces(plan.rank)
-    transport = transport or plan.transport()
-    kw = dict(scale=plan.scale)
-    if ring == "kv":
-        dq = xp.zeros(q.shape, acc)
+    delta = be.delta(do, o).astype(xp.float32, copy=False)
+    dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
+    sides = {"kv": Side(_contiguous(xp, k, v), [dk, dv], (0, 0), _add),
+             "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add)}
 
-        def compute(source, kv, carried):
-            k_src, v_src = kv
-            dk_part, dv_part = carried
-            for p in block_pairs(mine, plan.pieces(source), plan.causal):
-                be.backward_block(q[:, p.q], k_src[:, p.k], v_src[:, p.k], do[:, p.q], lse[:, :, p.q],
-                                  delta[:, :, p.q], dq[:, p.q], dk_part[:, p.k], dv_part[:, p.k],
-                                  causal=p.causal, q_start=p.q_start, k_start=p.k_start, **kw)
+    def pair(p, q_side, kv, q_out, k_out):
+        q_, do_, lse_, delta_ = q_side
+        be.backward_block(q_[:, p.q], kv[0][:, p.k], kv[1][:, p.k], do_[:, p.q], lse_[:, :, p.q], delta_[:, :, p.q],
+                          q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
+                          causal=p.causal, q_start=p.q_start, k_start=p.k_start)
 
-        dk, dv = ring_loop(transport, [k, v], compute, carried=[(k.shape, acc), (v.shape, acc)],
-                           skip_compute=skip_compute)
-    else:
-        dk = xp.zeros(k.shape, acc)
-        dv = xp.zeros(v.shape, acc)
-
-        def compute(source, qside, carried):
-            q_src, do_src, lse_src, delta_src = qside
-            (dq_part,) = carried
-            for p in block_pairs(plan.pieces(source), mine, plan.causal):
-                be.backward_block(q_src[:, p.q], k[:, p.k], v[:, p.k], do_src[:, p.q], lse_src[:, :, p.q],
-                                  delta_src[:, :, p.q], dq_part[:, p.q], dk[:, p.k], dv[:, p.k],
-                                  causal=p.causal, q_start=p.q_start, k_start=p.k_start, **kw)
-
-        lse32 = lse.astype(xp.float32, copy=False)
-        (dq,) = ring_loop(transport, [q, do, lse32, delta.astype(xp.float32, copy=False)], compute,
-                          carried=[(q.shape, acc)], skip_compute=skip_compute)
+    run(transport or plan.transport(), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
+        skip_compute=skip_compute)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

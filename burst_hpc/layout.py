@@ -3,6 +3,8 @@
 - contiguous: S is cut into P equal chunks; rank r owns chunk r.
 - zigzag: S is cut into 2P equal chunks; rank r owns chunks r and 2P-1-r (in that order),
   which balances causal work across ranks.
+- balanced: the tokens of contiguous (natural order, one run per rank); causal work is
+  balanced by the schedule instead (schedule.balanced_steps, DistFlashAttn).
 
 A rank's shard is described by its pieces: (global_start, length) runs, in local order.
 """
@@ -10,7 +12,8 @@ import numpy as np
 
 from .errors import LayoutError
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+CONTIGUOUS_OWNERSHIP = ("contiguous", "balanced")
 
 
 def default_layout(causal):
@@ -28,7 +31,7 @@ def check_split(seqlen, size, layout):
     check_layout(layout)
     if size < 1:
         raise LayoutError(f"need at least one rank; got {size}")
-    parts = size if layout == "contiguous" else 2 * size
+    parts = size if layout in CONTIGUOUS_OWNERSHIP else 2 * size
     if seqlen % parts:
         raise LayoutError(
             f"sequence length {seqlen} does not split over {size} ranks with the {layout} layout: "
@@ -41,7 +44,7 @@ def pieces(seqlen, rank, size, layout):
     local = check_split(seqlen, size, layout)
     if not 0 <= rank < size:
         raise LayoutError(f"rank {rank} is outside 0..{size - 1}")
-    if layout == "contiguous":
+    if layout in CONTIGUOUS_OWNERSHIP:
         return [(rank * local, local)]
     chunk = local // 2
     return [(rank * chunk, chunk), ((2 * size - 1 - rank) * chunk, chunk)]

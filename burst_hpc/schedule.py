@@ -1,4 +1,21 @@
-"""Which (query part, key part, mask) block pairs run when one shard meets another.
+"""What each rank computes at each step, what it sends to whom, and which (query part, key
+part, mask) block pairs run when one shard meets another.
+
+Steps (what the ring engine runs, ring.py):
+- a *visit* is one shard met by this rank: side "kv" brings the keys/values of ``shard`` to
+  this rank's queries, side "q" brings the query side of ``shard`` to this rank's keys. The
+  visit also makes a *partial* for the visiting shard (key-side results after a kv visit,
+  query-side results after a q visit) unless nothing of that side is returned (the forward
+  pass returns nothing for kv visits).
+- step t posts one exchange (``sends``, ``recvs``): the data of the visit of step t+1 and the
+  partial of step t-1; a last step with no visit delivers the last partials.
+- plain ring (contiguous, zigzag, and balanced without a causal mask): one side travels to
+  rank+1 each step for P steps, partials ride one step behind it and come home at the end.
+- balanced (causal, DistFlashAttn): contiguous shards; chunk pairs are dealt to ranks by
+  ``balanced_tasks`` and the data travels straight from its owner to the computing rank,
+  the partial straight back.
+
+Block pairs:
 
 A shard is a list of pieces, (global_start, length) runs in local order (layout.pieces).
 Each query piece against each key piece is one of:
@@ -8,8 +25,10 @@ Each query piece against each key piece is one of:
 Full pairs that sit next to each other in local memory are fused into one call, so a
 zigzag step with no diagonal is a single kernel launch.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+
+SIDES = ("kv", "q")
 
 
 @dataclass(frozen=True)
@@ -66,3 +85,122 @@ def block_pairs(q_pieces, k_pieces, causal):
             if fused:
                 break
     return tuple(sorted(pairs, key=lambda p: (p.q.start, p.k.start)))
+
+
+def visit_pairs(q_pieces, k_pieces, causal, half=None):
+    """The block pairs of one visit; ``half`` 0 or 1 keeps only the first or second half of the
+    query rows (a split chunk pair of the balanced schedule; contiguous shards only)."""
+    if half is None:
+        return block_pairs(q_pieces, k_pieces, causal)
+    ((start, n),) = q_pieces
+    lo, hi = (0, n // 2) if half == 0 else (n // 2, n)
+    if lo == hi:
+        return ()
+    return tuple(replace(p, q=slice(p.q.start + lo, p.q.stop + lo))
+                 for p in block_pairs(((start + lo, hi - lo),), k_pieces, causal))
+
+
+@dataclass(frozen=True)
+class Visit:
+    side: str            # "kv": this rank's queries meet shard's keys; "q": shard's queries meet this rank's keys
+    shard: int           # whose tokens visit (this rank's own on the first step)
+    half: int = None     # None: every query row; 0 / 1: the first / second half of them
+
+
+@dataclass(frozen=True)
+class Transfer:
+    peer: int            # the rank sent to or received from
+    what: str            # "data" (a shard's travelling side) or "partial" (results for a shard)
+    side: str            # the side that travels, or the side of the visit that made the partial
+    shard: int           # whose tokens
+
+
+@dataclass(frozen=True)
+class Step:
+    visit: Visit         # None: nothing to compute (the last step delivers partials only)
+    sends: tuple         # Transfers posted at the start of the step: data first, then partials
+    recvs: tuple
+
+
+def _step(visit, sends, recvs):
+    # both ends order a peer's transfers the same way (data, then partials), so the transports
+    # can match messages by their position among those exchanged with that peer
+    order = lambda t: (t.what, t.side, t.shard, t.peer)  # noqa: E731
+    return Step(visit, tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)))
+
+
+@lru_cache(maxsize=256)
+def steps(layout, causal, rank, size, near, returns):
+    """This rank's steps. ``near``: the side that travels on a plain ring, and to the near chunk
+    pairs of the balanced schedule; ``returns``: the sides whose visits send partials back."""
+    if layout == "balanced" and causal and size > 1:
+        return balanced_steps(rank, size, near, returns)
+    return ring_steps(rank, size, near, returns)
+
+
+def ring_steps(rank, size, side, returns):
+    """The plain ring: at step t this rank visits shard rank-t, which it then forwards to rank+1;
+    its partial follows it one step behind and comes home after the last step."""
+    after, before = (rank + 1) % size, (rank - 1) % size
+    carries = side in returns and size > 1
+    out = []
+    for t in range(size + 1):
+        sends, recvs = [], []
+        if t + 1 < size:
+            sends.append(Transfer(after, "data", side, (rank - t) % size))
+            recvs.append(Transfer(before, "data", side, (rank - t - 1) % size))
+        if carries and t >= 1:
+            sends.append(Transfer(after, "partial", side, (rank - t + 1) % size))
+            recvs.append(Transfer(before, "partial", side, (rank - t) % size))
+        if t < size or sends:
+            out.append(_step(Visit(side, (rank - t) % size) if t < size else None, sends, recvs))
+    return tuple(out)
+
+
+def balanced_tasks(i, j, size, near):
+    """Who computes the causal chunk pair (q_i, k_j), j <= i, of contiguous shards: a list of
+    (computing rank, side that visits it, half of the query rows or None).
+
+    DistFlashAttn: the pair at distance d = i - j runs at step min(d, P - d), so step s holds
+    the distances s and P - s and every rank computes one pair. The near distance (d < P/2) goes
+    to the rank that ``near`` travels to: the query owner i when K/V travel, the key owner j
+    when the query side does; the far one (d > P/2) to the other owner. With an even P the P/2
+    pairs are alone in their step: each is cut in two by query rows, the first half computed by
+    its query owner, the second by its key owner, so no rank idles there."""
+    d = i - j
+    by_query_owner = (i, "kv")
+    by_key_owner = (j, "q")
+    if d == 0:
+        return [(i, near, None)]
+    if 2 * d == size:
+        return [by_query_owner + (0,), by_key_owner + (1,)]
+    near_pair = 2 * d < size
+    return [(by_query_owner if near_pair == (near == "kv") else by_key_owner) + (None,)]
+
+
+def balanced_steps(rank, size, near, returns):
+    """The balanced schedule seen by ``rank``: floor(P/2) + 1 steps and a last partial delivery."""
+    count = size // 2 + 1
+    visits = [None] * count
+    sends = [[] for _ in range(count + 1)]
+    recvs = [[] for _ in range(count + 1)]
+    for i in range(size):
+        for j in range(i + 1):
+            step = min(i - j, size - (i - j))
+            for computer, side, half in balanced_tasks(i, j, size, near):
+                provider = j if side == "kv" else i
+                if computer == rank:
+                    visits[step] = Visit(side, provider, half)
+                if provider == computer:
+                    continue
+                for who, peer, box in ((provider, computer, sends), (computer, provider, recvs)):
+                    if who == rank:
+                        box[step - 1].append(Transfer(peer, "data", side, provider))
+                if side in returns:
+                    for who, peer, box in ((computer, provider, sends), (provider, computer, recvs)):
+                        if who == rank:
+                            box[step + 1].append(Transfer(peer, "partial", side, provider))
+    out = [_step(visits[t], sends[t], recvs[t]) for t in range(count)]
+    if sends[count] or recvs[count]:
+        out.append(_step(None, sends[count], recvs[count]))
+    return tuple(out)

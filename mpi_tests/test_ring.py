@@ -28,7 +28,7 @@ SHAPES = [(2, 4, 4, 64), (2, 8, 2, 128), (1, 8, 1, 64)]  # (batch, Hq, Hkv, D): 
 
 
 @pytest.mark.parametrize("batch,heads,kv_heads,dim", SHAPES)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_and_both_backward_rings(comm, causal, layout, batch, heads, kv_heads, dim):
     P, r = comm.size, comm.rank
