@@ -152,7 +152,7 @@ def ring_steps(rank, size, side, returns):
         if carries and t >= 1:
             sends.append(Transfer(after, "partial", side, (rank - t + 1) % size))
             recvs.append(Transfer(before, "partial", side, (rank - t) % size))
-        if t < size or sends:
+        if t < size or carries:
             out.append(_step(Visit(side, (rank - t) % size) if t < size else None, sends, recvs))
     return tuple(out)
 
@@ -201,6 +201,6 @@ def balanced_steps(rank, size, near, returns):
                         if who == rank:
                             box[step + 1].append(Transfer(peer, "partial", side, provider))
     out = [_step(visits[t], sends[t], recvs[t]) for t in range(count)]
-    if sends[count] or recvs[count]:
+    if returns:  # on every rank, so all run the same number of steps
         out.append(_step(None, sends[count], recvs[count]))
     return tuple(out)
