@@ -360,7 +360,8 @@ def build_parser():
     p.add_argument("output", help="HDF5 file to write: o, lse (and dq, dk, dv)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--backward", action="store_true", help="also compute dq, dk, dv from the input's do")
-    p.add_argument("--layout", choices=LAYOUTS, default=None, help="default: zigzag when --causal, else contiguous")
+    p.add_argument("--layout", choices=LAYOUTS, default=None, help="default: zigzag when --causal, else contiguous; balanced keeps "
+                   "natural token order (one contiguous run per rank) and balances causal work by its schedule")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto")
     p.add_argument("--backward-ring", choices=("auto", "q", "kv"), default="auto")
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",

@@ -3,7 +3,9 @@
 Each rank passes its own shard (in ``layout``) of q, k, v. The forward pass sends K/V around
 the ring and merges partial results (GAO); the backward pass reuses (o, lse) from the forward
 pass and sends either the query side (q-ring) or K/V (kv-ring) around, whichever moves fewer
-bytes.
+bytes. With the balanced layout and a causal mask the schedule deals chunk pairs to ranks
+instead (schedule.balanced_tasks): the near pairs go where the chosen side travels, the far
+ones to the other owner, which returns its partial (o, lse), dq or dk, dv.
 """
 import contextlib
 import logging
@@ -89,8 +91,10 @@ def _device_of(x):
 def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto"):
     """This rank's (o, lse) of attention over the whole sharded sequence.
 
-    q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous'
-    or 'zigzag'; default zigzag when causal). Returns o like q and lse float32 (B, Hq, S/P)."""
+    q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous',
+    'zigzag' or 'balanced'; default zigzag when causal). 'balanced' shards are contiguous ones
+    (natural token order) with causal work balanced by the schedule. Returns o like q and lse
+    float32 (B, Hq, S/P)."""
     comm = _world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport)
     with _device_of(q):
@@ -173,7 +177,7 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
 
 def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None):
     xp, be, acc = plan.xp, plan.backend, plan.acc
-    delta = be.delta(do, o).astype(xp.float32, copy=False)
+    delta = be.delta(do, o)
     dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
     sides = {"kv": Side(_contiguous(xp, k, v), [dk, dv], (0, 0), _add),
              "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add)}

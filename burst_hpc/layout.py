@@ -90,6 +90,58 @@ def unshard(shards, layout, axis=1):
     return out
 
 
+def relayout(x, source, target, transport, axis=1):
+    """Collective: this rank's shard in layout ``target`` of the global array whose shard in
+    layout ``source`` is ``x`` (for example contiguous data into zigzag shards and back). One
+    exchange over ``transport`` (transport.make_transport) with every rank that holds tokens
+    this rank needs, so an all-to-all at most; the tokens both layouts give this rank stay."""
+    axis = _normalize_axis(axis, x.ndim)
+    rank, size, xp = transport.rank, transport.size, transport.xp
+    seqlen = x.shape[axis] * size
+    check_split(seqlen, size, source)
+    check_split(seqlen, size, target)
+
+    def rows(array, offset, n):
+        return array[(slice(None),) * axis + (slice(offset, offset + n),)]
+
+    def runs(src, dst):  # (local offset at src, local offset at dst, length) of the tokens src sends dst
+        return _overlaps(pieces(seqlen, src, size, source), pieces(seqlen, dst, size, target))
+
+    out = xp.empty_like(x)
+    sends, recvs, arrivals = [], [], []
+    for peer in range(size):
+        for src_off, dst_off, n in runs(rank, peer):
+            if peer == rank:
+                rows(out, dst_off, n)[...] = rows(x, src_off, n)
+            else:
+                sends.append((peer, [xp.ascontiguousarray(rows(x, src_off, n))]))
+        for src_off, dst_off, n in (runs(peer, rank) if peer != rank else ()):
+            shape = x.shape[:axis] + (n,) + x.shape[axis + 1:]
+            arrivals.append((dst_off, n, xp.empty(shape, x.dtype)))
+            recvs.append((peer, [arrivals[-1][2]]))
+    if sends or recvs:
+        transport.exchange(sends, recvs).wait()
+    for dst_off, n, part in arrivals:
+        rows(out, dst_off, n)[...] = part
+    return out
+
+
+def _overlaps(a_pieces, b_pieces):
+    """(offset in a's local order, offset in b's local order, length) of each run a and b share,
+    in global token order."""
+    shared = []
+    a_off = 0
+    for a0, an in a_pieces:
+        b_off = 0
+        for b0, bn in b_pieces:
+            lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
+            if lo < hi:
+                shared.append((lo, a_off + lo - a0, b_off + lo - b0, hi - lo))
+            b_off += bn
+        a_off += an
+    return [run[1:] for run in sorted(shared)]
+
+
 def _array_module(x):
     from .merge import array_module
 
