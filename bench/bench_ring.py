@@ -6,6 +6,10 @@ only), TFLOP/s per GPU, overlap (compute-only time / full time) and scaling effi
 one GPU running the whole sequence with the same kernels (T1 / (P * TP)). Peak device memory
 per rank is the CuPy pool's high-water mark.
 
+Layouts: contiguous, zigzag, balanced (contiguous shards, DistFlashAttn schedule), and
+alltoall: contiguous shards turned into zigzag ones by an all-to-all around the zigzag ring
+and back (bench/alltoall_zigzag.py), the simplest alternative to balanced.
+
     mpirun -np 4 python bench/bench_ring.py --tokens-per-rank 32768 --causal --transports nccl,mpi
 """
 import argparse
@@ -21,6 +25,8 @@ from mpi4py import MPI
 import burst_hpc
 from burst_hpc.distributed import _backward, _forward, _Plan, choose_backward_ring
 from burst_hpc.dtypes import parse_dtype
+
+import alltoall_zigzag
 
 
 class NoComm:
@@ -66,7 +72,8 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--transports", default="nccl")
-    ap.add_argument("--layouts", default=None, help="default: zigzag,contiguous when causal, else contiguous")
+    ap.add_argument("--layouts", default=None, help="contiguous, zigzag, balanced, alltoall; default: "
+                    "zigzag,balanced,contiguous when causal, else contiguous")
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--modes", default="full,compute,comm")
     ap.add_argument("--backward-ring", default="auto")
@@ -82,7 +89,7 @@ def main():
     dtype = parse_dtype(args.dtype)
     kv_heads = args.kv_heads or args.heads
     n, S = args.tokens_per_rank, args.tokens_per_rank * P
-    layouts = (args.layouts or ("zigzag,contiguous" if args.causal else "contiguous")).split(",")
+    layouts = (args.layouts or ("zigzag,balanced,contiguous" if args.causal else "contiguous")).split(",")
     rng = cupy.random.default_rng()
 
     def rand(h):
@@ -94,9 +101,20 @@ def main():
     pool = cupy.get_default_memory_pool()
     for transport in args.transports.split(","):
         for layout in layouts:
-            plan = _Plan(comm, q, k, v, args.causal, None, layout, transport)
+            plan = _Plan(comm, q, k, v, args.causal, None, "zigzag" if layout == "alltoall" else layout, transport)
             real = plan.transport()
             o, lse = _forward(plan, q, k, v, transport=real)
+
+            def run_forward(t, skip):
+                if layout == "alltoall":
+                    return alltoall_zigzag.forward(plan, t, q, k, v, skip_compute=skip)[2]
+                return _forward(plan, q, k, v, skip_compute=skip, transport=t)
+
+            def run_backward(t, skip, saved):
+                if layout == "alltoall":
+                    alltoall_zigzag.backward(plan, ring, t, do, saved, skip_compute=skip)
+                else:
+                    _backward(plan, ring, do, q, k, v, o, lse, skip_compute=skip, transport=t)
             for pass_ in args.passes.split(","):
                 backward = pass_ == "fwdbwd"
                 result = {"transport": plan.transport_name, "layout": layout, "pass": pass_, "P": P,
@@ -106,9 +124,9 @@ def main():
                     skip = mode == "comm"
 
                     def run():
-                        oo, ll = _forward(plan, q, k, v, skip_compute=skip, transport=t)
+                        saved = run_forward(t, skip)
                         if backward:
-                            _backward(plan, ring, do, q, k, v, o, lse, skip_compute=skip, transport=t)
+                            run_backward(t, skip, saved)
 
                     result[mode] = timed(comm, run, args.iters, args.warmup)
                 result["tflops_per_gpu"] = flops(S, args.heads, args.head_dim, args.causal, backward) * args.batch / P / result["full"] / 1e12
