@@ -158,36 +158,39 @@ def ring_steps(rank, size, side, returns):
 
 
 def balanced_tasks(i, j, size, near):
-    """Who computes the causal chunk pair (q_i, k_j), j <= i, of contiguous shards: a list of
-    (computing rank, side that visits it, half of the query rows or None).
+    """Who computes the causal chunk pair (q_i, k_j), j <= i, of contiguous shards, and when:
+    a list of (step, computing rank, side that visits it, half of the query rows or None).
 
     DistFlashAttn: the pair at distance d = i - j runs at step min(d, P - d), so step s holds
     the distances s and P - s and every rank computes one pair. The near distance (d < P/2) goes
     to the rank that ``near`` travels to: the query owner i when K/V travel, the key owner j
     when the query side does; the far one (d > P/2) to the other owner. With an even P the P/2
     pairs are alone in their step: each is cut in two by query rows, the first half computed by
-    its query owner, the second by its key owner, so no rank idles there."""
+    its query owner, the second by its key owner, so no rank idles there. The diagonal pairs
+    (d = 0) need nothing from anyone: their first half of query rows runs first, while the
+    first data arrives, their second half last, while the last partials go home."""
     d = i - j
+    last = size // 2 + 1
     by_query_owner = (i, "kv")
     by_key_owner = (j, "q")
     if d == 0:
-        return [(i, near, None)]
+        return [(0, i, near, 0), (last, i, near, 1)]
+    step = min(d, size - d)
     if 2 * d == size:
-        return [by_query_owner + (0,), by_key_owner + (1,)]
+        return [(step,) + by_query_owner + (0,), (step,) + by_key_owner + (1,)]
     near_pair = 2 * d < size
-    return [(by_query_owner if near_pair == (near == "kv") else by_key_owner) + (None,)]
+    return [(step,) + (by_query_owner if near_pair == (near == "kv") else by_key_owner) + (None,)]
 
 
 def balanced_steps(rank, size, near, returns):
-    """The balanced schedule seen by ``rank``: floor(P/2) + 1 steps and a last partial delivery."""
-    count = size // 2 + 1
+    """The balanced schedule seen by ``rank``: floor(P/2) + 2 steps (balanced_tasks)."""
+    count = size // 2 + 2
     visits = [None] * count
-    sends = [[] for _ in range(count + 1)]
-    recvs = [[] for _ in range(count + 1)]
+    sends = [[] for _ in range(count)]
+    recvs = [[] for _ in range(count)]
     for i in range(size):
         for j in range(i + 1):
-            step = min(i - j, size - (i - j))
-            for computer, side, half in balanced_tasks(i, j, size, near):
+            for step, computer, side, half in balanced_tasks(i, j, size, near):
                 provider = j if side == "kv" else i
                 if computer == rank:
                     visits[step] = Visit(side, provider, half)
@@ -200,7 +203,4 @@ def balanced_steps(rank, size, near, returns):
                     for who, peer, box in ((computer, provider, sends), (provider, computer, recvs)):
                         if who == rank:
                             box[step + 1].append(Transfer(peer, "partial", side, provider))
-    out = [_step(visits[t], sends[t], recvs[t]) for t in range(count)]
-    if returns:  # on every rank, so all run the same number of steps
-        out.append(_step(None, sends[count], recvs[count]))
-    return tuple(out)
+    return tuple(_step(visits[t], sends[t], recvs[t]) for t in range(count))
