@@ -27,12 +27,9 @@ def problem(comm, batch, local, heads, kv_heads, dim, dtype=np.float64):
 SHAPES = [(2, 4, 4, 64), (2, 8, 2, 128), (1, 8, 1, 64)]  # (batch, Hq, Hkv, D): MHA, GQA 4:1, MQA 8:1
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,dim", SHAPES)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_forward_and_both_backward_rings(comm, causal, layout, batch, heads, kv_heads, dim):
+def check_forward_and_both_backward_rings(comm, layout, causal, batch, local, heads, kv_heads, dim):
     P, r = comm.size, comm.rank
-    q, k, v, do, seed = problem(comm, batch, 14, heads, kv_heads, dim)
+    q, k, v, do, seed = problem(comm, batch, local, heads, kv_heads, dim)
     ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
     ref_grads = attention_backward_reference(do, q, k, v, causal=causal)
 
@@ -51,6 +48,13 @@ def test_forward_and_both_backward_rings(comm, causal, layout, batch, heads, kv_
                                        err_msg=f"{name} {ring}-ring seed {seed}")
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,dim", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_both_backward_rings(comm, causal, layout, batch, heads, kv_heads, dim):
+    check_forward_and_both_backward_rings(comm, layout, causal, batch, 14, heads, kv_heads, dim)
+
+
 IRREGULAR_HEADS = [(33, 33, 16), (33, 11, 16), (40, 8, 8), (1, 1, 32)]  # (Hq, Hkv, D)
 
 
@@ -59,24 +63,7 @@ IRREGULAR_HEADS = [(33, 33, 16), (33, 11, 16), (40, 8, 8), (1, 1, 32)]  # (Hq, H
 def test_balanced_with_odd_lengths_and_irregular_heads(comm, causal, heads, kv_heads, dim):
     """Any Hq % Hkv == 0 on any number of ranks (heads are never split across ranks), and 13
     tokens per rank: the even-P split of the P/2 chunk pairs is uneven (6 + 7 rows)."""
-    P, r = comm.size, comm.rank
-    q, k, v, do, seed = problem(comm, 1, 13, heads, kv_heads, dim)
-    ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
-    ref_grads = attention_backward_reference(do, q, k, v, causal=causal)
-
-    def mine(x, axis=1):
-        return burst_hpc.shard(x, r, P, "balanced", axis=axis)
-
-    np.testing.assert_array_equal(mine(q), burst_hpc.shard(q, r, P, "contiguous"))  # natural token order
-    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=causal, layout="balanced")
-    np.testing.assert_allclose(o, mine(ref_o), atol=1e-6, err_msg=f"seed {seed}")
-    np.testing.assert_allclose(lse, mine(ref_lse, axis=2), atol=1e-5, err_msg=f"seed {seed}")
-    for ring in ("q", "kv"):
-        grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm,
-                                                   causal=causal, layout="balanced", backward_ring=ring)
-        for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
-            np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4,
-                                       err_msg=f"{name} {ring}-ring seed {seed}")
+    check_forward_and_both_backward_rings(comm, "balanced", causal, 1, 13, heads, kv_heads, dim)
 
 
 def test_exchange_with_several_peers(comm):
@@ -236,17 +223,10 @@ def test_ring_still_works_after_errors(comm):
     assert np.isfinite(o).all() and np.isfinite(lse).all()
 
 
-def test_alltoall_around_zigzag_matches_oracle(comm):
+def test_alltoall_around_zigzag_matches_oracle(comm, alltoall_zigzag):
     """bench/alltoall_zigzag.py, the alternative the balanced schedule is measured against."""
-    import importlib.util
-    import pathlib
-
     from burst_hpc.distributed import _Plan
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "alltoall_zigzag.py"
-    spec = importlib.util.spec_from_file_location("alltoall_zigzag", path)
-    alltoall = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(alltoall)
     P, r = comm.size, comm.rank
     q, k, v, do, seed = problem(comm, 2, 10, 4, 2, 32)
     ref_o, ref_lse = attention_reference(q, k, v, causal=True)
@@ -257,10 +237,10 @@ def test_alltoall_around_zigzag_matches_oracle(comm):
 
     plan = _Plan(comm, *(burst_hpc.shard(x, r, P, "zigzag") for x in (q, k, v)), True, None, "zigzag", "auto")
     t = plan.transport()
-    o, lse, saved = alltoall.forward(plan, t, mine(q), mine(k), mine(v))
+    o, lse, saved = alltoall_zigzag.forward(plan, t, mine(q), mine(k), mine(v))
     np.testing.assert_allclose(o, mine(ref_o), atol=1e-6, err_msg=f"seed {seed}")
     np.testing.assert_allclose(lse, mine(ref_lse, axis=2), atol=1e-5, err_msg=f"seed {seed}")
     for ring in ("q", "kv"):
-        grads = alltoall.backward(plan, ring, t, mine(do), saved)
+        grads = alltoall_zigzag.backward(plan, ring, t, mine(do), saved)
         for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
             np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")

@@ -106,18 +106,14 @@ def test_ranks_sharing_a_gpu_never_get_nccl(comm):
             burst_hpc.burst_attention(q, k, v, comm=comm, causal=True, transport="nccl")
 
 
-@pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
-@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False), ("contiguous", True),
-                                           ("balanced", True), ("balanced", False)])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 128), (4, 4, 64)])
-def test_gpu_ring_matches_oracle(comm, transport, layout, causal, heads, kv_heads, dim):
-    if transport not in device_transports(comm):
-        pytest.skip(f"{transport} not usable here")
+def check_ring(comm, layout, causal, batch, heads, kv_heads, dim, local, run):
+    """``run([q, k, v, do] shards on the device)`` -> (o, {ring: (dq, dk, dv)}), checked against the
+    float64 oracle with the FlashAttention rule: at most 2x / 3x the error of storing the exact
+    result in bf16, plus a floor."""
     P, r = comm.size, comm.rank
     seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if r == 0 else None)
     rng = np.random.default_rng(seed)
-    local, batch, dtype = 2 * 61, 2, bfloat16  # chunks of 61 tokens: tails that are not a multiple of any tile
-    S = local * P
+    S, dtype = local * P, bfloat16
     q, k, v, do = (rng.standard_normal((batch, S, h, dim)).astype(dtype) for h in (heads, kv_heads, kv_heads, heads))
     ref_o, _ = attention_reference(q, k, v, causal=causal)
     ref_grads = attention_backward_reference(do, q, k, v, causal=causal)
@@ -125,41 +121,8 @@ def test_gpu_ring_matches_oracle(comm, transport, layout, causal, heads, kv_head
     def mine(x):
         return burst_hpc.shard(x, r, P, layout)
 
-    dq_, dk_, dv_, ddo = (to_device(mine(x)) for x in (q, k, v, do))
-    o, lse = burst_hpc.burst_attention(dq_, dk_, dv_, comm=comm, causal=causal, layout=layout, transport=transport)
-    assert isinstance(o, cupy.ndarray)
-    # FlashAttention rule: at most 2x / 3x the error of storing the exact result in bf16, plus a floor
-    err = np.abs(to_host(o, dtype) - mine(ref_o)).max()
-    base = np.abs(ref_o.astype(dtype).astype(np.float64) - ref_o).max()
-    assert err <= 2 * base + 2e-3, f"forward {err} vs {base} (seed {seed})"
-    for ring in ("q", "kv"):
-        grads = burst_hpc.burst_attention_backward(ddo, dq_, dk_, dv_, o, lse, comm=comm, causal=causal,
-                                                   layout=layout, transport=transport, backward_ring=ring)
-        for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
-            err = np.abs(to_host(got, dtype) - mine(want)).max()
-            base = np.abs(want.astype(dtype).astype(np.float64) - want).max()
-            assert err <= 3 * base + 5e-3 * max(1.0, np.abs(want).max()), f"{name} {ring}: {err} vs {base} (seed {seed})"
-
-
-def first_transport(comm):
-    names = device_transports(comm)
-    return "nccl" if "nccl" in names else names[0]
-
-
-def check_ring(comm, layout, heads, kv_heads, dim, local, run):
-    """``run(mine, device_inputs)`` -> (o, lse, {ring: grads}) on device; checked against the oracle."""
-    P, r = comm.size, comm.rank
-    seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if r == 0 else None)
-    rng = np.random.default_rng(seed)
-    S, dtype = local * P, bfloat16
-    q, k, v, do = (rng.standard_normal((1, S, h, dim)).astype(dtype) for h in (heads, kv_heads, kv_heads, heads))
-    ref_o, _ = attention_reference(q, k, v, causal=True)
-    ref_grads = attention_backward_reference(do, q, k, v, causal=True)
-
-    def mine(x):
-        return burst_hpc.shard(x, r, P, layout)
-
     o, grads_by_ring = run([to_device(mine(x)) for x in (q, k, v, do)])
+    assert isinstance(o, cupy.ndarray)
     err = np.abs(to_host(o, dtype) - mine(ref_o)).max()
     base = np.abs(ref_o.astype(dtype).astype(np.float64) - ref_o).max()
     assert err <= 2 * base + 2e-3, f"forward {err} vs {base} (seed {seed})"
@@ -170,40 +133,53 @@ def check_ring(comm, layout, heads, kv_heads, dim, local, run):
             assert err <= 3 * base + 5e-3 * max(1.0, np.abs(want).max()), f"{name} {ring}: {err} vs {base} (seed {seed})"
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim", [(33, 11, 64), (40, 8, 128), (1, 1, 64)])
-def test_gpu_balanced_irregular_heads(comm, heads, kv_heads, dim):
-    """Heads are never split across ranks: any Hq % Hkv == 0 on any number of GPUs; 61 tokens
-    per rank, so the even-P split of the P/2 chunk pairs is uneven (30 + 31 rows)."""
-    transport = first_transport(comm)
-
+def public_api(comm, layout, causal, transport):
+    """The ``run`` of check_ring through burst_attention and both backward rings."""
     def run(inputs):
         q, k, v, do = inputs
-        kw = dict(comm=comm, causal=True, layout="balanced", transport=transport)
+        kw = dict(comm=comm, causal=causal, layout=layout, transport=transport)
         o, lse = burst_hpc.burst_attention(q, k, v, **kw)
         return o, {ring: burst_hpc.burst_attention_backward(do, q, k, v, o, lse, backward_ring=ring, **kw)
                    for ring in ("q", "kv")}
 
-    check_ring(comm, "balanced", heads, kv_heads, dim, 61, run)
+    return run
 
 
-def test_gpu_alltoall_around_zigzag(comm):
+@pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False), ("contiguous", True),
+                                           ("balanced", True), ("balanced", False)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 128), (4, 4, 64)])
+def test_gpu_ring_matches_oracle(comm, transport, layout, causal, heads, kv_heads, dim):
+    if transport not in device_transports(comm):
+        pytest.skip(f"{transport} not usable here")
+    # chunks of 61 tokens: tails that are not a multiple of any tile
+    check_ring(comm, layout, causal, 2, heads, kv_heads, dim, 2 * 61, public_api(comm, layout, causal, transport))
+
+
+def first_transport(comm):
+    names = device_transports(comm)
+    return "nccl" if "nccl" in names else names[0]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(33, 11, 64), (40, 8, 128), (1, 1, 64)])
+def test_gpu_balanced_irregular_heads(comm, heads, kv_heads, dim):
+    """Heads are never split across ranks: any Hq % Hkv == 0 on any number of GPUs; 61 tokens
+    per rank, so the even-P split of the P/2 chunk pairs is uneven (30 + 31 rows)."""
+    check_ring(comm, "balanced", True, 1, heads, kv_heads, dim, 61,
+               public_api(comm, "balanced", True, first_transport(comm)))
+
+
+def test_gpu_alltoall_around_zigzag(comm, alltoall_zigzag):
     """bench/alltoall_zigzag.py on the GPU: what bench_ring.py --layouts alltoall times."""
-    import importlib.util
-    import pathlib
-
     from burst_hpc.distributed import _Plan
 
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "alltoall_zigzag.py"
-    spec = importlib.util.spec_from_file_location("alltoall_zigzag", path)
-    alltoall = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(alltoall)
     transport = first_transport(comm)
 
     def run(inputs):
         q, k, v, do = inputs
         plan = _Plan(comm, q, k, v, True, None, "zigzag", transport)
         t = plan.transport()
-        o, _, saved = alltoall.forward(plan, t, q, k, v)
-        return o, {ring: alltoall.backward(plan, ring, t, do, saved) for ring in ("q", "kv")}
+        o, _, saved = alltoall_zigzag.forward(plan, t, q, k, v)
+        return o, {ring: alltoall_zigzag.backward(plan, ring, t, do, saved) for ring in ("q", "kv")}
 
-    check_ring(comm, "contiguous", 8, 2, 128, 2 * 61, run)
+    check_ring(comm, "contiguous", True, 1, 8, 2, 128, 2 * 61, run)
