@@ -41,10 +41,22 @@ test-mpi: $(STAMP)
 	  timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(VPY) -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests; \
 	done
 
+# sm90 sources need the arch-specific target (plain -arch=sm_90a gives no sm_90a code with nvcc 13);
+# one line per kernel: registers and spills from the ptxas report; ptxas warnings in full, its numbered
+# notes (e.g. C7519, a warpgroup.arrive ptxas injected) counted; the whole report on a compile error
+PTXAS_SUMMARY := awk '/Function properties for/ {fn = $$NF} /spill stores/ {st = $$5; ld = $$9} \
+  /Used [0-9]+ registers/ {printf "  %-40s %4s registers, %4s B spill stores, %4s B spill loads\n", fn, $$5, st, ld} \
+  /warning/ {print "  " $$0} \
+  /^ptxas info *: \(C[0-9]+\)/ {m = $$0; sub(/^[^)]*\) /, "", m); sub(/ in .*/, "", m); n[$$4]++; note[$$4] = m} \
+  END {for (c in n) printf "  ptxas note %s x%d: %s\n", c, n[c], note[c]}'
+
 cuda-check:
 	@if command -v nvcc >/dev/null 2>&1; then \
 	  set -e; for f in cuda/*.cu; do \
-	    echo "== $$f"; nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c $$f -o /dev/null; \
+	    case $$f in *sm90*) arch=-gencode=arch=compute_90a,code=sm_90a ;; *) arch=-arch=sm_90 ;; esac; \
+	    echo "== $$f ($$arch)"; \
+	    report=$$(nvcc $$arch -std=c++17 -Xptxas -v -c $$f -o /dev/null 2>&1) || { echo "$$report"; exit 1; }; \
+	    echo "$$report" | $(PTXAS_SUMMARY); \
 	  done; \
 	else echo "cuda-check: no nvcc on this machine; kernels not compiled"; fi
 

@@ -2,32 +2,44 @@
 turned into zigzag ones by an all-to-all (layout.relayout), the zigzag ring, and the results
 turned back into contiguous shards. A training step keeps the zigzag q, k, v, o, lse of the
 forward pass for the backward pass, so that one moves only dO there and dQ, dK, dV back.
-NumPy or CuPy, whatever the plan's backend; checked against the oracle in mpi_tests/test_ring.py.
+
+``exchange`` is an open transport (transport.make_transport, or Instant to time the rest);
+``zigzag_forward(q, k, v)`` and ``zigzag_backward(do, q, k, v, o, lse)`` run the ring on zigzag
+shards. Checked against the oracle in mpi_tests/test_ring.py (CPU) and test_ring_gpu.py.
 """
-from burst_hpc.distributed import _backward, _forward
 from burst_hpc.layout import relayout
 
 
-def to_zigzag(transport, *arrays, axis=1):
-    return [relayout(x, "contiguous", "zigzag", transport, axis=axis) for x in arrays]
+class Instant:
+    """An exchange that completes at once and moves nothing (compute-only timing)."""
+
+    def __init__(self, like):
+        self.xp, self.rank, self.size = like.xp, like.rank, like.size
+
+    def exchange(self, sends, recvs):
+        return self
+
+    def wait(self):
+        pass
 
 
-def to_contiguous(transport, *arrays, axis=1):
-    return [relayout(x, "zigzag", "contiguous", transport, axis=axis) for x in arrays]
+def to_zigzag(exchange, *arrays, axis=1):
+    return [relayout(x, "contiguous", "zigzag", exchange, axis=axis) for x in arrays]
 
 
-def forward(plan, transport, q, k, v, skip_compute=False):
-    """``plan``: a zigzag _Plan; q, k, v: contiguous shards. Returns the contiguous (o, lse) and
-    what the backward pass reuses."""
-    zq, zk, zv = to_zigzag(transport, q, k, v)
-    zo, zlse = _forward(plan, zq, zk, zv, skip_compute=skip_compute, transport=transport)
-    (o,), (lse,) = to_contiguous(transport, zo), to_contiguous(transport, zlse, axis=2)
+def to_contiguous(exchange, *arrays, axis=1):
+    return [relayout(x, "zigzag", "contiguous", exchange, axis=axis) for x in arrays]
+
+
+def forward(exchange, zigzag_forward, q, k, v):
+    """Contiguous (o, lse) from contiguous q, k, v, and what ``backward`` reuses."""
+    zq, zk, zv = to_zigzag(exchange, q, k, v)
+    zo, zlse = zigzag_forward(zq, zk, zv)
+    (o,), (lse,) = to_contiguous(exchange, zo), to_contiguous(exchange, zlse, axis=2)
     return o, lse, (zq, zk, zv, zo, zlse)
 
 
-def backward(plan, ring, transport, do, saved, skip_compute=False):
+def backward(exchange, zigzag_backward, do, saved):
     """Contiguous (dq, dk, dv) from the contiguous ``do`` and ``saved`` from ``forward``."""
-    zq, zk, zv, zo, zlse = saved
-    (zdo,) = to_zigzag(transport, do)
-    grads = _backward(plan, ring, zdo, zq, zk, zv, zo, zlse, skip_compute=skip_compute, transport=transport)
-    return to_contiguous(transport, *grads)
+    (zdo,) = to_zigzag(exchange, do)
+    return to_contiguous(exchange, *zigzag_backward(zdo, *saved))

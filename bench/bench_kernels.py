@@ -1,17 +1,25 @@
-"""Kernel benchmark: burst-hpc CUDA block kernels vs torch SDPA (flash = FlashAttention-2, cuDNN).
+"""Kernel benchmark: burst-hpc CUDA block kernels (each kernel family) vs torch SDPA (flash =
+FlashAttention-2, cuDNN).
 
 Same process, same bf16 inputs, B=1, H=32, D in {128, 64}, S in {4k, 16k, 32k}, causal and not.
-TFLOP/s with the FlashAttention count: 4*S^2*H*D forward, 3.5x that for forward+backward, halved
-when causal. Each number is the median of CUDA-event timings of single calls after warm-up.
-"ours fwd" is one forward_block into a running (o, lse) (what a ring step runs); "ours fwd+bwd"
-adds zeroing the float32 accumulators, the delta pre-pass and one backward_block.
+TFLOP/s with the FlashAttention count: 4*S^2*H*D forward, 3.5x that for forward+backward and 2.5x for
+the backward alone, halved when causal. Each number is the median of CUDA-event timings of single calls
+after warm-up.
+"ours fwd" is one forward_block into a running (o, lse) (what a ring step runs); "ours bwd" is the
+backward call sequence alone: zeroing the float32 accumulators, the delta pre-pass and one
+backward_block (timed by itself, after one forward); "ours fwd+bwd" is the two back to back.
+torch's bwd is torch.autograd.grad over a retained graph (fresh gradient tensors, like our zeroing).
+Ratios are to cuDNN, for the first family of --families (the default family of the GPU).
 
-    PYTHONPATH=$PWD python3 bench/bench_kernels.py [--quick] [--md out.md] [--write-docs]
+    python3 bench/bench_kernels.py [--quick] [--dims 128,64] [--seqs 4096,16384] [--families sm90,sm80]
+                                   [--no-torch] [--reps N] [--md out.md] [--write-docs]
 
 --write-docs replaces the "## Kernels (single GPU)" latest-table block of docs/BENCHMARKS.md.
 """
 import argparse
 import datetime
+import os
+import shlex
 import statistics
 import sys
 from pathlib import Path
@@ -21,9 +29,12 @@ import cupy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from burst_hpc.backends import get_backend  # noqa: E402
+from burst_hpc.backends import cuda_backend  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
+PHASES = (("f", "fwd", 1.0), ("fb", "fwd+bwd", 3.5), ("b", "bwd", 2.5))  # key, label, FLOPs / forward FLOPs
+FLOP_FACTOR = {key: factor for key, _, factor in PHASES}
+TORCH = (("flash", "flash"), ("cudnn", "cuDNN"))
 
 
 def time_cupy(fn, warm, reps):
@@ -54,7 +65,7 @@ def time_torch(torch, fn, warm, reps):
     return statistics.median(ts)
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true", help="S=16k, D=128 only")
     ap.add_argument("--reps", type=int, default=10)
@@ -63,8 +74,18 @@ def main():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (default 128,64)")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 4096,16384,32768)")
-    args = ap.parse_args()
+    ap.add_argument("--families", default=None,
+                    help="comma-separated kernel families (default: every family this GPU runs, default first)")
+    return ap.parse_args()
 
+
+def main():
+    args = parse_args()
+    runnable = cuda_backend.kernel_families()
+    families = tuple(args.families.split(",")) if args.families else runnable
+    for f in families:
+        if f not in runnable:
+            sys.exit(f"bench_kernels: family {f!r} does not run on this GPU (it runs {runnable})")
     torch = None
     if not args.no_torch:
         try:
@@ -72,7 +93,6 @@ def main():
             from torch.nn.attention import SDPBackend, sdpa_kernel
         except ImportError:
             torch = None
-    be = get_backend(cupy.zeros(1))
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     B, H = 1, 32
     dims = (128,) if args.quick else (128, 64)
@@ -81,6 +101,7 @@ def main():
         dims = tuple(int(x) for x in args.dims.split(","))
     if args.seqs:
         seqs = tuple(int(x) for x in args.seqs.split(","))
+    print(header(families), flush=True)
     rows = []
     for d in dims:
         for s in seqs:
@@ -91,56 +112,34 @@ def main():
                 o = cupy.zeros((B, s, H, d), cupy.float32)
                 lse = cupy.full((B, H, s), -cupy.inf, cupy.float32)
                 dq, dk, dv = (cupy.zeros((B, s, H, d), cupy.float32) for _ in range(3))
-                scale = d ** -0.5
-
-                def fwd():
-                    be.forward_block(q, k, v, o, lse, scale=scale, causal=causal)
-
-                def fwdbwd():
-                    be.forward_block(q, k, v, o, lse, scale=scale, causal=causal)
-                    dq.fill(0)
-                    dk.fill(0)
-                    dv.fill(0)
-                    delta = be.delta(do, o)
-                    be.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale, causal=causal)
-
-                t_f = time_cupy(fwd, 3, args.reps)
-                t_fb = time_cupy(fwdbwd, 2, args.reps)
-                row = {"d": d, "s": s, "causal": causal, "ours_f": flops / t_f / 1e9,
-                       "ours_fb": 3.5 * flops / t_fb / 1e9}
+                ms = {}  # (impl, phase) -> milliseconds
+                for family in families:
+                    be = cuda_backend.CudaBackend.instance(family=family)
+                    for key, t in time_ours(be, q, k, v, do, o, lse, dq, dk, dv, causal, args.reps).items():
+                        ms[family, key] = t
                 if torch is not None:
                     def tt(x):
                         return torch.as_tensor(x.view(cupy.int16), device="cuda").view(torch.bfloat16).transpose(1, 2)
 
                     tq, tk, tv, tdo = (tt(x).contiguous() for x in (q, k, v, do))
                     # (B, H, S, D) contiguous, as torch users hold them
-                    for name, bk in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION}
+                    for name, _ in TORCH:
                         try:
-                            with sdpa_kernel(bk):
-                                def tf():
-                                    with torch.no_grad():
-                                        torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
-
-                                gq, gk, gv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
-
-                                def tfb():
-                                    out = torch.nn.functional.scaled_dot_product_attention(gq, gk, gv, is_causal=causal)
-                                    out.backward(tdo)
-
-                                row[name + "_f"] = flops / time_torch(torch, tf, 3, args.reps) / 1e9
-                                row[name + "_fb"] = 3.5 * flops / time_torch(torch, tfb, 2, args.reps) / 1e9
-                                gq.grad = gk.grad = gv.grad = None
+                            ms.update(time_torch_sdpa(torch, sdpa_kernel, backends[name], name, tq, tk, tv, tdo,
+                                                      causal, args.reps))
                         except Exception as exc:  # noqa: BLE001 - a backend may be unavailable
                             print(f"# torch {name} failed: {exc}", file=sys.stderr)
                     del tq, tk, tv, tdo
                     torch.cuda.empty_cache()
+                row = {(impl, key): FLOP_FACTOR[key] * flops / t / 1e9 for (impl, key), t in ms.items()}
+                row.update(d=d, s=s, causal=causal)
                 rows.append(row)
-                print(fmt_row(row), flush=True)
+                print(fmt_row(row, families), flush=True)
                 del q, k, v, do, o, lse, dq, dk, dv
                 cupy.get_default_memory_pool().free_all_blocks()
 
-    cmd = "PYTHONPATH=$PWD python3 bench/bench_kernels.py" + (" --quick" if args.quick else "")
-    md = table(rows, dev, cmd)
+    md = table(rows, families, dev, command())
     print()
     print(md)
     if args.md:
@@ -149,31 +148,92 @@ def main():
         write_docs(md)
 
 
+def time_ours(be, q, k, v, do, o, lse, dq, dk, dv, causal, reps):
+    """{phase: ms} of one backend: forward, forward+backward, backward alone."""
+    scale = q.shape[-1] ** -0.5
+
+    def fwd():
+        be.forward_block(q, k, v, o, lse, scale=scale, causal=causal)
+
+    def bwd():
+        dq.fill(0)
+        dk.fill(0)
+        dv.fill(0)
+        delta = be.delta(do, o)
+        be.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale, causal=causal)
+
+    def fwdbwd():
+        fwd()
+        bwd()
+
+    times = {"f": time_cupy(fwd, 3, reps), "fb": time_cupy(fwdbwd, 2, reps)}
+    o.fill(0)  # the backward alone reads the (o, lse) of one forward
+    lse.fill(-cupy.inf)
+    fwd()
+    times["b"] = time_cupy(bwd, 2, reps)
+    return times
+
+
+def time_torch_sdpa(torch, sdpa_kernel, backend, name, tq, tk, tv, tdo, causal, reps):
+    """{(name, phase): ms} of torch SDPA on one backend: forward, forward+backward, backward alone."""
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    with sdpa_kernel(backend):
+        gq, gk, gv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
+
+        def tf():
+            with torch.no_grad():
+                sdpa(tq, tk, tv, is_causal=causal)
+
+        def tfb():
+            out = sdpa(gq, gk, gv, is_causal=causal)
+            torch.autograd.grad(out, (gq, gk, gv), tdo)
+
+        out = sdpa(gq, gk, gv, is_causal=causal)
+
+        def tb():
+            torch.autograd.grad(out, (gq, gk, gv), tdo, retain_graph=True)
+
+        return {(name, "f"): time_torch(torch, tf, 3, reps), (name, "fb"): time_torch(torch, tfb, 2, reps),
+                (name, "b"): time_torch(torch, tb, 2, reps)}
+
+
+def command():
+    """The command line of this run, with the BURST_HPC_* settings it ran under."""
+    env = [f"{k}={shlex.quote(v)}" for k, v in sorted(os.environ.items()) if k.startswith("BURST_HPC_")]
+    return " ".join(env + ["python3", shlex.join(sys.argv)])
+
+
 def fmt(x):
     return f"{x:.0f}" if x is not None else "-"
 
 
-def fmt_row(r):
-    g = r.get
-    ratio_f = r["ours_f"] / g("flash_f") if g("flash_f") else None
-    ratio_fb = r["ours_fb"] / g("flash_fb") if g("flash_fb") else None
-    return (f"| {r['d']} | {r['s']} | {'yes' if r['causal'] else 'no'} | {fmt(r['ours_f'])} | {fmt(g('flash_f'))} | "
-            f"{fmt(g('cudnn_f'))} | {ratio_f:.2f}x | {fmt(r['ours_fb'])} | {fmt(g('flash_fb'))} | {fmt(g('cudnn_fb'))} | "
-            f"{ratio_fb:.2f}x |" if ratio_f and ratio_fb else
-            f"| {r['d']} | {r['s']} | {'yes' if r['causal'] else 'no'} | {fmt(r['ours_f'])} | - | - | - | "
-            f"{fmt(r['ours_fb'])} | - | - | - |")
+def columns(families):
+    cols = []
+    for _, label, _ in PHASES:
+        cols += [f"{label} {f}" for f in families] + [f"{label} {t}" for _, t in TORCH]
+        cols.append(f"{label} {families[0]}/cuDNN")
+    return cols
 
 
-def table(rows, dev, cmd):
+def fmt_row(r, families):
+    cells = [str(r["d"]), str(r["s"]), "yes" if r["causal"] else "no"]
+    for key, _, _ in PHASES:
+        cells += [fmt(r.get((impl, key))) for impl in tuple(families) + tuple(n for n, _ in TORCH)]
+        ours, cudnn = r.get((families[0], key)), r.get(("cudnn", key))
+        cells.append(f"{ours / cudnn:.2f}x" if ours and cudnn else "-")
+    return "| " + " | ".join(cells) + " |"
+
+
+def header(families):
+    cols = ["D", "S", "causal"] + columns(families)
+    return "| " + " | ".join(cols) + " |\n" + "|---" * len(cols) + "|"
+
+
+def table(rows, families, dev, cmd):
     date = datetime.date.today().isoformat()
-    from burst_hpc.backends import cuda_backend
-
     head = (f"{date}, {dev}, `{cmd}` (bf16, B=1, H=32; TFLOP/s; median of CUDA-event timings; "
-            f"backward layout {cuda_backend._BWD_LAYOUT})\n\n"
-            "| D | S | causal | ours fwd | flash fwd | cuDNN fwd | ours/flash fwd | ours fwd+bwd | flash fwd+bwd | "
-            "cuDNN fwd+bwd | ours/flash fwd+bwd |\n"
-            "|---|---|---|---|---|---|---|---|---|---|---|\n")
-    return head + "\n".join(fmt_row(r) for r in rows) + "\n"
+            f"families {', '.join(families)}; sm80 backward layout {cuda_backend._BWD_LAYOUT})\n\n")
+    return head + header(families) + "\n" + "\n".join(fmt_row(r, families) for r in rows) + "\n"
 
 
 def write_docs(md):

@@ -4,7 +4,8 @@ For each transport and layout: time per call of the forward and forward+backward
 same run with communication skipped (compute only) and with compute skipped (communication
 only), TFLOP/s per GPU, overlap (compute-only time / full time) and scaling efficiency against
 one GPU running the whole sequence with the same kernels (T1 / (P * TP)). Peak device memory
-per rank is the CuPy pool's high-water mark.
+per rank is the CuPy pool's high-water mark. The three modes come from burst_hpc.benchmark.RingBenchmark,
+the library's documented timing hook.
 
 Layouts: contiguous, zigzag, balanced (contiguous shards, DistFlashAttn schedule), and
 alltoall: contiguous shards turned into zigzag ones by an all-to-all around the zigzag ring
@@ -23,23 +24,11 @@ import cupy
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc.distributed import _backward, _forward, _Plan, choose_backward_ring
+from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.dtypes import parse_dtype
+from burst_hpc.transport import make_transport
 
 import alltoall_zigzag
-
-
-class NoComm:
-    """Stands in for a transport: every exchange completes at once (compute-only timing)."""
-
-    def __init__(self, comm):
-        self.xp, self.rank, self.size = cupy, comm.rank, comm.size
-
-    def exchange(self, sends, recvs):
-        return self
-
-    def wait(self):
-        pass
 
 
 def flops(seqlen, heads, dim, causal, backward):
@@ -96,37 +85,35 @@ def main():
         return rng.standard_normal((args.batch, n, h, args.head_dim), dtype=cupy.float32).astype(dtype)
 
     q, k, v, do = rand(args.heads), rand(kv_heads), rand(kv_heads), rand(args.heads)
-    ring = choose_backward_ring(args.backward_ring, args.heads, kv_heads, args.head_dim, dtype.itemsize)
     rows = []
     pool = cupy.get_default_memory_pool()
     for transport in args.transports.split(","):
         for layout in layouts:
-            plan = _Plan(comm, q, k, v, args.causal, None, "zigzag" if layout == "alltoall" else layout, transport)
-            real = plan.transport()
-            o, lse = _forward(plan, q, k, v, transport=real)
-
-            def run_forward(t, skip):
-                if layout == "alltoall":
-                    return alltoall_zigzag.forward(plan, t, q, k, v, skip_compute=skip)[2]
-                return _forward(plan, q, k, v, skip_compute=skip, transport=t)
-
-            def run_backward(t, skip, saved):
-                if layout == "alltoall":
-                    alltoall_zigzag.backward(plan, ring, t, do, saved, skip_compute=skip)
-                else:
-                    _backward(plan, ring, do, q, k, v, o, lse, skip_compute=skip, transport=t)
+            zigzag = "zigzag" if layout == "alltoall" else layout
+            bench = RingBenchmark(q, k, v, comm=comm, causal=args.causal, layout=zigzag, transport=transport,
+                                  backward_ring=args.backward_ring)
+            o, lse = bench.forward()
+            # alltoall: q, k, v, do taken as contiguous shards are moved to zigzag and the results back; the
+            # ring in between runs on the benchmark's own arrays of the same shapes (values do not change times)
+            if layout == "alltoall":
+                exchange = make_transport(bench.transport_name, comm, cupy)
+                saved = alltoall_zigzag.forward(exchange, lambda *_: bench.forward(), q, k, v)[2]
             for pass_ in args.passes.split(","):
                 backward = pass_ == "fwdbwd"
-                result = {"transport": plan.transport_name, "layout": layout, "pass": pass_, "P": P,
-                          "tokens": S, "ring": ring if backward else "kv"}
+                result = {"transport": bench.transport_name, "layout": layout, "pass": pass_, "P": P,
+                          "tokens": S, "ring": bench.backward_ring if backward else "kv"}
                 for mode in args.modes.split(","):
-                    t = NoComm(comm) if mode == "compute" else real
-                    skip = mode == "comm"
 
                     def run():
-                        saved = run_forward(t, skip)
+                        if layout == "alltoall":
+                            t = alltoall_zigzag.Instant(exchange) if mode == "compute" else exchange
+                            alltoall_zigzag.forward(t, lambda *_: bench.forward(mode), q, k, v)
+                            if backward:
+                                alltoall_zigzag.backward(t, lambda *_: bench.backward(do, o, lse, mode), do, saved)
+                            return
+                        bench.forward(mode)
                         if backward:
-                            run_backward(t, skip, saved)
+                            bench.backward(do, o, lse, mode)
 
                     result[mode] = timed(comm, run, args.iters, args.warmup)
                 result["tflops_per_gpu"] = flops(S, args.heads, args.head_dim, args.causal, backward) * args.batch / P / result["full"] / 1e12

@@ -7,7 +7,11 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 LOG=${OUT:-out}; mkdir -p "$LOG"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG/gpu.txt"
 echo "== nvcc resource report"
-for f in cuda/*.cu; do nvcc -arch=sm_90 -std=c++17 -Xptxas -v -c "$f" -o /dev/null 2>&1; done \
+# sm90 sources: the arch-specific target (nvcc 13's plain -arch=sm_90a emits no sm_90a code)
+for f in cuda/*.cu; do
+  case "$f" in *sm90*) arch=-gencode=arch=compute_90a,code=sm_90a ;; *) arch=-arch=sm_90 ;; esac
+  nvcc $arch -std=c++17 -Xptxas -v -c "$f" -o /dev/null 2>&1
+done \
   | grep -E "Function properties|registers|spill" > "$LOG/ptxas.txt"; grep -c spill "$LOG/ptxas.txt" >/dev/null
 echo "== pytest"
 timeout 420 python3 -m pytest -q --maxfail=8 --timeout 300 -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tee "$LOG/pytest.txt" | tail -30

@@ -5,7 +5,10 @@ from .validate import check_like, check_qkv, check_same_kind, resolve_scale
 
 
 def attention(q, k, v, causal=False, scale=None, backend=None):
-    """Exact attention. Returns (o, lse): o like q, lse float32 (B, Hq, Sq) in natural log."""
+    """Exact attention. Returns (o, lse): o like q, lse float32 (B, Hq, Sq) in natural log.
+
+    Inputs are not scanned for NaN or Inf: like torch, they propagate into the outputs of every
+    query row that sees them (``burst-hpc run`` refuses such inputs before any work)."""
     check_same_kind(q, k, v)
     b, sq, _, hq, _, d = check_qkv(q, k, v, causal)
     be = get_backend(q, backend)
@@ -17,7 +20,7 @@ def attention(q, k, v, causal=False, scale=None, backend=None):
 
 
 def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, backend=None):
-    """Gradients (dq, dk, dv) of sum(do * o), each in its input's dtype."""
+    """Gradients (dq, dk, dv) of sum(do * o), each in its input's dtype. NaN or Inf inputs propagate."""
     check_same_kind(do, q, k, v, o, lse)
     b, sq, _, hq, _, d = check_qkv(q, k, v, causal)
     check_like("do", do, q.shape, q.dtype)

@@ -3,14 +3,17 @@
     burst-hpc info
     burst-hpc gen OUT.h5 --batch B --seqlen S --heads H --kv-heads K --head-dim D --dtype T --seed N [--with-grad]
     mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--backward] [--layout L] [--transport T]
-                                             [--backend numpy|cuda|auto] [--verify]
+                                             [--backend numpy|cuda|auto] [--verify] [--overwrite]
+    [mpiexec -n P] burst-hpc check
 
 Exit status: 0 success, 1 bad input or a failed run (one message, on rank 0, every rank exits 1),
-2 bad command line, 3 ``--verify`` found a mismatch. See docs/USAGE.md.
+2 bad command line, 3 ``--verify`` found a mismatch / ``check`` found a failure. ``--help`` of each
+command documents every option and the file format.
 """
 import argparse
 import os
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -158,7 +161,8 @@ def cmd_gen(args):
                     progress(f"gen {100 * done / all_:5.1f}%")
 
             names = io.generate(args.output, args.batch, args.seqlen, args.heads, args.kv_heads or args.heads,
-                                args.head_dim, dtype, seed=args.seed, with_grad=args.with_grad, progress=report)
+                                args.head_dim, dtype, seed=args.seed, with_grad=args.with_grad, progress=report,
+                                overwrite=args.overwrite)
             print(f"burst-hpc gen: wrote {args.output}: {', '.join(names)} with B={args.batch} S={args.seqlen} "
                   f"Hq={args.heads} Hkv={args.kv_heads or args.heads} D={args.head_dim} {dtype_name(dtype)} "
                   f"seed={args.seed} ({total} tokens)", flush=True)
@@ -222,12 +226,16 @@ def cmd_run(args):
     err, xp, backend = None, np, None
     try:
         xp, backend = _setup_backend(args.backend, comm)
+        if rank == 0:  # before reading anything: an existing output is kept unless --overwrite
+            io.check_output_path(args.output, [args.input], args.overwrite)
     except Exception as e:  # noqa: BLE001
         err = e
     agree(comm, err)
 
     names = ("q", "k", "v", "do") if args.backward else ("q", "k", "v")
     spec, shards = io.read_shards(args.input, comm, layout, names)
+    if not args.allow_nonfinite:
+        io.check_finite(args.input, shards, comm, layout, spec.seqlen)
     scale = args.scale if args.scale is not None else spec.head_dim ** -0.5
     big = attention_flops(spec.batch, spec.seqlen, spec.heads, spec.head_dim, causal) > 2e11
     progress = Progress(rank == 0 and not args.quiet and (args.progress or big or sys.stderr.isatty()))
@@ -246,7 +254,7 @@ def cmd_run(args):
              "head_dim": spec.head_dim, "dtype": dtype_name(spec.dtype), "backward": bool(args.backward),
              "run_ranks": size, "run_layout": layout, "run_backend": backend, "run_transport": transport}
     out = io.OutputFile.create(args.output, comm, io.output_datasets(spec, args.backward), attrs,
-                               inputs=[args.input])
+                               inputs=[args.input], overwrite=args.overwrite)
     try:
         summary, code = _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, scale, transport,
                                        progress, burst_attention, burst_attention_backward)
@@ -329,54 +337,149 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
 
 # =========================================================================== main
 
+FILE_FORMAT = """\
+HDF5 files (gen writes them; any tool can):
+  inputs   q (B, S, Hq, D), k and v (B, S, Hkv, D), do (B, S, Hq, D) for --backward; one dtype for all
+  outputs  o (B, S, Hq, D) and, with --backward, dq (B, S, Hq, D), dk and dv (B, S, Hkv, D), all in the
+           input dtype; lse (B, Hq, S) float32, the natural-log sum-exp of each row's scaled scores
+  B batch, S tokens in global order (whatever --layout a run uses), Hq query heads, Hkv key/value
+  heads (Hq a multiple of Hkv: GQA/MQA), D head dim. Query head h reads key/value head h // (Hq/Hkv).
+  dtypes: float16, float32, float64 stored natively; bfloat16 stored as uint16 bits with the dataset
+  attribute dtype = "bfloat16" (from NumPy: x.astype(ml_dtypes.bfloat16).view(numpy.uint16)).
+  Head dims: any on the numpy backend; 64 and 128 natively on the cuda backend, other D <= 128 are
+  zero-padded to the next of those (exact), larger D are refused there.
+"""
+
+EXIT_CODES = """\
+exit status: 0 done; 1 bad input or a failed run (one "burst-hpc: error:" line from rank 0, every
+rank exits 1, no output file appears); 2 bad command line; 3 --verify found a mismatch (OUT.h5 is
+not written).
+"""
+
+
+def _wrap(text):
+    return textwrap.fill(text, 100)
+
+
 def build_parser():
     from .layout import LAYOUTS
     from .transport import TRANSPORTS
 
-    parser = _Parser(prog="burst-hpc", description="Exact attention over sequences split across MPI ranks "
-                     "(BurstAttention ring). See docs/USAGE.md.")
+    raw = argparse.RawDescriptionHelpFormatter
+    parser = _Parser(prog="burst-hpc", formatter_class=raw,
+                     description=_wrap("Exact attention over sequences split across MPI ranks (BurstAttention ring): "
+                     "one GPU (or one CPU process) per rank, HDF5 in and out."),
+                     epilog="Run 'burst-hpc COMMAND --help' for each command's options, the HDF5 layout and "
+                     "the exit status.\nTypical job:\n"
+                     "  burst-hpc gen in.h5 --seqlen 65536 --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 "
+                     "--with-grad\n"
+                     "  mpiexec -n 8 burst-hpc run in.h5 out.h5 --causal --backward --verify\n"
+                     "  mpiexec -n 8 burst-hpc check      # self-test of the kernels and the ring on this machine")
     parser.add_argument("--version", action="version", version=f"burst-hpc {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,check}", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("info", help="versions, GPUs, MPI library, CUDA-awareness, NCCL, transport choice")
+    p = sub.add_parser("info", help="versions, GPUs, MPI library, CUDA-awareness, NCCL, transport choice",
+                       description=_wrap("Print versions (burst-hpc, Python, NumPy, mpi4py, h5py/HDF5 and whether it "
+                       "has parallel HDF5), the MPI library, ranks and hosts, whether the MPI is CUDA-aware "
+                       "(BURST_HPC_CUDA_AWARE=1/0 overrides), CuPy and the GPUs, NCCL, and what --transport auto "
+                       "and --backend auto pick. Run it under mpiexec to see the job's view."))
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("gen", help="write random inputs q, k, v (and do) to an HDF5 file, chunk by chunk")
-    p.add_argument("output", help="HDF5 file to create")
-    p.add_argument("--batch", type=int, default=1)
-    p.add_argument("--seqlen", type=int, required=True)
-    p.add_argument("--heads", type=int, default=8)
-    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=64)
-    p.add_argument("--dtype", default="bfloat16", help=f"one of {', '.join(SUPPORTED_NAMES)} (or bf16, fp16, ...)")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--with-grad", action="store_true", help="also write do (the output gradient) for --backward")
-    p.add_argument("--quiet", action="store_true")
+    p = sub.add_parser("gen", help="write random inputs q, k, v (and do) to an HDF5 file, chunk by chunk",
+                       formatter_class=raw, epilog=FILE_FORMAT,
+                       description=_wrap("Write standard-normal q, k, v (and do) to OUT.h5 for 'burst-hpc run'. Written "
+                       "in blocks (about 4M values in memory at a time), so a million-token input never needs a "
+                       "whole tensor in memory. Run it as one process (under mpiexec rank 0 writes, the others "
+                       "wait). The file appears under its name only when complete."))
+    p.add_argument("output", metavar="OUT.h5", help="HDF5 file to create (refused if it exists, unless --overwrite)")
+    p.add_argument("--batch", type=int, default=1, help="B, sequences in the batch (default 1)")
+    p.add_argument("--seqlen", type=int, required=True, help="S, tokens per sequence (required)")
+    p.add_argument("--heads", type=int, default=8, help="Hq, query heads (default 8)")
+    p.add_argument("--kv-heads", type=int, default=None,
+                   help="Hkv, key/value heads; Hq must be a multiple (GQA/MQA) (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=64, help="D, the head dimension (default 64)")
+    p.add_argument("--dtype", default="bfloat16",
+                   help=f"element type of every dataset: one of {', '.join(SUPPORTED_NAMES)} "
+                   "(aliases bf16, fp16, fp32, fp64) (default bfloat16)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="random seed; each block of 1024 tokens of one batch entry of one tensor draws from its "
+                   "own generator seeded by (seed, tensor, batch, block), so the data never depends on chunk "
+                   "sizes (default 0)")
+    p.add_argument("--with-grad", action="store_true", help="also write do, the output gradient 'run --backward' needs")
+    p.add_argument("--overwrite", action="store_true", help="replace OUT.h5 if it exists (atomically, when done)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_gen)
 
-    p = sub.add_parser("run", help="attention over the ranks of mpiexec; outputs written to OUT.h5")
-    p.add_argument("input", help="HDF5 file with q, k, v (and do for --backward)")
-    p.add_argument("output", help="HDF5 file to write: o, lse (and dq, dk, dv)")
-    p.add_argument("--causal", action="store_true")
-    p.add_argument("--backward", action="store_true", help="also compute dq, dk, dv from the input's do")
-    p.add_argument("--layout", choices=LAYOUTS, default=None, help="default: zigzag when --causal, else contiguous; balanced keeps "
-                   "natural token order (one contiguous run per rank) and balances causal work by its schedule")
-    p.add_argument("--transport", choices=TRANSPORTS, default="auto")
-    p.add_argument("--backward-ring", choices=("auto", "q", "kv"), default="auto")
+    p = sub.add_parser("run", help="attention over the ranks of mpiexec; outputs written to OUT.h5",
+                       formatter_class=raw, epilog=FILE_FORMAT + "\n" + EXIT_CODES,
+                       description=_wrap("Under 'mpiexec -n P': read q, k, v (and do) from IN.h5, each rank only its own "
+                       "tokens, run the forward pass (and the backward pass) over the ring of ranks and write o, "
+                       "lse (and dq, dk, dv) to OUT.h5, each rank only its own token ranges. OUT.h5 is built under "
+                       "a temporary name next to it and appears only when every rank has finished. Inputs holding "
+                       "NaN or Inf are refused before any work (the error names the dataset and the first bad "
+                       "index). Rank 0 prints one summary line: sizes, ranks, layout, backend, transport, time "
+                       "and TFLOP/s per pass (FlashAttention convention) and, with --verify, max error / tolerance "
+                       "per output."))
+    p.add_argument("input", metavar="IN.h5", help="HDF5 file with q, k, v (and do for --backward); layout below")
+    p.add_argument("output", metavar="OUT.h5", help="HDF5 file to write: o, lse (and dq, dk, dv); refused if it exists, "
+                   "unless --overwrite")
+    p.add_argument("--causal", action="store_true", help="causal mask on global token positions (key j visible "
+                   "from query i when j <= i)")
+    p.add_argument("--backward", action="store_true",
+                   help="also compute dq, dk, dv, the gradients of sum(do * o); needs do in the input")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="which tokens each rank owns: contiguous (rank r: chunk r of P; S a multiple of P) or "
+                   "zigzag (rank r: chunks r and 2P-1-r of 2P, balanced causal work; S a multiple of 2P) "
+                   "(default: zigzag with --causal, else contiguous)")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
+                   "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else mpi when the MPI is "
+                   "CUDA-aware, else nccl, else staged ('burst-hpc info' shows the pick) (default auto)")
+    p.add_argument("--backward-ring", choices=("auto", "q", "kv"), default="auto",
+                   help="what travels in the backward pass: q (q, do, dq: BurstAttention) or kv (k, v, dk, dv: "
+                   "RingAttention); auto picks the one that moves fewer bytes (default auto)")
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
-                   help="cuda: shards moved to the GPU (one per rank); auto: cuda when a GPU is visible")
+                   help="numpy (CPU), or cuda (shards moved to the GPU with CuPy, one GPU per rank: node-local "
+                   "rank mod GPU count); auto: cuda when a GPU is visible (default auto)")
     p.add_argument("--scale", type=float, default=None, help="softmax scale (default head_dim**-0.5)")
-    p.add_argument("--verify", action="store_true", help="check against the float64 oracle; exit 3 on mismatch")
+    p.add_argument("--verify", action="store_true",
+                   help="check every output against the float64 oracle: max error <= 2x (o, lse) / 3x (dq, dk, dv) "
+                   "the error of a plain same-precision computation plus a small floor; a NaN or Inf error always "
+                   "fails; exit status 3 and no OUT.h5 on a mismatch. Every row when B*Hq*S^2 <= 4M, else sampled "
+                   "query rows (o, lse, dq)")
     p.add_argument("--verify-rows", type=int, default=256,
-                   help="query rows per rank checked when the input is too large for a full check")
-    p.add_argument("--verify-seed", type=int, default=0)
+                   help="query rows per rank checked when the input is too large for a full check (default 256)")
+    p.add_argument("--verify-seed", type=int, default=0, help="where the sampled rows fall (default 0)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace OUT.h5 if it exists (atomically, once the run has finished); without it an existing "
+                   "OUT.h5 is an error before any work and is left untouched")
+    p.add_argument("--allow-nonfinite", action="store_true",
+                   help="run on inputs holding NaN or Inf (they propagate into the outputs, and --verify fails)")
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once untimed first (GPU kernels compile on first use)")
-    p.add_argument("--progress", action="store_true", help="show stage progress even on short runs")
-    p.add_argument("--quiet", action="store_true", help="no progress lines")
+    p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "
+                   "anyway on long runs or a terminal)")
+    p.add_argument("--quiet", action="store_true", help="no stage lines")
     p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("check", help="self-test: kernels and ring against the float64 oracle, pass/fail table",
+                       formatter_class=raw,
+                       description=_wrap("Correctness self-test of this installation, in seconds. On a GPU: every kernel "
+                       "family the GPU runs, forward and backward, on odd shapes (lengths off the tile, GQA, causal "
+                       "and not, bfloat16 and float16, padded head dims); without a GPU the NumPy backend, and it "
+                       "says so. Under 'mpiexec -n P' (P > 1) also the ring over every transport 'burst-hpc info' "
+                       "lists as available. Each result must meet the FlashAttention rule against the float64 "
+                       "oracle (as --verify). Prints a pass/fail table on rank 0."),
+                       epilog="exit status: 0 every check passed; 3 a check failed; 1 the check could not run.")
+    p.set_defaults(func=cmd_check)
     return parser
+
+
+def cmd_check(args):
+    from . import selfcheck
+
+    return EXIT_MISMATCH if not selfcheck.main(_world()) else 0
 
 
 def main(argv=None):

@@ -94,7 +94,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous',
     'zigzag' or 'balanced'; default zigzag when causal). 'balanced' shards are contiguous ones
     (natural token order) with causal work balanced by the schedule. Returns o like q and lse
-    float32 (B, Hq, S/P)."""
+    float32 (B, Hq, S/P). NaN or Inf inputs are not refused: they propagate like torch's (see
+    burst_hpc.attention)."""
     comm = _world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport)
     with _device_of(q):

@@ -228,6 +228,48 @@ def read_shards(path, comm, layout, names=("q", "k", "v")):
     return spec, shards
 
 
+def _first_nonfinite(x, block_tokens=4096):
+    """(index, value) of the first NaN or Inf of x (B, S, ...) in C order, or None; a block of
+    tokens at a time, so the mask never costs more than a block."""
+    for b in range(x.shape[0]):
+        for t0 in range(0, x.shape[1], block_tokens):
+            bad = ~np.isfinite(x[b, t0:t0 + block_tokens])
+            if bad.any():
+                t, *rest = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                index = (b, t0 + int(t), *map(int, rest))
+                return index, float(x[index])
+    return None
+
+
+def check_finite(path, shards, comm, layout, seqlen):
+    """Collective: refuse NaN and Inf in the input shards (this rank's tokens of each dataset).
+
+    Every rank raises the same FileError, naming the dataset and the first non-finite value in the
+    file's order (datasets q, k, v, do; then batch, token, head, dim with global token positions)."""
+    rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
+    runs = pieces(seqlen, rank, size, layout)
+    mine = None
+    for order, name in enumerate(INPUTS):
+        found = _first_nonfinite(shards[name]) if name in shards else None
+        if found is not None:
+            (b, t, *rest), value = found
+            for start, n in runs:  # local token t -> its position in the file
+                if t < n:
+                    break
+                t -= n
+            mine = (order, b, start + t, *rest, name, value)
+            break
+    everyone = [mine] if size == 1 else comm.allgather(mine)
+    found = [f for f in everyone if f is not None]
+    if found:
+        *_, b, t, h, d, name, value = min(found)
+        error = FileError(f"{path}: dataset {name!r} holds {value} at [{b}, {t}, {h}, {d}] (batch, token, head, dim), "
+                          "its first non-finite value; NaN or Inf inputs make NaN outputs. Fix the input, or pass "
+                          "--allow-nonfinite to run on it anyway")
+        error.agreed = True
+        raise error
+
+
 # --------------------------------------------------------------------------- outputs
 
 def _mpio_enabled(comm):
@@ -265,8 +307,9 @@ class OutputFile:
         return self.comm.size if self.comm is not None else 1
 
     @classmethod
-    def create(cls, path, comm, datasets, attrs=None, inputs=()):
-        """Create the temporary file with every dataset and attribute (collective)."""
+    def create(cls, path, comm, datasets, attrs=None, inputs=(), overwrite=False):
+        """Create the temporary file with every dataset and attribute (collective). An existing
+        file at ``path`` is refused unless ``overwrite``."""
         import h5py
 
         rank = comm.rank if comm is not None else 0
@@ -274,7 +317,7 @@ class OutputFile:
         tmp, err = None, None
         if rank == 0:
             try:
-                tmp = _check_output_path(path, inputs)
+                tmp = check_output_path(path, inputs, overwrite)
             except Exception as e:  # noqa: BLE001
                 err = e
         if comm is not None and comm.size > 1:
@@ -383,8 +426,9 @@ class OutputFile:
                 pass
 
 
-def _check_output_path(path, inputs=()):
-    """Validate the output path on rank 0 and return a temporary name next to it."""
+def check_output_path(path, inputs=(), overwrite=False):
+    """Validate the output path (on one rank) and return a temporary name next to it. An existing
+    file at ``path`` is an error unless ``overwrite`` (it is then replaced atomically on commit)."""
     if not path:
         raise FileError("no output path given")
     full = os.path.abspath(path)
@@ -398,6 +442,8 @@ def _check_output_path(path, inputs=()):
         raise FileError(f"cannot write output {path!r}: directory {parent!r} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise FileError(f"cannot write output {path!r}: directory {parent!r} is not writable")
+    if os.path.lexists(full) and not overwrite:
+        raise FileError(f"output {path!r} already exists; pass --overwrite to replace it (or choose another name)")
     return f"{full}.tmp-{uuid.uuid4().hex[:12]}"
 
 
@@ -423,11 +469,11 @@ def read_global(path, names=None):
         return out
 
 
-def write_global(path, arrays, attrs=None):
+def write_global(path, arrays, attrs=None, overwrite=False):
     """Write whole arrays {name: array} into a new file atomically (single process)."""
     import h5py
 
-    tmp = _check_output_path(path)
+    tmp = check_output_path(path, overwrite=overwrite)
     try:
         with h5py.File(tmp, "w") as f:
             for name, array in arrays.items():
@@ -451,13 +497,14 @@ GEN_BLOCK_TOKENS = 1024  # random numbers come in blocks of this many tokens (fi
 
 
 def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with_grad=False,
-             max_elements=1 << 22, attrs=None, progress=None):
+             max_elements=1 << 22, attrs=None, progress=None, overwrite=False):
     """Write random standard-normal q, k, v (and do) to ``path``, chunk by chunk (single process).
 
     A block of GEN_BLOCK_TOKENS tokens of one batch entry of one tensor draws from its own
     generator seeded by (seed, tensor, batch, block), so the data does not depend on how much is
     written at once, and no more than about ``max_elements`` values are in memory at a time.
-    The file is built under a temporary name and renamed when complete.
+    The file is built under a temporary name and renamed when complete; an existing file at
+    ``path`` is refused unless ``overwrite``.
     """
     import h5py
 
@@ -472,7 +519,7 @@ def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with
     shapes = {"q": (batch, seqlen, heads, head_dim), "k": (batch, seqlen, kv_heads, head_dim)}
     shapes["v"] = shapes["k"]
     shapes["do"] = shapes["q"]
-    tmp = _check_output_path(path)
+    tmp = check_output_path(path, overwrite=overwrite)
     total = sum(batch * seqlen * shapes[n][2] * head_dim for n in names)
     written = 0
     try:

@@ -5,8 +5,11 @@ Error of our result against the float64 oracle must stay within FACTOR x the err
 computation in the input precision (scores, probabilities and products rounded to the input dtype,
 float32 accumulation, as a PyTorch-style implementation does) plus a floor:
     max|ours - ref| <= FACTOR[name] * max|plain - ref| + ATOL[dtype] * max(1, max|ref|)
-FACTOR is 2 for o and lse, 3 for dq, dk, dv (FlashAttention's test convention).
+FACTOR is 2 for o and lse, 3 for dq, dk, dv (FlashAttention's test convention). An error that is
+not finite (NaN or Inf anywhere in our output where the oracle is finite) fails whatever the tolerance.
 """
+import math
+
 import numpy as np
 
 from .collective import agree, describe
@@ -110,7 +113,18 @@ def window_attention(q, do, key_blocks, causal, scale, q_start, lowp=None):
     return o, lse, rnd(dq)
 
 
-def _max_err(ours, ref):
+def tolerance(name, plain_err, ref_max, dtype):
+    """The allowed max error of output ``name``: FACTOR x the plain computation's error + the floor."""
+    atol = max(ATOL[dtype_name(dtype)], LSE_ATOL if name == "lse" else 0.0)
+    return FACTOR[name] * plain_err + atol * max(1.0, ref_max)
+
+
+def passes(err, tol):
+    """The rule holds; a non-finite error (or tolerance) fails."""
+    return math.isfinite(err) and math.isfinite(tol) and err <= tol
+
+
+def max_err(ours, ref):
     ours = np.asarray(ours, np.float64)
     ref = np.asarray(ref, np.float64)
     both_inf = np.isneginf(ours) & np.isneginf(ref)
@@ -119,7 +133,7 @@ def _max_err(ours, ref):
     return float(diff.max()) if diff.size else 0.0
 
 
-def _max_abs(ref):
+def max_abs(ref):
     ref = np.asarray(ref, np.float64)
     finite = ref[np.isfinite(ref)]
     return float(np.abs(finite).max()) if finite.size else 0.0
@@ -155,10 +169,10 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
             for name in names:
                 axis = 2 if name == "lse" else 1
                 mine = np.take(ref[name], idx, axis=axis)
-                err[name] = _max_err(ours[name], mine)
-                err_plain[name] = _max_err(np.take(plain[name], idx, axis=axis).astype(
+                err[name] = max_err(ours[name], mine)
+                err_plain[name] = max_err(np.take(plain[name], idx, axis=axis).astype(
                     np.float32 if name == "lse" else lowp), mine)
-                ref_max[name] = _max_abs(mine)
+                ref_max[name] = max_abs(mine)
         else:
             names = [n for n in names if n in ("o", "lse", "dq")]
             for n in names:
@@ -197,19 +211,17 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
                     for name in names:
                         axis = 2 if name == "lse" else 1
                         sel = (slice(None),) * axis + (slice(local0, local0 + w),)
-                        err[name] = max(err[name], _max_err(ours[name][sel], ref[name]))
-                        err_plain[name] = max(err_plain[name], _max_err(plain[name].astype(
+                        err[name] = max(err[name], max_err(ours[name][sel], ref[name]))
+                        err_plain[name] = max(err_plain[name], max_err(plain[name].astype(
                             np.float32 if name == "lse" else lowp), ref[name]))
-                        ref_max[name] = max(ref_max[name], _max_abs(ref[name]))
+                        ref_max[name] = max(ref_max[name], max_abs(ref[name]))
     except Exception as e:  # noqa: BLE001
         failure = e if isinstance(e, BurstError) else BurstError(f"verification could not run: {describe(e)}")
     agree(comm, failure)
     err = {n: comm.allreduce(err[n], op=MPI.MAX) for n in names}
     err_plain = {n: comm.allreduce(err_plain[n], op=MPI.MAX) for n in names}
     ref_max = {n: comm.allreduce(ref_max[n], op=MPI.MAX) for n in names}
-    atol = ATOL[dtype_name(spec.dtype)]
-    tol = {n: FACTOR[n] * err_plain[n] + max(atol, LSE_ATOL if n == "lse" else 0.0) * max(1.0, ref_max[n])
-           for n in names}
-    ok = all(err[n] <= tol[n] for n in names)
+    tol = {n: tolerance(n, err_plain[n], ref_max[n], spec.dtype) for n in names}
+    ok = all(passes(err[n], tol[n]) for n in names)
     return {"ok": ok, "mode": "full" if full else f"sampled {rows} rows/rank", "err": err, "tol": tol,
             "plain": err_plain}

@@ -52,7 +52,7 @@ echo "== burst-hpc info"
 echo
 echo "== generate $IN (seqlen $SEQLEN, $HEADS query heads, $KV_HEADS kv heads, head_dim $HEAD_DIM, bfloat16)"
 "${BURST[@]}" gen "$IN" --seqlen "$SEQLEN" --heads "$HEADS" --kv-heads "$KV_HEADS" --head-dim "$HEAD_DIM" \
-  --dtype bfloat16 --seed "${DEMO_SEED:-$RANDOM}" --with-grad
+  --dtype bfloat16 --seed "${DEMO_SEED:-$RANDOM}" --with-grad --overwrite
 echo
 echo "== $MPIEXEC -n $RANKS burst-hpc run $IN $OUT --causal --backward --verify --backend $BACKEND"
 status=0

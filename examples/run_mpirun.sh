@@ -24,4 +24,4 @@ fi
 #    large inputs and checks them against the float64 oracle (exit status 3 on mismatch).
 # shellcheck disable=SC2086
 "$MPIRUN" -n "$RANKS" ${MPIRUN_ARGS:-} burst-hpc run "$WORK/input.h5" "$WORK/output.h5" \
-  --causal --backward --backend "$BACKEND" --verify --progress
+  --causal --backward --backend "$BACKEND" --verify --progress --overwrite

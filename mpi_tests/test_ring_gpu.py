@@ -171,15 +171,15 @@ def test_gpu_balanced_irregular_heads(comm, heads, kv_heads, dim):
 
 def test_gpu_alltoall_around_zigzag(comm, alltoall_zigzag):
     """bench/alltoall_zigzag.py on the GPU: what bench_ring.py --layouts alltoall times."""
-    from burst_hpc.distributed import _Plan
-
     transport = first_transport(comm)
 
     def run(inputs):
         q, k, v, do = inputs
-        plan = _Plan(comm, q, k, v, True, None, "zigzag", transport)
-        t = plan.transport()
-        o, _, saved = alltoall_zigzag.forward(plan, t, q, k, v)
-        return o, {ring: alltoall_zigzag.backward(plan, ring, t, do, saved) for ring in ("q", "kv")}
+        kw = dict(comm=comm, causal=True, layout="zigzag", transport=transport)
+        exchange = make_transport(transport, comm, cupy)
+        o, _, saved = alltoall_zigzag.forward(exchange, lambda *qkv: burst_hpc.burst_attention(*qkv, **kw), q, k, v)
+        return o, {ring: alltoall_zigzag.backward(
+            exchange, lambda *args: burst_hpc.burst_attention_backward(*args, backward_ring=ring, **kw), do, saved)
+            for ring in ("q", "kv")}
 
     check_ring(comm, "contiguous", True, 1, 8, 2, 128, 2 * 61, run)

@@ -9,8 +9,12 @@ accumulators, which must be added to).
 
 The float64 oracle runs on the GPU (cupy float64, the same formulas as burst_hpc.reference; a test
 below ties the two together on a small case) because the NumPy einsum oracle is too slow at S=4097.
+
+Every test runs once per kernel family this GPU runs (``kernel_families()``: sm90 then sm80 on Hopper);
+the family leads the test id, e.g. ``test_forward[sm90-17-64-True-32-8]``.
 """
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -23,14 +27,26 @@ except Exception:  # noqa: BLE001
 pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc.backends import get_backend  # noqa: E402
+from burst_hpc.backends import cuda_backend, get_backend  # noqa: E402
 from burst_hpc.errors import BackendError  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
+_FAMILIES = cuda_backend.kernel_families() if _NGPU else ()
+_family = None  # the family of the running test (set by the fixture below)
+
+
+@pytest.fixture(scope="module", autouse=True, params=_FAMILIES)
+def family(request):
+    """Run the module's tests on one kernel family: the block calls through ``_be()`` and the public API
+    through $BURST_HPC_KERNELS."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BURST_HPC_KERNELS", request.param)
+        mp.setattr(sys.modules[__name__], "_family", request.param)
+        yield request.param
 
 
 def _be():
-    return get_backend(cupy.zeros(1))
+    return cuda_backend.CudaBackend.instance(family=_family)
 
 
 # ---------------------------------------------------------------- oracles (float64 and plain low precision)
@@ -165,10 +181,10 @@ def test_backward(s, d, causal, hq, hkv):
 @pytest.mark.parametrize("layout", ["w8", "w4"])
 @pytest.mark.parametrize("s,d,causal,hq,hkv", [(17, 64, True, 32, 8), (1000, 128, False, 32, 1),
                                                (1000, 64, True, 32, 8), (4097, 128, True, 8, 2)])
-def test_backward_previous_layouts(monkeypatch, layout, s, d, causal, hq, hkv):
+def test_backward_previous_layouts(monkeypatch, family, layout, s, d, causal, hq, hkv):
     """The previous backward kernels (BURST_HPC_BWD_LAYOUT=w8 / w4) stay selectable and correct."""
-    from burst_hpc.backends import cuda_backend
-
+    if family != "sm80":
+        pytest.skip("the previous layouts are sm80 backward kernels: tested under the sm80 family")
     monkeypatch.setattr(cuda_backend, "_BWD_LAYOUT", layout)
     test_backward(s, d, causal, hq, hkv)
 
@@ -257,10 +273,11 @@ def test_other_input_types(dtype):
         _check(name, g, p, r, 3)
 
 
-def test_api_end_to_end():
+def test_api_end_to_end(family):
     """burst_hpc.attention / attention_backward take CuPy bf16 arrays and return CuPy arrays."""
     b, s, hq, hkv, d = 2, 257, 8, 2, 64
     q, k, v, do = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv, hq))
+    assert get_backend(q).family == family  # the public API runs the family $BURST_HPC_KERNELS names
     o, lse = burst_hpc.attention(q, k, v, causal=True)
     assert isinstance(o, cupy.ndarray) and o.dtype == BF16 and lse.dtype == np.float32
     dq, dk, dv = burst_hpc.attention_backward(do, q, k, v, o, lse, causal=True)
@@ -286,9 +303,20 @@ def test_oracle_matches_numpy_reference():
         assert np.allclose(cupy.asnumpy(a), r, atol=1e-10)
 
 
+@pytest.mark.skipif(not _NGPU or cuda_backend._capability() != (9, 0), reason="needs a Hopper GPU (sm_90)")
+def test_hopper_default_family(monkeypatch):
+    """On Hopper the sm90 family is the default; BURST_HPC_KERNELS=sm80 forces the mma.sync family."""
+    monkeypatch.delenv("BURST_HPC_KERNELS")
+    assert cuda_backend.default_family() == "sm90"
+    assert get_backend(cupy.zeros(1)).family == "sm90"
+    monkeypatch.setenv("BURST_HPC_KERNELS", "sm80")
+    assert cuda_backend.default_family() == "sm80"
+    assert get_backend(cupy.zeros(1)).family == "sm80"
+
+
 def test_unsupported_head_dim():
-    q = cupy.zeros((1, 8, 2, 96), BF16)
-    o = cupy.zeros((1, 8, 2, 96), cupy.float32)
+    q = cupy.zeros((1, 8, 2, 160), BF16)  # D <= 128 is zero-padded (tests/test_cuda_padding.py)
+    o = cupy.zeros((1, 8, 2, 160), cupy.float32)
     lse = cupy.full((1, 2, 8), -cupy.inf, cupy.float32)
     with pytest.raises(BackendError, match="head_dim"):
         _be().forward_block(q, q, q, o, lse, scale=0.1)

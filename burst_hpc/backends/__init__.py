@@ -21,8 +21,12 @@ Accumulators are float32 (float64 when the inputs are float64, NumPy only).
 
 
 def get_backend(array, name=None):
-    """The backend for ``array``'s kind: NumPy arrays -> numpy, CuPy arrays -> cuda."""
+    """The backend for ``array``'s kind: NumPy arrays -> numpy, CuPy arrays -> cuda. ``name`` may also
+    be a backend object (for example ``CudaBackend.instance(family="sm80")``), used as it is."""
     from ..errors import BackendError
+
+    if name is not None and not isinstance(name, str):
+        return name
 
     is_cupy = type(array).__module__.startswith("cupy")
     if name is None:

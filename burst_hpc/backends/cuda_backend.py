@@ -5,12 +5,14 @@ Conventions (docs/KERNELS.md has the full page):
   float16, or float32. float32 inputs are converted once per call to bfloat16 and then run on the
   bf16 tensor-core path (accumulation stays float32). A uint16 array is taken as raw bf16 bits.
 - o, lse, dq, dk, dv, delta: float32, any strides along batch/seq/head (views are fine).
-- head dims 64 and 128; anything else raises BackendError.
+- head dims 64 and 128 natively; any other D up to 128 is zero-padded to the next of those
+  (padding.py: exact, the scale stays the caller's); larger D raise BackendError.
 - every launch goes on CuPy's current stream; nothing here synchronizes the device.
 """
 import hashlib
 import os
 import re
+from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -21,10 +23,18 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
     cupy = None
 
 from ..errors import BackendError
+from . import padding, tma
 
 SUPPORTED_HEAD_DIMS = (64, 128)
 _LOG2E = 1.4426950408889634
 _FWD_BN, _BWD_BM = 64, 64
+# sm90 forward (attn_fwd_sm90.cu): keys per tile, K/V pipeline depth; per head dim, the consumer
+# warpgroups of 64 query rows (a CTA also has one producer warpgroup)
+_FWD90_BN, _FWD90_STAGES = 128, 2
+_FWD90_CONSUMERS = {64: 3, 128: 2}
+# sm90 backward (attn_bwd_sm90.cu): keys per CTA, queries per tile, Q/dO pipeline depth, threads
+_BWD90_BN, _BWD90_BM, _BWD90_STAGES, _BWD90_THREADS = 128, 64, 2, 384
+_BWD90_DQ_PITCH = 68  # floats per staged dQ row
 # backward layout: "k4x2" (8 warps; 32 keys x 32 queries per warp for S/dP, 32 keys x D/2 for dK/dV;
 # 128 keys per CTA) or the previous "w8" / "w4" (each warp owns 16 keys, 16 * warps keys per CTA).
 # BURST_HPC_BWD_LAYOUT picks; the older BURST_HPC_BWD_WARPS=4|8 still selects w4 / w8.
@@ -36,10 +46,15 @@ _THREADS = 256
 
 
 def cuda_dir():
-    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else <repo>/cuda."""
+    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else the package's kernels/
+    (the repository's cuda/, which the wheel installs as burst_hpc/kernels), else the cuda/ of the
+    source tree this module runs from (a checkout on PYTHONPATH, an editable install)."""
     env = os.environ.get("BURST_HPC_CUDA_DIR")
     if env:
         return Path(env)
+    installed = resources.files("burst_hpc") / "kernels"
+    if installed.is_dir():
+        return installed
     return Path(__file__).resolve().parents[2] / "cuda"
 
 
@@ -161,7 +176,8 @@ class CudaBackend:
         if mod is None:
             src = _inline_source(fname, cuda_dir())
             self.source_hash = hashlib.sha256(src.encode()).hexdigest()[:12]
-            mod = cupy.RawModule(code=src, options=("-std=c++17",))
+            options = ("-std=c++17", "-arch=sm_90a") if "sm90" in fname else ("-std=c++17",)
+            mod = cupy.RawModule(code=src, options=options)
             self._modules[fname] = mod
         return mod
 
@@ -234,6 +250,9 @@ class CudaBackend:
 
     # ---- the three block calls ---------------------------------------------------------------------
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0):
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
+            return padding.forward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, o, lse, scale=scale, causal=causal,
+                                         q_start=q_start, k_start=k_start)
         d = self._check_dims(q, k)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -243,6 +262,36 @@ class CudaBackend:
         q, k, v = (self._half(x, kind) for x in (q, k, v))
         o_w, o_back = self._out(o, "o")
         l_w, l_back = self._f32_rows(lse, "lse")
+        if self.family == "sm90":
+            self._forward_sm90(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start)
+        else:
+            self._forward_sm80(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start)
+        if o_back is not None:
+            o_back[...] = o_w
+        if l_back is not None:
+            l_back[...] = l_w
+
+    def _forward_sm90(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        consumers = _FWD90_CONSUMERS[d]
+        bm = 64 * consumers
+        try:
+            maps = tma.device_maps(cupy, ((q, bm), (k, _FWD90_BN), (v, _FWD90_BN)))
+        except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
+            q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
+            maps = tma.device_maps(cupy, ((q, bm), (k, _FWD90_BN), (v, _FWD90_BN)))
+        smem = (bm * d + 2 * _FWD90_STAGES * _FWD90_BN * d) * 2 + 8 * (1 + 4 * _FWD90_STAGES) + 1024
+        name = f"attn_fwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}"
+        kern = self._kernel("attn_fwd_sm90.cu", name, smem)
+        grid = ((sq + bm - 1) // bm, hq, b)
+        args = (maps, o_w, l_w, *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk),
+                np.int32(hq // hkv), np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
+        kern(grid, (128 * (1 + consumers),), args, shared_mem=smem)
+
+    def _forward_sm80(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
         nw, bm, bn = 4, 128, _FWD_BN  # 4 warps x 32 query rows, 64-key tiles
         smem = (bm * d + 4 * bn * d) * 2
         name = f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}"
@@ -252,12 +301,11 @@ class CudaBackend:
                 *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk), np.int32(hq // hkv),
                 np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
         kern(grid, (nw * 32,), args, shared_mem=smem)
-        if o_back is not None:
-            o_back[...] = o_w
-        if l_back is not None:
-            l_back[...] = l_w
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
+        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
+            return padding.backward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, do, lse, delta, dq, dk, dv, scale=scale,
+                                          causal=causal, q_start=q_start, k_start=k_start)
         d = self._check_dims(q, k)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -270,6 +318,54 @@ class CudaBackend:
         dq_w, dq_back = self._out(dq, "dq")
         dk_w, dk_back = self._out(dk, "dk")
         dv_w, dv_back = self._out(dv, "dv")
+        launch = self._backward_sm90 if self.family == "sm90" else self._backward_sm80
+        launch(kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start, k_start)
+        for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
+            if back is not None:
+                back[...] = w
+
+    @staticmethod
+    def _group_split(group, key_blocks, kv_heads):
+        """(query heads per CTA, CTAs per GQA group): split the group over CTAs only as far as needed to
+        fill the GPU (fewer dK/dV atomics). ``kv_heads``: batch x kv heads."""
+        target = 2 * _sm_count()
+        hpb = group
+        while hpb > 1 and key_blocks * kv_heads * (group // hpb) < target:
+            hpb -= 1
+            while group % hpb:
+                hpb -= 1
+        return hpb, group // hpb
+
+    def _backward_sm90(self, kind, d, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        group = hq // hkv
+        nkb = (sk + _BWD90_BN - 1) // _BWD90_BN
+        hpb, nsplit = self._group_split(group, nkb, b * hkv)
+        geometry = ((q, _BWD90_BM), (k, _BWD90_BN), (v, _BWD90_BN), (do, _BWD90_BM))
+        try:
+            maps = tma.device_maps(cupy, geometry)
+        except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
+            q, k, v, do = (cupy.ascontiguousarray(x) for x in (q, k, v, do))
+            maps = tma.device_maps(cupy, ((q, _BWD90_BM), (k, _BWD90_BN), (v, _BWD90_BN), (do, _BWD90_BM)))
+        smem = ((2 * _BWD90_BN * d + 2 * _BWD90_STAGES * _BWD90_BM * d + 2 * _BWD90_BN * _BWD90_BM) * 2
+                + 2 * _BWD90_STAGES * _BWD90_BM * 4 + 2 * _BWD90_BM * _BWD90_DQ_PITCH * 4
+                + 8 * (1 + 2 * _BWD90_STAGES) + 1024)
+        # dQ rows are added by bulk reductions, which need 16-byte aligned rows
+        dq_w = dq if dq.data.ptr % 16 == 0 and all(st % 16 == 0 for st in dq.strides[:-1]) else cupy.zeros(dq.shape, np.float32)
+        kern = self._kernel("attn_bwd_sm90.cu", f"attn_bwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
+        s = self._strides
+        args = (maps, lse, delta, dq_w, dk, dv, *s(lse), *s(delta), *s(dq_w)[:3], *s(dk)[:3], *s(dv)[:3], np.int32(sq),
+                np.int32(sk), np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale),
+                np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
+        kern((nkb, nsplit, b * hkv), (_BWD90_THREADS,), args, shared_mem=smem)
+        if dq_w is not dq:
+            dq += dq_w
+
+    def _backward_sm80(self, kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start,
+                       k_start):
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
         group = hq // hkv
         layout = _BWD_LAYOUT
         if layout == "k4x2":
@@ -282,14 +378,7 @@ class CudaBackend:
         else:
             raise BackendError(f"BURST_HPC_BWD_LAYOUT must be k4x2, w8 or w4; got {layout!r}")
         nkb = (sk + bn - 1) // bn
-        # split the GQA group over CTAs only as far as needed to fill the GPU (fewer dK/dV atomics)
-        target = 2 * _sm_count()
-        hpb = group
-        while hpb > 1 and nkb * b * hkv * (group // hpb) < target:
-            hpb -= 1
-            while group % hpb:
-                hpb -= 1
-        nsplit = group // hpb
+        hpb, nsplit = self._group_split(group, nkb, b * hkv)
         kname = f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}_{layout}"
         s = self._strides
         extra = ()
@@ -310,9 +399,6 @@ class CudaBackend:
                 np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0), *extra)
         kern = self._kernel("attn_bwd.cu", kname, smem)
         kern(grid, (nw * 32,), args, shared_mem=smem)
-        for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
-            if back is not None:
-                back[...] = w
 
     def delta(self, do, o):
         b, s, h, d = do.shape

@@ -1,0 +1,84 @@
+"""TMA tensor maps for the sm90 kernels, made on the host with the driver's cuTensorMapEncodeTiled.
+
+A BSHD array of 16-bit values becomes a 4-d tensor map (D, H, S, B) with the array's own strides, so
+strided views (a zigzag half, heads interleaved with other data) need no copy. A box is 64 head-dim
+columns (128 bytes, the 128-byte swizzle width) of ``rows`` tokens of one head of one batch entry; rows
+past the end of S read as zeros. The kernels take the maps from global memory: ``device_maps`` packs
+them into one device buffer, cached by geometry (a map holds only an address and a shape, so the same
+geometry always gives the same bytes).
+"""
+import ctypes
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import BackendError
+
+_MAP_BYTES = 128
+_DTYPE_CODE = {"bfloat16": 9, "float16": 6}  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / _FLOAT16
+_SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO, _INTERLEAVE_NONE = 3, 3, 0, 0
+_CACHE_SIZE = 256
+
+_encode = None
+_cache = OrderedDict()
+
+
+class TensorMapError(BackendError):
+    """The driver refused a tensor map for this array's geometry."""
+
+
+def _encoder():
+    global _encode
+    if _encode is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as exc:
+            raise BackendError(f"the sm90 kernels need the CUDA driver library (libcuda.so.1): {exc}") from exc
+        fn = lib.cuTensorMapEncodeTiled
+        u32p, u64p = ctypes.POINTER(ctypes.c_uint32), ctypes.POINTER(ctypes.c_uint64)
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_uint32, ctypes.c_void_p, u64p, u64p, u32p, u32p,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int]
+        fn.restype = ctypes.c_int
+        _encode = fn
+    return _encode
+
+
+def encode_bshd(x, rows):
+    """The 128-byte tensor map of the BSHD 16-bit device array ``x`` with boxes of 64 x ``rows``."""
+    b, s, h, d = x.shape
+    item = x.itemsize
+    if item != 2 or x.strides[-1] != 2 or d % 64:
+        raise TensorMapError(f"tensor maps take 16-bit arrays with a contiguous head dim that is a multiple of 64; "
+                             f"got {x.dtype}, shape {x.shape}, strides {x.strides}")
+    dims = (ctypes.c_uint64 * 4)(d, h, s, b)
+    strides = (ctypes.c_uint64 * 3)(x.strides[2], x.strides[1], x.strides[0])
+    box = (ctypes.c_uint32 * 4)(64, 1, rows, 1)
+    steps = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
+    raw = ctypes.create_string_buffer(_MAP_BYTES + 64)  # the driver wants a 64-byte aligned CUtensorMap
+    addr = (ctypes.addressof(raw) + 63) & ~63
+    code = _DTYPE_CODE.get(x.dtype.name, _DTYPE_CODE["bfloat16"])  # uint16 holds bf16 bits
+    err = _encoder()(addr, code, 4, x.data.ptr, dims, strides, box, steps, _INTERLEAVE_NONE, _SWIZZLE_128B,
+                     _L2_PROMOTION_256B, _OOB_FILL_ZERO)
+    if err != 0:
+        raise TensorMapError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for shape {x.shape}, "
+                             f"strides {x.strides}, box rows {rows}")
+    return ctypes.string_at(addr, _MAP_BYTES)
+
+
+def _geometry(x, rows):
+    return (x.data.ptr, x.shape, x.strides, x.dtype.name, rows)
+
+
+def device_maps(cupy, arrays_and_rows):
+    """One device buffer holding the tensor maps of [(array, box rows), ...] back to back (cached)."""
+    key = (cupy.cuda.Device().id, tuple(_geometry(x, r) for x, r in arrays_and_rows))
+    buf = _cache.get(key)
+    if buf is not None:
+        _cache.move_to_end(key)
+        return buf
+    host = np.frombuffer(b"".join(encode_bshd(x, r) for x, r in arrays_and_rows), dtype=np.uint8)
+    buf = cupy.asarray(host)
+    _cache[key] = buf
+    if len(_cache) > _CACHE_SIZE:
+        _cache.popitem(last=False)
+    return buf

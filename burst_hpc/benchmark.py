@@ -1,0 +1,65 @@
+"""Timing hook for benchmarks: the passes of ``burst_attention`` / ``burst_attention_backward`` with
+one agreed plan and one open transport, so each call times the ring alone, in one of three modes:
+
+- ``"full"``: the real ring, exactly what burst_attention / burst_attention_backward compute;
+- ``"compute"``: every exchange completes at once and moves nothing: the local kernels alone
+  (each rank keeps attending to its own shard, so the results are not attention);
+- ``"comm"``: the exchanges alone, no kernels (o and the gradients stay zero).
+
+How well communication hides behind compute is then full time against max(compute, comm)::
+
+    ring = RingBenchmark(q, k, v, comm=comm, causal=True, transport="nccl")
+    o, lse = ring.forward()                           # "full"
+    for mode in RingBenchmark.MODES:
+        ring.forward(mode); ring.backward(do, o, lse, mode)   # time each between barriers
+
+Inputs are checked once, collectively, as burst_attention checks them. Every rank calls the same
+methods in the same order. bench/bench_ring.py is the worked example.
+"""
+from .distributed import _backward, _device_of, _forward, _Plan, _world, choose_backward_ring
+from .errors import BurstError
+
+
+class _NoExchange:
+    """A transport whose exchanges complete at once and move nothing."""
+
+    def __init__(self, like):
+        self.xp, self.rank, self.size = like.xp, like.rank, like.size
+
+    def exchange(self, sends, recvs):
+        return self
+
+    def wait(self):
+        pass
+
+
+class RingBenchmark:
+    MODES = ("full", "compute", "comm")
+
+    def __init__(self, q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto",
+                 backward_ring="auto"):
+        """This rank's shards and the arguments of burst_attention; ``backward_ring`` as in
+        burst_attention_backward ('auto' picks by bytes moved)."""
+        self.q, self.k, self.v = q, k, v
+        self._plan = _Plan(_world() if comm is None else comm, q, k, v, causal, scale, layout, transport)
+        self.transport_name, self.layout = self._plan.transport_name, self._plan.layout
+        self.backward_ring = choose_backward_ring(backward_ring, self._plan.heads, self._plan.kv_heads,
+                                                  self._plan.head_dim, q.dtype.itemsize)
+        self._transport = self._plan.transport()
+        self._no_exchange = _NoExchange(self._transport)
+
+    def _mode(self, mode):
+        if mode not in self.MODES:
+            raise BurstError(f"unknown benchmark mode {mode!r}; use one of {', '.join(self.MODES)}")
+        return dict(skip_compute=mode == "comm", transport=self._no_exchange if mode == "compute" else self._transport)
+
+    def forward(self, mode="full"):
+        """(o, lse) of this rank, as burst_attention returns them (in the "full" mode)."""
+        with _device_of(self.q):
+            return _forward(self._plan, self.q, self.k, self.v, **self._mode(mode))
+
+    def backward(self, do, o, lse, mode="full"):
+        """(dq, dk, dv) of this rank, as burst_attention_backward returns them (in the "full" mode);
+        ``do``, ``o``, ``lse`` as it takes them (o, lse from :meth:`forward`)."""
+        with _device_of(self.q):
+            return _backward(self._plan, self.backward_ring, do, self.q, self.k, self.v, o, lse, **self._mode(mode))

@@ -1,0 +1,189 @@
+"""``burst-hpc check``: the correctness self-test a user runs after installing, from the package alone.
+
+Kernels: every kernel family the GPU runs (the NumPy backend when there is no GPU), forward and
+backward through ``burst_hpc.attention``, on odd shapes: lengths off the tiles, GQA and MQA, causal
+and not, bfloat16 and float16, a head dim that is zero-padded. Ring (under ``mpiexec`` with P > 1):
+``burst_attention`` forward and backward over every transport available here, zigzag/causal on the
+q-ring, balanced/causal on the kv variant and contiguous/full on the kv-ring. Every output meets the rule of ``--verify``
+(verify.tolerance / verify.passes) against the float64 oracle. Every rank runs the checks on its
+own device; rank 0 prints the table with the worst result over the ranks.
+"""
+import time
+
+import numpy as np
+
+from .api import attention, attention_backward
+from .dtypes import bfloat16, dtype_name
+from .reference import attention_backward_reference, attention_reference
+from .verify import max_abs, max_err, passes, plain_attention, tolerance
+
+NAMES = ("o", "lse", "dq", "dk", "dv")
+DTYPES = (np.dtype(bfloat16), np.dtype(np.float16))
+# (B, S, Hq, Hkv, D): lengths off the 64/128-row tiles, GQA 2:1, MQA, MHA with a zero-padded head dim
+KERNEL_CASES = ((1, 200, 4, 2, 64), (2, 77, 3, 1, 128), (1, 130, 2, 2, 80))
+RING_CHUNK = 37  # tokens per zigzag half: S = 2 * P * RING_CHUNK, never a tile multiple
+RING_SHAPE = (1, 4, 2, 64)  # B, Hq, Hkv, D
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else x  # CuPy -> NumPy
+
+
+def judge(ours, q, k, v, do, causal, rows=None):
+    """(worst err/tol ratio, the output it belongs to): ``ours`` {name: array} against the float64 oracle
+    and the FlashAttention rule; ``rows`` (token indices) selects a shard of the global outputs."""
+    dtype = np.dtype(q.dtype)
+    scale = q.shape[-1] ** -0.5
+    ref = dict(zip(NAMES, attention_reference(q, k, v, causal) + attention_backward_reference(do, q, k, v, causal)))
+    plain = dict(zip(NAMES, plain_attention(q, k, v, do, causal, scale, dtype)))
+    worst = (0.0, "o")
+    for name in NAMES:
+        axis = 2 if name == "lse" else 1
+        r, p = ref[name], plain[name].astype(np.float32 if name == "lse" else dtype)
+        if rows is not None:
+            r, p = np.take(r, rows, axis=axis), np.take(p, rows, axis=axis)
+        err = max_err(_host(ours[name]), r)
+        tol = tolerance(name, max_err(p, r), max_abs(r), dtype)
+        ratio = err / tol if passes(err, tol) else float("inf")
+        worst = max(worst, (ratio, name))
+    return worst
+
+
+def _random(rng, shape, dtype):
+    return rng.standard_normal(shape, dtype=np.float32).astype(dtype)
+
+
+def kernel_rows(backends, rng):
+    """Rows (check, case, dtype, mask, ratio, output) of every kernel case on each (label, backend)."""
+    rows = []
+    for label, backend in backends:
+        for b, s, hq, hkv, d in KERNEL_CASES:
+            for dtype in DTYPES:
+                for causal in (True, False):
+                    q, do = (_random(rng, (b, s, hq, d), dtype) for _ in range(2))
+                    k, v = (_random(rng, (b, s, hkv, d), dtype) for _ in range(2))
+                    try:
+                        dev = [backend.xp.asarray(x) for x in (q, k, v, do)]
+                        o, lse = attention(*dev[:3], causal=causal, backend=backend)
+                        dq, dk, dv = attention_backward(dev[3], *dev[:3], o, lse, causal=causal, backend=backend)
+                        result = judge(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, do, causal)
+                    except Exception as e:  # noqa: BLE001 - a failing kernel is a row of the table
+                        result = (float("inf"), f"{type(e).__name__}: {e}")
+                    rows.append((f"kernels {label}", f"B={b} S={s} Hq={hq} Hkv={hkv} D={d}", dtype_name(dtype),
+                                 "causal" if causal else "full", *result))
+    return rows
+
+
+def available_transports(comm, on_device):
+    """[(transport, None or why it is skipped)], the same on every rank (collective)."""
+    from .device import gpus_shared
+    from .transport import DEVICE_TRANSPORTS, choose_transport
+
+    if not on_device:
+        return [("host", None)]
+    import cupy
+
+    shared = gpus_shared(comm, cupy.cuda.Device())
+    out = []
+    for name in DEVICE_TRANSPORTS:
+        try:
+            choose_transport(name, True, shared)
+            why = None
+        except Exception as e:  # noqa: BLE001
+            why = str(e)
+        everyone = comm.allgather(why)
+        out.append((name, next((w for w in everyone if w is not None), None)))
+    return out
+
+
+def ring_rows(comm, xp, transports, seed):
+    """Rows of the ring forward + backward over each usable transport (collective)."""
+    from .distributed import burst_attention, burst_attention_backward
+    from .layout import layout_indices, shard
+
+    rows = []
+    b, hq, hkv, d = RING_SHAPE
+    seqlen = 2 * comm.size * RING_CHUNK
+    rng = np.random.default_rng(seed)  # the same global inputs on every rank
+    for transport, why in transports:
+        if why is not None:
+            rows.append((f"ring {transport}", "not available here", "-", "-", None, why))
+            continue
+        for layout, causal, ring in (("zigzag", True, "q"), ("balanced", True, "kv"), ("contiguous", False, "kv")):
+            for dtype in DTYPES:
+                q, do = (_random(rng, (b, seqlen, hq, d), dtype) for _ in range(2))
+                k, v = (_random(rng, (b, seqlen, hkv, d), dtype) for _ in range(2))
+                mine = [xp.asarray(shard(x, comm.rank, comm.size, layout)) for x in (q, k, v, do)]
+                kw = dict(comm=comm, causal=causal, layout=layout, transport=transport)
+                o, lse = burst_attention(*mine[:3], **kw)
+                dq, dk, dv = burst_attention_backward(mine[3], *mine[:3], o, lse, backward_ring=ring, **kw)
+                rows_here = layout_indices(seqlen, comm.rank, comm.size, layout)
+                result = judge(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, do, causal, rows_here)
+                rows.append((f"ring {transport} {layout} {ring}-ring", f"P={comm.size} S={seqlen} Hq={hq} Hkv={hkv} "
+                             f"D={d}", dtype_name(dtype), "causal" if causal else "full", *result))
+    return rows
+
+
+def _merge(per_rank):
+    """One row per check: the worst ratio over the ranks (rows keyed by their first four fields)."""
+    merged = {}
+    for rows in per_rank:
+        for row in rows:
+            key = row[:4]
+            old = merged.get(key)
+            if old is None or (row[4] is not None and (old[4] is None or row[4] > old[4])):
+                merged[key] = row
+    return list(merged.values())
+
+
+def _table(rows):
+    lines = [f"{'check':<32} {'case':<30} {'dtype':<9} {'mask':<7} {'result':<7} worst err/tol"]
+    for check, case, dtype, mask, ratio, detail in rows:
+        if ratio is None:
+            result, worst = "skip", detail
+        else:
+            result, worst = "PASS" if ratio <= 1.0 else "FAIL", f"{ratio:.2f} ({detail})"
+        lines.append(f"{check:<32} {case:<30} {dtype:<9} {mask:<7} {result:<7} {worst}")
+    return "\n".join(lines)
+
+
+def main(comm, out=print):
+    """Run every check (collective); rank 0 prints the table. True when every check passed."""
+    from .device import gpu_count
+
+    t0 = time.perf_counter()
+    on_device = gpu_count() > 0
+    seed = comm.bcast(int(np.random.SeedSequence().entropy % (1 << 63)), root=0)
+    if on_device:
+        import cupy
+
+        from .backends.cuda_backend import CudaBackend, kernel_families
+        from .device import select_device
+
+        select_device(comm)
+        backends = [(f"cuda {f}", CudaBackend.instance(family=f)) for f in kernel_families()]
+        xp = cupy
+        where = (f"GPU {cupy.cuda.Device().id} of each rank; kernel families {', '.join(kernel_families())} "
+                 "(the first use of a family compiles it, CuPy caches the result)")
+    else:
+        from .backends.numpy_backend import NumpyBackend
+
+        backends = [("numpy", NumpyBackend())]
+        xp = np
+        where = ("no GPU visible: checked the NumPy backend (the CPU path) only; run on a GPU node with CuPy "
+                 "installed (pip install 'burst-hpc[cuda12]') to check the CUDA kernels")
+    rows = kernel_rows(backends, np.random.default_rng([seed, comm.rank]))
+    if comm.size > 1:
+        rows += ring_rows(comm, xp, available_transports(comm, on_device), seed)
+    per_rank = comm.gather(rows, root=0)
+    if comm.rank != 0:
+        return comm.bcast(None, root=0)
+    rows = _merge(per_rank)
+    failed = sum(1 for row in rows if row[4] is not None and not row[4] <= 1.0)
+    passed = sum(1 for row in rows if row[4] is not None and row[4] <= 1.0)
+    out(f"burst-hpc check: {comm.size} rank(s); {where}\n"
+        f"rule: max|ours - float64 oracle| <= 2x (o, lse) / 3x (dq, dk, dv) the error of a plain same-precision "
+        f"computation + floor (as run --verify); seed {seed}\n")
+    out(_table(rows))
+    out(f"\n{passed} passed, {failed} failed in {time.perf_counter() - t0:.1f} s: {'PASS' if not failed else 'FAIL'}")
+    return comm.bcast(failed == 0, root=0)

@@ -1,0 +1,323 @@
+// Attention forward over one (query block, key block) pair for Hopper (sm_90a), merged into a
+// running float32 (o, lse): the same contract as attn_fwd.cu (docs/KERNELS.md).
+//
+// A CTA owns BM = 64 x (consumer warpgroups) query rows of one (batch, query head):
+// - the producer (warpgroup 0) gives its registers away and has one thread issue TMA loads: the Q tile
+//   once, then K and V tiles of BN keys into a STAGES-deep ring of shared-memory buffers, each with a
+//   "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done reading);
+// - two consumers at D = 128, three at D = 64 (warpgroups 1..), 64 query rows each, run S = Q K^T (wgmma, both operands in shared
+//   memory), the online softmax on the accumulator registers, and O += P V (wgmma, P from registers).
+//   Inside a consumer the softmax of tile t overlaps the P V product of tile t-1: the loop issues
+//   S_t = Q K_t^T and O += P_{t-1} V_{t-1} back to back and waits only for S_t before the softmax.
+// Causal masking is on global positions (key j hidden from query i when j > i + off, off = q_start -
+// k_start); key tiles hidden from every row of the CTA are never loaded; causal CTAs run heavy first.
+// The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel.
+#include "sm90_primitives.cuh"
+
+namespace fwd90 {
+constexpr int BN = 128, STAGES = 2;
+// consumer warpgroups (64 query rows each): two at D = 128 (240 registers each), three at D = 64, where a
+// tile's GEMMs are half as long and a third warpgroup keeps the tensor cores fed during softmax
+template <int D>
+struct Cfg {
+  static constexpr int CONSUMERS = D == 64 ? 3 : 2;
+  static constexpr int BM = 64 * CONSUMERS;
+  static constexpr int THREADS = 128 * (1 + CONSUMERS);
+  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = D == 64 ? 160 : 240;
+};
+
+// shared memory, byte offsets from a 1024-aligned base: Q | K stages | V stages | barriers
+template <int D>
+struct Smem {
+  static constexpr int BM = Cfg<D>::BM;
+  static constexpr u32 kTile = BN * D * 2;  // one K or V tile
+  static constexpr u32 kQ = 0;
+  static constexpr u32 kK = kQ + BM * D * 2;
+  static constexpr u32 kV = kK + STAGES * kTile;
+  static constexpr u32 kBar = kV + STAGES * kTile;  // q_full, then per stage k_full, v_full, k_empty, v_empty
+  static constexpr u32 kBytes = kBar + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
+  __device__ static u32 q_full(u32 base) { return base + kBar; }
+  __device__ static u32 k_full(u32 base, int s) { return base + kBar + 8 * (1 + 4 * s); }
+  __device__ static u32 v_full(u32 base, int s) { return k_full(base, s) + 8; }
+  __device__ static u32 k_empty(u32 base, int s) { return k_full(base, s) + 16; }
+  __device__ static u32 v_empty(u32 base, int s) { return k_full(base, s) + 24; }
+};
+}  // namespace fwd90
+
+template <int D, bool BF16>
+__device__ __forceinline__ void qk_issue(float* s, u32 q_rows, u32 k_tile) {
+  using namespace fwd90;
+  constexpr int BM = Cfg<D>::BM;
+#pragma unroll
+  for (int kk = 0; kk < D / 16; ++kk) {
+    const u64 da = smem_desc(q_rows + (kk / 4) * BM * 128 + (kk % 4) * 32, 16, 1024);
+    const u64 db = smem_desc(k_tile + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
+    wgmma_ss_n128<BF16, 0, 0>(s, da, db, kk > 0);
+  }
+}
+
+template <int D, bool BF16>
+__device__ __forceinline__ void pv_issue(float* o, const u32 (*p)[4], u32 v_tile) {
+  using namespace fwd90;
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    const u64 db = smem_desc(v_tile + kk * 16 * 128, BN * 128, 1024);
+    if (D == 128)
+      wgmma_rs_n128<BF16, 1>(o, p[kk], db, 1);
+    else
+      wgmma_rs_n64<BF16, 1>(o, p[kk], db, 1);
+  }
+}
+
+// Mask (if needed), then turn the scores s of one tile into probabilities exp2(s * mul - m_new) in place;
+// returns alpha = exp2(m_old - m_new) per row half and adds the tile's row sums into l.
+template <bool CAUSAL>
+__device__ __forceinline__ void softmax_tile(float* s, float* m, float* l, float* alpha, float sl2, bool need_mask,
+                                             int col0, int row0, int Sk, i64 off) {
+  using namespace fwd90;
+  float mul = sl2;
+  if (!(sl2 > 0.f)) {  // a non-positive scale is applied up front: the max must be taken of the scaled scores
+    mul = 1.f;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) s[i] *= sl2;
+  }
+  if (need_mask) {
+    // element (j, e): column col0 + 8j + (e & 1), row row0 + 8 (e >> 1); hidden when col - row > off
+    const int klim = Sk - col0;
+    const i64 dlim = off - static_cast<i64>(col0) + row0;
+    const int dl = static_cast<int>(max(static_cast<i64>(-4 * BN), min(static_cast<i64>(4 * BN), dlim)));
+#pragma unroll
+    for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int c = 8 * j + (e & 1);
+        if (c >= klim || (CAUSAL && c - 8 * (e >> 1) > dl)) s[4 * j + e] = -BH_INF;
+      }
+  }
+  float mx[2] = {-BH_INF, -BH_INF};
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j) {
+    mx[0] = fmaxf(mx[0], fmaxf(s[4 * j], s[4 * j + 1]));
+    mx[1] = fmaxf(mx[1], fmaxf(s[4 * j + 2], s[4 * j + 3]));
+  }
+  float mu[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 1));
+    mx[r] = fmaxf(mx[r], __shfl_xor_sync(0xffffffffu, mx[r], 2));
+    const float m_new = fmaxf(m[r], mx[r] * mul);  // running max in scaled base-2 units
+    mu[r] = (m_new == -BH_INF) ? 0.f : m_new;
+    alpha[r] = fast_exp2(m[r] - mu[r]);
+    m[r] = m_new;
+  }
+  float sum[2] = {0.f, 0.f};
+#pragma unroll
+  for (int j = 0; j < BN / 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float p = fast_exp2(fmaf(s[4 * j + e], mul, -mu[e >> 1]));
+      s[4 * j + e] = p;
+      sum[e >> 1] += p;
+    }
+  l[0] = l[0] * alpha[0] + sum[0];
+  l[1] = l[1] * alpha[1] + sum[1];
+}
+
+// probabilities (accumulator layout) -> A fragments of the P V product, one per 16 keys
+template <bool BF16>
+__device__ __forceinline__ void pack_p(const float* s, u32 (*p)[4]) {
+  using namespace fwd90;
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk) {
+    p[kk][0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
+    p[kk][1] = pack2<BF16>(s[8 * kk + 2], s[8 * kk + 3]);
+    p[kk][2] = pack2<BF16>(s[8 * kk + 4], s[8 * kk + 5]);
+    p[kk][3] = pack2<BF16>(s[8 * kk + 6], s[8 * kk + 7]);
+  }
+}
+
+template <int D, bool BF16, bool CAUSAL>
+__device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss,
+                                              i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int group,
+                                              float sl2, i64 off) {
+  using namespace fwd90;
+  using L = Smem<D>;
+  constexpr int BM = Cfg<D>::BM, CONSUMERS = Cfg<D>::CONSUMERS;
+  extern __shared__ unsigned char smem_raw[];
+  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+
+  const int mb = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int m0 = mb * BM;
+  int n_end = Sk;
+  if (CAUSAL) {
+    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
+    n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
+  }
+  if (n_end <= 0) return;  // nothing visible: (o, lse) stay as they are
+  const int ntiles = (n_end + BN - 1) / BN;
+
+  if (threadIdx.x == 0) {
+    mbar_init(L::q_full(base), 1);
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(L::k_full(base, s), 1);
+      mbar_init(L::v_full(base, s), 1);
+      mbar_init(L::k_empty(base, s), CONSUMERS);
+      mbar_init(L::v_empty(base, s), CONSUMERS);
+    }
+    mbar_fence_init();
+  }
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128;
+  if (wg == 0) {  // ---------------------------------------------------------------- producer
+    warpgroup_reg_dealloc<Cfg<D>::PRODUCER_REGS>();
+    if (threadIdx.x == 0) {
+      const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;
+      tensormap_acquire(tq);
+      tensormap_acquire(tk);
+      tensormap_acquire(tv);
+      mbar_arrive_expect_tx(L::q_full(base), BM * D * 2);
+#pragma unroll
+      for (int db = 0; db < D / 64; ++db) tma_load_4d(base + L::kQ + db * BM * 128, tq, L::q_full(base), db * 64, h, m0, b);
+      for (int t = 0; t < ntiles; ++t) {
+        const int s = t % STAGES;
+        const u32 empty_parity = ((t / STAGES) & 1) ^ 1;
+        const u32 k_dst = base + L::kK + s * L::kTile, v_dst = base + L::kV + s * L::kTile;
+        mbar_wait(L::k_empty(base, s), empty_parity);
+        mbar_arrive_expect_tx(L::k_full(base, s), L::kTile);
+#pragma unroll
+        for (int db = 0; db < D / 64; ++db) tma_load_4d(k_dst + db * BN * 128, tk, L::k_full(base, s), db * 64, hk, t * BN, b);
+        mbar_wait(L::v_empty(base, s), empty_parity);
+        mbar_arrive_expect_tx(L::v_full(base, s), L::kTile);
+#pragma unroll
+        for (int db = 0; db < D / 64; ++db) tma_load_4d(v_dst + db * BN * 128, tv, L::v_full(base, s), db * 64, hk, t * BN, b);
+      }
+    }
+    return;
+  }
+
+  // ------------------------------------------------------------------------------------ consumers
+  warpgroup_reg_alloc<Cfg<D>::CONSUMER_REGS>();
+  const int cw = wg - 1, tid = threadIdx.x % 128, lane = tid % 32;
+  const bool leader = tid == 0;  // arrives on the "empty" barriers for its warpgroup
+  const int mw0 = m0 + 64 * cw;  // first query row of this warpgroup
+  const int row0 = mw0 + 16 * (tid / 32) + lane / 4;  // this thread's rows: row0, row0 + 8
+  const u32 q_rows = base + L::kQ + cw * 64 * 128;
+
+  float acc[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+  float m[2] = {-BH_INF, -BH_INF}, l[2] = {0.f, 0.f}, alpha[2];
+  float s[BN / 2];
+  u32 p[BN / 16][4];
+
+  auto tile_needs_mask = [&](int t) {
+    const int n0 = t * BN;
+    return (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(mw0) + off);
+  };
+  auto col0 = [&](int t) { return t * BN + 2 * (lane % 4); };
+
+  mbar_wait(L::q_full(base), 0);
+  // tile 0: S_0, softmax (nothing to rescale yet)
+  mbar_wait(L::k_full(base, 0), 0);
+  wgmma_fence();
+  qk_issue<D, BF16>(s, q_rows, base + L::kK);
+  wgmma_commit();
+  wgmma_wait<0>();
+  fence_operands<BN / 2>(s);
+  if (leader) mbar_arrive(L::k_empty(base, 0));
+  softmax_tile<CAUSAL>(s, m, l, alpha, sl2, tile_needs_mask(0), col0(0), row0, Sk, off);
+  pack_p<BF16>(s, p);
+
+  for (int t = 1; t < ntiles; ++t) {
+    const int st = t % STAGES, sp = (t - 1) % STAGES;
+    mbar_wait(L::k_full(base, st), (t / STAGES) & 1);
+    wgmma_fence();
+    qk_issue<D, BF16>(s, q_rows, base + L::kK + st * L::kTile);
+    wgmma_commit();
+    mbar_wait(L::v_full(base, sp), ((t - 1) / STAGES) & 1);
+    pv_issue<D, BF16>(acc, p, base + L::kV + sp * L::kTile);
+    wgmma_commit();
+    wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
+    fence_operands<BN / 2>(s);
+    if (leader) mbar_arrive(L::k_empty(base, st));
+    softmax_tile<CAUSAL>(s, m, l, alpha, sl2, tile_needs_mask(t), col0(t), row0, Sk, off);
+    wgmma_wait<0>();
+    fence_operands<D / 2>(acc);
+    if (leader) mbar_arrive(L::v_empty(base, sp));
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      acc[4 * j + 0] *= alpha[0];
+      acc[4 * j + 1] *= alpha[0];
+      acc[4 * j + 2] *= alpha[1];
+      acc[4 * j + 3] *= alpha[1];
+    }
+    pack_p<BF16>(s, p);
+  }
+  {  // the last tile's P V
+    const int sp = (ntiles - 1) % STAGES;
+    mbar_wait(L::v_full(base, sp), ((ntiles - 1) / STAGES) & 1);
+    wgmma_fence();
+    pv_issue<D, BF16>(acc, p, base + L::kV + sp * L::kTile);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands<D / 2>(acc);
+    if (leader) mbar_arrive(L::v_empty(base, sp));
+  }
+
+  // ---- epilogue: GAO merge into the running (o, lse); rows with nothing visible stay untouched
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  float l_old[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    l_old[r] = (row < Sq) ? lse[b * lsb + h * lsh + row * lss] : -BH_INF;
+  }
+  __syncwarp();  // every lane of a quad has read lse before its first lane writes it
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row < Sq && l[r] > 0.f) {
+      const float lb = (m[r] + __log2f(l[r])) * BH_LN2;
+      const float lo = l_old[r];
+      const bool fresh = !(lo > -BH_INF);  // -inf (or NaN): nothing merged yet
+      const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
+      const float wo = fresh ? 0.f : __expf(lo - ln);
+      const float wb = __expf(lb - ln) / l[r];
+      float* op = o + b * osb + h * osh + row * oss + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        float2 val = make_float2(acc[4 * j + 2 * r] * wb, acc[4 * j + 2 * r + 1] * wb);
+        if (!fresh) {
+          const float2 old = *reinterpret_cast<const float2*>(op + 8 * j);
+          val.x += old.x * wo;
+          val.y += old.y * wo;
+        }
+        *reinterpret_cast<float2*>(op + 8 * j) = val;
+      }
+      if (lane % 4 == 0) lse[b * lsb + h * lsh + row * lss] = ln;
+    }
+  }
+}
+
+#define BH_FWD90(NAME, D, BF16, CAUSAL)                                                                         \
+  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D>::THREADS, 1)                                              \
+      NAME(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh,      \
+           i64 lss, int Sq, int Sk, int group, float sl2, i64 off) {                                          \
+    attn_fwd_sm90<D, BF16, CAUSAL>(tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, group, sl2, off);      \
+  }
+
+// name: attn_fwd_sm90_<dtype>_d<D>_<mask>; tmaps: the q, k, v tensor maps (128 bytes each, global memory)
+BH_FWD90(attn_fwd_sm90_bf16_d128_full, 128, true, false)
+BH_FWD90(attn_fwd_sm90_bf16_d128_causal, 128, true, true)
+BH_FWD90(attn_fwd_sm90_f16_d128_full, 128, false, false)
+BH_FWD90(attn_fwd_sm90_f16_d128_causal, 128, false, true)
+BH_FWD90(attn_fwd_sm90_bf16_d64_full, 64, true, false)
+BH_FWD90(attn_fwd_sm90_bf16_d64_causal, 64, true, true)
+BH_FWD90(attn_fwd_sm90_f16_d64_full, 64, false, false)
+BH_FWD90(attn_fwd_sm90_f16_d64_causal, 64, false, true)

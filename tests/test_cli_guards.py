@@ -1,0 +1,109 @@
+"""What protects a user's data and results, through real mpiexec: NaN/Inf inputs refused with the
+dataset and first bad index, --verify never passing a non-finite error, existing outputs kept unless
+--overwrite, and --help complete enough to use without the docs."""
+import argparse
+
+import h5py
+import numpy as np
+import pytest
+
+from burst_hpc.cli import build_parser
+from test_cli import _leftovers, _qkv, _write, burst, mpirun, needs_mpiexec
+
+
+def _one_error(r):
+    assert r.stderr.count("burst-hpc: error:") == 1, r.stderr  # one message, not one per rank
+    assert "Traceback" not in r.stderr, r.stderr
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("causal", [False, True])
+def test_nonfinite_input_refused_with_first_index(tmp_path, causal):
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    data = _qkv(32)
+    # global token 9 is on rank 1 under both layouts (zigzag: rank 0 owns 0-7 and 24-31);
+    # token 26 sits on rank 0 under zigzag: the message must name the first in file order
+    data["q"][0, 26, 1, 2] = np.inf
+    data["q"][0, 9, 0, 5] = np.nan
+    data["k"][0, 1, 0, 0] = np.nan  # a later dataset: q is reported first
+    _write(src, **data)
+    r = mpirun(2, "run", src, dst, "--backend", "numpy", *(["--causal"] if causal else []))
+    assert r.returncode == 1, r.stdout + r.stderr
+    _one_error(r)
+    assert "dataset 'q' holds nan at [0, 9, 0, 5]" in r.stderr, r.stderr
+    assert "--allow-nonfinite" in r.stderr
+    assert not dst.exists() and not _leftovers(tmp_path)
+
+
+@needs_mpiexec
+def test_verify_fails_on_nonfinite_error(tmp_path):
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    data = _qkv(32)
+    data["v"][0, 30, 0, 1] = np.inf
+    _write(src, **data)
+    r = mpirun(2, "run", src, dst, "--backend", "numpy", "--allow-nonfinite", "--verify")
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "verify=FAIL" in r.stdout and "verification failed" in r.stderr, r.stdout + r.stderr
+    assert not dst.exists() and not _leftovers(tmp_path)
+
+
+@needs_mpiexec
+def test_existing_output_kept_unless_overwrite(tmp_path):
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    _write(src, **_qkv(32))
+    dst.write_bytes(b"a finished result")
+    r = mpirun(2, "run", src, dst, "--backend", "numpy")
+    assert r.returncode == 1, r.stdout + r.stderr
+    _one_error(r)
+    assert "already exists; pass --overwrite" in r.stderr, r.stderr
+    assert dst.read_bytes() == b"a finished result" and not _leftovers(tmp_path)
+
+    r = mpirun(2, "run", src, dst, "--backend", "numpy", "--overwrite", "--verify")
+    assert r.returncode == 0, r.stdout + r.stderr
+    with h5py.File(dst, "r") as f:
+        assert f["o"].shape == (1, 32, 2, 8)
+    assert not _leftovers(tmp_path)
+
+
+def test_gen_keeps_existing_file_unless_overwrite(tmp_path):
+    dst = tmp_path / "in.h5"
+    dst.write_bytes(b"precious")
+    r = burst("gen", dst, "--seqlen", 16, "--head-dim", 8)
+    assert r.returncode == 1 and "already exists; pass --overwrite" in r.stderr, r.stderr
+    assert dst.read_bytes() == b"precious"
+    r = burst("gen", dst, "--seqlen", 16, "--head-dim", 8, "--overwrite")
+    assert r.returncode == 0, r.stderr
+    with h5py.File(dst, "r") as f:
+        assert f["q"].shape == (1, 16, 8, 8)
+
+
+def _subparser(name):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+@pytest.mark.parametrize("command", ["run", "gen", "check"])
+def test_help_describes_every_option(command):
+    r = burst(command, "--help")
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    for action in _subparser(command)._actions:
+        assert action.help and len(action.help) > 8, f"{command} {action.option_strings or action.dest}: no help"
+        for opt in action.option_strings:
+            assert opt in text, f"{opt} missing from '{command} --help'"
+    if command in ("run", "gen"):  # the file format and dtype convention, without the docs
+        for needle in ("q (B, S, Hq, D)", "k and v (B, S, Hkv, D)", "lse (B, Hq, S) float32", "uint16",
+                       'dtype = "bfloat16"', "GQA"):
+            assert needle in text, f"'{needle}' missing from '{command} --help'"
+    if command == "run":
+        for needle in ("exit status", "NaN", "--overwrite", "mpiexec"):
+            assert needle in text
+
+
+def test_top_level_help_points_to_command_help():
+    r = burst("--help")
+    assert r.returncode == 0
+    assert "USAGE.md" not in r.stdout and "COMMAND --help" in r.stdout, r.stdout
+    for command in ("info", "gen", "run", "check"):
+        assert command in r.stdout
