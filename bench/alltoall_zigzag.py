@@ -3,24 +3,12 @@ turned into zigzag ones by an all-to-all (layout.relayout), the zigzag ring, and
 turned back into contiguous shards. A training step keeps the zigzag q, k, v, o, lse of the
 forward pass for the backward pass, so that one moves only dO there and dQ, dK, dV back.
 
-``exchange`` is an open transport (transport.make_transport, or Instant to time the rest);
+``exchange`` is an open transport (transport.make_transport, or benchmark.NoExchange to time
+the rest);
 ``zigzag_forward(q, k, v)`` and ``zigzag_backward(do, q, k, v, o, lse)`` run the ring on zigzag
 shards. Checked against the oracle in mpi_tests/test_ring.py (CPU) and test_ring_gpu.py.
 """
 from burst_hpc.layout import relayout
-
-
-class Instant:
-    """An exchange that completes at once and moves nothing (compute-only timing)."""
-
-    def __init__(self, like):
-        self.xp, self.rank, self.size = like.xp, like.rank, like.size
-
-    def exchange(self, sends, recvs):
-        return self
-
-    def wait(self):
-        pass
 
 
 def to_zigzag(exchange, *arrays, axis=1):

@@ -24,7 +24,7 @@ import cupy
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc.benchmark import RingBenchmark
+from burst_hpc.benchmark import NoExchange, RingBenchmark
 from burst_hpc.dtypes import parse_dtype
 from burst_hpc.transport import make_transport
 
@@ -106,7 +106,7 @@ def main():
 
                     def run():
                         if layout == "alltoall":
-                            t = alltoall_zigzag.Instant(exchange) if mode == "compute" else exchange
+                            t = NoExchange(exchange) if mode == "compute" else exchange
                             alltoall_zigzag.forward(t, lambda *_: bench.forward(mode), q, k, v)
                             if backward:
                                 alltoall_zigzag.backward(t, lambda *_: bench.backward(do, o, lse, mode), do, saved)
