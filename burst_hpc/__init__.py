@@ -2,7 +2,7 @@
 __version__ = "0.1.0"
 
 from .api import attention, attention_backward
-from .errors import (BackendError, BurstError, DTypeError, LayoutError, RankMismatchError, ShapeError,
+from .errors import (BackendError, BurstError, DTypeError, LayoutError, MaskError, RankMismatchError, ShapeError,
                      TransportError)
 from .layout import layout_indices, shard, unshard
 from .reference import attention_backward_reference, attention_reference
@@ -28,4 +28,4 @@ def burst_attention_backward(*args, **kwargs):
 
 __all__ = ["select_device", "attention", "attention_backward", "burst_attention", "burst_attention_backward", "layout_indices",
            "shard", "unshard", "attention_reference", "attention_backward_reference", "BurstError", "ShapeError",
-           "DTypeError", "LayoutError", "TransportError", "RankMismatchError", "BackendError", "__version__"]
+           "DTypeError", "LayoutError", "MaskError", "TransportError", "RankMismatchError", "BackendError", "__version__"]

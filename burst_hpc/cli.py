@@ -2,7 +2,8 @@
 
     burst-hpc info
     burst-hpc gen OUT.h5 --batch B --seqlen S --heads H --kv-heads K --head-dim D --dtype T --seed N [--with-grad]
-    mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--backward] [--layout L] [--transport T]
+                         [--documents N]
+    mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--layout L] [--transport T]
                                              [--backend numpy|cuda|auto] [--verify] [--overwrite]
     [mpiexec -n P] burst-hpc check
 
@@ -162,7 +163,7 @@ def cmd_gen(args):
 
             names = io.generate(args.output, args.batch, args.seqlen, args.heads, args.kv_heads or args.heads,
                                 args.head_dim, dtype, seed=args.seed, with_grad=args.with_grad, progress=report,
-                                overwrite=args.overwrite)
+                                documents=args.documents, overwrite=args.overwrite)
             print(f"burst-hpc gen: wrote {args.output}: {', '.join(names)} with B={args.batch} S={args.seqlen} "
                   f"Hq={args.heads} Hkv={args.kv_heads or args.heads} D={args.head_dim} {dtype_name(dtype)} "
                   f"seed={args.seed} ({total} tokens)", flush=True)
@@ -206,14 +207,29 @@ def _sync(xp):
         xp.cuda.Device().synchronize()
 
 
-def attention_flops(batch, seqlen, heads, head_dim, causal):
-    """Forward FLOPs by the FlashAttention convention (two matmuls; half of them when causal)."""
+def attention_flops(batch, seqlen, heads, head_dim, causal, mask=None):
+    """Forward FLOPs by the FlashAttention convention (two matmuls; half of them when causal; with
+    documents or a window, those of the visible (query, key) pairs)."""
+    if mask is not None:
+        lo, hi = mask.intervals
+        return 4.0 * batch * heads * head_dim * float((hi - lo).sum())
     flops = 4.0 * batch * seqlen * seqlen * heads * head_dim
     return flops / 2 if causal else flops
 
 
+def parse_window(text):
+    """'L' -> (L, 0) (the L tokens before each query and itself); 'L,R' -> (L, R); -1 unbounded."""
+    try:
+        parts = [int(x) for x in text.split(",")]
+    except ValueError:
+        parts = []
+    if len(parts) not in (1, 2):
+        raise argparse.ArgumentTypeError(f"expected L or L,R (integers, -1 unbounded); got {text!r}")
+    return (parts[0], parts[1] if len(parts) == 2 else 0)
+
+
 def cmd_run(args):
-    from . import io
+    from . import io, masks
     from .distributed import burst_attention, burst_attention_backward
     from .layout import default_layout
     from .device import gpus_shared
@@ -222,24 +238,31 @@ def cmd_run(args):
     comm = _world()
     rank, size = comm.rank, comm.size
     causal = bool(args.causal)
-    layout = args.layout or default_layout(causal)
-    err, xp, backend = None, np, None
+    names = ("q", "k", "v", "do") if args.backward else ("q", "k", "v")
+    err, xp, backend, mask, layout = None, np, None, None, args.layout
     try:
         xp, backend = _setup_backend(args.backend, comm)
         if rank == 0:  # before reading anything: an existing output is kept unless --overwrite
             io.check_output_path(args.output, [args.input], args.overwrite)
+        probe = io.inspect_input(args.input, names)  # the documents and length decide the layout
+        mask = masks.make(probe.seqlen, causal, args.window, probe.cu_seqlens)
+        if layout is None:
+            layout = default_layout(causal) if mask is None else masks.default_layout(mask, size)
     except Exception as e:  # noqa: BLE001
         err = e
     agree(comm, err)
 
-    names = ("q", "k", "v", "do") if args.backward else ("q", "k", "v")
     spec, shards = io.read_shards(args.input, comm, layout, names)
     if not args.allow_nonfinite:
         io.check_finite(args.input, shards, comm, layout, spec.seqlen)
     scale = args.scale if args.scale is not None else spec.head_dim ** -0.5
-    big = attention_flops(spec.batch, spec.seqlen, spec.heads, spec.head_dim, causal) > 2e11
+    big = attention_flops(spec.batch, spec.seqlen, spec.heads, spec.head_dim, causal, mask) > 2e11
     progress = Progress(rank == 0 and not args.quiet and (args.progress or big or sys.stderr.isatty()))
     progress(f"read {args.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
+    if mask is not None:
+        work = masks.rank_work(mask, size, layout)
+        progress(f"{mask}: ring steps {masks.ring_steps(mask, size, layout)} of {size}, "
+                 f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
 
     err, transport = None, args.transport
     shared = gpus_shared(comm, xp.cuda.Device() if backend == "cuda" else None)  # NCCL refuses that
@@ -252,12 +275,14 @@ def cmd_run(args):
     attrs = {"kind": "outputs", "causal": causal, "scale": float(scale), "source": os.path.abspath(args.input),
              "batch": spec.batch, "seqlen": spec.seqlen, "heads": spec.heads, "kv_heads": spec.kv_heads,
              "head_dim": spec.head_dim, "dtype": dtype_name(spec.dtype), "backward": bool(args.backward),
-             "run_ranks": size, "run_layout": layout, "run_backend": backend, "run_transport": transport}
+             "run_ranks": size, "run_layout": layout, "run_backend": backend, "run_transport": transport,
+             "window": "none" if args.window is None else f"{args.window[0]},{args.window[1]}",
+             "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
     out = io.OutputFile.create(args.output, comm, io.output_datasets(spec, args.backward), attrs,
                                inputs=[args.input], overwrite=args.overwrite)
     try:
         summary, code = _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, scale, transport,
-                                       progress, burst_attention, burst_attention_backward)
+                                       progress, burst_attention, burst_attention_backward, mask)
         if code == 0:
             out.commit()
     except BaseException:
@@ -282,10 +307,11 @@ def _collective(fn, *args, **kwargs):
 
 
 def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, scale, transport, progress,
-                   burst_attention, burst_attention_backward):
+                   burst_attention, burst_attention_backward, mask):
     size = comm.size
     dev = {name: xp.asarray(a) for name, a in shards.items()}
-    kw = dict(comm=comm, causal=causal, scale=scale, layout=layout, transport=args.transport)
+    kw = dict(comm=comm, causal=causal, scale=scale, layout=layout, transport=args.transport,
+              cu_seqlens=spec.cu_seqlens, window=args.window)
     if args.warmup:
         progress("warm-up pass (kernel compilation, transport set-up), not timed")
         o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], **kw)
@@ -317,9 +343,12 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
     progress(f"writing {args.output}")
     out.write(host, layout)
 
-    flops = attention_flops(spec.batch, spec.seqlen, spec.heads, spec.head_dim, causal)
+    flops = attention_flops(spec.batch, spec.seqlen, spec.heads, spec.head_dim, causal, mask)
     parts = [f"burst-hpc run: tokens={spec.batch * spec.seqlen} ({spec.describe()})", f"ranks={size}",
-             f"layout={layout}", "causal" if causal else "non-causal", f"backend={backend}", f"transport={transport}",
+             f"layout={layout}", "causal" if causal else "non-causal"]
+    if args.window is not None:
+        parts.append(f"window={args.window[0]},{args.window[1]}")
+    parts += [f"backend={backend}", f"transport={transport}",
              f"fwd {t_fwd:.3f}s {flops / max(t_fwd, 1e-12) / 1e12:.3g} TFLOP/s"]
     if t_bwd is not None:
         parts.append(f"bwd {t_bwd:.3f}s {2.5 * flops / max(t_bwd, 1e-12) / 1e12:.3g} TFLOP/s")
@@ -327,7 +356,7 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
     if args.verify:
         progress("verifying against the float64 oracle")
         report = verify.verify(args.input, spec, host, comm, layout, causal, scale, rows=args.verify_rows,
-                        seed=args.verify_seed, progress=progress)
+                               seed=args.verify_seed, progress=progress, window=args.window)
         errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
         parts.append(f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}")
         code = 0 if report["ok"] else EXIT_MISMATCH
@@ -340,6 +369,8 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
 FILE_FORMAT = """\
 HDF5 files (gen writes them; any tool can):
   inputs   q (B, S, Hq, D), k and v (B, S, Hkv, D), do (B, S, Hq, D) for --backward; one dtype for all
+           cu_seqlens (N+1,) integers, optional: document offsets [0, ..., S] of packed documents (no
+           attention across them), the same for every batch entry ('gen --documents N' writes one)
   outputs  o (B, S, Hq, D) and, with --backward, dq (B, S, Hq, D), dk and dv (B, S, Hkv, D), all in the
            input dtype; lse (B, Hq, S) float32, the natural-log sum-exp of each row's scaled scores
   B batch, S tokens in global order (whatever --layout a run uses), Hq query heads, Hkv key/value
@@ -407,6 +438,9 @@ def build_parser():
                    "own generator seeded by (seed, tensor, batch, block), so the data never depends on chunk "
                    "sizes (default 0)")
     p.add_argument("--with-grad", action="store_true", help="also write do, the output gradient 'run --backward' needs")
+    p.add_argument("--documents", type=int, default=None, metavar="N",
+                   help="also write cu_seqlens: N packed documents of random lengths, seeded by --seed (run masks "
+                   "attention across them)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT.h5 if it exists (atomically, when done)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
     p.set_defaults(func=cmd_gen)
@@ -426,12 +460,16 @@ def build_parser():
                    "unless --overwrite")
     p.add_argument("--causal", action="store_true", help="causal mask on global token positions (key j visible "
                    "from query i when j <= i)")
+    p.add_argument("--window", type=parse_window, default=None, metavar="L[,R]",
+                   help="sliding window: keys at most L before and R after each query (R default 0; -1 unbounded: "
+                   "write --window=-1,R); composes with --causal and the input's cu_seqlens")
     p.add_argument("--backward", action="store_true",
                    help="also compute dq, dk, dv, the gradients of sum(do * o); needs do in the input")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="which tokens each rank owns: contiguous (rank r: chunk r of P; S a multiple of P) or "
                    "zigzag (rank r: chunks r and 2P-1-r of 2P, balanced causal work; S a multiple of 2P) "
-                   "(default: zigzag with --causal, else contiguous)")
+                   "(default: zigzag with --causal, else contiguous; with documents or --window contiguous, "
+                   "unless zigzag's busiest rank has clearly less work)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
                    "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else mpi when the MPI is "

@@ -12,6 +12,7 @@ import logging
 
 import numpy as np
 
+from . import masks
 from .backends import get_backend
 from .dtypes import accum_dtype, dtype_name
 from .errors import BurstError, ShapeError
@@ -37,7 +38,7 @@ def _world():
 class _Plan:
     """What every rank agreed on before the first exchange."""
 
-    def __init__(self, comm, q, k, v, causal, scale, layout, transport, backward=None):
+    def __init__(self, comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None):
         """``backward``: (do, o, lse, backward_ring) for the backward pass, checked too."""
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
         error, signature = None, None
@@ -48,15 +49,20 @@ class _Plan:
             b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
             if sq != sk:
                 raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
+            self.mask = masks.make(sq * self.size, causal, window, cu_seqlens)
+            if layout is None and self.mask is not None:
+                layout = masks.default_layout(self.mask, self.size)
+            self.layout = check_layout(default_layout(causal) if layout is None else layout)
+            self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
             self.ring = None
             if backward is not None:
                 do, o, lse, ring = backward
                 check_like("do", do, q.shape, q.dtype)
                 check_like("o", o, q.shape, q.dtype)
                 check_like("lse", lse, (b, hq, sq), np.float32)
-                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize)
-            self.layout = check_layout(default_layout(causal) if layout is None else layout)
-            self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
+                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize,
+                                                 *(masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
+                                                   for queries_travel in (True, False)), self.size)
             self.scale = resolve_scale(scale, d)
             self.causal = bool(causal)
             self.backend = get_backend(q)
@@ -64,7 +70,8 @@ class _Plan:
             self.heads, self.kv_heads, self.head_dim = hq, hkv, d
             signature = {"q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
                          "causal": self.causal, "layout": self.layout, "scale": self.scale,
-                         "transport": self.transport_name, "backward ring": self.ring}
+                         "transport": self.transport_name, "backward ring": self.ring,
+                         "documents and window": None if self.mask is None else self.mask.key}
         except Exception as e:  # shared with every rank below, so no rank is left waiting
             error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
         agree(comm, error, signature)
@@ -77,7 +84,7 @@ class _Plan:
     def steps(self, near, returns):
         """This rank's schedule; ``near``: the side a plain ring sends around (and the balanced
         schedule to its near chunk pairs); ``returns``: the sides whose visits return partials."""
-        return steps(self.layout, self.causal, self.rank, self.size, near, returns)
+        return steps(self.layout, self.causal, self.rank, self.size, near, returns, self.mask)
 
     def transport(self):
         return make_transport(self.transport_name, self.comm, self.xp)
@@ -88,16 +95,19 @@ def _device_of(x):
     return x.device if type(x).__module__.startswith("cupy") else contextlib.nullcontext()
 
 
-def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto"):
+def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto", cu_seqlens=None,
+                    window=None):
     """This rank's (o, lse) of attention over the whole sharded sequence.
 
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous',
-    'zigzag' or 'balanced'; default zigzag when causal). 'balanced' shards are contiguous ones
-    (natural token order) with causal work balanced by the schedule. Returns o like q and lse
-    float32 (B, Hq, S/P). NaN or Inf inputs are not refused: they propagate like torch's (see
-    burst_hpc.attention)."""
+    'zigzag' or 'balanced'; default zigzag when causal; with documents or a window
+    masks.default_layout). 'balanced' shards are contiguous ones (natural token order) with causal
+    work balanced by the schedule. Returns o like q and lse float32 (B, Hq, S/P).
+    ``cu_seqlens``: global document offsets [0, ..., S] of a packed sequence, the same on every
+    rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
+    NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention)."""
     comm = _world() if comm is None else comm
-    plan = _Plan(comm, q, k, v, causal, scale, layout, transport)
+    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
         return _forward(plan, q, k, v)
 
@@ -111,7 +121,7 @@ def _forward(plan, q, k, v, skip_compute=False, transport=None):
 
     def pair(p, q_side, kv, q_out, _k_out):
         be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
-                         scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start)
+                         scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
     run(transport or plan.transport(), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
         skip_compute=skip_compute)
@@ -142,7 +152,7 @@ def _visits(plan, sides, pair):
         else:
             args = (data, sides["kv"].travelling, partial, sides["kv"].results)
             q_pieces, k_pieces = theirs, mine
-        for p in visit_pairs(q_pieces, k_pieces, plan.causal, visit.half):
+        for p in visit_pairs(q_pieces, k_pieces, plan.causal, visit.half, plan.mask):
             pair(p, *args)
 
     return compute
@@ -155,12 +165,16 @@ def backward_ring_bytes(heads, kv_heads, head_dim, itemsize):
     return q_ring, kv_ring
 
 
-def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize):
+def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, kv_steps=1, size=1):
+    """The backward ring: ``name``, or for 'auto' the one moving fewer bytes over its steps (with
+    documents or a window a ring may stop early: ``q_steps``/``kv_steps`` of ``size``)."""
     if name not in BACKWARD_RINGS:
         raise BurstError(f"unknown backward_ring {name!r}; use one of {', '.join(BACKWARD_RINGS)}")
     if name != "auto":
         return name
     q_bytes, kv_bytes = backward_ring_bytes(heads, kv_heads, head_dim, itemsize)
+    if (q_steps, kv_steps) != (size, size):  # a shortened ring sends its carried accumulator home in one hop
+        q_bytes, kv_bytes = q_bytes * q_steps, kv_bytes * kv_steps
     choice = "q" if q_bytes < kv_bytes else "kv"
     log.info("backward ring auto -> %s-ring (%d vs %d bytes per token per step)", choice,
              min(q_bytes, kv_bytes), max(q_bytes, kv_bytes))
@@ -168,10 +182,12 @@ def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize):
 
 
 def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale=None, layout=None,
-                             transport="auto", backward_ring="auto"):
-    """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention."""
+                             transport="auto", backward_ring="auto", cu_seqlens=None, window=None):
+    """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention
+    (called with the same causal, layout, cu_seqlens and window)."""
     comm = _world() if comm is None else comm
-    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring))
+    plan = _Plan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
+                 cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
         return _backward(plan, plan.ring, do, q, k, v, o, lse)
 
@@ -187,7 +203,7 @@ def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=Non
         q_, do_, lse_, delta_ = q_side
         be.backward_block(q_[:, p.q], kv[0][:, p.k], kv[1][:, p.k], do_[:, p.q], lse_[:, :, p.q], delta_[:, :, p.q],
                           q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
-                          causal=p.causal, q_start=p.q_start, k_start=p.k_start)
+                          causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
     run(transport or plan.transport(), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
         skip_compute=skip_compute)

@@ -31,3 +31,7 @@ class BackendError(BurstError):
 
 class FileError(BurstError):
     """An input or output file cannot be read or written as asked."""
+
+
+class MaskError(BurstError):
+    """Bad document offsets (cu_seqlens) or window sizes."""

@@ -1,8 +1,9 @@
 """HDF5 in and out, each MPI rank touching only its own tokens.
 
 File format (see docs/USAGE.md):
-- datasets ``q`` (B, S, Hq, D), ``k``, ``v`` (B, S, Hkv, D) and optionally ``do`` (like ``q``);
-  outputs ``o`` (like ``q``), ``lse`` float32 (B, Hq, S) and optionally ``dq``, ``dk``, ``dv``.
+- datasets ``q`` (B, S, Hq, D), ``k``, ``v`` (B, S, Hkv, D) and optionally ``do`` (like ``q``)
+  and ``cu_seqlens`` (int, [0, ..., S]: document offsets of a packed sequence, the same for every
+  batch entry); outputs ``o`` (like ``q``), ``lse`` float32 (B, Hq, S) and optionally ``dq``, ``dk``, ``dv``.
   Tokens are stored in global order whatever layout a run used.
 - float16 / float32 / float64 are stored natively; bfloat16 is stored as uint16 bits with the
   dataset attribute ``dtype = "bfloat16"``.
@@ -29,7 +30,7 @@ import numpy as np
 from . import __version__
 from .collective import agree, describe
 from .dtypes import SUPPORTED, bfloat16, dtype_name
-from .errors import BurstError, DTypeError, FileError, ShapeError
+from .errors import BurstError, DTypeError, FileError, MaskError, ShapeError
 from .layout import check_split, pieces
 
 FORMAT = "burst-hpc/1"
@@ -112,8 +113,8 @@ def read_slab(ds, index, dtype):
 class InputSpec:
     """What an input file holds: shapes and dtype of q, k, v (and do)."""
 
-    def __init__(self, path, batch, seqlen, heads, kv_heads, head_dim, dtype, names, attrs):
-        self.path = path
+    def __init__(self, path, batch, seqlen, heads, kv_heads, head_dim, dtype, names, attrs, cu_seqlens=None):
+        self.path, self.cu_seqlens = path, cu_seqlens
         self.batch, self.seqlen, self.heads, self.kv_heads, self.head_dim = batch, seqlen, heads, kv_heads, head_dim
         self.dtype = dtype
         self.names = names
@@ -131,8 +132,9 @@ class InputSpec:
         return (self.batch, self.seqlen, self.heads, self.head_dim)
 
     def describe(self):
+        docs = "" if self.cu_seqlens is None else f" documents={len(self.cu_seqlens) - 1}"
         return (f"B={self.batch} S={self.seqlen} Hq={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
-                f"dtype={dtype_name(self.dtype)}")
+                f"dtype={dtype_name(self.dtype)}{docs}")
 
 
 def _open_read(path):
@@ -188,7 +190,23 @@ def _inspect(f, path, need):
             raise DTypeError(f"{path}: all inputs must share one dtype; q is {dtype_name(dtypes['q'])}, "
                              f"{n} is {dtype_name(dtypes[n])}")
     attrs = {key: _plain(value) for key, value in f.attrs.items()}
-    return InputSpec(path, b, s, hq, hkv, d, dtypes["q"], tuple(names), attrs)
+    return InputSpec(path, b, s, hq, hkv, d, dtypes["q"], tuple(names), attrs, _documents(f, path, s))
+
+
+def _documents(f, path, seqlen):
+    """The optional ``cu_seqlens`` dataset, checked (every rank reads it: it is small)."""
+    import h5py
+
+    if "cu_seqlens" not in f:
+        return None
+    if not isinstance(f["cu_seqlens"], h5py.Dataset):
+        raise FileError(f"{path}: 'cu_seqlens' is a group, not a dataset")
+    from .masks import check_cu_seqlens
+
+    try:
+        return check_cu_seqlens(f["cu_seqlens"][()], seqlen)
+    except MaskError as e:
+        raise MaskError(f"{path}: dataset 'cu_seqlens': {e}") from None
 
 
 def _plain(value):
@@ -465,7 +483,10 @@ def read_global(path, names=None):
         for name in names or list(f.keys()):
             if name not in f:
                 raise FileError(f"{path}: dataset {name!r} is missing")
-            out[name] = read_slab(f[name], (), dataset_dtype(f[name], name, path))
+            if name == "cu_seqlens":  # document offsets: integers, not a tensor
+                out[name] = np.asarray(f[name][()])
+            else:
+                out[name] = read_slab(f[name], (), dataset_dtype(f[name], name, path))
         return out
 
 
@@ -497,8 +518,9 @@ GEN_BLOCK_TOKENS = 1024  # random numbers come in blocks of this many tokens (fi
 
 
 def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with_grad=False,
-             max_elements=1 << 22, attrs=None, progress=None, overwrite=False):
+             max_elements=1 << 22, attrs=None, progress=None, overwrite=False, documents=None):
     """Write random standard-normal q, k, v (and do) to ``path``, chunk by chunk (single process).
+    ``documents``: also write ``cu_seqlens`` for that many documents of random lengths.
 
     A block of GEN_BLOCK_TOKENS tokens of one batch entry of one tensor draws from its own
     generator seeded by (seed, tensor, batch, block), so the data does not depend on how much is
@@ -515,6 +537,11 @@ def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with
             raise ShapeError(f"--{label} must be positive; got {n}")
     if heads % kv_heads:
         raise ShapeError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
+    cu_seqlens = None
+    if documents is not None:
+        from .masks import random_documents
+
+        cu_seqlens = random_documents(np.random.default_rng([int(seed), 1 << 20]), seqlen, documents)
     names = ("q", "k", "v", "do") if with_grad else ("q", "k", "v")
     shapes = {"q": (batch, seqlen, heads, head_dim), "k": (batch, seqlen, kv_heads, head_dim)}
     shapes["v"] = shapes["k"]
@@ -533,6 +560,8 @@ def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with
             f.attrs["dtype"] = dtype_name(dtype)
             for key, value in (attrs or {}).items():
                 f.attrs[key] = value
+            if cu_seqlens is not None:
+                f.create_dataset("cu_seqlens", data=cu_seqlens)
             for t, name in enumerate(names):
                 shape = shapes[name]
                 ds = create_dataset(f, name, shape, dtype)
@@ -556,4 +585,4 @@ def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-    return names
+    return names if cu_seqlens is None else names + ("cu_seqlens",)

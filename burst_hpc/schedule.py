@@ -10,7 +10,8 @@ Steps (what the ring engine runs, ring.py):
 - step t posts one exchange (``sends``, ``recvs``): the data of the visit of step t+1 and the
   partial of step t-1; a last step with no visit delivers the last partials.
 - plain ring (contiguous, zigzag, and balanced without a causal mask): one side travels to
-  rank+1 each step for P steps, partials ride one step behind it and come home at the end.
+  rank+1 each step for P steps (fewer when documents or a window hide the later ones,
+  masks.ring_steps), partials ride one step behind it and go home at the end.
 - balanced (causal, DistFlashAttn): contiguous shards; chunk pairs are dealt to ranks by
   ``balanced_tasks`` and the data travels straight from its owner to the computing rank,
   the partial straight back.
@@ -28,6 +29,8 @@ zigzag step with no diagonal is a single kernel launch.
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+from . import masks
+
 SIDES = ("kv", "q")
 
 
@@ -37,7 +40,7 @@ class BlockPair:
     k: slice        # local rows of the key-side shard
     q_start: int    # global position of the first query row
     k_start: int    # global position of the first key row
-    causal: bool    # True only for diagonal pairs, which need the mask
+    causal: bool    # True only for pairs that need the mask (diagonal, or masks.Mask's 'masked')
 
 
 def _classify(q_start, q_len, k_start, k_len, causal):
@@ -60,17 +63,21 @@ def _fuse(a, b):
 
 
 @lru_cache(maxsize=1024)
-def block_pairs(q_pieces, k_pieces, causal):
-    """The block pairs to run for a query shard against a key shard (pieces as tuples)."""
+def block_pairs(q_pieces, k_pieces, causal, mask=None):
+    """The block pairs to run for a query shard against a key shard (pieces as tuples).
+    ``mask``: a masks.Mask (documents, window) classifies the pairs instead of plain causal."""
     pairs = []
     q_off = 0
     for q_start, q_len in q_pieces:
         k_off = 0
         for k_start, k_len in k_pieces:
-            kind = _classify(q_start, q_len, k_start, k_len, causal)
+            if mask is not None:
+                kind = mask.classify(q_start, q_len, k_start, k_len)
+            else:
+                kind = _classify(q_start, q_len, k_start, k_len, causal)
             if kind != "hidden":
                 pairs.append(BlockPair(slice(q_off, q_off + q_len), slice(k_off, k_off + k_len),
-                                       q_start, k_start, kind == "diagonal"))
+                                       q_start, k_start, kind != "full"))
             k_off += k_len
         q_off += q_len
     fused = True
@@ -87,17 +94,17 @@ def block_pairs(q_pieces, k_pieces, causal):
     return tuple(sorted(pairs, key=lambda p: (p.q.start, p.k.start)))
 
 
-def visit_pairs(q_pieces, k_pieces, causal, half=None):
+def visit_pairs(q_pieces, k_pieces, causal, half=None, mask=None):
     """The block pairs of one visit; ``half`` 0 or 1 keeps only the first or second half of the
     query rows (a split chunk pair of the balanced schedule; contiguous shards only)."""
     if half is None:
-        return block_pairs(q_pieces, k_pieces, causal)
+        return block_pairs(q_pieces, k_pieces, causal, mask)
     ((start, n),) = q_pieces
     lo, hi = (0, n // 2) if half == 0 else (n // 2, n)
     if lo == hi:
         return ()
     return tuple(replace(p, q=slice(p.q.start + lo, p.q.stop + lo))
-                 for p in block_pairs(((start + lo, hi - lo),), k_pieces, causal))
+                 for p in block_pairs(((start + lo, hi - lo),), k_pieces, causal, mask))
 
 
 @dataclass(frozen=True)
@@ -130,30 +137,37 @@ def _step(visit, sends, recvs):
 
 
 @lru_cache(maxsize=256)
-def steps(layout, causal, rank, size, near, returns):
+def steps(layout, causal, rank, size, near, returns, mask=None):
     """This rank's steps. ``near``: the side that travels on a plain ring, and to the near chunk
-    pairs of the balanced schedule; ``returns``: the sides whose visits send partials back."""
+    pairs of the balanced schedule; ``returns``: the sides whose visits send partials back;
+    ``mask``: a masks.Mask (documents, window) or None."""
     if layout == "balanced" and causal and size > 1:
-        return balanced_steps(rank, size, near, returns)
-    return ring_steps(rank, size, near, returns)
+        return balanced_steps(rank, size, near, returns, mask)
+    return plain_ring_steps(rank, size, near, returns, masks.ring_steps(mask, size, layout, near == "q"))
 
 
-def ring_steps(rank, size, side, returns):
+def plain_ring_steps(rank, size, side, returns, count=None):
     """The plain ring: at step t this rank visits shard rank-t, which it then forwards to rank+1;
-    its partial follows it one step behind and comes home after the last step."""
+    its partial follows it one step behind. After the last of ``count`` steps (P, or fewer when
+    the later ones have no work) each partial goes straight home, to rank-(count-1)."""
+    count = size if count is None else count
     after, before = (rank + 1) % size, (rank - 1) % size
-    carries = side in returns and size > 1
+    carries = side in returns and count > 1
     out = []
-    for t in range(size + 1):
+    for t in range(count + 1):
         sends, recvs = [], []
-        if t + 1 < size:
+        if t + 1 < count:
             sends.append(Transfer(after, "data", side, (rank - t) % size))
             recvs.append(Transfer(before, "data", side, (rank - t - 1) % size))
-        if carries and t >= 1:
+        if carries and 1 <= t < count:
             sends.append(Transfer(after, "partial", side, (rank - t + 1) % size))
             recvs.append(Transfer(before, "partial", side, (rank - t) % size))
-        if t < size or carries:
-            out.append(_step(Visit(side, (rank - t) % size) if t < size else None, sends, recvs))
+        if carries and t == count:
+            home, visitor = (rank - count + 1) % size, (rank + count - 1) % size
+            sends.append(Transfer(home, "partial", side, home))
+            recvs.append(Transfer(visitor, "partial", side, rank))
+        if t < count or carries:
+            out.append(_step(Visit(side, (rank - t) % size) if t < count else None, sends, recvs))
     return tuple(out)
 
 
@@ -182,14 +196,18 @@ def balanced_tasks(i, j, size, near):
     return [(step,) + (by_query_owner if near_pair == (near == "kv") else by_key_owner) + (None,)]
 
 
-def balanced_steps(rank, size, near, returns):
-    """The balanced schedule seen by ``rank``: floor(P/2) + 2 steps (balanced_tasks)."""
+def balanced_steps(rank, size, near, returns, mask=None):
+    """The balanced schedule seen by ``rank``: floor(P/2) + 2 steps (balanced_tasks). Chunk pairs
+    that documents or a window hide entirely cost nothing: no transfer, no visit."""
     count = size // 2 + 2
     visits = [None] * count
     sends = [[] for _ in range(count)]
     recvs = [[] for _ in range(count)]
+    chunk = None if mask is None else mask.seqlen // size
     for i in range(size):
         for j in range(i + 1):
+            if mask is not None and mask.classify(i * chunk, chunk, j * chunk, chunk) == "hidden":
+                continue
             for step, computer, side, half in balanced_tasks(i, j, size, near):
                 provider = j if side == "kv" else i
                 if computer == rank:

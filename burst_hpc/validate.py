@@ -23,7 +23,7 @@ def check_qkv(q, k, v, causal=False):
     if d == 0:
         raise ShapeError("head_dim must be positive")
     if causal and sq != sk:
-        raise ShapeError(f"causal attention needs as many queries as keys; got {sq} and {sk}")
+        raise ShapeError(f"causal, document and window masks need as many queries as keys; got {sq} and {sk}")
     dtype = check_supported(q.dtype)
     for name, x in (("k", k), ("v", v)):
         if np.dtype(x.dtype) != dtype:

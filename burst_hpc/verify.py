@@ -15,6 +15,7 @@ import numpy as np
 from .collective import agree, describe
 from .dtypes import dtype_name
 from .errors import BurstError
+from .reference import visible
 
 FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 ATOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
@@ -37,15 +38,15 @@ def _expand(x, heads, ct):
     return np.repeat(x.astype(ct), heads // x.shape[2], axis=2)
 
 
-def _scores(q, k, scale, causal, q_start, k_start, rnd):
+def _scores(q, k, scale, causal, q_start, k_start, rnd, window=None, cu_seqlens=None):
     s = rnd(np.einsum("bqhd,bkhd->bhqk", q, k) * scale)
-    if causal:
-        hidden = (k_start + np.arange(k.shape[1]))[None, :] > (q_start + np.arange(q.shape[1]))[:, None]
-        s = np.where(hidden, -np.inf, s)
+    if causal or window is not None or cu_seqlens is not None:
+        seen = visible(q_start + np.arange(q.shape[1]), k_start + np.arange(k.shape[1]), causal, window, cu_seqlens)
+        s = np.where(seen, s, -np.inf)
     return s
 
 
-def plain_attention(q, k, v, do=None, causal=False, scale=None, lowp=None):
+def plain_attention(q, k, v, do=None, causal=False, scale=None, lowp=None, window=None, cu_seqlens=None):
     """(o, lse, dq, dk, dv) by the textbook formulas; in float64 when ``lowp`` is None, else as a plain
     same-precision implementation: products rounded to ``lowp``, float32 arithmetic in between."""
     ct = _compute_type(lowp)
@@ -53,7 +54,7 @@ def plain_attention(q, k, v, do=None, causal=False, scale=None, lowp=None):
     heads, group = q.shape[2], q.shape[2] // k.shape[2]
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     qc, kc, vc = q.astype(ct), _expand(k, heads, ct), _expand(v, heads, ct)
-    s = _scores(qc, kc, scale, causal, 0, 0, rnd)
+    s = _scores(qc, kc, scale, causal, 0, 0, rnd, window, cu_seqlens)
     lse = _logsumexp(s)
     p = rnd(np.exp(s - np.where(np.isneginf(lse), 0, lse)[..., None]))
     o = rnd(np.einsum("bhqk,bkhd->bqhd", p, vc))
@@ -77,7 +78,7 @@ def _logsumexp(s):
         return np.log(np.exp(s - safe[..., None]).sum(-1)) + safe
 
 
-def window_attention(q, do, key_blocks, causal, scale, q_start, lowp=None):
+def window_attention(q, do, key_blocks, causal, scale, q_start, lowp=None, window=None, cu_seqlens=None):
     """(o, lse, dq) of a window of query rows against keys that arrive in blocks.
 
     q, do (B, W, Hq, D) (do may be None); ``key_blocks()`` yields (k_start, k, v) blocks covering the
@@ -89,12 +90,13 @@ def window_attention(q, do, key_blocks, causal, scale, q_start, lowp=None):
     qc = q.astype(ct)
     lse = np.full((q.shape[0], heads, q.shape[1]), -np.inf, ct)
     for k0, k, _ in key_blocks():
-        lse = np.logaddexp(lse, _logsumexp(_scores(qc, _expand(k, heads, ct), scale, causal, q_start, k0, rnd)))
+        lse = np.logaddexp(lse, _logsumexp(_scores(qc, _expand(k, heads, ct), scale, causal, q_start, k0, rnd,
+                                                   window, cu_seqlens)))
     safe = np.where(np.isneginf(lse), 0, lse)[..., None]
 
     def probabilities(k0, k):
         kc = _expand(k, heads, ct)
-        return kc, rnd(np.exp(_scores(qc, kc, scale, causal, q_start, k0, rnd) - safe))
+        return kc, rnd(np.exp(_scores(qc, kc, scale, causal, q_start, k0, rnd, window, cu_seqlens) - safe))
 
     o = np.zeros(q.shape, ct)
     for k0, k, v in key_blocks():
@@ -139,12 +141,13 @@ def max_abs(ref):
     return float(np.abs(finite).max()) if finite.size else 0.0
 
 
-def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, progress=None):
+def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, progress=None, window=None):
     """Check this rank's outputs ``ours`` (host arrays, local layout order) against the float64 oracle.
 
     Collective. Full check (every row of every output) when B*Hq*S*S <= FULL_LIMIT; otherwise
     ``rows`` query rows per rank in random windows, checking o, lse (and dq when present) with the
     keys read from ``path`` in blocks. Returns {'ok', 'mode', 'err', 'tol'} (the same on every rank).
+    Documents (the input's cu_seqlens) and ``window`` mask the oracle as they masked the run.
     """
     from mpi4py import MPI
 
@@ -153,6 +156,7 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
     from .reference import attention_backward_reference, attention_reference
 
     names = [n for n in ("o", "lse", "dq", "dk", "dv") if n in ours]
+    masked = dict(window=window, cu_seqlens=spec.cu_seqlens)
     full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
     lowp = spec.dtype
     err, err_plain, ref_max = {}, {}, {}
@@ -161,10 +165,11 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
         if full:
             data = io.read_global(path, ["q", "k", "v"] + (["do"] if "dq" in ours else []))
             q, k, v, do = data["q"], data["k"], data["v"], data.get("do")
-            ref = dict(zip(("o", "lse"), attention_reference(q, k, v, causal, scale)))
+            ref = dict(zip(("o", "lse"), attention_reference(q, k, v, causal, scale, **masked)))
             if do is not None:
-                ref.update(zip(("dq", "dk", "dv"), attention_backward_reference(do, q, k, v, causal, scale)))
-            plain = dict(zip(("o", "lse", "dq", "dk", "dv"), plain_attention(q, k, v, do, causal, scale, lowp)))
+                ref.update(zip(("dq", "dk", "dv"), attention_backward_reference(do, q, k, v, causal, scale, **masked)))
+            plain = dict(zip(("o", "lse", "dq", "dk", "dv"), plain_attention(q, k, v, do, causal, scale, lowp,
+                                                                               **masked)))
             idx = layout_indices(spec.seqlen, comm.rank, comm.size, layout)
             for name in names:
                 axis = 2 if name == "lse" else 1
@@ -206,8 +211,9 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
                             yield (k0, io.read_slab(dsk, (slice(None), slice(k0, k1)), spec.dtype),
                                    io.read_slab(dsv, (slice(None), slice(k0, k1)), spec.dtype))
 
-                    ref = dict(zip(("o", "lse", "dq"), window_attention(q, do, key_blocks, causal, scale, g0)))
-                    plain = dict(zip(("o", "lse", "dq"), window_attention(q, do, key_blocks, causal, scale, g0, lowp)))
+                    ref = dict(zip(("o", "lse", "dq"), window_attention(q, do, key_blocks, causal, scale, g0, **masked)))
+                    plain = dict(zip(("o", "lse", "dq"), window_attention(q, do, key_blocks, causal, scale, g0, lowp,
+                                                                          **masked)))
                     for name in names:
                         axis = 2 if name == "lse" else 1
                         sel = (slice(None),) * axis + (slice(local0, local0 + w),)

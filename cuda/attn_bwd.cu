@@ -283,6 +283,17 @@ BH_BWD(attn_bwd_f16_d64_full_w4, 64, 64, 4, false, false)
 BH_BWD(attn_bwd_f16_d64_causal_w4, 64, 64, 4, false, true)
 
 // ---------------------------------------------------------------------------------------------------
+// first r in [0, n) with a[r] > x, n if none (a never decreases); every thread gets the same answer
+__device__ __forceinline__ int first_above(const int* __restrict__ a, int n, i64 x) {
+  int lo = 0, hi = n;
+  while (lo < hi) {
+    const int mid = (lo + hi) >> 1;
+    if (static_cast<i64>(a[mid]) > x) hi = mid;
+    else lo = mid + 1;
+  }
+  return lo;
+}
+
 // Layout k4x2 (default): BN = 128 keys, BM = 64 queries, 8 warps. Less shared-memory traffic per MMA
 // than the layout above (about 0.42 ldmatrix.x4 per MMA instead of 0.57):
 //   * S^T, dP^T: warp (kb, hh) = (w >> 1, w & 1) computes 32 keys [32 kb, +32) x 32 queries [32 hh, +32):
@@ -293,7 +304,11 @@ BH_BWD(attn_bwd_f16_d64_causal_w4, 64, 64, 4, false, true)
 //     dK, dV (32 keys x D/2 each) stay in registers for the whole walk.
 //   * dQ = dS K: warps re-split 2 (32 queries) x 4 (D/4 columns), float2 atomics into global dq.
 // Q, dO, lse, delta for tile it+1 are loaded (cp.async) during tile it; two barriers per tile.
-template <int D, bool BF16, bool CAUSAL, int VAR>
+// Interval masks (IV: documents, windows; see attn_fwd.cu and docs/KERNELS.md "Masks"): local query
+// row r sees global keys [mlo[r], mhi[r]), local key c sits at global kofs + c. A CTA walks only the
+// query tiles whose rows see one of its keys (two binary searches: both bounds never decrease with r),
+// and each tile's bounds travel with its lse/delta through shared memory.
+template <int D, bool BF16, bool CAUSAL, bool IV, int VAR>
 __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u16* __restrict__ k,
                                               const u16* __restrict__ v, const u16* __restrict__ dout,
                                               const float* __restrict__ lse, const float* __restrict__ delta,
@@ -302,7 +317,8 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
                                               i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,
                                               i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss,
                                               i64 vgsh, int Sq, int Sk, int Hkv, int group, int hpb, float scale,
-                                              float sl2, i64 off, int atomic_kv, int order_g) {
+                                              float sl2, i64 off, int atomic_kv, int order_g,
+                                              const int* __restrict__ mlo, const int* __restrict__ mhi, i64 kofs) {
   constexpr int BM = 64, BN = 128, NT = 256;
   constexpr int DH = D / 2;   // dK/dV head-dim columns per warp
   constexpr int DQC = D / 4;  // dQ head-dim columns per warp
@@ -316,6 +332,8 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
   const u32 sDS = sP + BN * BM * 2;      // [BN][BM] dS^T
   float* sL = reinterpret_cast<float*>(smem + (sDS - sK) + BN * BM * 2);  // [2][BM]
   float* sDl = sL + 2 * BM;                                               // [2][BM]
+  int* sLo = reinterpret_cast<int*>(sDl + 2 * BM);                        // IV: [2][BM] mlo, then mhi
+  int* sHi = sLo + 2 * BM;
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int kb = w >> 1, hh = w & 1;
@@ -335,13 +353,20 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
   const int b = bz / Hkv, hk = bz % Hkv;
   const int h_first = hk * group + hs * hpb;
 
-  int m_begin = 0;
+  int m_begin = 0, m_end = Sq;
   if (CAUSAL) {
     const i64 first = static_cast<i64>(n0) - off;  // first query that sees key n0
     if (first >= Sq) return;
     m_begin = first <= 0 ? 0 : static_cast<int>(first / BM) * BM;
   }
-  const int nmt = (Sq - m_begin + BM - 1) / BM;
+  if (IV) {
+    // the rows that see a key of [n0, n_last]: mhi[r] > n0 and mlo[r] <= n_last (global positions)
+    const int first = first_above(mhi, Sq, kofs + n0);
+    m_end = first_above(mlo, Sq, kofs + min(n0 + BN, Sk) - 1);
+    if (first >= m_end) return;
+    m_begin = (first / BM) * BM;
+  }
+  const int nmt = (m_end - m_begin + BM - 1) / BM;
   const int total = nmt * hpb;
   if (total <= 0) return;
 
@@ -361,6 +386,10 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
       const i64 rr = ok ? r : 0;
       cp_async4(smem_u32(sL + stage * BM + tid), lse + b * lsb + h * lsh + rr * lss, ok);
       cp_async4(smem_u32(sDl + stage * BM + tid), delta + b * dsb + h * dsh + rr * dss, ok);
+      if (IV) {  // rows past Sq read 0, 0: nothing visible
+        cp_async4(smem_u32(sLo + stage * BM + tid), mlo + rr, ok);
+        cp_async4(smem_u32(sHi + stage * BM + tid), mhi + rr, ok);
+      }
     }
   };
   load_q(0, 0);
@@ -382,6 +411,7 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
   // is one XOR (+ a row immediate) from a handful of per-thread bases.
   constexpr bool XA = (VAR & 1) != 0;
   constexpr bool MS = (VAR & 2) != 0;
+  static_assert(!IV || MS, "interval masks are applied in the separate mask pass");
   const u32 oK0 = tile_off<D>(wk_lo + (lane & 15), lane >> 4);
   const u32 oQ0 = tile_off<D>(hh * 32 + ((lane >> 4) << 3) + (lane & 7), (lane >> 3) & 1);
   const u32 oW0 = tile_off<BM>(wk_lo + (lane >> 2), hh * 4);
@@ -402,6 +432,8 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
     const u32 sQt = sQ + st * BM * D * 2, sDOt = sDO + st * BM * D * 2;
     const float* sLt = sL + st * BM;
     const float* sDlt = sDl + st * BM;
+    const int* sLot = sLo + st * BM;
+    const int* sHit = sHi + st * BM;
 
     // ---- S^T = K Q^T, dP^T = V dO^T: 32 keys x 32 queries per warp
     float sT[2][4][4], pT[2][4][4];
@@ -442,7 +474,9 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 
     // ---- P^T, dS^T = P^T (dP^T - delta); pack to 16 bits (A fragments) and store to shared memory
     const int qw0 = m0 + hh * 32;  // this warp's first query
-    const bool need_mask = (wk_max >= Sk) || (CAUSAL && static_cast<i64>(wk_max) > static_cast<i64>(qw0) + off);
+    const i64 kw0 = kofs + n0 + wk_lo;  // IV: global position of this warp's first key
+    const bool need_mask = (wk_max >= Sk) || (CAUSAL && static_cast<i64>(wk_max) > static_cast<i64>(qw0) + off) ||
+                           (IV && !(sLot[hh * 32 + 31] <= kw0 && sHit[hh * 32] >= kw0 + 32));
     // Mask by constant offsets: key (tile-local) kl = kt + i*16 + (e>>1)*8 and query qw0 + qt + nt*8 + (e&1),
     // with this thread's kt = wk_lo + (lane>>2), qt = (lane&3)*2. Hidden when n0 + kl >= Sk, or (causal)
     // n0 + kl > query + off  <=>  i*16 + (e>>1)*8 - nt*8 - (e&1) > cthr. Both thresholds fit an int after
@@ -482,14 +516,28 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
       // VAR bit 1 (MS): the mask as its own warp-uniform pass, so tiles off the diagonal skip it entirely
       if (need_mask) {
 #pragma unroll
-        for (int nt = 0; nt < 4; ++nt)
+        for (int nt = 0; nt < 4; ++nt) {
+          // IV: query column qc sees this thread's keys kc = i*16 + (e>>1)*8 in [klo, khi)
+          int klo[2] = {0, 0}, khi[2] = {0, 0};
+          if (IV) {
+            const i64 kt = kw0 + (lane >> 2);
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              const int qc = hh * 32 + nt * 8 + (lane & 3) * 2 + e;
+              klo[e] = static_cast<int>(max(static_cast<i64>(-1), min(static_cast<i64>(64), sLot[qc] - kt)));
+              khi[e] = static_cast<int>(max(static_cast<i64>(-1), min(static_cast<i64>(64), sHit[qc] - kt)));
+            }
+          }
 #pragma unroll
           for (int i = 0; i < 2; ++i)
 #pragma unroll
             for (int e = 0; e < 4; ++e) {
               const int kc = i * 16 + (e >> 1) * 8;
-              if (kc >= kthr || (CAUSAL && kc - nt * 8 - (e & 1) > cthr)) sT[i][nt][e] = 0.f;
+              if (kc >= kthr || (CAUSAL && kc - nt * 8 - (e & 1) > cthr) ||
+                  (IV && (kc < klo[e & 1] || kc >= khi[e & 1])))
+                sT[i][nt][e] = 0.f;
             }
+        }
       }
     }
 #pragma unroll
@@ -641,17 +689,18 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
   }
 }
 
-#define BH_BWD_K4(NAME, D, BF16, CAUSAL, VAR)                                                                         \
+#define BH_BWD_K4(NAME, D, BF16, CAUSAL, IV, VAR)                                                                     \
   extern "C" __global__ void __launch_bounds__(256) NAME(                                                          \
       const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse, const float* delta,           \
       float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss,   \
       i64 vsh, i64 gsb, i64 gss, i64 gsh, i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,        \
       i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,   \
-      int group, int hpb, float scale, float sl2, i64 off, int atomic_kv, int order_g) {                         \
-    attn_bwd_k4x2<D, BF16, CAUSAL, VAR>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss,  \
-                                   vsh, gsb, gss, gsh, lsb, lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb,     \
+      int group, int hpb, float scale, float sl2, i64 off, int atomic_kv, int order_g, const int* mlo,           \
+      const int* mhi, i64 kofs) {                                                                                 \
+    attn_bwd_k4x2<D, BF16, CAUSAL, IV, VAR>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb,  \
+                                   vss, vsh, gsb, gss, gsh, lsb, lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb, \
                                    kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb, scale, sl2, off,       \
-                                   atomic_kv, order_g);                                                                   \
+                                   atomic_kv, order_g, mlo, mhi, kofs);                                          \
   }
 
 // name: attn_bwd_<dtype>_d<D>_<mask>_k4x2  (a CTA owns 128 keys)
@@ -659,14 +708,18 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 #ifndef BH_K4_VAR
 #define BH_K4_VAR 3
 #endif
-BH_BWD_K4(attn_bwd_bf16_d128_full_k4x2, 128, true, false, BH_K4_VAR)
-BH_BWD_K4(attn_bwd_bf16_d128_causal_k4x2, 128, true, true, BH_K4_VAR)
-BH_BWD_K4(attn_bwd_f16_d128_full_k4x2, 128, false, false, BH_K4_VAR)
-BH_BWD_K4(attn_bwd_f16_d128_causal_k4x2, 128, false, true, BH_K4_VAR)
-BH_BWD_K4(attn_bwd_bf16_d64_full_k4x2, 64, true, false, BH_K4_VAR)
-BH_BWD_K4(attn_bwd_bf16_d64_causal_k4x2, 64, true, true, BH_K4_VAR)
-BH_BWD_K4(attn_bwd_f16_d64_full_k4x2, 64, false, false, BH_K4_VAR)
-BH_BWD_K4(attn_bwd_f16_d64_causal_k4x2, 64, false, true, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d128_full_k4x2, 128, true, false, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d128_causal_k4x2, 128, true, true, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d128_interval_k4x2, 128, true, false, true, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d128_full_k4x2, 128, false, false, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d128_causal_k4x2, 128, false, true, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d128_interval_k4x2, 128, false, false, true, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d64_full_k4x2, 64, true, false, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d64_causal_k4x2, 64, true, true, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_bf16_d64_interval_k4x2, 64, true, false, true, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d64_full_k4x2, 64, false, false, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d64_causal_k4x2, 64, false, true, false, BH_K4_VAR)
+BH_BWD_K4(attn_bwd_f16_d64_interval_k4x2, 64, false, false, true, BH_K4_VAR)
 
 // delta[b, h, s] = sum_d do[b, s, h, d] * o[b, s, h, d]; one warp per (b, s, h) row.
 // kinds: 0 = bf16, 1 = fp16, 2 = fp32 (for do and o independently).

@@ -158,8 +158,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
         float l2 = BH_INF, dl = 0.f;  // rows past the end, and rows that saw nothing, get P = 0
         if (row < Sq) {
           const float x = lse[b * lsb + h * lsh + row * lss];
-          if (x > -BH_INF) l2 = x * BH_LOG2E;
-          dl = delta[b * dsb + h * dsh + row * dss];
+          if (x > -BH_INF) {
+            l2 = x * BH_LOG2E;
+            dl = delta[b * dsb + h * dsh + row * dss];
+          }
         }
         s_lse[s * BM + tid] = l2;
         s_delta[s * BM + tid] = dl;

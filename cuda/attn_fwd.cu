@@ -10,14 +10,26 @@
 // Causal masking is on global positions: key j is hidden from query i when j > i + off, with
 // off = q_start - k_start. Key tiles wholly hidden are never loaded, tiles wholly visible skip the
 // mask, and only tiles that straddle the diagonal (or the key tail) are masked.
+//
+// Interval masks (IV: documents, sliding windows; docs/KERNELS.md "Masks"): local query row r sees
+// the keys whose global position lies in [mlo[r], mhi[r]); local key c sits at global kofs + c.
+// Both bounds never decrease with r, so a CTA's keys run from mlo[first row] to mhi[last row] and a
+// warp's tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
 #include "common.cuh"
 
-template <int D, int BN, int NW, int MT, bool BF16, bool CAUSAL>
+// a global key bound as a block-local key index, clamped to [-1, Sk + 1] (fits an int)
+__device__ __forceinline__ int local_key(int bound, i64 kofs, int Sk) {
+  const i64 c = static_cast<i64>(bound) - kofs;
+  return static_cast<int>(c < -1 ? -1 : (c > Sk + 1 ? Sk + 1 : c));
+}
+
+template <int D, int BN, int NW, int MT, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k,
                                          const u16* __restrict__ v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh,
                                          i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss,
                                          i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int group, float sl2,
-                                         i64 off) {
+                                         i64 off, const int* __restrict__ mlo, const int* __restrict__ mhi,
+                                         i64 kofs) {
   // NW warps, each owning MT m16 row tiles (MT = 2: every K/V fragment read from shared memory
   // feeds two MMAs, halving shared-memory traffic per FLOP against one tile per warp).
   constexpr int NT = NW * 32, WM = 16 * MT, BM = NW * WM;
@@ -31,12 +43,17 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
   const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
   const int m0 = mb * BM;
 
-  int n_end = Sk;
+  int n_begin = 0, n_end = Sk;
   if (CAUSAL) {
     const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
     n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
   }
-  if (n_end <= 0) return;  // nothing visible: (o, lse) stay as they are
+  if (IV) {
+    n_begin = max(0, local_key(mlo[m0], kofs, Sk));
+    n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
+  }
+  if (n_end <= n_begin) return;  // nothing visible: (o, lse) stay as they are
+  const int t_begin = n_begin / BN;
   const int ntiles = (n_end + BN - 1) / BN;
 
   const u16* qg = q + b * qsb + h * qsh + static_cast<i64>(m0) * qss;
@@ -44,8 +61,8 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
   const u16* vg = v + b * vsb + hk * vsh;
 
   load_tile<BM, D, NT>(sQ, qg, qss, Sq - m0, tid);
-  load_tile<BN, D, NT>(sK, kg, kss, Sk, tid);
-  load_tile<BN, D, NT>(sV, vg, vss, Sk, tid);
+  load_tile<BN, D, NT>(sK, kg + t_begin * BN * kss, kss, Sk - t_begin * BN, tid);
+  load_tile<BN, D, NT>(sV, vg + t_begin * BN * vss, vss, Sk - t_begin * BN, tid);
   cp_async_commit();
 
   float acc[MT][D / 8][4];
@@ -57,9 +74,11 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
 #pragma unroll
   for (int m = 0; m < MT; ++m) mrow[m][0] = mrow[m][1] = -BH_INF, lrow[m][0] = lrow[m][1] = 0.f;
   const int row_lo = m0 + w * WM + (lane >> 2);  // rows row_lo + 16*m + 8*r
+  // IV: the bounds are re-read (L1 hits) where needed rather than held: registers are at their limit
+  const int w_first = min(m0 + w * WM, Sq - 1), w_last = min(m0 + w * WM + WM, Sq) - 1;
 
-  for (int t = 0; t < ntiles; ++t) {
-    const int st = t & 1;
+  for (int t = t_begin; t < ntiles; ++t) {
+    const int st = (t - t_begin) & 1;
     if (t + 1 < ntiles) {
       const int n1 = (t + 1) * BN;
       load_tile<BN, D, NT>(sK + (st ^ 1) * BN * D * 2, kg + n1 * kss, kss, Sk - n1, tid);
@@ -97,8 +116,10 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
     }
 
     const int n0 = t * BN;
-    const bool need_mask =
-        (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(m0 + w * WM) + off);
+    const bool need_mask = (n0 + BN > Sk) ||
+                           (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(m0 + w * WM) + off) ||
+                           (IV && !(local_key(mlo[w_last], kofs, Sk) <= n0 &&
+                                    local_key(mhi[w_first], kofs, Sk) >= n0 + BN));
     // scores are used as exp2(s * mul - max * mul); a non-positive scale is applied up front instead
     float mul = sl2;
     if (!(sl2 > 0.f)) {
@@ -116,6 +137,17 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
       const i64 dlim = off - static_cast<i64>(cbase) + row_lo;  // hidden when i*8+(e&1)-m*16-(e>>1)*8 > dlim
       const int dl = static_cast<int>(max(static_cast<i64>(-4 * BN), min(static_cast<i64>(4 * BN), dlim)));
       const int klim = Sk - cbase;  // key out of range when i*8 + (e&1) >= klim
+      int rlo[MT][2], rhi[MT][2];     // IV: this thread's rows see i*8 + (e&1) in [rlo, rhi)
+      if (IV) {
+#pragma unroll
+        for (int m = 0; m < MT; ++m)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            const int row = min(row_lo + m * 16 + r * 8, Sq - 1);
+            rlo[m][r] = local_key(mlo[row], kofs, Sk) - cbase;
+            rhi[m][r] = local_key(mhi[row], kofs, Sk) - cbase;
+          }
+      }
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
@@ -123,7 +155,8 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int c = i * 8 + (e & 1);
-            const bool hid = (c >= klim) || (CAUSAL && c - m * 16 - (e >> 1) * 8 > dl);
+            const bool hid = (c >= klim) || (CAUSAL && c - m * 16 - (e >> 1) * 8 > dl) ||
+                             (IV && (c < rlo[m][e >> 1] || c >= rhi[m][e >> 1]));
             if (hid) s[m][i][e] = -BH_INF;
           }
     }
@@ -247,21 +280,25 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
   }
 }
 
-#define BH_FWD(NAME, D, BN, NW, MT, BF16, CAUSAL)                                                              \
+#define BH_FWD(NAME, D, BN, NW, MT, BF16, CAUSAL, IV)                                                          \
   extern "C" __global__ void __launch_bounds__(NW * 32) NAME(                                                      \
       const u16* q, const u16* k, const u16* v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh, i64 ksb,      \
       i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,       \
-      int Sq, int Sk, int group, float sl2, i64 off) {                                                         \
-    attn_fwd<D, BN, NW, MT, BF16, CAUSAL>(q, k, v, o, lse, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh, \
-                                  lsb, lsh, lss, Sq, Sk, group, sl2, off);                                     \
+      int Sq, int Sk, int group, float sl2, i64 off, const int* mlo, const int* mhi, i64 kofs) {               \
+    attn_fwd<D, BN, NW, MT, BF16, CAUSAL, IV>(q, k, v, o, lse, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, \
+                                      osh, lsb, lsh, lss, Sq, Sk, group, sl2, off, mlo, mhi, kofs);            \
   }
 
-// name: attn_fwd_<dtype>_d<D>_<mask>
-BH_FWD(attn_fwd_bf16_d128_full, 128, 64, 4, 2, true, false)
-BH_FWD(attn_fwd_bf16_d128_causal, 128, 64, 4, 2, true, true)
-BH_FWD(attn_fwd_f16_d128_full, 128, 64, 4, 2, false, false)
-BH_FWD(attn_fwd_f16_d128_causal, 128, 64, 4, 2, false, true)
-BH_FWD(attn_fwd_bf16_d64_full, 64, 64, 4, 2, true, false)
-BH_FWD(attn_fwd_bf16_d64_causal, 64, 64, 4, 2, true, true)
-BH_FWD(attn_fwd_f16_d64_full, 64, 64, 4, 2, false, false)
-BH_FWD(attn_fwd_f16_d64_causal, 64, 64, 4, 2, false, true)
+// name: attn_fwd_<dtype>_d<D>_<mask>, mask: full | causal | interval
+BH_FWD(attn_fwd_bf16_d128_full, 128, 64, 4, 2, true, false, false)
+BH_FWD(attn_fwd_bf16_d128_causal, 128, 64, 4, 2, true, true, false)
+BH_FWD(attn_fwd_bf16_d128_interval, 128, 64, 4, 2, true, false, true)
+BH_FWD(attn_fwd_f16_d128_full, 128, 64, 4, 2, false, false, false)
+BH_FWD(attn_fwd_f16_d128_causal, 128, 64, 4, 2, false, true, false)
+BH_FWD(attn_fwd_f16_d128_interval, 128, 64, 4, 2, false, false, true)
+BH_FWD(attn_fwd_bf16_d64_full, 64, 64, 4, 2, true, false, false)
+BH_FWD(attn_fwd_bf16_d64_causal, 64, 64, 4, 2, true, true, false)
+BH_FWD(attn_fwd_bf16_d64_interval, 64, 64, 4, 2, true, false, true)
+BH_FWD(attn_fwd_f16_d64_full, 64, 64, 4, 2, false, false, false)
+BH_FWD(attn_fwd_f16_d64_causal, 64, 64, 4, 2, false, true, false)
+BH_FWD(attn_fwd_f16_d64_interval, 64, 64, 4, 2, false, false, true)

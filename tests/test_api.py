@@ -99,7 +99,7 @@ def test_heads_not_a_multiple(rng):
 
 def test_causal_needs_equal_lengths(rng):
     q, k, v = _good(rng)
-    with pytest.raises(ShapeError, match=r"causal attention needs as many queries as keys; got 8 and 5"):
+    with pytest.raises(ShapeError, match=r"causal, document and window masks need as many queries as keys; got 8 and 5"):
         attention(q, k[:, :5], v[:, :5], causal=True)
     o, lse = attention(q, k[:, :5], v[:, :5], causal=False)  # fine without the mask
     assert o.shape == q.shape and lse.shape == (2, 4, 8)
@@ -131,7 +131,7 @@ def test_backward_validation(rng):
         attention_backward(do, q, k, v, o.astype(np.float16), lse)
     with pytest.raises(ShapeError, match=r"lse must have shape \(2, 4, 8\)"):
         attention_backward(do, q, k, v, o, lse.transpose(0, 2, 1))
-    with pytest.raises(ShapeError, match=r"causal attention needs as many queries as keys"):
+    with pytest.raises(ShapeError, match=r"causal, document and window masks need as many queries as keys"):
         attention_backward(do, q, k[:, :4], v[:, :4], o, lse, causal=True)
     with pytest.raises(ShapeError, match=r"q must be rank 4"):
         attention_backward(do, q[0], k, v, o, lse)

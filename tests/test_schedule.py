@@ -230,3 +230,22 @@ def test_balanced_sends_one_shard_per_rank_and_step():
             assert len(data) == 1 and data[0].shard == r
             assert len([m for m in step.recvs if m.what == "data"]) == 1
         assert all(m.what == "partial" for m in plan[-1].sends + plan[-1].recvs)
+
+
+@pytest.mark.parametrize("size", [2, 3, 5])
+def test_a_shortened_ring_sends_each_partial_straight_home(size):
+    """Documents or a window can stop the ring after T < P steps (masks.ring_steps): the last
+    exchange sends each carried partial to its owner, one message each way."""
+    from burst_hpc.schedule import Transfer, plain_ring_steps
+
+    for count in range(1, size + 1):
+        plans = [plain_ring_steps(r, size, "kv", ("kv", "q"), count) for r in range(size)]
+        for r, plan in enumerate(plans):
+            assert [s.visit.shard for s in plan[:count]] == [(r - t) % size for t in range(count)]
+            if count == 1:  # nothing travels: the partial of its own shard stays
+                assert len(plan) == 1 and not plan[0].sends and not plan[0].recvs
+                continue
+            (send,), (recv,) = plan[-1].sends, plan[-1].recvs
+            assert send.peer == send.shard == (r - count + 1) % size  # to the owner of what it visited last
+            assert recv.shard == r and recv.peer == (r + count - 1) % size
+            assert Transfer(r, "partial", "kv", send.peer) in plans[send.peer][-1].recvs

@@ -4,13 +4,16 @@ Every backend implements the same three calls over one (query block, key block) 
 Shapes follow BSHD: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D) with Hq % Hkv == 0, query head h
 reading key/value head h // (Hq // Hkv). Inputs may be strided views along S (a zigzag half).
 
-    forward_block(q, k, v, o, lse, *, scale, causal, q_start, k_start)
+    forward_block(q, k, v, o, lse, *, scale, causal, q_start, k_start, mask=None)
         o   float accumulator (B, Sq, Hq, D), the running *normalised* output
         lse float accumulator (B, Hq, Sq), the running natural-log sum-exp (-inf: nothing yet)
         Attends q to this key block and merges the result into (o, lse) in place (GAO merge).
-        causal masks key position k_start + j > query position q_start + i (global positions).
+        causal: the pair needs a mask (False: every key is visible to every query). The mask is
+        ``mask`` (a masks.Mask: query q_start + i sees keys mask.intervals[0][.] <= k_start + j <
+        mask.intervals[1][.], documents and windows) when given, else plain causal: key position
+        k_start + j > query position q_start + i is hidden (global positions).
 
-    backward_block(q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start)
+    backward_block(q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask=None)
         lse, delta (B, Hq, Sq): the final forward lse and rowsum(do * o).
         Adds this block pair's gradients into dq (B, Sq, Hq, D) and dk, dv (B, Sk, Hkv, D).
 

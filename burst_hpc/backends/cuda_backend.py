@@ -248,11 +248,20 @@ class CudaBackend:
         kind = _dtype_kind(q.dtype)
         return "bf16" if kind in ("bf16", "f32") else "f16"
 
+    @staticmethod
+    def _mask_args(mask, q_start, sq, k_start):
+        """Kernel arguments (mlo, mhi, kofs): the interval kernels read each query row's key bounds
+        (masks.Mask, docs/KERNELS.md "Masks"); other modes take null pointers."""
+        if mask is None:
+            return (np.uint64(0), np.uint64(0), np.int64(0))
+        lo, hi = mask.device_intervals(cupy)
+        return (lo[q_start:q_start + sq], hi[q_start:q_start + sq], np.int64(k_start))
+
     # ---- the three block calls ---------------------------------------------------------------------
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0):
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
             return padding.forward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, o, lse, scale=scale, causal=causal,
-                                         q_start=q_start, k_start=k_start)
+                                         q_start=q_start, k_start=k_start, mask=mask)
         d = self._check_dims(q, k)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -262,10 +271,11 @@ class CudaBackend:
         q, k, v = (self._half(x, kind) for x in (q, k, v))
         o_w, o_back = self._out(o, "o")
         l_w, l_back = self._f32_rows(lse, "lse")
-        if self.family == "sm90":
+        mask = mask if causal else None  # an unmasked pair runs the full kernel
+        if self.family == "sm90" and mask is None:  # masked pairs: the sm80 interval kernels, on every family
             self._forward_sm90(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start)
         else:
-            self._forward_sm80(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start)
+            self._forward_sm80(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask)
         if o_back is not None:
             o_back[...] = o_w
         if l_back is not None:
@@ -289,23 +299,26 @@ class CudaBackend:
                 np.int32(hq // hkv), np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
         kern(grid, (128 * (1 + consumers),), args, shared_mem=smem)
 
-    def _forward_sm80(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
+    def _forward_sm80(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask=None):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         nw, bm, bn = 4, 128, _FWD_BN  # 4 warps x 32 query rows, 64-key tiles
         smem = (bm * d + 4 * bn * d) * 2
-        name = f"attn_fwd_{kind}_d{d}_{'causal' if causal else 'full'}"
+        mode = "interval" if mask is not None else "causal" if causal else "full"
+        name = f"attn_fwd_{kind}_d{d}_{mode}"
         kern = self._kernel("attn_fwd.cu", name, smem)
         grid = ((sq + bm - 1) // bm, hq, b)
         args = (q, k, v, o_w, l_w, *self._strides(q)[:3], *self._strides(k)[:3], *self._strides(v)[:3],
                 *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk), np.int32(hq // hkv),
-                np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
+                np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)),
+                *self._mask_args(mask, q_start, sq, k_start))
         kern(grid, (nw * 32,), args, shared_mem=smem)
 
-    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
+                       mask=None):
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
             return padding.backward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, do, lse, delta, dq, dk, dv, scale=scale,
-                                          causal=causal, q_start=q_start, k_start=k_start)
+                                          causal=causal, q_start=q_start, k_start=k_start, mask=mask)
         d = self._check_dims(q, k)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
@@ -318,8 +331,12 @@ class CudaBackend:
         dq_w, dq_back = self._out(dq, "dq")
         dk_w, dk_back = self._out(dk, "dk")
         dv_w, dv_back = self._out(dv, "dv")
-        launch = self._backward_sm90 if self.family == "sm90" else self._backward_sm80
-        launch(kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start, k_start)
+        mask = mask if causal else None  # an unmasked pair runs the full kernel
+        if self.family == "sm90" and mask is None:  # masked pairs: the sm80 interval kernels, on every family
+            self._backward_sm90(kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start, k_start)
+        else:
+            self._backward_sm80(kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start, k_start,
+                                mask)
         for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
             if back is not None:
                 back[...] = w
@@ -363,14 +380,17 @@ class CudaBackend:
             dq += dq_w
 
     def _backward_sm80(self, kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start,
-                       k_start):
+                       k_start, mask=None):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         group = hq // hkv
+        mode = "interval" if mask is not None else "causal" if causal else "full"
         layout = _BWD_LAYOUT
+        if mask is not None and layout != "k4x2":
+            raise BackendError(f"documents and windows run on the k4x2 backward only; BURST_HPC_BWD_LAYOUT={layout}")
         if layout == "k4x2":
             nw, bn = 8, 128
-            smem = (2 * bn * d + 4 * _BWD_BM * d + 2 * bn * _BWD_BM) * 2 + 4 * _BWD_BM * 4
+            smem = (2 * bn * d + 4 * _BWD_BM * d + 2 * bn * _BWD_BM) * 2 + (8 if mask is not None else 4) * _BWD_BM * 4
         elif layout in ("w8", "w4"):
             nw = int(layout[1:])
             bn = 16 * nw
@@ -379,18 +399,18 @@ class CudaBackend:
             raise BackendError(f"BURST_HPC_BWD_LAYOUT must be k4x2, w8 or w4; got {layout!r}")
         nkb = (sk + bn - 1) // bn
         hpb, nsplit = self._group_split(group, nkb, b * hkv)
-        kname = f"attn_bwd_{kind}_d{d}_{'causal' if causal else 'full'}_{layout}"
+        kname = f"attn_bwd_{kind}_d{d}_{mode}_{layout}"
         s = self._strides
         extra = ()
         if layout == "k4x2":
             # 1-D grid; causal: heavy key blocks first inside chunks of order_g head slots (see attn_bwd.cu)
             slots = nsplit * b * hkv
             order_g = 1
-            if causal:
+            if mode == "causal":
                 order_g = min(slots, max(1, -(-2 * _sm_count() // nkb)))
             order_g = _BWD_ORDER_G or order_g
             grid = (nkb * slots, 1, 1)
-            extra = (np.int32(max(1, min(order_g, slots))),)
+            extra = (np.int32(max(1, min(order_g, slots))), *self._mask_args(mask, q_start, sq, k_start))
         else:
             grid = (nkb, nsplit, b * hkv)
         args = (q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, *s(q)[:3], *s(k)[:3], *s(v)[:3], *s(do)[:3],

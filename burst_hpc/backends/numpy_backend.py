@@ -2,8 +2,9 @@
 
 Each (query tile, key tile) pair is scored on its own, so no more than one tile of scores
 exists at a time. Query heads are grouped under their key/value head (GQA) so a key tile is
-read once per group. Causal masks use global positions; key tiles wholly after a query tile
-are never visited.
+read once per group. Masks use global positions: plain causal from q_start/k_start, documents
+and windows from a masks.Mask (each row's visible key interval). Key tiles with nothing visible
+are never visited; tiles wholly visible are not masked.
 """
 import numpy as np
 
@@ -36,21 +37,28 @@ class NumpyBackend:
         self.block_q = block_q
         self.block_k = block_k
 
-    def _key_tiles(self, q0, q1, n_keys, causal, q_start, k_start):
-        """Key tiles (k0, k1, needs_mask) visible to query rows q0..q1-1."""
-        last_q = q_start + q1 - 1
-        k_end = n_keys if not causal else max(0, min(n_keys, last_q - k_start + 1))
-        for k0 in range(0, k_end, self.block_k):
+    def _key_tiles(self, q0, q1, n_keys, causal, q_start, k_start, mask):
+        """Key tiles (k0, k1, hidden) with something visible to query rows q0..q1-1; ``hidden`` is
+        None for tiles that need no mask, else the boolean (rows, keys) mask of hidden pairs."""
+        if mask is not None:
+            lo, hi = (x - k_start for x in mask.rows(q_start + q0, q1 - q0))
+            k_begin, k_end = max(0, int(lo[0])), min(n_keys, int(hi[-1]))  # both ends never decrease
+        else:
+            k_begin, k_end = 0, n_keys if not causal else max(0, min(n_keys, q_start + q1 - k_start))
+        for k0 in range(k_begin - k_begin % self.block_k, k_end, self.block_k):
             k1 = min(k_end, k0 + self.block_k)
-            yield k0, k1, causal and (k_start + k1 - 1 > q_start + q0)
+            keys = np.arange(k0, k1)
+            if mask is not None:
+                if lo[-1] <= k0 and hi[0] >= k1:
+                    yield k0, k1, None
+                elif (np.minimum(hi, k1) > np.maximum(lo, k0)).any():
+                    yield k0, k1, ~((keys >= lo[:, None]) & (keys < hi[:, None]))
+            elif causal and k_start + k1 - 1 > q_start + q0:
+                yield k0, k1, k_start + keys[None, :] > q_start + np.arange(q0, q1)[:, None]
+            else:
+                yield k0, k1, None
 
-    @staticmethod
-    def _mask(q_start, q0, q1, k_start, k0, k1):
-        q_pos = q_start + np.arange(q0, q1)
-        k_pos = k_start + np.arange(k0, k1)
-        return k_pos[None, :] > q_pos[:, None]
-
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0):
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
         acc = o.dtype
         n_kv = k.shape[2]
         for q0 in range(0, q.shape[1], self.block_q):
@@ -60,12 +68,12 @@ class NumpyBackend:
             row_max = np.full(shape, -np.inf, acc)
             row_sum = np.zeros(shape, acc)
             out = np.zeros(qt.shape, acc)
-            for k0, k1, needs_mask in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start):
+            for k0, k1, hidden in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
                 kt = _heads_first(k[:, k0:k1], acc)
                 vt = _heads_first(v[:, k0:k1], acc)
                 s = qt @ kt.swapaxes(-1, -2)
-                if needs_mask:
-                    s = np.where(self._mask(q_start, q0, q1, k_start, k0, k1), -np.inf, s)
+                if hidden is not None:
+                    s = np.where(hidden, -np.inf, s)
                 new_max = np.maximum(row_max, s.max(-1))
                 safe_max = np.where(np.isneginf(new_max), 0, new_max)
                 p = np.exp(s - safe_max[..., None])
@@ -79,7 +87,8 @@ class NumpyBackend:
             b, hk, g, n = block_lse.shape
             merge_into(o[:, q0:q1], lse[:, :, q0:q1], _ungroup(block_o), block_lse.reshape(b, hk * g, n))
 
-    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0):
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
+                       mask=None):
         acc = dq.dtype
         b, _, n_kv, d = k.shape
         group = q.shape[2] // n_kv
@@ -93,13 +102,13 @@ class NumpyBackend:
             visible = ~np.isneginf(lse_t)
             lse_t = np.where(visible, lse_t, 0)
             dq_t = np.zeros(qt.shape, acc)
-            for k0, k1, needs_mask in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start):
+            for k0, k1, hidden in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
                 kt = _heads_first(k[:, k0:k1], acc)
                 vt = _heads_first(v[:, k0:k1], acc)
                 s = (qt @ kt.swapaxes(-1, -2)) * acc.type(scale)
                 keep = visible[..., None]
-                if needs_mask:
-                    keep = keep & ~self._mask(q_start, q0, q1, k_start, k0, k1)
+                if hidden is not None:
+                    keep = keep & ~hidden
                 # mask before exp: a hidden score can sit far above the row's lse and overflow
                 p = np.exp(np.where(keep, s - lse_t[..., None], -np.inf))
                 dp = dot @ vt.swapaxes(-1, -2)

@@ -1,0 +1,160 @@
+"""Documents (cu_seqlens) and sliding windows through the ring, on the CPU path, against the
+float64 oracle on the whole sequence. Runs under mpiexec with 1..4 ranks."""
+import numpy as np
+import pytest
+
+import burst_hpc
+from burst_hpc import masks
+from burst_hpc.distributed import _backward, _forward, _Plan
+from burst_hpc.errors import MaskError, RankMismatchError
+from burst_hpc.reference import attention_backward_reference, attention_reference
+from test_ring import raises_everywhere, shared_rng
+
+LOCAL = 12  # tokens per rank: zigzag halves of 6
+
+
+def packed(rng, seqlen, kind):
+    """Document offsets: None; 'one' document; 'many' random ones with no cut on a rank or zigzag-half
+    boundary (so documents span them) and two of length 1."""
+    if kind is None:
+        return None
+    if kind == "one":
+        return np.array([0, seqlen])
+    half = LOCAL // 2
+    inner = [c for c in range(2, seqlen - 2) if c % half not in (0, half - 1)]
+    cuts = set(rng.choice(inner, size=min(len(inner), max(1, seqlen // 8)), replace=False).tolist())
+    for c in rng.choice(inner, size=min(len(inner), 2), replace=False):
+        cuts |= {int(c), int(c) + 1}  # a one-token document
+    return np.array([0, *sorted(cuts), seqlen])
+
+
+CASES = [  # (documents, window, causal, layout); layout None: the default
+    ("many", None, True, None),
+    ("many", None, True, "zigzag"),
+    ("many", None, True, "contiguous"),     # the kv-ring stops early; dK, dV go straight home
+    ("many", None, True, "balanced"),       # hidden chunk pairs leave the balanced schedule
+    (None, (15, 0), True, "balanced"),
+    ("many", (4, 0), True, "balanced"),
+    (None, (5, 2), False, "balanced"),      # not causal: the plain ring, shortened by the window
+    ("many", None, False, "contiguous"),
+    ("one", None, True, "zigzag"),
+    (None, (0, 0), True, "contiguous"),
+    (None, (1, 0), True, None),
+    (None, (5, 2), False, "zigzag"),
+    (None, (15, 0), True, "contiguous"),    # larger than a shard
+    (None, (15, 15), False, "contiguous"),
+    (None, (0, 15), False, "contiguous"),    # the q-ring stops early; dQ goes straight home
+    ("many", (4, 0), True, "zigzag"),
+    ("many", (3, 20), False, None),
+]
+
+
+@pytest.mark.parametrize("docs,window,causal,layout", CASES)
+def test_forward_and_both_backward_rings(comm, docs, window, causal, layout):
+    P, r = comm.size, comm.rank
+    rng, seed = shared_rng(comm)
+    seqlen = LOCAL * P
+    cu = packed(rng, seqlen, docs)
+    q, k, v, do = (rng.standard_normal((1, seqlen, h, 8)) for h in (4, 2, 2, 4))
+    kw = dict(causal=causal, cu_seqlens=cu, window=window)
+    ref_o, ref_lse = attention_reference(q, k, v, **kw)
+    ref_grads = attention_backward_reference(do, q, k, v, **kw)
+    used = layout or masks.default_layout(masks.make(seqlen, causal, window, cu), P)
+    ctx = f"seed {seed} {kw} layout {used}"
+
+    def mine(x, axis=1):
+        return burst_hpc.shard(x, r, P, used, axis=axis)
+
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, layout=layout, **kw)
+    np.testing.assert_allclose(o, mine(ref_o), atol=1e-10, err_msg=ctx)
+    np.testing.assert_allclose(lse, mine(ref_lse, axis=2), rtol=1e-6, err_msg=ctx)
+    for ring in ("q", "kv"):
+        grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm,
+                                                   layout=layout, backward_ring=ring, **kw)
+        for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
+            np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring}-ring {ctx}")
+
+
+class CountingTransport:
+    """The real transport, counting the exchanges that carry data."""
+
+    def __init__(self, inner):
+        self.inner, self.exchanges = inner, 0
+        self.xp, self.rank, self.size = inner.xp, inner.rank, inner.size
+
+    def exchange(self, sends, recvs):
+        self.exchanges += 1
+        return self.inner.exchange(sends, recvs)
+
+
+@pytest.mark.parametrize("ring", ["q", "kv"])
+def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
+    """A causal window of 3 with the contiguous layout reaches one shard back: two steps forward
+    (one exchange), and the kv-ring backward sends dK/dV one hop back home; nothing more moves."""
+    P = comm.size
+    rng, seed = shared_rng(comm)
+    q, k, v, do = (rng.standard_normal((1, LOCAL * P, 2, 8)) for _ in range(4))  # MHA
+    kw = dict(causal=True, window=(3, 0))
+
+    def mine(x):
+        return burst_hpc.shard(x, comm.rank, P, "contiguous")
+
+    plan = _Plan(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto", window=(3, 0))
+    steps = min(P, 2)
+    assert masks.ring_steps(plan.mask, P, plan.layout, False) == steps and plan.layout == "contiguous"
+    assert masks.ring_steps(plan.mask, P, plan.layout, True) == P  # queries travel forward: later queries come last
+    counting = CountingTransport(plan.transport())
+    o, lse = _forward(plan, mine(q), mine(k), mine(v), transport=counting)
+    assert counting.exchanges == steps - 1
+    ref_o, _ = attention_reference(q, k, v, **kw)
+    np.testing.assert_allclose(o, mine(ref_o), atol=1e-10, err_msg=f"seed {seed}")
+    counting = CountingTransport(plan.transport())
+    grads = _backward(plan, ring, mine(do), mine(q), mine(k), mine(v), o, lse, transport=counting)
+    # every step of a ring of P > 1 exchanges once, and one more exchange brings the carried
+    # accumulators home (straight to their owner when the ring stopped early)
+    if ring == "kv":
+        assert counting.exchanges == (0 if P == 1 else 3)
+    else:
+        assert counting.exchanges == (0 if P == 1 else P + 1)
+    for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **kw)):
+        np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")
+    auto = _Plan(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto",
+                 backward=(mine(do), o, lse, "auto"), window=(3, 0))
+    assert auto.ring == ("kv" if P > 2 else "q")  # MHA takes the q-ring, unless its P steps lose
+
+
+def local_inputs(comm, local=LOCAL):
+    rng = np.random.default_rng()
+    return [rng.standard_normal((1, local, h, 8)) for h in (2, 1, 1)]
+
+
+def test_bad_documents_on_one_rank_fail_on_every_rank(comm):
+    seqlen = LOCAL * comm.size
+    cu = np.array([0, 5, 3, seqlen]) if comm.rank == comm.size - 1 else np.array([0, 3, 5, seqlen])
+    q, k, v = local_inputs(comm)
+    raises_everywhere(comm, MaskError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, causal=True, cu_seqlens=cu),
+                      match="strictly increasing")
+    short = np.array([0, 3, seqlen - 1])
+    raises_everywhere(comm, MaskError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, cu_seqlens=short),
+                      match=f"end at the sequence length {seqlen}")
+
+
+def test_bad_window_fails_on_every_rank(comm):
+    q, k, v = local_inputs(comm)
+    raises_everywhere(comm, MaskError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, window=(-3, 0)),
+                      match="window sizes must be >= 0")
+
+
+def test_ranks_with_different_documents_or_windows_fail_on_every_rank(comm):
+    if comm.size == 1:
+        pytest.skip("needs two ranks to disagree")
+    seqlen = LOCAL * comm.size
+    q, k, v = local_inputs(comm)
+    cu = np.array([0, 4 if comm.rank == 1 else 5, seqlen])
+    raises_everywhere(comm, RankMismatchError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, cu_seqlens=cu),
+                      match="ranks disagree on documents and window")
+    window = (2, 0) if comm.rank == 1 else (3, 0)
+    raises_everywhere(comm, RankMismatchError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, window=window),
+                      match="ranks disagree on documents and window")
+    o, lse = burst_hpc.burst_attention(q, k, v, comm=comm, window=(3, 0), causal=True)  # the ring still works
+    assert np.isfinite(lse).all()

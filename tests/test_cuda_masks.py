@@ -1,0 +1,112 @@
+"""GPU tests of the interval-masked CUDA kernels: documents (cu_seqlens) and sliding windows
+(skipped without CuPy or without a GPU). Run on the GPU machine with
+``python3 -m pytest -q tests/test_cuda_masks.py`` (and ``BURST_HPC_KERNELS=sm80`` to force the
+mma.sync family on Hopper).
+
+Rule (FlashAttention style, as tests/test_cuda_kernels.py): against the float64 oracle (the
+dense boolean mask of burst_hpc.reference), the error of our result is at most 2x (forward) /
+3x (gradients) the error of a plain same-precision implementation (burst_hpc.verify.plain_attention,
+each product rounded to bf16) plus a small floor. Fresh random inputs every run; the seed is printed.
+"""
+import numpy as np
+import pytest
+
+cupy = pytest.importorskip("cupy")
+try:
+    _NGPU = cupy.cuda.runtime.getDeviceCount()
+except Exception:  # noqa: BLE001
+    _NGPU = 0
+pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
+
+import burst_hpc  # noqa: E402
+from burst_hpc import masks  # noqa: E402
+from burst_hpc.backends import get_backend  # noqa: E402
+from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
+from burst_hpc.verify import plain_attention  # noqa: E402
+
+BF16 = np.dtype("bfloat16")
+
+
+def documents(rng, seqlen, count):
+    """Random offsets with two one-token documents and a document far longer than a tile."""
+    cu = masks.random_documents(rng, seqlen, count)
+    ones = rng.choice(np.arange(1, seqlen - 1), size=2, replace=False)
+    cu = np.union1d(cu, np.concatenate([ones, ones + 1]))
+    return cu
+
+
+def _err(got, want):
+    return float(np.abs(np.asarray(got, np.float64) - want).max())
+
+
+CASES = [  # seqlen, hq, hkv, d, causal, documents, window
+    (1000, 4, 2, 128, True, 9, None),
+    (1000, 4, 2, 64, True, 9, None),
+    (777, 2, 2, 128, False, 5, None),
+    (1000, 4, 1, 128, True, None, (100, 0)),
+    (1000, 2, 2, 64, True, None, (0, 0)),
+    (1000, 2, 2, 64, True, None, (1, 0)),
+    (901, 4, 2, 128, False, None, (37, 64)),
+    (1000, 2, 1, 128, True, 12, (200, 0)),
+    (1000, 2, 2, 64, False, 4, (-1, 5)),
+    (333, 2, 2, 128, True, 1, None),  # one document: plain causal
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}_h{c[1]}:{c[2]}_d{c[3]}_{'causal' if c[4] else 'full'}"
+                         f"_docs{c[5]}_win{c[6]}")
+def test_masked_attention_matches_oracle(case):
+    seqlen, hq, hkv, d, causal, count, window = case
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    cu = documents(rng, seqlen, count) if count and count > 1 else (np.array([0, seqlen]) if count else None)
+    kw = dict(causal=causal, window=window, cu_seqlens=cu)
+    q, k, v, do = (rng.standard_normal((2, seqlen, h, d)).astype(BF16) for h in (hq, hkv, hkv, hq))
+    ctx = f"seed={seed} {case}"
+    o, lse = burst_hpc.attention(*(cupy.asarray(x) for x in (q, k, v)), **kw)
+    ref_o, ref_lse = attention_reference(q, k, v, **kw)
+    plain = plain_attention(q, k, v, do, causal, None, BF16, window, cu)
+    assert not bool(cupy.isnan(o.astype(cupy.float32)).any()), ctx
+    assert _err(cupy.asnumpy(o), ref_o) <= 2 * _err(plain[0], ref_o) + 1e-3, ctx
+    assert _err(cupy.asnumpy(lse), ref_lse) <= 2 * _err(plain[1].astype(np.float32), ref_lse) + 1e-3, ctx
+    grads = burst_hpc.attention_backward(*(cupy.asarray(x) for x in (do, q, k, v)), o, lse, **kw)
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, attention_backward_reference(do, q, k, v, **kw),
+                                     plain[2:]):
+        floor = 3e-3 * max(1.0, float(np.abs(want).max()))
+        assert _err(cupy.asnumpy(got), want) <= 3 * _err(base, want) + floor, f"{ctx} {name}"
+
+
+def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing():
+    """A (query block, key block) pair cut from a packed windowed sequence, as the ring runs it:
+    rows that see nothing keep o = 0, lse = -inf (no NaN); the rest match the oracle; gradients
+    add into the poisoned accumulators."""
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    seqlen, d = 2048, 128
+    cu = documents(rng, seqlen, 7)
+    mask = masks.make(seqlen, True, (300, 0), cu)
+    be = get_backend(cupy.zeros(1))
+    for q_start, q_len, k_start, k_len in ((1024, 512, 640, 512), (1500, 300, 0, 1600), (300, 200, 600, 128)):
+        q, do = (rng.standard_normal((1, q_len, 4, d)).astype(BF16) for _ in range(2))
+        k, v = (rng.standard_normal((1, k_len, 2, d)).astype(BF16) for _ in range(2))
+        o = cupy.zeros((1, q_len, 4, d), cupy.float32)
+        lse = cupy.full((1, 4, q_len), -cupy.inf, cupy.float32)
+        be.forward_block(*(cupy.asarray(x) for x in (q, k, v)), o, lse, scale=d ** -0.5, causal=True,
+                         q_start=q_start, k_start=k_start, mask=mask)
+        kw = dict(causal=True, q_start=q_start, k_start=k_start, window=(300, 0), cu_seqlens=cu)
+        ref_o, ref_lse = attention_reference(q, k, v, **kw)
+        ctx = f"seed={seed} rows {q_start}+{q_len} keys {k_start}+{k_len}"
+        got_lse = cupy.asnumpy(lse)
+        np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(ref_lse), err_msg=ctx)
+        assert not np.isnan(cupy.asnumpy(o)).any(), ctx
+        assert _err(cupy.asnumpy(o), ref_o) < 2e-2, ctx
+        # backward of the same pair with the oracle's lse (what a finished forward leaves)
+        delta = np.einsum("bshd,bshd->bhs", do.astype(np.float64), ref_o).astype(np.float32)
+        poison = [rng.standard_normal(s).astype(np.float32) for s in ((1, q_len, 4, d), (1, k_len, 2, d), (1, k_len, 2, d))]
+        acc = [cupy.asarray(p.copy()) for p in poison]
+        be.backward_block(*(cupy.asarray(x) for x in (q, k, v, do)), cupy.asarray(ref_lse.astype(np.float32)),
+                          cupy.asarray(delta), *acc, scale=d ** -0.5, causal=True, q_start=q_start, k_start=k_start,
+                          mask=mask)
+        for name, got, p, want in zip(("dq", "dk", "dv"), acc, poison,
+                                      attention_backward_reference(do, q, k, v, **kw)):
+            assert _err(cupy.asnumpy(got) - p, want) < 5e-2 * max(1.0, float(np.abs(want).max())), f"{ctx} {name}"

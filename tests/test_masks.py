@@ -1,0 +1,249 @@
+"""Documents (cu_seqlens) and sliding windows on one device: the oracle's mask against the
+definitions, the per-row intervals and block classification against the oracle's mask, and the
+NumPy backend against the oracle."""
+import itertools
+
+import numpy as np
+import pytest
+
+from burst_hpc import MaskError, ShapeError, attention, attention_backward, masks
+from burst_hpc.backends.numpy_backend import NumpyBackend
+from burst_hpc.reference import attention_backward_reference, attention_reference, visible
+
+from burst_testing import qkv, randn
+
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
+WINDOWS = [None, (0, 0), (1, 0), (0, 1), (1, 1), (5, -1), (-1, 3), (7, 2), (40, 40), (500, 500)]
+
+
+def documents(rng, seqlen, count=None, short=True):
+    """Random document offsets; with ``short``, some documents of one token."""
+    count = count or int(rng.integers(1, min(seqlen, 12) + 1))
+    cu = masks.random_documents(rng, seqlen, count)
+    if short and seqlen > 3:  # force length-1 documents at random places
+        for cut in rng.choice(np.arange(1, seqlen - 1), size=min(3, seqlen - 2), replace=False):
+            cu = np.union1d(cu, [cut, cut + 1])
+    return cu
+
+
+def test_oracle_mask_is_the_definition():
+    cu = np.array([0, 3, 4, 9])
+    doc = [0, 0, 0, 1, 2, 2, 2, 2, 2]
+    for causal, window, docs in itertools.product([False, True], [None, (0, 0), (2, 1), (-1, 2), (3, -1)], [None, cu]):
+        got = visible(np.arange(9), np.arange(9), causal, window, docs)
+        for i, j in itertools.product(range(9), range(9)):
+            want = (not causal or j <= i) and (docs is None or doc[i] == doc[j])
+            if window is not None:
+                want = want and (window[0] == -1 or j >= i - window[0]) and (window[1] == -1 or j <= i + window[1])
+            assert got[i, j] == want, (causal, window, docs is not None, i, j)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_intervals_and_block_classes_match_the_oracle(causal, window, rng, seed):
+    seqlen = int(rng.integers(1, 90))
+    docs = documents(rng, seqlen) if window is None or rng.random() < 0.7 else None
+    mask = masks.make(seqlen, causal, window, docs)
+    dense = visible(np.arange(seqlen), np.arange(seqlen), causal, window, docs)
+    lo, hi = mask.intervals
+    keys = np.arange(seqlen)
+    np.testing.assert_array_equal((keys >= lo[:, None]) & (keys < hi[:, None]), dense, err_msg=f"seed={seed}")
+    for _ in range(40):
+        q0, q1 = sorted(rng.integers(0, seqlen + 1, 2))
+        k0, k1 = sorted(rng.integers(0, seqlen + 1, 2))
+        block = dense[q0:q1, k0:k1]
+        want = "hidden" if not block.any() else "full" if block.all() else "masked"
+        assert mask.classify(q0, q1 - q0, k0, k1 - k0) == want, f"seed={seed} rows {q0}:{q1} keys {k0}:{k1}"
+        assert mask.visible_count(q0, q1 - q0, k0, k1 - k0) == block.sum()
+
+
+# plain full and causal attention (no documents, no window) are test_api's
+MASK_CASES = [(docs, window) for docs in (False, True) for window in WINDOWS if docs or window is not None]
+
+
+@pytest.mark.parametrize("with_docs,window", MASK_CASES, ids=lambda x: str(x))
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_matches_oracle(with_docs, causal, window, rng, seed):
+    seqlen = int(rng.integers(1, 300))
+    docs = documents(rng, seqlen) if with_docs else None
+    q, k, v = qkv(rng, 2, seqlen, seqlen, 4, 2, 16)
+    do = randn(rng, q.shape)
+    kw = dict(causal=causal, window=window, cu_seqlens=docs)
+    ctx = f"seed={seed} S={seqlen} {kw}"
+    o, lse = attention(q, k, v, **kw)
+    ref_o, ref_lse = attention_reference(q, k, v, **kw)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-10, atol=1e-12, err_msg=ctx)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-6, err_msg=ctx)  # lse comes back as float32
+    assert np.isfinite(lse).all(), ctx  # every row sees at least itself
+    grads = attention_backward(do, q, k, v, o, lse, **kw)
+    for name, got, want in zip(("dq", "dk", "dv"), grads, attention_backward_reference(do, q, k, v, **kw)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6, err_msg=f"{ctx} {name}")
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float16])
+def test_low_precision_packed_causal(dtype, rng, seed):
+    seqlen = 257
+    docs = documents(rng, seqlen, 9)
+    q, k, v = qkv(rng, 1, seqlen, seqlen, 2, 1, 32, dtype)
+    o, _ = attention(q, k, v, causal=True, cu_seqlens=docs, window=(60, 0))
+    ref_o, _ = attention_reference(q, k, v, causal=True, cu_seqlens=docs, window=(60, 0))
+    tol = 1e-5 if dtype == np.float32 else 3e-3
+    np.testing.assert_allclose(o.astype(np.float64), ref_o, atol=tol, err_msg=f"seed={seed}")
+
+
+def test_single_document_equals_plain_causal(rng, seed):
+    seqlen = 150
+    q, k, v = qkv(rng, 1, seqlen, seqlen, 2, 2, 8)
+    do = randn(rng, q.shape)
+    whole = np.array([0, seqlen])
+    o, lse = attention(q, k, v, causal=True, cu_seqlens=whole)
+    o_c, lse_c = attention(q, k, v, causal=True)
+    np.testing.assert_allclose(o, o_c, rtol=1e-12, atol=1e-13, err_msg=f"seed={seed}")
+    np.testing.assert_allclose(lse, lse_c, rtol=1e-7)
+    for g, g_c in zip(attention_backward(do, q, k, v, o, lse, causal=True, cu_seqlens=whole),
+                      attention_backward(do, q, k, v, o_c, lse_c, causal=True)):
+        np.testing.assert_allclose(g, g_c, rtol=1e-10, atol=1e-12, err_msg=f"seed={seed}")
+    # an unbounded window is no window
+    o_w, _ = attention(q, k, v, causal=True, window=(-1, -1))
+    np.testing.assert_array_equal(o_w, o_c)
+
+
+def test_documents_are_independent(rng, seed):
+    """Packed attention equals each document run on its own, concatenated."""
+    seqlen = 200
+    docs = documents(rng, seqlen, 6)
+    q, k, v = qkv(rng, 1, seqlen, seqlen, 2, 1, 8)
+    o, lse = attention(q, k, v, causal=True, cu_seqlens=docs)
+    for a, b in zip(docs[:-1], docs[1:]):
+        o_d, lse_d = attention(q[:, a:b], k[:, a:b], v[:, a:b], causal=True)
+        np.testing.assert_allclose(o[:, a:b], o_d, rtol=1e-12, atol=1e-13, err_msg=f"seed={seed} doc {a}:{b}")
+        np.testing.assert_allclose(lse[:, :, a:b], lse_d, rtol=1e-7)
+
+
+def test_blocks_skip_hidden_tiles_and_mask_only_where_needed(rng, seed):
+    """Tiles the NumPy backend visits: never a hidden one, unmasked only when wholly visible, and
+    blocks of a longer sequence (q_start, k_start) whose rows see nothing keep o = 0, lse = -inf."""
+    seqlen = 300
+    mask = masks.make(seqlen, True, (37, 0), documents(rng, seqlen, 5))
+    dense = visible(np.arange(seqlen), np.arange(seqlen), True, (37, 0), mask.cu_seqlens)
+    be = NumpyBackend(block_q=16, block_k=16)
+    for q_start, q_len, k_start, k_len in ((0, 300, 0, 300), (130, 70, 40, 100), (20, 40, 200, 60)):
+        visited = np.zeros((q_len, k_len), int)
+        for q0 in range(0, q_len, 16):
+            q1 = min(q_len, q0 + 16)
+            for k0, k1, hidden in be._key_tiles(q0, q1, k_len, True, q_start, k_start, mask):
+                block = dense[q_start + q0:q_start + q1, k_start + k0:k_start + k1]
+                assert block.any(), f"seed={seed} hidden tile visited"
+                assert (hidden is None) == block.all(), f"seed={seed}"
+                if hidden is not None:
+                    np.testing.assert_array_equal(hidden, ~block)
+                visited[q0:q1, k0:k1] += 1
+        seen = dense[q_start:q_start + q_len, k_start:k_start + k_len]
+        assert visited.max() <= 1 and np.all(visited[seen] == 1), f"seed={seed}"
+        q, k, v = qkv(rng, 1, q_len, k_len, 2, 1, 8)
+        o, lse = np.zeros(q.shape), np.full((1, 2, q_len), -np.inf)
+        be.forward_block(q, k, v, o, lse, scale=0.3, causal=True, q_start=q_start, k_start=k_start, mask=mask)
+        ref_o, ref_lse = attention_reference(q, k, v, causal=True, scale=0.3, q_start=q_start, k_start=k_start,
+                                             window=(37, 0), cu_seqlens=mask.cu_seqlens)
+        assert not np.isnan(o).any()
+        np.testing.assert_allclose(o, ref_o, rtol=1e-10, atol=1e-12, err_msg=f"seed={seed}")
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+
+
+@pytest.mark.parametrize("cu_seqlens,message", [
+    ([0, 5, 5, 8], r"strictly increasing .* entry 2 is 5 after 5"),
+    ([0, 6, 3, 8], r"strictly increasing"),
+    ([1, 4, 8], r"start at 0 and end at the sequence length 8; got 1 \.\.\. 8"),
+    ([0, 4, 7], r"end at the sequence length 8; got 0 \.\.\. 7"),
+    ([0, 4, 9], r"end at the sequence length 8"),
+    ([0.0, 8.0], r"1-D integer array"),
+    ([[0, 8]], r"1-D integer array"),
+    ([8], r"1-D integer array"),
+])
+def test_bad_documents(cu_seqlens, message, rng):
+    q, k, v = qkv(rng, 1, 8, 8, 2, 1, 8)
+    with pytest.raises(MaskError, match=message):
+        attention(q, k, v, causal=True, cu_seqlens=np.array(cu_seqlens))
+    with pytest.raises(MaskError, match=message):
+        attention_backward(q, q, k, v, q, np.zeros((1, 2, 8), np.float32), cu_seqlens=np.array(cu_seqlens))
+
+
+@pytest.mark.parametrize("window,message", [
+    ((-2, 0), r"window sizes must be >= 0, or -1 for unbounded; got \(-2, 0\)"),
+    ((3, -5), r"got \(3, -5\)"),
+    (4, r"window must be a \(left, right\) pair of integers"),
+    ((1, 2, 3), r"pair of integers"),
+    ((1.5, 0), r"pair of integers"),
+    ((True, 0), r"pair of integers"),
+])
+def test_bad_windows(window, message, rng):
+    q, k, v = qkv(rng, 1, 8, 8, 2, 1, 8)
+    with pytest.raises(MaskError, match=message):
+        attention(q, k, v, window=window)
+
+
+def test_masks_need_one_sequence(rng):
+    q, k, v = qkv(rng, 1, 8, 6, 2, 1, 8)
+    for kw in (dict(window=(2, 2)), dict(cu_seqlens=np.array([0, 3, 8]))):
+        with pytest.raises(ShapeError, match=r"masks need as many queries as keys; got 8 and 6"):
+            attention(q, k, v, **kw)
+
+
+def test_random_documents_fill_the_sequence(rng):
+    for seqlen, count in ((1, 1), (10, 10), (1000, 64)):
+        cu = masks.random_documents(rng, seqlen, count)
+        assert cu[0] == 0 and cu[-1] == seqlen and len(cu) == count + 1 and np.all(np.diff(cu) >= 1)
+    with pytest.raises(MaskError, match=r"cannot pack 11 documents into 10 tokens"):
+        masks.random_documents(rng, 10, 11)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("size", [1, 2, 3, 4])
+def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
+    """Block pairs with a Mask cover each visible (query, key) pair once and mask only where needed;
+    ring_steps is 1 + the last step at which some rank sees something, for either travelling side."""
+    from burst_hpc.layout import layout_indices, pieces
+    from burst_hpc.schedule import block_pairs
+
+    seqlen = 12 * size
+    window = [None, (int(rng.integers(0, 30)), 0), (int(rng.integers(0, 15)), int(rng.integers(0, 15)))][seed % 3]
+    docs = documents(rng, seqlen) if window is None or rng.random() < 0.5 else None
+    causal = bool(rng.integers(2))
+    mask = masks.make(seqlen, causal, window, docs)
+    dense = visible(np.arange(seqlen), np.arange(seqlen), causal, window, docs)
+    ctx = f"seed={seed} {mask}"
+    last = {False: 0, True: 0}
+    for step in range(size):
+        for rank in range(size):
+            source = (rank - step) % size
+            for queries_travel in (False, True):
+                q_rank, k_rank = (source, rank) if queries_travel else (rank, source)
+                if dense[np.ix_(layout_indices(seqlen, q_rank, size, layout), layout_indices(seqlen, k_rank, size, layout))].any():
+                    last[queries_travel] = step
+            q_pos, k_pos = layout_indices(seqlen, rank, size, layout), layout_indices(seqlen, source, size, layout)
+            covered = np.zeros((q_pos.size, k_pos.size), int)
+            for p in block_pairs(tuple(pieces(seqlen, rank, size, layout)), tuple(pieces(seqlen, source, size, layout)),
+                                 causal, mask):
+                block = dense[np.ix_(q_pos[p.q], k_pos[p.k])]
+                assert p.causal == (not block.all()), ctx  # unmasked only where wholly visible
+                assert q_pos[p.q][0] == p.q_start and k_pos[p.k][0] == p.k_start
+                covered[p.q, p.k] += 1
+            seen = dense[np.ix_(q_pos, k_pos)]
+            assert covered.max(initial=0) <= 1 and np.all(covered[seen] == 1), ctx
+    for queries_travel in (False, True):
+        assert masks.ring_steps(mask, size, layout, queries_travel) == last[queries_travel] + 1, ctx
+
+
+def test_default_layout():
+    """Windows: contiguous (equal work, fewer ring steps). One document is plain causal: zigzag
+    (balanced, and both layouts run every step). Short documents: contiguous unless zigzag is
+    clearly lighter on the busiest rank."""
+    seqlen, size = 64 * 8, 8
+    assert masks.default_layout(masks.make(seqlen, True, (40, 0)), size) == "contiguous"
+    assert masks.default_layout(masks.make(seqlen, True, None, np.array([0, seqlen])), size) == "zigzag"
+    # documents of 16 tokens across every chunk boundary: equal work, but zigzag needs every step
+    short = masks.make(seqlen, True, None, np.concatenate([[0], np.arange(8, seqlen, 16), [seqlen]]))
+    assert masks.ring_steps(short, size, "contiguous") == 2 and masks.ring_steps(short, size, "zigzag") == size
+    assert masks.default_layout(short, size) == "contiguous"
+    assert masks.default_layout(masks.make(60, True, (5, 0)), 4) == "contiguous"  # 60 does not split in 8
