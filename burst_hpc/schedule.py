@@ -31,8 +31,6 @@ from functools import lru_cache
 
 from . import masks
 
-SIDES = ("kv", "q")
-
 
 @dataclass(frozen=True)
 class BlockPair:
