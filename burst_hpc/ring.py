@@ -1,74 +1,106 @@
-"""The ring engine: one loop for the forward pass and both backward rings, for every layout.
+"""The ring engine: one step loop for the forward pass and both backward passes, for every
+layout and schedule (schedule.steps says what to compute and what to send to whom).
 
-At step t this rank holds the travelling shard of rank (rank - t) mod P. The loop
+Step t
 
-1. posts one nonblocking exchange: the travelling shard goes to the next rank while the
-   spare buffer receives the one for step t+1 (double buffering), and the carried
-   accumulator finished last step goes on while the one for this step comes in;
-2. runs the local block kernels for this step (the caller's ``compute``);
-3. waits for the exchange (on the GPU: while the queued kernels still run), adds this
-   step's partial into the incoming carried accumulator, and swaps buffers.
+1. posts one nonblocking exchange (the step's list of (peer, buffers) sends and receives):
+   the data the visit of step t+1 needs goes into a spare buffer (double buffering) while
+   the partial finished at step t-1 goes on;
+2. runs the local block kernels of this step's visit (the caller's ``compute``);
+3. waits for the exchange (on the GPU: while the queued kernels still run), then combines
+   each partial received: one for this rank's own shard into its results, one for the shard
+   visited now (a plain ring's carried accumulator) into this step's partial; swaps buffers.
 
-Carried accumulators (dQ on the q-ring, dK/dV on the kv-ring) follow their travelling
-shard one step behind and, after P steps, one last exchange brings each home.
-With documents or a window the ring may stop after T < P steps (masks.ring_steps: no rank has
-anything visible later); the carried accumulators then walk T - 1 hops back home.
-Receive buffers are allocated once per call; a buffer is never written while it is sent.
+A partial that goes nowhere (this rank's own shard) is computed straight into the results.
+Receive and partial buffers are allocated once per call, per side, on first use; a buffer
+is never written while it is sent, and the caller's arrays are only ever read.
 """
+from dataclasses import dataclass
+from typing import Callable
 
 
-def _zeros_like(xp, arrays):
-    return [xp.zeros(a.shape, a.dtype) for a in arrays]
+@dataclass
+class Side:
+    """One side of the attention ("kv" or "q") as the engine sees it."""
+    travelling: list     # this rank's arrays of this side, sent to the ranks that visit them
+    results: list        # this rank's accumulators that partials of this side's visits combine into
+    fills: tuple = ()    # the value each partial starts from (0 for a sum, -inf for a log-sum-exp)
+    combine: Callable = None  # combine(into, part): folds a partial into accumulators
 
 
-def ring_loop(transport, travelling, compute, carried=(), skip_compute=False, steps=None, back=None):
-    """Run P steps (or the first ``steps``). ``travelling``: this rank's read-only arrays that visit
-    every rank. ``carried``: (shape, dtype) of accumulators that travel with them; ``compute(source,
-    travelling_bufs, carried_partials)`` adds this step's work. Returns the carried
-    accumulators of this rank's own travelling shard. ``back``: a transport sending to the
-    previous rank, for carried accumulators when 1 < steps < P."""
-    xp, rank, size = transport.xp, transport.rank, transport.size
-    steps = size if steps is None else steps
-    if size == 1:
-        partial = [xp.zeros(shape, dtype) for shape, dtype in carried]
-        if not skip_compute:
-            compute(rank, list(travelling), partial)
-        return partial
+class _Buffers:
+    """The receive and partial buffers of one side."""
 
-    current = [xp.array(a, order="C", copy=True) for a in travelling]  # ours: the caller's arrays are never overwritten
-    spare = [xp.empty_like(a) for a in current]
-    partial = [xp.zeros(shape, dtype) for shape, dtype in carried]
-    incoming = _zeros_like(xp, partial)
-    outgoing = _zeros_like(xp, partial)
-    for step in range(steps):
-        source = (rank - step) % size
-        sends, recvs = [], []
-        if step + 1 < steps:
-            sends += current
-            recvs += spare
-        if carried and step > 0:
-            sends += outgoing
-            recvs += incoming
-        pending = transport.exchange(sends, recvs) if sends else None
-        if carried and step > 0:
-            for p in partial:
-                p.fill(0)
-        if not skip_compute:
-            compute(source, current, partial)
+    def __init__(self, xp, side):
+        self.xp, self.side = xp, side
+        self.current = self.spare = None    # received data: this step's visit, the next one's
+        self.partial = self.outgoing = None  # this step's partial, last step's (being sent)
+        self.incoming = None
+
+    def _like(self, arrays):
+        return [self.xp.empty_like(a) for a in arrays]
+
+    def receive_data(self):
+        if self.spare is None:
+            self.spare = self._like(self.side.travelling)
+        return self.spare
+
+    def received_data(self):
+        self.current, self.spare = self.spare, self.current
+
+    def receive_partial(self):
+        if self.incoming is None:
+            self.incoming = self._like(self.side.results)
+        return self.incoming
+
+    def fresh_partial(self):
+        if self.partial is None:
+            self.partial = self._like(self.side.results)
+        for a, fill in zip(self.partial, self.side.fills):
+            a.fill(fill)
+        return self.partial
+
+    def partial_done(self):
+        self.partial, self.outgoing = self.outgoing, self.partial
+
+
+def run(transport, steps, sides, compute, skip_compute=False):
+    """Run this rank's ``steps`` (schedule.Step). ``sides``: {"kv": Side, "q": Side};
+    ``compute(visit, data, partial)`` adds the visit's block pairs into this rank's results and
+    into ``partial`` (the visiting shard's, or this rank's results when it stays here)."""
+    rank = transport.rank
+    buffers = {name: _Buffers(transport.xp, side) for name, side in sides.items()}
+
+    def payload(t):
+        b = buffers[t.side]
+        if t.what == "partial":
+            return b.outgoing
+        return sides[t.side].travelling if t.shard == rank else b.current
+
+    for index, step in enumerate(steps):
+        sends = [(t.peer, payload(t)) for t in step.sends]
+        recvs = [(t.peer, buffers[t.side].receive_data() if t.what == "data" else buffers[t.side].receive_partial())
+                 for t in step.recvs]
+        pending = transport.exchange(sends, recvs) if sends or recvs else None
+        visit, partial, travels_on = step.visit, None, False
+        if visit is not None:
+            b = buffers[visit.side]
+            later = steps[index + 1].sends if index + 1 < len(steps) else ()
+            travels_on = any(t.what == "partial" and (t.side, t.shard) == (visit.side, visit.shard) for t in later)
+            partial = b.fresh_partial() if travels_on else sides[visit.side].results
+            if not skip_compute:
+                data = sides[visit.side].travelling if visit.shard == rank else b.current
+                compute(visit, data, partial)
         if pending is not None:
             pending.wait()
-        if carried:
-            if step > 0:
-                for p, i in zip(partial, incoming):
-                    p += i
-            partial, outgoing = outgoing, partial
-        current, spare = spare, current
-    if not carried:
-        return []
-    if steps == size:
-        transport.exchange(outgoing, incoming).wait()
-        return incoming
-    for _ in range(steps - 1):  # outgoing holds the accumulator of rank - (steps - 1): walk it back
-        back.exchange(outgoing, incoming).wait()
-        outgoing, incoming = incoming, outgoing
-    return outgoing
+        for t in step.recvs:
+            b = buffers[t.side]
+            if t.what == "data":
+                b.received_data()
+            elif t.shard == rank:
+                sides[t.side].combine(sides[t.side].results, b.incoming)
+            else:  # a carried accumulator meets the shard it belongs to
+                assert travels_on and (t.side, t.shard) == (visit.side, visit.shard), (t, visit)
+                sides[t.side].combine(partial, b.incoming)
+        if travels_on:
+            buffers[visit.side].partial_done()

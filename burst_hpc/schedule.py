@@ -1,4 +1,22 @@
-"""Which (query part, key part, mask) block pairs run when one shard meets another.
+"""What each rank computes at each step, what it sends to whom, and which (query part, key
+part, mask) block pairs run when one shard meets another.
+
+Steps (what the ring engine runs, ring.py):
+- a *visit* is one shard met by this rank: side "kv" brings the keys/values of ``shard`` to
+  this rank's queries, side "q" brings the query side of ``shard`` to this rank's keys. The
+  visit also makes a *partial* for the visiting shard (key-side results after a kv visit,
+  query-side results after a q visit) unless nothing of that side is returned (the forward
+  pass returns nothing for kv visits).
+- step t posts one exchange (``sends``, ``recvs``): the data of the visit of step t+1 and the
+  partial of step t-1; a last step with no visit delivers the last partials.
+- plain ring (contiguous, zigzag, and balanced without a causal mask): one side travels to
+  rank+1 each step for P steps (fewer when documents or a window hide the later ones,
+  masks.ring_steps), partials ride one step behind it and go home at the end.
+- balanced (causal, DistFlashAttn): contiguous shards; chunk pairs are dealt to ranks by
+  ``balanced_tasks`` and the data travels straight from its owner to the computing rank,
+  the partial straight back.
+
+Block pairs:
 
 A shard is a list of pieces, (global_start, length) runs in local order (layout.pieces).
 Each query piece against each key piece is one of:
@@ -8,8 +26,10 @@ Each query piece against each key piece is one of:
 Full pairs that sit next to each other in local memory are fused into one call, so a
 zigzag step with no diagonal is a single kernel launch.
 """
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
+
+from . import masks
 
 
 @dataclass(frozen=True)
@@ -70,3 +90,133 @@ def block_pairs(q_pieces, k_pieces, causal, mask=None):
             if fused:
                 break
     return tuple(sorted(pairs, key=lambda p: (p.q.start, p.k.start)))
+
+
+def visit_pairs(q_pieces, k_pieces, causal, half=None, mask=None):
+    """The block pairs of one visit; ``half`` 0 or 1 keeps only the first or second half of the
+    query rows (a split chunk pair of the balanced schedule; contiguous shards only)."""
+    if half is None:
+        return block_pairs(q_pieces, k_pieces, causal, mask)
+    ((start, n),) = q_pieces
+    lo, hi = (0, n // 2) if half == 0 else (n // 2, n)
+    if lo == hi:
+        return ()
+    return tuple(replace(p, q=slice(p.q.start + lo, p.q.stop + lo))
+                 for p in block_pairs(((start + lo, hi - lo),), k_pieces, causal, mask))
+
+
+@dataclass(frozen=True)
+class Visit:
+    side: str            # "kv": this rank's queries meet shard's keys; "q": shard's queries meet this rank's keys
+    shard: int           # whose tokens visit (this rank's own on the first step)
+    half: int = None     # None: every query row; 0 / 1: the first / second half of them
+
+
+@dataclass(frozen=True)
+class Transfer:
+    peer: int            # the rank sent to or received from
+    what: str            # "data" (a shard's travelling side) or "partial" (results for a shard)
+    side: str            # the side that travels, or the side of the visit that made the partial
+    shard: int           # whose tokens
+
+
+@dataclass(frozen=True)
+class Step:
+    visit: Visit         # None: nothing to compute (the last step delivers partials only)
+    sends: tuple         # Transfers posted at the start of the step: data first, then partials
+    recvs: tuple
+
+
+def _step(visit, sends, recvs):
+    # both ends order a peer's transfers the same way (data, then partials), so the transports
+    # can match messages by their position among those exchanged with that peer
+    order = lambda t: (t.what, t.side, t.shard, t.peer)  # noqa: E731
+    return Step(visit, tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)))
+
+
+@lru_cache(maxsize=256)
+def steps(layout, causal, rank, size, near, returns, mask=None):
+    """This rank's steps. ``near``: the side that travels on a plain ring, and to the near chunk
+    pairs of the balanced schedule; ``returns``: the sides whose visits send partials back;
+    ``mask``: a masks.Mask (documents, window) or None."""
+    if layout == "balanced" and causal and size > 1:
+        return balanced_steps(rank, size, near, returns, mask)
+    return plain_ring_steps(rank, size, near, returns, masks.ring_steps(mask, size, layout, near == "q"))
+
+
+def plain_ring_steps(rank, size, side, returns, count=None):
+    """The plain ring: at step t this rank visits shard rank-t, which it then forwards to rank+1;
+    its partial follows it one step behind. After the last of ``count`` steps (P, or fewer when
+    the later ones have no work) each partial goes straight home, to rank-(count-1)."""
+    count = size if count is None else count
+    after, before = (rank + 1) % size, (rank - 1) % size
+    carries = side in returns and count > 1
+    out = []
+    for t in range(count + 1):
+        sends, recvs = [], []
+        if t + 1 < count:
+            sends.append(Transfer(after, "data", side, (rank - t) % size))
+            recvs.append(Transfer(before, "data", side, (rank - t - 1) % size))
+        if carries and 1 <= t < count:
+            sends.append(Transfer(after, "partial", side, (rank - t + 1) % size))
+            recvs.append(Transfer(before, "partial", side, (rank - t) % size))
+        if carries and t == count:
+            home, visitor = (rank - count + 1) % size, (rank + count - 1) % size
+            sends.append(Transfer(home, "partial", side, home))
+            recvs.append(Transfer(visitor, "partial", side, rank))
+        if t < count or carries:
+            out.append(_step(Visit(side, (rank - t) % size) if t < count else None, sends, recvs))
+    return tuple(out)
+
+
+def balanced_tasks(i, j, size, near):
+    """Who computes the causal chunk pair (q_i, k_j), j <= i, of contiguous shards, and when:
+    a list of (step, computing rank, side that visits it, half of the query rows or None).
+
+    DistFlashAttn: the pair at distance d = i - j runs at step min(d, P - d), so step s holds
+    the distances s and P - s and every rank computes one pair. The near distance (d < P/2) goes
+    to the rank that ``near`` travels to: the query owner i when K/V travel, the key owner j
+    when the query side does; the far one (d > P/2) to the other owner. With an even P the P/2
+    pairs are alone in their step: each is cut in two by query rows, the first half computed by
+    its query owner, the second by its key owner, so no rank idles there. The diagonal pairs
+    (d = 0) need nothing from anyone: their first half of query rows runs first, while the
+    first data arrives, their second half last, while the last partials go home."""
+    d = i - j
+    last = size // 2 + 1
+    by_query_owner = (i, "kv")
+    by_key_owner = (j, "q")
+    if d == 0:
+        return [(0, i, near, 0), (last, i, near, 1)]
+    step = min(d, size - d)
+    if 2 * d == size:
+        return [(step,) + by_query_owner + (0,), (step,) + by_key_owner + (1,)]
+    near_pair = 2 * d < size
+    return [(step,) + (by_query_owner if near_pair == (near == "kv") else by_key_owner) + (None,)]
+
+
+def balanced_steps(rank, size, near, returns, mask=None):
+    """The balanced schedule seen by ``rank``: floor(P/2) + 2 steps (balanced_tasks). Chunk pairs
+    that documents or a window hide entirely cost nothing: no transfer, no visit."""
+    count = size // 2 + 2
+    visits = [None] * count
+    sends = [[] for _ in range(count)]
+    recvs = [[] for _ in range(count)]
+    chunk = None if mask is None else mask.seqlen // size
+    for i in range(size):
+        for j in range(i + 1):
+            if mask is not None and mask.classify(i * chunk, chunk, j * chunk, chunk) == "hidden":
+                continue
+            for step, computer, side, half in balanced_tasks(i, j, size, near):
+                provider = j if side == "kv" else i
+                if computer == rank:
+                    visits[step] = Visit(side, provider, half)
+                if provider == computer:
+                    continue
+                for who, peer, box in ((provider, computer, sends), (computer, provider, recvs)):
+                    if who == rank:
+                        box[step - 1].append(Transfer(peer, "data", side, provider))
+                if side in returns:
+                    for who, peer, box in ((computer, provider, sends), (provider, computer, recvs)):
+                        if who == rank:
+                            box[step + 1].append(Transfer(peer, "partial", side, provider))
+    return tuple(_step(visits[t], sends[t], recvs[t]) for t in range(count))

@@ -4,7 +4,7 @@ Kernels: every kernel family the GPU runs (the NumPy backend when there is no GP
 backward through ``burst_hpc.attention``, on odd shapes: lengths off the tiles, GQA and MQA, causal
 and not, bfloat16 and float16, a head dim that is zero-padded. Ring (under ``mpiexec`` with P > 1):
 ``burst_attention`` forward and backward over every transport available here, zigzag/causal on the
-q-ring and contiguous/full on the kv-ring. Every output meets the rule of ``--verify``
+q-ring, balanced/causal on the kv variant and contiguous/full on the kv-ring. Every output meets the rule of ``--verify``
 (verify.tolerance / verify.passes) against the float64 oracle. Every rank runs the checks on its
 own device; rank 0 prints the table with the worst result over the ranks.
 """
@@ -109,7 +109,7 @@ def ring_rows(comm, xp, transports, seed):
         if why is not None:
             rows.append((f"ring {transport}", "not available here", "-", "-", None, why))
             continue
-        for layout, causal, ring in (("zigzag", True, "q"), ("contiguous", False, "kv")):
+        for layout, causal, ring in (("zigzag", True, "q"), ("balanced", True, "kv"), ("contiguous", False, "kv")):
             for dtype in DTYPES:
                 q, do = (_random(rng, (b, seqlen, hq, d), dtype) for _ in range(2))
                 k, v = (_random(rng, (b, seqlen, hkv, d), dtype) for _ in range(2))

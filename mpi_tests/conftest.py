@@ -11,6 +11,19 @@ def comm():
     return MPI.COMM_WORLD
 
 
+@pytest.fixture
+def alltoall_zigzag():
+    """bench/alltoall_zigzag.py, the alternative the balanced schedule is measured against."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "alltoall_zigzag.py"
+    spec = importlib.util.spec_from_file_location("alltoall_zigzag", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield

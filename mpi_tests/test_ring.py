@@ -1,5 +1,5 @@
 """The ring on the CPU path: every rank runs these tests with its own shard, against the
-float64 oracle on the whole (unsharded) problem. Runs under mpiexec with 1..4 ranks."""
+float64 oracle on the whole (unsharded) problem. Runs under mpiexec with 1..5 ranks."""
 import numpy as np
 import pytest
 
@@ -27,12 +27,9 @@ def problem(comm, batch, local, heads, kv_heads, dim, dtype=np.float64):
 SHAPES = [(2, 4, 4, 64), (2, 8, 2, 128), (1, 8, 1, 64)]  # (batch, Hq, Hkv, D): MHA, GQA 4:1, MQA 8:1
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,dim", SHAPES)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-@pytest.mark.parametrize("causal", [False, True])
-def test_forward_and_both_backward_rings(comm, causal, layout, batch, heads, kv_heads, dim):
+def check_forward_and_both_backward_rings(comm, layout, causal, batch, local, heads, kv_heads, dim):
     P, r = comm.size, comm.rank
-    q, k, v, do, seed = problem(comm, batch, 14, heads, kv_heads, dim)
+    q, k, v, do, seed = problem(comm, batch, local, heads, kv_heads, dim)
     ref_o, ref_lse = attention_reference(q, k, v, causal=causal)
     ref_grads = attention_backward_reference(do, q, k, v, causal=causal)
 
@@ -51,8 +48,51 @@ def test_forward_and_both_backward_rings(comm, causal, layout, batch, heads, kv_
                                        err_msg=f"{name} {ring}-ring seed {seed}")
 
 
+@pytest.mark.parametrize("batch,heads,kv_heads,dim", SHAPES)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_and_both_backward_rings(comm, causal, layout, batch, heads, kv_heads, dim):
+    check_forward_and_both_backward_rings(comm, layout, causal, batch, 14, heads, kv_heads, dim)
+
+
+IRREGULAR_HEADS = [(33, 33, 16), (33, 11, 16), (40, 8, 8), (1, 1, 32)]  # (Hq, Hkv, D)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", IRREGULAR_HEADS)
+@pytest.mark.parametrize("causal", [True, False])
+def test_balanced_with_odd_lengths_and_irregular_heads(comm, causal, heads, kv_heads, dim):
+    """Any Hq % Hkv == 0 on any number of ranks (heads are never split across ranks), and 13
+    tokens per rank: the even-P split of the P/2 chunk pairs is uneven (6 + 7 rows)."""
+    check_forward_and_both_backward_rings(comm, "balanced", causal, 1, 13, heads, kv_heads, dim)
+
+
+def test_exchange_with_several_peers(comm):
+    """One step's sends and receives with several peers, two entries for the same peer and an
+    empty list on some ranks (the balanced schedule's exchanges), on the host transport."""
+    from burst_hpc.transport import make_transport
+
+    P, r = comm.size, comm.rank
+    t = make_transport("host", comm, np)
+
+    def payload(src, dst, n):
+        return np.full((3, n + 1), 1000 * src + 10 * dst + n, np.float32)
+
+    hops = [1, 2] if P > 2 else [1]
+    sends = [((r + h) % P, [payload(r, (r + h) % P, 0)]) for h in hops]
+    sends.append(((r + 1) % P, [payload(r, (r + 1) % P, 1), payload(r, (r + 1) % P, 2)]))
+    recvs = [((r - h) % P, [np.zeros((3, 1), np.float32)]) for h in hops]
+    recvs.append(((r - 1) % P, [np.zeros((3, 2), np.float32), np.zeros((3, 3), np.float32)]))
+    t.exchange(sends, recvs).wait()
+    for peer, arrays in recvs:
+        for array in arrays:
+            n = array.shape[1] - 1
+            np.testing.assert_array_equal(array, payload(peer, r, n))
+    t.exchange([], []).wait()
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "balanced"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, bfloat16])
-def test_low_precision_inputs_stay_within_flash_tolerance(comm, dtype):
+def test_low_precision_inputs_stay_within_flash_tolerance(comm, dtype, layout):
     """Error against the float64 oracle at most 2x (forward) / 3x (grads) that of a plain
     single-device computation from the same low-precision inputs, plus a small floor."""
     P, r = comm.size, comm.rank
@@ -63,14 +103,15 @@ def test_low_precision_inputs_stay_within_flash_tolerance(comm, dtype):
     plain_grads = [g.astype(dtype) for g in ref_grads]
 
     def mine(x):
-        return burst_hpc.shard(x, r, P, "zigzag")
+        return burst_hpc.shard(x, r, P, layout)
 
-    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=True)
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=True, layout=layout)
     floor = 1e-3 if dtype != np.float32 else 1e-5
     err = np.abs(o.astype(np.float64) - mine(ref_o)).max()
     base = np.abs(plain_o.astype(np.float64) - ref_o).max()
     assert err <= 2 * base + floor, f"forward error {err} vs plain {base} (seed {seed})"
-    grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm, causal=True)
+    grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm, causal=True,
+                                               layout=layout)
     for name, got, want, plain in zip("dq dk dv".split(), grads, ref_grads, plain_grads):
         assert got.dtype == np.dtype(dtype)
         err = np.abs(got.astype(np.float64) - mine(want)).max()
@@ -78,12 +119,15 @@ def test_low_precision_inputs_stay_within_flash_tolerance(comm, dtype):
         assert err <= 3 * base + 3 * floor * max(1.0, np.abs(want).max()), f"{name}: {err} vs {base} (seed {seed})"
 
 
-def test_inputs_are_not_modified(comm):
+@pytest.mark.parametrize("layout", ["zigzag", "balanced"])
+def test_inputs_are_not_modified(comm, layout):
     q, k, v, do, _ = problem(comm, 1, 8, 2, 2, 64)
-    shards = [burst_hpc.shard(x, comm.rank, comm.size, "zigzag") for x in (q, k, v, do)]
+    shards = [burst_hpc.shard(x, comm.rank, comm.size, layout) for x in (q, k, v, do)]
     copies = [s.copy() for s in shards]
-    o, lse = burst_hpc.burst_attention(*shards[:3], comm=comm, causal=True)
-    burst_hpc.burst_attention_backward(shards[3], *shards[:3], o, lse, comm=comm, causal=True)
+    o, lse = burst_hpc.burst_attention(*shards[:3], comm=comm, causal=True, layout=layout)
+    for ring in ("q", "kv"):
+        burst_hpc.burst_attention_backward(shards[3], *shards[:3], o, lse, comm=comm, causal=True, layout=layout,
+                                           backward_ring=ring)
     for s, c in zip(shards, copies):
         np.testing.assert_array_equal(s, c)
 
@@ -177,3 +221,28 @@ def test_ring_still_works_after_errors(comm):
     q, k, v = local_inputs(comm)
     o, lse = burst_hpc.burst_attention(q, k, v, comm=comm)
     assert np.isfinite(o).all() and np.isfinite(lse).all()
+
+
+def test_alltoall_around_zigzag_matches_oracle(comm, alltoall_zigzag):
+    """bench/alltoall_zigzag.py, the alternative the balanced schedule is measured against."""
+    from burst_hpc.transport import make_transport
+
+    P, r = comm.size, comm.rank
+    q, k, v, do, seed = problem(comm, 2, 10, 4, 2, 32)
+    ref_o, ref_lse = attention_reference(q, k, v, causal=True)
+    ref_grads = attention_backward_reference(do, q, k, v, causal=True)
+
+    def mine(x, axis=1):
+        return burst_hpc.shard(x, r, P, "contiguous", axis=axis)
+
+    kw = dict(comm=comm, causal=True, layout="zigzag")
+    exchange = make_transport("host", comm, np)
+    o, lse, saved = alltoall_zigzag.forward(exchange, lambda *qkv: burst_hpc.burst_attention(*qkv, **kw),
+                                            mine(q), mine(k), mine(v))
+    np.testing.assert_allclose(o, mine(ref_o), atol=1e-6, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(lse, mine(ref_lse, axis=2), atol=1e-5, err_msg=f"seed {seed}")
+    for ring in ("q", "kv"):
+        grads = alltoall_zigzag.backward(
+            exchange, lambda *args: burst_hpc.burst_attention_backward(*args, backward_ring=ring, **kw), mine(do), saved)
+        for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
+            np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")

@@ -52,10 +52,33 @@ def test_exchange_moves_every_byte(comm, transport):
     mine = [cupy.asarray(rng.integers(0, 255, s, dtype=np.uint8)) for s in sizes]
     mine.append(cupy.asarray(rng.standard_normal((4, 33), dtype=np.float32)))
     recv = [cupy.full(x.shape, 7, x.dtype) for x in mine]
-    t.exchange(mine, recv).wait()
+    t.exchange([((comm.rank + 1) % comm.size, mine)], [((comm.rank - 1) % comm.size, recv)]).wait()
     everyone = comm.allgather([cupy.asnumpy(x) for x in mine])
     for got, want in zip(recv, everyone[(comm.rank - 1) % comm.size]):
         np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
+def test_exchange_with_several_peers(comm, transport):
+    """A balanced step: sends to rank+1 and rank+2 at once, two entries for one peer (data and a
+    partial), the receives listed in the same order at the other end."""
+    if transport not in device_transports(comm):
+        pytest.skip(f"{transport} not usable here")
+    P, r = comm.size, comm.rank
+    t = make_transport(transport, comm, cupy)
+
+    def payload(src, dst, n):
+        return cupy.full((3, n + 1 + (17 << 20 if n == 2 else 0)), 1000 * src + 10 * dst + n, cupy.float32)
+
+    hops = [1, 2] if P > 2 else [1]
+    sends = [((r + h) % P, [payload(r, (r + h) % P, 0)]) for h in hops]
+    sends.append(((r + 1) % P, [payload(r, (r + 1) % P, 1), payload(r, (r + 1) % P, 2)]))
+    recvs = [((r - h) % P, [cupy.zeros((3, 1), cupy.float32)]) for h in hops]
+    recvs.append(((r - 1) % P, [cupy.zeros((3, 2), cupy.float32), cupy.zeros((3, 3 + (17 << 20)), cupy.float32)]))
+    t.exchange(sends, recvs).wait()
+    for peer, arrays in recvs:
+        for n, array in zip((0,) if len(arrays) == 1 else (1, 2), arrays):
+            np.testing.assert_array_equal(cupy.asnumpy(array), cupy.asnumpy(payload(peer, r, n)))
 
 
 def test_auto_never_picks_mpi_without_cuda_awareness(comm):
@@ -83,17 +106,14 @@ def test_ranks_sharing_a_gpu_never_get_nccl(comm):
             burst_hpc.burst_attention(q, k, v, comm=comm, causal=True, transport="nccl")
 
 
-@pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
-@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False), ("contiguous", True)])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 128), (4, 4, 64)])
-def test_gpu_ring_matches_oracle(comm, transport, layout, causal, heads, kv_heads, dim):
-    if transport not in device_transports(comm):
-        pytest.skip(f"{transport} not usable here")
+def check_ring(comm, layout, causal, batch, heads, kv_heads, dim, local, run):
+    """``run([q, k, v, do] shards on the device)`` -> (o, {ring: (dq, dk, dv)}), checked against the
+    float64 oracle with the FlashAttention rule: at most 2x / 3x the error of storing the exact
+    result in bf16, plus a floor."""
     P, r = comm.size, comm.rank
     seed = comm.bcast(int(np.random.SeedSequence().entropy % 2**63) if r == 0 else None)
     rng = np.random.default_rng(seed)
-    local, batch, dtype = 2 * 61, 2, bfloat16  # chunks of 61 tokens: tails that are not a multiple of any tile
-    S = local * P
+    S, dtype = local * P, bfloat16
     q, k, v, do = (rng.standard_normal((batch, S, h, dim)).astype(dtype) for h in (heads, kv_heads, kv_heads, heads))
     ref_o, _ = attention_reference(q, k, v, causal=causal)
     ref_grads = attention_backward_reference(do, q, k, v, causal=causal)
@@ -101,20 +121,68 @@ def test_gpu_ring_matches_oracle(comm, transport, layout, causal, heads, kv_head
     def mine(x):
         return burst_hpc.shard(x, r, P, layout)
 
-    dq_, dk_, dv_, ddo = (to_device(mine(x)) for x in (q, k, v, do))
-    o, lse = burst_hpc.burst_attention(dq_, dk_, dv_, comm=comm, causal=causal, layout=layout, transport=transport)
+    o, grads_by_ring = run([to_device(mine(x)) for x in (q, k, v, do)])
     assert isinstance(o, cupy.ndarray)
-    # FlashAttention rule: at most 2x / 3x the error of storing the exact result in bf16, plus a floor
     err = np.abs(to_host(o, dtype) - mine(ref_o)).max()
     base = np.abs(ref_o.astype(dtype).astype(np.float64) - ref_o).max()
     assert err <= 2 * base + 2e-3, f"forward {err} vs {base} (seed {seed})"
-    for ring in ("q", "kv"):
-        grads = burst_hpc.burst_attention_backward(ddo, dq_, dk_, dv_, o, lse, comm=comm, causal=causal,
-                                                   layout=layout, transport=transport, backward_ring=ring)
+    for ring, grads in grads_by_ring.items():
         for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
             err = np.abs(to_host(got, dtype) - mine(want)).max()
             base = np.abs(want.astype(dtype).astype(np.float64) - want).max()
             assert err <= 3 * base + 5e-3 * max(1.0, np.abs(want).max()), f"{name} {ring}: {err} vs {base} (seed {seed})"
+
+
+def public_api(comm, layout, causal, transport):
+    """The ``run`` of check_ring through burst_attention and both backward rings."""
+    def run(inputs):
+        q, k, v, do = inputs
+        kw = dict(comm=comm, causal=causal, layout=layout, transport=transport)
+        o, lse = burst_hpc.burst_attention(q, k, v, **kw)
+        return o, {ring: burst_hpc.burst_attention_backward(do, q, k, v, o, lse, backward_ring=ring, **kw)
+                   for ring in ("q", "kv")}
+
+    return run
+
+
+@pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False), ("contiguous", True),
+                                           ("balanced", True), ("balanced", False)])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(8, 2, 128), (4, 4, 64)])
+def test_gpu_ring_matches_oracle(comm, transport, layout, causal, heads, kv_heads, dim):
+    if transport not in device_transports(comm):
+        pytest.skip(f"{transport} not usable here")
+    # chunks of 61 tokens: tails that are not a multiple of any tile
+    check_ring(comm, layout, causal, 2, heads, kv_heads, dim, 2 * 61, public_api(comm, layout, causal, transport))
+
+
+def first_transport(comm):
+    names = device_transports(comm)
+    return "nccl" if "nccl" in names else names[0]
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(33, 11, 64), (40, 8, 128), (1, 1, 64)])
+def test_gpu_balanced_irregular_heads(comm, heads, kv_heads, dim):
+    """Heads are never split across ranks: any Hq % Hkv == 0 on any number of GPUs; 61 tokens
+    per rank, so the even-P split of the P/2 chunk pairs is uneven (30 + 31 rows)."""
+    check_ring(comm, "balanced", True, 1, heads, kv_heads, dim, 61,
+               public_api(comm, "balanced", True, first_transport(comm)))
+
+
+def test_gpu_alltoall_around_zigzag(comm, alltoall_zigzag):
+    """bench/alltoall_zigzag.py on the GPU: what bench_ring.py --layouts alltoall times."""
+    transport = first_transport(comm)
+
+    def run(inputs):
+        q, k, v, do = inputs
+        kw = dict(comm=comm, causal=True, layout="zigzag", transport=transport)
+        exchange = make_transport(transport, comm, cupy)
+        o, _, saved = alltoall_zigzag.forward(exchange, lambda *qkv: burst_hpc.burst_attention(*qkv, **kw), q, k, v)
+        return o, {ring: alltoall_zigzag.backward(
+            exchange, lambda *args: burst_hpc.burst_attention_backward(*args, backward_ring=ring, **kw), do, saved)
+            for ring in ("q", "kv")}
+
+    check_ring(comm, "contiguous", True, 1, 8, 2, 128, 2 * 61, run)
 
 
 @pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])

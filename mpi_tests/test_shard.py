@@ -75,3 +75,20 @@ def test_ranks_agree_on_the_seed(comm):
     seed, x = _global_array(comm, np.float32, 1)
     digests = comm.allgather((seed, x.tobytes()))
     assert all(d == digests[0] for d in digests), f"rank {comm.rank}: ranks saw different inputs"
+
+
+@pytest.mark.parametrize("source,target", [("contiguous", "zigzag"), ("zigzag", "balanced"), ("zigzag", "zigzag")])
+@pytest.mark.parametrize("axis", [1, 2])
+def test_relayout_moves_shards_between_layouts(comm, source, target, axis):
+    from burst_hpc.layout import relayout
+    from burst_hpc.transport import make_transport
+
+    seed, x = _global_array(comm, BF16, axis)
+    t = make_transport("host", comm, np)
+    mine = shard(x, comm.rank, comm.size, source, axis=axis)
+    moved = relayout(mine, source, target, t, axis=axis)
+    back = relayout(moved, target, source, t, axis=axis)
+    ctx = f"seed={seed} rank={comm.rank}/{comm.size} {source}->{target} axis={axis}"
+    np.testing.assert_array_equal(moved.view(np.uint16), shard(x, comm.rank, comm.size, target, axis=axis).view(np.uint16),
+                                  err_msg=ctx)
+    np.testing.assert_array_equal(back.view(np.uint16), mine.view(np.uint16), err_msg=ctx)

@@ -84,19 +84,21 @@ def test_gen_rejects_bad_arguments(tmp_path):
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("ranks,causal,dtype", [(2, True, "bfloat16"), (3, False, "float32")])
-def test_run_writes_and_verifies(tmp_path, ranks, causal, dtype):
+@pytest.mark.parametrize("ranks,causal,dtype,layout", [(2, True, "bfloat16", None), (3, False, "float32", None),
+                                                      (3, True, "float32", "balanced")])
+def test_run_writes_and_verifies(tmp_path, ranks, causal, dtype, layout):
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
-    seqlen = 48 * ranks
+    seqlen = (47 if layout == "balanced" else 48) * ranks  # balanced splits like contiguous: S % P == 0
     assert burst("gen", src, "--seqlen", seqlen, "--heads", 4, "--kv-heads", 2, "--head-dim", 16, "--dtype", dtype,
                  "--seed", 1, "--with-grad").returncode == 0
     flags = ["--backward", "--verify", "--backend", "numpy"] + (["--causal"] if causal else [])
+    flags += ["--layout", layout] if layout else []
     r = mpirun(ranks, "run", src, dst, *flags)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = [line for line in r.stdout.splitlines() if line.startswith("burst-hpc run:")]
     assert len(lines) == 1, r.stdout  # one summary line, from rank 0
     line = lines[0]
-    for needle in (f"tokens={seqlen}", f"ranks={ranks}", f"layout={default_layout(causal)}", "TFLOP/s",
+    for needle in (f"tokens={seqlen}", f"ranks={ranks}", f"layout={layout or default_layout(causal)}", "TFLOP/s",
                    "transport=host", "verify=PASS(full)", "dk="):
         assert needle in line, line
     # the file holds the outputs in global token order, whatever the layout
@@ -110,6 +112,7 @@ def test_run_writes_and_verifies(tmp_path, ranks, causal, dtype):
     assert out["dk"].shape == (1, seqlen, 2, 16)
     with h5py.File(dst, "r") as f:
         assert bool(f.attrs["causal"]) == causal and f.attrs["run_ranks"] == ranks
+        assert f.attrs["run_layout"] == (layout or default_layout(causal))
         assert abs(f.attrs["scale"] - 16 ** -0.5) < 1e-12 and f.attrs["burst_hpc_version"]
     assert not _leftovers(tmp_path)
 

@@ -59,12 +59,15 @@ def test_zigzag_ownership(size):
         np.testing.assert_array_equal(idx, np.r_[r * 3:r * 3 + 3, (2 * size - 1 - r) * 3:(2 * size - r) * 3])
 
 
+@pytest.mark.parametrize("layout", ["contiguous", "balanced"])
 @pytest.mark.parametrize("size", [1, 2, 3, 4, 5])
-def test_contiguous_ownership(size):
+def test_contiguous_ownership(size, layout):
+    """balanced owns the tokens contiguous does (natural order); only the schedule differs."""
     seqlen = size * 4
     for r in range(size):
-        assert pieces(seqlen, r, size, "contiguous") == [(r * 4, 4)]
-        np.testing.assert_array_equal(layout_indices(seqlen, r, size, "contiguous"), np.arange(r * 4, r * 4 + 4))
+        assert pieces(seqlen, r, size, layout) == [(r * 4, 4)]
+        np.testing.assert_array_equal(layout_indices(seqlen, r, size, layout), np.arange(r * 4, r * 4 + 4))
+    assert check_split(3 * size, size, layout) == 3  # S % P == 0 is enough
 
 
 def test_zigzag_balances_causal_work():

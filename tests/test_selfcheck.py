@@ -39,8 +39,9 @@ def test_check_under_mpiexec_runs_the_ring():
     r = mpirun(2, "check")
     assert r.returncode == 0, r.stdout + r.stderr
     ring = _rows(r.stdout, "ring host")
-    assert len(ring) == 4 and all(" PASS " in line for line in ring), r.stdout
+    assert len(ring) == 6 and all(" PASS " in line for line in ring), r.stdout
     assert any("zigzag q-ring" in line and "causal" in line for line in ring)
+    assert any("balanced kv-ring" in line and "causal" in line for line in ring)
     assert any("contiguous kv-ring" in line and "full" in line for line in ring)
     assert r.stdout.count("burst-hpc check:") == 1  # the table comes from rank 0 only
 

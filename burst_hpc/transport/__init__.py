@@ -1,8 +1,11 @@
-"""Transports: send to the next rank and receive from the previous one, nonblocking.
+"""Transports: the nonblocking point-to-point exchange of one ring step.
 
-``exchange(sends, recvs)`` posts the transfer of every array in ``sends`` to rank+1 and into
-every array of ``recvs`` from rank-1, and returns a handle whose ``wait()`` completes it.
-Arrays travel as raw bytes, so bfloat16 and float16 need no MPI datatype.
+``exchange(sends, recvs)`` takes the step's lists of (peer, arrays): it posts the transfer of
+every array of each send to its peer and into every array of each receive from its peer, and
+returns a handle whose ``wait()`` completes them all (a plain ring: one send to rank+1, one
+receive from rank-1). The arrays exchanged with one peer are matched in list order, so both
+ends list them the same way (schedule.Step does). Arrays travel as raw bytes, so bfloat16 and
+float16 need no MPI datatype.
 
 - host:   NumPy buffers over MPI (the CPU path).
 - mpi:    CuPy device buffers handed straight to a CUDA-aware MPI.
@@ -20,6 +23,17 @@ log = logging.getLogger("burst_hpc")
 
 TRANSPORTS = ("auto", "host", "mpi", "nccl", "staged")
 DEVICE_TRANSPORTS = ("mpi", "nccl", "staged")
+
+
+def per_peer(transfers):
+    """(peer, index, array) for every array of ``transfers`` ((peer, arrays) pairs), ``index``
+    counting the arrays exchanged with that peer so far: the message tag both ends agree on."""
+    count = {}
+    for peer, arrays in transfers:
+        for array in arrays:
+            index = count.get(peer, 0)
+            count[peer] = index + 1
+            yield peer, index, array
 
 
 def _libmpi_path():

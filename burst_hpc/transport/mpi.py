@@ -1,6 +1,8 @@
 """MPI point-to-point transport: NumPy host buffers, or CuPy device buffers on a CUDA-aware MPI."""
 from mpi4py import MPI
 
+from . import per_peer
+
 # Open MPI 4.x has no large-count calls: keep every message under 2**31 bytes
 MAX_MESSAGE = 1 << 30
 
@@ -25,7 +27,6 @@ class MpiTransport:
     def __init__(self, comm, xp, device):
         self.comm, self.xp, self.device = comm, xp, device
         self.rank, self.size = comm.rank, comm.size
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
 
     def exchange(self, sends, recvs):
         if self.device:
@@ -33,12 +34,12 @@ class MpiTransport:
             # read the receive buffers, must finish before MPI touches them
             self.xp.cuda.get_current_stream().synchronize()
         requests = []
-        for tag, buf in enumerate(recvs):
+        for peer, index, buf in per_peer(recvs):
             for n, chunk in enumerate(byte_chunks(buf)):
-                requests.append(self.comm.Irecv(chunk, source=self.prev, tag=(tag << 12) + n))
-        for tag, buf in enumerate(sends):
+                requests.append(self.comm.Irecv(chunk, source=peer, tag=(index << 12) + n))
+        for peer, index, buf in per_peer(sends):
             for n, chunk in enumerate(byte_chunks(buf)):
-                requests.append(self.comm.Isend(chunk, dest=self.next, tag=(tag << 12) + n))
+                requests.append(self.comm.Isend(chunk, dest=peer, tag=(index << 12) + n))
         return Pending(requests)
 
     def close(self):

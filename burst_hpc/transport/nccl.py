@@ -1,5 +1,9 @@
 """NCCL transport: cupy.cuda.nccl send/recv inside one group, on a communication stream.
 
+Every send and receive of a step, whatever its peer, sits in the same groupStart/groupEnd:
+NCCL then progresses them together, so no rank's send waits on a receive that its peer posts
+only later (docs/RING.md).
+
 The communication stream first waits for the kernels queued so far (they wrote the send
 buffers and may still read the receive buffers); ``wait()`` makes the compute stream wait
 for the transfer, so the host never blocks.
@@ -33,17 +37,18 @@ class NcclTransport:
 
     def __init__(self, comm):
         self.rank, self.size = comm.rank, comm.size
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.nccl = _communicator(comm)
         self.stream = cupy.cuda.Stream(non_blocking=True)
 
     def exchange(self, sends, recvs):
         self.stream.wait_event(cupy.cuda.get_current_stream().record())
         nccl.groupStart()
-        for buf in sends:
-            self.nccl.send(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, self.next, self.stream.ptr)
-        for buf in recvs:
-            self.nccl.recv(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, self.prev, self.stream.ptr)
+        for peer, bufs in sends:
+            for buf in bufs:
+                self.nccl.send(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, peer, self.stream.ptr)
+        for peer, bufs in recvs:
+            for buf in bufs:
+                self.nccl.recv(buf.data.ptr, buf.nbytes, nccl.NCCL_UINT8, peer, self.stream.ptr)
         nccl.groupEnd()
         return Pending(self.stream.record())
 

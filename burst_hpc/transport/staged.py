@@ -12,6 +12,8 @@ import cupy
 import numpy as np
 from mpi4py import MPI
 
+from . import per_peer
+
 CHUNK = 16 << 20
 
 
@@ -24,13 +26,14 @@ def _chunks(nbytes):
     return [(i, min(nbytes, i + CHUNK)) for i in range(0, nbytes, CHUNK)] or [(0, 0)]
 
 
-def _slots(buffers, host):
-    """(device chunk, host chunk) pairs: each buffer's bytes in CHUNK pieces, end to end in ``host``."""
+def _slots(transfers, host):
+    """(peer, tag, device chunk, host chunk): each buffer of ``transfers`` ((peer, buffers)
+    pairs) in CHUNK pieces, end to end in ``host``; tags as the mpi transport's."""
     offset = 0
-    for buf in buffers:
+    for peer, index, buf in per_peer(transfers):
         flat = buf.reshape(-1).view(cupy.uint8)
-        for lo, hi in _chunks(buf.nbytes):
-            yield flat[lo:hi], host[offset + lo:offset + hi]
+        for n, (lo, hi) in enumerate(_chunks(buf.nbytes)):
+            yield peer, (index << 12) + n, flat[lo:hi], host[offset + lo:offset + hi]
         offset += buf.nbytes
 
 
@@ -52,7 +55,6 @@ class StagedTransport:
     def __init__(self, comm):
         self.comm = comm
         self.rank, self.size = comm.rank, comm.size
-        self.next, self.prev = (self.rank + 1) % self.size, (self.rank - 1) % self.size
         self.down = cupy.cuda.Stream(non_blocking=True)
         self.up = cupy.cuda.Stream(non_blocking=True)
         self.host_send = self.host_recv = np.empty(0, np.uint8)
@@ -67,14 +69,14 @@ class StagedTransport:
             self.host_recv = _pinned(recv_bytes)
 
     def exchange(self, sends, recvs):
-        self._reserve(sum(b.nbytes for b in sends), sum(b.nbytes for b in recvs))
+        self._reserve(*(sum(b.nbytes for _, bufs in side for b in bufs) for side in (sends, recvs)))
         ready = cupy.cuda.get_current_stream().record()
         self.down.wait_event(ready)
         self.up.wait_event(ready)  # the kernels still reading the receive buffers come first
         downloads = []
-        for device, host in _slots(sends, self.host_send):
+        for peer, tag, device, host in _slots(sends, self.host_send):
             device.get(stream=self.down, out=host, blocking=False)
-            downloads.append((host, self.down.record()))
+            downloads.append((peer, tag, host, self.down.record()))
         thread = threading.Thread(target=self._transfer, args=(downloads, recvs), daemon=True)
         thread.start()
         return Pending(thread, self)
@@ -85,12 +87,12 @@ class StagedTransport:
             if self.uploaded is not None:
                 self.uploaded.synchronize()  # the last uploads still read host_recv
             uploads = list(_slots(recvs, self.host_recv))
-            requests = [self.comm.Irecv(host, source=self.prev, tag=tag) for tag, (_, host) in enumerate(uploads)]
+            requests = [self.comm.Irecv(host, source=peer, tag=tag) for peer, tag, _, host in uploads]
             sends = []
-            for n, (host, done) in enumerate(downloads):
+            for peer, tag, host, done in downloads:
                 done.synchronize()
-                sends.append(self.comm.Isend(host, dest=self.next, tag=n))
-            for request, (device, host) in zip(requests, uploads):
+                sends.append(self.comm.Isend(host, dest=peer, tag=tag))
+            for request, (_, _, device, host) in zip(requests, uploads):
                 request.Wait()
                 device.set(host, stream=self.up)
             MPI.Request.Waitall(sends)
