@@ -26,13 +26,19 @@ def problem(comm, local, heads, kv_heads, dim, dtype=np.float64):
     return q, k, v, do, seed
 
 
-# lse travels in float32 (as in the ring), hence test_ring.py's tolerances; 24 query and 12 key/value
-# heads divide over 1..4 ranks, so Ulysses runs everywhere (GQA 2:1)
+def heads_for(method, size, heads, kv_heads):
+    """Ulysses splits heads over the ranks: give it a multiple of the rank count, same GQA ratio."""
+    if method != "ulysses" or (heads % size == 0 and kv_heads % size == 0):
+        return heads, kv_heads
+    return heads // kv_heads * size, size
+
+
+# lse travels in float32 (as in the ring), hence test_ring.py's tolerances; GQA 2:1
 @pytest.mark.parametrize("method", ["untiled-ring", "allgather-kv", "ulysses"])
 @pytest.mark.parametrize("causal,layout", [(True, "zigzag"), (True, "contiguous"), (False, "contiguous")])
 def test_baseline_matches_oracle(comm, method, causal, layout):
     P, r = comm.size, comm.rank
-    q, k, v, do, seed = problem(comm, 10, 24, 12, 8)
+    q, k, v, do, seed = problem(comm, 10, *heads_for(method, P, 24, 12), 8)
 
     def mine(x, axis=1):
         return burst_hpc.shard(x, r, P, layout, axis=axis)
@@ -52,7 +58,7 @@ def test_baseline_matches_oracle(comm, method, causal, layout):
 def test_baseline_bf16_inputs(comm, method):
     """16-bit inputs: bfloat16 results close to the oracle (each method rounds like eager code)."""
     P, r = comm.size, comm.rank
-    q, k, v, do, seed = problem(comm, 8, 12, 12, 16, bfloat16)
+    q, k, v, do, seed = problem(comm, 8, *heads_for(method, P, 12, 12), 16, bfloat16)
     mine = [burst_hpc.shard(x, r, P, "zigzag") for x in (q, k, v, do)]
     run = baselines.make(method, *mine[:3], comm, True, "zigzag", "auto")
     o, lse = run.forward()

@@ -182,7 +182,9 @@ class CudaBackend:
         return mod
 
     def _kernel(self, fname, kname, smem):
-        key = (fname, kname)
+        # keyed by device too: a RawKernel sets the shared-memory limit for the device current at the
+        # time, and a launch on another device without it fails (CUDA_ERROR_INVALID_VALUE)
+        key = (cupy.cuda.Device().id, fname, kname)
         kern = self._kernels.get(key)
         if kern is None:
             kern = self._module(fname).get_function(kname)
