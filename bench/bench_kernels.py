@@ -239,7 +239,7 @@ def header(families):
 def table(rows, families, dev, cmd):
     date = datetime.date.today().isoformat()
     head = (f"{date}, {dev}, `{cmd}` (bf16, B=1, H=32; TFLOP/s; median of 5-call CUDA-event samples; "
-            f"families {', '.join(families)}; sm80 backward layout {cuda_backend._BWD_LAYOUT})\n\n")
+            f"families {', '.join(families)})\n\n")
     return head + header(families) + "\n" + "\n".join(fmt_row(r, families) for r in rows) + "\n"
 
 

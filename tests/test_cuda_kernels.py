@@ -178,17 +178,6 @@ def test_backward(s, d, causal, hq, hkv):
         _check(name, got - i0, p, r, 3)
 
 
-@pytest.mark.parametrize("layout", ["w8", "w4"])
-@pytest.mark.parametrize("s,d,causal,hq,hkv", [(17, 64, True, 32, 8), (1000, 128, False, 32, 1),
-                                               (1000, 64, True, 32, 8), (4097, 128, True, 8, 2)])
-def test_backward_previous_layouts(monkeypatch, family, layout, s, d, causal, hq, hkv):
-    """The previous backward kernels (BURST_HPC_BWD_LAYOUT=w8 / w4) stay selectable and correct."""
-    if family != "sm80":
-        pytest.skip("the previous layouts are sm80 backward kernels: tested under the sm80 family")
-    monkeypatch.setattr(cuda_backend, "_BWD_LAYOUT", layout)
-    test_backward(s, d, causal, hq, hkv)
-
-
 # ---------------------------------------------------------------- strided views, offsets, merging
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])

@@ -35,13 +35,8 @@ _FWD90_CONSUMERS = {64: 3, 128: 2}
 # sm90 backward (attn_bwd_sm90.cu): keys per CTA, queries per tile, Q/dO pipeline depth, threads
 _BWD90_BN, _BWD90_BM, _BWD90_STAGES, _BWD90_THREADS = 128, 64, 2, 384
 _BWD90_DQ_PITCH = 68  # floats per staged dQ row
-# backward layout: "k4x2" (8 warps; 32 keys x 32 queries per warp for S/dP, 32 keys x D/2 for dK/dV;
-# 128 keys per CTA) or the previous "w8" / "w4" (each warp owns 16 keys, 16 * warps keys per CTA).
-# BURST_HPC_BWD_LAYOUT picks; the older BURST_HPC_BWD_WARPS=4|8 still selects w4 / w8.
-_BWD_LAYOUT = os.environ.get("BURST_HPC_BWD_LAYOUT") or (
-    "w" + os.environ["BURST_HPC_BWD_WARPS"] if os.environ.get("BURST_HPC_BWD_WARPS") else "k4x2")
-# measurement knob of the k4x2 backward: the causal launch-order chunk (0 = automatic)
-_BWD_ORDER_G = int(os.environ.get("BURST_HPC_BWD_ORDER_G", "0"))
+# sm80 backward (attn_bwd.cu, layout k4x2): 8 warps, keys per CTA
+_BWD_WARPS, _BWD_BN = 8, 128
 _THREADS = 256
 
 
@@ -387,40 +382,21 @@ class CudaBackend:
         sk, hkv = k.shape[1], k.shape[2]
         group = hq // hkv
         mode = "interval" if mask is not None else "causal" if causal else "full"
-        layout = _BWD_LAYOUT
-        if mask is not None and layout != "k4x2":
-            raise BackendError(f"documents and windows run on the k4x2 backward only; BURST_HPC_BWD_LAYOUT={layout}")
-        if layout == "k4x2":
-            nw, bn = 8, 128
-            smem = (2 * bn * d + 4 * _BWD_BM * d + 2 * bn * _BWD_BM) * 2 + (8 if mask is not None else 4) * _BWD_BM * 4
-        elif layout in ("w8", "w4"):
-            nw = int(layout[1:])
-            bn = 16 * nw
-            smem = (2 * bn * d + 4 * _BWD_BM * d + bn * _BWD_BM) * 2 + 4 * _BWD_BM * 4
-        else:
-            raise BackendError(f"BURST_HPC_BWD_LAYOUT must be k4x2, w8 or w4; got {layout!r}")
+        bn = _BWD_BN
+        smem = (2 * bn * d + 4 * _BWD_BM * d + 2 * bn * _BWD_BM) * 2 + (8 if mask is not None else 4) * _BWD_BM * 4
         nkb = (sk + bn - 1) // bn
         hpb, nsplit = self._group_split(group, nkb, b * hkv)
-        kname = f"attn_bwd_{kind}_d{d}_{mode}_{layout}"
         s = self._strides
-        extra = ()
-        if layout == "k4x2":
-            # 1-D grid; causal: heavy key blocks first inside chunks of order_g head slots (see attn_bwd.cu)
-            slots = nsplit * b * hkv
-            order_g = 1
-            if mode == "causal":
-                order_g = min(slots, max(1, -(-2 * _sm_count() // nkb)))
-            order_g = _BWD_ORDER_G or order_g
-            grid = (nkb * slots, 1, 1)
-            extra = (np.int32(max(1, min(order_g, slots))), *self._mask_args(mask, q_start, sq, k_start))
-        else:
-            grid = (nkb, nsplit, b * hkv)
+        # 1-D grid; causal: heavy key blocks first inside chunks of order_g head slots (see attn_bwd.cu)
+        slots = nsplit * b * hkv
+        order_g = min(slots, max(1, -(-2 * _sm_count() // nkb))) if mode == "causal" else 1
+        extra = (np.int32(order_g), *self._mask_args(mask, q_start, sq, k_start))
         args = (q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, *s(q)[:3], *s(k)[:3], *s(v)[:3], *s(do)[:3],
                 *s(lse_r), *s(delta_r), *s(dq_w)[:3], *s(dk_w)[:3], *s(dv_w)[:3], np.int32(sq), np.int32(sk),
                 np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * _LOG2E),
                 np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0), *extra)
-        kern = self._kernel("attn_bwd.cu", kname, smem)
-        kern(grid, (nw * 32,), args, shared_mem=smem)
+        kern = self._kernel("attn_bwd.cu", f"attn_bwd_{kind}_d{d}_{mode}_k4x2", smem)
+        kern((nkb * slots, 1, 1), (_BWD_WARPS * 32,), args, shared_mem=smem)
 
     def delta(self, do, o):
         b, s, h, d = do.shape
