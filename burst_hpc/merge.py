@@ -29,10 +29,15 @@ def merge_weights(lse_a, lse_b):
 
 def merge(o_a, lse_a, o_b, lse_b):
     """Merged (o, lse) of two parts. o: (B, S, H, D), lse: (B, H, S)."""
+    xp = array_module(o_a)
     lse, w_a, w_b = merge_weights(lse_a, lse_b)
     w_a = w_a.transpose(0, 2, 1)[..., None]
     w_b = w_b.transpose(0, 2, 1)[..., None]
-    return o_a * w_a + o_b * w_b, lse
+    # a part with lse = -inf holds nothing and its o is ignored, as the kernels do: a running o that was
+    # never written may hold anything (NaN poison included)
+    empty_a = xp.isneginf(lse_a).transpose(0, 2, 1)[..., None]
+    empty_b = xp.isneginf(lse_b).transpose(0, 2, 1)[..., None]
+    return xp.where(empty_a, 0, o_a * w_a) + xp.where(empty_b, 0, o_b * w_b), lse
 
 
 def merge_into(o, lse, o_b, lse_b):

@@ -303,11 +303,12 @@ def test_hopper_default_family(monkeypatch):
     assert get_backend(cupy.zeros(1)).family == "sm80"
 
 
-def test_unsupported_head_dim():
-    q = cupy.zeros((1, 8, 2, 160), BF16)  # D <= 128 is zero-padded (tests/test_cuda_padding.py)
-    o = cupy.zeros((1, 8, 2, 160), cupy.float32)
+@pytest.mark.parametrize("d", [64, 160])  # a native width, and a head wider than the kernels
+def test_unsupported_input_dtype(d):
+    q = cupy.zeros((1, 8, 2, d), cupy.float64)
+    o = cupy.zeros((1, 8, 2, d), cupy.float32)
     lse = cupy.full((1, 2, 8), -cupy.inf, cupy.float32)
-    with pytest.raises(BackendError, match="head_dim"):
+    with pytest.raises(BackendError, match="takes bfloat16, float16 or float32 inputs; got float64"):
         _be().forward_block(q, q, q, o, lse, scale=0.1)
 
 

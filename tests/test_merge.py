@@ -152,3 +152,18 @@ def test_merge_is_symmetric_and_associative(rng, seed):
 
 def test_array_module_is_numpy_for_numpy_arrays():
     assert array_module(np.zeros(3)) is np
+
+
+def test_an_empty_part_is_ignored_whatever_its_o_holds(rng):
+    """A running o never written (lse = -inf) may hold NaN: the merge takes the other part's o there,
+    as the CUDA kernels do; a part with a finite lse keeps its NaN (non-finite inputs propagate)."""
+    b, s, h, d = 1, 6, 2, 4
+    o_new = rng.standard_normal((b, s, h, d))
+    lse_new = rng.standard_normal((b, h, s))
+    o_old = np.full((b, s, h, d), np.nan)
+    lse_old = np.full((b, h, s), -np.inf)
+    lse_old[:, :, 0] = 0.0  # row 0 had a part: its NaN o must stay NaN
+    o, lse = merge(o_old, lse_old, o_new, lse_new)
+    assert np.isnan(o[:, 0]).all()
+    np.testing.assert_array_equal(o[:, 1:], o_new[:, 1:])
+    np.testing.assert_array_equal(lse[:, :, 1:], lse_new[:, :, 1:])

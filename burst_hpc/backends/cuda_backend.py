@@ -6,7 +6,8 @@ Conventions (docs/KERNELS.md has the full page):
   bf16 tensor-core path (accumulation stays float32). A uint16 array is taken as raw bf16 bits.
 - o, lse, dq, dk, dv, delta: float32, any strides along batch/seq/head (views are fine).
 - head dims 64 and 128 natively; any other D up to 128 is zero-padded to the next of those
-  (padding.py: exact, the scale stays the caller's); larger D raise BackendError.
+  (padding.py: exact, the scale stays the caller's); wider heads run numpy_backend's tiled online
+  softmax on CuPy arrays (float32 cuBLAS products per tile pair; exact, slower than the kernels).
 - every launch goes on CuPy's current stream; nothing here synchronizes the device.
 """
 import hashlib
@@ -25,7 +26,10 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
 from ..errors import BackendError
 from . import padding, tma
 
-SUPPORTED_HEAD_DIMS = (64, 128)
+SUPPORTED_HEAD_DIMS = (64, 128)  # native kernel widths; narrower heads are zero-padded to one of them
+# wider heads run the tiled online softmax of numpy_backend on CuPy arrays (batched cuBLAS products per
+# tile pair, float32): exact, slower than a fused kernel; tiles of this many queries x keys
+_WIDE_TILE = 1024
 _LOG2E = 1.4426950408889634
 _FWD_BN, _BWD_BM = 64, 64
 # sm90 forward (attn_fwd_sm90.cu): keys per tile, K/V pipeline depth; per head dim, the consumer
@@ -164,6 +168,7 @@ class CudaBackend:
         self._kernels = {}
         self._bf16 = np.dtype("bfloat16") if _has_bf16() else None
         self.source_hash = None
+        self._wide_backend = None
 
     # ---- compilation -------------------------------------------------------------------------------
     def _module(self, fname):
@@ -256,6 +261,9 @@ class CudaBackend:
 
     # ---- the three block calls ---------------------------------------------------------------------
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
+        if q.shape[-1] > max(SUPPORTED_HEAD_DIMS):
+            return self._wide().forward_block(*_wide_inputs(q, k, v), o, lse, scale=scale, causal=causal,
+                                              q_start=q_start, k_start=k_start, mask=mask if causal else None)
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
             return padding.forward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, o, lse, scale=scale, causal=causal,
                                          q_start=q_start, k_start=k_start, mask=mask)
@@ -313,6 +321,10 @@ class CudaBackend:
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
                        mask=None):
+        if q.shape[-1] > max(SUPPORTED_HEAD_DIMS):
+            return self._wide().backward_block(*_wide_inputs(q, k, v, do), lse, delta, dq, dk, dv, scale=scale,
+                                               causal=causal, q_start=q_start, k_start=k_start,
+                                               mask=mask if causal else None)
         if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
             return padding.backward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, do, lse, delta, dq, dk, dv, scale=scale,
                                           causal=causal, q_start=q_start, k_start=k_start, mask=mask)
@@ -337,6 +349,14 @@ class CudaBackend:
         for w, back in ((dq_w, dq_back), (dk_w, dk_back), (dv_w, dv_back)):
             if back is not None:
                 back[...] = w
+
+    def _wide(self):
+        """The block backend of head dims wider than the kernels (see _WIDE_TILE)."""
+        from .numpy_backend import NumpyBackend
+
+        if self._wide_backend is None:
+            self._wide_backend = NumpyBackend(_WIDE_TILE, _WIDE_TILE, xp=cupy)
+        return self._wide_backend
 
     @staticmethod
     def _group_split(group, key_blocks, kv_heads):
@@ -414,6 +434,13 @@ class CudaBackend:
              (do, o, out, *self._strides(do)[:3], *self._strides(o)[:3], np.int32(b), np.int32(s), np.int32(h),
               np.int32(d), np.int32(kinds[_dtype_kind(do.dtype)]), np.int32(kinds[_dtype_kind(o.dtype)])))
         return out
+
+
+def _wide_inputs(*arrays):
+    """Inputs of the wide-head path: uint16 arrays are raw bf16 bits, as for the kernels."""
+    for x in arrays:
+        _dtype_kind(x.dtype)  # raises on a dtype the backend does not take
+    return [x.view(np.dtype("bfloat16")) if x.dtype == np.uint16 else x for x in arrays]
 
 
 _SM_COUNT = None

@@ -6,9 +6,10 @@ caller's, computed from the true D. The accumulators (o; dq, dk, dv) go through 
 running values are copied in, the native kernel merges or adds into them, the first D columns are
 copied back. lse and delta are per row and need no padding.
 
-Head dims above the widest native kernel are refused: the q.k product cannot be split over the head
-dim with kernels that take whole rows (the softmax needs the full dot product first), so such D
-waits for a native kernel of that width; once a backend lists one, this module pads to it.
+Head dims above the widest native kernel cannot be padded down: the q.k product cannot be split over
+the head dim with kernels that take whole rows (the softmax needs the full dot product first). The
+CUDA backend runs those on its tiled matmul path instead; once it lists a wider native kernel, this
+module pads to it.
 """
 from ..errors import BackendError
 
