@@ -1,22 +1,22 @@
 #!/usr/bin/env bash
-# One command on a GPU machine: compile report, GPU tests, kernel benchmark; short table last.
+# One command on a one-GPU machine: compile report, GPU tests (kernels, masks, head dims; the GPU ring
+# tests with 2 ranks sharing the GPU), kernel benchmark incl. a wide head; short summary last.
 #   bash bench/device_check.sh [--quick]      (logs under $OUT when set, else ./out)
 set -u -o pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 LOG=${OUT:-out}; mkdir -p "$LOG"
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG/gpu.txt"
-echo "== nvcc resource report"
-# sm90 sources: the arch-specific target (nvcc 13's plain -arch=sm_90a emits no sm_90a code)
-for f in cuda/*.cu; do
-  case "$f" in *sm90*) arch=-gencode=arch=compute_90a,code=sm_90a ;; *) arch=-arch=sm_90 ;; esac
-  nvcc $arch -std=c++17 -Xptxas -v -c "$f" -o /dev/null 2>&1
-done \
-  | grep -E "Function properties|registers|spill" > "$LOG/ptxas.txt"; grep -c spill "$LOG/ptxas.txt" >/dev/null
-echo "== pytest"
-timeout 420 python3 -m pytest -q --maxfail=8 --timeout 300 -p no:cacheprovider tests/test_cuda_kernels.py 2>&1 | tee "$LOG/pytest.txt" | tail -30
+echo "== pytest (kernels, masks, head dims; every kernel family this GPU runs)"
+timeout 330 python3 -m pytest -q --maxfail=8 --timeout 300 -p no:cacheprovider \
+  tests/test_cuda_kernels.py tests/test_cuda_masks.py tests/test_cuda_padding.py 2>&1 | tee "$LOG/pytest.txt" | tail -15
+echo "== GPU ring tests, 2 ranks on this GPU (transports that share a GPU)"
+timeout 150 mpirun -np 2 python3 -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests/test_ring_gpu.py \
+  mpi_tests/test_baselines_gpu.py 2>&1 | tee "$LOG/ring.txt" | grep -E "passed|failed|error" | tail -4
 echo "== bench"
-timeout 300 python3 bench/bench_kernels.py --md "$LOG/bench.md" ${1:-} 2>&1 | tee "$LOG/bench.txt" | grep -v '^|' 
+timeout 260 python3 bench/bench_kernels.py --md "$LOG/bench.md" ${1:-} 2>&1 | tee "$LOG/bench.txt" | grep -v '^|'
+timeout 60 python3 bench/bench_kernels.py --dims 256 --seqs 4096 --reps 3 --md "$LOG/bench_wide.md" > "$LOG/bench_wide.txt" 2>&1
 echo "== summary"
 grep -E "passed|failed|error" "$LOG/pytest.txt" | tail -1
-cat "$LOG/bench.md" 2>/dev/null
+grep -E "passed|failed|error" "$LOG/ring.txt" | tail -2
+cat "$LOG/bench.md" "$LOG/bench_wide.md" 2>/dev/null
