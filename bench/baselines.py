@@ -134,9 +134,9 @@ class Collectives:
         if self.kind == "nccl":
             from cupy.cuda import nccl
 
-            from burst_hpc.transport.nccl import _communicator
+            from burst_hpc.transport.nccl import communicator
 
-            self._nccl, self._lib = _communicator(comm), nccl
+            self._nccl, self._lib = communicator(comm), nccl
         self.bytes_sent = 0
 
     def _stream(self):

@@ -44,6 +44,7 @@ def test_verify_fails_on_nonfinite_error(tmp_path):
     r = mpirun(2, "run", src, dst, "--backend", "numpy", "--allow-nonfinite", "--verify")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "verify=FAIL" in r.stdout and "verification failed" in r.stderr, r.stdout + r.stderr
+    assert f"-> {dst}" not in r.stdout  # the summary names no output that was not written
     assert not dst.exists() and not _leftovers(tmp_path)
 
 

@@ -33,6 +33,14 @@ def test_check_one_process():
     assert f"{len(kernels)} passed, 0 failed" in r.stdout and not _rows(r.stdout, "ring ")
 
 
+def test_check_replays_a_seed():
+    """--seed gives the same inputs, so the same errors: a failure seen once can be run again."""
+    first, again = (burst("check", "--seed", "12345") for _ in range(2))
+    assert first.returncode == again.returncode == 0, first.stdout + first.stderr
+    assert "seed 12345" in first.stdout
+    assert _rows(first.stdout, "kernels ") == _rows(again.stdout, "kernels ")
+
+
 @needs_mpiexec
 @pytest.mark.skipif(GPU, reason="CPU ring rows (a GPU machine checks its device transports)")
 def test_check_under_mpiexec_runs_the_ring():

@@ -14,8 +14,10 @@ from cupy.cuda import nccl
 _communicators = {}
 
 
-def _communicator(comm):
-    """One NCCL communicator per MPI communicator and device, bootstrapped over MPI."""
+def communicator(comm):
+    """The NCCL communicator of an MPI communicator on the current device, made once (collectively,
+    bootstrapped over MPI) and shared by every user of that pair: the ring transport and anything
+    else that wants NCCL on the same ranks (the collectives of bench/baselines.py)."""
     key = (comm.py2f(), cupy.cuda.Device().id)
     if key not in _communicators:
         uid = nccl.get_unique_id() if comm.rank == 0 else None
@@ -37,7 +39,7 @@ class NcclTransport:
 
     def __init__(self, comm):
         self.rank, self.size = comm.rank, comm.size
-        self.nccl = _communicator(comm)
+        self.nccl = communicator(comm)
         self.stream = cupy.cuda.Stream(non_blocking=True)
 
     def exchange(self, sends, recvs):
