@@ -3,12 +3,10 @@
 import numpy as np
 import pytest
 
+from burst_hpc.device import gpu_count  # noqa: E402
+
 cupy = pytest.importorskip("cupy")
-try:
-    HAVE_GPU = cupy.cuda.runtime.getDeviceCount() > 0
-except Exception:  # no driver
-    HAVE_GPU = False
-pytestmark = pytest.mark.skipif(not HAVE_GPU, reason="no GPU")
+pytestmark = pytest.mark.skipif(gpu_count() < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
 from burst_hpc.dtypes import bfloat16  # noqa: E402
