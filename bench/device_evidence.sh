@@ -17,6 +17,10 @@
 #   memory     peak memory per rank of every method at MEM_TOKENS per GPU (forward+backward)
 #   longest    the longest causal forward+backward of METHOD (default: all, one after another),
 #              doubling tokens per GPU from LONG_START=65536 to LONG_MAX=524288 until it fails
+#   layouts    causal layouts of our ring at LAYOUT_TOKENS=32768 per GPU: balanced, zigzag, contiguous and
+#              all-to-all around zigzag, full and compute-only, with the one-GPU time (--single) for 1/P
+#   masks      packed documents (MASK_TOKENS=262144 in all from MASK_DOCS=64 documents) against dense
+#              causal and the documents' own work, and a WINDOW=4096 causal window at 32768 per GPU
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
@@ -110,6 +114,20 @@ case "$PART" in
         [ "$(wc -l < "$JSON")" -gt "$before" ] && ! tail -1 "$JSON" | grep -q '"error"' || break
       done
     done ;;
+  layouts)
+    timeout 560 mpirun -np "$N" --bind-to none $envs python3 -m mpi4py bench/bench_ring.py --causal --single \
+      --tokens-per-rank "${LAYOUT_TOKENS:-32768}" --layouts balanced,zigzag,contiguous,alltoall --transports nccl \
+      --modes full,compute --iters 2 --out "$OUT/$NAME.md" > "$LOG" 2>&1 || failed "bench_ring layouts"
+    grep '^{' "$LOG" >> "$JSON"; cat "$OUT/$NAME.md" 2>/dev/null
+    exit $status ;;
+  masks)
+    timeout 420 mpirun -np "$N" --bind-to none $envs python3 -m mpi4py bench/bench_masks.py packed \
+      --tokens "${MASK_TOKENS:-262144}" --documents "${MASK_DOCS:-64}" --layouts contiguous,zigzag,balanced \
+      --out "$OUT/$NAME.md" > "$LOG" 2>&1 || failed "bench_masks packed"
+    timeout 300 mpirun -np "$N" --bind-to none $envs python3 -m mpi4py bench/bench_masks.py window \
+      --tokens-per-rank 32768 --window "${WINDOW:-4096}" --out "$OUT/$NAME.md" >> "$LOG" 2>&1 || failed "bench_masks window"
+    grep '^{' "$LOG" >> "$JSON"; cat "$OUT/$NAME.md" 2>/dev/null
+    exit $status ;;
   *) echo "unknown part $PART"; exit 2 ;;
 esac
 python3 bench/plot_evidence.py --table "$PART" "$JSON" || status=1
