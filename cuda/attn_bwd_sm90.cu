@@ -26,6 +26,14 @@ namespace bwd90 {
 constexpr int BN = 128, BM = 64, STAGES = 2, CONSUMERS = 2;
 constexpr int THREADS = 128 * (1 + CONSUMERS);
 constexpr int DQ_PITCH = 64 + 4;  // floats per staged dQ row: 16-byte aligned rows, conflict-free float2 writes
+// Named barrier IDs, each defined once (0 is __syncthreads). A hardware ID shared by two barriers with
+// different members can release with a mix of both, so no ID appears twice.
+enum Barrier : int {
+  kDsBoth = 1,      // D = 128: both consumers' halves of dS^T are in shared memory (256 threads)
+  kDsOwn = 2,       // D = 64: consumer cw's dS^T is in shared memory (kDsOwn + cw, 128 threads)
+  kDqStaging = 4,   // consumer cw's dQ staging buffer is free / filled (kDqStaging + cw, 128 threads)
+};
+static_assert(kDsOwn + CONSUMERS <= kDqStaging, "named barrier IDs overlap");
 
 // shared memory, byte offsets from a 1024-aligned base
 template <int D>
@@ -191,7 +199,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   auto reduce_staged_dq = [&](int n) {  // add the staged dQ rows of step n to dq
     const int h = h_first + n / tiles, m0 = (t_lo + n % tiles) * BM;
     fence_async_shared();
-    named_barrier_sync(3 + cw, 128);
+    named_barrier_sync(kDqStaging + cw, 128);
     if (tid < BM && m0 + tid < Sq) {
       bulk_reduce_add_f32(dq + b * qgsb + h * qgsh + static_cast<i64>(m0 + tid) * qgss + dq_col,
                           smem_u32(s_dq + tid * DQ_PITCH), 64 * 4);
@@ -264,9 +272,9 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     rs_issue<D, BF16>(acc_dk, dsa, q_tile);
     wgmma_commit();
     if (D == 128)
-      named_barrier_sync(1, 256);  // both halves of dS^T are in shared memory
+      named_barrier_sync(kDsBoth, 256);  // both halves of dS^T are in shared memory
     else
-      named_barrier_sync(2 + cw, 128);
+      named_barrier_sync(kDsOwn + cw, 128);
     float acc_dq[32];
     dq_issue<D, BF16>(acc_dq, ds_tile, base + L::kK, cw);
     wgmma_commit();
@@ -278,7 +286,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 
     // stage scale * dQ (64 x 64: rows m0 + .., columns dq_col + ..) once the last step's rows have left
     if (tid < BM) bulk_wait_read();
-    named_barrier_sync(3 + cw, 128);
+    named_barrier_sync(kDqStaging + cw, 128);
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       float* row_p = s_dq + (16 * warp + lane / 4 + 8 * r) * DQ_PITCH + qc;
