@@ -1,120 +1,150 @@
 // Attention backward over one (query block, key block) pair for Hopper (sm_90a), added into float32
 // (dq, dk, dv): the same contract as attn_bwd.cu (docs/KERNELS.md).
 //
-// A CTA owns BN = 128 keys of one (batch, kv head) and walks every query tile (BM = 64 rows) of the
-// query heads it was given (the whole GQA group, or a slice when the grid needs more CTAs). Warpgroups:
-// - the producer (warpgroup 0) loads K and V once by TMA, then streams Q and dO tiles (TMA) and the
-//   tiles' lse and delta (plain loads by 64 of its threads) through a STAGES-deep mbarrier pipeline;
-// - two consumers, 64 keys each, so the key side is the "M" of every product:
-//     S^T = K Q^T and dP^T = V dO^T          (wgmma, both operands in shared memory)
-//     P^T = exp2(S^T * scale*log2e - lse*log2e), dS^T = P^T (dP^T - delta)   (registers)
-//     dV += P^T dO and dK += dS^T Q           (wgmma, P^T / dS^T from registers; dK, dV stay in
-//                                              registers for the whole walk)
-//     dQ = dS K                               (wgmma, dS^T from shared memory read M-major), staged in
-//                                              shared memory and added to global dq one row per
-//                                              bulk reduction (cp.reduce.async.bulk .add.f32) while
-//                                              the next step's S^T and dP^T run.
-//   At D = 128 each consumer forms dQ for one half of the head dim over all 128 keys (the two
-//   consumers meet at a named barrier once per tile); at D = 64 each forms a partial dQ over its own
-//   64 keys, so no barrier is needed.
-// Rows with lse = -inf (nothing visible in the forward) and query rows past the end get P = 0; keys
-// past the end are masked; causal masks are on global positions, and query tiles hidden from every key
-// of the CTA are skipped.
+// A CTA owns BN = 128 keys of one (batch, kv head) and walks every query tile (BM rows: 64 at D = 128,
+// 128 at D = 64) of the query heads it was given (the whole GQA group, or a slice when the grid needs
+// more CTAs). Warpgroup 0 is the producer, with two jobs:
+// - warp 0 loads K and V once (TMA), then streams Q and dO tiles (TMA), each through its own
+//   STAGES-deep mbarrier pipeline, with the tile's lse * log2(e) and delta rows (one bulk copy each,
+//   from the row table the pre-pass attn_bwd_sm90_rows writes);
+// - warp 1 is the dQ writer: it waits until a consumer has staged its dQ part in shared memory (named
+//   barrier kDqFull), adds it into the caller's float32 dq with TMA tensor reductions (float32 tensor
+//   map, 128-byte swizzle), and frees the staging buffer (kDqEmpty) once the copy engine has read it.
+// Two consumer warpgroups own 64 keys each, so the key side is the "M" of every product. A step:
+//     S^T = K Q^T, dP^T = V dO^T                (wgmma SS, issued together)
+//     P^T = exp2(S^T * scale*log2e - lse*log2e)   (registers; masks on global positions)
+//     dS^T = P^T (dP^T - delta)                  (registers)
+//     dV += P^T dO                               (wgmma RS; dK, dV stay in registers for the walk)
+//     dS^T -> shared memory (stmatrix), barrier kDsReady (the other consumer's keys are needed)
+//     dQ part = dS K over all BN keys            (wgmma SS, dS^T read M-major)
+//     dK += dS^T Q                               (wgmma RS)
+//     wait for dV and dQ, stage scale * dQ for the writer while dK runs, wait for dK.
+// A consumer's dQ part is 64 x 64: at D = 128 the tile's 64 rows and head-dim half cw; at D = 64 rows
+// 64 cw.. of the 128-row tile and all 64 columns.
+// Rows with lse = -inf (nothing visible in the forward) and query rows past the end get P = 0; keys past
+// the end are masked; causal masks are on global positions, and query tiles hidden from every key of the
+// CTA are skipped.
 #include "sm90_primitives.cuh"
 
 namespace bwd90 {
-constexpr int BN = 128, BM = 64, STAGES = 2, CONSUMERS = 2;
+constexpr int BN = 128, STAGES = 2, CONSUMERS = 2;
 constexpr int THREADS = 128 * (1 + CONSUMERS);
-constexpr int DQ_PITCH = 64 + 4;  // floats per staged dQ row: 16-byte aligned rows, conflict-free float2 writes
+constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
+
+template <int D>
+struct Cfg {
+  static constexpr int BM = D == 64 ? 128 : 64;  // query rows per tile
+};
+
 // Named barrier IDs, each defined once (0 is __syncthreads). A hardware ID shared by two barriers with
 // different members can release with a mix of both, so no ID appears twice.
 enum Barrier : int {
-  kDsBoth = 1,      // D = 128: both consumers' halves of dS^T are in shared memory (256 threads)
-  kDsOwn = 2,       // D = 64: consumer cw's dS^T is in shared memory (kDsOwn + cw, 128 threads)
-  kDqStaging = 4,   // consumer cw's dQ staging buffer is free / filled (kDqStaging + cw, 128 threads)
+  kDsReady = 1,   // both consumers' dS^T rows are in shared memory (256 threads)
+  kDqFull = 2,    // consumer cw's dQ part is staged (kDqFull + cw: its 128 threads arrive, the writer warp syncs)
+  kDqEmpty = 4,   // the writer has read consumer cw's staging buffer (kDqEmpty + cw: writer arrives, consumer syncs)
+  kBarrierEnd = 6
 };
-static_assert(kDsOwn + CONSUMERS <= kDqStaging, "named barrier IDs overlap");
+static_assert(kDqFull + CONSUMERS <= kDqEmpty && kDqEmpty + CONSUMERS <= kBarrierEnd && kBarrierEnd <= 16,
+              "named barrier IDs overlap");
+constexpr int kWriterSync = 128 + 32;  // a consumer warpgroup and the writer warp
 
 // shared memory, byte offsets from a 1024-aligned base
 template <int D>
 struct Smem {
-  static constexpr u32 kK = 0;                              // [D/64][BN][64]
-  static constexpr u32 kV = kK + BN * D * 2;                // [D/64][BN][64]
-  static constexpr u32 kQ = kV + BN * D * 2;                // STAGES x [D/64][BM][64]
-  static constexpr u32 kDO = kQ + STAGES * BM * D * 2;      // STAGES x [D/64][BM][64]
-  static constexpr u32 kDS = kDO + STAGES * BM * D * 2;     // 2 x dS^T [BN][BM]
-  static constexpr u32 kLse = kDS + 2 * BN * BM * 2;        // STAGES x BM floats: lse * log2(e)
-  static constexpr u32 kDelta = kLse + STAGES * BM * 4;     // STAGES x BM floats
-  static constexpr u32 kDQ = kDelta + STAGES * BM * 4;      // per consumer: 64 rows x DQ_PITCH floats of dQ
-  static constexpr u32 kBar = kDQ + CONSUMERS * BM * DQ_PITCH * 4;  // kv_full, then per stage full, empty
-  static constexpr u32 kBytes = kBar + 8 * (1 + 2 * STAGES) + 1024;  // + alignment slack
-  static constexpr u32 kQTile = BM * D * 2;
+  static constexpr int BM = Cfg<D>::BM;
+  static constexpr u32 kTile = BM * D * 2;                 // one Q or dO tile: [D/64][BM][64]
+  static constexpr u32 kDqPart = 64 * 64 * 4;              // one consumer's dQ part: [2][64 rows][32 floats]
+  static constexpr u32 kK = 0;                             // [D/64][BN][64]
+  static constexpr u32 kV = kK + BN * D * 2;               // [D/64][BN][64]
+  static constexpr u32 kQ = kV + BN * D * 2;               // STAGES x tile
+  static constexpr u32 kDO = kQ + STAGES * kTile;          // STAGES x tile
+  static constexpr u32 kDS = kDO + STAGES * kTile;         // 2 x dS^T: [BM/64][BN][64]
+  static constexpr u32 kDQ = kDS + 2 * BN * BM * 2;        // CONSUMERS x dQ part
+  static constexpr u32 kLse = kDQ + CONSUMERS * kDqPart;   // STAGES x BM floats: lse * log2(e)
+  static constexpr u32 kDelta = kLse + STAGES * BM * 4;    // STAGES x BM floats
+  static constexpr u32 kBar = kDelta + STAGES * BM * 4;    // kv_full, then per stage q_full, do_full, q_empty, do_empty
+  static constexpr u32 kBytes = kBar + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
   __device__ static u32 kv_full(u32 base) { return base + kBar; }
-  __device__ static u32 full(u32 base, int s) { return base + kBar + 8 * (1 + 2 * s); }
-  __device__ static u32 empty(u32 base, int s) { return full(base, s) + 8; }
+  __device__ static u32 q_full(u32 base, int s) { return base + kBar + 8 * (1 + 4 * s); }
+  __device__ static u32 do_full(u32 base, int s) { return q_full(base, s) + 8; }
+  __device__ static u32 q_empty(u32 base, int s) { return q_full(base, s) + 16; }
+  __device__ static u32 do_empty(u32 base, int s) { return q_full(base, s) + 24; }
 };
 }  // namespace bwd90
 
-// dQ half / partial formed by consumer cw: A = dS (M-major view of dS^T), B = K rows (MN-major)
-template <int D, bool BF16>
-__device__ __forceinline__ void dq_issue(float* acc, u32 ds_tile, u32 k_tile, int cw) {
-  using namespace bwd90;
-  if (D == 128) {  // head-dim half cw, over all BN keys
-#pragma unroll
-    for (int kk = 0; kk < BN / 16; ++kk)
-      wgmma_ss_n64<BF16, 1, 1>(acc, smem_desc(ds_tile + kk * 16 * 128, 16, 1024),
-                               smem_desc(k_tile + cw * BN * 128 + kk * 16 * 128, 16, 1024), kk > 0);
-  } else {  // all 64 columns, over this consumer's 64 keys
-#pragma unroll
-    for (int kk = 0; kk < 4; ++kk)
-      wgmma_ss_n64<BF16, 1, 1>(acc, smem_desc(ds_tile + (cw * 64 + kk * 16) * 128, 16, 1024),
-                               smem_desc(k_tile + (cw * 64 + kk * 16) * 128, 16, 1024), kk > 0);
+// Tile geometry read by the host (cuda_backend.py), so it is written down once: per head dim (64, 128)
+// {keys per CTA, queries per tile, threads, dynamic shared memory bytes}.
+extern "C" __constant__ int attn_bwd_sm90_geometry[2][4] = {
+    {bwd90::BN, bwd90::Cfg<64>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<64>::kBytes)},
+    {bwd90::BN, bwd90::Cfg<128>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<128>::kBytes)}};
+
+// The pre-pass: the row table the producer copies per tile. rows[0][b][h][i] = lse * log2(e) (+inf for rows
+// past Sq and rows that saw nothing, so their P is 0), rows[1][b][h][i] = delta (0 there); i < Sq_pad.
+extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* delta, float* rows, i64 lsb, i64 lsh,
+                                              i64 lss, i64 dsb, i64 dsh, i64 dss, int B, int H, int Sq, int Sq_pad) {
+  const i64 n = static_cast<i64>(B) * H * Sq_pad;
+  for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < n;
+       idx += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const int i = static_cast<int>(idx % Sq_pad);
+    const i64 bh = idx / Sq_pad;
+    const int h = static_cast<int>(bh % H), b = static_cast<int>(bh / H);
+    float l2 = BH_INF, dl = 0.f;
+    if (i < Sq) {
+      const float x = lse[b * lsb + h * lsh + i * lss];
+      if (x > -BH_INF) {
+        l2 = x * BH_LOG2E;
+        dl = delta[b * dsb + h * dsh + i * dss];
+      }
+    }
+    rows[idx] = l2;
+    rows[n + idx] = dl;
   }
 }
 
-// acc (64 rows x N of this warpgroup) += A (registers) * B (MN-major tile of BM rows, 64-column blocks)
-template <int D, bool BF16>
-__device__ __forceinline__ void rs_issue(float* acc, const u32 (*a)[4], u32 b_tile) {
-  using namespace bwd90;
-#pragma unroll
-  for (int kk = 0; kk < BM / 16; ++kk) {
-    const u64 db = smem_desc(b_tile + kk * 16 * 128, BM * 128, 1024);
-    if (D == 128)
-      wgmma_rs_n128<BF16, 1>(acc, a[kk], db, 1);
-    else
-      wgmma_rs_n64<BF16, 1>(acc, a[kk], db, 1);
-  }
-}
-
-// 64 x 64 (this consumer's keys x the tile's queries) = A rows (K or V) . B rows (Q or dO), over D
-template <int D, bool BF16>
-__device__ __forceinline__ void ss_issue(float* acc, u32 a_rows, u32 b_tile) {
+// 64 x BM (this consumer's keys x the tile's queries) = A rows (K or V, K-major) . B rows (Q or dO)
+template <int D, int BM, bool BF16>
+__device__ __forceinline__ void keys_by_queries(float* acc, u32 a_lo, u32 b_lo) {
   using namespace bwd90;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss_n64<BF16, 0, 0>(acc, smem_desc(a_rows + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024),
-                             smem_desc(b_tile + (kk / 4) * BM * 128 + (kk % 4) * 32, 16, 1024), kk > 0);
+    wgmma_ss<BM, BF16, 0, 0>(acc, desc_at(a_lo, (kk / 4) * BN * 128 + (kk % 4) * 32),
+                             desc_at(b_lo, (kk / 4) * BM * 128 + (kk % 4) * 32), kk > 0);
+}
+
+// acc (64 keys x D) += A (registers, 64 keys x BM queries) * B (Q or dO tile, read MN-major)
+template <int D, int BM, bool BF16>
+__device__ __forceinline__ void keys_by_dim(float* acc, const u32 (*a)[4], u32 b_lo) {
+#pragma unroll
+  for (int kk = 0; kk < BM / 16; ++kk) wgmma_rs<D, BF16, 1>(acc, a[kk], desc_at(b_lo, kk * 16 * 128), 1);
+}
+
+// this consumer's dQ part (64 x 64) = dS (M-major view of dS^T) . K (MN-major), over all BN keys
+template <bool BF16>
+__device__ __forceinline__ void dq_part(float* acc, u32 ds_lo, u32 k_lo) {
+  using namespace bwd90;
+#pragma unroll
+  for (int kk = 0; kk < BN / 16; ++kk)
+    wgmma_ss<64, BF16, 1, 1>(acc, desc_at(ds_lo, kk * 16 * 128), desc_at(k_lo, kk * 16 * 128), kk > 0);
 }
 
 template <int D, bool BF16, bool CAUSAL>
-__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* lse, const float* delta,
-                                              float* dq, float* dk, float* dv, i64 lsb, i64 lsh, i64 lss, i64 dsb,
-                                              i64 dsh, i64 dss, i64 qgsb, i64 qgss, i64 qgsh, i64 kgsb, i64 kgss,
-                                              i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,
-                                              int group, int hpb, float scale, float sl2, i64 off, int atomic_kv) {
+__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, float* dk, float* dv,
+                                              i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq,
+                                              int Sq_pad, int Sk, int Hq, int Hkv, int group, int hpb, float scale,
+                                              float sl2, i64 off, int atomic_kv) {
   using namespace bwd90;
   using L = Smem<D>;
+  constexpr int BM = Cfg<D>::BM;
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  float* const s_lse = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kLse);
-  float* const s_delta = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kDelta);
-  float* const s_dq_all = reinterpret_cast<float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kDQ);
+  const float* const s_lse = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kLse);
+  const float* const s_delta = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kDelta);
 
   // grid: (key blocks, splits of the GQA group, batch x kv heads)
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.z / Hkv, hk = blockIdx.z % Hkv;
   const int h_first = hk * group + blockIdx.y * hpb;
-  const int ntq = (Sq + BM - 1) / BM;
+  const int ntq = Sq_pad / BM;
   int t_lo = 0;
   if (CAUSAL) {  // query tiles in which no row sees key n0 or later are skipped
     const i64 first_q = static_cast<i64>(n0) - off;  // the first query that sees key n0
@@ -122,23 +152,26 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   }
   const int tiles = ntq - t_lo;
   if (tiles <= 0 || n0 >= Sk) return;  // nothing visible: dq, dk, dv stay as they are
-  const int steps = tiles * hpb;        // step n: head h_first + n / tiles, query tile t_lo + n % tiles
+  const int steps = tiles * hpb;        // step order: query tiles t_lo.. of head h_first, then the next head
 
   if (threadIdx.x == 0) {
     mbar_init(L::kv_full(base), 1);
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(L::full(base, s), 1 + BM);  // the TMA arrival plus one per lse/delta row
-      mbar_init(L::empty(base, s), CONSUMERS);
+      mbar_init(L::q_full(base, s), 1);
+      mbar_init(L::do_full(base, s), 1);
+      // every consumer thread arrives: each releases its own reads of the stage (lse, delta rows)
+      mbar_init(L::q_empty(base, s), 128 * CONSUMERS);
+      mbar_init(L::do_empty(base, s), 128 * CONSUMERS);
     }
     mbar_fence_init();
   }
   __syncthreads();
 
-  const int wg = threadIdx.x / 128, tid = threadIdx.x % 128;
+  const int wg = warpgroup_index(), tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
+  const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256, *tdo = tmaps + 384, *tdq = tmaps + 512;
   if (wg == 0) {  // ---------------------------------------------------------------- producer
-    warpgroup_reg_dealloc<24>();
-    const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256, *tdo = tmaps + 384;
-    if (tid == 0) {
+    warpgroup_reg_dealloc<PRODUCER_REGS>();
+    if (warp == 0 && lane == 0) {  // loads
       tensormap_acquire(tq);
       tensormap_acquire(tk);
       tensormap_acquire(tv);
@@ -149,155 +182,185 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
         tma_load_4d(base + L::kK + db * BN * 128, tk, L::kv_full(base), db * 64, hk, n0, b);
         tma_load_4d(base + L::kV + db * BN * 128, tv, L::kv_full(base), db * 64, hk, n0, b);
       }
-    }
-    if (tid < BM) {
+      const i64 delta_rows = static_cast<i64>(gridDim.z / Hkv) * Hq * Sq_pad;  // B * Hq * Sq_pad
+      int h = h_first, t = t_lo, s = 0;
+      u32 phase = 0;
       for (int n = 0; n < steps; ++n) {
-        const int s = n % STAGES, h = h_first + n / tiles, m0 = (t_lo + n % tiles) * BM;
-        mbar_wait(L::empty(base, s), ((n / STAGES) & 1) ^ 1);
-        if (tid == 0) {
-          mbar_arrive_expect_tx(L::full(base, s), 2 * L::kQTile);
+        const int m0 = t * BM;
+        const float* row_lse = rows + (static_cast<i64>(b) * Hq + h) * Sq_pad + m0;
+        mbar_wait(L::q_empty(base, s), phase ^ 1);
+        mbar_arrive_expect_tx(L::q_full(base, s), L::kTile + BM * 4);
 #pragma unroll
-          for (int db = 0; db < D / 64; ++db) {
-            tma_load_4d(base + L::kQ + s * L::kQTile + db * BM * 128, tq, L::full(base, s), db * 64, h, m0, b);
-            tma_load_4d(base + L::kDO + s * L::kQTile + db * BM * 128, tdo, L::full(base, s), db * 64, h, m0, b);
-          }
-        }
-        const int row = m0 + tid;
-        float l2 = BH_INF, dl = 0.f;  // rows past the end, and rows that saw nothing, get P = 0
-        if (row < Sq) {
-          const float x = lse[b * lsb + h * lsh + row * lss];
-          if (x > -BH_INF) {
-            l2 = x * BH_LOG2E;
-            dl = delta[b * dsb + h * dsh + row * dss];
-          }
-        }
-        s_lse[s * BM + tid] = l2;
-        s_delta[s * BM + tid] = dl;
-        mbar_arrive(L::full(base, s));
+        for (int db = 0; db < D / 64; ++db)
+          tma_load_4d(base + L::kQ + s * L::kTile + db * BM * 128, tq, L::q_full(base, s), db * 64, h, m0, b);
+        bulk_load(base + L::kLse + s * BM * 4, row_lse, BM * 4, L::q_full(base, s));
+        mbar_wait(L::do_empty(base, s), phase ^ 1);
+        mbar_arrive_expect_tx(L::do_full(base, s), L::kTile + BM * 4);
+#pragma unroll
+        for (int db = 0; db < D / 64; ++db)
+          tma_load_4d(base + L::kDO + s * L::kTile + db * BM * 128, tdo, L::do_full(base, s), db * 64, h, m0, b);
+        bulk_load(base + L::kDelta + s * BM * 4, row_lse + delta_rows, BM * 4, L::do_full(base, s));
+        if (++t == ntq) t = t_lo, ++h;
+        if (++s == STAGES) s = 0, phase ^= 1;
       }
+    } else if (warp == 1) {  // the dQ writer
+      if (lane == 0) tensormap_acquire(tdq);
+#pragma unroll
+      for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+      int h = h_first, t = t_lo;
+      for (int n = 0; n < steps; ++n) {
+#pragma unroll
+        for (int c = 0; c < CONSUMERS; ++c) {
+          named_barrier_sync(kDqFull + c, kWriterSync);
+          if (lane == 0) {
+            const int col = D == 128 ? 64 * c : 0, row = t * BM + (D == 128 ? 0 : 64 * c);
+            const u32 part = base + L::kDQ + c * L::kDqPart;
+            tma_reduce_add_4d(tdq, part, col, h, row, b);
+            tma_reduce_add_4d(tdq, part + L::kDqPart / 2, col + 32, h, row, b);
+            bulk_commit();
+          }
+        }
+        if (lane == 0) bulk_wait_read();
+        __syncwarp();
+        if (n + 1 < steps) {
+#pragma unroll
+          for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+        }
+        if (++t == ntq) t = t_lo, ++h;
+      }
+      if (lane == 0) bulk_wait_all();
     }
     return;
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  warpgroup_reg_alloc<240>();
-  const int cw = wg - 1, lane = tid % 32, warp = tid / 32;
-  const bool leader = tid == 0;
-  const int key_lo = n0 + 64 * cw;                       // first key of this warpgroup
-  const int key0 = key_lo + 16 * warp + lane / 4;        // this thread's keys: key0, key0 + 8
-  const int qc = 2 * (lane % 4);                         // this thread's first query column in a tile
-  const u32 k_rows = base + L::kK + cw * 64 * 128, v_rows = base + L::kV + cw * 64 * 128;
-  float* const s_dq = s_dq_all + cw * BM * DQ_PITCH;
+  warpgroup_reg_alloc<CONSUMER_REGS>();
+  const int cw = wg - 1;
+  const int key_lo = n0 + 64 * cw;                 // first key of this warpgroup
+  const int key0 = key_lo + 16 * warp + lane / 4;  // this thread's keys: key0, key0 + 8
+  const int qc = 2 * (lane % 4);                   // this thread's first query column in a tile
+  const u32 k_lo = desc_lo(base + L::kK + cw * 64 * 128, 16), v_lo = desc_lo(base + L::kV + cw * 64 * 128, 16);
+  // dQ part: B = K column block cw (D = 128) or 0; A = dS^T column block cw (D = 64) or 0
+  const u32 kdq_lo = desc_lo(base + L::kK + (D == 128 ? cw * BN * 128 : 0), 16);
+  const u32 dsdq_off = D == 64 ? cw * BN * 128 : 0;
+  // stmatrix address of dS^T rows (keys) 64 cw + 16 warp + (lane % 16) / 8 * 8 + lane % 8, before the
+  // chunk of the 16 columns: swizzled chunk (2 kk) ^ (lane / 16) ^ (row % 8) = (2 kk) ^ ds_xor
+  const int ds_row = 64 * cw + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
+  const u32 ds_thread = ds_row * 128 + (((lane / 16) ^ (lane % 8)) << 4);
+  // dQ staging (float32, two boxes of 64 rows x 32 columns, 128-byte swizzle): element (row, col) of the
+  // part at box col / 32, row * 128 + ((col % 32 / 4) ^ (row % 8)) * 16 + col % 4 * 4
+  const u32 dq_thread = base + L::kDQ + cw * L::kDqPart + (16 * warp + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) + (lane % 2) * 8;
 
   float acc_dk[D / 2], acc_dv[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-  // dQ of step n is staged in shared memory at the end of step n and handed to the bulk reductions at the
-  // start of step n + 1, after that step's S^T and dP^T are issued, so the tensor cores are busy meanwhile
-  const int dq_col = D == 128 ? 64 * cw : 0;
-  auto reduce_staged_dq = [&](int n) {  // add the staged dQ rows of step n to dq
-    const int h = h_first + n / tiles, m0 = (t_lo + n % tiles) * BM;
-    fence_async_shared();
-    named_barrier_sync(kDqStaging + cw, 128);
-    if (tid < BM && m0 + tid < Sq) {
-      bulk_reduce_add_f32(dq + b * qgsb + h * qgsh + static_cast<i64>(m0 + tid) * qgss + dq_col,
-                          smem_u32(s_dq + tid * DQ_PITCH), 64 * 4);
-      bulk_commit();
-    }
-  };
   mbar_wait(L::kv_full(base), 0);
+  int t = t_lo, s = 0;
+  u32 phase = 0;
   for (int n = 0; n < steps; ++n) {
-    const int s = n % STAGES, m0 = (t_lo + n % tiles) * BM;
-    const u32 q_tile = base + L::kQ + s * L::kQTile, do_tile = base + L::kDO + s * L::kQTile;
+    const int m0 = t * BM;
+    const u32 q_lo = desc_lo(base + L::kQ + s * L::kTile, 16), do_lo = desc_lo(base + L::kDO + s * L::kTile, 16);
+    const u32 qmn_lo = desc_lo(base + L::kQ + s * L::kTile, BM * 128);
+    const u32 domn_lo = desc_lo(base + L::kDO + s * L::kTile, BM * 128);
     const u32 ds_tile = base + L::kDS + (n & 1) * BN * BM * 2;
-    mbar_wait(L::full(base, s), (n / STAGES) & 1);
 
     float st[BM / 2], dpt[BM / 2];
+    mbar_wait(L::q_full(base, s), phase);
     wgmma_fence();
-    ss_issue<D, BF16>(st, k_rows, q_tile);
+    keys_by_queries<D, BM, BF16>(st, k_lo, q_lo);
     wgmma_commit();
-    ss_issue<D, BF16>(dpt, v_rows, do_tile);
+    mbar_wait(L::do_full(base, s), phase);
+    keys_by_queries<D, BM, BF16>(dpt, v_lo, do_lo);
     wgmma_commit();
-    if (n > 0) reduce_staged_dq(n - 1);
     wgmma_wait<1>();
     fence_operands<BM / 2>(st);
 
-    // P^T (keys x queries), masked on global positions
-    const float* l2 = s_lse + s * BM;
+    // P^T (keys x queries), masked on global positions: element (j, e) is key key0 + 8 (e >> 1), query
+    // m0 + 8 j + qc + (e & 1)
+    const float* l2 = s_lse + s * BM + qc;
     const bool need_mask = (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(key_lo + 63) > static_cast<i64>(m0) + off);
+    if (need_mask) {
+      const int klim = Sk - key0;
+      // hidden when 8 (e >> 1) - 8 j - (e & 1) > dl; clamped so the int compare cannot overflow
+      const int dl = static_cast<int>(
+          max(static_cast<i64>(-4 * BM), min(static_cast<i64>(4 * BM), static_cast<i64>(m0) + off - key0 + qc)));
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j)
+      for (int j = 0; j < BM / 8; ++j) {
+        const float2 lj = *reinterpret_cast<const float2*>(l2 + 8 * j);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = 8 * j + qc + (e & 1);
-        float p = fast_exp2(fmaf(st[4 * j + e], sl2, -l2[col]));
-        if (need_mask) {
-          const int key = key0 + 8 * (e >> 1);
-          if (key >= Sk || (CAUSAL && static_cast<i64>(key) > static_cast<i64>(m0 + col) + off)) p = 0.f;
+        for (int e = 0; e < 4; ++e) {
+          const float p = fast_exp2(fmaf(st[4 * j + e], sl2, -((e & 1) ? lj.y : lj.x)));
+          const bool hidden = 8 * (e >> 1) >= klim || (CAUSAL && 8 * (e >> 1) - 8 * j - (e & 1) > dl);
+          st[4 * j + e] = hidden ? 0.f : p;
         }
-        st[4 * j + e] = p;
       }
+    } else {
+#pragma unroll
+      for (int j = 0; j < BM / 8; ++j) {
+        const float2 lj = *reinterpret_cast<const float2*>(l2 + 8 * j);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) st[4 * j + e] = fast_exp2(fmaf(st[4 * j + e], sl2, -((e & 1) ? lj.y : lj.x)));
+      }
+    }
     u32 pa[BM / 16][4];
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk) {
-      pa[kk][0] = pack2<BF16>(st[8 * kk + 0], st[8 * kk + 1]);
-      pa[kk][1] = pack2<BF16>(st[8 * kk + 2], st[8 * kk + 3]);
-      pa[kk][2] = pack2<BF16>(st[8 * kk + 4], st[8 * kk + 5]);
-      pa[kk][3] = pack2<BF16>(st[8 * kk + 6], st[8 * kk + 7]);
-    }
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<BF16>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
 
     wgmma_wait<0>();
     fence_operands<BM / 2>(dpt);
-    // dS^T = P^T (dP^T - delta): to registers (A of dK) and to shared memory (A of dQ, read M-major)
-    const float* dl = s_delta + s * BM;
+    // dS^T = P^T (dP^T - delta)
+    const float* dl = s_delta + s * BM + qc;
     u32 dsa[BM / 16][4];
 #pragma unroll
     for (int j = 0; j < BM / 8; ++j) {
-      const float d0 = dl[8 * j + qc], d1 = dl[8 * j + qc + 1];
-      const u32 lo = pack2<BF16>(st[4 * j + 0] * (dpt[4 * j + 0] - d0), st[4 * j + 1] * (dpt[4 * j + 1] - d1));
-      const u32 hi = pack2<BF16>(st[4 * j + 2] * (dpt[4 * j + 2] - d0), st[4 * j + 3] * (dpt[4 * j + 3] - d1));
-      dsa[j / 2][2 * (j & 1) + 0] = lo;
-      dsa[j / 2][2 * (j & 1) + 1] = hi;
-      // row r of dS^T holds 64 queries (128 bytes); 16-byte chunk j sits at chunk j ^ (r % 8)
-      const int r = 64 * cw + 16 * warp + lane / 4;
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + r * 128 + ((j ^ (r & 7)) * 16) + 2 * qc), "r"(lo));
-      asm volatile("st.shared.b32 [%0], %1;\n" ::"r"(ds_tile + (r + 8) * 128 + ((j ^ ((r + 8) & 7)) * 16) + 2 * qc),
-                   "r"(hi));
+      const float2 dj = *reinterpret_cast<const float2*>(dl + 8 * j);
+      dsa[j / 2][2 * (j & 1) + 0] = pack2<BF16>(st[4 * j + 0] * (dpt[4 * j + 0] - dj.x), st[4 * j + 1] * (dpt[4 * j + 1] - dj.y));
+      dsa[j / 2][2 * (j & 1) + 1] = pack2<BF16>(st[4 * j + 2] * (dpt[4 * j + 2] - dj.x), st[4 * j + 3] * (dpt[4 * j + 3] - dj.y));
     }
-    fence_async_shared();
 
     wgmma_fence();
-    rs_issue<D, BF16>(acc_dv, pa, do_tile);
-    rs_issue<D, BF16>(acc_dk, dsa, q_tile);
+    keys_by_dim<D, BM, BF16>(acc_dv, pa, domn_lo);
     wgmma_commit();
-    if (D == 128)
-      named_barrier_sync(kDsBoth, 256);  // both halves of dS^T are in shared memory
-    else
-      named_barrier_sync(kDsOwn + cw, 128);
+    // dS^T to shared memory for the dQ product: 16 keys x 16 queries per stmatrix
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      stmatrix_x4(((ds_tile + ds_thread) ^ (((2 * kk) % 8) << 4)) + (kk / 4) * BN * 128, dsa[kk]);
+    fence_async_shared();
+    named_barrier_sync(kDsReady, 128 * CONSUMERS);
     float acc_dq[32];
-    dq_issue<D, BF16>(acc_dq, ds_tile, base + L::kK, cw);
+    wgmma_fence();
+    dq_part<BF16>(acc_dq, desc_lo(ds_tile + dsdq_off, 16), kdq_lo);
     wgmma_commit();
-    wgmma_wait<0>();
+    keys_by_dim<D, BM, BF16>(acc_dk, dsa, qmn_lo);
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ are done; dK may still run
     fence_operands<D / 2>(acc_dv);
-    fence_operands<D / 2>(acc_dk);
     fence_operands<32>(acc_dq);
-    if (leader) mbar_arrive(L::empty(base, s));
+    mbar_arrive(L::do_empty(base, s));
 
-    // stage scale * dQ (64 x 64: rows m0 + .., columns dq_col + ..) once the last step's rows have left
-    if (tid < BM) bulk_wait_read();
-    named_barrier_sync(kDqStaging + cw, 128);
+    // stage scale * dQ for the writer once it has read the previous part
+    named_barrier_sync(kDqEmpty + cw, kWriterSync);
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float* row_p = s_dq + (16 * warp + lane / 4 + 8 * r) * DQ_PITCH + qc;
+    for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
-        *reinterpret_cast<float2*>(row_p + 8 * j) =
-            make_float2(acc_dq[4 * j + 2 * r] * scale, acc_dq[4 * j + 2 * r + 1] * scale);
-    }
+      for (int r = 0; r < 2; ++r) {
+        const u32 addr = ((dq_thread + (j / 4) * (L::kDqPart / 2) + r * 8 * 128) ^ ((2 * (j % 4)) << 4));
+        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc_dq[4 * j + 2 * r] * scale),
+                     "f"(acc_dq[4 * j + 2 * r + 1] * scale)
+                     : "memory");
+      }
+    fence_async_shared();
+    named_barrier_arrive(kDqFull + cw, kWriterSync);
+
+    wgmma_wait<0>();
+    fence_operands<D / 2>(acc_dk);
+    mbar_arrive(L::q_empty(base, s));
+    if (++t == ntq) t = t_lo;
+    if (++s == STAGES) s = 0, phase ^= 1;
   }
-  reduce_staged_dq(steps - 1);
-  if (tid < BM) bulk_wait_read();  // shared memory must outlive the reads of the last reductions
 
   // ---- epilogue: dk += scale * dK, dv += dV (atomics when the GQA group is split over CTAs)
 #pragma unroll
@@ -329,18 +392,17 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   }
 }
 
-#define BH_BWD90(NAME, D, BF16, CAUSAL)                                                                          \
-  extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1)                                               \
-      NAME(const unsigned char* tmaps, const float* lse, const float* delta, float* dq, float* dk, float* dv,    \
-           i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb, i64 qgss, i64 qgsh, i64 kgsb,         \
-           i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv, int group, int hpb,        \
-           float scale, float sl2, i64 off, int atomic_kv) {                                                    \
-    attn_bwd_sm90<D, BF16, CAUSAL>(tmaps, lse, delta, dq, dk, dv, lsb, lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, \
-                                   kgsb, kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb, scale, sl2, off,  \
-                                   atomic_kv);                                                                 \
+#define BH_BWD90(NAME, D, BF16, CAUSAL)                                                                           \
+  extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1)                                                \
+      NAME(const unsigned char* tmaps, const float* rows, float* dk, float* dv, i64 kgsb, i64 kgss, i64 kgsh,     \
+           i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sq_pad, int Sk, int Hq, int Hkv, int group, int hpb,         \
+           float scale, float sl2, i64 off, int atomic_kv) {                                                     \
+    attn_bwd_sm90<D, BF16, CAUSAL>(tmaps, rows, dk, dv, kgsb, kgss, kgsh, vgsb, vgss, vgsh, Sq, Sq_pad, Sk, Hq,   \
+                                   Hkv, group, hpb, scale, sl2, off, atomic_kv);                                  \
   }
 
-// name: attn_bwd_sm90_<dtype>_d<D>_<mask>; tmaps: the q, k, v, do tensor maps (128 bytes each)
+// name: attn_bwd_sm90_<dtype>_d<D>_<mask>; tmaps: the q, k, v, do (16-bit) and dq (float32) tensor maps,
+// 128 bytes each; rows: the table of attn_bwd_sm90_rows
 BH_BWD90(attn_bwd_sm90_bf16_d128_full, 128, true, false)
 BH_BWD90(attn_bwd_sm90_bf16_d128_causal, 128, true, true)
 BH_BWD90(attn_bwd_sm90_f16_d128_full, 128, false, false)

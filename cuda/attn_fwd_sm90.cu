@@ -44,6 +44,12 @@ struct Smem {
 };
 }  // namespace fwd90
 
+// Tile geometry read by the host (cuda_backend.py), so it is written down once: per head dim (64, 128)
+// {query rows per CTA, keys per tile, threads, dynamic shared memory bytes}.
+extern "C" __constant__ int attn_fwd_sm90_geometry[2][4] = {
+    {fwd90::Cfg<64>::BM, fwd90::BN, fwd90::Cfg<64>::THREADS, static_cast<int>(fwd90::Smem<64>::kBytes)},
+    {fwd90::Cfg<128>::BM, fwd90::BN, fwd90::Cfg<128>::THREADS, static_cast<int>(fwd90::Smem<128>::kBytes)}};
+
 template <int D, bool BF16>
 __device__ __forceinline__ void qk_issue(float* s, u32 q_rows, u32 k_tile) {
   using namespace fwd90;

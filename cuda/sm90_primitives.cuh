@@ -54,6 +54,23 @@ __device__ __forceinline__ void tma_load_4d(u32 dst, const void* tmap, u32 bar, 
       : "memory");
 }
 
+// one contiguous run of `bytes` (a multiple of 16, both ends 16-byte aligned) global -> shared,
+// counted on `bar` like a tensor load
+__device__ __forceinline__ void bulk_load(u32 dst, const void* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+// global box += shared box (float32 add in L2) through a 4-d tensor map; elements outside the tensor are
+// not written. Tracked per thread as a bulk group.
+__device__ __forceinline__ void tma_reduce_add_4d(const void* tmap, u32 src, int c0, int c1, int c2, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+          tmap),
+      "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
 // Shared memory written by ordinary stores, then read by wgmma (the async proxy): fence in between.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
@@ -67,6 +84,16 @@ __device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 byt
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // wait until the shared-memory sources of this thread's bulk groups have been read
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
+// wait until this thread's bulk groups have completed (their global writes done)
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;\n" ::: "memory"); }
+
+// four 8 x 8 16-bit matrices from registers (mma fragment layout) to shared memory; lane l gives the
+// address of row l % 8 of matrix l / 8
+__device__ __forceinline__ void stmatrix_x4(u32 addr, const u32* r) {
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+}
 
 // ---- warpgroups -----------------------------------------------------------------------------------
 template <int N>
@@ -91,6 +118,14 @@ __device__ __forceinline__ void named_barrier_arrive(int id, int threads) {
 __device__ __forceinline__ u64 smem_desc(u32 addr, u32 lbo, u32 sbo) {
   return static_cast<u64>((addr & 0x3FFFF) >> 4) | (static_cast<u64>(lbo >> 4) << 16) |
          (static_cast<u64>(sbo >> 4) << 32) | (1ull << 62);
+}
+// The same descriptor in two words: the high word (stride 1024 = the next 8 rows, 128-byte swizzle) is
+// one constant for every operand here; the low word holds address >> 4 and the leading byte offset, so a
+// descriptor is built once per tile and advanced by adding (byte offset >> 4) to its low word.
+constexpr u32 kDescHi128B = (1024u >> 4) | (1u << 30);
+__device__ __forceinline__ u32 desc_lo(u32 addr, u32 lbo) { return ((addr & 0x3FFFF) >> 4) | ((lbo >> 4) << 16); }
+__device__ __forceinline__ u64 desc_at(u32 lo, u32 byte_off) {
+  return (static_cast<u64>(kDescHi128B) << 32) | (lo + (byte_off >> 4));
 }
 __device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 __device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
@@ -184,3 +219,24 @@ __device__ __forceinline__ void wgmma_rs_n128(float* d, const u32* a, u64 desc_b
   }
 }
 
+
+// by accumulator width N (64 or 128 columns)
+template <int N, bool BF16, int TRANS_A, int TRANS_B>
+__device__ __forceinline__ void wgmma_ss(float* d, u64 desc_a, u64 desc_b, int accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma width");
+  if constexpr (N == 128)
+    wgmma_ss_n128<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+  else
+    wgmma_ss_n64<BF16, TRANS_A, TRANS_B>(d, desc_a, desc_b, accumulate);
+}
+template <int N, bool BF16, int TRANS_B>
+__device__ __forceinline__ void wgmma_rs(float* d, const u32* a, u64 desc_b, int accumulate) {
+  static_assert(N == 64 || N == 128, "wgmma width");
+  if constexpr (N == 128)
+    wgmma_rs_n128<BF16, TRANS_B>(d, a, desc_b, accumulate);
+  else
+    wgmma_rs_n64<BF16, TRANS_B>(d, a, desc_b, accumulate);
+}
+
+// the warpgroup index, warp-uniform (the compiler cannot prove threadIdx.x / 128 uniform)
+__device__ __forceinline__ int warpgroup_index() { return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) / 128, 0); }

@@ -32,13 +32,6 @@ SUPPORTED_HEAD_DIMS = (64, 128)  # native kernel widths; narrower heads are zero
 _WIDE_TILE = 1024
 _LOG2E = 1.4426950408889634
 _FWD_BN, _BWD_BM = 64, 64
-# sm90 forward (attn_fwd_sm90.cu): keys per tile, K/V pipeline depth; per head dim, the consumer
-# warpgroups of 64 query rows (a CTA also has one producer warpgroup)
-_FWD90_BN, _FWD90_STAGES = 128, 2
-_FWD90_CONSUMERS = {64: 3, 128: 2}
-# sm90 backward (attn_bwd_sm90.cu): keys per CTA, queries per tile, Q/dO pipeline depth, threads
-_BWD90_BN, _BWD90_BM, _BWD90_STAGES, _BWD90_THREADS = 128, 64, 2, 384
-_BWD90_DQ_PITCH = 68  # floats per staged dQ row
 # sm80 backward (attn_bwd.cu, layout k4x2): 8 warps, keys per CTA
 _BWD_WARPS, _BWD_BN = 8, 128
 _THREADS = 256
@@ -166,6 +159,7 @@ class CudaBackend:
         self.family = family
         self._modules = {}
         self._kernels = {}
+        self._geometries = {}
         self._bf16 = np.dtype("bfloat16") if _has_bf16() else None
         self.source_hash = None
         self._wide_backend = None
@@ -180,6 +174,18 @@ class CudaBackend:
             mod = cupy.RawModule(code=src, options=options)
             self._modules[fname] = mod
         return mod
+
+    def _sm90_geometry(self, fname, d):
+        """The tile geometry the sm90 source defines for head dim d (its ``<name>_geometry`` table):
+        fwd (query rows, keys, threads, shared bytes); bwd (keys, query rows, threads, shared bytes)."""
+        key = (fname, d)
+        geo = self._geometries.get(key)
+        if geo is None:
+            symbol = fname.replace(".cu", "_geometry")
+            table = cupy.ndarray((2, 4), np.int32, memptr=self._module(fname).get_global(symbol)).get()
+            geo = tuple(int(x) for x in table[SUPPORTED_HEAD_DIMS.index(d)])
+            self._geometries[key] = geo
+        return geo
 
     def _kernel(self, fname, kname, smem):
         # keyed by device too: a RawKernel sets the shared-memory limit for the device current at the
@@ -289,20 +295,18 @@ class CudaBackend:
     def _forward_sm90(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        consumers = _FWD90_CONSUMERS[d]
-        bm = 64 * consumers
+        bm, bn, threads, smem = self._sm90_geometry("attn_fwd_sm90.cu", d)
         try:
-            maps = tma.device_maps(cupy, ((q, bm), (k, _FWD90_BN), (v, _FWD90_BN)))
+            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
         except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
             q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
-            maps = tma.device_maps(cupy, ((q, bm), (k, _FWD90_BN), (v, _FWD90_BN)))
-        smem = (bm * d + 2 * _FWD90_STAGES * _FWD90_BN * d) * 2 + 8 * (1 + 4 * _FWD90_STAGES) + 1024
+            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
         name = f"attn_fwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}"
         kern = self._kernel("attn_fwd_sm90.cu", name, smem)
         grid = ((sq + bm - 1) // bm, hq, b)
         args = (maps, o_w, l_w, *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk),
                 np.int32(hq // hkv), np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
-        kern(grid, (128 * (1 + consumers),), args, shared_mem=smem)
+        kern(grid, (threads,), args, shared_mem=smem)
 
     def _forward_sm80(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask=None):
         b, sq, hq, _ = q.shape
@@ -373,26 +377,31 @@ class CudaBackend:
     def _backward_sm90(self, kind, d, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
+        bn, bm, threads, smem = self._sm90_geometry("attn_bwd_sm90.cu", d)
         group = hq // hkv
-        nkb = (sk + _BWD90_BN - 1) // _BWD90_BN
+        nkb = (sk + bn - 1) // bn
         hpb, nsplit = self._group_split(group, nkb, b * hkv)
-        geometry = ((q, _BWD90_BM), (k, _BWD90_BN), (v, _BWD90_BN), (do, _BWD90_BM))
+        # the writer adds dQ into dq through a float32 tensor map (16-byte aligned address and strides);
+        # any other dq gets a zeroed scratch accumulator, added in afterwards
+        aligned = dq.data.ptr % 16 == 0 and all(st % 16 == 0 for st in dq.strides[:-1])
+        dq_w = dq if aligned else cupy.zeros(dq.shape, np.float32)
         try:
-            maps = tma.device_maps(cupy, geometry)
-        except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
+            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn), (do, bm), (dq_w, 64)))
+        except tma.TensorMapError:  # a stride order the driver refuses: contiguous copies, scratch dq
             q, k, v, do = (cupy.ascontiguousarray(x) for x in (q, k, v, do))
-            maps = tma.device_maps(cupy, ((q, _BWD90_BM), (k, _BWD90_BN), (v, _BWD90_BN), (do, _BWD90_BM)))
-        smem = ((2 * _BWD90_BN * d + 2 * _BWD90_STAGES * _BWD90_BM * d + 2 * _BWD90_BN * _BWD90_BM) * 2
-                + 2 * _BWD90_STAGES * _BWD90_BM * 4 + 2 * _BWD90_BM * _BWD90_DQ_PITCH * 4
-                + 8 * (1 + 2 * _BWD90_STAGES) + 1024)
-        # dQ rows are added by bulk reductions, which need 16-byte aligned rows
-        dq_w = dq if dq.data.ptr % 16 == 0 and all(st % 16 == 0 for st in dq.strides[:-1]) else cupy.zeros(dq.shape, np.float32)
-        kern = self._kernel("attn_bwd_sm90.cu", f"attn_bwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
+            dq_w = dq_w if dq_w is not dq else cupy.zeros(dq.shape, np.float32)
+            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn), (do, bm), (dq_w, 64)))
+        sq_pad = -(-sq // bm) * bm
+        rows = cupy.empty((2, b, hq, sq_pad), np.float32)
+        prep = self._kernel("attn_bwd_sm90.cu", "attn_bwd_sm90_rows", 0)
         s = self._strides
-        args = (maps, lse, delta, dq_w, dk, dv, *s(lse), *s(delta), *s(dq_w)[:3], *s(dk)[:3], *s(dv)[:3], np.int32(sq),
-                np.int32(sk), np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale),
+        prep((min(-(-rows.size // 2 // _THREADS), 4096),), (_THREADS,),
+             (lse, delta, rows, *s(lse), *s(delta), np.int32(b), np.int32(hq), np.int32(sq), np.int32(sq_pad)))
+        kern = self._kernel("attn_bwd_sm90.cu", f"attn_bwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
+        args = (maps, rows, dk, dv, *s(dk)[:3], *s(dv)[:3], np.int32(sq), np.int32(sq_pad), np.int32(sk),
+                np.int32(hq), np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale),
                 np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
-        kern((nkb, nsplit, b * hkv), (_BWD90_THREADS,), args, shared_mem=smem)
+        kern((nkb, nsplit, b * hkv), (threads,), args, shared_mem=smem)
         if dq_w is not dq:
             dq += dq_w
 

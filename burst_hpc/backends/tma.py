@@ -1,9 +1,9 @@
 """TMA tensor maps for the sm90 kernels, made on the host with the driver's cuTensorMapEncodeTiled.
 
-A BSHD array of 16-bit values becomes a 4-d tensor map (D, H, S, B) with the array's own strides, so
-strided views (a zigzag half, heads interleaved with other data) need no copy. A box is 64 head-dim
-columns (128 bytes, the 128-byte swizzle width) of ``rows`` tokens of one head of one batch entry; rows
-past the end of S read as zeros. The kernels take the maps from global memory: ``device_maps`` packs
+A BSHD array of 16-bit values (or a float32 accumulator) becomes a 4-d tensor map (D, H, S, B) with the
+array's own strides, so strided views (a zigzag half, heads interleaved with other data) need no copy. A
+box is 128 bytes of head-dim columns (the 128-byte swizzle width: 64 16-bit or 32 float32 values) of
+``rows`` tokens of one head of one batch entry; rows past the end of S read as zeros and are not written. The kernels take the maps from global memory: ``device_maps`` packs
 them into one device buffer, cached by geometry (a map holds only an address and a shape, so the same
 geometry always gives the same bytes).
 """
@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import BackendError
 
 _MAP_BYTES = 128
-_DTYPE_CODE = {"bfloat16": 9, "float16": 6}  # CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 / _FLOAT16
+_DTYPE_CODE = {"bfloat16": 9, "uint16": 9, "float16": 6, "float32": 7}  # CU_TENSOR_MAP_DATA_TYPE_*
 _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO, _INTERLEAVE_NONE = 3, 3, 0, 0
 _CACHE_SIZE = 256
 
@@ -44,19 +44,21 @@ def _encoder():
 
 
 def encode_bshd(x, rows):
-    """The 128-byte tensor map of the BSHD 16-bit device array ``x`` with boxes of 64 x ``rows``."""
+    """The 128-byte tensor map of the BSHD device array ``x`` (16-bit or float32) with boxes of 128 bytes of
+    head-dim columns x ``rows`` tokens."""
     b, s, h, d = x.shape
     item = x.itemsize
-    if item != 2 or x.strides[-1] != 2 or d % 64:
-        raise TensorMapError(f"tensor maps take 16-bit arrays with a contiguous head dim that is a multiple of 64; "
-                             f"got {x.dtype}, shape {x.shape}, strides {x.strides}")
+    cols = 128 // item
+    if x.dtype.name not in _DTYPE_CODE or x.strides[-1] != item or d % cols:
+        raise TensorMapError(f"tensor maps take 16-bit or float32 arrays with a contiguous head dim that is a "
+                             f"multiple of {cols}; got {x.dtype}, shape {x.shape}, strides {x.strides}")
     dims = (ctypes.c_uint64 * 4)(d, h, s, b)
     strides = (ctypes.c_uint64 * 3)(x.strides[2], x.strides[1], x.strides[0])
-    box = (ctypes.c_uint32 * 4)(64, 1, rows, 1)
+    box = (ctypes.c_uint32 * 4)(cols, 1, rows, 1)
     steps = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     raw = ctypes.create_string_buffer(_MAP_BYTES + 64)  # the driver wants a 64-byte aligned CUtensorMap
     addr = (ctypes.addressof(raw) + 63) & ~63
-    code = _DTYPE_CODE.get(x.dtype.name, _DTYPE_CODE["bfloat16"])  # uint16 holds bf16 bits
+    code = _DTYPE_CODE[x.dtype.name]  # uint16 holds bf16 bits
     err = _encoder()(addr, code, 4, x.data.ptr, dims, strides, box, steps, _INTERLEAVE_NONE, _SWIZZLE_128B,
                      _L2_PROMOTION_256B, _OOB_FILL_ZERO)
     if err != 0:
