@@ -24,7 +24,8 @@
 // Rows with lse = -inf (nothing visible in the forward) and query rows past the end get P = 0; keys past
 // the end are masked; causal masks are on global positions, and query tiles hidden from every key of the
 // CTA are skipped.
-#include "sm90_primitives.cuh"
+#include "sm90_epilogue.cuh"
+#include "sm90_pipeline.cuh"
 
 namespace bwd90 {
 constexpr int BN = 128, STAGES = 2, CONSUMERS = 2;
@@ -183,25 +184,25 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
         tma_load_4d(base + L::kV + db * BN * 128, tv, L::kv_full(base), db * 64, hk, n0, b);
       }
       const i64 delta_rows = static_cast<i64>(gridDim.z / Hkv) * Hq * Sq_pad;  // B * Hq * Sq_pad
-      int h = h_first, t = t_lo, s = 0;
-      u32 phase = 0;
+      int h = h_first, t = t_lo;
+      PipeState<STAGES> pipe;
       for (int n = 0; n < steps; ++n) {
-        const int m0 = t * BM;
+        const int m0 = t * BM, s = pipe.stage;
         const float* row_lse = rows + (static_cast<i64>(b) * Hq + h) * Sq_pad + m0;
-        mbar_wait(L::q_empty(base, s), phase ^ 1);
+        mbar_wait(L::q_empty(base, s), pipe.phase ^ 1);
         mbar_arrive_expect_tx(L::q_full(base, s), L::kTile + BM * 4);
 #pragma unroll
         for (int db = 0; db < D / 64; ++db)
           tma_load_4d(base + L::kQ + s * L::kTile + db * BM * 128, tq, L::q_full(base, s), db * 64, h, m0, b);
         bulk_load(base + L::kLse + s * BM * 4, row_lse, BM * 4, L::q_full(base, s));
-        mbar_wait(L::do_empty(base, s), phase ^ 1);
+        mbar_wait(L::do_empty(base, s), pipe.phase ^ 1);
         mbar_arrive_expect_tx(L::do_full(base, s), L::kTile + BM * 4);
 #pragma unroll
         for (int db = 0; db < D / 64; ++db)
           tma_load_4d(base + L::kDO + s * L::kTile + db * BM * 128, tdo, L::do_full(base, s), db * 64, h, m0, b);
         bulk_load(base + L::kDelta + s * BM * 4, row_lse + delta_rows, BM * 4, L::do_full(base, s));
         if (++t == ntq) t = t_lo, ++h;
-        if (++s == STAGES) s = 0, phase ^= 1;
+        pipe.advance();
       }
     } else if (warp == 1) {  // the dQ writer
       if (lane == 0) tensormap_acquire(tdq);
@@ -256,21 +257,21 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
   mbar_wait(L::kv_full(base), 0);
-  int t = t_lo, s = 0;
-  u32 phase = 0;
+  int t = t_lo;
+  PipeState<STAGES> pipe;
   for (int n = 0; n < steps; ++n) {
-    const int m0 = t * BM;
+    const int m0 = t * BM, s = pipe.stage;
     const u32 q_lo = desc_lo(base + L::kQ + s * L::kTile, 16), do_lo = desc_lo(base + L::kDO + s * L::kTile, 16);
     const u32 qmn_lo = desc_lo(base + L::kQ + s * L::kTile, BM * 128);
     const u32 domn_lo = desc_lo(base + L::kDO + s * L::kTile, BM * 128);
     const u32 ds_tile = base + L::kDS + (n & 1) * BN * BM * 2;
 
     float st[BM / 2], dpt[BM / 2];
-    mbar_wait(L::q_full(base, s), phase);
+    mbar_wait(L::q_full(base, s), pipe.phase);
     wgmma_fence();
     keys_by_queries<D, BM, BF16>(st, k_lo, q_lo);
     wgmma_commit();
-    mbar_wait(L::do_full(base, s), phase);
+    mbar_wait(L::do_full(base, s), pipe.phase);
     keys_by_queries<D, BM, BF16>(dpt, v_lo, do_lo);
     wgmma_commit();
     wgmma_wait<1>();
@@ -359,37 +360,12 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     fence_operands<D / 2>(acc_dk);
     mbar_arrive(L::q_empty(base, s));
     if (++t == ntq) t = t_lo;
-    if (++s == STAGES) s = 0, phase ^= 1;
+    pipe.advance();
   }
 
   // ---- epilogue: dk += scale * dK, dv += dV (atomics when the GQA group is split over CTAs)
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key0 + 8 * r;
-    if (key < Sk) {
-      float* pk = dk + b * kgsb + hk * kgsh + static_cast<i64>(key) * kgss + qc;
-      float* pv = dv + b * vgsb + hk * vgsh + static_cast<i64>(key) * vgss + qc;
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        const float2 gk = make_float2(acc_dk[4 * j + 2 * r] * scale, acc_dk[4 * j + 2 * r + 1] * scale);
-        const float2 gv = make_float2(acc_dv[4 * j + 2 * r], acc_dv[4 * j + 2 * r + 1]);
-        float2* ak = reinterpret_cast<float2*>(pk + 8 * j);
-        float2* av = reinterpret_cast<float2*>(pv + 8 * j);
-        if (atomic_kv) {
-          atomicAdd(ak, gk);
-          atomicAdd(av, gv);
-        } else {
-          float2 x = *ak, y = *av;
-          x.x += gk.x;
-          x.y += gk.y;
-          y.x += gv.x;
-          y.y += gv.y;
-          *ak = x;
-          *av = y;
-        }
-      }
-    }
-  }
+  add_key_rows<D>(dk + b * kgsb + hk * kgsh + qc, kgss, acc_dk, scale, key0, Sk, atomic_kv);
+  add_key_rows<D>(dv + b * vgsb + hk * vgsh + qc, vgss, acc_dv, 1.f, key0, Sk, atomic_kv);
 }
 
 #define BH_BWD90(NAME, D, BF16, CAUSAL)                                                                           \

@@ -12,7 +12,8 @@
 // Causal masking is on global positions (key j hidden from query i when j > i + off, off = q_start -
 // k_start); key tiles hidden from every row of the CTA are never loaded; causal CTAs run heavy first.
 // The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel.
-#include "sm90_primitives.cuh"
+#include "sm90_epilogue.cuh"
+#include "sm90_pipeline.cuh"
 
 namespace fwd90 {
 constexpr int BN = 128, STAGES = 2;
@@ -50,29 +51,23 @@ extern "C" __constant__ int attn_fwd_sm90_geometry[2][4] = {
     {fwd90::Cfg<64>::BM, fwd90::BN, fwd90::Cfg<64>::THREADS, static_cast<int>(fwd90::Smem<64>::kBytes)},
     {fwd90::Cfg<128>::BM, fwd90::BN, fwd90::Cfg<128>::THREADS, static_cast<int>(fwd90::Smem<128>::kBytes)}};
 
+// S (this warpgroup's 64 query rows x BN keys) = Q rows . K tile, over D
 template <int D, bool BF16>
-__device__ __forceinline__ void qk_issue(float* s, u32 q_rows, u32 k_tile) {
+__device__ __forceinline__ void qk_issue(float* s, u32 q_lo, u32 k_lo) {
   using namespace fwd90;
   constexpr int BM = Cfg<D>::BM;
 #pragma unroll
-  for (int kk = 0; kk < D / 16; ++kk) {
-    const u64 da = smem_desc(q_rows + (kk / 4) * BM * 128 + (kk % 4) * 32, 16, 1024);
-    const u64 db = smem_desc(k_tile + (kk / 4) * BN * 128 + (kk % 4) * 32, 16, 1024);
-    wgmma_ss_n128<BF16, 0, 0>(s, da, db, kk > 0);
-  }
+  for (int kk = 0; kk < D / 16; ++kk)
+    wgmma_ss<BN, BF16, 0, 0>(s, desc_at(q_lo, (kk / 4) * BM * 128 + (kk % 4) * 32),
+                             desc_at(k_lo, (kk / 4) * BN * 128 + (kk % 4) * 32), kk > 0);
 }
 
+// O (64 x D) += P (registers, 64 x BN) . V tile (read MN-major)
 template <int D, bool BF16>
-__device__ __forceinline__ void pv_issue(float* o, const u32 (*p)[4], u32 v_tile) {
+__device__ __forceinline__ void pv_issue(float* o, const u32 (*p)[4], u32 v_lo) {
   using namespace fwd90;
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) {
-    const u64 db = smem_desc(v_tile + kk * 16 * 128, BN * 128, 1024);
-    if (D == 128)
-      wgmma_rs_n128<BF16, 1>(o, p[kk], db, 1);
-    else
-      wgmma_rs_n64<BF16, 1>(o, p[kk], db, 1);
-  }
+  for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D, BF16, 1>(o, p[kk], desc_at(v_lo, kk * 16 * 128), 1);
 }
 
 // Mask (if needed), then turn the scores s of one tile into probabilities exp2(s * mul - m_new) in place;
@@ -186,9 +181,10 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       mbar_arrive_expect_tx(L::q_full(base), BM * D * 2);
 #pragma unroll
       for (int db = 0; db < D / 64; ++db) tma_load_4d(base + L::kQ + db * BM * 128, tq, L::q_full(base), db * 64, h, m0, b);
-      for (int t = 0; t < ntiles; ++t) {
-        const int s = t % STAGES;
-        const u32 empty_parity = ((t / STAGES) & 1) ^ 1;
+      PipeState<STAGES> pipe;
+      for (int t = 0; t < ntiles; ++t, pipe.advance()) {
+        const int s = pipe.stage;
+        const u32 empty_parity = pipe.phase ^ 1;
         const u32 k_dst = base + L::kK + s * L::kTile, v_dst = base + L::kV + s * L::kTile;
         mbar_wait(L::k_empty(base, s), empty_parity);
         mbar_arrive_expect_tx(L::k_full(base, s), L::kTile);
@@ -209,7 +205,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   const bool leader = tid == 0;  // arrives on the "empty" barriers for its warpgroup
   const int mw0 = m0 + 64 * cw;  // first query row of this warpgroup
   const int row0 = mw0 + 16 * (tid / 32) + lane / 4;  // this thread's rows: row0, row0 + 8
-  const u32 q_rows = base + L::kQ + cw * 64 * 128;
+  const u32 q_lo = desc_lo(base + L::kQ + cw * 64 * 128, 16);
 
   float acc[D / 2];
 #pragma unroll
@@ -224,26 +220,28 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   };
   auto col0 = [&](int t) { return t * BN + 2 * (lane % 4); };
 
+  PipeState<STAGES> k_pipe, v_pipe;  // the K tile of step t, the V tile of step t - 1
   mbar_wait(L::q_full(base), 0);
   // tile 0: S_0, softmax (nothing to rescale yet)
   mbar_wait(L::k_full(base, 0), 0);
   wgmma_fence();
-  qk_issue<D, BF16>(s, q_rows, base + L::kK);
+  qk_issue<D, BF16>(s, q_lo, desc_lo(base + L::kK, 16));
   wgmma_commit();
   wgmma_wait<0>();
   fence_operands<BN / 2>(s);
   if (leader) mbar_arrive(L::k_empty(base, 0));
+  k_pipe.advance();
   softmax_tile<CAUSAL>(s, m, l, alpha, sl2, tile_needs_mask(0), col0(0), row0, Sk, off);
   pack_p<BF16>(s, p);
 
-  for (int t = 1; t < ntiles; ++t) {
-    const int st = t % STAGES, sp = (t - 1) % STAGES;
-    mbar_wait(L::k_full(base, st), (t / STAGES) & 1);
+  for (int t = 1; t < ntiles; ++t, k_pipe.advance(), v_pipe.advance()) {
+    const int st = k_pipe.stage, sp = v_pipe.stage;
+    mbar_wait(L::k_full(base, st), k_pipe.phase);
     wgmma_fence();
-    qk_issue<D, BF16>(s, q_rows, base + L::kK + st * L::kTile);
+    qk_issue<D, BF16>(s, q_lo, desc_lo(base + L::kK + st * L::kTile, 16));
     wgmma_commit();
-    mbar_wait(L::v_full(base, sp), ((t - 1) / STAGES) & 1);
-    pv_issue<D, BF16>(acc, p, base + L::kV + sp * L::kTile);
+    mbar_wait(L::v_full(base, sp), v_pipe.phase);
+    pv_issue<D, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
     wgmma_commit();
     wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
     fence_operands<BN / 2>(s);
@@ -262,10 +260,10 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     pack_p<BF16>(s, p);
   }
   {  // the last tile's P V
-    const int sp = (ntiles - 1) % STAGES;
-    mbar_wait(L::v_full(base, sp), ((ntiles - 1) / STAGES) & 1);
+    const int sp = v_pipe.stage;
+    mbar_wait(L::v_full(base, sp), v_pipe.phase);
     wgmma_fence();
-    pv_issue<D, BF16>(acc, p, base + L::kV + sp * L::kTile);
+    pv_issue<D, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands<D / 2>(acc);
@@ -273,42 +271,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   }
 
   // ---- epilogue: GAO merge into the running (o, lse); rows with nothing visible stay untouched
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
-    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-  }
-  float l_old[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    l_old[r] = (row < Sq) ? lse[b * lsb + h * lsh + row * lss] : -BH_INF;
-  }
-  __syncwarp();  // every lane of a quad has read lse before its first lane writes it
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
-    if (row < Sq && l[r] > 0.f) {
-      const float lb = (m[r] + __log2f(l[r])) * BH_LN2;
-      const float lo = l_old[r];
-      const bool fresh = !(lo > -BH_INF);  // -inf (or NaN): nothing merged yet
-      const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
-      const float wo = fresh ? 0.f : __expf(lo - ln);
-      const float wb = __expf(lb - ln) / l[r];
-      float* op = o + b * osb + h * osh + row * oss + 2 * (lane % 4);
-#pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        float2 val = make_float2(acc[4 * j + 2 * r] * wb, acc[4 * j + 2 * r + 1] * wb);
-        if (!fresh) {
-          const float2 old = *reinterpret_cast<const float2*>(op + 8 * j);
-          val.x += old.x * wo;
-          val.y += old.y * wo;
-        }
-        *reinterpret_cast<float2*>(op + 8 * j) = val;
-      }
-      if (lane % 4 == 0) lse[b * lsb + h * lsh + row * lss] = ln;
-    }
-  }
+  merge_rows<D>(o + b * osb + h * osh + 2 * (lane % 4), oss, lse + b * lsb + h * lsh, lss, acc, m, l, row0, Sq, lane);
 }
 
 #define BH_FWD90(NAME, D, BF16, CAUSAL)                                                                         \

@@ -1,0 +1,75 @@
+// The sm90 kernels' epilogues: accumulator registers (wgmma fragment layout: this thread's rows
+// row0 and row0 + 8, columns 8 j + 2 (lane % 4) + {0, 1}) into the caller's float32 arrays.
+#pragma once
+#include "sm90_primitives.cuh"
+
+// Forward: GAO merge of this thread's two rows (scores already in base-2 units: running max m, row sums
+// l, unnormalised output acc) into the running (o, lse). `o_rows` points at row 0, column 2 (lane % 4) of
+// this (batch, head); `lse_rows` at its lse entry of row 0. Rows with nothing visible (l = 0) and rows
+// past Sq stay untouched; a running lse of -inf means nothing was merged yet, so the old o is ignored.
+template <int D>
+__device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_rows, i64 lss, const float* acc,
+                                           const float* m, float* l, int row0, int Sq, int lane) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
+    l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
+  }
+  float l_old[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    l_old[r] = (row < Sq) ? lse_rows[row * lss] : -BH_INF;
+  }
+  __syncwarp();  // every lane of a quad has read lse before its first lane writes it
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row < Sq && l[r] > 0.f) {
+      const float lb = (m[r] + __log2f(l[r])) * BH_LN2;
+      const float lo = l_old[r];
+      const bool fresh = !(lo > -BH_INF);  // -inf (or NaN): nothing merged yet
+      const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
+      const float wo = fresh ? 0.f : __expf(lo - ln);
+      const float wb = __expf(lb - ln) / l[r];
+      float* op = o_rows + row * oss;
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        float2 val = make_float2(acc[4 * j + 2 * r] * wb, acc[4 * j + 2 * r + 1] * wb);
+        if (!fresh) {
+          const float2 old = *reinterpret_cast<const float2*>(op + 8 * j);
+          val.x += old.x * wo;
+          val.y += old.y * wo;
+        }
+        *reinterpret_cast<float2*>(op + 8 * j) = val;
+      }
+      if (lane % 4 == 0) lse_rows[row * lss] = ln;
+    }
+  }
+}
+
+// Backward: dst rows key0 and key0 + 8 (< Sk) += scale * acc. `dst` points at key 0, column 2 (lane % 4)
+// of this (batch, kv head); atomics when several CTAs add into the same rows (a split GQA group).
+template <int D>
+__device__ __forceinline__ void add_key_rows(float* dst, i64 row_stride, const float* acc, float scale, int key0,
+                                             int Sk, int atomic) {
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= Sk) continue;
+    float* row = dst + static_cast<i64>(key) * row_stride;
+#pragma unroll
+    for (int j = 0; j < D / 8; ++j) {
+      const float2 g = make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+      float2* p = reinterpret_cast<float2*>(row + 8 * j);
+      if (atomic) {
+        atomicAdd(p, g);
+      } else {
+        float2 x = *p;
+        x.x += g.x;
+        x.y += g.y;
+        *p = x;
+      }
+    }
+  }
+}
