@@ -170,7 +170,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   }
   __syncthreads();
 
-  const int wg = threadIdx.x / 128;
+  const int wg = warpgroup_index();
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     warpgroup_reg_dealloc<Cfg<D>::PRODUCER_REGS>();
     if (threadIdx.x == 0) {

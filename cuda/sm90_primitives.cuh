@@ -74,13 +74,7 @@ __device__ __forceinline__ void tma_reduce_add_4d(const void* tmap, u32 src, int
 // Shared memory written by ordinary stores, then read by wgmma (the async proxy): fence in between.
 __device__ __forceinline__ void fence_async_shared() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// Bulk reduction shared -> global: dst[i] += src[i] for `bytes` bytes of float32 (both 16-byte aligned,
-// bytes a multiple of 16), tracked per thread as bulk groups.
-__device__ __forceinline__ void bulk_reduce_add_f32(float* dst, u32 src, u32 bytes) {
-  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(dst), "r"(src),
-               "r"(bytes)
-               : "memory");
-}
+// bulk groups (copies and reductions issued by this thread)
 __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // wait until the shared-memory sources of this thread's bulk groups have been read
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;\n" ::: "memory"); }
