@@ -15,6 +15,12 @@ Ratios are to cuDNN, for the first family of --families (the default family of t
 
     python3 bench/bench_kernels.py [--quick] [--dims 128,64] [--seqs 4096,16384] [--families sm90,sm80]
                                    [--no-torch] [--reps N] [--md out.md] [--write-docs]
+    python3 bench/bench_kernels.py --masks [--families ...] [--md out.md]
+
+--masks: the masked rows instead (D = 128, S = 16k, causal): packed documents of 2k-8k tokens and a 4k
+sliding window against plain causal, TFLOP/s counted over the visible (query, key) pairs only; torch
+takes the same mask as a dense boolean attn_mask (cuDNN where it accepts one, else its
+memory-efficient kernel; the column says which ran).
 
 --write-docs replaces the "## Kernels (single GPU)" latest-table block of docs/BENCHMARKS.md.
 """
@@ -31,6 +37,7 @@ import cupy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from burst_hpc import masks  # noqa: E402
 from burst_hpc.backends import cuda_backend  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
@@ -79,6 +86,7 @@ def parse_args():
     ap.add_argument("--md", default=None, help="write the markdown table here")
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
+    ap.add_argument("--masks", action="store_true", help="the masked rows (documents, window) instead")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (default 128,64)")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 4096,16384,32768)")
     ap.add_argument("--families", default=None,
@@ -101,6 +109,8 @@ def main():
         except ImportError:
             torch = None
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    if args.masks:
+        return mask_rows(families, torch, args.reps, dev, args.md)
     B, H = 1, 32
     dims = (128,) if args.quick else (128, 64)
     seqs = (16384,) if args.quick else (4096, 16384, 32768)
@@ -202,6 +212,99 @@ def time_torch_sdpa(torch, sdpa_kernel, backend, name, tq, tk, tv, tdo, causal, 
 
         return {(name, "f"): time_torch(torch, tf, 3, reps), (name, "fb"): time_torch(torch, tfb, 2, reps),
                 (name, "b"): time_torch(torch, tb, 2, reps)}
+
+
+def mask_cases(s):
+    """(name, mask) of the masked rows: plain causal (mask None), documents of 2k-8k tokens, a 4k window."""
+    rng = np.random.default_rng(0)
+    bounds = [0]
+    while bounds[-1] < s:
+        bounds.append(min(s, bounds[-1] + int(rng.integers(2048, 8193))))
+    return (("causal", None), (f"documents 2k-8k ({len(bounds) - 1})", masks.make(s, True, None, np.array(bounds))),
+            ("window 4096", masks.make(s, True, (4096, 0), None)))
+
+
+def mask_rows(families, torch, reps, dev, md_path, s=16384, d=128, heads=32):
+    """Masked rows: TFLOP/s over visible pairs, ours (each family) and torch with a dense attn_mask."""
+    rows = []
+    q, k, v, do = (cupy.random.standard_normal((1, s, heads, d), dtype=cupy.float32).astype(BF16) for _ in range(4))
+    o = cupy.zeros((1, s, heads, d), cupy.float32)
+    lse = cupy.full((1, heads, s), -cupy.inf, cupy.float32)
+    dq, dk, dv = (cupy.zeros((1, s, heads, d), cupy.float32) for _ in range(3))
+    scale = d ** -0.5
+    for name, mask in mask_cases(s):
+        visible = mask.visible_count(0, s, 0, s) if mask is not None else s * (s + 1) // 2
+        flops = 4.0 * visible * heads * d
+        row = {"case": name, "visible": visible / (s * s)}
+        for family in families:
+            be = cuda_backend.CudaBackend.instance(family=family)
+
+            def fwd():
+                be.forward_block(q, k, v, o, lse, scale=scale, causal=True, mask=mask)
+
+            def bwd():
+                be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=scale, causal=True, mask=mask)
+
+            row[family, "f"] = flops / time_cupy(fwd, 3, reps) / 1e9
+            row[family, "b"] = 2.5 * flops / time_cupy(bwd, 2, reps) / 1e9
+        if torch is not None:
+            row.update(torch_masked(torch, q, k, v, do, mask, flops, reps))
+        rows.append(row)
+        print(row, flush=True)
+    impls = list(families) + (["torch"] if torch is not None else [])
+    cols = ["case", "visible pairs"] + [f"fwd {i}" for i in impls] + [f"bwd {i}" for i in impls]
+    cols += [f"fwd {families[0]}/torch", f"bwd {families[0]}/torch", "torch kernel"]
+    lines = ["| " + " | ".join(cols) + " |", "|---" * len(cols) + "|"]
+    for r in rows:
+        cells = [r["case"], f"{r['visible']:.1%}"]
+        cells += [fmt(r.get((i, "f"))) for i in impls] + [fmt(r.get((i, "b"))) for i in impls]
+        for key in ("f", "b"):
+            ours, theirs = r.get((families[0], key)), r.get(("torch", key))
+            cells.append(f"{ours / theirs:.2f}x" if ours and theirs else "-")
+        cells.append(r.get("torch kernel", "-"))
+        lines.append("| " + " | ".join(cells) + " |")
+    md = (f"{datetime.date.today().isoformat()}, {dev}, `{command()}` (bf16, B=1, H={heads}, D={d}, S={s}, causal; "
+          f"TFLOP/s over visible pairs; median of 5-call CUDA-event samples)\n\n" + "\n".join(lines) + "\n")
+    print()
+    print(md)
+    if md_path:
+        Path(md_path).write_text(md)
+
+
+def torch_masked(torch, q, k, v, do, mask, flops, reps):
+    """torch SDPA with the same mask (dense boolean, True = visible): cuDNN if it takes it, else efficient."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def tt(x):
+        return torch.as_tensor(x.view(cupy.int16), device="cuda").view(torch.bfloat16).transpose(1, 2).contiguous()
+
+    tq, tk, tv, tdo = (tt(x) for x in (q, k, v, do))
+    attn_mask, causal = None, True
+    if mask is not None:
+        lo, hi = mask.device_intervals(cupy)
+        pos = cupy.arange(q.shape[1], dtype=cupy.int32)
+        dense = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])
+        attn_mask, causal = torch.as_tensor(dense, device="cuda"), False
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    for label, backend in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        try:
+            with sdpa_kernel(backend):
+                gq, gk, gv = (x.detach().requires_grad_(True) for x in (tq, tk, tv))
+
+                def tf():
+                    with torch.no_grad():
+                        sdpa(tq, tk, tv, attn_mask=attn_mask, is_causal=causal)
+
+                out = sdpa(gq, gk, gv, attn_mask=attn_mask, is_causal=causal)
+
+                def tb():
+                    torch.autograd.grad(out, (gq, gk, gv), tdo, retain_graph=True)
+
+                return {("torch", "f"): flops / time_torch(torch, tf, 3, reps) / 1e9,
+                        ("torch", "b"): 2.5 * flops / time_torch(torch, tb, 2, reps) / 1e9, "torch kernel": label}
+        except Exception as exc:  # noqa: BLE001 - the backend may not take a mask
+            print(f"# torch {label} with this mask failed: {exc}", file=sys.stderr)
+    return {}
 
 
 def command():

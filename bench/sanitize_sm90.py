@@ -1,5 +1,5 @@
-"""Every sm90 kernel instance (forward and backward, D = 64 and 128, causal and not, bf16 and fp16) once on
-small shapes, for compute-sanitizer:
+"""Every sm90 kernel instance (forward and backward, D = 64 and 128, full, causal and interval masks, bf16
+and fp16) once on small shapes, for compute-sanitizer:
 
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_sm90.py
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 bench/sanitize_sm90.py
@@ -17,7 +17,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from burst_hpc import reference  # noqa: E402
+from burst_hpc import masks, reference  # noqa: E402
 from burst_hpc.backends.cuda_backend import CudaBackend  # noqa: E402
 
 
@@ -28,8 +28,12 @@ def main():
     worst = 0.0
     for dtype in (np.dtype("bfloat16"), np.dtype(np.float16)):
         for d in (64, 128):
-            for causal in (False, True):
+            for mode in ("full", "causal", "interval"):
+                causal = mode != "full"
                 b, sq, sk, hq, hkv = 1, 200, 300, 4, 2
+                # interval: documents and a window over the 300 positions, the queries the last 200
+                window, cu = ((40, 0), np.array([0, 90, 137, 260, 300])) if mode == "interval" else (None, None)
+                mask = masks.make(sk, True, window, cu) if mode == "interval" else None
                 q, k, v, do = (rng.standard_normal((b, n, h, d)).astype(np.float32)
                                for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
                 dq_, dk_, dv_ = (cupy.zeros(x.shape, np.float32) for x in (q, k, v))
@@ -38,20 +42,21 @@ def main():
                 lse = cupy.full((b, hq, sq), -np.inf, np.float32)
                 scale = d ** -0.5
                 q_start = sk - sq if causal else 0  # the last queries see every key
-                be.forward_block(*dev[:3], o, lse, scale=scale, causal=causal, q_start=q_start)
+                be.forward_block(*dev[:3], o, lse, scale=scale, causal=causal, q_start=q_start, mask=mask)
                 if forward_only:
                     continue
                 delta = be.delta(dev[3], o)
-                be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, causal=causal, q_start=q_start)
+                be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, causal=causal, q_start=q_start,
+                                  mask=mask)
                 cupy.cuda.Device().synchronize()
                 host = [cupy.asnumpy(x.astype(np.float32)).astype(np.float64) for x in dev]
-                ref_o, _ = reference.attention_reference(*host[:3], causal=causal, scale=scale, q_start=q_start)
-                grads = reference.attention_backward_reference(host[3], *host[:3], causal=causal, scale=scale,
-                                                               q_start=q_start)
+                kw = dict(causal=causal, scale=scale, q_start=q_start, window=window, cu_seqlens=cu)
+                ref_o, _ = reference.attention_reference(*host[:3], **kw)
+                grads = reference.attention_backward_reference(host[3], *host[:3], **kw)
                 for name, got, want in zip(("o", "dq", "dk", "dv"), (o, dq_, dk_, dv_), (ref_o, *grads)):
                     err = float(np.abs(cupy.asnumpy(got) - want).max() / max(np.abs(want).max(), 1e-6))
                     worst = max(worst, err)
-                    tag = f"{dtype.name} d{d} {'causal' if causal else 'full'} {name}"
+                    tag = f"{dtype.name} d{d} {mode} {name}"
                     print(f"{tag:28s} rel max err {err:.2e}")
                     if not np.isfinite(err) or err > 5e-2:
                         print(f"FAIL {tag}")

@@ -23,7 +23,10 @@
 // 64 cw.. of the 128-row tile and all 64 columns.
 // Rows with lse = -inf (nothing visible in the forward) and query rows past the end get P = 0; keys past
 // the end are masked; causal masks are on global positions, and query tiles hidden from every key of the
-// CTA are skipped.
+// CTA are skipped. Interval masks (IV: documents, sliding windows; docs/KERNELS.md "Masks"): local query
+// row r sees the keys at global positions [mlo[r], mhi[r]); the pre-pass attn_bwd_sm90_ranges gives each
+// CTA the query tiles that see any of its keys, and each tile's per-row key bounds (local) travel with
+// its lse rows, so only tiles on a band edge are masked.
 #include "sm90_epilogue.cuh"
 #include "sm90_pipeline.cuh"
 
@@ -63,7 +66,9 @@ struct Smem {
   static constexpr u32 kDQ = kDS + 2 * BN * BM * 2;        // CONSUMERS x dQ part
   static constexpr u32 kLse = kDQ + CONSUMERS * kDqPart;   // STAGES x BM floats: lse * log2(e)
   static constexpr u32 kDelta = kLse + STAGES * BM * 4;    // STAGES x BM floats
-  static constexpr u32 kBar = kDelta + STAGES * BM * 4;    // kv_full, then per stage q_full, do_full, q_empty, do_empty
+  static constexpr u32 kKlo = kDelta + STAGES * BM * 4;     // STAGES x BM ints (IV): first visible key per row
+  static constexpr u32 kKhi = kKlo + STAGES * BM * 4;       // STAGES x BM ints (IV): end of the visible keys
+  static constexpr u32 kBar = kKhi + STAGES * BM * 4;      // kv_full, then per stage q_full, do_full, q_empty, do_empty
   static constexpr u32 kBytes = kBar + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
   __device__ static u32 kv_full(u32 base) { return base + kBar; }
   __device__ static u32 q_full(u32 base, int s) { return base + kBar + 8 * (1 + 4 * s); }
@@ -81,8 +86,18 @@ extern "C" __constant__ int attn_bwd_sm90_geometry[2][4] = {
 
 // The pre-pass: the row table the producer copies per tile. rows[0][b][h][i] = lse * log2(e) (+inf for rows
 // past Sq and rows that saw nothing, so their P is 0), rows[1][b][h][i] = delta (0 there); i < Sq_pad.
+// With interval bounds (mlo != null) the table goes on with two int rows of Sq_pad: each query row's
+// visible keys [klo, khi) as local key indices (empty past Sq, kept nondecreasing there).
 extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* delta, float* rows, i64 lsb, i64 lsh,
-                                              i64 lss, i64 dsb, i64 dsh, i64 dss, int B, int H, int Sq, int Sq_pad) {
+                                              i64 lss, i64 dsb, i64 dsh, i64 dss, int B, int H, int Sq, int Sq_pad,
+                                              const int* mlo, const int* mhi, i64 kofs, int Sk) {
+  if (mlo != nullptr) {
+    int* const bounds = reinterpret_cast<int*>(rows + 2 * static_cast<i64>(B) * H * Sq_pad);
+    for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < Sq_pad; i += gridDim.x * blockDim.x) {
+      bounds[i] = i < Sq ? local_key(mlo[i], kofs, Sk) : Sk + 1;  // rows past the end: empty, and the
+      bounds[Sq_pad + i] = i < Sq ? local_key(mhi[i], kofs, Sk) : Sk + 1;  // bounds stay nondecreasing
+    }
+  }
   const i64 n = static_cast<i64>(B) * H * Sq_pad;
   for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < n;
        idx += static_cast<i64>(gridDim.x) * blockDim.x) {
@@ -100,6 +115,29 @@ extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* del
     rows[idx] = l2;
     rows[n + idx] = dl;
   }
+}
+
+// Interval masks: the query tiles [first, end) that see any key of each key block (both bounds never
+// decrease with the row, so two binary searches); ranges[2 kb], ranges[2 kb + 1].
+extern "C" __global__ void attn_bwd_sm90_ranges(const int* mlo, const int* mhi, i64 kofs, int Sq, int Sk, int BN_,
+                                                int BM_, int nkb, int* ranges) {
+  const int kb = blockIdx.x * blockDim.x + threadIdx.x;
+  if (kb >= nkb) return;
+  const i64 k_first = kofs + static_cast<i64>(kb) * BN_, k_last = kofs + min((kb + 1) * BN_, Sk) - 1;
+  int lo = 0, hi = Sq;  // the first row with mhi > k_first
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (static_cast<i64>(mhi[mid]) > k_first) hi = mid; else lo = mid + 1;
+  }
+  const int r_first = lo;
+  lo = r_first, hi = Sq;  // the first row with mlo > k_last
+  while (lo < hi) {
+    const int mid = (lo + hi) / 2;
+    if (static_cast<i64>(mlo[mid]) > k_last) hi = mid; else lo = mid + 1;
+  }
+  const int r_end = lo;
+  ranges[2 * kb] = r_first / BM_;
+  ranges[2 * kb + 1] = r_end > r_first ? (r_end + BM_ - 1) / BM_ : r_first / BM_;
 }
 
 // 64 x BM (this consumer's keys x the tile's queries) = A rows (K or V, K-major) . B rows (Q or dO)
@@ -128,11 +166,11 @@ __device__ __forceinline__ void dq_part(float* acc, u32 ds_lo, u32 k_lo) {
     wgmma_ss<64, BF16, 1, 1>(acc, desc_at(ds_lo, kk * 16 * 128), desc_at(k_lo, kk * 16 * 128), kk > 0);
 }
 
-template <int D, bool BF16, bool CAUSAL>
+template <int D, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, float* dk, float* dv,
                                               i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq,
                                               int Sq_pad, int Sk, int Hq, int Hkv, int group, int hpb, float scale,
-                                              float sl2, i64 off, int atomic_kv) {
+                                              float sl2, i64 off, int atomic_kv, const int* ranges) {
   using namespace bwd90;
   using L = Smem<D>;
   constexpr int BM = Cfg<D>::BM;
@@ -140,18 +178,20 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const float* const s_lse = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kLse);
   const float* const s_delta = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kDelta);
+  const int* const s_klo = reinterpret_cast<const int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kKlo);
+  const int* const s_khi = reinterpret_cast<const int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kKhi);
 
   // grid: (key blocks, splits of the GQA group, batch x kv heads)
   const int n0 = blockIdx.x * BN;
   const int b = blockIdx.z / Hkv, hk = blockIdx.z % Hkv;
   const int h_first = hk * group + blockIdx.y * hpb;
-  const int ntq = Sq_pad / BM;
-  int t_lo = 0;
+  int t_lo = 0, t_end = Sq_pad / BM;  // the query tiles this CTA walks
   if (CAUSAL) {  // query tiles in which no row sees key n0 or later are skipped
     const i64 first_q = static_cast<i64>(n0) - off;  // the first query that sees key n0
-    t_lo = first_q <= 0 ? 0 : static_cast<int>(min(static_cast<i64>(ntq), first_q / BM));
+    t_lo = first_q <= 0 ? 0 : static_cast<int>(min(static_cast<i64>(t_end), first_q / BM));
   }
-  const int tiles = ntq - t_lo;
+  if (IV) t_lo = ranges[2 * blockIdx.x], t_end = ranges[2 * blockIdx.x + 1];
+  const int tiles = t_end - t_lo;
   if (tiles <= 0 || n0 >= Sk) return;  // nothing visible: dq, dk, dv stay as they are
   const int steps = tiles * hpb;        // step order: query tiles t_lo.. of head h_first, then the next head
 
@@ -184,24 +224,29 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
         tma_load_4d(base + L::kV + db * BN * 128, tv, L::kv_full(base), db * 64, hk, n0, b);
       }
       const i64 delta_rows = static_cast<i64>(gridDim.z / Hkv) * Hq * Sq_pad;  // B * Hq * Sq_pad
+      const int* const bounds = reinterpret_cast<const int*>(rows + 2 * delta_rows);
       int h = h_first, t = t_lo;
       PipeState<STAGES> pipe;
       for (int n = 0; n < steps; ++n) {
         const int m0 = t * BM, s = pipe.stage;
         const float* row_lse = rows + (static_cast<i64>(b) * Hq + h) * Sq_pad + m0;
         mbar_wait(L::q_empty(base, s), pipe.phase ^ 1);
-        mbar_arrive_expect_tx(L::q_full(base, s), L::kTile + BM * 4);
+        mbar_arrive_expect_tx(L::q_full(base, s), L::kTile + (IV ? 3 : 1) * BM * 4);
 #pragma unroll
         for (int db = 0; db < D / 64; ++db)
           tma_load_4d(base + L::kQ + s * L::kTile + db * BM * 128, tq, L::q_full(base, s), db * 64, h, m0, b);
         bulk_load(base + L::kLse + s * BM * 4, row_lse, BM * 4, L::q_full(base, s));
+        if (IV) {
+          bulk_load(base + L::kKlo + s * BM * 4, bounds + m0, BM * 4, L::q_full(base, s));
+          bulk_load(base + L::kKhi + s * BM * 4, bounds + Sq_pad + m0, BM * 4, L::q_full(base, s));
+        }
         mbar_wait(L::do_empty(base, s), pipe.phase ^ 1);
         mbar_arrive_expect_tx(L::do_full(base, s), L::kTile + BM * 4);
 #pragma unroll
         for (int db = 0; db < D / 64; ++db)
           tma_load_4d(base + L::kDO + s * L::kTile + db * BM * 128, tdo, L::do_full(base, s), db * 64, h, m0, b);
         bulk_load(base + L::kDelta + s * BM * 4, row_lse + delta_rows, BM * 4, L::do_full(base, s));
-        if (++t == ntq) t = t_lo, ++h;
+        if (++t == t_end) t = t_lo, ++h;
         pipe.advance();
       }
     } else if (warp == 1) {  // the dQ writer
@@ -227,7 +272,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 #pragma unroll
           for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
         }
-        if (++t == ntq) t = t_lo, ++h;
+        if (++t == t_end) t = t_lo, ++h;
       }
       if (lane == 0) bulk_wait_all();
     }
@@ -280,7 +325,13 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     // P^T (keys x queries), masked on global positions: element (j, e) is key key0 + 8 (e >> 1), query
     // m0 + 8 j + qc + (e & 1)
     const float* l2 = s_lse + s * BM + qc;
-    const bool need_mask = (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(key_lo + 63) > static_cast<i64>(m0) + off);
+    const int* klo = s_klo + s * BM + qc;
+    const int* khi = s_khi + s * BM + qc;
+    // IV: every key of this consumer visible from every row of the tile when the last row's band starts
+    // at or before key_lo and the first row's band ends at or after key_lo + 64
+    const bool need_mask = (n0 + BN > Sk) ||
+                           (CAUSAL && static_cast<i64>(key_lo + 63) > static_cast<i64>(m0) + off) ||
+                           (IV && !(klo[BM - 1 - qc] <= key_lo && khi[-qc] >= key_lo + 64));
     if (need_mask) {
       const int klim = Sk - key0;
       // hidden when 8 (e >> 1) - 8 j - (e & 1) > dl; clamped so the int compare cannot overflow
@@ -289,10 +340,17 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {
         const float2 lj = *reinterpret_cast<const float2*>(l2 + 8 * j);
+        int2 lo2 = make_int2(0, 0), hi2 = make_int2(Sk, Sk);
+        if (IV) {
+          lo2 = *reinterpret_cast<const int2*>(klo + 8 * j);
+          hi2 = *reinterpret_cast<const int2*>(khi + 8 * j);
+        }
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float p = fast_exp2(fmaf(st[4 * j + e], sl2, -((e & 1) ? lj.y : lj.x)));
-          const bool hidden = 8 * (e >> 1) >= klim || (CAUSAL && 8 * (e >> 1) - 8 * j - (e & 1) > dl);
+          const int key = key0 + 8 * (e >> 1);
+          const bool hidden = 8 * (e >> 1) >= klim || (CAUSAL && 8 * (e >> 1) - 8 * j - (e & 1) > dl) ||
+                              (IV && (key < ((e & 1) ? lo2.y : lo2.x) || key >= ((e & 1) ? hi2.y : hi2.x)));
           st[4 * j + e] = hidden ? 0.f : p;
         }
       }
@@ -359,7 +417,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     wgmma_wait<0>();
     fence_operands<D / 2>(acc_dk);
     mbar_arrive(L::q_empty(base, s));
-    if (++t == ntq) t = t_lo;
+    if (++t == t_end) t = t_lo;
     pipe.advance();
   }
 
@@ -368,22 +426,27 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   add_key_rows<D>(dv + b * vgsb + hk * vgsh + qc, vgss, acc_dv, 1.f, key0, Sk, atomic_kv);
 }
 
-#define BH_BWD90(NAME, D, BF16, CAUSAL)                                                                           \
+#define BH_BWD90(NAME, D, BF16, CAUSAL, IV)                                                                       \
   extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1)                                                \
       NAME(const unsigned char* tmaps, const float* rows, float* dk, float* dv, i64 kgsb, i64 kgss, i64 kgsh,     \
            i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sq_pad, int Sk, int Hq, int Hkv, int group, int hpb,         \
-           float scale, float sl2, i64 off, int atomic_kv) {                                                     \
-    attn_bwd_sm90<D, BF16, CAUSAL>(tmaps, rows, dk, dv, kgsb, kgss, kgsh, vgsb, vgss, vgsh, Sq, Sq_pad, Sk, Hq,   \
-                                   Hkv, group, hpb, scale, sl2, off, atomic_kv);                                  \
+           float scale, float sl2, i64 off, int atomic_kv, const int* ranges) {                                   \
+    attn_bwd_sm90<D, BF16, CAUSAL, IV>(tmaps, rows, dk, dv, kgsb, kgss, kgsh, vgsb, vgss, vgsh, Sq, Sq_pad, Sk, Hq, \
+                                       Hkv, group, hpb, scale, sl2, off, atomic_kv, ranges);                     \
   }
 
-// name: attn_bwd_sm90_<dtype>_d<D>_<mask>; tmaps: the q, k, v, do (16-bit) and dq (float32) tensor maps,
-// 128 bytes each; rows: the table of attn_bwd_sm90_rows
-BH_BWD90(attn_bwd_sm90_bf16_d128_full, 128, true, false)
-BH_BWD90(attn_bwd_sm90_bf16_d128_causal, 128, true, true)
-BH_BWD90(attn_bwd_sm90_f16_d128_full, 128, false, false)
-BH_BWD90(attn_bwd_sm90_f16_d128_causal, 128, false, true)
-BH_BWD90(attn_bwd_sm90_bf16_d64_full, 64, true, false)
-BH_BWD90(attn_bwd_sm90_bf16_d64_causal, 64, true, true)
-BH_BWD90(attn_bwd_sm90_f16_d64_full, 64, false, false)
-BH_BWD90(attn_bwd_sm90_f16_d64_causal, 64, false, true)
+// name: attn_bwd_sm90_<dtype>_d<D>_<mask>, mask: full | causal | interval; tmaps: the q, k, v, do (16-bit)
+// and dq (float32) tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows; ranges (interval
+// only): the query tiles of each key block from attn_bwd_sm90_ranges
+BH_BWD90(attn_bwd_sm90_bf16_d128_full, 128, true, false, false)
+BH_BWD90(attn_bwd_sm90_bf16_d128_causal, 128, true, true, false)
+BH_BWD90(attn_bwd_sm90_bf16_d128_interval, 128, true, false, true)
+BH_BWD90(attn_bwd_sm90_f16_d128_full, 128, false, false, false)
+BH_BWD90(attn_bwd_sm90_f16_d128_causal, 128, false, true, false)
+BH_BWD90(attn_bwd_sm90_f16_d128_interval, 128, false, false, true)
+BH_BWD90(attn_bwd_sm90_bf16_d64_full, 64, true, false, false)
+BH_BWD90(attn_bwd_sm90_bf16_d64_causal, 64, true, true, false)
+BH_BWD90(attn_bwd_sm90_bf16_d64_interval, 64, true, false, true)
+BH_BWD90(attn_bwd_sm90_f16_d64_full, 64, false, false, false)
+BH_BWD90(attn_bwd_sm90_f16_d64_causal, 64, false, true, false)
+BH_BWD90(attn_bwd_sm90_f16_d64_interval, 64, false, false, true)

@@ -17,11 +17,6 @@
 // warp's tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
 #include "common.cuh"
 
-// a global key bound as a block-local key index, clamped to [-1, Sk + 1] (fits an int)
-__device__ __forceinline__ int local_key(int bound, i64 kofs, int Sk) {
-  const i64 c = static_cast<i64>(bound) - kofs;
-  return static_cast<int>(c < -1 ? -1 : (c > Sk + 1 ? Sk + 1 : c));
-}
 
 template <int D, int BN, int NW, int MT, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k,

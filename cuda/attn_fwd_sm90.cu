@@ -11,6 +11,10 @@
 //   S_t = Q K_t^T and O += P_{t-1} V_{t-1} back to back and waits only for S_t before the softmax.
 // Causal masking is on global positions (key j hidden from query i when j > i + off, off = q_start -
 // k_start); key tiles hidden from every row of the CTA are never loaded; causal CTAs run heavy first.
+// Interval masks (IV: documents, sliding windows; docs/KERNELS.md "Masks"): local row r sees the keys
+// whose global position lies in [mlo[r], mhi[r]), local key c at global kofs + c; both bounds never
+// decrease with r, so a CTA loads only the key tiles in [mlo[first row], mhi[last row]) and a warpgroup's
+// tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
 // The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel.
 #include "sm90_epilogue.cuh"
 #include "sm90_pipeline.cuh"
@@ -72,9 +76,9 @@ __device__ __forceinline__ void pv_issue(float* o, const u32 (*p)[4], u32 v_lo) 
 
 // Mask (if needed), then turn the scores s of one tile into probabilities exp2(s * mul - m_new) in place;
 // returns alpha = exp2(m_old - m_new) per row half and adds the tile's row sums into l.
-template <bool CAUSAL>
+template <bool CAUSAL, bool IV>
 __device__ __forceinline__ void softmax_tile(float* s, float* m, float* l, float* alpha, float sl2, bool need_mask,
-                                             int col0, int row0, int Sk, i64 off) {
+                                             int col0, int row0, int Sk, i64 off, const int* klo, const int* khi) {
   using namespace fwd90;
   float mul = sl2;
   if (!(sl2 > 0.f)) {  // a non-positive scale is applied up front: the max must be taken of the scaled scores
@@ -84,15 +88,18 @@ __device__ __forceinline__ void softmax_tile(float* s, float* m, float* l, float
   }
   if (need_mask) {
     // element (j, e): column col0 + 8j + (e & 1), row row0 + 8 (e >> 1); hidden when col - row > off
+    // (causal) or col outside [klo, khi) of its row (IV)
     const int klim = Sk - col0;
     const i64 dlim = off - static_cast<i64>(col0) + row0;
     const int dl = static_cast<int>(max(static_cast<i64>(-4 * BN), min(static_cast<i64>(4 * BN), dlim)));
+    const int rlo[2] = {klo[0] - col0, klo[1] - col0}, rhi[2] = {khi[0] - col0, khi[1] - col0};
 #pragma unroll
     for (int j = 0; j < BN / 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = 8 * j + (e & 1);
-        if (c >= klim || (CAUSAL && c - 8 * (e >> 1) > dl)) s[4 * j + e] = -BH_INF;
+        if (c >= klim || (CAUSAL && c - 8 * (e >> 1) > dl) || (IV && (c < rlo[e >> 1] || c >= rhi[e >> 1])))
+          s[4 * j + e] = -BH_INF;
       }
   }
   float mx[2] = {-BH_INF, -BH_INF};
@@ -137,10 +144,10 @@ __device__ __forceinline__ void pack_p(const float* s, u32 (*p)[4]) {
   }
 }
 
-template <int D, bool BF16, bool CAUSAL>
+template <int D, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss,
                                               i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int group,
-                                              float sl2, i64 off) {
+                                              float sl2, i64 off, const int* mlo, const int* mhi, i64 kofs) {
   using namespace fwd90;
   using L = Smem<D>;
   constexpr int BM = Cfg<D>::BM, CONSUMERS = Cfg<D>::CONSUMERS;
@@ -150,13 +157,18 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   const int mb = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
   const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
   const int m0 = mb * BM;
-  int n_end = Sk;
+  int n_begin = 0, n_end = Sk;
   if (CAUSAL) {
     const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
     n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
   }
-  if (n_end <= 0) return;  // nothing visible: (o, lse) stay as they are
-  const int ntiles = (n_end + BN - 1) / BN;
+  if (IV) {
+    n_begin = max(0, local_key(mlo[m0], kofs, Sk));
+    n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
+  }
+  if (n_end <= n_begin) return;  // nothing visible: (o, lse) stay as they are
+  const int t_begin = n_begin / BN;  // key tiles t_begin .. t_begin + ntiles - 1
+  const int ntiles = (n_end + BN - 1) / BN - t_begin;
 
   if (threadIdx.x == 0) {
     mbar_init(L::q_full(base), 1);
@@ -189,11 +201,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
         mbar_wait(L::k_empty(base, s), empty_parity);
         mbar_arrive_expect_tx(L::k_full(base, s), L::kTile);
 #pragma unroll
-        for (int db = 0; db < D / 64; ++db) tma_load_4d(k_dst + db * BN * 128, tk, L::k_full(base, s), db * 64, hk, t * BN, b);
+        for (int db = 0; db < D / 64; ++db) tma_load_4d(k_dst + db * BN * 128, tk, L::k_full(base, s), db * 64, hk, (t_begin + t) * BN, b);
         mbar_wait(L::v_empty(base, s), empty_parity);
         mbar_arrive_expect_tx(L::v_full(base, s), L::kTile);
 #pragma unroll
-        for (int db = 0; db < D / 64; ++db) tma_load_4d(v_dst + db * BN * 128, tv, L::v_full(base, s), db * 64, hk, t * BN, b);
+        for (int db = 0; db < D / 64; ++db) tma_load_4d(v_dst + db * BN * 128, tv, L::v_full(base, s), db * 64, hk, (t_begin + t) * BN, b);
       }
     }
     return;
@@ -214,11 +226,24 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   float s[BN / 2];
   u32 p[BN / 16][4];
 
+  // IV: the key range [klo, khi) (local) of this thread's rows, and of the warpgroup's first and last rows
+  int klo[2] = {0, 0}, khi[2] = {Sk, Sk}, wg_lo_last = 0, wg_hi_first = Sk;
+  if (IV) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = min(row0 + 8 * r, Sq - 1);
+      klo[r] = local_key(mlo[row], kofs, Sk);
+      khi[r] = local_key(mhi[row], kofs, Sk);
+    }
+    wg_lo_last = local_key(mlo[min(mw0 + 63, Sq - 1)], kofs, Sk);
+    wg_hi_first = local_key(mhi[min(mw0, Sq - 1)], kofs, Sk);
+  }
   auto tile_needs_mask = [&](int t) {
-    const int n0 = t * BN;
-    return (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(mw0) + off);
+    const int n0 = (t_begin + t) * BN;
+    return (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(mw0) + off) ||
+           (IV && !(wg_lo_last <= n0 && wg_hi_first >= n0 + BN));
   };
-  auto col0 = [&](int t) { return t * BN + 2 * (lane % 4); };
+  auto col0 = [&](int t) { return (t_begin + t) * BN + 2 * (lane % 4); };
 
   PipeState<STAGES> k_pipe, v_pipe;  // the K tile of step t, the V tile of step t - 1
   mbar_wait(L::q_full(base), 0);
@@ -231,7 +256,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   fence_operands<BN / 2>(s);
   if (leader) mbar_arrive(L::k_empty(base, 0));
   k_pipe.advance();
-  softmax_tile<CAUSAL>(s, m, l, alpha, sl2, tile_needs_mask(0), col0(0), row0, Sk, off);
+  softmax_tile<CAUSAL, IV>(s, m, l, alpha, sl2, tile_needs_mask(0), col0(0), row0, Sk, off, klo, khi);
   pack_p<BF16>(s, p);
 
   for (int t = 1; t < ntiles; ++t, k_pipe.advance(), v_pipe.advance()) {
@@ -246,7 +271,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
     fence_operands<BN / 2>(s);
     if (leader) mbar_arrive(L::k_empty(base, st));
-    softmax_tile<CAUSAL>(s, m, l, alpha, sl2, tile_needs_mask(t), col0(t), row0, Sk, off);
+    softmax_tile<CAUSAL, IV>(s, m, l, alpha, sl2, tile_needs_mask(t), col0(t), row0, Sk, off, klo, khi);
     wgmma_wait<0>();
     fence_operands<D / 2>(acc);
     if (leader) mbar_arrive(L::v_empty(base, sp));
@@ -274,19 +299,25 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   merge_rows<D>(o + b * osb + h * osh + 2 * (lane % 4), oss, lse + b * lsb + h * lsh, lss, acc, m, l, row0, Sq, lane);
 }
 
-#define BH_FWD90(NAME, D, BF16, CAUSAL)                                                                         \
-  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D>::THREADS, 1)                                              \
+#define BH_FWD90(NAME, D, BF16, CAUSAL, IV)                                                                     \
+  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D>::THREADS, 1)                                      \
       NAME(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh,      \
-           i64 lss, int Sq, int Sk, int group, float sl2, i64 off) {                                          \
-    attn_fwd_sm90<D, BF16, CAUSAL>(tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, group, sl2, off);      \
+           i64 lss, int Sq, int Sk, int group, float sl2, i64 off, const int* mlo, const int* mhi, i64 kofs) { \
+    attn_fwd_sm90<D, BF16, CAUSAL, IV>(tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, group, sl2, off, mlo, \
+                                       mhi, kofs);                                                             \
   }
 
-// name: attn_fwd_sm90_<dtype>_d<D>_<mask>; tmaps: the q, k, v tensor maps (128 bytes each, global memory)
-BH_FWD90(attn_fwd_sm90_bf16_d128_full, 128, true, false)
-BH_FWD90(attn_fwd_sm90_bf16_d128_causal, 128, true, true)
-BH_FWD90(attn_fwd_sm90_f16_d128_full, 128, false, false)
-BH_FWD90(attn_fwd_sm90_f16_d128_causal, 128, false, true)
-BH_FWD90(attn_fwd_sm90_bf16_d64_full, 64, true, false)
-BH_FWD90(attn_fwd_sm90_bf16_d64_causal, 64, true, true)
-BH_FWD90(attn_fwd_sm90_f16_d64_full, 64, false, false)
-BH_FWD90(attn_fwd_sm90_f16_d64_causal, 64, false, true)
+// name: attn_fwd_sm90_<dtype>_d<D>_<mask>, mask: full | causal | interval; tmaps: the q, k, v tensor maps
+// (128 bytes each, global memory); mlo, mhi, kofs: the interval bounds (null for full and causal)
+BH_FWD90(attn_fwd_sm90_bf16_d128_full, 128, true, false, false)
+BH_FWD90(attn_fwd_sm90_bf16_d128_causal, 128, true, true, false)
+BH_FWD90(attn_fwd_sm90_bf16_d128_interval, 128, true, false, true)
+BH_FWD90(attn_fwd_sm90_f16_d128_full, 128, false, false, false)
+BH_FWD90(attn_fwd_sm90_f16_d128_causal, 128, false, true, false)
+BH_FWD90(attn_fwd_sm90_f16_d128_interval, 128, false, false, true)
+BH_FWD90(attn_fwd_sm90_bf16_d64_full, 64, true, false, false)
+BH_FWD90(attn_fwd_sm90_bf16_d64_causal, 64, true, true, false)
+BH_FWD90(attn_fwd_sm90_bf16_d64_interval, 64, true, false, true)
+BH_FWD90(attn_fwd_sm90_f16_d64_full, 64, false, false, false)
+BH_FWD90(attn_fwd_sm90_f16_d64_causal, 64, false, true, false)
+BH_FWD90(attn_fwd_sm90_f16_d64_interval, 64, false, false, true)

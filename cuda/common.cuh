@@ -106,3 +106,9 @@ __device__ __forceinline__ void load_tile(u32 s, const u16* g, i64 row_stride, i
     cp_async16(s + tile_off<D>(r, c), src, ok);
   }
 }
+
+// a global key bound as a block-local key index, clamped to [-1, Sk + 1] (fits an int)
+__device__ __forceinline__ int local_key(int bound, i64 kofs, int Sk) {
+  const i64 c = static_cast<i64>(bound) - kofs;
+  return static_cast<int>(c < -1 ? -1 : (c > Sk + 1 ? Sk + 1 : c));
+}

@@ -1,7 +1,7 @@
 """GPU tests of the interval-masked CUDA kernels: documents (cu_seqlens) and sliding windows
 (skipped without CuPy or without a GPU). Run on the GPU machine with
-``python3 -m pytest -q tests/test_cuda_masks.py`` (and ``BURST_HPC_KERNELS=sm80`` to force the
-mma.sync family on Hopper).
+``python3 -m pytest -q tests/test_cuda_masks.py``: every test runs once per kernel family the GPU runs
+(sm90 then sm80 on Hopper; the family leads the test id).
 
 Rule (FlashAttention style, as tests/test_cuda_kernels.py): against the float64 oracle (the
 dense boolean mask of burst_hpc.reference), the error of our result is at most 2x (forward) /
@@ -19,11 +19,19 @@ pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
 from burst_hpc import masks  # noqa: E402
-from burst_hpc.backends import get_backend  # noqa: E402
+from burst_hpc.backends import cuda_backend, get_backend  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
 from burst_hpc.verify import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
+
+
+@pytest.fixture(scope="module", autouse=True, params=cuda_backend.kernel_families() if _NGPU else ())
+def family(request):
+    """Run the module's tests on one kernel family (the API and get_backend read $BURST_HPC_KERNELS)."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("BURST_HPC_KERNELS", request.param)
+        yield request.param
 
 
 def documents(rng, seqlen, count):
@@ -38,7 +46,7 @@ def _err(got, want):
     return float(np.abs(np.asarray(got, np.float64) - want).max())
 
 
-CASES = [  # seqlen, hq, hkv, d, causal, documents, window
+CASES = [  # seqlen, hq, hkv, d, causal, documents, window (, dtype)
     (1000, 4, 2, 128, True, 9, None),
     (1000, 4, 2, 64, True, 9, None),
     (777, 2, 2, 128, False, 5, None),
@@ -49,22 +57,25 @@ CASES = [  # seqlen, hq, hkv, d, causal, documents, window
     (1000, 2, 1, 128, True, 12, (200, 0)),
     (1000, 2, 2, 64, False, 4, (-1, 5)),
     (333, 2, 2, 128, True, 1, None),  # one document: plain causal
+    (1000, 4, 2, 128, True, 9, (150, 0), np.float16),
+    (1000, 2, 1, 64, True, 6, None, np.float16),
 ]
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"S{c[0]}_h{c[1]}:{c[2]}_d{c[3]}_{'causal' if c[4] else 'full'}"
-                         f"_docs{c[5]}_win{c[6]}")
+                         f"_docs{c[5]}_win{c[6]}" + ("_f16" if len(c) > 7 else ""))
 def test_masked_attention_matches_oracle(case):
-    seqlen, hq, hkv, d, causal, count, window = case
+    seqlen, hq, hkv, d, causal, count, window = case[:7]
+    dtype = np.dtype(case[7]) if len(case) > 7 else BF16
     seed = int(np.random.SeedSequence().entropy % 2**63)
     rng = np.random.default_rng(seed)
     cu = documents(rng, seqlen, count) if count and count > 1 else (np.array([0, seqlen]) if count else None)
     kw = dict(causal=causal, window=window, cu_seqlens=cu)
-    q, k, v, do = (rng.standard_normal((2, seqlen, h, d)).astype(BF16) for h in (hq, hkv, hkv, hq))
+    q, k, v, do = (rng.standard_normal((2, seqlen, h, d)).astype(dtype) for h in (hq, hkv, hkv, hq))
     ctx = f"seed={seed} {case}"
     o, lse = burst_hpc.attention(*(cupy.asarray(x) for x in (q, k, v)), **kw)
     ref_o, ref_lse = attention_reference(q, k, v, **kw)
-    plain = plain_attention(q, k, v, do, causal, None, BF16, window, cu)
+    plain = plain_attention(q, k, v, do, causal, None, dtype, window, cu)
     assert not bool(cupy.isnan(o.astype(cupy.float32)).any()), ctx
     assert _err(cupy.asnumpy(o), ref_o) <= 2 * _err(plain[0], ref_o) + 1e-3, ctx
     assert _err(cupy.asnumpy(lse), ref_lse) <= 2 * _err(plain[1].astype(np.float32), ref_lse) + 1e-3, ctx

@@ -283,8 +283,8 @@ class CudaBackend:
         o_w, o_back = self._out(o, "o")
         l_w, l_back = self._f32_rows(lse, "lse")
         mask = mask if causal else None  # an unmasked pair runs the full kernel
-        if self.family == "sm90" and mask is None:  # masked pairs: the sm80 interval kernels, on every family
-            self._forward_sm90(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start)
+        if self.family == "sm90":
+            self._forward_sm90(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask)
         else:
             self._forward_sm80(kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask)
         if o_back is not None:
@@ -292,7 +292,7 @@ class CudaBackend:
         if l_back is not None:
             l_back[...] = l_w
 
-    def _forward_sm90(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start):
+    def _forward_sm90(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask=None):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         bm, bn, threads, smem = self._sm90_geometry("attn_fwd_sm90.cu", d)
@@ -301,11 +301,12 @@ class CudaBackend:
         except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
             q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
             maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
-        name = f"attn_fwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}"
+        name = f"attn_fwd_sm90_{kind}_d{d}_{_mode(causal, mask)}"
         kern = self._kernel("attn_fwd_sm90.cu", name, smem)
         grid = ((sq + bm - 1) // bm, hq, b)
         args = (maps, o_w, l_w, *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk),
-                np.int32(hq // hkv), np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)))
+                np.int32(hq // hkv), np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)),
+                *self._mask_args(mask, q_start, sq, k_start))
         kern(grid, (threads,), args, shared_mem=smem)
 
     def _forward_sm80(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask=None):
@@ -313,8 +314,7 @@ class CudaBackend:
         sk, hkv = k.shape[1], k.shape[2]
         nw, bm, bn = 4, 128, _FWD_BN  # 4 warps x 32 query rows, 64-key tiles
         smem = (bm * d + 4 * bn * d) * 2
-        mode = "interval" if mask is not None else "causal" if causal else "full"
-        name = f"attn_fwd_{kind}_d{d}_{mode}"
+        name = f"attn_fwd_{kind}_d{d}_{_mode(causal, mask)}"
         kern = self._kernel("attn_fwd.cu", name, smem)
         grid = ((sq + bm - 1) // bm, hq, b)
         args = (q, k, v, o_w, l_w, *self._strides(q)[:3], *self._strides(k)[:3], *self._strides(v)[:3],
@@ -345,8 +345,9 @@ class CudaBackend:
         dk_w, dk_back = self._out(dk, "dk")
         dv_w, dv_back = self._out(dv, "dv")
         mask = mask if causal else None  # an unmasked pair runs the full kernel
-        if self.family == "sm90" and mask is None:  # masked pairs: the sm80 interval kernels, on every family
-            self._backward_sm90(kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start, k_start)
+        if self.family == "sm90":
+            self._backward_sm90(kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start, k_start,
+                                mask)
         else:
             self._backward_sm80(kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start, k_start,
                                 mask)
@@ -374,7 +375,8 @@ class CudaBackend:
                 hpb -= 1
         return hpb, group // hpb
 
-    def _backward_sm90(self, kind, d, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start):
+    def _backward_sm90(self, kind, d, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start,
+                       mask=None):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         bn, bm, threads, smem = self._sm90_geometry("attn_bwd_sm90.cu", d)
@@ -392,15 +394,26 @@ class CudaBackend:
             dq_w = dq_w if dq_w is not dq else cupy.zeros(dq.shape, np.float32)
             maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn), (do, bm), (dq_w, 64)))
         sq_pad = -(-sq // bm) * bm
-        rows = cupy.empty((2, b, hq, sq_pad), np.float32)
+        # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), then with a
+        # mask each row's visible key range; the ranges of query tiles per key block (attn_bwd_sm90_ranges)
+        mlo, mhi, kofs = self._mask_args(mask, q_start, sq, k_start)
+        rows = cupy.empty(2 * b * hq * sq_pad + (2 * sq_pad if mask is not None else 0), np.float32)
         prep = self._kernel("attn_bwd_sm90.cu", "attn_bwd_sm90_rows", 0)
         s = self._strides
-        prep((min(-(-rows.size // 2 // _THREADS), 4096),), (_THREADS,),
-             (lse, delta, rows, *s(lse), *s(delta), np.int32(b), np.int32(hq), np.int32(sq), np.int32(sq_pad)))
-        kern = self._kernel("attn_bwd_sm90.cu", f"attn_bwd_sm90_{kind}_d{d}_{'causal' if causal else 'full'}", smem)
+        prep((min(-(-b * hq * sq_pad // _THREADS), 4096),), (_THREADS,),
+             (lse, delta, rows, *s(lse), *s(delta), np.int32(b), np.int32(hq), np.int32(sq), np.int32(sq_pad), mlo,
+              mhi, kofs, np.int32(sk)))
+        ranges = np.uint64(0)
+        if mask is not None:
+            ranges = cupy.empty(2 * nkb, np.int32)
+            find = self._kernel("attn_bwd_sm90.cu", "attn_bwd_sm90_ranges", 0)
+            find((-(-nkb // 128),), (128,), (mlo, mhi, kofs, np.int32(sq), np.int32(sk), np.int32(bn), np.int32(bm),
+                                             np.int32(nkb), ranges))
+        kern = self._kernel("attn_bwd_sm90.cu", f"attn_bwd_sm90_{kind}_d{d}_{_mode(causal, mask)}", smem)
         args = (maps, rows, dk, dv, *s(dk)[:3], *s(dv)[:3], np.int32(sq), np.int32(sq_pad), np.int32(sk),
                 np.int32(hq), np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale),
-                np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0))
+                np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0),
+                ranges)
         kern((nkb, nsplit, b * hkv), (threads,), args, shared_mem=smem)
         if dq_w is not dq:
             dq += dq_w
@@ -410,7 +423,7 @@ class CudaBackend:
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         group = hq // hkv
-        mode = "interval" if mask is not None else "causal" if causal else "full"
+        mode = _mode(causal, mask)
         bn = _BWD_BN
         smem = (2 * bn * d + 4 * _BWD_BM * d + 2 * bn * _BWD_BM) * 2 + (8 if mask is not None else 4) * _BWD_BM * 4
         nkb = (sk + bn - 1) // bn
@@ -443,6 +456,11 @@ class CudaBackend:
              (do, o, out, *self._strides(do)[:3], *self._strides(o)[:3], np.int32(b), np.int32(s), np.int32(h),
               np.int32(d), np.int32(kinds[_dtype_kind(do.dtype)]), np.int32(kinds[_dtype_kind(o.dtype)])))
         return out
+
+
+def _mode(causal, mask):
+    """The kernel instance of a block pair: interval (documents / windows), causal or full."""
+    return "interval" if mask is not None else "causal" if causal else "full"
 
 
 def _wide_inputs(*arrays):
