@@ -72,6 +72,23 @@ class Progress:
             sys.stderr.write(f"[burst-hpc {time.perf_counter() - self.t0:7.1f}s] {message}\n")
             sys.stderr.flush()
 
+    def ring(self, stage, xp, lines=20):
+        """An ``on_step`` callback for one pass: 'forward: ring step 3/8, ETA 12.0s', at most about
+        ``lines`` lines a pass (None when disabled). On the GPU it waits for the queued kernels first,
+        so the count and the ETA are of finished work."""
+        if not self.enabled:
+            return None
+        start = time.perf_counter()
+
+        def on_step(done, total):
+            if done < total and done * lines // total == (done - 1) * lines // total:
+                return
+            _sync(xp)
+            elapsed = time.perf_counter() - start
+            self(f"{stage}: ring step {done}/{total}, {elapsed:.1f}s, ETA {elapsed / done * (total - done):.1f}s")
+
+        return on_step
+
 
 # =========================================================================== info
 
@@ -345,7 +362,7 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
     progress("forward")
     comm.Barrier()
     t0 = time.perf_counter()
-    o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], **kw)
+    o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], on_step=progress.ring("forward", xp), **kw)
     _sync(xp)
     comm.Barrier()
     t_fwd = time.perf_counter() - t0
@@ -356,7 +373,7 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
         comm.Barrier()
         t0 = time.perf_counter()
         dq, dk, dv = _collective(burst_attention_backward, dev["do"], dev["q"], dev["k"], dev["v"], o, lse,
-                                 backward_ring=args.backward_ring, **kw)
+                                 backward_ring=args.backward_ring, on_step=progress.ring("backward", xp), **kw)
         _sync(xp)
         comm.Barrier()
         t_bwd = time.perf_counter() - t0
@@ -524,7 +541,8 @@ def build_parser():
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once untimed first (GPU kernels compile on first use)")
     p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "
-                   "anyway on long runs or a terminal)")
+                   "anyway on long runs or a terminal): each stage, and inside each pass the ring steps done of "
+                   "the total with an ETA (rank 0's steps)")
     p.add_argument("--quiet", action="store_true", help="no stage lines")
     p.set_defaults(func=cmd_run)
 

@@ -94,7 +94,7 @@ def _device_of(x):
 
 
 def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto", cu_seqlens=None,
-                    window=None):
+                    window=None, on_step=None):
     """This rank's (o, lse) of attention over the whole sharded sequence.
 
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous',
@@ -103,14 +103,15 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     work balanced by the schedule. Returns o like q and lse float32 (B, Hq, S/P).
     ``cu_seqlens``: global document offsets [0, ..., S] of a packed sequence, the same on every
     rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
+    ``on_step(done, total)``: called on this rank after each of its ring steps (progress reports).
     NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention)."""
     comm = world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
-        return _forward(plan, q, k, v)
+        return _forward(plan, q, k, v, on_step=on_step)
 
 
-def _forward(plan, q, k, v, skip_compute=False, transport=None):
+def _forward(plan, q, k, v, skip_compute=False, transport=None, on_step=None):
     xp, be = plan.xp, plan.backend
     o = xp.zeros(q.shape, plan.acc)
     lse = xp.full((q.shape[0], plan.heads, q.shape[1]), -xp.inf, plan.acc)
@@ -122,7 +123,7 @@ def _forward(plan, q, k, v, skip_compute=False, transport=None):
                          scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
     run(transport or plan.transport(), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
-        skip_compute=skip_compute)
+        skip_compute=skip_compute, on_step=on_step)
     return o.astype(q.dtype), lse.astype(xp.float32)
 
 
@@ -180,17 +181,17 @@ def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, k
 
 
 def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale=None, layout=None,
-                             transport="auto", backward_ring="auto", cu_seqlens=None, window=None):
+                             transport="auto", backward_ring="auto", cu_seqlens=None, window=None, on_step=None):
     """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention
-    (called with the same causal, layout, cu_seqlens and window)."""
+    (called with the same causal, layout, cu_seqlens and window). ``on_step`` as burst_attention's."""
     comm = world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
                  cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
-        return _backward(plan, plan.ring, do, q, k, v, o, lse)
+        return _backward(plan, plan.ring, do, q, k, v, o, lse, on_step=on_step)
 
 
-def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None):
+def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, on_step=None):
     xp, be, acc = plan.xp, plan.backend, plan.acc
     delta = be.delta(do, o)
     dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
@@ -204,7 +205,7 @@ def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=Non
                           causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
     run(transport or plan.transport(), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
-        skip_compute=skip_compute)
+        skip_compute=skip_compute, on_step=on_step)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
