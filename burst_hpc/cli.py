@@ -111,8 +111,8 @@ def cmd_info(args):
 
         comm = _world()
         hosts = comm.gather(MPI.Get_processor_name(), root=0)
-        if comm.rank != 0:
-            return 0
+    if (comm.rank if missing is None else _env_rank()) != 0:
+        return 0
     gpus = _gpu_summary()
     lines = [f"burst-hpc {__version__}",
              f"python {sys.version.split()[0]}; numpy {np.__version__}; mpi4py {_version('mpi4py')}; "
@@ -456,7 +456,8 @@ def build_parser():
                        description=_wrap("Print versions (burst-hpc, Python, NumPy, mpi4py, h5py/HDF5 and whether it "
                        "has parallel HDF5), the MPI library, ranks and hosts, whether the MPI is CUDA-aware "
                        "(BURST_HPC_CUDA_AWARE=1/0 overrides), CuPy and the GPUs, NCCL, and what --transport auto "
-                       "and --backend auto pick. Run it under mpiexec to see the job's view."))
+                       "and --backend auto pick. Run it under mpiexec to see the job's view. Without a usable MPI library it "
+                       "says what is missing and how to get one."))
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("gen", help="write random inputs q, k, v (and do) to an HDF5 file, chunk by chunk",
@@ -566,6 +567,8 @@ def cmd_check(args):
     from . import selfcheck
 
     missing = mpi_problem()  # without an MPI library the kernels are still checked, in this one process
+    if missing is not None and _under_mpi():
+        _world()  # launched as a job whose MPI mpi4py cannot load: one error, not P separate tables
     passed = selfcheck.main(Alone() if missing is not None else _world(), seed=args.seed)
     if missing is not None:
         print(f"MPI: none usable: {missing}. The ring over ranks was not checked; {HOW_TO_GET_MPI}", flush=True)

@@ -47,6 +47,21 @@ def test_info_and_check_work_without_mpi(no_mpi_env):
     assert f"The ring over ranks was not checked; install one: '{HOW}'" in r.stdout and reason in r.stdout
 
 
+def test_api_without_mpi(no_mpi_env):
+    """One device needs no MPI; the ring without a communicator says what is missing."""
+    env, reason = no_mpi_env
+    code = ("import numpy as np, burst_hpc\n"
+            "q = np.ones((1, 8, 2, 4))\n"
+            "o, lse = burst_hpc.attention(q, q, q, causal=True)\n"
+            "try:\n"
+            "    burst_hpc.burst_attention(q, q, q)\n"
+            "except burst_hpc.BurstError as e:\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(ENV, **env), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("no usable MPI: ") and reason in r.stdout and HOW in r.stdout, r.stdout
+
+
 def test_run_without_mpi_says_what_is_missing(no_mpi_env, tmp_path):
     env, reason = no_mpi_env
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
@@ -62,6 +77,12 @@ def test_run_without_mpi_says_what_is_missing(no_mpi_env, tmp_path):
     r = _no_mpi(dict(env, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2"), "gen", tmp_path / "g.h5", "--seqlen", 8)
     assert r.returncode == 1 and r.stderr.startswith("burst-hpc: error: no usable MPI") and HOW in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1
+    for rank in ("0", "1"):  # check under a launcher: the same one line (not a table per rank); info once
+        launched = dict(env, OMPI_COMM_WORLD_RANK=rank, OMPI_COMM_WORLD_SIZE="2")
+        r = _no_mpi(launched, "check")
+        assert r.returncode == 1 and r.stderr.count("burst-hpc: error: no usable MPI") == (rank == "0"), r.stderr
+        r = _no_mpi(launched, "info")
+        assert r.returncode == 0 and ("MPI: none usable" in r.stdout) == (rank == "0"), r.stdout
 
 
 @pytest.mark.parametrize("flag,value", [("--verify-rows", "0"), ("--verify-rows", "-5"), ("--scale", "nan"),
