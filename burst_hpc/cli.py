@@ -43,8 +43,6 @@ def _under_mpi():
     return any(var in os.environ for var in _RANK_VARS + _SIZE_VARS)
 
 
-
-
 def _err(message):
     sys.stderr.write(f"burst-hpc: error: {message}\n")
     sys.stderr.flush()
@@ -106,13 +104,15 @@ def cmd_info(args):
     from .transport import choose_transport, cuda_aware_mpi, nccl_available
 
     missing = mpi_problem()  # info works without an MPI library, and says how to get one
+    if missing is not None and _env_rank() != 0:
+        return 0
     if missing is None:
         from mpi4py import MPI
 
         comm = _world()
         hosts = comm.gather(MPI.Get_processor_name(), root=0)
-    if (comm.rank if missing is None else _env_rank()) != 0:
-        return 0
+        if comm.rank != 0:
+            return 0
     gpus = _gpu_summary()
     lines = [f"burst-hpc {__version__}",
              f"python {sys.version.split()[0]}; numpy {np.__version__}; mpi4py {_version('mpi4py')}; "
