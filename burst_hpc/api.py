@@ -20,7 +20,7 @@ def attention(q, k, v, causal=False, scale=None, backend=None, cu_seqlens=None, 
 
     Inputs are not scanned for NaN or Inf: like torch, they propagate into the outputs of every
     query row that sees them (``burst-hpc run`` refuses such inputs before any work)."""
-    check_same_kind(q, k, v)
+    check_same_kind(q=q, k=k, v=v)
     (b, sq, _, hq, _, d), mask = _mask(q, k, v, causal, window, cu_seqlens)
     be = get_backend(q, backend)
     acc = accum_dtype(q.dtype)
@@ -33,7 +33,7 @@ def attention(q, k, v, causal=False, scale=None, backend=None, cu_seqlens=None, 
 
 def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, backend=None, cu_seqlens=None, window=None):
     """Gradients (dq, dk, dv) of sum(do * o), each in its input's dtype. NaN or Inf inputs propagate."""
-    check_same_kind(do, q, k, v, o, lse)
+    check_same_kind(do=do, q=q, k=k, v=v, o=o, lse=lse)
     (b, sq, _, hq, _, d), mask = _mask(q, k, v, causal, window, cu_seqlens)
     check_like("do", do, q.shape, q.dtype)
     check_like("o", o, q.shape, q.dtype)

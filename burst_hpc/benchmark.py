@@ -22,7 +22,8 @@ Inputs are checked once, collectively, as burst_attention checks them. Every ran
 methods in the same order. bench/bench_ring.py is the worked example.
 """
 from .backends import get_backend
-from .distributed import _backward, _device_of, _forward, _Plan, _world, choose_backward_ring
+from .collective import world
+from .distributed import _backward, _device_of, _forward, _Plan, choose_backward_ring
 from .errors import BurstError
 
 
@@ -60,7 +61,7 @@ class RingBenchmark:
         """This rank's shards and the arguments of burst_attention; ``backward_ring`` as in
         burst_attention_backward ('auto' picks by bytes moved)."""
         self.q, self.k, self.v = q, k, v
-        self._plan = _Plan(_world() if comm is None else comm, q, k, v, causal, scale, layout, transport)
+        self._plan = _Plan(world() if comm is None else comm, q, k, v, causal, scale, layout, transport)
         if backend is not None:
             self._plan.backend = get_backend(q, backend)
         self.transport_name, self.layout = self._plan.transport_name, self._plan.layout

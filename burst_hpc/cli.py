@@ -22,7 +22,7 @@ import numpy as np
 from . import __version__
 from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
 from . import verify
-from .collective import agree, describe
+from .collective import HOW_TO_GET_MPI, Alone, agree, describe, mpi_problem, world as _world
 from .device import gpu_count as _gpu_count
 from .errors import BackendError, BurstError, FileError
 
@@ -41,12 +41,6 @@ def _env_rank():
 
 def _under_mpi():
     return any(var in os.environ for var in _RANK_VARS + _SIZE_VARS)
-
-
-def _world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
 
 
 def _err(message):
@@ -76,6 +70,23 @@ class Progress:
             sys.stderr.write(f"[burst-hpc {time.perf_counter() - self.t0:7.1f}s] {message}\n")
             sys.stderr.flush()
 
+    def ring(self, stage, xp, lines=20):
+        """An ``on_step`` callback for one pass: 'forward: ring step 3/8, ETA 12.0s', at most about
+        ``lines`` lines a pass (None when disabled). On the GPU it waits for the queued kernels first,
+        so the count and the ETA are of finished work."""
+        if not self.enabled:
+            return None
+        start = time.perf_counter()
+
+        def on_step(done, total):
+            if done < total and done * lines // total == (done - 1) * lines // total:
+                return
+            _sync(xp)
+            elapsed = time.perf_counter() - start
+            self(f"{stage}: ring step {done}/{total}, {elapsed:.1f}s, ETA {elapsed / done * (total - done):.1f}s")
+
+        return on_step
+
 
 # =========================================================================== info
 
@@ -90,29 +101,38 @@ def _version(module):
 def cmd_info(args):
     import h5py
 
-    comm = _world()
-    from mpi4py import MPI
-
     from .transport import choose_transport, cuda_aware_mpi, nccl_available
 
-    hosts = comm.gather(MPI.Get_processor_name(), root=0)
-    gpus = _gpu_summary()
-    if comm.rank != 0:
+    missing = mpi_problem()  # info works without an MPI library, and says how to get one
+    if missing is not None and _env_rank() != 0:
         return 0
+    if missing is None:
+        from mpi4py import MPI
+
+        comm = _world()
+        hosts = comm.gather(MPI.Get_processor_name(), root=0)
+        if comm.rank != 0:
+            return 0
+    gpus = _gpu_summary()
     lines = [f"burst-hpc {__version__}",
              f"python {sys.version.split()[0]}; numpy {np.__version__}; mpi4py {_version('mpi4py')}; "
              f"ml_dtypes {_version('ml_dtypes')}",
              f"h5py {h5py.__version__} (HDF5 {h5py.version.hdf5_version}; parallel HDF5: "
-             f"{'yes' if h5py.get_config().mpi else 'no, rank-ordered writes'})",
-             f"MPI: {MPI.Get_library_version().splitlines()[0].strip()} (MPI {'.'.join(map(str, MPI.Get_version()))})",
-             f"ranks: {comm.size} on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}"]
-    aware, reason = cuda_aware_mpi()
-    lines.append(f"CUDA-aware MPI: {'yes' if aware else 'no'} ({reason})")
+             f"{'yes' if h5py.get_config().mpi else 'no, rank-ordered writes'})"]
+    if missing is None:
+        aware, reason = cuda_aware_mpi()
+        lines += [f"MPI: {MPI.Get_library_version().splitlines()[0].strip()} "
+                  f"(MPI {'.'.join(map(str, MPI.Get_version()))})",
+                  f"ranks: {comm.size} on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}",
+                  f"CUDA-aware MPI: {'yes' if aware else 'no'} ({reason})"]
+    else:
+        lines += [f"MPI: none usable: {missing}. 'burst-hpc run' and the ring need one; {HOW_TO_GET_MPI}",
+                  "ranks: 1 (no MPI)", "CUDA-aware MPI: no (no MPI)"]
     lines.append(f"cupy: {_version('cupy')}")
     lines.append(f"GPUs: {gpus}")
     lines.append(f"NCCL: {'available' if nccl_available() else 'not available'}")
     try:
-        on_device = choose_transport("auto", on_device=True)
+        on_device = "none (no MPI)" if missing is not None else choose_transport("auto", on_device=True)
     except BurstError as e:
         on_device = f"none ({e})"
     lines.append(f"transport auto: NumPy arrays -> {choose_transport('auto', on_device=False)}; "
@@ -215,6 +235,26 @@ def attention_flops(batch, seqlen, heads, head_dim, causal, mask=None):
         return 4.0 * batch * heads * head_dim * float((hi - lo).sum())
     flops = 4.0 * batch * seqlen * seqlen * heads * head_dim
     return flops / 2 if causal else flops
+
+
+def positive_int(text):
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number > 0; got {text!r}")
+    return value
+
+
+def positive_float(text):
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not np.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a finite number > 0; got {text!r}")
+    return value
 
 
 def parse_window(text):
@@ -322,7 +362,7 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
     progress("forward")
     comm.Barrier()
     t0 = time.perf_counter()
-    o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], **kw)
+    o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], on_step=progress.ring("forward", xp), **kw)
     _sync(xp)
     comm.Barrier()
     t_fwd = time.perf_counter() - t0
@@ -333,7 +373,7 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
         comm.Barrier()
         t0 = time.perf_counter()
         dq, dk, dv = _collective(burst_attention_backward, dev["do"], dev["q"], dev["k"], dev["v"], o, lse,
-                                 backward_ring=args.backward_ring, **kw)
+                                 backward_ring=args.backward_ring, on_step=progress.ring("backward", xp), **kw)
         _sync(xp)
         comm.Barrier()
         t_bwd = time.perf_counter() - t0
@@ -416,7 +456,8 @@ def build_parser():
                        description=_wrap("Print versions (burst-hpc, Python, NumPy, mpi4py, h5py/HDF5 and whether it "
                        "has parallel HDF5), the MPI library, ranks and hosts, whether the MPI is CUDA-aware "
                        "(BURST_HPC_CUDA_AWARE=1/0 overrides), CuPy and the GPUs, NCCL, and what --transport auto "
-                       "and --backend auto pick. Run it under mpiexec to see the job's view."))
+                       "and --backend auto pick. Run it under mpiexec to see the job's view. Without a usable MPI library it "
+                       "says what is missing and how to get one."))
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("gen", help="write random inputs q, k, v (and do) to an HDF5 file, chunk by chunk",
@@ -484,14 +525,14 @@ def build_parser():
     p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
                    help="numpy (CPU), or cuda (shards moved to the GPU with CuPy, one GPU per rank: node-local "
                    "rank mod GPU count); auto: cuda when a GPU is visible (default auto)")
-    p.add_argument("--scale", type=float, default=None, help="softmax scale (default head_dim**-0.5)")
+    p.add_argument("--scale", type=positive_float, default=None, help="softmax scale, a finite number > 0 (default head_dim**-0.5)")
     p.add_argument("--verify", action="store_true",
                    help="check every output against the float64 oracle: max error <= 2x (o, lse) / 3x (dq, dk, dv) "
                    "the error of a plain same-precision computation plus a small floor; a NaN or Inf error always "
                    "fails; exit status 3 and no OUT.h5 on a mismatch. Every row when B*Hq*S^2 <= 4M, else sampled "
                    "query rows (o, lse, dq)")
-    p.add_argument("--verify-rows", type=int, default=256,
-                   help="query rows per rank checked when the input is too large for a full check (default 256)")
+    p.add_argument("--verify-rows", type=positive_int, default=256,
+                   help="query rows per rank checked when the input is too large for a full check, > 0 (default 256)")
     p.add_argument("--verify-seed", type=int, default=0, help="where the sampled rows fall (default 0)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT.h5 if it exists (atomically, once the run has finished); without it an existing "
@@ -501,7 +542,8 @@ def build_parser():
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once untimed first (GPU kernels compile on first use)")
     p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "
-                   "anyway on long runs or a terminal)")
+                   "anyway on long runs or a terminal): each stage, and inside each pass the ring steps done of "
+                   "the total with an ETA (rank 0's steps)")
     p.add_argument("--quiet", action="store_true", help="no stage lines")
     p.set_defaults(func=cmd_run)
 
@@ -524,7 +566,13 @@ def build_parser():
 def cmd_check(args):
     from . import selfcheck
 
-    return EXIT_MISMATCH if not selfcheck.main(_world(), seed=args.seed) else 0
+    missing = mpi_problem()  # without an MPI library the kernels are still checked, in this one process
+    if missing is not None and _under_mpi():
+        _world()  # launched as a job whose MPI mpi4py cannot load: one error, not P separate tables
+    passed = selfcheck.main(Alone() if missing is not None else _world(), seed=args.seed)
+    if missing is not None:
+        print(f"MPI: none usable: {missing}. The ring over ranks was not checked; {HOW_TO_GET_MPI}", flush=True)
+    return EXIT_MISMATCH if not passed else 0
 
 
 def main(argv=None):

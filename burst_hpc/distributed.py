@@ -20,7 +20,7 @@ from .layout import check_layout, check_split, default_layout, pieces
 from .merge import merge_into
 from .ring import Side, run
 from .schedule import steps, visit_pairs
-from .collective import agree
+from .collective import agree, world
 from .device import gpus_shared
 from .transport import choose_transport, make_transport
 from .validate import check_like, check_qkv, check_same_kind, resolve_scale
@@ -29,23 +29,20 @@ log = logging.getLogger("burst_hpc")
 BACKWARD_RINGS = ("auto", "q", "kv")
 
 
-def _world():
-    from mpi4py import MPI
-
-    return MPI.COMM_WORLD
-
-
 class _Plan:
     """What every rank agreed on before the first exchange."""
 
     def __init__(self, comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None):
         """``backward``: (do, o, lse, backward_ring) for the backward pass, checked too."""
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
-        error, signature = None, None
+        error, signature, offsets = None, None, None
         on_device = type(q).__module__.startswith("cupy")
         shared = gpus_shared(comm, q.device if on_device else None)  # collective: before any check can fail
         try:
-            check_same_kind(q, k, v, *(backward or ())[:3])
+            arrays = {"q": q, "k": k, "v": v}
+            if backward is not None:
+                arrays.update(zip(("do", "o", "lse"), backward[:3]))
+            check_same_kind(**arrays)
             b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
             if sq != sk:
                 raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
@@ -71,10 +68,11 @@ class _Plan:
             signature = {"q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
                          "causal": self.causal, "layout": self.layout, "scale": self.scale,
                          "transport": self.transport_name, "backward ring": self.ring,
-                         "documents and window": None if self.mask is None else self.mask.key}
+                         "window": None if self.mask is None else self.mask.window}
+            offsets = None if self.mask is None else self.mask.cu_seqlens
         except Exception as e:  # shared with every rank below, so no rank is left waiting
             error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
-        agree(comm, error, signature)
+        agree(comm, error, signature, {"cu_seqlens": offsets})
         self.xp = self.backend.xp
         self.acc = accum_dtype(q.dtype)
 
@@ -96,7 +94,7 @@ def _device_of(x):
 
 
 def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto", cu_seqlens=None,
-                    window=None):
+                    window=None, on_step=None):
     """This rank's (o, lse) of attention over the whole sharded sequence.
 
     q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous',
@@ -105,14 +103,15 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     work balanced by the schedule. Returns o like q and lse float32 (B, Hq, S/P).
     ``cu_seqlens``: global document offsets [0, ..., S] of a packed sequence, the same on every
     rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
+    ``on_step(done, total)``: called on this rank after each of its ring steps (progress reports).
     NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention)."""
-    comm = _world() if comm is None else comm
+    comm = world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
-        return _forward(plan, q, k, v)
+        return _forward(plan, q, k, v, on_step=on_step)
 
 
-def _forward(plan, q, k, v, skip_compute=False, transport=None):
+def _forward(plan, q, k, v, skip_compute=False, transport=None, on_step=None):
     xp, be = plan.xp, plan.backend
     o = xp.zeros(q.shape, plan.acc)
     lse = xp.full((q.shape[0], plan.heads, q.shape[1]), -xp.inf, plan.acc)
@@ -124,7 +123,7 @@ def _forward(plan, q, k, v, skip_compute=False, transport=None):
                          scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
     run(transport or plan.transport(), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
-        skip_compute=skip_compute)
+        skip_compute=skip_compute, on_step=on_step)
     return o.astype(q.dtype), lse.astype(xp.float32)
 
 
@@ -182,17 +181,17 @@ def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, k
 
 
 def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale=None, layout=None,
-                             transport="auto", backward_ring="auto", cu_seqlens=None, window=None):
+                             transport="auto", backward_ring="auto", cu_seqlens=None, window=None, on_step=None):
     """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention
-    (called with the same causal, layout, cu_seqlens and window)."""
-    comm = _world() if comm is None else comm
+    (called with the same causal, layout, cu_seqlens and window). ``on_step`` as burst_attention's."""
+    comm = world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
                  cu_seqlens=cu_seqlens, window=window)
     with _device_of(q):
-        return _backward(plan, plan.ring, do, q, k, v, o, lse)
+        return _backward(plan, plan.ring, do, q, k, v, o, lse, on_step=on_step)
 
 
-def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None):
+def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, on_step=None):
     xp, be, acc = plan.xp, plan.backend, plan.acc
     delta = be.delta(do, o)
     dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
@@ -206,7 +205,7 @@ def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=Non
                           causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
     run(transport or plan.transport(), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
-        skip_compute=skip_compute)
+        skip_compute=skip_compute, on_step=on_step)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 

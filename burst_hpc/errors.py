@@ -35,3 +35,7 @@ class FileError(BurstError):
 
 class MaskError(BurstError):
     """Bad document offsets (cu_seqlens) or window sizes."""
+
+
+class MpiError(BurstError):
+    """No usable MPI library (mpi4py missing, or it cannot load libmpi)."""

@@ -2,7 +2,7 @@
 
 - contiguous: S is cut into P equal chunks; rank r owns chunk r.
 - zigzag: S is cut into 2P equal chunks; rank r owns chunks r and 2P-1-r (in that order),
-  which balances causal work across ranks.
+  which balances causal work across ranks. One rank owns the whole sequence in one run (any S).
 - balanced: the tokens of contiguous (natural order, one run per rank); causal work is
   balanced by the schedule instead (schedule.balanced_steps, DistFlashAttn).
 
@@ -31,7 +31,7 @@ def check_split(seqlen, size, layout):
     check_layout(layout)
     if size < 1:
         raise LayoutError(f"need at least one rank; got {size}")
-    parts = size if layout in CONTIGUOUS_OWNERSHIP else 2 * size
+    parts = size if layout in CONTIGUOUS_OWNERSHIP or size == 1 else 2 * size  # one rank owns all: no split
     if seqlen % parts:
         raise LayoutError(
             f"sequence length {seqlen} does not split over {size} ranks with the {layout} layout: "
@@ -44,7 +44,7 @@ def pieces(seqlen, rank, size, layout):
     local = check_split(seqlen, size, layout)
     if not 0 <= rank < size:
         raise LayoutError(f"rank {rank} is outside 0..{size - 1}")
-    if layout in CONTIGUOUS_OWNERSHIP:
+    if layout in CONTIGUOUS_OWNERSHIP or size == 1:
         return [(rank * local, local)]
     chunk = local // 2
     return [(rank * chunk, chunk), ((2 * size - 1 - rank) * chunk, chunk)]

@@ -64,10 +64,11 @@ class _Buffers:
         self.partial, self.outgoing = self.outgoing, self.partial
 
 
-def run(transport, steps, sides, compute, skip_compute=False):
+def run(transport, steps, sides, compute, skip_compute=False, on_step=None):
     """Run this rank's ``steps`` (schedule.Step). ``sides``: {"kv": Side, "q": Side};
     ``compute(visit, data, partial)`` adds the visit's block pairs into this rank's results and
-    into ``partial`` (the visiting shard's, or this rank's results when it stays here)."""
+    into ``partial`` (the visiting shard's, or this rank's results when it stays here).
+    ``on_step(done, total)``, if given, is called after each step (progress reports)."""
     rank = transport.rank
     buffers = {name: _Buffers(transport.xp, side) for name, side in sides.items()}
 
@@ -104,3 +105,5 @@ def run(transport, steps, sides, compute, skip_compute=False):
                 sides[t.side].combine(partial, b.incoming)
         if travels_on:
             buffers[visit.side].partial_done()
+        if on_step is not None:
+            on_step(index + 1, len(steps))

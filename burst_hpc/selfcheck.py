@@ -163,7 +163,8 @@ def main(comm, out=print, seed=None):
         from .backends.cuda_backend import CudaBackend, kernel_families
         from .device import select_device
 
-        select_device(comm)
+        if comm.size > 1:  # one rank keeps device 0, which needs no MPI (check runs without one)
+            select_device(comm)
         backends = [(f"cuda {f}", CudaBackend.instance(family=f)) for f in kernel_families()]
         xp = cupy
         where = (f"GPU {cupy.cuda.Device().id} of each rank; kernel families {', '.join(kernel_families())} "

@@ -2,7 +2,7 @@
 import numpy as np
 
 from .dtypes import check_supported, dtype_name
-from .errors import DTypeError, ShapeError
+from .errors import BurstError, DTypeError, ShapeError
 
 SUPPORTED_HEAD_DIMS = None  # any D on NumPy; the CUDA backend narrows this itself
 
@@ -38,11 +38,25 @@ def check_like(name, x, shape, dtype):
         raise DTypeError(f"{name} must be {dtype_name(dtype)}; got {dtype_name(x.dtype)}")
 
 
-def check_same_kind(*arrays):
-    kinds = {type(x).__module__.split(".")[0] for x in arrays}
+def check_same_kind(**arrays):
+    """Every argument (name=array, in call order) a NumPy or CuPy array, all of one kind."""
+    for name, x in arrays.items():
+        if type(x).__module__.split(".")[0] not in ("numpy", "cupy") or not hasattr(x, "dtype"):
+            raise DTypeError(f"{name} must be a NumPy or CuPy array; got {type(x).__name__} "
+                             f"(wrap it with numpy.asarray)")
+    kinds = {type(x).__module__.split(".")[0] for x in arrays.values()}
     if len(kinds) > 1:
         raise DTypeError("mix of NumPy and CuPy arrays; pass all on the host or all on the device")
 
 
 def resolve_scale(scale, head_dim):
-    return head_dim ** -0.5 if scale is None else float(scale)
+    """The softmax scale: head_dim**-0.5 by default; a given one must be a finite number > 0."""
+    if scale is None:
+        return head_dim ** -0.5
+    try:
+        value = float(scale)
+    except (TypeError, ValueError):
+        value = None
+    if value is None or not np.isfinite(value) or value <= 0:
+        raise BurstError(f"scale must be a finite number > 0; got {scale!r}")
+    return value

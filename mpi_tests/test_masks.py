@@ -151,10 +151,20 @@ def test_ranks_with_different_documents_or_windows_fail_on_every_rank(comm):
     seqlen = LOCAL * comm.size
     q, k, v = local_inputs(comm)
     cu = np.array([0, 4 if comm.rank == 1 else 5, seqlen])
-    raises_everywhere(comm, RankMismatchError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, cu_seqlens=cu),
-                      match="ranks disagree on documents and window")
+    message = raises_everywhere(comm, RankMismatchError,
+                                lambda: burst_hpc.burst_attention(q, k, v, comm=comm, cu_seqlens=cu))
+    assert message.startswith("ranks disagree on cu_seqlens: rank 0 has 3 values, rank 1 has 3; they first differ "
+                              "at index 1: 5 on rank 0, 4 on rank 1"), message  # in words, not digests
+    longer = np.array([0, 5, seqlen - 1, seqlen]) if comm.rank == comm.size - 1 else np.array([0, 5, seqlen])
+    message = raises_everywhere(comm, RankMismatchError,
+                                lambda: burst_hpc.burst_attention(q, k, v, comm=comm, cu_seqlens=longer))
+    assert f"rank {comm.size - 1} has 4; they first differ at index 2: {seqlen} on rank 0" in message, message
+    mine = cu if comm.rank == 0 else None
+    message = raises_everywhere(comm, RankMismatchError,
+                                lambda: burst_hpc.burst_attention(q, k, v, comm=comm, cu_seqlens=mine))
+    assert "ranks disagree on cu_seqlens: rank 0 passes one, rank 1 passes none" in message, message
     window = (2, 0) if comm.rank == 1 else (3, 0)
     raises_everywhere(comm, RankMismatchError, lambda: burst_hpc.burst_attention(q, k, v, comm=comm, window=window),
-                      match="ranks disagree on documents and window")
+                      match=r"ranks disagree on window: rank 0 has \(3, 0\), rank 1 has \(2, 0\)")
     o, lse = burst_hpc.burst_attention(q, k, v, comm=comm, window=(3, 0), causal=True)  # the ring still works
     assert np.isfinite(lse).all()

@@ -174,3 +174,31 @@ def test_dtype_parsing():
             parse_dtype(bad)
     assert accum_dtype(np.float16) == np.float32 and accum_dtype(burst_hpc.dtypes.bfloat16) == np.float32
     assert accum_dtype(np.float32) == np.float32 and accum_dtype(np.float64) == np.float64
+
+
+def test_python_list_named_as_not_an_array(rng):
+    q, k, v = qkv(rng, 1, 8, 8, 2, 1, 4)
+    with pytest.raises(DTypeError, match=r"^k must be a NumPy or CuPy array; got list"):
+        attention(q, k.tolist(), v)
+    o, lse = attention(q, k, v)
+    with pytest.raises(DTypeError, match=r"^lse must be a NumPy or CuPy array; got tuple"):
+        attention_backward(q, q, k, v, o, tuple(lse))
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -1.0, 0.0, "big"])
+def test_scale_must_be_finite_and_positive(rng, scale):
+    q, k, v = qkv(rng, 1, 8, 8, 2, 1, 4)
+    with pytest.raises(BurstError, match=r"scale must be a finite number > 0; got"):
+        attention(q, k, v, scale=scale)
+
+
+def test_one_rank_runs_any_length_in_every_layout(rng):
+    """One rank owns the whole sequence: the zigzag default needs no even length there."""
+    from mpi4py import MPI
+
+    q, k, v = qkv(rng, 1, 7, 7, 2, 1, 4)
+    o_ref, lse_ref = attention(q, k, v, causal=True)
+    for layout in (None, "zigzag", "contiguous", "balanced"):
+        o, lse = burst_hpc.burst_attention(q, k, v, comm=MPI.COMM_SELF, causal=True, layout=layout)
+        np.testing.assert_allclose(o, o_ref, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(lse, lse_ref, rtol=1e-6)

