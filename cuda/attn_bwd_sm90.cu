@@ -46,9 +46,12 @@ enum Barrier : int {
   kDsReady = 1,   // both consumers' dS^T rows are in shared memory (256 threads)
   kDqFull = 2,    // consumer cw's dQ part is staged (kDqFull + cw: its 128 threads arrive, the writer warp syncs)
   kDqEmpty = 4,   // the writer has read consumer cw's staging buffer (kDqEmpty + cw: writer arrives, consumer syncs)
-  kBarrierEnd = 6
+  kWalkDone = 6,  // both consumers are done with the Q / dO stages, which the epilogue reuses (256 threads)
+  kStaged = 7,    // consumer cw's dK or dV rows are staged / its staging buffer is free again (kStaged + cw)
+  kBarrierEnd = 9
 };
-static_assert(kDqFull + CONSUMERS <= kDqEmpty && kDqEmpty + CONSUMERS <= kBarrierEnd && kBarrierEnd <= 16,
+static_assert(kDqFull + CONSUMERS <= kDqEmpty && kDqEmpty + CONSUMERS <= kWalkDone && kWalkDone < kStaged &&
+                  kStaged + CONSUMERS <= kBarrierEnd && kBarrierEnd <= 16,
               "named barrier IDs overlap");
 constexpr int kWriterSync = 128 + 32;  // a consumer warpgroup and the writer warp
 
@@ -167,10 +170,9 @@ __device__ __forceinline__ void dq_part(float* acc, u32 ds_lo, u32 k_lo) {
 }
 
 template <int D, bool BF16, bool CAUSAL, bool IV>
-__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, float* dk, float* dv,
-                                              i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq,
-                                              int Sq_pad, int Sk, int Hq, int Hkv, int group, int hpb, float scale,
-                                              float sl2, i64 off, int atomic_kv, const int* ranges) {
+__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad,
+                                              int Sk, int Hq, int Hkv, int group, int hpb, float scale, float sl2,
+                                              i64 off, const int* ranges) {
   using namespace bwd90;
   using L = Smem<D>;
   constexpr int BM = Cfg<D>::BM;
@@ -209,7 +211,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   __syncthreads();
 
   const int wg = warpgroup_index(), tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
-  const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256, *tdo = tmaps + 384, *tdq = tmaps + 512;
+  const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256, *tdo = tmaps + 384, *tdq = tmaps + 512,
+                      *tdk = tmaps + 640, *tdv = tmaps + 768;
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     warpgroup_reg_dealloc<PRODUCER_REGS>();
     if (warp == 0 && lane == 0) {  // loads
@@ -293,10 +296,11 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   // chunk of the 16 columns: swizzled chunk (2 kk) ^ (lane / 16) ^ (row % 8) = (2 kk) ^ ds_xor
   const int ds_row = 64 * cw + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
   const u32 ds_thread = ds_row * 128 + (((lane / 16) ^ (lane % 8)) << 4);
-  // dQ staging (float32, two boxes of 64 rows x 32 columns, 128-byte swizzle): element (row, col) of the
-  // part at box col / 32, row * 128 + ((col % 32 / 4) ^ (row % 8)) * 16 + col % 4 * 4
-  const u32 dq_thread = base + L::kDQ + cw * L::kDqPart + (16 * warp + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) + (lane % 2) * 8;
 
+  if (tid == 0) {  // the epilogue's tensor maps
+    tensormap_acquire(tdk);
+    tensormap_acquire(tdv);
+  }
   float acc_dk[D / 2], acc_dv[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
@@ -402,15 +406,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 
     // stage scale * dQ for the writer once it has read the previous part
     named_barrier_sync(kDqEmpty + cw, kWriterSync);
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const u32 addr = ((dq_thread + (j / 4) * (L::kDqPart / 2) + r * 8 * 128) ^ ((2 * (j % 4)) << 4));
-        asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc_dq[4 * j + 2 * r] * scale),
-                     "f"(acc_dq[4 * j + 2 * r + 1] * scale)
-                     : "memory");
-      }
+    stage_f32_rows<64>(base + L::kDQ + cw * L::kDqPart, acc_dq, scale, warp, lane);
     fence_async_shared();
     named_barrier_arrive(kDqFull + cw, kWriterSync);
 
@@ -421,22 +417,39 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     pipe.advance();
   }
 
-  // ---- epilogue: dk += scale * dK, dv += dV (atomics when the GQA group is split over CTAs)
-  add_key_rows<D>(dk + b * kgsb + hk * kgsh + qc, kgss, acc_dk, scale, key0, Sk, atomic_kv);
-  add_key_rows<D>(dv + b * vgsb + hk * vgsh + qc, vgss, acc_dv, 1.f, key0, Sk, atomic_kv);
+  // ---- epilogue: dk += scale * dK, dv += dV by TMA tensor reductions (adds in L2, so CTAs that share a kv
+  // head through a split GQA group need no atomics; keys past Sk are not written). Staged in the Q / dO
+  // stages, free once both consumers are past their last step; dK first, then dV in the same buffer.
+  named_barrier_sync(kWalkDone, 128 * CONSUMERS);
+  const u32 staging = base + L::kQ + cw * 64 * D * 4;
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    if (which == 1) {  // the dK reductions have read the buffer
+      if (tid == 0) bulk_wait_read();
+      named_barrier_sync(kStaged + cw, 128);
+    }
+    stage_f32_rows<D>(staging, which == 0 ? acc_dk : acc_dv, which == 0 ? scale : 1.f, warp, lane);
+    fence_async_shared();
+    named_barrier_sync(kStaged + cw, 128);
+    if (tid == 0) {
+      const unsigned char* map = which == 0 ? tdk : tdv;
+#pragma unroll
+      for (int box = 0; box < D / 32; ++box) tma_reduce_add_4d(map, staging + box * 8192, 32 * box, hk, key_lo, b);
+      bulk_commit();
+    }
+  }
+  if (tid == 0) bulk_wait_all();
 }
 
 #define BH_BWD90(NAME, D, BF16, CAUSAL, IV)                                                                       \
   extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1)                                                \
-      NAME(const unsigned char* tmaps, const float* rows, float* dk, float* dv, i64 kgsb, i64 kgss, i64 kgsh,     \
-           i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sq_pad, int Sk, int Hq, int Hkv, int group, int hpb,         \
-           float scale, float sl2, i64 off, int atomic_kv, const int* ranges) {                                   \
-    attn_bwd_sm90<D, BF16, CAUSAL, IV>(tmaps, rows, dk, dv, kgsb, kgss, kgsh, vgsb, vgss, vgsh, Sq, Sq_pad, Sk, Hq, \
-                                       Hkv, group, hpb, scale, sl2, off, atomic_kv, ranges);                     \
+      NAME(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int Hq, int Hkv, int group, \
+           int hpb, float scale, float sl2, i64 off, const int* ranges) {                                        \
+    attn_bwd_sm90<D, BF16, CAUSAL, IV>(tmaps, rows, Sq, Sq_pad, Sk, Hq, Hkv, group, hpb, scale, sl2, off, ranges); \
   }
 
 // name: attn_bwd_sm90_<dtype>_d<D>_<mask>, mask: full | causal | interval; tmaps: the q, k, v, do (16-bit)
-// and dq (float32) tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows; ranges (interval
+// and dq, dk, dv (float32) tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows; ranges (interval
 // only): the query tiles of each key block from attn_bwd_sm90_ranges
 BH_BWD90(attn_bwd_sm90_bf16_d128_full, 128, true, false, false)
 BH_BWD90(attn_bwd_sm90_bf16_d128_causal, 128, true, true, false)

@@ -48,28 +48,20 @@ __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_ro
   }
 }
 
-// Backward: dst rows key0 and key0 + 8 (< Sk) += scale * acc. `dst` points at key 0, column 2 (lane % 4)
-// of this (batch, kv head); atomics when several CTAs add into the same rows (a split GQA group).
-template <int D>
-__device__ __forceinline__ void add_key_rows(float* dst, i64 row_stride, const float* acc, float scale, int key0,
-                                             int Sk, int atomic) {
+// scale * acc (64 rows x NCOL columns, accumulator layout) into shared memory as NCOL / 32 float32 boxes of
+// 64 rows x 32 columns with the 128-byte swizzle (what a float32 tensor map with that swizzle reads): box
+// c / 32 at part + (c / 32) * 8192, element (row, c) at row * 128 + (((c % 32) / 4) ^ (row % 8)) * 16 +
+// (c % 4) * 4. `part` is 1024-byte aligned. 16-byte chunks of a quad's rows land in distinct banks.
+template <int NCOL>
+__device__ __forceinline__ void stage_f32_rows(u32 part, const float* acc, float scale, int warp, int lane) {
+  const u32 thread = part + (16 * warp + lane / 4) * 128 + ((((lane % 4) / 2) ^ (lane / 4)) << 4) + (lane % 2) * 8;
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int key = key0 + 8 * r;
-    if (key >= Sk) continue;
-    float* row = dst + static_cast<i64>(key) * row_stride;
+  for (int j = 0; j < NCOL / 8; ++j)
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      const float2 g = make_float2(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
-      float2* p = reinterpret_cast<float2*>(row + 8 * j);
-      if (atomic) {
-        atomicAdd(p, g);
-      } else {
-        float2 x = *p;
-        x.x += g.x;
-        x.y += g.y;
-        *p = x;
-      }
+    for (int r = 0; r < 2; ++r) {
+      const u32 addr = (thread + (j / 4) * 8192 + r * 8 * 128) ^ ((2 * (j % 4)) << 4);
+      asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(addr), "f"(acc[4 * j + 2 * r] * scale),
+                   "f"(acc[4 * j + 2 * r + 1] * scale)
+                   : "memory");
     }
-  }
 }

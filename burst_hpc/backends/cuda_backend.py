@@ -383,16 +383,20 @@ class CudaBackend:
         group = hq // hkv
         nkb = (sk + bn - 1) // bn
         hpb, nsplit = self._group_split(group, nkb, b * hkv)
-        # the writer adds dQ into dq through a float32 tensor map (16-byte aligned address and strides);
-        # any other dq gets a zeroed scratch accumulator, added in afterwards
-        aligned = dq.data.ptr % 16 == 0 and all(st % 16 == 0 for st in dq.strides[:-1])
-        dq_w = dq if aligned else cupy.zeros(dq.shape, np.float32)
+        # dq, dk, dv are added into through float32 tensor maps (16-byte aligned address and strides); any
+        # other accumulator gets a zeroed scratch array, added in afterwards
+        def target(x):
+            aligned = x.data.ptr % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
+            return x if aligned else cupy.zeros(x.shape, np.float32)
+
+        dq_w, dk_w, dv_w = target(dq), target(dk), target(dv)
         try:
-            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn), (do, bm), (dq_w, 64)))
-        except tma.TensorMapError:  # a stride order the driver refuses: contiguous copies, scratch dq
+            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn), (do, bm), (dq_w, 64), (dk_w, 64), (dv_w, 64)))
+        except tma.TensorMapError:  # a stride order the driver refuses: contiguous copies, scratch accumulators
             q, k, v, do = (cupy.ascontiguousarray(x) for x in (q, k, v, do))
-            dq_w = dq_w if dq_w is not dq else cupy.zeros(dq.shape, np.float32)
-            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn), (do, bm), (dq_w, 64)))
+            dq_w, dk_w, dv_w = (w if w is not x else cupy.zeros(x.shape, np.float32)
+                                for w, x in ((dq_w, dq), (dk_w, dk), (dv_w, dv)))
+            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn), (do, bm), (dq_w, 64), (dk_w, 64), (dv_w, 64)))
         sq_pad = -(-sq // bm) * bm
         # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), then with a
         # mask each row's visible key range; the ranges of query tiles per key block (attn_bwd_sm90_ranges)
@@ -410,13 +414,13 @@ class CudaBackend:
             find((-(-nkb // 128),), (128,), (mlo, mhi, kofs, np.int32(sq), np.int32(sk), np.int32(bn), np.int32(bm),
                                              np.int32(nkb), ranges))
         kern = self._kernel("attn_bwd_sm90.cu", f"attn_bwd_sm90_{kind}_d{d}_{_mode(causal, mask)}", smem)
-        args = (maps, rows, dk, dv, *s(dk)[:3], *s(dv)[:3], np.int32(sq), np.int32(sq_pad), np.int32(sk),
-                np.int32(hq), np.int32(hkv), np.int32(group), np.int32(hpb), np.float32(scale),
-                np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)), np.int32(1 if nsplit > 1 else 0),
-                ranges)
+        args = (maps, rows, np.int32(sq), np.int32(sq_pad), np.int32(sk), np.int32(hq), np.int32(hkv),
+                np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * _LOG2E),
+                np.int64(int(q_start) - int(k_start)), ranges)
         kern((nkb, nsplit, b * hkv), (threads,), args, shared_mem=smem)
-        if dq_w is not dq:
-            dq += dq_w
+        for w, x in ((dq_w, dq), (dk_w, dk), (dv_w, dv)):
+            if w is not x:
+                x += w
 
     def _backward_sm80(self, kind, d, q, k, v, do, lse_r, delta_r, dq_w, dk_w, dv_w, scale, causal, q_start,
                        k_start, mask=None):
