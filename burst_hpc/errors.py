@@ -35,3 +35,7 @@ class FileError(BurstError):
 
 class MaskError(BurstError):
     """Bad document offsets (cu_seqlens) or window sizes."""
+
+
+class TopologyError(BurstError):
+    """The ranks do not form equal nodes, or a scheme does not fit the nodes or the heads."""

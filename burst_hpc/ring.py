@@ -3,17 +3,20 @@ layout and schedule (schedule.steps says what to compute and what to send to who
 
 Step t
 
-1. posts one nonblocking exchange (the step's list of (peer, buffers) sends and receives):
-   the data the visit of step t+1 needs goes into a spare buffer (double buffering) while
-   the partial finished at step t-1 goes on;
+1. posts its nonblocking exchanges (the step's (peer, buffers) sends and receives, one exchange
+   per due step): on a plain ring the data the visit of step t+1 needs goes into a spare buffer
+   (double buffering) while the partial finished at step t-1 goes on; a double ring also posts
+   one transfer over the network that completes at the end of the inner round (its ``due``);
 2. runs the local block kernels of this step's visit (the caller's ``compute``);
-3. waits for the exchange (on the GPU: while the queued kernels still run), then combines
-   each partial received: one for this rank's own shard into its results, one for the shard
-   visited now (a plain ring's carried accumulator) into this step's partial; swaps buffers.
+3. waits for the exchanges due at step t (on the GPU: while the queued kernels still run), then
+   combines each partial received: one for this rank's own shard into its results, a carried
+   accumulator into this rank's partial of the same shard; gives back the buffers whose last
+   use was step t (``lifetimes``: computed from the schedule, so the peak is known beforehand).
 
 A partial that goes nowhere (this rank's own shard) is computed straight into the results.
-Receive and partial buffers are allocated once per call, per side, on first use; a buffer
-is never written while it is sent, and the caller's arrays are only ever read.
+Receive and partial buffers come from a pool, allocated on first use and reused once given
+back (a plain ring: two shards, three partials, as with fixed double buffering); a buffer is
+never written while it is sent, and the caller's arrays are only ever read.
 """
 from dataclasses import dataclass
 from typing import Callable
@@ -28,79 +31,121 @@ class Side:
     combine: Callable = None  # combine(into, part): folds a partial into accumulators
 
 
-class _Buffers:
-    """The receive and partial buffers of one side."""
+def lifetimes(steps, rank):
+    """When each receive buffer is given back, from the schedule alone: {step: [(kind, side,
+    shard)]} of the buffers whose last use (a visit, a send still in flight, a combine) ends at
+    that step, and the most buffers of each kind ("data", "partial") alive at once: the
+    receive, partial and in-flight buffers the engine allocates (see ``run``)."""
+    ends, live = {}, []   # live: (kind, first step, last step) of every buffer
 
-    def __init__(self, xp, side):
-        self.xp, self.side = xp, side
-        self.current = self.spare = None    # received data: this step's visit, the next one's
-        self.partial = self.outgoing = None  # this step's partial, last step's (being sent)
-        self.incoming = None
+    def due(t, index):
+        return index if t.due is None else t.due
 
-    def _like(self, arrays):
-        return [self.xp.empty_like(a) for a in arrays]
+    for index, step in enumerate(steps):
+        for t in step.recvs:
+            key = (t.what, t.side, t.shard)
+            end = due(t, index)
+            if t.what == "data":
+                for later in range(end + 1, len(steps)):
+                    s = steps[later]
+                    if s.visit is not None and (s.visit.side, s.visit.shard) == (t.side, t.shard):
+                        end = later
+                    for u in s.sends:
+                        if (u.what, u.side, u.shard) == key:
+                            end = max(end, due(u, later))
+            ends.setdefault(end, []).append(key)
+            live.append((t.what, index, end))
+        if step.visit is not None:
+            key = ("partial", step.visit.side, step.visit.shard)
+            sent = [due(u, i) for i in range(index + 1, len(steps)) for u in steps[i].sends if
+                    (u.what, u.side, u.shard) == key]
+            if sent:
+                live.append(("partial", index, max(sent)))
+    peak = {kind: max([sum(1 for k, a, b in live if k == kind and a <= i <= b) for i in range(len(steps))] or [0])
+            for kind in ("data", "partial")}
+    return ends, peak
 
-    def receive_data(self):
-        if self.spare is None:
-            self.spare = self._like(self.side.travelling)
-        return self.spare
 
-    def received_data(self):
-        self.current, self.spare = self.spare, self.current
+class _Pool:
+    """Buffers like a side's travelling arrays ("data") or results ("partial"), reused once given back."""
 
-    def receive_partial(self):
-        if self.incoming is None:
-            self.incoming = self._like(self.side.results)
-        return self.incoming
+    def __init__(self, xp, sides):
+        self.xp, self.sides, self.free = xp, sides, {}
 
-    def fresh_partial(self):
-        if self.partial is None:
-            self.partial = self._like(self.side.results)
-        for a, fill in zip(self.partial, self.side.fills):
-            a.fill(fill)
-        return self.partial
+    def take(self, kind, side):
+        spare = self.free.get((kind, side))
+        if spare:
+            return spare.pop()
+        like = self.sides[side].travelling if kind == "data" else self.sides[side].results
+        return [self.xp.empty_like(a) for a in like]
 
-    def partial_done(self):
-        self.partial, self.outgoing = self.outgoing, self.partial
+    def give(self, kind, side, arrays):
+        self.free.setdefault((kind, side), []).append(arrays)
 
 
 def run(transport, steps, sides, compute, skip_compute=False):
     """Run this rank's ``steps`` (schedule.Step). ``sides``: {"kv": Side, "q": Side};
     ``compute(visit, data, partial)`` adds the visit's block pairs into this rank's results and
-    into ``partial`` (the visiting shard's, or this rank's results when it stays here)."""
+    into ``partial`` (the visiting shard's, or this rank's results when it stays here).
+
+    A transfer completes at the end of its ``due`` step (the posting step when None): a plain
+    ring's all do; a double ring's transfers over the network run under a whole inner round."""
     rank = transport.rank
-    buffers = {name: _Buffers(transport.xp, side) for name, side in sides.items()}
+    pool = _Pool(transport.xp, sides)
+    ends, _ = lifetimes(steps, rank)
+    data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard) -> arrays
+    waiting = {}                            # step -> [(handle, transfers completed then)]
 
     def payload(t):
-        b = buffers[t.side]
         if t.what == "partial":
-            return b.outgoing
-        return sides[t.side].travelling if t.shard == rank else b.current
+            return partials[(t.side, t.shard)]
+        return sides[t.side].travelling if t.shard == rank else data[(t.side, t.shard)]
+
+    def sends_partial(index, visit):
+        return any(t.what == "partial" and (t.side, t.shard) == (visit.side, visit.shard)
+                   for later in steps[index + 1:] for t in later.sends)
 
     for index, step in enumerate(steps):
-        sends = [(t.peer, payload(t)) for t in step.sends]
-        recvs = [(t.peer, buffers[t.side].receive_data() if t.what == "data" else buffers[t.side].receive_partial())
-                 for t in step.recvs]
-        pending = transport.exchange(sends, recvs) if sends or recvs else None
-        visit, partial, travels_on = step.visit, None, False
+        groups = {}   # due step -> (sends, recvs, [(direction, transfer)])
+        for direction, transfers in (("out", step.sends), ("in", step.recvs)):
+            for t in transfers:
+                sends, recvs, done = groups.setdefault(index if t.due is None else t.due, ([], [], []))
+                if direction == "out":
+                    sends.append((t.peer, payload(t)))
+                else:
+                    key = (t.what, t.side, t.shard)
+                    assert key not in arriving, f"{key} received twice at once"
+                    arriving[key] = pool.take("data" if t.what == "data" else "partial", t.side)
+                    recvs.append((t.peer, arriving[key]))
+                done.append((direction, t))
+        for due in sorted(groups):
+            sends, recvs, done = groups[due]
+            waiting.setdefault(due, []).append((transport.exchange(sends, recvs), done))
+        visit = step.visit
         if visit is not None:
-            b = buffers[visit.side]
-            later = steps[index + 1].sends if index + 1 < len(steps) else ()
-            travels_on = any(t.what == "partial" and (t.side, t.shard) == (visit.side, visit.shard) for t in later)
-            partial = b.fresh_partial() if travels_on else sides[visit.side].results
+            key = (visit.side, visit.shard)
+            if sends_partial(index, visit):
+                partial = partials[key] = pool.take("partial", visit.side)
+                for a, fill in zip(partial, sides[visit.side].fills):
+                    a.fill(fill)
+            else:
+                partial = sides[visit.side].results
             if not skip_compute:
-                data = sides[visit.side].travelling if visit.shard == rank else b.current
-                compute(visit, data, partial)
-        if pending is not None:
-            pending.wait()
-        for t in step.recvs:
-            b = buffers[t.side]
-            if t.what == "data":
-                b.received_data()
-            elif t.shard == rank:
-                sides[t.side].combine(sides[t.side].results, b.incoming)
-            else:  # a carried accumulator meets the shard it belongs to
-                assert travels_on and (t.side, t.shard) == (visit.side, visit.shard), (t, visit)
-                sides[t.side].combine(partial, b.incoming)
-        if travels_on:
-            buffers[visit.side].partial_done()
+                compute(visit, sides[visit.side].travelling if visit.shard == rank else data[key], partial)
+        for handle, done in waiting.pop(index, ()):
+            handle.wait()
+            for direction, t in done:
+                key = (t.side, t.shard)
+                if direction == "out":
+                    if t.what == "partial":  # its buffer is free again
+                        pool.give("partial", t.side, partials.pop(key))
+                elif t.what == "data":       # held for this rank's visits and sends
+                    data[key] = arriving.pop(("data",) + key)
+                else:                        # folded into this rank's results, or its partial of that shard
+                    part = arriving.pop(("partial",) + key)
+                    sides[t.side].combine(sides[t.side].results if t.shard == rank else partials[key], part)
+                    pool.give("partial", t.side, part)
+        for what, side, shard in ends.pop(index, ()):
+            if what == "data":
+                pool.give("data", side, data.pop((side, shard)))
+    assert not waiting and not arriving, "transfers left in flight after the last step"

@@ -118,6 +118,7 @@ class Transfer:
     what: str            # "data" (a shard's travelling side) or "partial" (results for a shard)
     side: str            # the side that travels, or the side of the visit that made the partial
     shard: int           # whose tokens
+    due: int = None      # the step at whose end it completes (None: the step that posts it)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class Step:
 def _step(visit, sends, recvs):
     # both ends order a peer's transfers the same way (data, then partials), so the transports
     # can match messages by their position among those exchanged with that peer
-    order = lambda t: (t.what, t.side, t.shard, t.peer)  # noqa: E731
+    order = lambda t: (t.what, t.side, t.shard, t.peer, -1 if t.due is None else t.due)  # noqa: E731
     return Step(visit, tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)))
 
 
