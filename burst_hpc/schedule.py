@@ -221,3 +221,47 @@ def balanced_steps(rank, size, near, returns, mask=None):
                         if who == rank:
                             box[step + 1].append(Transfer(peer, "partial", side, provider))
     return tuple(_step(visits[t], sends[t], recvs[t]) for t in range(count))
+
+
+def double_ring_steps(position, nodes, per_node, side, returns, rounds=None):
+    """The double ring (LoongTrain, BurstEngine) seen by the rank at ``position`` = node * w +
+    local of ``nodes`` nodes of w = ``per_node`` ranks; shards are named by position too.
+
+    Round o (of ``rounds``, nodes by default; fewer when documents or a window leave the later
+    ones without work) is an inner ring of w steps over the shards that started on node n - o:
+    at its step t rank (n, l) visits shard (n - o, l - t) and forwards it to (n, l + 1). At the
+    round's first step each rank also posts one transfer over its rail: the shard it started the
+    round with goes to (n + 1, l), due at the round's last step, and arrives as the first shard of
+    the next round. Partials ride the inner ring one step behind their shard; after a round the
+    last one (the node's whole partial for that shard) goes straight home, posted at the next
+    round's first step and due at its end (or at once after the last round)."""
+    w, rounds = per_node, nodes if rounds is None else rounds
+    n, l = divmod(position, w)
+
+    def at(node, local):
+        return (node % nodes) * w + local % w
+
+    carries = side in returns and nodes * w > 1
+    out = []
+    for index in range(rounds * w + 1):
+        o, t = divmod(index, w)
+        last = index == rounds * w
+        sends, recvs = [], []
+        if not last and t + 1 < w:
+            sends.append(Transfer(at(n, l + 1), "data", side, at(n - o, l - t)))
+            recvs.append(Transfer(at(n, l - 1), "data", side, at(n - o, l - t - 1)))
+        if not last and t == 0 and o + 1 < rounds:
+            due = index + w - 1
+            sends.append(Transfer(at(n + 1, l), "data", side, at(n - o, l), due))
+            recvs.append(Transfer(at(n - 1, l), "data", side, at(n - o - 1, l), due))
+        if carries and not last and 1 <= t:
+            sends.append(Transfer(at(n, l + 1), "partial", side, at(n - o, l - t + 1)))
+            recvs.append(Transfer(at(n, l - 1), "partial", side, at(n - o, l - t)))
+        home = at(n - o + 1, l + 1)
+        if carries and t == 0 and o >= 1 and home != position:  # (w = 1: round 0's shard is this rank's own)
+            due = None if last else index + w - 1
+            sends.append(Transfer(home, "partial", side, home, due))
+            recvs.append(Transfer(at(n + o - 1, l - 1), "partial", side, position, due))
+        if not last or carries:
+            out.append(_step(None if last else Visit(side, at(n - o, l - t)), sends, recvs))
+    return tuple(out)
