@@ -126,7 +126,7 @@ def predict_pass(scheme, pr, cl, rates, backward=False):
         c = total / P
         m = inter(shard * (data + partial))
         time = _ring(P, c, m) + inter(shard * partial)
-        net = (P - 1) * shard * (data + partial) if N > 1 else 0
+        net = shard * ((P - 1) * data + P * partial) if N > 1 else 0  # a node's last rank: every hop
         return Pass(time, total, net, [(c, m)])
     if scheme == "double_ring":
         c = total / P
@@ -148,7 +148,8 @@ def predict_pass(scheme, pr, cl, rates, backward=False):
         c = total / N
         m = inter(w * shard * (data + partial))
         time = a2a + _ring(N, c, m) + inter(w * shard * partial)
-        return Pass(time, total, (N - 1) * w * shard * (data + partial), [(c, m)])
+        net = w * shard * ((N - 1) * data + N * partial) if N > 1 else 0
+        return Pass(time, total, net, [(c, m)])
     raise BurstError(f"unknown scheme {scheme!r}")
 
 

@@ -1,0 +1,116 @@
+"""Schemes across nodes on the CPU path, one host acting as several nodes (ranks_per_node), against
+the float64 oracle: 4 ranks as 2x2, 6 as 2x3 and 3x2, 8 as 2x4 and 4x2 (`make test` runs this
+module on 4, 6 and 8 ranks with BURST_HPC_NODE_TESTS=1; elsewhere it is skipped)."""
+import os
+
+import numpy as np
+import pytest
+
+import burst_hpc
+import burst_hpc.topology
+from burst_hpc.errors import LayoutError, TopologyError
+from burst_hpc.masks import random_documents
+from burst_hpc.reference import attention_backward_reference, attention_reference
+from test_ring import problem
+
+pytestmark = pytest.mark.skipif(not os.environ.get("BURST_HPC_NODE_TESTS"), reason="run by make test on 4, 6, 8 ranks")
+
+
+def shapes(size):
+    """(nodes, ranks per node) with both > 1 that make ``size``."""
+    return [(size // w, w) for w in range(2, size) if size % w == 0 and size // w > 1]
+
+
+def cases(size):
+    return [(n, w) for n, w in shapes(size)]
+
+
+def heads(kind, w):
+    """(Hq, Hkv) of each head case for w ranks per node."""
+    return {"mha": (w, w), "gqa": (2 * w, w), "kv_shared": (2 * w, 1), "indivisible": (w + 1, w + 1)}[kind]
+
+
+def run_and_check(comm, scheme, per_node, layout, causal, hq, hkv, local=8, cu_seqlens=None, window=None,
+                  rings=("q", "kv")):
+    P, r = comm.size, comm.rank
+    q, k, v, do, seed = problem(comm, 1, local, hq, hkv, 8)
+    kw = dict(causal=causal, cu_seqlens=cu_seqlens, window=window)
+    ref_o, ref_lse = attention_reference(q, k, v, **kw)
+    ref_grads = attention_backward_reference(do, q, k, v, **kw)
+
+    def mine(x, axis=1):
+        return burst_hpc.shard(x, r, P, layout, axis=axis)
+
+    common = dict(comm=comm, layout=layout, scheme=scheme, ranks_per_node=per_node, **kw)
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), **common)
+    np.testing.assert_allclose(o, mine(ref_o), atol=1e-6, err_msg=f"{scheme} seed {seed}")
+    np.testing.assert_allclose(lse, mine(ref_lse, axis=2), atol=1e-5, err_msg=f"{scheme} seed {seed}")
+    for ring in rings:
+        grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, backward_ring=ring,
+                                                   **common)
+        for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
+            np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4,
+                                       err_msg=f"{scheme} {name} {ring}-ring seed {seed}")
+
+
+@pytest.mark.parametrize("kind", ["mha", "gqa", "kv_shared", "indivisible"])
+@pytest.mark.parametrize("layout,causal", [("zigzag", True), ("contiguous", False), ("contiguous", True)])
+@pytest.mark.parametrize("scheme", ["double_ring", "ulysses_ring"])
+def test_schemes_match_the_oracle(comm, scheme, layout, causal, kind):
+    for nodes, w in cases(comm.size):
+        hq, hkv = heads(kind, w)
+        if scheme == "ulysses_ring" and kind == "indivisible":
+            with pytest.raises(TopologyError, match="does not divide"):
+                run_and_check(comm, scheme, w, layout, causal, hq, hkv)
+            continue
+        run_and_check(comm, scheme, w, layout, causal, hq, hkv)
+
+
+@pytest.mark.parametrize("scheme", ["double_ring", "ulysses_ring"])
+def test_documents_and_window(comm, scheme):
+    for nodes, w in cases(comm.size):
+        seqlen = 8 * comm.size
+        docs = random_documents(np.random.default_rng(comm.bcast(np.random.SeedSequence().entropy % 2**32)), seqlen, 3)
+        run_and_check(comm, scheme, w, "contiguous", True, w, w, cu_seqlens=docs, rings=("kv",))
+        run_and_check(comm, scheme, w, "zigzag", True, 2 * w, 1, window=(5, 0), rings=("q",))
+        run_and_check(comm, scheme, w, "contiguous", False, w, w, window=(3, 3), rings=("kv",))
+
+
+@pytest.mark.parametrize("scheme", ["double_ring", "ulysses_ring", "auto"])
+def test_ranks_out_of_node_order(comm, scheme, monkeypatch):
+    """The launcher placed ranks round-robin over the nodes (rank r on node r % N)."""
+    for nodes, w in cases(comm.size):
+        monkeypatch.setenv("BURST_HPC_NODE_ID", str(comm.rank % nodes))
+        topo = burst_hpc.topology.topology(comm)
+        assert (topo.nodes, topo.per_node) == (nodes, w)
+        assert topo.layout.order[topo.position] == comm.rank and topo.node == comm.rank % nodes
+        assert topo.rail.size == nodes and topo.node_comm.size == w
+        run_and_check(comm, scheme, None, "zigzag", True, 2 * w, w)
+
+
+def test_balanced_layout_is_refused_by_node_schemes(comm):
+    nodes, w = cases(comm.size)[0]
+    for scheme in ("double_ring", "ulysses_ring"):
+        with pytest.raises(LayoutError, match="zigzag and contiguous"):
+            run_and_check(comm, scheme, w, "balanced", True, w, w)
+
+
+def test_unequal_nodes_give_one_error_everywhere(comm, monkeypatch):
+    monkeypatch.setenv("BURST_HPC_NODE_ID", "0" if comm.rank == 0 else "1")
+    with pytest.raises(TopologyError, match="same number of ranks"):
+        run_and_check(comm, "double_ring", None, "zigzag", True, 2, 2)
+    monkeypatch.delenv("BURST_HPC_NODE_ID")
+    with pytest.raises(TopologyError, match="does not divide"):
+        run_and_check(comm, "double_ring", comm.size + 1, "zigzag", True, 2, 2)
+
+
+def test_auto_keeps_the_flat_ring_on_one_node_and_schemes_agree(comm):
+    """One node -> ring (nothing changes); any pick gives the same results."""
+    from burst_hpc.distributed import _Plan
+
+    q, k, v, _, _ = problem(comm, 1, 8, 4, 2, 8)
+    mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
+    kv = burst_hpc.shard(k, comm.rank, comm.size, "zigzag")
+    plan = _Plan(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
+    assert plan.scheme_name == "ring"
+    run_and_check(comm, "auto", cases(comm.size)[0][1], "zigzag", True, 4, 2, rings=("q",))
