@@ -71,19 +71,20 @@ def ranks_per_node_setting(ranks_per_node=None):
     return ranks_per_node
 
 
-def node_ids(comm):
-    """Collective: every rank's node id (BURST_HPC_NODE_ID, else the shared-memory group)."""
-    env = os.environ.get("BURST_HPC_NODE_ID", "").strip()
-    if env:
-        mine = ("env", env)
-    else:
-        from mpi4py import MPI
+_hosts = {}
 
+
+def node_ids(comm):
+    """Collective: every rank's node id (BURST_HPC_NODE_ID, else its shared-memory group, named
+    by the group's lowest rank and found once per communicator)."""
+    from mpi4py import MPI
+
+    if id(comm) not in _hosts:
         host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
-        # the lowest rank of each shared-memory group names the group
-        mine = ("host", host.allreduce(comm.rank, op=MPI.MIN))
+        _hosts[id(comm)] = host.allreduce(comm.rank, op=MPI.MIN)
         host.Free()
-    return comm.allgather(mine)
+    env = os.environ.get("BURST_HPC_NODE_ID", "").strip()
+    return comm.allgather(("env", env) if env else ("host", _hosts[id(comm)]))
 
 
 class Topology:
@@ -105,10 +106,11 @@ _cache = {}
 
 
 def topology(comm, ranks_per_node=None):
-    """Collective: the Topology of ``comm`` (cached per communicator and setting, so the
-    communicators are split once)."""
+    """Collective: the Topology of ``comm`` (one allgather; the communicators are split once per
+    communicator, node assignment and setting)."""
     setting = ranks_per_node_setting(ranks_per_node)
-    key = (id(comm), comm.size, setting, os.environ.get("BURST_HPC_NODE_ID"))
+    ids = node_ids(comm)
+    key = (id(comm), tuple(ids), setting)
     if key not in _cache:
-        _cache[key] = Topology(comm, setting)
+        _cache[key] = Topology(comm, setting, ids)
     return _cache[key]
