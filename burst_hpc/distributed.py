@@ -9,6 +9,7 @@ ones to the other owner, which returns its partial (o, lse), dq or dk, dv.
 """
 import contextlib
 import logging
+import os
 
 import numpy as np
 
@@ -26,6 +27,7 @@ from . import ulysses
 from .collective import agree
 from .device import gpus_shared
 from .transport import choose_transport, make_transport
+from .transport.emulated import EmulatedNetwork, setting as emulated_network
 from .validate import check_like, check_qkv, check_same_kind, resolve_scale
 
 log = logging.getLogger("burst_hpc")
@@ -49,7 +51,8 @@ class _Plan:
         on_device = type(q).__module__.startswith("cupy")
         shared = gpus_shared(comm, q.device if on_device else None)  # collective: before any check can fail
         self.topo, topo_error = None, None
-        if scheme != "ring":  # collective too (cached per communicator)
+        # collective too (one allgather); the flat ring needs it only to emulate or count the network
+        if scheme != "ring" or ranks_per_node is not None or os.environ.get("BURST_HPC_EMULATE_NETWORK"):
             try:
                 self.topo = topology(comm, ranks_per_node)
             except BurstError as e:
@@ -87,7 +90,9 @@ class _Plan:
                                       self.mask)
             if self.scheme_name == "ulysses_ring":
                 self.ranges = ulysses_heads(hq, hkv, self.topo.per_node)
-            signature = {"scheme": self.scheme_name, "q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
+            self.network = emulated_network()
+            signature = {"scheme": self.scheme_name, "emulated network": self.network,
+                         "q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
                          "causal": self.causal, "layout": self.layout, "scale": self.scale,
                          "transport": self.transport_name, "backward ring": self.ring,
                          "documents and window": None if self.mask is None else self.mask.key}
@@ -107,7 +112,11 @@ class _Plan:
         return self.scheme.steps(near, returns)
 
     def transport(self):
-        return make_transport(self.transport_name, self.scheme.comm, self.xp)
+        """The transport of the scheme's ring (held to BURST_HPC_EMULATE_NETWORK between nodes)."""
+        transport = make_transport(self.transport_name, self.scheme.comm, self.xp)
+        if self.network is not None:
+            transport = EmulatedNetwork(transport, self.scheme.remote, *self.network)
+        return transport
 
 
 def _device_of(x):

@@ -28,9 +28,16 @@ def check_scheme(name):
 class Flat:
     name = "ring"
 
-    def __init__(self, comm, seqlen, layout, causal, mask):
+    def __init__(self, comm, seqlen, layout, causal, mask, topo=None):
         self.comm, self.position, self.size = comm, comm.rank, comm.size
-        self.seqlen, self.layout, self.causal, self.mask = seqlen, layout, causal, mask
+        self.seqlen, self.layout, self.causal, self.mask, self.topo = seqlen, layout, causal, mask, topo
+
+    def remote(self, peer):
+        """Whether ``peer`` (a rank of ``comm``) is on another node than this rank."""
+        if self.topo is None:
+            return False
+        node = self.topo.layout.node_of
+        return node(self.topo.layout.position(peer)) != self.topo.node
 
     def pieces(self, position):
         return tuple(pieces(self.seqlen, position, self.size, self.layout))
@@ -44,8 +51,10 @@ class DoubleRing(Flat):
 
     def __init__(self, topo, seqlen, layout, causal, mask):
         check_node_layout(self.name, layout, causal)
-        super().__init__(topo.ordered, seqlen, layout, causal, mask)
-        self.topo = topo
+        super().__init__(topo.ordered, seqlen, layout, causal, mask, topo)
+
+    def remote(self, peer):
+        return peer // self.topo.per_node != self.topo.node
 
     def pieces(self, position):  # the shard at a position is its rank's (the caller's numbering)
         return tuple(pieces(self.seqlen, self.topo.layout.order[position], self.size, self.layout))
@@ -62,13 +71,15 @@ class UlyssesRing(Flat):
 
     def __init__(self, topo, seqlen, layout, causal, mask):
         check_node_layout(self.name, layout, causal)
-        super().__init__(topo.rail, seqlen, layout, causal, mask)
-        self.topo = topo
+        super().__init__(topo.rail, seqlen, layout, causal, mask, topo)
         self.ranks = topo.nodes * topo.per_node
 
     def pieces(self, node):  # a node's tokens: its ranks' shards in local order
         order, w = self.topo.layout.order, self.topo.per_node
         return tuple(run for r in order[node * w:(node + 1) * w] for run in pieces(self.seqlen, r, self.ranks, self.layout))
+
+    def remote(self, peer):  # the ring runs over the rail: one rank per node
+        return peer != self.position
 
     def steps(self, near, returns):
         nodes = self.topo.nodes
@@ -102,7 +113,7 @@ def work_rounds(mask, rounds, pieces_of, queries_travel, visited, size):
 def make(name, comm, topo, seqlen, layout, causal, mask):
     """The scheme object for a resolved ``name`` (not 'auto')."""
     if name == "ring":
-        return Flat(comm, seqlen, layout, causal, mask)
+        return Flat(comm, seqlen, layout, causal, mask, topo)
     return {"double_ring": DoubleRing, "ulysses_ring": UlyssesRing}[name](topo, seqlen, layout, causal, mask)
 
 

@@ -114,3 +114,75 @@ def test_auto_keeps_the_flat_ring_on_one_node_and_schemes_agree(comm):
     plan = _Plan(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
     assert plan.scheme_name == "ring"
     run_and_check(comm, "auto", cases(comm.size)[0][1], "zigzag", True, 4, 2, rings=("q",))
+
+
+@pytest.mark.parametrize("scheme", ["ring", "double_ring", "ulysses_ring"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
+    """Counted by the benchmark transport (the scheme's ring; Ulysses' all-to-alls stay inside)."""
+    from burst_hpc import costmodel
+    from burst_hpc.benchmark import RingBenchmark
+
+    for nodes, w in cases(comm.size):
+        hq, hkv = 2 * w, w
+        q, k, v, do, _ = problem(comm, 1, 8, hq, hkv, 8, np.float32)
+        mine = [burst_hpc.shard(x, comm.rank, comm.size, "zigzag") for x in (q, k, v, do)]
+        bench = RingBenchmark(*mine[:3], comm=comm, causal=True, scheme=scheme, ranks_per_node=w)
+        o, lse = bench.forward("comm")
+        if backward:
+            before = bench.network_bytes()
+            bench.backward(mine[3], o, lse, "comm")
+            sent = bench.network_bytes() - before
+        else:
+            sent = bench.network_bytes()
+        pr = costmodel.Problem(1, q.shape[1], hq, hkv, 8, 4, True)
+        model = costmodel.predict_pass(scheme, pr, costmodel.Cluster(nodes, w), costmodel.GPU_RATES["cpu"], backward)
+        assert comm.allreduce(sent, op=max_op()) == model.network
+
+
+def max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+@pytest.mark.parametrize("scheme", ["ring", "double_ring"])
+@pytest.mark.parametrize("backward", [False, True])
+def test_peak_memory_matches_the_cost_model(comm, scheme, backward):
+    """The model's peak bytes per rank against the CPU path's high-water mark (tracemalloc) of
+    one call with its kernels skipped (the ring's buffers, accumulators and outputs)."""
+    import tracemalloc
+
+    from burst_hpc import costmodel
+    from burst_hpc.benchmark import RingBenchmark
+
+    for nodes, w in cases(comm.size):
+        hq, hkv, local, d = 2 * w, w, 128, 64
+        q, k, v, do, _ = problem(comm, 1, local, hq, hkv, d, np.float32)
+        mine = [burst_hpc.shard(x, comm.rank, comm.size, "zigzag") for x in (q, k, v, do)]
+        bench = RingBenchmark(*mine[:3], comm=comm, causal=True, scheme=scheme, ranks_per_node=w)
+        o, lse = bench.forward("comm")
+        inputs = sum(x.nbytes for x in mine[:3]) + ((mine[3].nbytes + o.nbytes + lse.nbytes) if backward else 0)
+        tracemalloc.start()
+        if backward:
+            bench.backward(mine[3], o, lse, "comm")
+        else:
+            bench.forward("comm")
+        _, peak = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        pr = costmodel.Problem(1, q.shape[1], hq, hkv, d, 4, True)
+        model = costmodel.peak_memory(scheme, pr, costmodel.Cluster(nodes, w), backward)
+        measured = comm.allreduce(peak, op=max_op()) + inputs
+        assert abs(measured - model) <= 0.05 * model, (measured, model)
+
+
+def test_emulated_network_holds_transfers_between_nodes(comm, monkeypatch):
+    """Same results; each rail transfer of the double ring held by the latency (50 ms here)."""
+    import time
+
+    nodes, w = cases(comm.size)[0]
+    monkeypatch.setenv("BURST_HPC_EMULATE_NETWORK", "100,50000")
+    start = time.perf_counter()
+    run_and_check(comm, "double_ring", w, "zigzag", True, w, w, rings=())
+    elapsed = comm.allreduce(time.perf_counter() - start, op=max_op())
+    assert elapsed >= (nodes - 1) * 0.05
