@@ -74,25 +74,32 @@ class RingBenchmark:
         self.transport_name, self.layout = self._plan.transport_name, self._plan.layout
         self.backward_ring = choose_backward_ring(backward_ring, self._plan.heads, self._plan.kv_heads,
                                                   self._plan.head_dim, q.dtype.itemsize)
-        self._transport = _Counted(self._plan.transport())
-        self._no_exchange = NoExchange(self._transport)
+        near, far = self._plan.transports()
+        self._lanes = (_Counted(near),) + ((_Counted(far),) if far is not near else ())
+        self._no_exchange = NoExchange(self._lanes[0])
 
     @property
     def bytes_sent(self):
-        return self._transport.bytes_sent
+        return sum(lane.bytes_sent for lane in self._lanes)
 
     @property
     def bytes_to(self):
-        return dict(self._transport.bytes_to)
+        total = {}
+        for lane in self._lanes:
+            for peer, n in lane.bytes_to.items():
+                total[peer] = total.get(peer, 0) + n
+        return total
 
     def network_bytes(self):
         """Bytes this rank sent to ranks on other nodes."""
-        return sum(n for peer, n in self._transport.bytes_to.items() if self.scheme.remote(peer))
+        return sum(n for peer, n in self.bytes_to.items() if self.scheme.remote(peer))
 
     def _mode(self, mode):
         if mode not in self.MODES:
             raise BurstError(f"unknown benchmark mode {mode!r}; use one of {', '.join(self.MODES)}")
-        return dict(skip_compute=mode == "comm", transport=self._no_exchange if mode == "compute" else self._transport)
+        if mode == "compute":
+            return dict(transport=self._no_exchange)
+        return dict(skip_compute=mode == "comm", transport=self._lanes[0], far=self._lanes[-1])
 
     def forward(self, mode="full"):
         """(o, lse) of this rank, as burst_attention returns them (in the "full" mode)."""

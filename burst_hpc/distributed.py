@@ -27,7 +27,7 @@ from . import ulysses
 from .collective import agree
 from .device import gpus_shared
 from .transport import choose_transport, make_transport
-from .transport.emulated import EmulatedNetwork, setting as emulated_network
+from .transport.emulated import EmulatedNetwork, Nic, setting as emulated_network
 from .validate import check_like, check_qkv, check_same_kind, resolve_scale
 
 log = logging.getLogger("burst_hpc")
@@ -112,11 +112,22 @@ class _Plan:
         return self.scheme.steps(near, returns)
 
     def transport(self):
-        """The transport of the scheme's ring (held to BURST_HPC_EMULATE_NETWORK between nodes)."""
-        transport = make_transport(self.transport_name, self.scheme.comm, self.xp)
-        if self.network is not None:
-            transport = EmulatedNetwork(transport, self.scheme.remote, *self.network)
-        return transport
+        """The transport of the scheme's ring."""
+        return self.transports()[0]
+
+    def transports(self):
+        """(near, far): the scheme's ring transport, and the one for transfers that complete steps
+        after they are posted (the double ring's network lane): over a duplicate communicator, so
+        they never queue behind (NCCL) or share staging buffers with (staged) the inner ring's.
+        With BURST_HPC_EMULATE_NETWORK both are held to one emulated NIC between nodes."""
+        near = make_transport(self.transport_name, self.scheme.comm, self.xp)
+        far = near if self.scheme.far_comm is None else make_transport(self.transport_name, self.scheme.far_comm,
+                                                                       self.xp)
+        if self.network is None:
+            return near, far
+        nic = Nic(*self.network)
+        wrap = lambda t: EmulatedNetwork(t, self.scheme.remote, nic)  # noqa: E731
+        return (wrap(near), wrap(near)) if far is near else (wrap(near), wrap(far))
 
 
 def _device_of(x):
@@ -157,7 +168,7 @@ def _ulysses_forward(plan, q, k, v, **mode):
     return o, lse
 
 
-def _forward(plan, q, k, v, skip_compute=False, transport=None):
+def _forward(plan, q, k, v, skip_compute=False, transport=None, far=None):
     xp, be = plan.xp, plan.backend
     o = xp.zeros(q.shape, plan.acc)
     lse = xp.full((q.shape[0], q.shape[2], q.shape[1]), -xp.inf, plan.acc)
@@ -168,9 +179,16 @@ def _forward(plan, q, k, v, skip_compute=False, transport=None):
         be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
                          scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
-    run(transport or plan.transport(), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
+    run(*_lanes(plan, transport, far), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
         skip_compute=skip_compute)
     return o.astype(q.dtype), lse.astype(xp.float32)
+
+
+def _lanes(plan, transport, far):
+    """(near, far) transports: the plan's, or the caller's (``far`` defaults to ``transport``)."""
+    if transport is None:
+        return plan.transports()
+    return transport, transport if far is None else far
 
 
 def _contiguous(xp, *arrays):
@@ -254,7 +272,7 @@ def _ulysses_backward(plan, ring, do, q, k, v, o, lse, **mode):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, delta=None, cast=True):
+def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, far=None, delta=None, cast=True):
     xp, be, acc = plan.xp, plan.backend, plan.acc
     delta = be.delta(do, o) if delta is None else delta
     dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
@@ -267,7 +285,7 @@ def _backward(plan, ring, do, q, k, v, o, lse, skip_compute=False, transport=Non
                           q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
                           causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
-    run(transport or plan.transport(), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
+    run(*_lanes(plan, transport, far), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
         skip_compute=skip_compute)
     if not cast:
         return dq, dk, dv

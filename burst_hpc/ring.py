@@ -83,13 +83,14 @@ class _Pool:
         self.free.setdefault((kind, side), []).append(arrays)
 
 
-def run(transport, steps, sides, compute, skip_compute=False):
+def run(transport, far, steps, sides, compute, skip_compute=False):
     """Run this rank's ``steps`` (schedule.Step). ``sides``: {"kv": Side, "q": Side};
     ``compute(visit, data, partial)`` adds the visit's block pairs into this rank's results and
     into ``partial`` (the visiting shard's, or this rank's results when it stays here).
 
     A transfer completes at the end of its ``due`` step (the posting step when None): a plain
-    ring's all do; a double ring's transfers over the network run under a whole inner round."""
+    ring's all do; a double ring's transfers over the network run under a whole inner round, on
+    the ``far`` transport (the same as ``transport`` where nothing is due later)."""
     rank = transport.rank
     pool = _Pool(transport.xp, sides)
     ends, _ = lifetimes(steps, rank)
@@ -120,7 +121,8 @@ def run(transport, steps, sides, compute, skip_compute=False):
                 done.append((direction, t))
         for due in sorted(groups):
             sends, recvs, done = groups[due]
-            waiting.setdefault(due, []).append((transport.exchange(sends, recvs), done))
+            lane = transport if due == index else far
+            waiting.setdefault(due, []).append((lane.exchange(sends, recvs), done))
         visit = step.visit
         if visit is not None:
             key = (visit.side, visit.shard)

@@ -27,6 +27,7 @@ def check_scheme(name):
 
 class Flat:
     name = "ring"
+    far_comm = None   # the communicator of transfers due steps later (none on a flat ring)
 
     def __init__(self, comm, seqlen, layout, causal, mask, topo=None):
         self.comm, self.position, self.size = comm, comm.rank, comm.size
@@ -52,6 +53,7 @@ class DoubleRing(Flat):
     def __init__(self, topo, seqlen, layout, causal, mask):
         check_node_layout(self.name, layout, causal)
         super().__init__(topo.ordered, seqlen, layout, causal, mask, topo)
+        self.far_comm = topo.far
 
     def remote(self, peer):
         return peer // self.topo.per_node != self.topo.node

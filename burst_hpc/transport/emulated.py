@@ -39,24 +39,31 @@ class _Held:
             time.sleep(delay)
 
 
-class EmulatedNetwork:
-    def __init__(self, transport, remote, bandwidth, latency):
-        """``remote(peer)``: True when ``peer`` (a rank of the wrapped transport) is on another node."""
-        self._transport, self._remote = transport, remote
-        self.xp, self.rank, self.size = transport.xp, transport.rank, transport.size
+class Nic:
+    """One rank's emulated network card: bandwidth (bytes/s), latency (s), busy until ``free_at``."""
+
+    def __init__(self, bandwidth, latency):
         self.bandwidth, self.latency = bandwidth, latency
-        self._free_at = 0.0
-        self.held_bytes = 0
+        self.free_at, self.held_bytes = 0.0, 0
+
+    def send(self, nbytes):
+        """When a message of ``nbytes`` posted now has left."""
+        self.held_bytes += nbytes
+        self.free_at = max(time.perf_counter(), self.free_at) + self.latency + nbytes / self.bandwidth
+        return self.free_at
+
+
+class EmulatedNetwork:
+    def __init__(self, transport, remote, nic):
+        """``remote(peer)``: True when ``peer`` (a rank of the wrapped transport) is on another node;
+        ``nic``: the Nic this rank's transports share."""
+        self._transport, self._remote, self.nic = transport, remote, nic
+        self.xp, self.rank, self.size = transport.xp, transport.rank, transport.size
 
     def exchange(self, sends, recvs):
         pending = self._transport.exchange(sends, recvs)
         remote = sum(buf.nbytes for peer, bufs in sends if self._remote(peer) for buf in bufs)
-        ready = time.perf_counter()
-        if remote:
-            self.held_bytes += remote
-            self._free_at = max(ready, self._free_at) + self.latency + remote / self.bandwidth
-            ready = self._free_at
-        return _Held(pending, ready)
+        return _Held(pending, self.nic.send(remote) if remote else time.perf_counter())
 
     def close(self):
         getattr(self._transport, "close", lambda: None)()
