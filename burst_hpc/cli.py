@@ -535,7 +535,8 @@ def build_parser():
     p.add_argument("--window", type=int, default=None, metavar="L",
                    help="causal sliding window of L keys before each query (the visible share follows)")
     p.add_argument("--documents", type=int, default=None, metavar="N", help="N packed documents of equal length")
-    p.add_argument("--layout", choices=LAYOUTS, default="zigzag", help="the layout of the call (default zigzag)")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="the layout of the call (default zigzag; contiguous with --window or --documents)")
     p.add_argument("--nodes", type=int, default=None, help="nodes (default 1; with --measure: the job's)")
     p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default 8; with --measure: "
                    "the job's)")
@@ -582,8 +583,10 @@ def cmd_plan(args):
         visible = reach / args.seqlen * (1 - reach / (2 * args.seqlen))
     if args.documents:
         visible = (visible if visible is not None else (0.5 if args.causal else 1.0)) / args.documents
+    layout = args.layout or ("contiguous" if args.window is not None or args.documents else "zigzag")
     pr = Problem(args.batch, args.seqlen, args.heads, kv_heads, args.head_dim, itemsize,
-                 args.causal or args.window is not None, visible)
+                 args.causal or args.window is not None, visible,
+                 args.window if args.window is not None and layout == "contiguous" else None)
     rank = 0
     if args.measure:
         rates, topo = plan.measure(_world(), pr, args.ranks_per_node)
@@ -597,7 +600,7 @@ def cmd_plan(args):
     cl = Cluster(nodes, per_node)
     if args.seqlen % (2 * cl.ranks):
         raise BurstError(f"--seqlen {args.seqlen} must be a multiple of 2 x {cl.ranks} GPUs (zigzag chunks)")
-    text, pick = plan.table(pr, cl, rates, args.layout)
+    text, pick = plan.table(pr, cl, rates, layout)
     if rank == 0:
         print(plan.describe(pr, cl, rates))
         print(text)

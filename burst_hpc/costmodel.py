@@ -50,10 +50,16 @@ class Problem:
     itemsize: int = 2
     causal: bool = True
     visible: float = None    # share of the S x S scores that is visible; None: 1/2 causal, 1 otherwise
+    reach: int = None        # how far back (tokens) a query sees, with a window (contiguous layout):
+                             # the ring runs only the steps that reach has work in
 
     @property
     def share(self):
         return (0.5 if self.causal else 1.0) if self.visible is None else self.visible
+
+    def steps(self, count, tokens):
+        """Of ``count`` ring steps over shards of ``tokens`` tokens, those with work."""
+        return count if self.reach is None else min(count, 1 + -(-self.reach // int(tokens)))
 
     def flops(self, backward=False):
         fwd = 4.0 * self.batch * self.seqlen ** 2 * self.heads * self.head_dim * self.share
@@ -123,18 +129,20 @@ def predict_pass(scheme, pr, cl, rates, backward=False):
     data, partial = token_bytes(pr, backward)
     shard = pr.batch * n
     if scheme == "ring":
-        c = total / P
+        steps = pr.steps(P, n)
+        c = total / steps
         m = inter(shard * (data + partial))
-        time = _ring(P, c, m) + inter(shard * partial)
-        net = shard * ((P - 1) * data + P * partial) if N > 1 else 0  # a node's last rank: every hop
+        time = _ring(steps, c, m) + inter(shard * partial)
+        net = shard * ((steps - 1) * data + steps * partial) if N > 1 else 0  # a node's last rank: every hop
         return Pass(time, total, net, [(c, m)])
     if scheme == "double_ring":
-        c = total / P
+        rounds = pr.steps(N, w * n)
+        c = total / (rounds * w)
         m_in = intra(shard * (data + partial))
         inner = _ring(w, c, m_in)
         m_out = inter(shard * (data + partial)) if N > 1 else 0.0
-        time = (N - 1) * max(inner, m_out) + inner + inter(shard * partial)
-        return Pass(time, total, (N - 1) * shard * (data + partial), [(c, m_in), (w * c, m_out)])
+        time = (rounds - 1) * max(inner, m_out) + inner + inter(shard * partial)
+        return Pass(time, total, (rounds - 1) * shard * (data + partial), [(c, m_in), (w * c, m_out)])
     if scheme == "ulysses_ring":
         hq, hk = pr.heads // w, ulysses_kv_heads(pr, w)
         d, it = pr.head_dim, pr.itemsize
@@ -145,10 +153,11 @@ def predict_pass(scheme, pr, cl, rates, backward=False):
             into, back = (hq + 2 * hk) * d * it, hq * (d * it + 4)
         a2a = intra((w - 1) * shard * into) + intra((w - 1) * shard * back) if w > 1 else 0.0
         data, partial = token_bytes(pr, backward, hq, hk)
-        c = total / N
+        rounds = pr.steps(N, w * n)
+        c = total / rounds
         m = inter(w * shard * (data + partial))
-        time = a2a + _ring(N, c, m) + inter(w * shard * partial)
-        net = w * shard * ((N - 1) * data + N * partial) if N > 1 else 0
+        time = a2a + _ring(rounds, c, m) + inter(w * shard * partial)
+        net = w * shard * ((rounds - 1) * data + rounds * partial) if N > 1 else 0
         return Pass(time, total, net, [(c, m)])
     raise BurstError(f"unknown scheme {scheme!r}")
 
@@ -249,7 +258,10 @@ def pick_for_call(topo, layout, causal, mask, q_shape, kv_heads, itemsize, backw
     b, local, hq, d = q_shape
     cl = Cluster(topo.nodes, topo.per_node)
     share = None if mask is None else visible_share(mask, cl.ranks, layout)
-    pr = Problem(b, local * cl.ranks, hq, kv_heads, d, itemsize, causal, share)
+    reach = None
+    if mask is not None and mask.window is not None and mask.window[0] >= 0 and layout == "contiguous":
+        reach = mask.window[0]
+    pr = Problem(b, local * cl.ranks, hq, kv_heads, d, itemsize, causal, share, reach)
     return pick(pr, cl, rates_for(backend, device_name), layout, backward)
 
 
