@@ -348,6 +348,8 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
              f"layout={layout}", "causal" if causal else "non-causal"]
     if args.window is not None:
         parts.append(f"window={args.window[0]},{args.window[1]}")
+    if args.scheme != "auto" or args.ranks_per_node is not None:
+        parts.append(f"scheme={args.scheme}" + ("" if args.ranks_per_node is None else f"({args.ranks_per_node}/node)"))
     parts += [f"backend={backend}", f"transport={transport}",
              f"fwd {t_fwd:.3f}s {flops / max(t_fwd, 1e-12) / 1e12:.3g} TFLOP/s"]
     if t_bwd is not None:

@@ -237,13 +237,18 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05):
 
 
 def rates_for(backend_name, device_name=None):
-    """The built-in rates for this call's device: the GPU model named in ``device_name``, else H100."""
-    if backend_name != "cuda":
-        return GPU_RATES["cpu"]
+    """The built-in rates for this call's device (the GPU model named in ``device_name``, else H100),
+    with the network's rate and latency of BURST_HPC_EMULATE_NETWORK when it is set."""
+    from .transport.emulated import setting
+
+    rates = GPU_RATES["cpu"] if backend_name != "cuda" else GPU_RATES["H100"]
     for model in ("H200", "H100"):
-        if device_name and model in device_name:
-            return GPU_RATES[model]
-    return GPU_RATES["H100"]
+        if backend_name == "cuda" and device_name and model in device_name:
+            rates = GPU_RATES[model]
+    network = setting()
+    if network is not None:
+        rates = replace(rates, inter_gbps=network[0] / 1e9, inter_latency_us=network[1] * 1e6)
+    return rates
 
 
 def visible_share(mask, size, layout):
@@ -252,9 +257,15 @@ def visible_share(mask, size, layout):
     return sum(masks.rank_work(mask, size, layout)) / float(mask.seqlen) ** 2
 
 
-def pick_for_call(topo, layout, causal, mask, q_shape, kv_heads, itemsize, backward, backend="numpy",
-                  device_name=None):
-    """The pick for one burst_attention call on this rank's shard shape (every rank agrees)."""
+def pick_for_call(topo, layout, causal, mask, q_shape, kv_heads, itemsize, backward, backend="numpy"):
+    """The pick for one burst_attention call on this rank's shard shape, from this rank's GPU model
+    (no collective here: ranks on different GPU models that pick differently get the signature's
+    RankMismatchError, never a hang)."""
+    device_name = None
+    if backend == "cuda":
+        import cupy
+
+        device_name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     b, local, hq, d = q_shape
     cl = Cluster(topo.nodes, topo.per_node)
     share = None if mask is None else visible_share(mask, cl.ranks, layout)
