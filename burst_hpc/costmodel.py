@@ -324,5 +324,5 @@ def peak_memory(scheme, pr, cl, backward=False):
         returns = ("kv", "q")
     else:
         near, returns = "kv", ("q",)
-    buffers = dict(lifetimes(_schedule(scheme, cl, near, returns), 0)[1], side=near)
+    buffers = dict(lifetimes(_schedule(scheme, cl, near, returns))[2], side=near)
     return inputs + extra + _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers)

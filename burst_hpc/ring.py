@@ -19,6 +19,7 @@ back (a plain ring: two shards, three partials, as with fixed double buffering);
 never written while it is sent, and the caller's arrays are only ever read.
 """
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
 
@@ -31,12 +32,13 @@ class Side:
     combine: Callable = None  # combine(into, part): folds a partial into accumulators
 
 
-def lifetimes(steps, rank):
-    """When each receive buffer is given back, from the schedule alone: {step: [(kind, side,
-    shard)]} of the buffers whose last use (a visit, a send still in flight, a combine) ends at
-    that step, and the most buffers of each kind ("data", "partial") alive at once: the
-    receive, partial and in-flight buffers the engine allocates (see ``run``)."""
-    ends, live = {}, []   # live: (kind, first step, last step) of every buffer
+@lru_cache(maxsize=256)
+def lifetimes(steps):
+    """What the engine holds and when, read off the schedule (cached: the schedules are): ``ends``
+    {step: ((kind, side, shard), ...)} the receive buffers whose last use (a visit, a send still in
+    flight, a combine) ends at that step; ``fresh`` the steps whose visit makes a partial that is
+    sent on; ``peak`` the most buffers of each kind ("data", "partial") alive at once."""
+    ends, fresh, live = {}, set(), []   # live: (kind, first step, last step) of every buffer
 
     def due(t, index):
         return index if t.due is None else t.due
@@ -60,10 +62,11 @@ def lifetimes(steps, rank):
             sent = [due(u, i) for i in range(index + 1, len(steps)) for u in steps[i].sends if
                     (u.what, u.side, u.shard) == key]
             if sent:
+                fresh.add(index)
                 live.append(("partial", index, max(sent)))
     peak = {kind: max([sum(1 for k, a, b in live if k == kind and a <= i <= b) for i in range(len(steps))] or [0])
             for kind in ("data", "partial")}
-    return ends, peak
+    return {step: tuple(keys) for step, keys in ends.items()}, frozenset(fresh), peak
 
 
 class _Pool:
@@ -93,7 +96,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False):
     the ``far`` transport (the same as ``transport`` where nothing is due later)."""
     rank = transport.rank
     pool = _Pool(transport.xp, sides)
-    ends, _ = lifetimes(steps, rank)
+    ends, fresh, _ = lifetimes(steps)
     data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard) -> arrays
     waiting = {}                            # step -> [(handle, transfers completed then)]
 
@@ -101,10 +104,6 @@ def run(transport, far, steps, sides, compute, skip_compute=False):
         if t.what == "partial":
             return partials[(t.side, t.shard)]
         return sides[t.side].travelling if t.shard == rank else data[(t.side, t.shard)]
-
-    def sends_partial(index, visit):
-        return any(t.what == "partial" and (t.side, t.shard) == (visit.side, visit.shard)
-                   for later in steps[index + 1:] for t in later.sends)
 
     for index, step in enumerate(steps):
         groups = {}   # due step -> (sends, recvs, [(direction, transfer)])
@@ -126,7 +125,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False):
         visit = step.visit
         if visit is not None:
             key = (visit.side, visit.shard)
-            if sends_partial(index, visit):
+            if index in fresh:
                 partial = partials[key] = pool.take("partial", visit.side)
                 for a, fill in zip(partial, sides[visit.side].fills):
                     a.fill(fill)
@@ -147,7 +146,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False):
                     part = arriving.pop(("partial",) + key)
                     sides[t.side].combine(sides[t.side].results if t.shard == rank else partials[key], part)
                     pool.give("partial", t.side, part)
-        for what, side, shard in ends.pop(index, ()):
+        for what, side, shard in ends.get(index, ()):
             if what == "data":
                 pool.give("data", side, data.pop((side, shard)))
     assert not waiting and not arriving, "transfers left in flight after the last step"

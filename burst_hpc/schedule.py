@@ -223,6 +223,7 @@ def balanced_steps(rank, size, near, returns, mask=None):
     return tuple(_step(visits[t], sends[t], recvs[t]) for t in range(count))
 
 
+@lru_cache(maxsize=256)
 def double_ring_steps(position, nodes, per_node, side, returns, rounds=None):
     """The double ring (LoongTrain, BurstEngine) seen by the rank at ``position`` = node * w +
     local of ``nodes`` nodes of w = ``per_node`` ranks; shards are named by position too.

@@ -83,9 +83,9 @@ def test_bytes_on_the_network_equal_the_cost_model(nodes, w, backward, hq, hkv):
 
 def test_double_ring_buffers():
     """Shards held at once: two inside a node (as the flat ring), three or four with the rail's."""
-    assert lifetimes(double_ring_steps(0, 1, 4, "kv", ("q",)), 0)[1] == {"data": 2, "partial": 0}
-    assert lifetimes(double_ring_steps(4, 3, 3, "kv", ("q",)), 4)[1]["data"] == 4
-    assert lifetimes(plain_ring_steps(1, 4, "kv", ("kv", "q")), 1)[1] == {"data": 2, "partial": 3}
+    assert lifetimes(double_ring_steps(0, 1, 4, "kv", ("q",)))[2] == {"data": 2, "partial": 0}
+    assert lifetimes(double_ring_steps(4, 3, 3, "kv", ("q",)))[2]["data"] == 4
+    assert lifetimes(plain_ring_steps(1, 4, "kv", ("kv", "q")))[2] == {"data": 2, "partial": 3}
 
 
 def test_arrange_orders_ranks_node_by_node():
