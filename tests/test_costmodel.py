@@ -72,3 +72,15 @@ def test_plan_says_why_a_scheme_does_not_fit(capsys):
     assert main(["plan", "--seqlen", str(1 << 16), "--heads", "12", "--causal", "--nodes", "2",
                  "--gpus-per-node", "8"]) == 0
     assert "does not fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tokens,fwd_gib,fwdbwd_gib", [(32768, 3.0, 5.3), (262144, 24.0, 42.0)])
+def test_peak_memory_matches_the_gpu_figures_of_benchmarks(tokens, fwd_gib, fwdbwd_gib):
+    """4 x H200, causal bf16 H=32 D=128 zigzag (docs/BENCHMARKS.md, CuPy pool high-water mark per
+    rank). bench_ring.py's pool also holds do (bf16) and the float32 buffer its inputs were drawn
+    in (cached by the pool) during the forward row; the backward row is the call itself."""
+    pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, True), Cluster(1, 4)
+    gib = 2 ** 30
+    bench_extra = tokens * 32 * 128 * (2 + 4)
+    assert abs((costmodel.peak_memory("ring", pr, cl) + bench_extra) / gib - fwd_gib) <= 0.05 * fwd_gib
+    assert abs(costmodel.peak_memory("ring", pr, cl, True) / gib - fwdbwd_gib) <= 0.06 * fwdbwd_gib
