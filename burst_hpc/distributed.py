@@ -126,8 +126,8 @@ class _Plan:
         if self.network is None:
             return near, far
         nic = Nic(*self.network)
-        wrap = lambda t: EmulatedNetwork(t, self.scheme.remote, nic)  # noqa: E731
-        return (wrap(near), wrap(near)) if far is near else (wrap(near), wrap(far))
+        held = EmulatedNetwork(near, self.scheme.remote, nic)
+        return held, held if far is near else EmulatedNetwork(far, self.scheme.remote, nic)
 
 
 def _device_of(x):

@@ -188,3 +188,15 @@ def test_emulated_network_holds_transfers_between_nodes(comm, monkeypatch):
     run_and_check(comm, "double_ring", w, "zigzag", True, w, w, rings=())
     elapsed = comm.allreduce(time.perf_counter() - start, op=max_op())
     assert elapsed >= (nodes - 1) * 0.05
+
+
+def test_plan_measures_rates_under_mpiexec(comm):
+    """`burst-hpc plan --measure`: one kernel timing and one ping-pong over each link class."""
+    from burst_hpc import costmodel, plan
+
+    nodes, w = cases(comm.size)[0]
+    pr = costmodel.Problem(1, 64 * comm.size, 2, 2, 16, 4, True)
+    rates, topo = plan.measure(comm, pr, w, tokens=128, nbytes=1 << 16)
+    assert (topo.nodes, topo.per_node) == (nodes, w)
+    assert min(rates.fwd_tflops, rates.bwd_tflops, rates.intra_gbps, rates.inter_gbps) > 0
+    assert rates == comm.bcast(rates)   # every rank holds the same rates
