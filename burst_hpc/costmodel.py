@@ -128,21 +128,22 @@ def predict_pass(scheme, pr, cl, rates, backward=False):
     intra, inter = _link(rates, False), _link(rates, N > 1)
     data, partial = token_bytes(pr, backward)
     shard = pr.batch * n
-    if scheme == "ring":
+    if scheme == "ring" or (scheme == "double_ring" and w == 1):   # one rank per node: the flat ring
         steps = pr.steps(P, n)
         c = total / steps
         m = inter(shard * (data + partial))
         time = _ring(steps, c, m) + inter(shard * partial)
         net = shard * ((steps - 1) * data + steps * partial) if N > 1 else 0  # a node's last rank: every hop
         return Pass(time, total, net, [(c, m)])
-    if scheme == "double_ring":
+    if scheme == "double_ring" and w > 1:
         rounds = pr.steps(N, w * n)
         c = total / (rounds * w)
         m_in = intra(shard * (data + partial))
         inner = _ring(w, c, m_in)
-        m_out = inter(shard * (data + partial)) if N > 1 else 0.0
-        time = (rounds - 1) * max(inner, m_out) + inner + inter(shard * partial)
-        return Pass(time, total, (rounds - 1) * shard * (data + partial), [(c, m_in), (w * c, m_out)])
+        m_out = inter(shard * (data + partial)) if N > 1 else 0.0   # posted after a round's first step
+        last = intra(shard * partial) + (inter(shard * partial) if rounds > 1 else 0.0)   # inner hop, home
+        time = (rounds - 1) * max(inner, c + m_out) + inner + last
+        return Pass(time, total, (rounds - 1) * shard * (data + partial), [(c, m_in), ((w - 1) * c, m_out)])
     if scheme == "ulysses_ring":
         hq, hk = pr.heads // w, ulysses_kv_heads(pr, w)
         d, it = pr.head_dim, pr.itemsize
@@ -324,5 +325,5 @@ def peak_memory(scheme, pr, cl, backward=False):
         returns = ("kv", "q")
     else:
         near, returns = "kv", ("q",)
-    buffers = dict(lifetimes(_schedule(scheme, cl, near, returns))[2], side=near)
+    buffers = dict(lifetimes(_schedule(scheme, cl, near, returns), 0)[2], side=near)
     return inputs + extra + _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers)

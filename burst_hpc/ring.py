@@ -33,16 +33,19 @@ class Side:
 
 
 @lru_cache(maxsize=256)
-def lifetimes(steps):
+def lifetimes(steps, rank):
     """What the engine holds and when, read off the schedule (cached: the schedules are): ``ends``
-    {step: ((kind, side, shard), ...)} the receive buffers whose last use (a visit, a send still in
-    flight, a combine) ends at that step; ``fresh`` the steps whose visit makes a partial that is
-    sent on; ``peak`` the most buffers of each kind ("data", "partial") alive at once."""
-    ends, fresh, live = {}, set(), []   # live: (kind, first step, last step) of every buffer
-
+    {step: ((kind, side, shard), ...)} the received shards whose last use (a visit, a send still
+    in flight) ends at that step; ``fresh`` the steps whose visit makes a partial that is sent on;
+    ``peak`` the most buffers of each kind ("data", "partial") alive at once. It follows ``run``:
+    an accumulator lives from the visit that makes it, or from the arrival of a partial for a
+    shard that has none here (a double ring's rail relay, which then keeps the arriving buffer),
+    until its send completes; at a step's end sends complete before receives."""
     def due(t, index):
         return index if t.due is None else t.due
 
+    ends, fresh, live = {}, set(), []   # live: (kind, first step, last step) of every buffer
+    sent, completing = {}, {}           # partial key -> steps posting its sends; step -> completions
     for index, step in enumerate(steps):
         for t in step.recvs:
             key = (t.what, t.side, t.shard)
@@ -55,15 +58,26 @@ def lifetimes(steps):
                     for u in s.sends:
                         if (u.what, u.side, u.shard) == key:
                             end = max(end, due(u, later))
-            ends.setdefault(end, []).append(key)
+                ends.setdefault(end, []).append(key)
+            else:
+                completing.setdefault(end, []).append((1, t))
             live.append((t.what, index, end))
-        if step.visit is not None:
-            key = ("partial", step.visit.side, step.visit.shard)
-            sent = [due(u, i) for i in range(index + 1, len(steps)) for u in steps[i].sends if
-                    (u.what, u.side, u.shard) == key]
-            if sent:
-                fresh.add(index)
-                live.append(("partial", index, max(sent)))
+        for t in step.sends:
+            if t.what == "partial":
+                sent.setdefault((t.side, t.shard), []).append(index)
+                completing.setdefault(due(t, index), []).append((0, t))
+    held = {}   # partial key -> the step its accumulator was made
+    for index, step in enumerate(steps):
+        visit = step.visit
+        if visit is not None and any(i > index for i in sent.get((visit.side, visit.shard), ())):
+            fresh.add(index)
+            held[(visit.side, visit.shard)] = index
+        for incoming, t in sorted(completing.get(index, ()), key=lambda c: c[0]):
+            key = (t.side, t.shard)
+            if not incoming:
+                live.append(("partial", held.pop(key), index))
+            elif t.shard != rank and key not in held:
+                held[key] = index + 1   # the arriving buffer, counted as such until now, is kept
     peak = {kind: max([sum(1 for k, a, b in live if k == kind and a <= i <= b) for i in range(len(steps))] or [0])
             for kind in ("data", "partial")}
     return {step: tuple(keys) for step, keys in ends.items()}, frozenset(fresh), peak
@@ -96,7 +110,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False):
     the ``far`` transport (the same as ``transport`` where nothing is due later)."""
     rank = transport.rank
     pool = _Pool(transport.xp, sides)
-    ends, fresh, _ = lifetimes(steps)
+    ends, fresh, _ = lifetimes(steps, rank)
     data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard) -> arrays
     waiting = {}                            # step -> [(handle, transfers completed then)]
 
@@ -133,19 +147,23 @@ def run(transport, far, steps, sides, compute, skip_compute=False):
                 partial = sides[visit.side].results
             if not skip_compute:
                 compute(visit, sides[visit.side].travelling if visit.shard == rank else data[key], partial)
-        for handle, done in waiting.pop(index, ()):
+        done = []
+        for handle, transfers in waiting.pop(index, ()):
             handle.wait()
-            for direction, t in done:
-                key = (t.side, t.shard)
-                if direction == "out":
-                    if t.what == "partial":  # its buffer is free again
-                        pool.give("partial", t.side, partials.pop(key))
-                elif t.what == "data":       # held for this rank's visits and sends
-                    data[key] = arriving.pop(("data",) + key)
-                else:                        # folded into this rank's results, or its partial of that shard
-                    part = arriving.pop(("partial",) + key)
-                    sides[t.side].combine(sides[t.side].results if t.shard == rank else partials[key], part)
-                    pool.give("partial", t.side, part)
+            done += transfers
+        for direction, t in sorted(done, key=lambda d: d[0] == "in"):   # sends first: their buffers are free
+            key = (t.side, t.shard)
+            if direction == "out":
+                if t.what == "partial":
+                    pool.give("partial", t.side, partials.pop(key))
+            elif t.what == "data":           # held for this rank's visits and sends
+                data[key] = arriving.pop(("data",) + key)
+            elif t.shard != rank and key not in partials:   # a relay: the arriving partial is kept
+                partials[key] = arriving.pop(("partial",) + key)
+            else:                            # folded into this rank's results, or its partial of that shard
+                part = arriving.pop(("partial",) + key)
+                sides[t.side].combine(sides[t.side].results if t.shard == rank else partials[key], part)
+                pool.give("partial", t.side, part)
         for what, side, shard in ends.get(index, ()):
             if what == "data":
                 pool.give("data", side, data.pop((side, shard)))

@@ -37,16 +37,18 @@ def test_double_ring_meets_every_pair_once_and_sends_match_receives(nodes, w, ne
 
 @pytest.mark.parametrize("nodes,w", SHAPES)
 @pytest.mark.parametrize("near,returns", PASSES)
-def test_double_ring_network_traffic_per_inner_round(nodes, w, near, returns):
-    """Per rank and inner round: at most one shard over the network, on its own rail (same local
-    rank), and at most one partial (the node's partial of a shard going home)."""
+def test_double_ring_sends_one_message_per_rank_and_inner_round_on_its_rail(nodes, w, near, returns):
+    """Per rank and inner round the network carries one exchange: posted in one step, to one peer
+    on the rank's own rail (the next node's same local rank), holding at most one shard and one
+    partial; the last partials go home over the rail too, after the last round."""
     for p in range(nodes * w):
         steps = double_ring_steps(p, nodes, w, near, returns)
         for start in range(0, len(steps), w):
-            out = [t for s in steps[start:start + w] for t in s.sends if t.peer // w != p // w]
-            data = [t for t in out if t.what == "data"]
-            assert len(data) <= 1 and all(t.peer % w == p % w for t in data)
-            assert len([t for t in out if t.what == "partial"]) <= 1
+            out = [(i, t) for i in range(start, min(start + w, len(steps))) for t in steps[i].sends
+                   if t.peer // w != p // w]
+            assert len({i for i, _ in out}) <= 1 and len({t.peer for _, t in out}) <= 1
+            assert all(t.peer % w == p % w for _, t in out)
+            assert sum(t.what == "data" for _, t in out) <= 1 and sum(t.what == "partial" for _, t in out) <= 1
 
 
 def network_bytes(steps, position, w, data_bytes, partial_bytes):
@@ -83,9 +85,9 @@ def test_bytes_on_the_network_equal_the_cost_model(nodes, w, backward, hq, hkv):
 
 def test_double_ring_buffers():
     """Shards held at once: two inside a node (as the flat ring), three or four with the rail's."""
-    assert lifetimes(double_ring_steps(0, 1, 4, "kv", ("q",)))[2] == {"data": 2, "partial": 0}
-    assert lifetimes(double_ring_steps(4, 3, 3, "kv", ("q",)))[2]["data"] == 4
-    assert lifetimes(plain_ring_steps(1, 4, "kv", ("kv", "q")))[2] == {"data": 2, "partial": 3}
+    assert lifetimes(double_ring_steps(0, 1, 4, "kv", ("q",)), 0)[2] == {"data": 2, "partial": 0}
+    assert lifetimes(double_ring_steps(4, 3, 3, "kv", ("q",)), 4)[2]["data"] == 4
+    assert lifetimes(plain_ring_steps(1, 4, "kv", ("kv", "q")), 1)[2] == {"data": 2, "partial": 3}
 
 
 def test_arrange_orders_ranks_node_by_node():
