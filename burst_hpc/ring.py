@@ -164,7 +164,6 @@ def run(transport, far, steps, sides, compute, skip_compute=False):
                 part = arriving.pop(("partial",) + key)
                 sides[t.side].combine(sides[t.side].results if t.shard == rank else partials[key], part)
                 pool.give("partial", t.side, part)
-        for what, side, shard in ends.get(index, ()):
-            if what == "data":
-                pool.give("data", side, data.pop((side, shard)))
+        for _, side, shard in ends.get(index, ()):   # received shards whose last use was this step
+            pool.give("data", side, data.pop((side, shard)))
     assert not waiting and not arriving, "transfers left in flight after the last step"
