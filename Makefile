@@ -7,6 +7,8 @@ STAMP  := $(VENV)/.installed
 SITE_MPIEXEC := $(shell command -v mpiexec 2>/dev/null)
 MPIEXEC ?= $(if $(SITE_MPIEXEC),$(SITE_MPIEXEC),$(VENV)/bin/mpiexec)
 MPI_RANKS ?= 1 2 3 4 5
+# the schemes across nodes need ranks that form several nodes: 2x2, 2x3 and 3x2, 2x4 and 4x2
+NODE_RANKS ?= 4 6 8
 MPI_TIMEOUT ?= 1200
 export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
@@ -17,7 +19,7 @@ export PYTHONUNBUFFERED := 1
 export OPENBLAS_NUM_THREADS := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: test test-unit test-mpi cuda-check demo clean setup
+.PHONY: test test-unit test-mpi test-nodes cuda-check demo clean setup
 
 setup: $(STAMP)
 
@@ -28,7 +30,7 @@ $(STAMP): pyproject.toml
 	$(VPY) -m pip install -q -e '.[test]'
 	touch $@
 
-test: test-unit test-mpi
+test: test-unit test-mpi test-nodes
 
 test-unit: $(STAMP)
 	$(VPY) -m pytest -q tests
@@ -39,6 +41,14 @@ test-mpi: $(STAMP)
 	@set -e; for n in $(MPI_RANKS); do \
 	  echo "== mpi_tests on $$n rank(s) =="; \
 	  timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(VPY) -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests; \
+	done
+
+# one host acting as several nodes (ranks_per_node): small shapes, oversubscribed, about a minute on 2 cores
+test-nodes: $(STAMP)
+	@set -e; for n in $(NODE_RANKS); do \
+	  echo "== mpi_tests/test_nodes.py on $$n ranks (as nodes) =="; \
+	  BURST_HPC_NODE_TESTS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(VPY) -m mpi4py -m pytest -q -p no:cacheprovider \
+	    mpi_tests/test_nodes.py; \
 	done
 
 # sm90 sources need the arch-specific target (plain -arch=sm_90a gives no sm_90a code with nvcc 13);

@@ -23,20 +23,24 @@ methods in the same order. bench/bench_ring.py is the worked example.
 """
 from .backends import get_backend
 from .collective import world
-from .distributed import _backward, _device_of, _forward, _Plan, choose_backward_ring
+from .distributed import (_backward, _device_of, _forward, _Plan, _ulysses_backward, _ulysses_forward,
+                          choose_backward_ring)
 from .errors import BurstError
 
 
 class _Counted:
-    """A transport that counts the bytes this rank sends through it."""
+    """A transport that counts the bytes this rank sends through it, in all and per peer."""
 
     def __init__(self, transport):
         self._transport = transport
         self.xp, self.rank, self.size = transport.xp, transport.rank, transport.size
-        self.bytes_sent = 0
+        self.bytes_sent, self.bytes_to = 0, {}
 
     def exchange(self, sends, recvs):
-        self.bytes_sent += sum(buf.nbytes for _, bufs in sends for buf in bufs)
+        for peer, bufs in sends:
+            nbytes = sum(buf.nbytes for buf in bufs)
+            self.bytes_sent += nbytes
+            self.bytes_to[peer] = self.bytes_to.get(peer, 0) + nbytes
         return self._transport.exchange(sends, recvs)
 
 
@@ -57,35 +61,56 @@ class RingBenchmark:
     MODES = ("full", "compute", "comm")
 
     def __init__(self, q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto",
-                 backward_ring="auto", backend=None):
+                 backward_ring="auto", backend=None, scheme="ring", ranks_per_node=None):
         """This rank's shards and the arguments of burst_attention; ``backward_ring`` as in
-        burst_attention_backward ('auto' picks by bytes moved)."""
+        burst_attention_backward ('auto' picks by bytes moved). ``scheme`` (default the flat ring):
+        as burst_attention's; the bytes counted are those of the scheme's ring (``bytes_to``: per
+        peer, ranks of ``network_peer``'s numbering), not of Ulysses' all-to-alls."""
         self.q, self.k, self.v = q, k, v
-        self._plan = _Plan(world() if comm is None else comm, q, k, v, causal, scale, layout, transport)
+        self._plan = _Plan(world() if comm is None else comm, q, k, v, causal, scale, layout, transport,
+                           scheme=scheme, ranks_per_node=ranks_per_node)
+        self.scheme = self._plan.scheme
         if backend is not None:
             self._plan.backend = get_backend(q, backend)
         self.transport_name, self.layout = self._plan.transport_name, self._plan.layout
         self.backward_ring = choose_backward_ring(backward_ring, self._plan.heads, self._plan.kv_heads,
                                                   self._plan.head_dim, q.dtype.itemsize)
-        self._transport = _Counted(self._plan.transport())
-        self._no_exchange = NoExchange(self._transport)
+        near, far = self._plan.transports()
+        self._lanes = (_Counted(near),) + ((_Counted(far),) if far is not near else ())
+        self._no_exchange = NoExchange(self._lanes[0])
 
     @property
     def bytes_sent(self):
-        return self._transport.bytes_sent
+        return sum(lane.bytes_sent for lane in self._lanes)
+
+    @property
+    def bytes_to(self):
+        total = {}
+        for lane in self._lanes:
+            for peer, n in lane.bytes_to.items():
+                total[peer] = total.get(peer, 0) + n
+        return total
+
+    def network_bytes(self):
+        """Bytes this rank sent to ranks on other nodes."""
+        return sum(n for peer, n in self.bytes_to.items() if self.scheme.remote(peer))
 
     def _mode(self, mode):
         if mode not in self.MODES:
             raise BurstError(f"unknown benchmark mode {mode!r}; use one of {', '.join(self.MODES)}")
-        return dict(skip_compute=mode == "comm", transport=self._no_exchange if mode == "compute" else self._transport)
+        if mode == "compute":
+            return dict(transport=self._no_exchange)
+        return dict(skip_compute=mode == "comm", transport=self._lanes[0], far=self._lanes[-1])
 
     def forward(self, mode="full"):
         """(o, lse) of this rank, as burst_attention returns them (in the "full" mode)."""
+        forward = _ulysses_forward if self._plan.scheme_name == "ulysses_ring" else _forward
         with _device_of(self.q):
-            return _forward(self._plan, self.q, self.k, self.v, **self._mode(mode))
+            return forward(self._plan, self.q, self.k, self.v, **self._mode(mode))
 
     def backward(self, do, o, lse, mode="full"):
         """(dq, dk, dv) of this rank, as burst_attention_backward returns them (in the "full" mode);
         ``do``, ``o``, ``lse`` as it takes them (o, lse from :meth:`forward`)."""
+        backward = _ulysses_backward if self._plan.scheme_name == "ulysses_ring" else _backward
         with _device_of(self.q):
-            return _backward(self._plan, self.backward_ring, do, self.q, self.k, self.v, o, lse, **self._mode(mode))
+            return backward(self._plan, self.backward_ring, do, self.q, self.k, self.v, o, lse, **self._mode(mode))

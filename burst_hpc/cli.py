@@ -351,7 +351,7 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
     size = comm.size
     dev = {name: xp.asarray(a) for name, a in shards.items()}
     kw = dict(comm=comm, causal=causal, scale=scale, layout=layout, transport=args.transport,
-              cu_seqlens=spec.cu_seqlens, window=args.window)
+              cu_seqlens=spec.cu_seqlens, window=args.window, scheme=args.scheme, ranks_per_node=args.ranks_per_node)
     if args.warmup:
         progress("warm-up pass (kernel compilation, transport set-up), not timed")
         o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], **kw)
@@ -388,6 +388,8 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
              f"layout={layout}", "causal" if causal else "non-causal"]
     if args.window is not None:
         parts.append(f"window={args.window[0]},{args.window[1]}")
+    if args.scheme != "auto" or args.ranks_per_node is not None:
+        parts.append(f"scheme={args.scheme}" + ("" if args.ranks_per_node is None else f"({args.ranks_per_node}/node)"))
     parts += [f"backend={backend}", f"transport={transport}",
              f"fwd {t_fwd:.3f}s {flops / max(t_fwd, 1e-12) / 1e12:.3g} TFLOP/s"]
     if t_bwd is not None:
@@ -436,6 +438,8 @@ def _wrap(text):
 
 def build_parser():
     from .layout import LAYOUTS
+    from .costmodel import GPU_RATES
+    from .schemes import SCHEMES
     from .transport import TRANSPORTS
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -449,7 +453,7 @@ def build_parser():
                      "  mpiexec -n 8 burst-hpc run in.h5 out.h5 --causal --backward --verify\n"
                      "  mpiexec -n 8 burst-hpc check      # self-test of the kernels and the ring on this machine")
     parser.add_argument("--version", action="version", version=f"burst-hpc {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,check}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,plan,check}", parser_class=_Parser)
     sub.required = True
 
     p = sub.add_parser("info", help="versions, GPUs, MPI library, CUDA-awareness, NCCL, transport choice",
@@ -519,6 +523,14 @@ def build_parser():
                    help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
                    "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else mpi when the MPI is "
                    "CUDA-aware, else nccl, else staged ('burst-hpc info' shows the pick) (default auto)")
+    p.add_argument("--scheme", choices=SCHEMES, default="auto",
+                   help="how shards cross nodes: ring (flat), double_ring (inner ring per node, one transfer per "
+                   "rank and inner round over the network), ulysses_ring (all-to-all over heads inside the node, "
+                   "ring between nodes); auto: ring on one node, else the cost model's pick ('burst-hpc plan' "
+                   "shows it) (default auto)")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="W",
+                   help="treat every W ranks of a host as one node (emulation; default: detect, or "
+                   "BURST_HPC_RANKS_PER_NODE)")
     p.add_argument("--backward-ring", choices=("auto", "q", "kv"), default="auto",
                    help="what travels in the backward pass: q (q, do, dq: BurstAttention) or kv (k, v, dk, dv: "
                    "RingAttention); auto picks the one that moves fewer bytes (default auto)")
@@ -547,6 +559,42 @@ def build_parser():
     p.add_argument("--quiet", action="store_true", help="no stage lines")
     p.set_defaults(func=cmd_run)
 
+    p = sub.add_parser("plan", help="predicted time of each scheme across nodes for a problem and a cluster",
+                       formatter_class=raw,
+                       description=_wrap("The cost model's table (docs/RING.md, 'Across nodes'): for each scheme "
+                       "(ring, double_ring, ulysses_ring) the predicted forward and forward+backward time, the "
+                       "communication left exposed, bytes per GPU over the network, peak memory per rank, and the "
+                       "fewest tokens per GPU at which it hides its communication; the pick is what scheme='auto' "
+                       "runs. Rates: the built-in table of --gpu with any of them overridden, or --measure under "
+                       "mpiexec (one kernel timing, one exchange over each link class)."),
+                       epilog="example: burst-hpc plan --seqlen 1048576 --heads 32 --kv-heads 8 --causal --nodes 32 "
+                       "--gpus-per-node 8 --gpu H100 --inter-gbps 50")
+    p.add_argument("--seqlen", type=int, required=True, help="S, tokens in the whole sequence (required)")
+    p.add_argument("--batch", type=int, default=1, help="B (default 1)")
+    p.add_argument("--heads", type=int, default=32, help="Hq (default 32)")
+    p.add_argument("--kv-heads", type=int, default=None, help="Hkv (default: --heads)")
+    p.add_argument("--head-dim", type=int, default=128, help="D (default 128)")
+    p.add_argument("--dtype", default="bfloat16", help="element type (default bfloat16)")
+    p.add_argument("--causal", action="store_true", help="causal mask")
+    p.add_argument("--window", type=int, default=None, metavar="L",
+                   help="causal sliding window of L keys before each query (the visible share follows)")
+    p.add_argument("--documents", type=int, default=None, metavar="N", help="N packed documents of equal length")
+    p.add_argument("--layout", choices=LAYOUTS, default=None,
+                   help="the layout of the call (default zigzag; contiguous with --window or --documents)")
+    p.add_argument("--nodes", type=int, default=None, help="nodes (default 1; with --measure: the job's)")
+    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default 8; with --measure: "
+                   "the job's)")
+    p.add_argument("--gpu", choices=sorted(GPU_RATES), default="H100", help="built-in rates (default H100)")
+    for name, unit in (("fwd-tflops", "forward kernel TFLOP/s"), ("bwd-tflops", "backward kernel TFLOP/s"),
+                       ("intra-gbps", "GB/s per GPU inside a node"), ("inter-gbps", "GB/s per GPU between nodes"),
+                       ("intra-latency-us", "latency inside a node (us)"),
+                       ("inter-latency-us", "latency between nodes (us)")):
+        p.add_argument(f"--{name}", type=float, default=None, help=f"override the {unit}")
+    p.add_argument("--measure", action="store_true", help="measure the rates here, under mpiexec")
+    p.add_argument("--ranks-per-node", type=int, default=None, metavar="W",
+                   help="with --measure: treat every W ranks of a host as one node")
+    p.set_defaults(func=cmd_plan)
+
     p = sub.add_parser("check", help="self-test: kernels and ring against the float64 oracle, pass/fail table",
                        formatter_class=raw,
                        description=_wrap("Correctness self-test of this installation, in seconds. On a GPU: every kernel "
@@ -561,6 +609,47 @@ def build_parser():
                    "failure can be replayed) (default: a fresh seed)")
     p.set_defaults(func=cmd_check)
     return parser
+
+
+def cmd_plan(args):
+    from dataclasses import replace
+
+    from . import plan
+    from .costmodel import GPU_RATES, Cluster, Problem
+
+    itemsize = np.dtype(parse_dtype(args.dtype)).itemsize
+    kv_heads = args.kv_heads or args.heads
+    if args.heads % kv_heads:
+        raise BurstError(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads}")
+    visible = None
+    if args.window is not None:
+        reach = min(args.window + 1, args.seqlen)
+        visible = reach / args.seqlen * (1 - reach / (2 * args.seqlen))
+    if args.documents:
+        visible = (visible if visible is not None else (0.5 if args.causal else 1.0)) / args.documents
+    layout = args.layout or ("contiguous" if args.window is not None or args.documents else "zigzag")
+    pr = Problem(args.batch, args.seqlen, args.heads, kv_heads, args.head_dim, itemsize,
+                 args.causal or args.window is not None, visible,
+                 args.window if args.window is not None and layout == "contiguous" else None)
+    rank = 0
+    if args.measure:
+        rates, topo = plan.measure(_world(), pr, args.ranks_per_node)
+        rank = _world().rank
+        nodes, per_node = args.nodes or topo.nodes, args.gpus_per_node or topo.per_node
+    else:
+        rates, nodes, per_node = GPU_RATES[args.gpu], args.nodes or 1, args.gpus_per_node or 8
+    overrides = {f: getattr(args, f) for f in ("fwd_tflops", "bwd_tflops", "intra_gbps", "inter_gbps",
+                                               "intra_latency_us", "inter_latency_us") if getattr(args, f) is not None}
+    rates = replace(rates, **overrides)
+    cl = Cluster(nodes, per_node)
+    if args.seqlen % (2 * cl.ranks):
+        raise BurstError(f"--seqlen {args.seqlen} must be a multiple of 2 x {cl.ranks} GPUs (zigzag chunks)")
+    text, pick = plan.table(pr, cl, rates, layout)
+    if rank == 0:
+        print(plan.describe(pr, cl, rates))
+        print(text)
+        print(f"auto picks: {pick}")
+    return 0
 
 
 def cmd_check(args):

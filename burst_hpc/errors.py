@@ -39,3 +39,7 @@ class MaskError(BurstError):
 
 class MpiError(BurstError):
     """No usable MPI library (mpi4py missing, or it cannot load libmpi)."""
+
+
+class TopologyError(BurstError):
+    """The ranks do not form equal nodes, or a scheme does not fit the nodes or the heads."""

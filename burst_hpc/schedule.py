@@ -118,6 +118,7 @@ class Transfer:
     what: str            # "data" (a shard's travelling side) or "partial" (results for a shard)
     side: str            # the side that travels, or the side of the visit that made the partial
     shard: int           # whose tokens
+    due: int = None      # the step at whose end it completes (None: the step that posts it)
 
 
 @dataclass(frozen=True)
@@ -130,7 +131,7 @@ class Step:
 def _step(visit, sends, recvs):
     # both ends order a peer's transfers the same way (data, then partials), so the transports
     # can match messages by their position among those exchanged with that peer
-    order = lambda t: (t.what, t.side, t.shard, t.peer)  # noqa: E731
+    order = lambda t: (t.what, t.side, t.shard, t.peer, -1 if t.due is None else t.due)  # noqa: E731
     return Step(visit, tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)))
 
 
@@ -220,3 +221,63 @@ def balanced_steps(rank, size, near, returns, mask=None):
                         if who == rank:
                             box[step + 1].append(Transfer(peer, "partial", side, provider))
     return tuple(_step(visits[t], sends[t], recvs[t]) for t in range(count))
+
+
+@lru_cache(maxsize=256)
+def double_ring_steps(position, nodes, per_node, side, returns, rounds=None):
+    """The double ring (LoongTrain, BurstEngine) seen by the rank at ``position`` = node * w +
+    local of ``nodes`` nodes of w = ``per_node`` ranks; shards are named by position too.
+
+    Round o (of ``rounds``, nodes by default; fewer when documents or a window leave the later
+    ones without work) is an inner ring of w steps over the shards that started on node n - o:
+    at its step t rank (n, l) visits shard (n - o, l - t) and forwards it to (n, l + 1).
+
+    The network carries one exchange per rank and round, on the rank's rail, posted at the
+    round's second step and due at its last (w - 1 steps of compute to hide behind): the shard
+    the rank started the round with goes to (n + 1, l), where it starts the next round, and with
+    it the partial results the rail has gathered so far for one shard. Partials ride the inner ring
+    one step behind their shard; after the round one more inner hop brings the node's partial of
+    shard (n - o, l) to (n, l), which started it: there it meets the partial of the nodes before
+    (arrived over the rail) and goes on to the next node in the next round's exchange, until the
+    last node sends it home (one extra step after the last round). The partial of a node's own
+    shards is home after the inner hop. One rank per node (w = 1) is the flat ring over nodes."""
+    w, rounds = per_node, nodes if rounds is None else rounds
+    if w == 1:
+        return plain_ring_steps(position, nodes, side, returns, rounds)
+    n, l = divmod(position, w)
+
+    def at(node, local):
+        return (node % nodes) * w + local % w
+
+    carries = side in returns
+    out = []
+    last = rounds * w + (1 if carries and rounds > 1 else 0)   # steps after the last round's: partials only
+    for index in range(last + 1):
+        o, t = divmod(index, w)
+        sends, recvs = [], []
+        in_round = o < rounds
+        if in_round and t + 1 < w:
+            sends.append(Transfer(at(n, l + 1), "data", side, at(n - o, l - t)))
+            recvs.append(Transfer(at(n, l - 1), "data", side, at(n - o, l - t - 1)))
+        if in_round and t == 1:
+            due = index + w - 2
+            if o + 1 < rounds:
+                sends.append(Transfer(at(n + 1, l), "data", side, at(n - o, l), due))
+                recvs.append(Transfer(at(n - 1, l), "data", side, at(n - o - 1, l), due))
+            if carries and o >= 2:   # the rail's partial of shard (n - o + 1, l) on to the next node,
+                sends.append(Transfer(at(n + 1, l), "partial", side, at(n - o + 1, l), due))
+                # and from the node before, the one of shard (n - o, l), visited in this round
+                recvs.append(Transfer(at(n - 1, l), "partial", side, at(n - o, l), due))
+        if carries and in_round and 1 <= t:
+            sends.append(Transfer(at(n, l + 1), "partial", side, at(n - o, l - t + 1)))
+            recvs.append(Transfer(at(n, l - 1), "partial", side, at(n - o, l - t)))
+        if carries and t == 0 and 1 <= o <= rounds:   # the inner hop after round o - 1
+            sends.append(Transfer(at(n, l + 1), "partial", side, at(n - o + 1, l + 1)))
+            recvs.append(Transfer(at(n, l - 1), "partial", side, at(n - o + 1, l)))
+        if carries and index == last and rounds > 1:   # the last node's partial goes home
+            home = at(n - rounds + 1, l)
+            sends.append(Transfer(home, "partial", side, home))
+            recvs.append(Transfer(at(n + rounds - 1, l), "partial", side, position))
+        if in_round or sends or recvs:
+            out.append(_step(Visit(side, at(n - o, l - t)) if in_round else None, sends, recvs))
+    return tuple(out)

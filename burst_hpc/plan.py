@@ -1,0 +1,118 @@
+"""``burst-hpc plan``: the cost model's table for one problem on one cluster (costmodel.py).
+
+One row per scheme: predicted forward and forward+backward time, the communication left exposed
+(time - compute alone), bytes the busiest GPU sends over the network (forward+backward), peak
+memory per rank (forward / backward call), and the fewest tokens per GPU at which the scheme
+hides its communication (within 5% of compute; forward / forward+backward). The pick is what
+``scheme="auto"`` runs for this problem.
+"""
+from . import costmodel
+
+
+def _gib(x):
+    return x / 2 ** 30
+
+
+def _tokens(n):
+    if n is None:
+        return "never"
+    return f"{n / 1024:.0f}k" if n >= 1024 else str(n)
+
+
+def table(pr, cl, rates, layout="zigzag"):
+    """The Markdown table and the pick."""
+    pick = costmodel.pick(pr, cl, rates, layout)
+    head = ("| scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | network GB/GPU | "
+            "peak GiB/rank fwd / bwd | hides from (tokens/GPU) fwd / fwd+bwd | |")
+    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
+    for scheme in ("ring", "double_ring", "ulysses_ring"):
+        why = costmodel.fits(scheme, pr, cl, layout)
+        if why is not None:
+            lines.append(f"| {scheme} | - | - | - | - | - | - | - | does not fit: {why} |")
+            continue
+        p = costmodel.predict(scheme, pr, cl, rates)
+        fwd_exp = p.fwd.exposed / p.fwd.time
+        all_exp = p.exposed_fwdbwd / p.fwdbwd
+        peak = [_gib(costmodel.peak_memory(scheme, pr, cl, b)) for b in (False, True)]
+        hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b)) for b in (False, True)]
+        lines.append(f"| {scheme} | {p.fwd.time:.3g} | {fwd_exp:.1%} | {p.fwdbwd:.3g} | {all_exp:.1%} | "
+                     f"{p.network_fwdbwd / 1e9:.3g} | {peak[0]:.2f} / {peak[1]:.2f} | {hides[0]} / {hides[1]} | "
+                     f"{'**pick**' if scheme == pick else ''} |")
+    return "\n".join(lines), pick
+
+
+def describe(pr, cl, rates):
+    kind = "MHA" if pr.heads == pr.kv_heads else f"GQA {pr.heads // pr.kv_heads}:1"
+    mask = "causal" if pr.causal else "full"
+    if pr.visible is not None:
+        mask += f", {pr.visible:.3g} of the scores visible"
+    return (f"{cl.nodes} nodes x {cl.per_node} {rates.name} ({cl.ranks} GPUs), S={pr.seqlen} "
+            f"({pr.seqlen // cl.ranks} tokens/GPU), B={pr.batch}, Hq={pr.heads}, Hkv={pr.kv_heads} ({kind}), "
+            f"D={pr.head_dim}, {pr.itemsize}-byte elements, {mask}; rates: {rates.fwd_tflops:g} / "
+            f"{rates.bwd_tflops:g} TFLOP/s fwd / bwd, {rates.intra_gbps:g} GB/s inside a node, "
+            f"{rates.inter_gbps:g} GB/s between nodes ({rates.inter_latency_us:g} us)")
+
+
+def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
+    """Rates measured here, collectively under mpiexec: one kernel timing forward and backward
+    (this rank's device, ``tokens`` tokens of the problem's heads) and one exchange over each link
+    class (local ranks 0 and 1 of the first node; local rank 0 of the first two nodes)."""
+    import time
+
+    import numpy as np
+
+    from . import attention, attention_backward
+    from .topology import topology
+
+    topo = topology(comm, per_node)
+    rng = np.random.default_rng(0)
+    dtype = np.float32 if pr.itemsize >= 4 else np.float16
+    q = rng.standard_normal((1, tokens, pr.heads, pr.head_dim)).astype(dtype)
+    k = rng.standard_normal((1, tokens, pr.kv_heads, pr.head_dim)).astype(dtype)
+    try:
+        import cupy
+
+        q, k = cupy.asarray(q), cupy.asarray(k)
+        sync = cupy.cuda.get_current_stream().synchronize
+    except Exception:  # noqa: BLE001
+        sync = lambda: None  # noqa: E731
+    flops = 4.0 * tokens ** 2 * pr.heads * pr.head_dim * (0.5 if pr.causal else 1.0)
+    attention(q, k, k, causal=pr.causal)
+    sync()
+    t0 = time.perf_counter()
+    o, lse = attention(q, k, k, causal=pr.causal)
+    sync()
+    t1 = time.perf_counter()
+    attention_backward(o, q, k, k, o, lse, causal=pr.causal)
+    sync()
+    t2 = time.perf_counter()
+    fwd = comm.allreduce(flops / (t1 - t0) / 1e12) / comm.size
+    bwd = comm.allreduce(costmodel.BACKWARD_FLOPS * flops / (t2 - t1) / 1e12) / comm.size
+
+    def link(a, b):
+        """GB/s and latency (us) of a ping-pong between ordered ranks a and b (None if absent)."""
+        if max(a, b) >= comm.size:
+            return None
+        me = topo.ordered.rank
+        big, small = np.zeros(nbytes, np.uint8), np.zeros(1, np.uint8)
+        times = []
+        for buf in (small, big):
+            topo.ordered.Barrier()
+            t = time.perf_counter()
+            for _ in range(3):
+                if me == a:
+                    topo.ordered.Send(buf, b)
+                    topo.ordered.Recv(buf, b)
+                elif me == b:
+                    topo.ordered.Recv(buf, a)
+                    topo.ordered.Send(buf, a)
+            times.append((time.perf_counter() - t) / 6)
+        lat, total = topo.ordered.bcast(times if me == a else None, root=a)
+        return nbytes / max(total - lat, 1e-9) / 1e9, lat * 1e6
+
+    intra = link(0, 1) if topo.per_node > 1 else None
+    inter = link(0, topo.per_node) if topo.nodes > 1 else None
+    base = costmodel.GPU_RATES["H100"]
+    return costmodel.Rates("measured", fwd, bwd, *(intra or (base.intra_gbps, None))[:1],
+                           *(inter or (base.inter_gbps, None))[:1],
+                           (intra or (0, base.intra_latency_us))[1], (inter or (0, base.inter_latency_us))[1]), topo

@@ -1,0 +1,140 @@
+"""How the shards move over the two link classes of a cluster (docs/RING.md, "Across nodes").
+
+A scheme gives the ring engine its communicator, this rank's position in it, the tokens each
+position holds (``pieces``) and the schedule (``steps``); every scheme runs through the one step
+loop of ring.py.
+
+- ``ring``: the flat ring over the caller's communicator (and the balanced schedule), unchanged.
+- ``double_ring``: an inner ring inside each node, one transfer per rank and inner round over the
+  rails (schedule.double_ring_steps); positions are node by node (topology).
+- ``ulysses_ring``: all-to-all over heads inside the node (ulysses.py), then a flat ring over the
+  rails whose shards are whole nodes' tokens for 1/w of the heads, then all-to-all back.
+- ``auto``: one node -> ``ring``; several -> the cost model's pick (costmodel.pick).
+"""
+from .errors import LayoutError, TopologyError
+from .layout import pieces
+from .schedule import double_ring_steps, plain_ring_steps, steps as flat_steps
+
+SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
+NODE_SCHEMES = ("double_ring", "ulysses_ring")
+
+
+def check_scheme(name):
+    if name not in SCHEMES:
+        raise TopologyError(f"unknown scheme {name!r}; use one of {', '.join(SCHEMES)}")
+    return name
+
+
+class Flat:
+    name = "ring"
+    far_comm = None   # the communicator of transfers due steps later (none on a flat ring)
+
+    def __init__(self, comm, seqlen, layout, causal, mask, topo=None):
+        self.comm, self.position, self.size = comm, comm.rank, comm.size
+        self.seqlen, self.layout, self.causal, self.mask, self.topo = seqlen, layout, causal, mask, topo
+
+    def remote(self, peer):
+        """Whether ``peer`` (a rank of ``comm``) is on another node than this rank."""
+        if self.topo is None:
+            return False
+        node = self.topo.layout.node_of
+        return node(self.topo.layout.position(peer)) != self.topo.node
+
+    def pieces(self, position):
+        return tuple(pieces(self.seqlen, position, self.size, self.layout))
+
+    def steps(self, near, returns):
+        return flat_steps(self.layout, self.causal, self.position, self.size, near, returns, self.mask)
+
+
+class DoubleRing(Flat):
+    name = "double_ring"
+
+    def __init__(self, topo, seqlen, layout, causal, mask):
+        check_node_layout(self.name, layout, causal)
+        super().__init__(topo.ordered, seqlen, layout, causal, mask, topo)
+        self.far_comm = topo.far
+
+    def remote(self, peer):
+        return peer // self.topo.per_node != self.topo.node
+
+    def pieces(self, position):  # the shard at a position is its rank's (the caller's numbering)
+        return tuple(pieces(self.seqlen, self.topo.layout.order[position], self.size, self.layout))
+
+    def steps(self, near, returns):
+        nodes, w = self.topo.nodes, self.topo.per_node
+        rounds = work_rounds(self.mask, nodes, self.pieces, near == "q",
+                             lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)], self.size)
+        return double_ring_steps(self.position, nodes, w, near, returns, rounds)
+
+
+class UlyssesRing(Flat):
+    name = "ulysses_ring"
+
+    def __init__(self, topo, seqlen, layout, causal, mask):
+        check_node_layout(self.name, layout, causal)
+        super().__init__(topo.rail, seqlen, layout, causal, mask, topo)
+        self.ranks = topo.nodes * topo.per_node
+
+    def pieces(self, node):  # a node's tokens: its ranks' shards in local order
+        order, w = self.topo.layout.order, self.topo.per_node
+        return tuple(run for r in order[node * w:(node + 1) * w] for run in pieces(self.seqlen, r, self.ranks, self.layout))
+
+    def remote(self, peer):  # the ring runs over the rail: one rank per node
+        return peer != self.position
+
+    def steps(self, near, returns):
+        nodes = self.topo.nodes
+        count = work_rounds(self.mask, nodes, self.pieces, near == "q", lambda p, o: [(p - o) % nodes], nodes)
+        return plain_ring_steps(self.position, nodes, near, returns, count)
+
+
+def check_node_layout(name, layout, causal):
+    if layout == "balanced" and causal:
+        raise LayoutError(f"scheme {name!r} works with the zigzag and contiguous layouts; the balanced layout's "
+                          f"causal schedule runs on the flat ring (scheme='ring')")
+
+
+def work_rounds(mask, rounds, pieces_of, queries_travel, visited, size):
+    """1 + the last round in which some position has a visible pair (documents or a window leave
+    the later rounds empty); ``visited(position, round)``: the shards it meets then."""
+    if mask is None:
+        return rounds
+    last = 0
+    for o in range(1, rounds):
+        for p in range(size):
+            for shard in visited(p, o):
+                travelling, staying = pieces_of(shard), pieces_of(p)
+                qs, ks = (travelling, staying) if queries_travel else (staying, travelling)
+                if any(mask.classify(a, n, b, m) != "hidden" for a, n in qs for b, m in ks):
+                    last = o
+                    break
+    return last + 1
+
+
+def make(name, comm, topo, seqlen, layout, causal, mask):
+    """The scheme object for a resolved ``name`` (not 'auto')."""
+    if name == "ring":
+        return Flat(comm, seqlen, layout, causal, mask, topo)
+    return {"double_ring": DoubleRing, "ulysses_ring": UlyssesRing}[name](topo, seqlen, layout, causal, mask)
+
+
+def ulysses_heads(heads, kv_heads, per_node):
+    """Query and K/V head ranges of each local rank under ulysses_ring: [(q range, kv range)].
+    Query heads split evenly over the node; each rank gets the K/V heads its query heads use, so
+    with Hkv < w several ranks share a K/V head (it is sent to each of them)."""
+    if heads % per_node:
+        raise TopologyError(f"scheme 'ulysses_ring' splits the {heads} query heads over the {per_node} ranks of a "
+                            f"node, and {per_node} does not divide {heads}; use scheme='double_ring' or 'ring'")
+    group, mine = heads // kv_heads, heads // per_node
+    if mine % group and group % mine:
+        raise TopologyError(f"scheme 'ulysses_ring' gives each rank {mine} query heads, which neither holds whole "
+                            f"GQA groups of {group} nor divides one; use scheme='double_ring' or 'ring'")
+    out = []
+    for local in range(per_node):
+        q = range(local * mine, (local + 1) * mine)
+        out.append((q, range(q.start // group, (q.stop - 1) // group + 1)))
+    return out
+
+
+__all__ = ["SCHEMES", "check_scheme", "make", "ulysses_heads"]

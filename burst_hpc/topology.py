@@ -1,0 +1,117 @@
+"""Which node each rank is on, and the communicators the schemes across nodes use.
+
+A cluster is ``nodes`` nodes of ``per_node`` ranks each (one GPU per rank). Membership comes from
+``MPI_Comm_split_type(COMM_TYPE_SHARED)`` on the caller's communicator (the ranks that share
+memory share a node). Two overrides, for emulation and tests:
+
+- ``ranks_per_node=`` (API) or ``BURST_HPC_RANKS_PER_NODE``: one host acts as several nodes, cut
+  into groups of that many ranks in the order of their rank on the host;
+- ``BURST_HPC_NODE_ID``: this rank's node, as the launcher knows it (any integer; e.g. SLURM_NODEID).
+
+Every node must hold the same number of ranks (a clear error on every rank otherwise). Ranks
+need not be placed node by node: *positions* number the ranks node by node (position
+``node * per_node + local``, nodes ordered by their lowest rank, ranks inside a node by rank),
+and ``ordered`` is the communicator whose rank is the position (``far``: a duplicate of it). ``rails[local]`` is the same
+local rank on every node (one NIC rail); ``node_comm`` this rank's node.
+"""
+import os
+from dataclasses import dataclass
+
+from .errors import TopologyError
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Pure description (no MPI): ``order[position]`` is the caller's rank at that position."""
+    nodes: int
+    per_node: int
+    order: tuple
+
+    def position(self, rank):
+        return self.order.index(rank)
+
+    def node_of(self, position):
+        return position // self.per_node
+
+    def local_of(self, position):
+        return position % self.per_node
+
+    def at(self, node, local):
+        return (node % self.nodes) * self.per_node + local % self.per_node
+
+
+def arrange(node_ids, ranks_per_node=None):
+    """The Layout of ranks whose nodes are ``node_ids[rank]`` (any hashable). ``ranks_per_node``
+    cuts each node further into groups of that many ranks (one host acting as several nodes)."""
+    members = {}
+    for rank, node in enumerate(node_ids):
+        members.setdefault(node, []).append(rank)
+    groups = sorted(members.values(), key=min)
+    if ranks_per_node is not None:
+        if ranks_per_node < 1 or any(len(g) % ranks_per_node for g in groups):
+            sizes = sorted({len(g) for g in groups})
+            raise TopologyError(f"ranks_per_node={ranks_per_node} does not divide the ranks of each host "
+                                f"({', '.join(map(str, sizes))} ranks per host)")
+        groups = [g[i:i + ranks_per_node] for g in groups for i in range(0, len(g), ranks_per_node)]
+    sizes = sorted({len(g) for g in groups})
+    if len(sizes) != 1:
+        raise TopologyError(f"every node needs the same number of ranks; these nodes hold "
+                            f"{', '.join(str(len(g)) for g in groups)} ranks (launch the same number per node)")
+    return Layout(len(groups), sizes[0], tuple(r for g in groups for r in g))
+
+
+def ranks_per_node_setting(ranks_per_node=None):
+    """``ranks_per_node`` or the environment's BURST_HPC_RANKS_PER_NODE (None: detect)."""
+    if ranks_per_node is None:
+        env = os.environ.get("BURST_HPC_RANKS_PER_NODE", "").strip()
+        if env:
+            if not env.isdigit():
+                raise TopologyError(f"BURST_HPC_RANKS_PER_NODE must be a positive integer; got {env!r}")
+            ranks_per_node = int(env)
+    return ranks_per_node
+
+
+_hosts = {}
+
+
+def node_ids(comm):
+    """Collective: every rank's node id (BURST_HPC_NODE_ID, else its shared-memory group, named
+    by the group's lowest rank and found once per communicator)."""
+    from mpi4py import MPI
+
+    if id(comm) not in _hosts:
+        host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
+        _hosts[id(comm)] = host.allreduce(comm.rank, op=MPI.MIN)
+        host.Free()
+    env = os.environ.get("BURST_HPC_NODE_ID", "").strip()
+    return comm.allgather(("env", env) if env else ("host", _hosts[id(comm)]))
+
+
+class Topology:
+    """The caller's communicator seen as nodes (see the module's docstring)."""
+
+    def __init__(self, comm, ranks_per_node=None, ids=None):
+        """Collective on ``comm``. ``ids``: every rank's node id (detected when None)."""
+        self.comm = comm
+        self.layout = arrange(node_ids(comm) if ids is None else ids, ranks_per_node_setting(ranks_per_node))
+        self.nodes, self.per_node = self.layout.nodes, self.layout.per_node
+        self.position = self.layout.position(comm.rank)
+        self.node, self.local = self.layout.node_of(self.position), self.layout.local_of(self.position)
+        self.ordered = comm.Split(0, key=self.position)
+        self.far = self.ordered.Dup()   # the double ring's network lane (its own NCCL communicator)
+        self.node_comm = self.ordered.Split(self.node, key=self.local)
+        self.rail = self.ordered.Split(self.local, key=self.node)
+
+
+_cache = {}
+
+
+def topology(comm, ranks_per_node=None):
+    """Collective: the Topology of ``comm`` (one allgather; the communicators are split once per
+    communicator, node assignment and setting)."""
+    setting = ranks_per_node_setting(ranks_per_node)
+    ids = node_ids(comm)
+    key = (id(comm), tuple(ids), setting)
+    if key not in _cache:
+        _cache[key] = Topology(comm, setting, ids)
+    return _cache[key]

@@ -1,0 +1,86 @@
+"""The cost model and `burst-hpc plan` (no MPI): the issue's target cases, the cases where the flat
+ring suffices, one node, and the single-node ring times of docs/BENCHMARKS.md."""
+from dataclasses import replace
+
+import pytest
+
+from burst_hpc import costmodel
+from burst_hpc.cli import main
+from burst_hpc.costmodel import GPU_RATES, Cluster, Problem
+
+M = 1 << 20
+H100_50 = replace(GPU_RATES["H100"], inter_gbps=50.0)
+TARGETS = [(Problem(1, M, 32, 32, 128, 2, True), Cluster(16, 8)),    # 16 x 8 H100, MHA
+           (Problem(1, M, 32, 8, 128, 2, True), Cluster(32, 8))]     # 32 x 8 H100, GQA 4:1
+
+
+@pytest.mark.parametrize("pr,cl", TARGETS)
+def test_targets_flat_ring_is_comm_bound_and_the_pick_hides(pr, cl):
+    ring = costmodel.predict("ring", pr, cl, H100_50)
+    assert ring.fwd.exposed > 0.2 * ring.fwd.time
+    pick = costmodel.pick(pr, cl, H100_50)
+    assert pick != "ring"
+    p = costmodel.predict(pick, pr, cl, H100_50)
+    assert p.fwd.exposed <= 0.05 * p.fwd.time and p.exposed_fwdbwd <= 0.05 * p.fwdbwd
+
+
+@pytest.mark.parametrize("nodes,tokens", [(2, 1 << 16), (4, 1 << 15)])
+def test_auto_keeps_the_flat_ring_where_it_hides(nodes, tokens):
+    """Enough tokens per GPU (the formula's 24k for causal MHA at 50 GB/s): the flat ring hides."""
+    cl = Cluster(nodes, 8)
+    pr = Problem(1, tokens * cl.ranks, 32, 32, 128, 2, True)
+    assert costmodel.pick(pr, cl, H100_50) == "ring"
+
+
+def test_one_node_is_always_the_flat_ring():
+    pr = Problem(1, 8 * 4096, 32, 32, 128, 2, True)
+    assert costmodel.pick(pr, Cluster(1, 8), replace(H100_50, intra_gbps=1.0)) == "ring"
+
+
+def test_thresholds_follow_the_formulas():
+    """forward n >= c F / (g B): 2 * 590e12 / 50e9 = 23.6k tokens for causal MHA; GQA 4:1 a quarter;
+    a two-level scheme divides B's requirement by w."""
+    pr, cl = Problem(1, M, 32, 32, 128, 2, True), Cluster(16, 8)
+    flat = costmodel.hiding_tokens("ring", pr, cl, H100_50)
+    assert 20000 <= flat <= 24000
+    gqa = costmodel.hiding_tokens("ring", replace(pr, kv_heads=8), cl, H100_50)
+    assert abs(gqa - flat / 4) <= 0.1 * flat / 4
+    assert costmodel.hiding_tokens("double_ring", pr, cl, H100_50) <= flat / 8 * 1.5
+
+
+@pytest.mark.parametrize("tokens,passes,measured", [(32768, "fwd", 0.115), (32768, "fwdbwd", 0.443),
+                                                    (262144, "fwd", 7.008), (262144, "fwdbwd", 27.03)])
+def test_predicts_the_single_node_ring_of_benchmarks(tokens, passes, measured):
+    """4 x H200, causal bf16 H=32 D=128 zigzag, nccl (docs/BENCHMARKS.md): given the kernel rates of
+    those runs (compute-only times) and the NVLink rate measured there (~300 GB/s), within 15%."""
+    rates = costmodel.Rates("H200 run", 305.0, 276.0, 300.0, 300.0) if tokens == 32768 else \
+        costmodel.Rates("H200 run", 321.0, 283.0, 300.0, 300.0)
+    pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, True), Cluster(1, 4)
+    p = costmodel.predict("ring", pr, cl, rates)
+    got = p.fwd.time if passes == "fwd" else p.fwdbwd
+    assert abs(got - measured) <= 0.15 * measured, (got, measured)
+
+
+def test_plan_prints_a_table_and_the_pick(capsys):
+    assert main(["plan", "--seqlen", str(M), "--heads", "32", "--kv-heads", "8", "--causal", "--nodes", "32",
+                 "--gpus-per-node", "8", "--gpu", "H100", "--inter-gbps", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "**pick**" in out and "auto picks: double_ring" in out and "ulysses_ring" in out
+
+
+def test_plan_says_why_a_scheme_does_not_fit(capsys):
+    assert main(["plan", "--seqlen", str(1 << 16), "--heads", "12", "--causal", "--nodes", "2",
+                 "--gpus-per-node", "8"]) == 0
+    assert "does not fit" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("tokens,fwd_gib,fwdbwd_gib", [(32768, 3.0, 5.3), (262144, 24.0, 42.0)])
+def test_peak_memory_matches_the_gpu_figures_of_benchmarks(tokens, fwd_gib, fwdbwd_gib):
+    """4 x H200, causal bf16 H=32 D=128 zigzag (docs/BENCHMARKS.md, CuPy pool high-water mark per
+    rank). bench_ring.py's pool also holds do (bf16) and the float32 buffer its inputs were drawn
+    in (cached by the pool) during the forward row; the backward row is the call itself."""
+    pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, True), Cluster(1, 4)
+    gib = 2 ** 30
+    bench_extra = tokens * 32 * 128 * (2 + 4)
+    assert abs((costmodel.peak_memory("ring", pr, cl) + bench_extra) / gib - fwd_gib) <= 0.05 * fwd_gib
+    assert abs(costmodel.peak_memory("ring", pr, cl, True) / gib - fwdbwd_gib) <= 0.06 * fwdbwd_gib
