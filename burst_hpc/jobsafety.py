@@ -23,10 +23,14 @@ _TMP = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{8})$")
 
 # --------------------------------------------------------------------------- temporary names
 
+def host_tag():
+    """This host's short name, as temporary names carry it."""
+    return re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname().split(".")[0]) or "host"
+
+
 def temp_name(final):
     """A temporary name next to ``final`` that encodes this host and process."""
-    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname().split(".")[0]) or "host"
-    return f"{os.path.abspath(final)}.tmp-{host}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return f"{os.path.abspath(final)}.tmp-{host_tag()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _alive_here(pid):
@@ -49,7 +53,7 @@ def temp_files(final):
     """[(path, state, why)] for the temporary files of output ``final``; state is 'stale' (its
     owner is gone: safe to remove), 'live' (its owner runs on this host) or 'unknown' (another
     host's job, or a name without an owner)."""
-    host = re.sub(r"[^A-Za-z0-9_.]", "_", socket.gethostname().split(".")[0]) or "host"
+    host = host_tag()
     found = []
     for path in sorted(glob.glob(glob.escape(os.path.abspath(final)) + ".tmp-*")):
         m = _TMP.search(path)
