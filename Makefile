@@ -63,7 +63,7 @@ $(PHDF5_STAMP): pyproject.toml
 	fi
 	test -x $(PHDF5_PY) || $(PYTHON) -m venv $(PHDF5_VENV)
 	$(PHDF5_PY) -m pip install -q --upgrade pip
-	$(PHDF5_PY) -m pip install -q setuptools wheel 'cython>=3' numpy pkgconfig
+	$(PHDF5_PY) -m pip install -q --upgrade 'setuptools>=77' wheel 'cython>=3' numpy pkgconfig
 	MPICC=$(PHDF5_MPICC) $(PHDF5_PY) -m pip install -q --no-build-isolation --no-binary=mpi4py mpi4py
 	HDF5_MPI=ON HDF5_DIR=$(PHDF5_DIR) CC=$(PHDF5_MPICC) \
 	  $(PHDF5_PY) -m pip install -q --no-build-isolation --no-binary=h5py 'h5py<3.17'

@@ -119,8 +119,15 @@ def cmd_info(args):
     lines.append(f"transport auto: NumPy arrays -> {choose_transport('auto', on_device=False)}; "
                  f"CuPy arrays -> {on_device}")
     lines.append(f"backend auto: {'cuda' if _gpu_count() else 'numpy'}")
+    lines.append(f"HDF5 output: {_hdf5_write_path(comm.size)}")
     print("\n".join(lines), flush=True)
     return 0
+
+
+def _hdf5_write_path(size):
+    from .io import write_path
+
+    return write_path(size)
 
 
 def _gpu_summary():

@@ -302,6 +302,20 @@ def _mpio_enabled(comm):
     return bool(h5py.get_config().mpi)
 
 
+def write_path(size):
+    """How a run on ``size`` ranks writes its output (``burst-hpc info`` prints it)."""
+    import h5py
+
+    if not h5py.get_config().mpi:
+        return ("rank-ordered token passing (this h5py has no parallel HDF5; 'make setup-phdf5' builds one "
+                "against Debian's libhdf5-openmpi-dev)")
+    if os.environ.get("BURST_HPC_HDF5_MPIO", "1") == "0":
+        return "rank-ordered token passing (BURST_HPC_HDF5_MPIO=0; this h5py has parallel HDF5)"
+    if size < 2:
+        return "parallel HDF5 (mpio driver) with 2 or more ranks; one rank writes alone"
+    return "parallel HDF5 (mpio driver): every rank writes its tokens at once"
+
+
 class OutputFile:
     """One HDF5 output written by every rank, visible under its name only after :meth:`commit`.
 

@@ -280,3 +280,12 @@ def test_run_on_a_full_disk(tmp_path, small_fs, check):
     r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "burst_hpc", "run", str(src), str(small_fs / "out.h5"),
                         "--backend", "numpy", "--quiet"], env=env, capture_output=True, text=True, timeout=180)
     _fails_cleanly(r, small_fs, "not enough space" if check == "early" else "file system is full")
+
+
+def test_info_names_the_write_path():
+    r = burst("info")
+    assert r.returncode == 0, r.stderr
+    line = [x for x in r.stdout.splitlines() if x.startswith("HDF5 output:")]
+    assert len(line) == 1, r.stdout
+    expected = "parallel HDF5 (mpio driver)" if h5py.get_config().mpi else "rank-ordered token passing"
+    assert expected in line[0], line
