@@ -333,6 +333,7 @@ class OutputFile:
     def __init__(self, path, tmp, comm, datasets, mpio):
         self.path, self.tmp, self.comm, self.datasets, self.mpio = path, tmp, comm, datasets, mpio
         self.done = False
+        self.overwrite = False
 
     @property
     def rank(self):
@@ -444,13 +445,13 @@ class OutputFile:
             self.comm.Barrier()
         if self.rank == 0:
             try:
-                jobsafety.publish(self.tmp, self.path, getattr(self, "overwrite", False))
+                jobsafety.publish(self.tmp, self.path, self.overwrite)
             except FileError as e:
                 err = e
             except OSError as e:
                 err = FileError(f"cannot move the finished output to {self.path!r}: {e}")
         jobsafety.untrack(self.tmp)  # published, kept or gone: no longer ours to remove
-        if err is not None and "is kept as" in str(err):
+        if getattr(err, "kept", None):
             self.done = True  # the result lives under the kept name: abort must not touch it
         try:
             agree(self.comm, err)

@@ -175,8 +175,10 @@ def publish(tmp, final, overwrite=False):
         link_noreplace(tmp, kept)
     except OSError:
         kept = tmp
-    raise FileError(f"output {final!r} appeared while this job ran (another job wrote it) and was not "
-                    f"replaced; this job's complete result is kept as {kept!r} (rename it, or rerun with --overwrite)")
+    error = FileError(f"output {final!r} appeared while this job ran (another job wrote it) and was not "
+                      f"replaced; this job's complete result is kept as {kept!r} (rename it, or rerun with --overwrite)")
+    error.kept = kept
+    raise error
 
 
 # --------------------------------------------------------------------------- signals
