@@ -367,13 +367,12 @@ class OutputFile:
         err = None
         try:
             if mpio:
-                with h5py.File(tmp, "w", driver="mpio", comm=comm, **WRITE_OPTS) as f:
-                    self._layout(f, attrs)
+                self._mpio("w", lambda f: self._layout(f, attrs), f"cannot write output {path!r}")
             elif rank == 0:
                 with h5py.File(tmp, "w", **WRITE_OPTS) as f:
                     self._layout(f, attrs)
         except Exception as e:  # noqa: BLE001
-            err = _io_failure(f"cannot write output {path!r}", e)
+            err = _io_failure(f"cannot write output {path!r}", e, tmp)
         try:
             agree(comm, err)
         except BurstError:
@@ -396,8 +395,8 @@ class OutputFile:
         err = None
         if self.mpio:
             try:
-                with h5py.File(self.tmp, "r+", driver="mpio", comm=self.comm, **WRITE_OPTS) as f:
-                    self._write_mine(f, shards, layout)
+                self._mpio("r+", lambda f: self._write_mine(f, shards, layout),
+                           f"writing {self.path!r} failed on rank {self.rank}")
             except Exception as e:  # noqa: BLE001
                 err = e
         else:
@@ -414,8 +413,31 @@ class OutputFile:
             if self.rank < self.size - 1:
                 self.comm.send(bool(failed or err), dest=self.rank + 1, tag=_TAG)
         if err is not None:
-            err = _io_failure(f"writing {self.path!r} failed on rank {self.rank}", err)
+            err = _io_failure(f"writing {self.path!r} failed on rank {self.rank}", err, self.tmp)
         agree(self.comm, err)
+
+    def _mpio(self, mode, fn, what):
+        """Parallel HDF5: open, ``fn(f)``, close, all collective. Our own checks (a BurstError)
+        raise before the ranks' HDF5 calls diverge and are agreed as usual. An HDF5 failure (disk
+        full, quota) on some ranks leaves the others inside an HDF5 collective that never
+        completes, and closing the file would wait for them too: the failing rank then removes the
+        temporary file, says why in one line and aborts the job, instead of a hang."""
+        import h5py
+
+        f = h5py.File(self.tmp, mode, driver="mpio", comm=self.comm, **WRITE_OPTS)
+        try:
+            try:
+                fn(f)
+            except BurstError:
+                f.close()
+                raise
+            f.close()
+        except BurstError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            _NEVER_CLOSED.append(f)  # its close is collective: it must not run at garbage collection
+            jobsafety.abort_job(f"{_io_failure(what, e, self.tmp)}; parallel HDF5 cannot go on after a failed "
+                                "collective write, so the job is stopped")
 
     def _write_mine(self, f, shards, layout):
         for name, array in shards.items():
@@ -475,6 +497,9 @@ class OutputFile:
                 pass
 
 
+_NEVER_CLOSED = []
+
+
 def _bytes_needed(datasets):
     """Bytes of the datasets plus room for HDF5's metadata and chunk index."""
     data = sum(int(np.prod(shape, dtype=np.int64)) * stored_dtype(dtype)[0].itemsize
@@ -482,14 +507,23 @@ def _bytes_needed(datasets):
     return int(data * 1.01) + (256 << 10)
 
 
-def _io_failure(what, error):
+def _full(path):
+    """True when the file system holding ``path`` has (almost) no space left."""
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except (OSError, TypeError):
+        return False
+    return st.f_bavail * st.f_frsize < (64 << 10)
+
+
+def _io_failure(what, error, path=None):
     """A FileError for a failed HDF5 write, in one line (ENOSPC and EDQUOT named plainly); an
     OS-level failure also marks HDF5 as broken, so the process exits without its exit handler."""
     if isinstance(error, BurstError):
         return FileError(f"{what}: {error}")
     jobsafety.note_hdf5_failure()
     text = str(error)
-    if "errno = 28" in text or getattr(error, "errno", None) == 28:
+    if "errno = 28" in text or getattr(error, "errno", None) == 28 or _full(path):
         reason = "the file system is full (No space left on device)"
     elif "errno = 122" in text or getattr(error, "errno", None) == 122:
         reason = "the disk quota is exceeded"
@@ -578,7 +612,7 @@ def write_new(path, fill, overwrite=False, needed=0):
         except BurstError:
             raise
         except Exception as e:  # noqa: BLE001 - one line below, without HDF5's objects in a traceback
-            failure = _io_failure(f"cannot write {path!r}", e)
+            failure = _io_failure(f"cannot write {path!r}", e, tmp)
         if failure is not None:
             raise failure
         try:

@@ -243,6 +243,23 @@ def _stop(signum):
     os._exit(128 + signum)
 
 
+def abort_job(message):
+    """End the whole job now from this rank: remove the temporary files, print ``message`` as one
+    error line, then MPI_Abort (a plain exit for one process). For failures after which the ranks
+    cannot agree (they wait in different collectives)."""
+    remove_tracked()
+    try:
+        sys.stderr.write(f"burst-hpc: error: {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:
+        mpi.COMM_WORLD.Abort(1)
+    os._exit(1)
+
+
 def _watch():
     while True:
         signum = signal.sigwait(_HANDLED)

@@ -186,14 +186,16 @@ def stop_run_at_random(tmp_path, src, target, sig, ranks=4, earliest=0.2, latest
 @pytest.fixture(scope="module")
 def long_input(tmp_path_factory):
     src = tmp_path_factory.mktemp("long") / "in.h5"
-    assert burst("gen", src, "--seqlen", 8192, "--heads", 4, "--head-dim", 64, "--dtype", "float32").returncode == 0
+    # a run of 30 s or more on 4 ranks here: the signal comes within its first seconds whatever the load
+    assert burst("gen", src, "--seqlen", 16384, "--heads", 4, "--head-dim", 64, "--dtype", "float32",
+                 "--with-grad").returncode == 0
     return src
 
 
 @needs_mpiexec
 @pytest.mark.parametrize("target,sig", [("rank", signal.SIGTERM), ("mpiexec", signal.SIGTERM), ("rank", signal.SIGINT)])
 def test_signal_ends_every_rank_and_removes_temp(tmp_path, long_input, target, sig):
-    gone, (code, _, err) = stop_run_at_random(tmp_path, long_input, target, sig, flags=["--causal"])
+    gone, (code, _, err) = stop_run_at_random(tmp_path, long_input, target, sig, flags=["--causal", "--backward"])
     assert gone < 5, f"ranks still running {gone:.1f}s after {sig.name}"
     assert code != 0, err
     assert not _temps(tmp_path) and not (tmp_path / "out.h5").exists(), os.listdir(tmp_path)
@@ -207,7 +209,8 @@ def test_signal_ends_every_rank_and_removes_temp(tmp_path, long_input, target, s
 
 @needs_mpiexec
 def test_sigkill_leaves_a_stale_temp_that_is_named_and_cleaned(tmp_path, long_input):
-    gone, _ = stop_run_at_random(tmp_path, long_input, "mpiexec", signal.SIGKILL, ranks=2, latest=0.5)
+    gone, _ = stop_run_at_random(tmp_path, long_input, "mpiexec", signal.SIGKILL, ranks=2, latest=0.5,
+                                 flags=["--causal", "--backward"])
     # SIGKILL of mpiexec: the ranks die with it (or a moment later), their temporary file stays
     (stale,) = _temps(tmp_path)
     dst = tmp_path / "out.h5"
@@ -254,9 +257,9 @@ def small_fs(tmp_path):
         subprocess.run(["umount", "-l", str(where)], check=False)
 
 
-def _fails_cleanly(r, directory, fragment):
+def _fails_cleanly(r, directory, fragment, lines=1):
     assert r.returncode == 1, r.stdout + r.stderr
-    assert r.stderr.count("burst-hpc: error:") == 1 and fragment in r.stderr, r.stderr
+    assert 1 <= r.stderr.count("burst-hpc: error:") <= lines and fragment in r.stderr, r.stderr
     for needle in CLEAN_END:
         assert needle not in r.stderr, r.stderr
     assert os.listdir(directory) == [], os.listdir(directory)
@@ -279,7 +282,10 @@ def test_run_on_a_full_disk(tmp_path, small_fs, check):
     env = dict(ENV, BURST_HPC_SPACE_CHECK="1" if check == "early" else "0")
     r = subprocess.run([MPIEXEC, "-n", "2", sys.executable, "-m", "burst_hpc", "run", str(src), str(small_fs / "out.h5"),
                         "--backend", "numpy", "--quiet"], env=env, capture_output=True, text=True, timeout=180)
-    _fails_cleanly(r, small_fs, "not enough space" if check == "early" else "file system is full")
+    # parallel HDF5 cannot agree after a failed collective write: the failing rank aborts the job
+    # (its line, then the other rank's 'stopped by SIGTERM'); token passing agrees on one line
+    mpio = h5py.get_config().mpi and check == "mid-write"
+    _fails_cleanly(r, small_fs, "not enough space" if check == "early" else "file system is full", 2 if mpio else 1)
 
 
 def test_info_names_the_write_path():
