@@ -4,7 +4,7 @@
 
 Every rank owns a contiguous run of tokens of one float32 dataset (1, S, 16, 128), MB-per-rank
 of it, as `burst-hpc run` writes its output:
-- raw:    the same bytes with os.pwrite / os.pread at the rank's offset of one plain file;
+- raw:    the same bytes with os.pwrite / os.preadv (into a new array) at the rank's offset of one plain file;
 - tokens: io.OutputFile through rank-ordered token passing (the PyPI h5py path);
 - mpio:   io.OutputFile through parallel HDF5 (only where h5py has MPI: `make setup-phdf5`).
 Write time is from a barrier before the first byte to a barrier after the file is complete (the
@@ -47,21 +47,22 @@ def raw(comm, path, data, offset):
             os.close(fd)
 
     def read():
+        buf = np.empty_like(data)  # a new array, as an HDF5 read returns
         fd = os.open(path, os.O_RDONLY)
         try:
-            got = os.pread(fd, data.nbytes, offset)
+            got = os.preadv(fd, [memoryview(buf).cast("B")], offset)
         finally:
             os.close(fd)
-        assert len(got) == data.nbytes
+        assert got == data.nbytes
 
     return write, read
 
 
 def hdf5(comm, path, data, seqlen, mpio):
-    os.environ["BURST_HPC_HDF5_MPIO"] = "1" if mpio else "0"
     spec = {"o": ((1, seqlen, H, D), np.float32)}
 
     def write():
+        os.environ["BURST_HPC_HDF5_MPIO"] = "1" if mpio else "0"
         if comm.rank == 0 and os.path.exists(path):
             os.remove(path)
         comm.Barrier()
@@ -114,7 +115,7 @@ def main():
                     f"{gb / tr:.2f} | {gb * comm.size / tr:.2f} |")
     if comm.rank == 0:
         print(f"h5py {h5py.__version__}, HDF5 {h5py.version.hdf5_version}, parallel: {h5py.get_config().mpi}; "
-              f"{MPI.Get_library_version().splitlines()[0].strip()}; dir {base}")
+              f"{MPI.Get_library_version().splitlines()[0].strip(chr(0)).strip()}; dir {base}")
         print("| path | ranks | MB per rank | write GB/s per rank | write GB/s total | read GB/s per rank | read GB/s total |")
         print("|---|---|---|---|---|---|---|")
         print("\n".join(rows), flush=True)

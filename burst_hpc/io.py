@@ -98,7 +98,9 @@ def create_dataset(f, name, shape, dtype):
     """A chunked dataset for a tensor of ``dtype`` (token axis from TOKEN_AXIS, else 1)."""
     stored, attrs = stored_dtype(dtype)
     chunks = chunk_shape(shape, stored.itemsize, TOKEN_AXIS.get(name, 1)) if all(shape) else None
-    ds = f.create_dataset(name, shape=shape, dtype=stored, chunks=chunks)
+    # no fill values written: every element is written by a rank (parallel HDF5 allocates every
+    # chunk when the dataset is created and would otherwise write the whole dataset twice)
+    ds = f.create_dataset(name, shape=shape, dtype=stored, chunks=chunks, fill_time="never")
     for key, value in attrs.items():
         ds.attrs[key] = value
     return ds
