@@ -293,18 +293,33 @@ def hdf5_broken():
     return bool(_HDF5_BROKEN)
 
 
+def _from_h5py_dealloc(tb):
+    while tb is not None:
+        if "h5py" in tb.tb_frame.f_code.co_filename and "dealloc" in tb.tb_frame.f_code.co_name:
+            return True
+        tb = tb.tb_next
+    return False
+
+
 def quiet_hdf5_dealloc():
     """h5py reports a failed close of a dataset during garbage collection as 'Exception ignored'
-    with a traceback; the failure is already reported as one line, so keep only the flag."""
-    previous = sys.unraisablehook
+    with a traceback (through sys.excepthook, then sys.unraisablehook); the failure is already
+    reported as one line, so keep only the flag."""
+    unraisable_hook, except_hook = sys.unraisablehook, sys.excepthook
 
-    def hook(unraisable):
+    def on_unraisable(unraisable):
         if "h5py" in repr(getattr(unraisable, "object", "")) or "h5py" in str(getattr(unraisable, "err_msg", "")):
             note_hdf5_failure()
             return
-        previous(unraisable)
+        unraisable_hook(unraisable)
 
-    sys.unraisablehook = hook
+    def on_exception(kind, value, tb):
+        if _from_h5py_dealloc(tb):
+            note_hdf5_failure()
+            return
+        except_hook(kind, value, tb)
+
+    sys.unraisablehook, sys.excepthook = on_unraisable, on_exception
 
 
 def exit_now(code):
