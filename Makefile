@@ -56,10 +56,14 @@ PHDF5_APT     := libhdf5-openmpi-dev openmpi-bin
 setup-phdf5: $(PHDF5_STAMP)
 
 $(PHDF5_STAMP): pyproject.toml
-	@if ! command -v $(PHDF5_MPICC) >/dev/null 2>&1 || ! test -f $(PHDF5_DIR)/include/H5pubconf.h; then \
-	  echo "== installing $(PHDF5_APT) with apt-get"; \
-	  command -v apt-get >/dev/null 2>&1 || { echo "test-phdf5: needs apt-get (Debian) or $(PHDF5_MPICC) and HDF5 in PHDF5_DIR=$(PHDF5_DIR)"; exit 1; }; \
-	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $(PHDF5_APT); \
+	@pkgs=""; \
+	command -v $(PHDF5_MPICC) >/dev/null 2>&1 && test -f $(PHDF5_DIR)/include/H5pubconf.h || pkgs="$(PHDF5_APT)"; \
+	$(PYTHON) -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
+	  2>/dev/null || pkgs="$$pkgs python3-dev"; \
+	if [ -n "$$pkgs" ]; then \
+	  echo "== installing$$pkgs with apt-get (mpi4py and h5py are built from source)"; \
+	  command -v apt-get >/dev/null 2>&1 || { echo "setup-phdf5: needs apt-get (Debian), or $(PHDF5_MPICC), HDF5 in PHDF5_DIR=$(PHDF5_DIR) and Python headers"; exit 1; }; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$pkgs; \
 	fi
 	test -x $(PHDF5_PY) || $(PYTHON) -m venv $(PHDF5_VENV)
 	$(PHDF5_PY) -m pip install -q --upgrade pip
