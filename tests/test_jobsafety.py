@@ -295,3 +295,15 @@ def test_info_names_the_write_path():
     assert len(line) == 1, r.stdout
     expected = "parallel HDF5 (mpio driver)" if h5py.get_config().mpi else "rank-ordered token passing"
     assert expected in line[0], line
+
+
+def test_clean_dry_run_and_help(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = tmp_path / f"out.h5.tmp-{jobsafety.host_tag()}-{dead.pid}-0123abcd"
+    stale.write_bytes(b"x")
+    r = burst("clean", tmp_path / "out.h5", "--dry-run")
+    assert r.returncode == 0 and f"would remove {stale}" in r.stdout and stale.exists(), r.stdout
+    assert "no temporary files" in burst("clean", tmp_path / "other.h5").stdout
+    r = burst("clean", "--help")
+    assert r.returncode == 0 and "--dry-run" in r.stdout and "never removed" in " ".join(r.stdout.split())
