@@ -3,6 +3,7 @@ tests/test_jobsafety.py, whose helpers this reuses).
 
     python bench/job_safety.py race --reps 20        # two 2-rank runs racing for one output, per layout
     python bench/job_safety.py sigterm --reps 20     # SIGTERM at a random moment of a ~30 s 4-rank run
+                                                     # (0 to 80% of its measured length after the temp appears)
 
 race: every repetition must end with exactly one output file holding one job's complete result, the
 other job exiting 1 with one clear line (refused at start, or at publish time with its result kept).
@@ -62,7 +63,9 @@ def sigterm(reps, seqlen, ranks, latest):
     full = time.time() - t0
     assert r.returncode == 0, r.stderr
     os.remove(work / "full.h5")
-    print(f"sigterm: an uninterrupted run takes {full:.1f} s on {ranks} ranks (S={seqlen}, causal fwd+bwd)")
+    latest = min(latest, 0.8 * full) if latest else 0.8 * full  # the signal must land inside the run
+    print(f"sigterm: an uninterrupted run takes {full:.1f} s on {ranks} ranks (S={seqlen}, causal fwd+bwd); "
+          f"signals 0-{latest:.1f} s after its temporary file appears")
     bad, worst = 0, 0.0
     for i in range(reps):
         run = work / f"rep{i}"
@@ -93,9 +96,10 @@ def main():
     parser.add_argument("what", choices=("race", "sigterm"))
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--layouts", default="zigzag,contiguous,balanced")
-    parser.add_argument("--seqlen", type=int, default=16384, help="sigterm: tokens (16384: about 30 s on 4 ranks here)")
+    parser.add_argument("--seqlen", type=int, default=24576, help="sigterm: tokens (24576: about 30 s on 4 ranks here)")
     parser.add_argument("--ranks", type=int, default=4)
-    parser.add_argument("--latest", type=float, default=25.0, help="sigterm: latest signal, seconds after the temp appears")
+    parser.add_argument("--latest", type=float, default=None,
+                        help="sigterm: latest signal, seconds after the temp appears (default: 80%% of an uninterrupted run)")
     args = parser.parse_args()
     if tj.MPIEXEC is None:
         sys.exit("no mpiexec")
