@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED := 1
 export OPENBLAS_NUM_THREADS := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: test test-unit test-mpi test-nodes cuda-check demo clean setup
+.PHONY: test test-unit test-mpi test-nodes test-phdf5 setup-phdf5 cuda-check demo clean setup
 
 setup: $(STAMP)
 
@@ -51,6 +51,52 @@ test-nodes: $(STAMP)
 	    mpi_tests/test_nodes.py; \
 	done
 
+# ---- parallel HDF5 (issue 20): h5py built against Debian's MPI-enabled HDF5, in its own venv.
+# Debian's Open MPI is used through its suffixed names (mpicc.openmpi, mpiexec.openmpi), so this
+# target never depends on, nor changes, which `mpiexec` the other targets find on PATH.
+PHDF5_VENV    := .venv-phdf5
+PHDF5_PY      := $(PHDF5_VENV)/bin/python
+PHDF5_STAMP   := $(PHDF5_VENV)/.installed
+PHDF5_DIR     ?= /usr/lib/x86_64-linux-gnu/hdf5/openmpi
+PHDF5_MPICC   ?= mpicc.openmpi
+PHDF5_MPIEXEC ?= mpiexec.openmpi
+PHDF5_RANKS   ?= 1 2 3 4
+PHDF5_APT     := libhdf5-openmpi-dev openmpi-bin
+
+setup-phdf5: $(PHDF5_STAMP)
+
+$(PHDF5_STAMP): pyproject.toml
+	@pkgs=""; \
+	command -v $(PHDF5_MPICC) >/dev/null 2>&1 && test -f $(PHDF5_DIR)/include/H5pubconf.h || pkgs="$(PHDF5_APT)"; \
+	$(PYTHON) -c "import os, sysconfig; assert os.path.exists(sysconfig.get_paths()['include'] + '/Python.h')" \
+	  2>/dev/null || pkgs="$$pkgs python3-dev"; \
+	if [ -n "$$pkgs" ]; then \
+	  echo "== installing$$pkgs with apt-get (mpi4py and h5py are built from source)"; \
+	  command -v apt-get >/dev/null 2>&1 || { echo "setup-phdf5: needs apt-get (Debian), or $(PHDF5_MPICC), HDF5 in PHDF5_DIR=$(PHDF5_DIR) and Python headers"; exit 1; }; \
+	  apt-get update -q && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends $$pkgs; \
+	fi
+	test -x $(PHDF5_PY) || $(PYTHON) -m venv $(PHDF5_VENV)
+	$(PHDF5_PY) -m pip install -q --upgrade pip
+	$(PHDF5_PY) -m pip install -q --upgrade 'setuptools>=77' wheel 'cython>=3' numpy pkgconfig
+	MPICC=$(PHDF5_MPICC) $(PHDF5_PY) -m pip install -q --no-build-isolation --no-binary=mpi4py mpi4py
+	HDF5_MPI=ON HDF5_DIR=$(PHDF5_DIR) CC=$(PHDF5_MPICC) \
+	  $(PHDF5_PY) -m pip install -q --no-build-isolation --no-binary=h5py 'h5py<3.17'
+	$(PHDF5_PY) -m pip install -q -e '.[test]'
+	$(PHDF5_PY) -c "import h5py, mpi4py; assert h5py.get_config().mpi, 'h5py was built without MPI'; \
+	  print('parallel h5py', h5py.__version__, 'HDF5', h5py.version.hdf5_version, 'mpi4py', mpi4py.__version__)"
+	touch $@
+
+# the I/O tests through the mpio driver on 1-4 ranks, then the CLI's I/O guarantees (publish race,
+# signals, disk full) with this venv's burst-hpc; BURST_HPC_HDF5_MPIO=1 is the default, said aloud
+test-phdf5: $(PHDF5_STAMP)
+	@set -e; export BURST_HPC_HDF5_MPIO=1 MPIEXEC=$$(command -v $(PHDF5_MPIEXEC)) OMPI_MCA_btl_vader_single_copy_mechanism=none; \
+	for n in $(PHDF5_RANKS); do \
+	  echo "== mpi_tests/test_io.py through parallel HDF5 on $$n rank(s) =="; \
+	  timeout $(MPI_TIMEOUT) $(PHDF5_MPIEXEC) -n $$n $(PHDF5_PY) -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests/test_io.py; \
+	done; \
+	echo "== CLI I/O guarantees with parallel HDF5 =="; \
+	$(PHDF5_PY) -m pytest -q -p no:cacheprovider tests/test_jobsafety.py
+
 # sm90 sources need the arch-specific target (plain -arch=sm_90a gives no sm_90a code with nvcc 13);
 # one line per kernel: registers and spills from the ptxas report; ptxas warnings in full, its numbered
 # notes (e.g. C7519, a warpgroup.arrive ptxas injected) counted; the whole report on a compile error
@@ -74,4 +120,4 @@ demo: $(STAMP)
 	bash examples/demo.sh "$(MPIEXEC)" "$(VPY)"
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) $(PHDF5_VENV) build *.egg-info .pytest_cache

@@ -6,6 +6,7 @@
     mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--layout L] [--transport T]
                                              [--backend numpy|cuda|auto] [--verify] [--overwrite]
     [mpiexec -n P] burst-hpc check
+    burst-hpc clean OUT.h5 [--dry-run]
 
 Exit status: 0 success, 1 bad input or a failed run (one message, on rank 0, every rank exits 1),
 2 bad command line, 3 ``--verify`` found a mismatch / ``check`` found a failure. ``--help`` of each
@@ -21,7 +22,7 @@ import numpy as np
 
 from . import __version__
 from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
-from . import verify
+from . import jobsafety, verify
 from .collective import HOW_TO_GET_MPI, Alone, agree, describe, mpi_problem, world as _world
 from .device import gpu_count as _gpu_count
 from .errors import BackendError, BurstError, FileError
@@ -138,8 +139,15 @@ def cmd_info(args):
     lines.append(f"transport auto: NumPy arrays -> {choose_transport('auto', on_device=False)}; "
                  f"CuPy arrays -> {on_device}")
     lines.append(f"backend auto: {'cuda' if _gpu_count() else 'numpy'}")
+    lines.append(f"HDF5 output: {_hdf5_write_path(comm.size)}")
     print("\n".join(lines), flush=True)
     return 0
+
+
+def _hdf5_write_path(size):
+    from .io import write_path
+
+    return write_path(size)
 
 
 def _gpu_summary():
@@ -171,6 +179,7 @@ def cmd_gen(args):
     err = None
     if rank == 0:
         try:
+            _note_stale(args.output)
             dtype = parse_dtype(args.dtype)
             total = args.batch * args.seqlen
             shown = [time.perf_counter()]
@@ -284,6 +293,7 @@ def cmd_run(args):
         xp, backend = _setup_backend(args.backend, comm)
         if rank == 0:  # before reading anything: an existing output is kept unless --overwrite
             io.check_output_path(args.output, [args.input], args.overwrite)
+            _note_stale(args.output)
         probe = io.inspect_input(args.input, names)  # the documents and length decide the layout
         mask = masks.make(probe.seqlen, causal, args.window, probe.cu_seqlens)
         if layout is None:
@@ -453,7 +463,7 @@ def build_parser():
                      "  mpiexec -n 8 burst-hpc run in.h5 out.h5 --causal --backward --verify\n"
                      "  mpiexec -n 8 burst-hpc check      # self-test of the kernels and the ring on this machine")
     parser.add_argument("--version", action="version", version=f"burst-hpc {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,plan,check}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,plan,check,clean}", parser_class=_Parser)
     sub.required = True
 
     p = sub.add_parser("info", help="versions, GPUs, MPI library, CUDA-awareness, NCCL, transport choice",
@@ -608,6 +618,7 @@ def build_parser():
                    help="draw the inputs from this seed (the table's header prints the seed of every run, so a "
                    "failure can be replayed) (default: a fresh seed)")
     p.set_defaults(func=cmd_check)
+    _add_clean(sub)
     return parser
 
 
@@ -664,7 +675,44 @@ def cmd_check(args):
     return EXIT_MISMATCH if not passed else 0
 
 
+# =========================================================================== clean (jobsafety)
+
+def _note_stale(output):
+    """Rank 0, before writing ``output``: name temporary files a killed job left next to it."""
+    for line in jobsafety.stale_note(output):
+        sys.stderr.write(line + "\n")
+    sys.stderr.flush()
+
+
+def _add_clean(sub):
+    p = sub.add_parser("clean", help="remove temporary files a killed job left next to an output",
+                       description=_wrap("A job killed from outside (SIGKILL, a node failure) can leave "
+                       "OUT.h5.tmp-<host>-<pid>-<tag> next to OUT.h5. List them and remove those whose job is gone "
+                       "(same host, process no longer running). A running job's file is never removed; one "
+                       "written on another host is listed with the command to remove it by hand."))
+    p.add_argument("output", metavar="OUT.h5", help="the output whose temporary files to look for")
+    p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.set_defaults(func=cmd_clean)
+
+
+def cmd_clean(args):
+    print("\n".join(jobsafety.clean(args.output, args.dry_run)), flush=True)
+    return 0
+
+
 def main(argv=None):
+    """The command; with ``argv`` None (the real command line) SIGTERM/SIGINT end the job cleanly
+    and an HDF5 write failure ends the process without HDF5's exit handler (no crash at exit)."""
+    if argv is None:
+        jobsafety.watch_signals()
+        jobsafety.quiet_hdf5_dealloc()
+    code = _main(argv)
+    if argv is None and jobsafety.hdf5_broken():
+        jobsafety.exit_now(code)
+    return code
+
+
+def _main(argv=None):
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)

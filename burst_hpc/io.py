@@ -13,8 +13,10 @@ File format (see docs/USAGE.md):
 Reading: every rank opens the input read-only and reads only the token runs it owns
 (both halves under the zigzag layout).
 
-Writing: the output is built under a temporary name next to the final one and renamed only once
-every rank has written its part, so a failure never leaves a file under the output's name.
+Writing: the output is built under a temporary name next to the final one (``OUT.tmp-<host>-<pid>-<tag>``,
+see jobsafety) and published only once every rank has written its part, so a failure never leaves a
+file under the output's name; publishing never replaces a file that appeared under that name while
+the job ran (unless ``overwrite``).
 With an MPI-enabled h5py the ranks write through parallel HDF5 (driver ``mpio``); otherwise rank 0
 creates the file and the ranks write their token runs one after another, passing a token along
 the ranks (each opens, writes, closes, then hands on), which is safe on any file system.
@@ -23,11 +25,10 @@ Every collective step ends with :func:`agree`: if any rank failed, every rank ra
 error (the lowest failing rank's message), so the job exits cleanly everywhere.
 """
 import os
-import uuid
 
 import numpy as np
 
-from . import __version__
+from . import __version__, jobsafety
 from .collective import agree, describe
 from .dtypes import SUPPORTED, bfloat16, dtype_name
 from .errors import BurstError, DTypeError, FileError, MaskError, ShapeError
@@ -38,6 +39,9 @@ INPUTS = ("q", "k", "v", "do")
 GRADS = ("dq", "dk", "dv")
 TOKEN_AXIS = {"q": 1, "k": 1, "v": 1, "do": 1, "o": 1, "dq": 1, "dk": 1, "dv": 1, "lse": 2}
 CHUNK_BYTES = 1 << 20  # aim for about 1 MiB per chunk
+# writes go straight to the file (no chunk cache): a failed write (disk full, quota) raises at the
+# write call, instead of when HDF5 flushes the cache while closing a dataset, after which it crashes
+WRITE_OPTS = {"rdcc_nbytes": 0}
 _TAG = 7301
 
 
@@ -94,7 +98,9 @@ def create_dataset(f, name, shape, dtype):
     """A chunked dataset for a tensor of ``dtype`` (token axis from TOKEN_AXIS, else 1)."""
     stored, attrs = stored_dtype(dtype)
     chunks = chunk_shape(shape, stored.itemsize, TOKEN_AXIS.get(name, 1)) if all(shape) else None
-    ds = f.create_dataset(name, shape=shape, dtype=stored, chunks=chunks)
+    # no fill values written: every element is written by a rank (parallel HDF5 allocates every
+    # chunk when the dataset is created and would otherwise write the whole dataset twice)
+    ds = f.create_dataset(name, shape=shape, dtype=stored, chunks=chunks, fill_time="never")
     for key, value in attrs.items():
         ds.attrs[key] = value
     return ds
@@ -298,6 +304,20 @@ def _mpio_enabled(comm):
     return bool(h5py.get_config().mpi)
 
 
+def write_path(size):
+    """How a run on ``size`` ranks writes its output (``burst-hpc info`` prints it)."""
+    import h5py
+
+    if not h5py.get_config().mpi:
+        return ("rank-ordered token passing (this h5py has no parallel HDF5; 'make setup-phdf5' builds one "
+                "against Debian's libhdf5-openmpi-dev)")
+    if os.environ.get("BURST_HPC_HDF5_MPIO", "1") == "0":
+        return "rank-ordered token passing (BURST_HPC_HDF5_MPIO=0; this h5py has parallel HDF5)"
+    if size < 2:
+        return "parallel HDF5 (mpio driver) with 2 or more ranks; one rank writes alone"
+    return "parallel HDF5 (mpio driver): every rank writes its tokens at once"
+
+
 class OutputFile:
     """One HDF5 output written by every rank, visible under its name only after :meth:`commit`.
 
@@ -315,6 +335,7 @@ class OutputFile:
     def __init__(self, path, tmp, comm, datasets, mpio):
         self.path, self.tmp, self.comm, self.datasets, self.mpio = path, tmp, comm, datasets, mpio
         self.done = False
+        self.overwrite = False
 
     @property
     def rank(self):
@@ -336,22 +357,24 @@ class OutputFile:
         if rank == 0:
             try:
                 tmp = check_output_path(path, inputs, overwrite)
+                jobsafety.check_space(os.path.dirname(tmp), _bytes_needed(datasets), f"output {path!r}")
             except Exception as e:  # noqa: BLE001
                 err = e
         if comm is not None and comm.size > 1:
             tmp = comm.bcast(tmp, root=0)
         agree(comm, err)
         self = cls(path, tmp, comm, dict(datasets), mpio)
+        self.overwrite = overwrite
+        jobsafety.track(tmp)  # every rank: a signal on any rank removes it
         err = None
         try:
             if mpio:
-                with h5py.File(tmp, "w", driver="mpio", comm=comm) as f:
-                    self._layout(f, attrs)
+                self._mpio("w", lambda f: self._layout(f, attrs), f"cannot write output {path!r}")
             elif rank == 0:
-                with h5py.File(tmp, "w") as f:
+                with h5py.File(tmp, "w", **WRITE_OPTS) as f:
                     self._layout(f, attrs)
         except Exception as e:  # noqa: BLE001
-            err = FileError(f"cannot write output {path!r}: {describe(e)}")
+            err = _io_failure(f"cannot write output {path!r}", e, tmp)
         try:
             agree(comm, err)
         except BurstError:
@@ -374,8 +397,8 @@ class OutputFile:
         err = None
         if self.mpio:
             try:
-                with h5py.File(self.tmp, "r+", driver="mpio", comm=self.comm) as f:
-                    self._write_mine(f, shards, layout)
+                self._mpio("r+", lambda f: self._write_mine(f, shards, layout),
+                           f"writing {self.path!r} failed on rank {self.rank}")
             except Exception as e:  # noqa: BLE001
                 err = e
         else:
@@ -385,15 +408,38 @@ class OutputFile:
                 failed = self.comm.recv(source=self.rank - 1, tag=_TAG)
             if not failed:
                 try:
-                    with h5py.File(self.tmp, "r+") as f:
+                    with h5py.File(self.tmp, "r+", **WRITE_OPTS) as f:
                         self._write_mine(f, shards, layout)
                 except Exception as e:  # noqa: BLE001
                     err = e
             if self.rank < self.size - 1:
                 self.comm.send(bool(failed or err), dest=self.rank + 1, tag=_TAG)
         if err is not None:
-            err = FileError(f"writing {self.path!r} failed on rank {self.rank}: {describe(err)}")
+            err = _io_failure(f"writing {self.path!r} failed on rank {self.rank}", err, self.tmp)
         agree(self.comm, err)
+
+    def _mpio(self, mode, fn, what):
+        """Parallel HDF5: open, ``fn(f)``, close, all collective. Our own checks (a BurstError)
+        raise before the ranks' HDF5 calls diverge and are agreed as usual. An HDF5 failure (disk
+        full, quota) on some ranks leaves the others inside an HDF5 collective that never
+        completes, and closing the file would wait for them too: the failing rank then removes the
+        temporary file, says why in one line and aborts the job, instead of a hang."""
+        import h5py
+
+        f = h5py.File(self.tmp, mode, driver="mpio", comm=self.comm, **WRITE_OPTS)
+        try:
+            try:
+                fn(f)
+            except BurstError:
+                f.close()
+                raise
+            f.close()
+        except BurstError:
+            raise
+        except Exception as e:  # noqa: BLE001
+            _NEVER_CLOSED.append(f)  # its close is collective: it must not run at garbage collection
+            jobsafety.abort_job(f"{_io_failure(what, e, self.tmp)}; parallel HDF5 cannot go on after a failed "
+                                "collective write, so the job is stopped")
 
     def _write_mine(self, f, shards, layout):
         for name, array in shards.items():
@@ -415,15 +461,22 @@ class OutputFile:
                 raise ShapeError(f"output {name!r}: shard has {array.shape[axis]} tokens, layout gives {offset}")
 
     def commit(self):
-        """Rename the temporary file to the output's name once every rank has finished."""
+        """Publish the temporary file under the output's name once every rank has finished; a file
+        that appeared there meanwhile is replaced only with ``overwrite`` (else every rank raises
+        the FileError that says where this job's result is kept)."""
         err = None
         if self.comm is not None and self.size > 1:
             self.comm.Barrier()
         if self.rank == 0:
             try:
-                os.replace(self.tmp, self.path)
+                jobsafety.publish(self.tmp, self.path, self.overwrite)
+            except FileError as e:
+                err = e
             except OSError as e:
                 err = FileError(f"cannot move the finished output to {self.path!r}: {e}")
+        jobsafety.untrack(self.tmp)  # published, kept or gone: no longer ours to remove
+        if getattr(err, "kept", None):
+            self.done = True  # the result lives under the kept name: abort must not touch it
         try:
             agree(self.comm, err)
         except BurstError:
@@ -437,11 +490,48 @@ class OutputFile:
             self._remove()
 
     def _remove(self):
-        if self.rank == 0 and self.tmp and os.path.exists(self.tmp):
+        if self.tmp:
+            jobsafety.untrack(self.tmp)
+        if self.rank == 0 and not self.done and self.tmp and os.path.exists(self.tmp):
             try:
                 os.remove(self.tmp)
             except OSError:
                 pass
+
+
+_NEVER_CLOSED = []
+
+
+def _bytes_needed(datasets):
+    """Bytes of the datasets plus room for HDF5's metadata and chunk index."""
+    data = sum(int(np.prod(shape, dtype=np.int64)) * stored_dtype(dtype)[0].itemsize
+               for shape, dtype in datasets.values())
+    return int(data * 1.01) + (256 << 10)
+
+
+def _full(path):
+    """True when the file system holding ``path`` has (almost) no space left."""
+    try:
+        st = os.statvfs(os.path.dirname(os.path.abspath(path)))
+    except (OSError, TypeError):
+        return False
+    return st.f_bavail * st.f_frsize < (64 << 10)
+
+
+def _io_failure(what, error, path=None):
+    """A FileError for a failed HDF5 write, in one line (ENOSPC and EDQUOT named plainly); an
+    OS-level failure also marks HDF5 as broken, so the process exits without its exit handler."""
+    if isinstance(error, BurstError):
+        return FileError(f"{what}: {error}")
+    jobsafety.note_hdf5_failure()
+    text = str(error)
+    if "errno = 28" in text or getattr(error, "errno", None) == 28 or _full(path):
+        reason = "the file system is full (No space left on device)"
+    elif "errno = 122" in text or getattr(error, "errno", None) == 122:
+        reason = "the disk quota is exceeded"
+    else:
+        reason = describe(error).split("\n")[0]
+    return FileError(f"{what}: {reason}")
 
 
 def check_output_path(path, inputs=(), overwrite=False):
@@ -462,7 +552,7 @@ def check_output_path(path, inputs=(), overwrite=False):
         raise FileError(f"cannot write output {path!r}: directory {parent!r} is not writable")
     if os.path.lexists(full) and not overwrite:
         raise FileError(f"output {path!r} already exists; pass --overwrite to replace it (or choose another name)")
-    return f"{full}.tmp-{uuid.uuid4().hex[:12]}"
+    return jobsafety.temp_name(full)
 
 
 def output_datasets(spec, backward):
@@ -492,24 +582,51 @@ def read_global(path, names=None):
 
 def write_global(path, arrays, attrs=None, overwrite=False):
     """Write whole arrays {name: array} into a new file atomically (single process)."""
+    def fill(f):
+        for name, array in arrays.items():
+            array = np.asarray(array)
+            ds = create_dataset(f, name, array.shape, array.dtype)
+            if array.size:
+                write_slab(ds, (), array)
+        f.attrs["format"] = FORMAT
+        f.attrs["burst_hpc_version"] = __version__
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value
+
+    needed = sum(np.asarray(a).nbytes for a in arrays.values())
+    write_new(path, fill, overwrite, _bytes_needed({0: ((needed,), np.uint8)}))
+
+
+def write_new(path, fill, overwrite=False, needed=0):
+    """Single process: build a new HDF5 file with ``fill(f)`` under a temporary name and publish it
+    (never replacing a file that appeared meanwhile, unless ``overwrite``). A failed write (disk
+    full, quota) raises one FileError and leaves no file behind."""
     import h5py
 
     tmp = check_output_path(path, overwrite=overwrite)
     try:
-        with h5py.File(tmp, "w") as f:
-            for name, array in arrays.items():
-                array = np.asarray(array)
-                ds = create_dataset(f, name, array.shape, array.dtype)
-                if array.size:
-                    write_slab(ds, (), array)
-            f.attrs["format"] = FORMAT
-            f.attrs["burst_hpc_version"] = __version__
-            for key, value in (attrs or {}).items():
-                f.attrs[key] = value
-        os.replace(tmp, path)
+        jobsafety.track(tmp)
+        jobsafety.check_space(os.path.dirname(tmp), needed, f"output {path!r}")
+        failure = None
+        try:
+            with h5py.File(tmp, "w", **WRITE_OPTS) as f:
+                fill(f)
+        except BurstError:
+            raise
+        except Exception as e:  # noqa: BLE001 - one line below, without HDF5's objects in a traceback
+            failure = _io_failure(f"cannot write {path!r}", e, tmp)
+        if failure is not None:
+            raise failure
+        try:
+            jobsafety.publish(tmp, path, overwrite)
+        except FileError:
+            tmp = None  # lost a race: the result stays under the name the message gives
+            raise
     finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+        if tmp is not None:
+            jobsafety.untrack(tmp)
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 # --------------------------------------------------------------------------- random inputs
@@ -528,8 +645,6 @@ def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with
     The file is built under a temporary name and renamed when complete; an existing file at
     ``path`` is refused unless ``overwrite``.
     """
-    import h5py
-
     dtype = np.dtype(dtype)
     for label, n in (("batch", batch), ("seqlen", seqlen), ("heads", heads), ("kv-heads", kv_heads),
                      ("head-dim", head_dim)):
@@ -546,43 +661,41 @@ def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with
     shapes = {"q": (batch, seqlen, heads, head_dim), "k": (batch, seqlen, kv_heads, head_dim)}
     shapes["v"] = shapes["k"]
     shapes["do"] = shapes["q"]
-    tmp = check_output_path(path, overwrite=overwrite)
     total = sum(batch * seqlen * shapes[n][2] * head_dim for n in names)
     written = 0
-    try:
-        with h5py.File(tmp, "w") as f:
-            f.attrs["format"] = FORMAT
-            f.attrs["burst_hpc_version"] = __version__
-            f.attrs["kind"] = "inputs"
-            f.attrs["seed"] = int(seed)
-            f.attrs["batch"], f.attrs["seqlen"] = batch, seqlen
-            f.attrs["heads"], f.attrs["kv_heads"], f.attrs["head_dim"] = heads, kv_heads, head_dim
-            f.attrs["dtype"] = dtype_name(dtype)
-            for key, value in (attrs or {}).items():
-                f.attrs[key] = value
-            if cu_seqlens is not None:
-                f.create_dataset("cu_seqlens", data=cu_seqlens)
-            for t, name in enumerate(names):
-                shape = shapes[name]
-                ds = create_dataset(f, name, shape, dtype)
-                row = shape[2] * head_dim
-                blocks_per_write = max(1, max_elements // (GEN_BLOCK_TOKENS * row))
-                step = blocks_per_write * GEN_BLOCK_TOKENS
-                for b in range(batch):
-                    for s0 in range(0, seqlen, step):
-                        s1 = min(seqlen, s0 + step)
-                        buf = np.empty((1, s1 - s0, shape[2], head_dim), dtype)
-                        for blk0 in range(s0, s1, GEN_BLOCK_TOKENS):
-                            blk1 = min(s1, blk0 + GEN_BLOCK_TOKENS)
-                            rng = np.random.default_rng([int(seed), t, b, blk0 // GEN_BLOCK_TOKENS])
-                            values = rng.standard_normal((1, blk1 - blk0, shape[2], head_dim), np.float32)
-                            buf[:, blk0 - s0:blk1 - s0] = values.astype(dtype)
-                        write_slab(ds, (slice(b, b + 1), slice(s0, s1)), buf)
-                        written += buf.size
-                        if progress is not None:
-                            progress(written, total)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+
+    def fill(f):
+        nonlocal written
+        f.attrs["format"] = FORMAT
+        f.attrs["burst_hpc_version"] = __version__
+        f.attrs["kind"] = "inputs"
+        f.attrs["seed"] = int(seed)
+        f.attrs["batch"], f.attrs["seqlen"] = batch, seqlen
+        f.attrs["heads"], f.attrs["kv_heads"], f.attrs["head_dim"] = heads, kv_heads, head_dim
+        f.attrs["dtype"] = dtype_name(dtype)
+        for key, value in (attrs or {}).items():
+            f.attrs[key] = value
+        if cu_seqlens is not None:
+            f.create_dataset("cu_seqlens", data=cu_seqlens)
+        for t, name in enumerate(names):
+            shape = shapes[name]
+            ds = create_dataset(f, name, shape, dtype)
+            row = shape[2] * head_dim
+            blocks_per_write = max(1, max_elements // (GEN_BLOCK_TOKENS * row))
+            step = blocks_per_write * GEN_BLOCK_TOKENS
+            for b in range(batch):
+                for s0 in range(0, seqlen, step):
+                    s1 = min(seqlen, s0 + step)
+                    buf = np.empty((1, s1 - s0, shape[2], head_dim), dtype)
+                    for blk0 in range(s0, s1, GEN_BLOCK_TOKENS):
+                        blk1 = min(s1, blk0 + GEN_BLOCK_TOKENS)
+                        rng = np.random.default_rng([int(seed), t, b, blk0 // GEN_BLOCK_TOKENS])
+                        values = rng.standard_normal((1, blk1 - blk0, shape[2], head_dim), np.float32)
+                        buf[:, blk0 - s0:blk1 - s0] = values.astype(dtype)
+                    write_slab(ds, (slice(b, b + 1), slice(s0, s1)), buf)
+                    written += buf.size
+                    if progress is not None:
+                        progress(written, total)
+
+    write_new(path, fill, overwrite, _bytes_needed({0: ((total,), dtype)}))
     return names if cu_seqlens is None else names + ("cu_seqlens",)
