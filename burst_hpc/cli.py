@@ -139,7 +139,7 @@ def cmd_info(args):
     lines.append(f"transport auto: NumPy arrays -> {choose_transport('auto', on_device=False)}; "
                  f"CuPy arrays -> {on_device}")
     lines.append(f"backend auto: {'cuda' if _gpu_count() else 'numpy'}")
-    lines.append(f"HDF5 output: {_hdf5_write_path(comm.size)}")
+    lines.append(f"HDF5 output: {_hdf5_write_path(1 if missing is not None else comm.size)}")
     print("\n".join(lines), flush=True)
     return 0
 

@@ -266,15 +266,31 @@ def _watch():
         _stop(signum)
 
 
+def _watch_wakeup(fd):
+    while True:
+        for signum in os.read(fd, 64):
+            if signum in {int(s) for s in _HANDLED}:
+                _stop(signum)
+
+
 def watch_signals():
-    """Handle SIGTERM and SIGINT in a thread of their own. They are blocked in every other thread
-    (call this before MPI starts its threads), so a rank stuck in an MPI call or a long C routine
-    still reacts: the watcher removes the job's temporary file and ends the process at once."""
+    """Handle SIGTERM and SIGINT in a thread of their own. They are blocked in this thread and in
+    every thread started after this call (MPI's), so a rank stuck in an MPI call or a long C routine
+    still reacts: the watcher removes the job's temporary file and ends the process at once.
+    Threads started before it (a BLAS thread pool, at numpy's import) do not block them, and the
+    kernel may deliver the signal there: Python's handler then writes it to a wakeup pipe, which a
+    second watcher reads, so the signal is never left to its default action (death, file left)."""
     global _watching
     if _watching or threading.current_thread() is not threading.main_thread():
         return
     signal.pthread_sigmask(signal.SIG_BLOCK, _HANDLED)
+    read_end, write_end = os.pipe()
+    os.set_blocking(write_end, False)
+    signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+    for signum in _HANDLED:
+        signal.signal(signum, lambda *_: None)  # the watchers act; the main thread has nothing to do
     threading.Thread(target=_watch, name="burst-hpc-signals", daemon=True).start()
+    threading.Thread(target=_watch_wakeup, args=(read_end,), name="burst-hpc-signal-pipe", daemon=True).start()
     _watching = True
 
 
