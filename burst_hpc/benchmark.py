@@ -45,12 +45,17 @@ class _Counted:
 
 
 class NoExchange:
-    """A transport whose exchanges complete at once and move nothing."""
+    """A transport whose exchanges complete at once and move nothing: receive buffers are zeroed
+    (a memset, no communication), so the compute they feed sees finite data rather than whatever
+    a reused buffer held (a partial's -inf lse, say, which would turn the merge into NaN)."""
 
     def __init__(self, like):
         self.xp, self.rank, self.size = like.xp, like.rank, like.size
 
     def exchange(self, sends, recvs):
+        for _, arrays in recvs:
+            for a in arrays:
+                a.fill(0)
         return self
 
     def wait(self):
