@@ -30,12 +30,13 @@ class Rates:
     inter_latency_us: float = 10.0
 
 
-# from docs/BENCHMARKS.md (sm90 kernels: forward 575-615, backward 370-391 TFLOP/s at D=128) and
+# from docs/BENCHMARKS.md (sm90 kernels on H100 at D=128, S >= 16k: forward 580-620, backward 500-558
+# TFLOP/s with the FlashAttention-3-shaped backward; H200 scaled by its forward) and
 # ../shared/DEVICE.md (NVLink ring exchange 300-356 GB/s); 50 GB/s per GPU between nodes is a
 # 400 Gb/s NIC per GPU. "cpu" is this library's NumPy path on one host (emulated nodes).
 GPU_RATES = {
-    "H100": Rates("H100", 590.0, 380.0, 300.0, 50.0),
-    "H200": Rates("H200", 600.0, 390.0, 350.0, 50.0),
+    "H100": Rates("H100", 600.0, 520.0, 300.0, 50.0),
+    "H200": Rates("H200", 610.0, 530.0, 350.0, 50.0),
     "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0),
 }
 
