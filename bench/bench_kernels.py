@@ -16,11 +16,15 @@ Ratios are to cuDNN, for the first family of --families (the default family of t
     python3 bench/bench_kernels.py [--quick] [--dims 128,64] [--seqs 4096,16384] [--families sm90,sm80]
                                    [--no-torch] [--reps N] [--md out.md] [--write-docs]
     python3 bench/bench_kernels.py --masks [--families ...] [--md out.md]
+    python3 bench/bench_kernels.py --fwd-shapes [--dims 64] [--seqs 4096,16384]
 
 --masks: the masked rows instead (D = 128, S = 16k, causal): packed documents of 2k-8k tokens and a 4k
 sliding window against plain causal, TFLOP/s counted over the visible (query, key) pairs only; torch
 takes the same mask as a dense boolean attn_mask (cuDNN where it accepts one, else its
 memory-efficient kernel; the column says which ran).
+
+--fwd-shapes: the sm90 forward at each of its instantiated tile heights for D (default 64), forced, and the
+one the backend picks: the numbers behind _D64_TWO_CONSUMER_RATE in cuda_backend.py.
 
 --write-docs replaces the "## Kernels (single GPU)" latest-table block of docs/BENCHMARKS.md.
 """
@@ -87,6 +91,7 @@ def parse_args():
     ap.add_argument("--write-docs", action="store_true")
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--masks", action="store_true", help="the masked rows (documents, window) instead")
+    ap.add_argument("--fwd-shapes", action="store_true", help="the sm90 forward at each tile height")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (default 128,64)")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 4096,16384,32768)")
     ap.add_argument("--families", default=None,
@@ -111,6 +116,8 @@ def main():
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if args.masks:
         return mask_rows(families, torch, args.reps, dev, args.md)
+    if args.fwd_shapes:
+        return forward_shapes(args)
     B, H = 1, 32
     dims = (128,) if args.quick else (128, 64)
     seqs = (16384,) if args.quick else (4096, 16384, 32768)
@@ -222,6 +229,28 @@ def mask_cases(s):
         bounds.append(min(s, bounds[-1] + int(rng.integers(2048, 8193))))
     return (("causal", None), (f"documents 2k-8k ({len(bounds) - 1})", masks.make(s, True, None, np.array(bounds))),
             ("window 4096", masks.make(s, True, (4096, 0), None)))
+
+
+def forward_shapes(args, B=1, H=32):
+    """TFLOP/s of the sm90 forward at each tile height (forced), and the height the backend picks."""
+    be = cuda_backend.CudaBackend.instance(family="sm90")
+    for d in tuple(int(x) for x in (args.dims or "64").split(",")):
+        for s in tuple(int(x) for x in (args.seqs or "4096,16384").split(",")):
+            q, k, v = (cupy.random.standard_normal((B, s, H, d), dtype=cupy.float32).astype(BF16) for _ in range(3))
+            o = cupy.zeros((B, s, H, d), cupy.float32)
+            lse = cupy.full((B, H, s), -cupy.inf, cupy.float32)
+            for causal in (False, True):
+                flops = 4.0 * s * s * H * d * (0.5 if causal else 1.0)
+                cells = []
+                for rows, *_ in be._sm90_forward_shapes(d):
+                    be._forced_fwd_rows = rows
+                    t = time_cupy(lambda: be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=causal), 3,
+                                  args.reps)
+                    cells.append(f"BM={rows}: {flops / t / 1e9:.0f}")
+                be._forced_fwd_rows = None
+                picked = be._forward_shape(d, B * H, s)[0]
+                print(f"D={d} S={s} causal={causal}: " + ", ".join(cells) + f" TFLOP/s; picked BM={picked}",
+                      flush=True)
 
 
 def mask_rows(families, torch, reps, dev, md_path, s=16384, d=128, heads=32):

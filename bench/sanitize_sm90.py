@@ -1,5 +1,5 @@
-"""Every sm90 kernel instance (forward and backward, D = 64 and 128, full, causal and interval masks, bf16
-and fp16) once on small shapes, for compute-sanitizer:
+"""Every sm90 kernel instance (forward and backward, D = 64, 128 and 256, each forward tile height, full,
+causal and interval masks, bf16 and fp16) once on small shapes, for compute-sanitizer:
 
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_sm90.py
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 bench/sanitize_sm90.py
@@ -27,7 +27,8 @@ def main():
     rng = np.random.default_rng()
     worst = 0.0
     for dtype in (np.dtype("bfloat16"), np.dtype(np.float16)):
-        for d in (64, 128):
+        for d, rows in ((64, 128), (64, 192), (128, 128), (256, 128)):  # every forward shape (tile height)
+            be._forced_fwd_rows = rows
             for mode in ("full", "causal", "interval"):
                 causal = mode != "full"
                 b, sq, sk, hq, hkv = 1, 200, 300, 4, 2
@@ -56,7 +57,7 @@ def main():
                 for name, got, want in zip(("o", "dq", "dk", "dv"), (o, dq_, dk_, dv_), (ref_o, *grads)):
                     err = float(np.abs(cupy.asnumpy(got) - want).max() / max(np.abs(want).max(), 1e-6))
                     worst = max(worst, err)
-                    tag = f"{dtype.name} d{d} {mode} {name}"
+                    tag = f"{dtype.name} d{d} BM{rows} {mode} {name}"
                     print(f"{tag:28s} rel max err {err:.2e}")
                     if not np.isfinite(err) or err > 5e-2:
                         print(f"FAIL {tag}")

@@ -1,85 +1,137 @@
 // Attention forward over one (query block, key block) pair for Hopper (sm_90a), merged into a
 // running float32 (o, lse): the same contract as attn_fwd.cu (docs/KERNELS.md).
 //
-// A CTA owns BM = 64 x (consumer warpgroups) query rows of one (batch, query head):
-// - the producer (warpgroup 0) gives its registers away and has one thread issue TMA loads: the Q tile
-//   once, then K and V tiles of BN keys into a STAGES-deep ring of shared-memory buffers, each with a
-//   "full" mbarrier (TMA bytes landed) and an "empty" one (both consumers done reading);
-// - two consumers at D = 128, three at D = 64 (warpgroups 1..), 64 query rows each, run S = Q K^T (wgmma, both operands in shared
+// Persistent: one CTA per SM takes tiles of the schedule below until none is left: its first is blockIdx.x,
+// each next one comes from a global counter (the producer takes it while the tile before is loading), so a
+// CTA that drew light causal or masked tiles takes more. A tile is BM = 64 x (consumer warpgroups) query
+// rows of one (batch, query head):
+// - the producer (warpgroup 0) gives its registers away and has one thread issue TMA loads: the tile's Q
+//   (one buffer, refilled for the next tile as soon as both consumers have issued their last Q K^T, so it
+//   lands while they finish the last P V and the epilogue; the tile's index goes to the consumers in a
+//   shared-memory slot published by the same barrier), then K and V tiles of BN keys into a
+//   STAGES-deep ring of shared-memory buffers that runs on across tiles, each stage with a "full"
+//   mbarrier (TMA bytes landed) and an "empty" one (both consumers done reading);
+// - consumers (warpgroups 1..), 64 query rows each, run S = Q K^T (wgmma, both operands in shared
 //   memory), the online softmax on the accumulator registers, and O += P V (wgmma, P from registers).
 //   Inside a consumer the softmax of tile t overlaps the P V product of tile t-1: the loop issues
 //   S_t = Q K_t^T and O += P_{t-1} V_{t-1} back to back and waits only for S_t before the softmax.
+// Shapes: D = 64 runs 2 or 3 consumers (BM 128 or 192; the host picks the one whose tile count fills the
+// SMs best), D = 128 two consumers and 128-key tiles, D = 256 two consumers and 64-key tiles (its O
+// accumulator is 128 registers per thread).
+// Schedule: query heads in chunks of `hchunk` (the host sizes a chunk's K/V to stay in L2); inside a
+// chunk, query blocks in rank order, each over the chunk's heads: causal ranks run the heaviest block first,
+// interval masks take the host's longest-first `order` of query blocks, full attention plain order.
 // Causal masking is on global positions (key j hidden from query i when j > i + off, off = q_start -
-// k_start); key tiles hidden from every row of the CTA are never loaded; causal CTAs run heavy first.
+// k_start); key tiles hidden from every row of the tile are never loaded.
 // Interval masks (IV: documents, sliding windows; docs/KERNELS.md "Masks"): local row r sees the keys
 // whose global position lies in [mlo[r], mhi[r]), local key c at global kofs + c; both bounds never
-// decrease with r, so a CTA loads only the key tiles in [mlo[first row], mhi[last row]) and a warpgroup's
-// tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
-// The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel.
+// decrease with r, so a tile loads only the key tiles in [mlo[first row], mhi[last row]) and a warpgroup's
+// key tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
+// The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel; the old o
+// rows are prefetched to L2 two key tiles before it.
 #include "sm90_epilogue.cuh"
 #include "sm90_pipeline.cuh"
 
 namespace fwd90 {
-constexpr int BN = 128, STAGES = 2;
-// consumer warpgroups (64 query rows each): two at D = 128 (240 registers each), three at D = 64, where a
-// tile's GEMMs are half as long and a third warpgroup keeps the tensor cores fed during softmax
-template <int D>
+constexpr int STAGES = 2;
+// CONSUMERS warpgroups of 64 query rows; keys per tile and register split per head dim
+template <int D, int CONSUMERS>
 struct Cfg {
-  static constexpr int CONSUMERS = D == 64 ? 3 : 2;
+  static_assert((D == 64 && (CONSUMERS == 2 || CONSUMERS == 3)) || ((D == 128 || D == 256) && CONSUMERS == 2),
+                "instantiated shapes");
   static constexpr int BM = 64 * CONSUMERS;
+  static constexpr int BN = D == 256 ? 64 : 128;
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
-  static constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = D == 64 ? 160 : 240;
+  // setmaxnreg moves registers within the CTA's launch allocation (the per-thread count ptxas gives a
+  // 1-CTA-per-SM kernel, a multiple of 8, times THREADS): asking for more than it holds hangs the CTA
+  static constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 32 : 40, CONSUMER_REGS = CONSUMERS == 3 ? 160 : 232;
+  static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= (65536 / THREADS) / 8 * 8 * THREADS,
+                "register split exceeds the launch allocation");
 };
 
 // shared memory, byte offsets from a 1024-aligned base: Q | K stages | V stages | barriers
-template <int D>
+template <int D, int CONSUMERS>
 struct Smem {
-  static constexpr int BM = Cfg<D>::BM;
+  static constexpr int BM = Cfg<D, CONSUMERS>::BM, BN = Cfg<D, CONSUMERS>::BN;
   static constexpr u32 kTile = BN * D * 2;  // one K or V tile
   static constexpr u32 kQ = 0;
   static constexpr u32 kK = kQ + BM * D * 2;
   static constexpr u32 kV = kK + STAGES * kTile;
-  static constexpr u32 kBar = kV + STAGES * kTile;  // q_full, then per stage k_full, v_full, k_empty, v_empty
-  static constexpr u32 kBytes = kBar + 8 * (1 + 4 * STAGES) + 1024;  // + alignment slack
+  static constexpr u32 kBar = kV + STAGES * kTile;  // q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty
+  static constexpr u32 kSlot = kBar + 8 * (2 + 4 * STAGES);  // the index of the tile in the Q buffer
+  static constexpr u32 kBytes = kSlot + 16 + 1024;  // + alignment slack
   __device__ static u32 q_full(u32 base) { return base + kBar; }
-  __device__ static u32 k_full(u32 base, int s) { return base + kBar + 8 * (1 + 4 * s); }
+  __device__ static u32 q_empty(u32 base) { return base + kBar + 8; }
+  __device__ static u32 k_full(u32 base, int s) { return base + kBar + 8 * (2 + 4 * s); }
   __device__ static u32 v_full(u32 base, int s) { return k_full(base, s) + 8; }
   __device__ static u32 k_empty(u32 base, int s) { return k_full(base, s) + 16; }
   __device__ static u32 v_empty(u32 base, int s) { return k_full(base, s) + 24; }
 };
+
+// One tile of the schedule: query block mb of (batch b, query head h), its key tiles
+// [t_begin, t_begin + ntiles) (ntiles <= 0: nothing visible, the tile is skipped).
+struct Tile {
+  int mb, h, b, t_begin, ntiles;
+};
+template <int BM, int BN, bool CAUSAL, bool IV>
+__device__ __forceinline__ Tile tile_at(int idx, int nmb, int Hq, int BH, int hchunk, const int* order, int Sq,
+                                        int Sk, i64 off, const int* mlo, const int* mhi, i64 kofs) {
+  const int chunk = idx / (hchunk * nmb), in_chunk = idx - chunk * hchunk * nmb;
+  const int heads = min(hchunk, BH - chunk * hchunk);  // the last chunk may hold fewer
+  const int rank = in_chunk / heads, bh = chunk * hchunk + in_chunk % heads;
+  Tile t;
+  t.mb = CAUSAL ? nmb - 1 - rank : IV ? order[rank] : rank;
+  t.b = bh / Hq;
+  t.h = bh - t.b * Hq;
+  const int m0 = t.mb * BM;
+  int n_begin = 0, n_end = Sk;
+  if (CAUSAL) {
+    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
+    n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
+  }
+  if (IV) {
+    n_begin = max(0, local_key(mlo[m0], kofs, Sk));
+    n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
+  }
+  t.t_begin = n_begin / BN;
+  t.ntiles = n_end > n_begin ? (n_end + BN - 1) / BN - t.t_begin : 0;
+  return t;
+}
 }  // namespace fwd90
 
-// Tile geometry read by the host (cuda_backend.py), so it is written down once: per head dim (64, 128)
-// {query rows per CTA, keys per tile, threads, dynamic shared memory bytes}.
-extern "C" __constant__ int attn_fwd_sm90_geometry[2][4] = {
-    {fwd90::Cfg<64>::BM, fwd90::BN, fwd90::Cfg<64>::THREADS, static_cast<int>(fwd90::Smem<64>::kBytes)},
-    {fwd90::Cfg<128>::BM, fwd90::BN, fwd90::Cfg<128>::THREADS, static_cast<int>(fwd90::Smem<128>::kBytes)}};
+// Tile geometry read by the host (cuda_backend.py), so it is written down once: one row per instantiated
+// shape {head dim, query rows per tile, keys per tile, threads, dynamic shared memory bytes}.
+#define BH_FWD90_GEOMETRY(D, C) \
+  {D, fwd90::Cfg<D, C>::BM, fwd90::Cfg<D, C>::BN, fwd90::Cfg<D, C>::THREADS, static_cast<int>(fwd90::Smem<D, C>::kBytes)}
+extern "C" __constant__ int attn_fwd_sm90_geometry[4][5] = {
+    BH_FWD90_GEOMETRY(64, 2), BH_FWD90_GEOMETRY(64, 3), BH_FWD90_GEOMETRY(128, 2), BH_FWD90_GEOMETRY(256, 2)};
 
 // S (this warpgroup's 64 query rows x BN keys) = Q rows . K tile, over D
-template <int D, bool BF16>
+template <int D, int BM, int BN, bool BF16>
 __device__ __forceinline__ void qk_issue(float* s, u32 q_lo, u32 k_lo) {
-  using namespace fwd90;
-  constexpr int BM = Cfg<D>::BM;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
     wgmma_ss<BN, BF16, 0, 0>(s, desc_at(q_lo, (kk / 4) * BM * 128 + (kk % 4) * 32),
                              desc_at(k_lo, (kk / 4) * BN * 128 + (kk % 4) * 32), kk > 0);
 }
 
-// O (64 x D) += P (registers, 64 x BN) . V tile (read MN-major)
-template <int D, bool BF16>
+// O (64 x D) += P (registers, 64 x BN) . V tile (read MN-major), in products of at most 128 columns (two
+// 64-column blocks of V each; accumulator registers 64 per 128 columns, in column order)
+template <int D, int BN, bool BF16>
 __device__ __forceinline__ void pv_issue(float* o, const u32 (*p)[4], u32 v_lo) {
-  using namespace fwd90;
+  constexpr int PN = D < 128 ? D : 128;
 #pragma unroll
-  for (int kk = 0; kk < BN / 16; ++kk) wgmma_rs<D, BF16, 1>(o, p[kk], desc_at(v_lo, kk * 16 * 128), 1);
+  for (int n0 = 0; n0 < D; n0 += PN)
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_rs<PN, BF16, 1>(o + n0 / 2, p[kk], desc_at(v_lo, (n0 / 64) * BN * 128 + kk * 16 * 128), 1);
 }
 
 // Mask (if needed), then turn the scores s of one tile into probabilities exp2(s * mul - m_new) in place;
 // returns alpha = exp2(m_old - m_new) per row half and adds the tile's row sums into l.
-template <bool CAUSAL, bool IV>
+template <int BN, bool CAUSAL, bool IV>
 __device__ __forceinline__ void softmax_tile(float* s, float* m, float* l, float* alpha, float sl2, bool need_mask,
                                              int col0, int row0, int Sk, i64 off, const int* klo, const int* khi) {
-  using namespace fwd90;
   float mul = sl2;
   if (!(sl2 > 0.f)) {  // a non-positive scale is applied up front: the max must be taken of the scaled scores
     mul = 1.f;
@@ -132,9 +184,8 @@ __device__ __forceinline__ void softmax_tile(float* s, float* m, float* l, float
 }
 
 // probabilities (accumulator layout) -> A fragments of the P V product, one per 16 keys
-template <bool BF16>
+template <int BN, bool BF16>
 __device__ __forceinline__ void pack_p(const float* s, u32 (*p)[4]) {
-  using namespace fwd90;
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk) {
     p[kk][0] = pack2<BF16>(s[8 * kk + 0], s[8 * kk + 1]);
@@ -144,34 +195,42 @@ __device__ __forceinline__ void pack_p(const float* s, u32 (*p)[4]) {
   }
 }
 
-template <int D, bool BF16, bool CAUSAL, bool IV>
+// this thread's o rows (row0, row0 + 8: D floats each, from column 0) and the warp's lse entries into L2,
+// ahead of the merge that reads them
+template <int D>
+__device__ __forceinline__ void prefetch_rows(const float* o_rows, i64 oss, const float* lse_rows, i64 lss, int row0,
+                                              int Sq, int lane) {
+  if (lane % 4 != 0) return;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = row0 + 8 * r;
+    if (row >= Sq) continue;
+#pragma unroll
+    for (int c = 0; c < D; c += 32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(o_rows + row * oss + c));
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(lse_rows + row * lss));
+  }
+}
+
+template <int D, int CONSUMERS, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss,
-                                              i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int group,
-                                              float sl2, i64 off, const int* mlo, const int* mhi, i64 kofs) {
+                                              i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int B, int Hq,
+                                              int group, float sl2, i64 off, int hchunk, const int* order,
+                                              const int* mlo, const int* mhi, i64 kofs, int* next_tile) {
   using namespace fwd90;
-  using L = Smem<D>;
-  constexpr int BM = Cfg<D>::BM, CONSUMERS = Cfg<D>::CONSUMERS;
+  using C = Cfg<D, CONSUMERS>;
+  using L = Smem<D, CONSUMERS>;
+  constexpr int BM = C::BM, BN = C::BN;
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-
-  const int mb = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
-  const int m0 = mb * BM;
-  int n_begin = 0, n_end = Sk;
-  if (CAUSAL) {
-    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
-    n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
-  }
-  if (IV) {
-    n_begin = max(0, local_key(mlo[m0], kofs, Sk));
-    n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
-  }
-  if (n_end <= n_begin) return;  // nothing visible: (o, lse) stay as they are
-  const int t_begin = n_begin / BN;  // key tiles t_begin .. t_begin + ntiles - 1
-  const int ntiles = (n_end + BN - 1) / BN - t_begin;
+  volatile int* const slot = reinterpret_cast<volatile int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kSlot);
+  const int nmb = (Sq + BM - 1) / BM, BH = B * Hq, ntotal = nmb * BH;
+  auto tile = [&](int idx) {
+    return tile_at<BM, BN, CAUSAL, IV>(idx, nmb, Hq, BH, hchunk, order, Sq, Sk, off, mlo, mhi, kofs);
+  };
 
   if (threadIdx.x == 0) {
     mbar_init(L::q_full(base), 1);
+    mbar_init(L::q_empty(base), 128 * CONSUMERS);  // every consumer thread has read the slot and issued its Q K^T
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(L::k_full(base, s), 1);
       mbar_init(L::v_full(base, s), 1);
@@ -184,140 +243,175 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 
   const int wg = warpgroup_index();
   if (wg == 0) {  // ---------------------------------------------------------------- producer
-    warpgroup_reg_dealloc<Cfg<D>::PRODUCER_REGS>();
+    warpgroup_reg_dealloc<C::PRODUCER_REGS>();
     if (threadIdx.x == 0) {
       const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;
       tensormap_acquire(tq);
       tensormap_acquire(tk);
       tensormap_acquire(tv);
-      mbar_arrive_expect_tx(L::q_full(base), BM * D * 2);
-#pragma unroll
-      for (int db = 0; db < D / 64; ++db) tma_load_4d(base + L::kQ + db * BM * 128, tq, L::q_full(base), db * 64, h, m0, b);
+      PipeState<1> q_pipe;
       PipeState<STAGES> pipe;
-      for (int t = 0; t < ntiles; ++t, pipe.advance()) {
-        const int s = pipe.stage;
-        const u32 empty_parity = pipe.phase ^ 1;
-        const u32 k_dst = base + L::kK + s * L::kTile, v_dst = base + L::kV + s * L::kTile;
-        mbar_wait(L::k_empty(base, s), empty_parity);
-        mbar_arrive_expect_tx(L::k_full(base, s), L::kTile);
+      int idx = blockIdx.x;
+      for (;;) {
+        Tile tl;
+        while (idx < ntotal && (tl = tile(idx)).ntiles <= 0) idx = gridDim.x + atomicAdd(next_tile, 1);
+        mbar_wait(L::q_empty(base), q_pipe.phase ^ 1);
+        *slot = idx;
+        if (idx >= ntotal) {  // no tile left: the consumers read the end mark and stop
+          mbar_arrive(L::q_full(base));
+          break;
+        }
+        const int hk = tl.h / group;
+        mbar_arrive_expect_tx(L::q_full(base), BM * D * 2);
 #pragma unroll
-        for (int db = 0; db < D / 64; ++db) tma_load_4d(k_dst + db * BN * 128, tk, L::k_full(base, s), db * 64, hk, (t_begin + t) * BN, b);
-        mbar_wait(L::v_empty(base, s), empty_parity);
-        mbar_arrive_expect_tx(L::v_full(base, s), L::kTile);
+        for (int db = 0; db < D / 64; ++db)
+          tma_load_4d(base + L::kQ + db * BM * 128, tq, L::q_full(base), db * 64, tl.h, tl.mb * BM, tl.b);
+        q_pipe.advance();
+        idx = gridDim.x + atomicAdd(next_tile, 1);  // the next tile, drawn while this one loads
+        for (int t = 0; t < tl.ntiles; ++t, pipe.advance()) {
+          const int s = pipe.stage, n0 = (tl.t_begin + t) * BN;
+          const u32 empty_parity = pipe.phase ^ 1;
+          const u32 k_dst = base + L::kK + s * L::kTile, v_dst = base + L::kV + s * L::kTile;
+          mbar_wait(L::k_empty(base, s), empty_parity);
+          mbar_arrive_expect_tx(L::k_full(base, s), L::kTile);
 #pragma unroll
-        for (int db = 0; db < D / 64; ++db) tma_load_4d(v_dst + db * BN * 128, tv, L::v_full(base, s), db * 64, hk, (t_begin + t) * BN, b);
+          for (int db = 0; db < D / 64; ++db) tma_load_4d(k_dst + db * BN * 128, tk, L::k_full(base, s), db * 64, hk, n0, tl.b);
+          mbar_wait(L::v_empty(base, s), empty_parity);
+          mbar_arrive_expect_tx(L::v_full(base, s), L::kTile);
+#pragma unroll
+          for (int db = 0; db < D / 64; ++db) tma_load_4d(v_dst + db * BN * 128, tv, L::v_full(base, s), db * 64, hk, n0, tl.b);
+        }
       }
     }
     return;
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  warpgroup_reg_alloc<Cfg<D>::CONSUMER_REGS>();
+  warpgroup_reg_alloc<C::CONSUMER_REGS>();
   const int cw = wg - 1, tid = threadIdx.x % 128, lane = tid % 32;
   const bool leader = tid == 0;  // arrives on the "empty" barriers for its warpgroup
-  const int mw0 = m0 + 64 * cw;  // first query row of this warpgroup
-  const int row0 = mw0 + 16 * (tid / 32) + lane / 4;  // this thread's rows: row0, row0 + 8
   const u32 q_lo = desc_lo(base + L::kQ + cw * 64 * 128, 16);
-
-  float acc[D / 2];
-#pragma unroll
-  for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
-  float m[2] = {-BH_INF, -BH_INF}, l[2] = {0.f, 0.f}, alpha[2];
-  float s[BN / 2];
-  u32 p[BN / 16][4];
-
-  // IV: the key range [klo, khi) (local) of this thread's rows, and of the warpgroup's first and last rows
-  int klo[2] = {0, 0}, khi[2] = {Sk, Sk}, wg_lo_last = 0, wg_hi_first = Sk;
-  if (IV) {
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = min(row0 + 8 * r, Sq - 1);
-      klo[r] = local_key(mlo[row], kofs, Sk);
-      khi[r] = local_key(mhi[row], kofs, Sk);
-    }
-    wg_lo_last = local_key(mlo[min(mw0 + 63, Sq - 1)], kofs, Sk);
-    wg_hi_first = local_key(mhi[min(mw0, Sq - 1)], kofs, Sk);
-  }
-  auto tile_needs_mask = [&](int t) {
-    const int n0 = (t_begin + t) * BN;
-    return (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(mw0) + off) ||
-           (IV && !(wg_lo_last <= n0 && wg_hi_first >= n0 + BN));
-  };
-  auto col0 = [&](int t) { return (t_begin + t) * BN + 2 * (lane % 4); };
-
+  PipeState<1> q_pipe;
   PipeState<STAGES> k_pipe, v_pipe;  // the K tile of step t, the V tile of step t - 1
-  mbar_wait(L::q_full(base), 0);
-  // tile 0: S_0, softmax (nothing to rescale yet)
-  mbar_wait(L::k_full(base, 0), 0);
-  wgmma_fence();
-  qk_issue<D, BF16>(s, q_lo, desc_lo(base + L::kK, 16));
-  wgmma_commit();
-  wgmma_wait<0>();
-  fence_operands<BN / 2>(s);
-  if (leader) mbar_arrive(L::k_empty(base, 0));
-  k_pipe.advance();
-  softmax_tile<CAUSAL, IV>(s, m, l, alpha, sl2, tile_needs_mask(0), col0(0), row0, Sk, off, klo, khi);
-  pack_p<BF16>(s, p);
 
-  for (int t = 1; t < ntiles; ++t, k_pipe.advance(), v_pipe.advance()) {
-    const int st = k_pipe.stage, sp = v_pipe.stage;
-    mbar_wait(L::k_full(base, st), k_pipe.phase);
-    wgmma_fence();
-    qk_issue<D, BF16>(s, q_lo, desc_lo(base + L::kK + st * L::kTile, 16));
-    wgmma_commit();
-    mbar_wait(L::v_full(base, sp), v_pipe.phase);
-    pv_issue<D, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
-    wgmma_commit();
-    wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
-    fence_operands<BN / 2>(s);
-    if (leader) mbar_arrive(L::k_empty(base, st));
-    softmax_tile<CAUSAL, IV>(s, m, l, alpha, sl2, tile_needs_mask(t), col0(t), row0, Sk, off, klo, khi);
-    wgmma_wait<0>();
-    fence_operands<D / 2>(acc);
-    if (leader) mbar_arrive(L::v_empty(base, sp));
+  for (;;) {
+    mbar_wait(L::q_full(base), q_pipe.phase);
+    const int idx = *slot;
+    if (idx >= ntotal) break;
+    const Tile tl = tile(idx);
+    const int ntiles = tl.ntiles;
+    const int mw0 = tl.mb * BM + 64 * cw;                // first query row of this warpgroup
+    const int row0 = mw0 + 16 * (tid / 32) + lane / 4;  // this thread's rows: row0, row0 + 8
+    float* const o_rows = o + tl.b * osb + tl.h * osh;
+    float* const lse_rows = lse + tl.b * lsb + tl.h * lsh;
+
+    float acc[D / 2];
 #pragma unroll
-    for (int j = 0; j < D / 8; ++j) {
-      acc[4 * j + 0] *= alpha[0];
-      acc[4 * j + 1] *= alpha[0];
-      acc[4 * j + 2] *= alpha[1];
-      acc[4 * j + 3] *= alpha[1];
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+    float m[2] = {-BH_INF, -BH_INF}, l[2] = {0.f, 0.f}, alpha[2];
+    float s[BN / 2];
+    u32 p[BN / 16][4];
+
+    // IV: the key range [klo, khi) (local) of this thread's rows, and of the warpgroup's first and last rows
+    int klo[2] = {0, 0}, khi[2] = {Sk, Sk}, wg_lo_last = 0, wg_hi_first = Sk;
+    if (IV) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = min(row0 + 8 * r, Sq - 1);
+        klo[r] = local_key(mlo[row], kofs, Sk);
+        khi[r] = local_key(mhi[row], kofs, Sk);
+      }
+      wg_lo_last = local_key(mlo[min(mw0 + 63, Sq - 1)], kofs, Sk);
+      wg_hi_first = local_key(mhi[min(mw0, Sq - 1)], kofs, Sk);
     }
-    pack_p<BF16>(s, p);
-  }
-  {  // the last tile's P V
-    const int sp = v_pipe.stage;
-    mbar_wait(L::v_full(base, sp), v_pipe.phase);
+    auto tile_needs_mask = [&](int t) {
+      const int n0 = (tl.t_begin + t) * BN;
+      return (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(mw0) + off) ||
+             (IV && !(wg_lo_last <= n0 && wg_hi_first >= n0 + BN));
+    };
+    auto col0 = [&](int t) { return (tl.t_begin + t) * BN + 2 * (lane % 4); };
+
+    if (ntiles <= 2) prefetch_rows<D>(o_rows, oss, lse_rows, lss, row0, Sq, lane);
+    // tile 0: S_0, softmax (nothing to rescale yet)
+    mbar_wait(L::k_full(base, k_pipe.stage), k_pipe.phase);
     wgmma_fence();
-    pv_issue<D, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
+    qk_issue<D, BM, BN, BF16>(s, q_lo, desc_lo(base + L::kK + k_pipe.stage * L::kTile, 16));
     wgmma_commit();
     wgmma_wait<0>();
-    fence_operands<D / 2>(acc);
-    if (leader) mbar_arrive(L::v_empty(base, sp));
-  }
+    fence_operands<BN / 2>(s);
+    if (leader) mbar_arrive(L::k_empty(base, k_pipe.stage));
+    if (ntiles == 1) mbar_arrive(L::q_empty(base));  // Q is read: the producer may load the next tile's
+    k_pipe.advance();
+    softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, tile_needs_mask(0), col0(0), row0, Sk, off, klo, khi);
+    pack_p<BN, BF16>(s, p);
 
-  // ---- epilogue: GAO merge into the running (o, lse); rows with nothing visible stay untouched
-  merge_rows<D>(o + b * osb + h * osh + 2 * (lane % 4), oss, lse + b * lsb + h * lsh, lss, acc, m, l, row0, Sq, lane);
+    for (int t = 1; t < ntiles; ++t, k_pipe.advance(), v_pipe.advance()) {
+      const int st = k_pipe.stage, sp = v_pipe.stage;
+      if (t + 2 == ntiles) prefetch_rows<D>(o_rows, oss, lse_rows, lss, row0, Sq, lane);
+      mbar_wait(L::k_full(base, st), k_pipe.phase);
+      wgmma_fence();
+      qk_issue<D, BM, BN, BF16>(s, q_lo, desc_lo(base + L::kK + st * L::kTile, 16));
+      wgmma_commit();
+      mbar_wait(L::v_full(base, sp), v_pipe.phase);
+      pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
+      wgmma_commit();
+      wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
+      fence_operands<BN / 2>(s);
+      if (leader) mbar_arrive(L::k_empty(base, st));
+      if (t + 1 == ntiles) mbar_arrive(L::q_empty(base));
+      softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, tile_needs_mask(t), col0(t), row0, Sk, off, klo, khi);
+      wgmma_wait<0>();
+      fence_operands<D / 2>(acc);
+      if (leader) mbar_arrive(L::v_empty(base, sp));
+#pragma unroll
+      for (int j = 0; j < D / 8; ++j) {
+        acc[4 * j + 0] *= alpha[0];
+        acc[4 * j + 1] *= alpha[0];
+        acc[4 * j + 2] *= alpha[1];
+        acc[4 * j + 3] *= alpha[1];
+      }
+      pack_p<BN, BF16>(s, p);
+    }
+    {  // the last tile's P V
+      const int sp = v_pipe.stage;
+      mbar_wait(L::v_full(base, sp), v_pipe.phase);
+      wgmma_fence();
+      pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
+      wgmma_commit();
+      wgmma_wait<0>();
+      fence_operands<D / 2>(acc);
+      if (leader) mbar_arrive(L::v_empty(base, sp));
+      v_pipe.advance();
+    }
+    q_pipe.advance();
+
+    // ---- epilogue: GAO merge into the running (o, lse); rows with nothing visible stay untouched
+    merge_rows<D>(o_rows + 2 * (lane % 4), oss, lse_rows, lss, acc, m, l, row0, Sq, lane);
+  }
 }
 
-#define BH_FWD90(NAME, D, BF16, CAUSAL, IV)                                                                     \
-  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D>::THREADS, 1)                                      \
-      NAME(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh,      \
-           i64 lss, int Sq, int Sk, int group, float sl2, i64 off, const int* mlo, const int* mhi, i64 kofs) { \
-    attn_fwd_sm90<D, BF16, CAUSAL, IV>(tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, group, sl2, off, mlo, \
-                                       mhi, kofs);                                                             \
+#define BH_FWD90(NAME, D, C, BF16, CAUSAL, IV)                                                                      \
+  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1)                                       \
+      NAME(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss, \
+           int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, const int* order,              \
+           const int* mlo, const int* mhi, i64 kofs, int* next_tile) {                                              \
+    attn_fwd_sm90<D, C, BF16, CAUSAL, IV>(tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2,   \
+                                          off, hchunk, order, mlo, mhi, kofs, next_tile);                           \
   }
+#define BH_FWD90_MODES(DT, BF16, D, C)                                          \
+  BH_FWD90(attn_fwd_sm90_##DT##_d##D##_m##C##_full, D, C, BF16, false, false)   \
+  BH_FWD90(attn_fwd_sm90_##DT##_d##D##_m##C##_causal, D, C, BF16, true, false)  \
+  BH_FWD90(attn_fwd_sm90_##DT##_d##D##_m##C##_interval, D, C, BF16, false, true)
 
-// name: attn_fwd_sm90_<dtype>_d<D>_<mask>, mask: full | causal | interval; tmaps: the q, k, v tensor maps
-// (128 bytes each, global memory); mlo, mhi, kofs: the interval bounds (null for full and causal)
-BH_FWD90(attn_fwd_sm90_bf16_d128_full, 128, true, false, false)
-BH_FWD90(attn_fwd_sm90_bf16_d128_causal, 128, true, true, false)
-BH_FWD90(attn_fwd_sm90_bf16_d128_interval, 128, true, false, true)
-BH_FWD90(attn_fwd_sm90_f16_d128_full, 128, false, false, false)
-BH_FWD90(attn_fwd_sm90_f16_d128_causal, 128, false, true, false)
-BH_FWD90(attn_fwd_sm90_f16_d128_interval, 128, false, false, true)
-BH_FWD90(attn_fwd_sm90_bf16_d64_full, 64, true, false, false)
-BH_FWD90(attn_fwd_sm90_bf16_d64_causal, 64, true, true, false)
-BH_FWD90(attn_fwd_sm90_bf16_d64_interval, 64, true, false, true)
-BH_FWD90(attn_fwd_sm90_f16_d64_full, 64, false, false, false)
-BH_FWD90(attn_fwd_sm90_f16_d64_causal, 64, false, true, false)
-BH_FWD90(attn_fwd_sm90_f16_d64_interval, 64, false, false, true)
+// name: attn_fwd_sm90_<dtype>_d<D>_m<consumer warpgroups>_<mask>, mask: full | causal | interval;
+// tmaps: the q, k, v tensor maps (128 bytes each, global memory); grid: one CTA per SM at most;
+// hchunk, order: the schedule (order: interval only, the query blocks longest first); mlo, mhi, kofs: the
+// interval bounds (null for full and causal); next_tile: the tile counter, one int that is 0 at launch
+BH_FWD90_MODES(bf16, true, 64, 2)
+BH_FWD90_MODES(bf16, true, 64, 3)
+BH_FWD90_MODES(bf16, true, 128, 2)
+BH_FWD90_MODES(bf16, true, 256, 2)
+BH_FWD90_MODES(f16, false, 64, 2)
+BH_FWD90_MODES(f16, false, 64, 3)
+BH_FWD90_MODES(f16, false, 128, 2)
+BH_FWD90_MODES(f16, false, 256, 2)

@@ -141,7 +141,7 @@ HEADS_LARGE = [(8, 2), (8, 1)]  # S = 4097: fewer heads (4:1 GQA and MQA) keep t
 def _fwd_cases():
     for s in (1, 17, 128, 1000, 4097):
         heads = HEADS_LARGE if s > 1000 else HEADS_SMALL
-        for d in (64, 128):
+        for d in (64, 128, 256):
             for causal in (False, True):
                 for hq, hkv in heads:
                     yield s, d, causal, hq, hkv
@@ -175,6 +175,33 @@ def test_backward(s, d, causal, hq, hkv):
     plain = ref_backward(do, q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
     for name, got, i0, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), init, ref, plain):
         _check(name, got - i0, p, r, 3)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_every_sm90_tile_height(d, causal):
+    """Each tile height the sm90 forward instantiates (D = 64: two and three consumer warpgroups), forced,
+    merged into a running (o, lse) with a causal offset: the host picks one per shape, so the matrix above
+    need not meet them all."""
+    if _family != "sm90":
+        pytest.skip("tile heights are a property of the sm90 forward")  # the sm80 forward has one
+    be = _be()
+    b, sq, sk, hq, hkv = 2, 333, 517, 6, 2
+    q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    scale, q_start = d ** -0.5, 200
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    shapes = be._sm90_forward_shapes(d)
+    assert shapes, f"no sm90 forward shape for D={d}"
+    for rows, *_ in shapes:
+        be._forced_fwd_rows = rows
+        try:  # two halves of the keys merged, as two ring steps would
+            o, lse = _run_forward(q, k[:, :300], v[:, :300], scale, causal, q_start=q_start)
+            _run_forward(q, k[:, 300:], v[:, 300:], scale, causal, q_start=q_start, k_start=300, o=o, lse=lse)
+        finally:
+            be._forced_fwd_rows = None
+        _check(f"o (BM={rows})", o, pl_o, ref_o, 2)
+        assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max())), f"lse (BM={rows})"
 
 
 # ---------------------------------------------------------------- strided views, offsets, merging

@@ -5,14 +5,16 @@ Conventions (docs/KERNELS.md has the full page):
   float16, or float32. float32 inputs are converted once per call to bfloat16 and then run on the
   bf16 tensor-core path (accumulation stays float32). A uint16 array is taken as raw bf16 bits.
 - o, lse, dq, dk, dv, delta: float32, any strides along batch/seq/head (views are fine).
-- head dims 64 and 128 natively; any other D up to 128 is zero-padded to the next of those
-  (padding.py: exact, the scale stays the caller's); wider heads run numpy_backend's tiled online
-  softmax on CuPy arrays (float32 cuBLAS products per tile pair; exact, slower than the kernels).
+- head dims 64 and 128 natively on both families, 256 on sm90 (``native_widths``); any other D up to the
+  widest is zero-padded to the next of those (padding.py: exact, the scale stays the caller's); wider
+  heads run numpy_backend's tiled online softmax on CuPy arrays (float32 cuBLAS products per tile pair;
+  exact, slower than the kernels).
 - every launch goes on CuPy's current stream; nothing here synchronizes the device.
 """
 import hashlib
 import os
 import re
+from collections import OrderedDict
 from importlib import resources
 from pathlib import Path
 
@@ -26,7 +28,14 @@ except ImportError:  # pragma: no cover - exercised only where CuPy is missing
 from ..errors import BackendError
 from . import padding, tma
 
-SUPPORTED_HEAD_DIMS = (64, 128)  # native kernel widths; narrower heads are zero-padded to one of them
+SUPPORTED_HEAD_DIMS = (64, 128)  # native kernel widths of every family; narrower heads are zero-padded
+# native widths per (family, direction): the sm90 family adds D = 256 (Gemma-style heads)
+_NATIVE_WIDTHS = {("sm80", "fwd"): (64, 128), ("sm80", "bwd"): (64, 128),
+                  ("sm90", "fwd"): (64, 128, 256), ("sm90", "bwd"): (64, 128)}
+# the sm90 forward's schedule: K/V bytes a chunk of heads may keep in L2 (H100: 50 MB), and the
+# throughput of D = 64 with two consumer warpgroups relative to three (bench_kernels.py --fwd-shapes)
+_L2_CHUNK_BYTES = 24 << 20
+_D64_TWO_CONSUMER_RATE = 0.85
 # wider heads run the tiled online softmax of numpy_backend on CuPy arrays (batched cuBLAS products per
 # tile pair, float32): exact, slower than a fused kernel; tiles of this many queries x keys
 _WIDE_TILE = 1024
@@ -163,6 +172,7 @@ class CudaBackend:
         self._bf16 = np.dtype("bfloat16") if _has_bf16() else None
         self.source_hash = None
         self._wide_backend = None
+        self._forced_fwd_rows = None  # bench_kernels.py --fwd-shapes: time one sm90 forward shape
 
     # ---- compilation -------------------------------------------------------------------------------
     def _module(self, fname):
@@ -186,6 +196,21 @@ class CudaBackend:
             geo = tuple(int(x) for x in table[SUPPORTED_HEAD_DIMS.index(d)])
             self._geometries[key] = geo
         return geo
+
+    def _sm90_forward_shapes(self, d):
+        """The sm90 forward's instantiated shapes for head dim d: [(query rows, keys, threads, shared bytes)]
+        (its ``attn_fwd_sm90_geometry`` table, one row per shape, head dim first)."""
+        key = ("attn_fwd_sm90.cu", "shapes")
+        table = self._geometries.get(key)
+        if table is None:
+            mod = self._module("attn_fwd_sm90.cu")
+            table = cupy.ndarray((4, 5), np.int32, memptr=mod.get_global("attn_fwd_sm90_geometry")).get().tolist()
+            self._geometries[key] = table
+        return [tuple(row[1:]) for row in table if row[0] == d]
+
+    def native_widths(self, direction="fwd"):
+        """The head dims this family runs natively (``direction``: 'fwd' or 'bwd'); others are padded."""
+        return _NATIVE_WIDTHS[self.family, direction]
 
     def _kernel(self, fname, kname, smem):
         # keyed by device too: a RawKernel sets the shared-memory limit for the device current at the
@@ -244,10 +269,10 @@ class CudaBackend:
         return [np.int64(s // x.itemsize) for s in x.strides]
 
     @staticmethod
-    def _check_dims(q, k):
+    def _check_dims(q, k, widths=SUPPORTED_HEAD_DIMS):
         d = q.shape[-1]
-        if d not in SUPPORTED_HEAD_DIMS:
-            raise BackendError(f"the cuda backend supports head_dim {SUPPORTED_HEAD_DIMS}; got {d}")
+        if d not in widths:
+            raise BackendError(f"the cuda backend supports head_dim {widths}; got {d}")
         if k.shape[-1] != d or q.shape[2] % k.shape[2]:
             raise BackendError(f"bad shapes q {q.shape} k {k.shape}")
         return d
@@ -267,13 +292,14 @@ class CudaBackend:
 
     # ---- the three block calls ---------------------------------------------------------------------
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
-        if q.shape[-1] > max(SUPPORTED_HEAD_DIMS):
+        widths = self.native_widths("fwd")
+        if q.shape[-1] > max(widths):
             return self._wide().forward_block(*_wide_inputs(q, k, v), o, lse, scale=scale, causal=causal,
                                               q_start=q_start, k_start=k_start, mask=mask if causal else None)
-        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
-            return padding.forward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, o, lse, scale=scale, causal=causal,
+        if q.shape[-1] not in widths:  # zero-padded to a native width, then back here
+            return padding.forward_block(self, widths, q, k, v, o, lse, scale=scale, causal=causal,
                                          q_start=q_start, k_start=k_start, mask=mask)
-        d = self._check_dims(q, k)
+        d = self._check_dims(q, k, widths)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         if b == 0 or sq == 0 or hq == 0 or sk == 0:
@@ -295,19 +321,40 @@ class CudaBackend:
     def _forward_sm90(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask=None):
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        bm, bn, threads, smem = self._sm90_geometry("attn_fwd_sm90.cu", d)
+        bm, bn, threads, smem = self._forward_shape(d, b * hq, sq)
         try:
             maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
         except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
             q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
             maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
-        name = f"attn_fwd_sm90_{kind}_d{d}_{_mode(causal, mask)}"
-        kern = self._kernel("attn_fwd_sm90.cu", name, smem)
-        grid = ((sq + bm - 1) // bm, hq, b)
+        mode = _mode(causal, mask)
+        kern = self._kernel("attn_fwd_sm90.cu", f"attn_fwd_sm90_{kind}_d{d}_m{bm // 64}_{mode}", smem)
+        # the schedule: heads in chunks whose K/V stay in L2, query blocks longest first inside a chunk
+        nmb = -(-sq // bm)
+        kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
+        hchunk = max(1, min(b * hq, _L2_CHUNK_BYTES // max(1, kv_bytes_per_head)))
+        order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn) if mask is not None else np.uint64(0)
+        grid = (min(nmb * b * hq, _sm_count()),)
         args = (maps, o_w, l_w, *self._strides(o_w)[:3], *self._strides(l_w), np.int32(sq), np.int32(sk),
-                np.int32(hq // hkv), np.float32(scale * _LOG2E), np.int64(int(q_start) - int(k_start)),
-                *self._mask_args(mask, q_start, sq, k_start))
+                np.int32(b), np.int32(hq), np.int32(hq // hkv), np.float32(scale * _LOG2E),
+                np.int64(int(q_start) - int(k_start)), np.int32(hchunk), order,
+                *self._mask_args(mask, q_start, sq, k_start), cupy.zeros(1, np.int32))
         kern(grid, (threads,), args, shared_mem=smem)
+
+    def _forward_shape(self, d, heads, sq):
+        """The sm90 forward shape (query rows, keys, threads, shared bytes) for `heads` (batch x query heads)
+        of sq queries: the one whose rounds over the SMs cover the fewest query rows, weighted by its
+        throughput (D = 64: three consumer warpgroups feed the tensor cores better than two)."""
+        shapes = self._sm90_forward_shapes(d)
+        if self._forced_fwd_rows is not None:
+            return next(s for s in shapes if s[0] == self._forced_fwd_rows)
+
+        def cost(shape):
+            rows = shape[0]
+            rounds = -(-(-(-sq // rows) * heads) // _sm_count())
+            return rounds * rows / (_D64_TWO_CONSUMER_RATE if (d == 64 and rows == 128) else 1.0)
+
+        return min(shapes, key=cost)
 
     def _forward_sm80(self, kind, d, q, k, v, o_w, l_w, scale, causal, q_start, k_start, mask=None):
         b, sq, hq, _ = q.shape
@@ -325,14 +372,15 @@ class CudaBackend:
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
                        mask=None):
-        if q.shape[-1] > max(SUPPORTED_HEAD_DIMS):
+        widths = self.native_widths("bwd")
+        if q.shape[-1] > max(widths):
             return self._wide().backward_block(*_wide_inputs(q, k, v, do), lse, delta, dq, dk, dv, scale=scale,
                                                causal=causal, q_start=q_start, k_start=k_start,
                                                mask=mask if causal else None)
-        if q.shape[-1] not in SUPPORTED_HEAD_DIMS:  # zero-padded to a native width, then back here
-            return padding.backward_block(self, SUPPORTED_HEAD_DIMS, q, k, v, do, lse, delta, dq, dk, dv, scale=scale,
+        if q.shape[-1] not in widths:  # zero-padded to a native width, then back here
+            return padding.backward_block(self, widths, q, k, v, do, lse, delta, dq, dk, dv, scale=scale,
                                           causal=causal, q_start=q_start, k_start=k_start, mask=mask)
-        d = self._check_dims(q, k)
+        d = self._check_dims(q, k, widths)
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         if b == 0 or sq == 0 or hq == 0 or sk == 0:
@@ -465,6 +513,29 @@ class CudaBackend:
 def _mode(causal, mask):
     """The kernel instance of a block pair: interval (documents / windows), causal or full."""
     return "interval" if mask is not None else "causal" if causal else "full"
+
+
+_ORDERS = OrderedDict()
+
+
+def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
+    """The sm90 forward's interval schedule: the query blocks of bm rows ordered by their key tiles of bn
+    (from the mask's bounds), most first, as an int32 device array; a few are kept (a ring repeats them)."""
+    key = (mask, int(q_start), sq, int(k_start), sk, bm, bn, cupy.cuda.Device().id)
+    order = _ORDERS.get(key)
+    if order is None:
+        lo, hi = mask.rows(q_start, sq)
+        first = np.arange(0, sq, bm)
+        last = np.minimum(first + bm, sq) - 1
+        begin = np.clip(lo[first] - k_start, 0, sk) // bn
+        end = -(-np.clip(hi[last] - k_start, 0, sk) // bn)
+        order = cupy.asarray(np.argsort(-(end - begin), kind="stable").astype(np.int32))
+        _ORDERS[key] = order
+        if len(_ORDERS) > 64:
+            _ORDERS.popitem(last=False)
+    else:
+        _ORDERS.move_to_end(key)
+    return order
 
 
 def _wide_inputs(*arrays):
