@@ -1,4 +1,4 @@
-"""Every sm90 kernel instance (forward and backward, D = 64 and 128, full, causal and interval masks, bf16
+"""Every sm90 kernel instance (forward and backward, D = 64, 128 and 256, full, causal and interval masks, bf16
 and fp16) once on small shapes, for compute-sanitizer:
 
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_sm90.py
@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burst_hpc import masks, reference  # noqa: E402
-from burst_hpc.backends.cuda_backend import CudaBackend  # noqa: E402
+from burst_hpc.backends.cuda_backend import SUPPORTED_HEAD_DIMS, CudaBackend  # noqa: E402
 
 
 def main():
@@ -27,7 +27,7 @@ def main():
     rng = np.random.default_rng()
     worst = 0.0
     for dtype in (np.dtype("bfloat16"), np.dtype(np.float16)):
-        for d in (64, 128):
+        for d in (64, 128, 256):
             for mode in ("full", "causal", "interval"):
                 causal = mode != "full"
                 b, sq, sk, hq, hkv = 1, 200, 300, 4, 2
@@ -46,8 +46,12 @@ def main():
                 if forward_only:
                     continue
                 delta = be.delta(dev[3], o)
-                be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, causal=causal, q_start=q_start,
-                                  mask=mask)
+                if d in SUPPORTED_HEAD_DIMS:
+                    be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, causal=causal, q_start=q_start,
+                                      mask=mask)
+                else:  # D = 256: the sm90 kernel itself, whichever way backward_block routes wider heads
+                    be._backward_sm90(be._kind_pair(dev[0]), d, *dev, lse, delta, dq_, dk_, dv_, scale, causal,
+                                      q_start, 0, mask)
                 cupy.cuda.Device().synchronize()
                 host = [cupy.asnumpy(x.astype(np.float32)).astype(np.float64) for x in dev]
                 kw = dict(causal=causal, scale=scale, q_start=q_start, window=window, cu_seqlens=cu)
