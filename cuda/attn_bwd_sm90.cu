@@ -1,9 +1,9 @@
 // Attention backward over one (query block, key block) pair for Hopper (sm_90a), added into float32
 // (dq, dk, dv): the same contract as attn_bwd.cu (docs/KERNELS.md).
 //
-// A CTA owns BN = 128 keys of one (batch, kv head) and walks every query tile (BM rows: 64 at D = 128,
-// 128 at D = 64) of the query heads it was given (the whole GQA group, or a slice when the grid needs
-// more CTAs). Warpgroup 0 is the producer, with two jobs:
+// A CTA owns BN keys (128; 64 at D = 256) of one (batch, kv head) and walks every query tile (BM rows: 64 at
+// D = 128 and 256, 128 at D = 64) of the query heads it was given (the whole GQA group, or a slice when the
+// grid needs more CTAs). Warpgroup 0 is the producer, with two jobs:
 // - warp 0 loads K and V once (TMA), then streams Q and dO tiles (TMA), each through its own
 //   STAGES-deep mbarrier pipeline, with the tile's lse * log2(e) and delta rows (one bulk copy each,
 //   from the row table the pre-pass attn_bwd_sm90_rows writes);
@@ -27,46 +27,84 @@
 // row r sees the keys at global positions [mlo[r], mhi[r]); the pre-pass attn_bwd_sm90_ranges gives each
 // CTA the query tiles that see any of its keys, and each tile's per-row key bounds (local) travel with
 // its lse rows, so only tiles on a band edge are masked.
+//
+// D = 256 (consumer_wide): dK and dV of 64 keys x 256 would be 256 accumulator registers per thread, so the
+// two consumers split the work differently. BN = BM = 64; consumer c first takes the tile's query half c
+// (rows 32c..):
+//     S^T_c = K Q_c^T, dP^T_c = V dO_c^T         (64 keys x 32 queries, wgmma m64n32 SS)
+//     P^T, dS^T as above; both -> shared memory (sP, sDS: its 16-byte chunks 4c..4c+3), barrier kDsReady
+// then owns head-dim half c (columns 128c..) of every product over the whole tile:
+//     dV_c += P^T dO_c, dK_c += dS^T Q_c          (A = sP / sDS, B = the dO / Q tile read MN-major)
+//     dQ_c = dS K_c                              (A = sDS read M-major, B = K read MN-major)
+// dK_c and dV_c (64 keys x 128: 64 registers each) stay in registers for the walk. Once both consumers are
+// done with the stage (barrier kTileRead), consumer c stages scale * dQ_c (64 queries x 128 float32, 32 KB)
+// in the stage's Q tile (c = 0) or dO tile (c = 1) itself; the writer adds it into dq and then releases the
+// stage to the loader (it arrives on the stage's empty barriers after its reductions have read it).
 #include "sm90_epilogue.cuh"
 #include "sm90_pipeline.cuh"
 
 namespace bwd90 {
-constexpr int BN = 128, STAGES = 2, CONSUMERS = 2;
+constexpr int STAGES = 2, CONSUMERS = 2;
 constexpr int THREADS = 128 * (1 + CONSUMERS);
 constexpr int PRODUCER_REGS = 24, CONSUMER_REGS = 240;
 
 template <int D>
 struct Cfg {
-  static constexpr int BM = D == 64 ? 128 : 64;  // query rows per tile
+  static constexpr bool kWide = D == 256;         // the consumer split of consumer_wide
+  static constexpr int BN = kWide ? 64 : 128;      // keys per CTA
+  static constexpr int BM = D == 64 ? 128 : 64;    // query rows per tile
+  // arrivals that release a Q or dO stage: every consumer thread (its reads of the stage), and at D = 256 the
+  // dQ writer too (its reductions read the dQ staged in the stage)
+  static constexpr int kEmptyArrivals = 128 * CONSUMERS + (kWide ? 1 : 0);
+  // kWalkDone: both consumers, and at D = 256 the writer warp (its last reductions have read the stages)
+  static constexpr int kWalkDoneThreads = 128 * CONSUMERS + (kWide ? 32 : 0);
+  // setmaxnreg split of the launch's 168 registers per thread (3 x 168 = 24 + 2 x 240). At D = 256 the
+  // consumers compile without spills from 224 up, so they take 232 and the producer 40: at 24 the interval
+  // loader spills (32-36 bytes; so do the D = 64, 128 interval instances)
+  static constexpr int kProducerRegs = kWide ? 40 : PRODUCER_REGS, kConsumerRegs = kWide ? 232 : CONSUMER_REGS;
+  static_assert(kProducerRegs + CONSUMERS * kConsumerRegs <= (1 + CONSUMERS) * (65536 / THREADS / 8 * 8),
+                "setmaxnreg split exceeds the launch's registers");
 };
 
 // Named barrier IDs, each defined once (0 is __syncthreads). A hardware ID shared by two barriers with
 // different members can release with a mix of both, so no ID appears twice.
 enum Barrier : int {
-  kDsReady = 1,   // both consumers' dS^T rows are in shared memory (256 threads)
+  kDsReady = 1,   // both consumers' dS^T rows (D = 256: P^T, dS^T columns) are in shared memory (256 threads)
   kDqFull = 2,    // consumer cw's dQ part is staged (kDqFull + cw: its 128 threads arrive, the writer warp syncs)
-  kDqEmpty = 4,   // the writer has read consumer cw's staging buffer (kDqEmpty + cw: writer arrives, consumer syncs)
-  kWalkDone = 6,  // both consumers are done with the Q / dO stages, which the epilogue reuses (256 threads)
+  kDqEmpty = 4,   // the writer has read consumer cw's staging buffer (kDqEmpty + cw: writer arrives, consumer syncs);
+                  // D = 256: the writer has taken cw's previous kDqFull (the stage is released by mbarrier)
+  kWalkDone = 6,  // both consumers are done with the Q / dO stages, which the epilogue reuses
+                  // (Cfg::kWalkDoneThreads: 256 threads; D = 256: + the writer warp)
   kStaged = 7,    // consumer cw's dK or dV rows are staged / its staging buffer is free again (kStaged + cw)
-  kBarrierEnd = 9
+  kTileRead = 9,  // D = 256: both consumers are done reading the stage's Q, dO tiles, sP and sDS (256 threads)
+  kBarrierEnd = 10
 };
 static_assert(kDqFull + CONSUMERS <= kDqEmpty && kDqEmpty + CONSUMERS <= kWalkDone && kWalkDone < kStaged &&
-                  kStaged + CONSUMERS <= kBarrierEnd && kBarrierEnd <= 16,
+                  kStaged + CONSUMERS <= kTileRead && kTileRead < kBarrierEnd && kBarrierEnd <= 16,
               "named barrier IDs overlap");
 constexpr int kWriterSync = 128 + 32;  // a consumer warpgroup and the writer warp
 
 // shared memory, byte offsets from a 1024-aligned base
+//
+// D = 256 (BN = BM = 64): K, V 32 KB each, two stages of Q and dO (32 KB each), sP and sDS (8 KB each), the
+// row stages, barriers and alignment slack: 216136 bytes of the 232448. The dQ staging (2 x 32 KB) goes into
+// the stage that was just consumed rather than a buffer of its own: a 16 KB buffer shared in turns (4 rounds
+// through the writer per step) misses the budget by 72 bytes and would make the consumers wait for the writer
+// every round, and one stage of dO (or Q) leaves no room for 2 x 32 KB either (240 KB). The cost: the
+// writer's read of the staged dQ delays the release of the stage by the reduction's read time, a step ahead
+// of when the loader needs it; and the staging waits for the stage's dK and dV products (kTileRead).
 template <int D>
 struct Smem {
-  static constexpr int BM = Cfg<D>::BM;
+  static constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
   static constexpr u32 kTile = BM * D * 2;                 // one Q or dO tile: [D/64][BM][64]
-  static constexpr u32 kDqPart = 64 * 64 * 4;              // one consumer's dQ part: [2][64 rows][32 floats]
+  static constexpr u32 kDqPart = Cfg<D>::kWide ? 0 : 64 * 64 * 4;  // a consumer's dQ part: [2][64 rows][32 floats]
   static constexpr u32 kK = 0;                             // [D/64][BN][64]
   static constexpr u32 kV = kK + BN * D * 2;               // [D/64][BN][64]
   static constexpr u32 kQ = kV + BN * D * 2;               // STAGES x tile
   static constexpr u32 kDO = kQ + STAGES * kTile;          // STAGES x tile
-  static constexpr u32 kDS = kDO + STAGES * kTile;         // 2 x dS^T: [BM/64][BN][64]
-  static constexpr u32 kDQ = kDS + 2 * BN * BM * 2;        // CONSUMERS x dQ part
+  static constexpr u32 kDS = kDO + STAGES * kTile;         // 2 x dS^T: [BM/64][BN][64]; D = 256: sP, then sDS
+  static constexpr u32 kPt = kDS, kDSt = kDS + BN * BM * 2;  // D = 256: P^T, dS^T (64 keys x 64 queries each)
+  static constexpr u32 kDQ = kDS + 2 * BN * BM * 2;        // CONSUMERS x dQ part (none at D = 256)
   static constexpr u32 kLse = kDQ + CONSUMERS * kDqPart;   // STAGES x BM floats: lse * log2(e)
   static constexpr u32 kDelta = kLse + STAGES * BM * 4;    // STAGES x BM floats
   static constexpr u32 kKlo = kDelta + STAGES * BM * 4;     // STAGES x BM ints (IV): first visible key per row
@@ -79,13 +117,24 @@ struct Smem {
   __device__ static u32 q_empty(u32 base, int s) { return q_full(base, s) + 16; }
   __device__ static u32 do_empty(u32 base, int s) { return q_full(base, s) + 24; }
 };
+
+// What every role of a D = 256 CTA knows about its walk (consumer_wide, dq_writer_wide).
+struct Walk {
+  u32 base;                      // shared memory, 1024-byte aligned (Smem offsets)
+  const float *s_lse, *s_delta;  // the row stages (generic pointers to base + kLse, kDelta)
+  const int *s_klo, *s_khi;      // (IV) base + kKlo, kKhi
+  int n0, b, hk, h_first;        // first key; batch, kv head, first query head
+  int t_lo, t_end, steps;        // the query tiles of each head, and tiles x heads
+};
 }  // namespace bwd90
 
-// Tile geometry read by the host (cuda_backend.py), so it is written down once: per head dim (64, 128)
+// Tile geometry read by the host (cuda_backend.py), so it is written down once: per head dim (64, 128, 256)
 // {keys per CTA, queries per tile, threads, dynamic shared memory bytes}.
-extern "C" __constant__ int attn_bwd_sm90_geometry[2][4] = {
-    {bwd90::BN, bwd90::Cfg<64>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<64>::kBytes)},
-    {bwd90::BN, bwd90::Cfg<128>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<128>::kBytes)}};
+extern "C" __constant__ int attn_bwd_sm90_geometry[3][4] = {
+    {bwd90::Cfg<64>::BN, bwd90::Cfg<64>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<64>::kBytes)},
+    {bwd90::Cfg<128>::BN, bwd90::Cfg<128>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<128>::kBytes)},
+    {bwd90::Cfg<256>::BN, bwd90::Cfg<256>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<256>::kBytes)}};
+static_assert(bwd90::Smem<256>::kBytes <= 227 * 1024, "D = 256 shared memory");
 
 // The pre-pass: the row table the producer copies per tile. rows[0][b][h][i] = lse * log2(e) (+inf for rows
 // past Sq and rows that saw nothing, so their P is 0), rows[1][b][h][i] = delta (0 there); i < Sq_pad.
@@ -143,14 +192,16 @@ extern "C" __global__ void attn_bwd_sm90_ranges(const int* mlo, const int* mhi, 
   ranges[2 * kb + 1] = r_end > r_first ? (r_end + BM_ - 1) / BM_ : r_first / BM_;
 }
 
-// 64 x BM (this consumer's keys x the tile's queries) = A rows (K or V, K-major) . B rows (Q or dO)
-template <int D, int BM, bool BF16>
+// 64 x N (this consumer's keys x its queries of the tile) = A rows (K or V, K-major: [D/64][BN][64]) . B rows
+// (Q or dO, K-major: [D/64][BM][64]); 16 head-dim columns per step: 32 bytes on inside a 64-column block,
+// then the next block
+template <int D, int N, bool BF16>
 __device__ __forceinline__ void keys_by_queries(float* acc, u32 a_lo, u32 b_lo) {
-  using namespace bwd90;
+  constexpr int BN = bwd90::Cfg<D>::BN, BM = bwd90::Cfg<D>::BM;
 #pragma unroll
   for (int kk = 0; kk < D / 16; ++kk)
-    wgmma_ss<BM, BF16, 0, 0>(acc, desc_at(a_lo, (kk / 4) * BN * 128 + (kk % 4) * 32),
-                             desc_at(b_lo, (kk / 4) * BM * 128 + (kk % 4) * 32), kk > 0);
+    wgmma_ss<N, BF16, 0, 0>(acc, desc_at(a_lo, (kk / 4) * BN * 128 + (kk % 4) * 32),
+                            desc_at(b_lo, (kk / 4) * BM * 128 + (kk % 4) * 32), kk > 0);
 }
 
 // acc (64 keys x D) += A (registers, 64 keys x BM queries) * B (Q or dO tile, read MN-major)
@@ -161,12 +212,255 @@ __device__ __forceinline__ void keys_by_dim(float* acc, const u32 (*a)[4], u32 b
 }
 
 // this consumer's dQ part (64 x 64) = dS (M-major view of dS^T) . K (MN-major), over all BN keys
-template <bool BF16>
+template <int D, bool BF16>
 __device__ __forceinline__ void dq_part(float* acc, u32 ds_lo, u32 k_lo) {
-  using namespace bwd90;
+  constexpr int BN = bwd90::Cfg<D>::BN;
 #pragma unroll
   for (int kk = 0; kk < BN / 16; ++kk)
     wgmma_ss<64, BF16, 1, 1>(acc, desc_at(ds_lo, kk * 16 * 128), desc_at(k_lo, kk * 16 * 128), kk > 0);
+}
+
+// P^T = exp2(S^T * scale*log2e - lse*log2e) in place over NQ query columns of S^T (accumulator layout): element
+// (j, e) is key key0 + 8 (e >> 1), query q0 + 8 j + qc + (e & 1); l2, klo, khi point at the row of query
+// q0 + qc. With need_mask, masked on global positions: keys at or past Sk, causal (the key after the query's
+// position + off), IV (the key outside the row's [klo, khi)).
+template <int NQ, bool CAUSAL, bool IV>
+__device__ __forceinline__ void probs_t(float* st, const float* l2, const int* klo, const int* khi, bool need_mask,
+                                        int key0, int q0, int qc, int Sk, i64 off, float sl2) {
+  if (need_mask) {
+    const int klim = Sk - key0;
+    // hidden when 8 (e >> 1) - 8 j - (e & 1) > dl; clamped so the int compare cannot overflow
+    const int dl = static_cast<int>(
+        max(static_cast<i64>(-4 * NQ), min(static_cast<i64>(4 * NQ), static_cast<i64>(q0) + off - key0 + qc)));
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j) {
+      const float2 lj = *reinterpret_cast<const float2*>(l2 + 8 * j);
+      int2 lo2 = make_int2(0, 0), hi2 = make_int2(Sk, Sk);
+      if (IV) {
+        lo2 = *reinterpret_cast<const int2*>(klo + 8 * j);
+        hi2 = *reinterpret_cast<const int2*>(khi + 8 * j);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float p = fast_exp2(fmaf(st[4 * j + e], sl2, -((e & 1) ? lj.y : lj.x)));
+        const int key = key0 + 8 * (e >> 1);
+        const bool hidden = 8 * (e >> 1) >= klim || (CAUSAL && 8 * (e >> 1) - 8 * j - (e & 1) > dl) ||
+                            (IV && (key < ((e & 1) ? lo2.y : lo2.x) || key >= ((e & 1) ? hi2.y : hi2.x)));
+        st[4 * j + e] = hidden ? 0.f : p;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j) {
+      const float2 lj = *reinterpret_cast<const float2*>(l2 + 8 * j);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) st[4 * j + e] = fast_exp2(fmaf(st[4 * j + e], sl2, -((e & 1) ? lj.y : lj.x)));
+    }
+  }
+}
+
+// D = 256, the dQ writer (producer warp 1). Consumer c's dQ part (64 queries x head-dim columns 128c..) is
+// staged in the step's stage, in the Q tile (c = 0) or the dO tile (c = 1), as four 64 x 32 float32 boxes
+// (stage_f32_rows); once the reductions have read a tile, the writer's arrival on its empty barrier lets the
+// loader refill it.
+__device__ __forceinline__ void dq_writer_wide(const bwd90::Walk& w, const unsigned char* tdq, int lane) {
+  using namespace bwd90;
+  using L = Smem<256>;
+  constexpr int BM = Cfg<256>::BM, HD = 256 / CONSUMERS;  // HD: a consumer's head-dim columns
+  if (lane == 0) tensormap_acquire(tdq);
+  // kDqEmpty only paces the handshake here (no consumer arrives twice on kDqFull before the writer took the
+  // first): the staging memory is released through the stage's empty mbarriers
+#pragma unroll
+  for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+  int h = w.h_first, t = w.t_lo;
+  PipeState<STAGES> pipe;
+  for (int n = 0; n < w.steps; ++n) {
+    const int s = pipe.stage;
+#pragma unroll
+    for (int c = 0; c < CONSUMERS; ++c) {
+      named_barrier_sync(kDqFull + c, kWriterSync);
+      if (n + 1 < w.steps) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+      if (lane == 0) {
+        const u32 part = w.base + (c == 0 ? L::kQ : L::kDO) + s * L::kTile;
+#pragma unroll
+        for (int box = 0; box < HD / 32; ++box)
+          tma_reduce_add_4d(tdq, part + box * 8192, HD * c + 32 * box, h, t * BM, w.b);
+        bulk_commit();
+      }
+    }
+    if (lane == 0) {
+      bulk_wait_read_but<1>();  // consumer 0's part, in the Q tile
+      mbar_arrive(L::q_empty(w.base, s));
+      bulk_wait_read();         // consumer 1's part, in the dO tile
+      mbar_arrive(L::do_empty(w.base, s));
+    }
+    __syncwarp();
+    if (++t == w.t_end) t = w.t_lo, ++h;
+    pipe.advance();
+  }
+  // the last parts have been read (lane 0 waited above): the epilogue may reuse the stages
+  named_barrier_arrive(kWalkDone, Cfg<256>::kWalkDoneThreads);
+  if (lane == 0) bulk_wait_all();
+}
+
+// D = 256, consumer warpgroup c (see the header). Shared-memory operands, all with the 128-byte swizzle:
+//   K, V        [4][64 keys][64]      rows are keys, head dim contiguous
+//   Q, dO tile  [4][64 queries][64]   rows are queries, head dim contiguous
+//   sP, sDS     [64 keys][64 queries] P^T, dS^T: rows are keys, queries contiguous
+// A K-major operand (its contraction index contiguous) steps 16 columns by +32 bytes inside a 64-column block;
+// an MN-major one steps 16 contraction rows by +16 x 128 bytes, with lbo = the distance between its 64-column
+// blocks when its M or N spans two of them.
+template <bool BF16, bool CAUSAL, bool IV>
+__device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsigned char* tdk, const unsigned char* tdv,
+                                              int Sk, i64 off, float scale, float sl2) {
+  using namespace bwd90;
+  constexpr int D = 256, BN = Cfg<D>::BN, BM = Cfg<D>::BM;
+  constexpr int NQ = BM / CONSUMERS;  // queries of S^T, dP^T per consumer
+  constexpr int HD = D / CONSUMERS;   // head-dim columns of dK, dV, dQ per consumer
+  using L = Smem<D>;
+  const u32 base = w.base;
+  const int c = warpgroup_index() - 1, tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
+  const int key0 = w.n0 + 16 * warp + lane / 4;  // this thread's keys: key0, key0 + 8
+  const int qc = 2 * (lane % 4);                 // this thread's first query column of this consumer's NQ
+  // S^T, dP^T: A = K, V (all 64 keys; K-major)
+  const u32 k_lo = desc_lo(base + L::kK, 16), v_lo = desc_lo(base + L::kV, 16);
+  // dQ: B = K head-dim blocks 2c, 2c + 1 (MN-major: keys are the contraction; N = 128 over two blocks BN * 128
+  // bytes apart)
+  const u32 kmn_lo = desc_lo(base + L::kK + 2 * c * BN * 128, BN * 128);
+  // dV, dK: A = sP, sDS (K-major: queries are the contraction); dQ: A = sDS read M-major (queries are M, one
+  // 64-column block, so lbo is unused)
+  const u32 p_lo = desc_lo(base + L::kPt, 16), ds_lo = desc_lo(base + L::kDSt, 16);
+  // stmatrix address of P^T / dS^T rows (keys) 16 warp + (lane % 16) / 8 * 8 + lane % 8, before the chunk of
+  // the 16 columns kk of this consumer: swizzled chunk (4c + 2kk + lane / 16) ^ (row % 8), i.e. the chunk bits
+  // of pt_thread, (lane / 16) ^ (lane % 8), xor (4c + 2kk)
+  const int pt_row = 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
+  const u32 pt_thread = pt_row * 128 + (((lane / 16) ^ (lane % 8)) << 4);
+
+  if (tid == 0) {  // the epilogue's tensor maps
+    tensormap_acquire(tdk);
+    tensormap_acquire(tdv);
+  }
+  float acc_dk[HD / 2], acc_dv[HD / 2];  // 64 keys x head-dim columns HD c..
+#pragma unroll
+  for (int i = 0; i < HD / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+  mbar_wait(L::kv_full(base), 0);
+  int t = w.t_lo;
+  PipeState<STAGES> pipe;
+  for (int n = 0; n < w.steps; ++n) {
+    const int m0 = t * BM, s = pipe.stage;
+    const u32 q_tile = base + L::kQ + s * L::kTile, do_tile = base + L::kDO + s * L::kTile;
+    // S^T, dP^T: B = rows NQ c.. of the Q / dO tile (K-major; 32 rows = 4 swizzle atoms on, 1024-aligned)
+    const u32 q_lo = desc_lo(q_tile + c * NQ * 128, 16), do_lo = desc_lo(do_tile + c * NQ * 128, 16);
+    // dK, dV: B = head-dim blocks 2c, 2c + 1 of the Q / dO tile (MN-major: queries are the contraction; N = 128
+    // over two blocks BM * 128 bytes apart)
+    const u32 qmn_lo = desc_lo(q_tile + 2 * c * BM * 128, BM * 128);
+    const u32 domn_lo = desc_lo(do_tile + 2 * c * BM * 128, BM * 128);
+
+    // S^T_c = K Q_c^T, dP^T_c = V dO_c^T: 64 keys x NQ queries, over D
+    float st[NQ / 2], dpt[NQ / 2];
+    mbar_wait(L::q_full(base, s), pipe.phase);
+    wgmma_fence();
+    keys_by_queries<D, NQ, BF16>(st, k_lo, q_lo);
+    wgmma_commit();
+    mbar_wait(L::do_full(base, s), pipe.phase);
+    keys_by_queries<D, NQ, BF16>(dpt, v_lo, do_lo);
+    wgmma_commit();
+    wgmma_wait<1>();
+    fence_operands<NQ / 2>(st);
+
+    // P^T: element (j, e) is key key0 + 8 (e >> 1), query q0 + 8 j + qc + (e & 1)
+    const int q0 = m0 + NQ * c;
+    const float* l2 = w.s_lse + s * BM + NQ * c + qc;
+    const int* klo = w.s_klo + s * BM + NQ * c + qc;
+    const int* khi = w.s_khi + s * BM + NQ * c + qc;
+    // IV: every key of the CTA visible from every row of this consumer's NQ when the last row's band starts at
+    // or before n0 and the first row's band ends at or after n0 + BN
+    const bool need_mask = (w.n0 + BN > Sk) ||
+                           (CAUSAL && static_cast<i64>(w.n0 + BN - 1) > static_cast<i64>(q0) + off) ||
+                           (IV && !(klo[NQ - 1 - qc] <= w.n0 && khi[-qc] >= w.n0 + BN));
+    probs_t<NQ, CAUSAL, IV>(st, l2, klo, khi, need_mask, key0, q0, qc, Sk, off, sl2);
+
+    wgmma_wait<0>();
+    fence_operands<NQ / 2>(dpt);
+    // dS^T = P^T (dP^T - delta); both in the mma A-fragment order that stmatrix_x4 takes (16 x 16 per kk)
+    const float* dl = w.s_delta + s * BM + NQ * c + qc;
+    u32 pa[NQ / 16][4], dsa[NQ / 16][4];
+#pragma unroll
+    for (int j = 0; j < NQ / 8; ++j) {
+      const float2 dj = *reinterpret_cast<const float2*>(dl + 8 * j);
+      pa[j / 2][2 * (j & 1) + 0] = pack2<BF16>(st[4 * j + 0], st[4 * j + 1]);
+      pa[j / 2][2 * (j & 1) + 1] = pack2<BF16>(st[4 * j + 2], st[4 * j + 3]);
+      dsa[j / 2][2 * (j & 1) + 0] =
+          pack2<BF16>(st[4 * j + 0] * (dpt[4 * j + 0] - dj.x), st[4 * j + 1] * (dpt[4 * j + 1] - dj.y));
+      dsa[j / 2][2 * (j & 1) + 1] =
+          pack2<BF16>(st[4 * j + 2] * (dpt[4 * j + 2] - dj.x), st[4 * j + 3] * (dpt[4 * j + 3] - dj.y));
+    }
+    // P^T, dS^T columns NQ c.. to sP, sDS (free: both consumers passed kTileRead of the previous step)
+#pragma unroll
+    for (int kk = 0; kk < NQ / 16; ++kk) {
+      const u32 chunk = ((2 * (NQ / 16) * c + 2 * kk) % 8) << 4;
+      stmatrix_x4((base + L::kPt + pt_thread) ^ chunk, pa[kk]);
+      stmatrix_x4((base + L::kDSt + pt_thread) ^ chunk, dsa[kk]);
+    }
+    fence_async_shared();
+    named_barrier_sync(kDsReady, 128 * CONSUMERS);
+
+    float acc_dq[HD / 2];
+    wgmma_fence();
+    // dV_c += P^T dO_c: A = sP (64 keys x 64 queries, K-major), B = dO tile blocks 2c, 2c + 1 (MN-major)
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      wgmma_ss<HD, BF16, 0, 1>(acc_dv, desc_at(p_lo, kk * 32), desc_at(domn_lo, kk * 16 * 128), 1);
+    wgmma_commit();
+    // dK_c += dS^T Q_c: A = sDS (K-major), B = Q tile blocks 2c, 2c + 1 (MN-major)
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      wgmma_ss<HD, BF16, 0, 1>(acc_dk, desc_at(ds_lo, kk * 32), desc_at(qmn_lo, kk * 16 * 128), 1);
+    wgmma_commit();
+    // dQ_c = dS K_c (64 queries x HD): A = sDS read M-major (16 keys = 16 rows per step), B = K blocks 2c, 2c + 1
+    // (MN-major)
+#pragma unroll
+    for (int kk = 0; kk < BN / 16; ++kk)
+      wgmma_ss<HD, BF16, 1, 1>(acc_dq, desc_at(ds_lo, kk * 16 * 128), desc_at(kmn_lo, kk * 16 * 128), kk > 0);
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands<HD / 2>(acc_dv);
+    fence_operands<HD / 2>(acc_dk);
+    fence_operands<HD / 2>(acc_dq);
+
+    // both consumers are done with the stage's tiles and with sP, sDS: stage scale * dQ_c in the Q tile (c = 0)
+    // or the dO tile (c = 1) for the writer, once it has taken the previous part
+    named_barrier_sync(kTileRead, 128 * CONSUMERS);
+    named_barrier_sync(kDqEmpty + c, kWriterSync);
+    stage_f32_rows<HD>(c == 0 ? q_tile : do_tile, acc_dq, scale, warp, lane);
+    fence_async_shared();
+    named_barrier_arrive(kDqFull + c, kWriterSync);
+    // every thread releases its reads of the stage (rows, tiles) and its staging writes; the writer arrives too
+    mbar_arrive(L::q_empty(base, s));
+    mbar_arrive(L::do_empty(base, s));
+    if (++t == w.t_end) t = w.t_lo;
+    pipe.advance();
+  }
+
+  // ---- epilogue: dk += scale * dK_c, dv += dV_c (keys n0.., head-dim columns HD c..) by TMA tensor reductions,
+  // staged in Q tile c and dO tile c (32 KB each), free once both consumers are past their last step and the
+  // writer's last reductions have read them
+  named_barrier_sync(kWalkDone, Cfg<D>::kWalkDoneThreads);
+  const u32 dk_staging = base + L::kQ + c * L::kTile, dv_staging = base + L::kDO + c * L::kTile;
+  stage_f32_rows<HD>(dk_staging, acc_dk, scale, warp, lane);
+  stage_f32_rows<HD>(dv_staging, acc_dv, 1.f, warp, lane);
+  fence_async_shared();
+  named_barrier_sync(kStaged + c, 128);
+  if (tid == 0) {
+#pragma unroll
+    for (int box = 0; box < HD / 32; ++box) {
+      tma_reduce_add_4d(tdk, dk_staging + box * 8192, HD * c + 32 * box, w.hk, w.n0, w.b);
+      tma_reduce_add_4d(tdv, dv_staging + box * 8192, HD * c + 32 * box, w.hk, w.n0, w.b);
+    }
+    bulk_commit();
+    bulk_wait_all();
+  }
 }
 
 template <int D, bool BF16, bool CAUSAL, bool IV>
@@ -175,7 +469,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
                                               i64 off, const int* ranges) {
   using namespace bwd90;
   using L = Smem<D>;
-  constexpr int BM = Cfg<D>::BM;
+  constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const float* const s_lse = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kLse);
@@ -202,9 +496,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(L::q_full(base, s), 1);
       mbar_init(L::do_full(base, s), 1);
-      // every consumer thread arrives: each releases its own reads of the stage (lse, delta rows)
-      mbar_init(L::q_empty(base, s), 128 * CONSUMERS);
-      mbar_init(L::do_empty(base, s), 128 * CONSUMERS);
+      // every consumer thread arrives: each releases its own reads of the stage (lse, delta rows); at D = 256
+      // the dQ writer too
+      mbar_init(L::q_empty(base, s), Cfg<D>::kEmptyArrivals);
+      mbar_init(L::do_empty(base, s), Cfg<D>::kEmptyArrivals);
     }
     mbar_fence_init();
   }
@@ -213,8 +508,9 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   const int wg = warpgroup_index(), tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
   const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256, *tdo = tmaps + 384, *tdq = tmaps + 512,
                       *tdk = tmaps + 640, *tdv = tmaps + 768;
+  const Walk walk{base, s_lse, s_delta, s_klo, s_khi, n0, b, hk, h_first, t_lo, t_end, steps};  // D = 256 roles
   if (wg == 0) {  // ---------------------------------------------------------------- producer
-    warpgroup_reg_dealloc<PRODUCER_REGS>();
+    warpgroup_reg_dealloc<Cfg<D>::kProducerRegs>();
     if (warp == 0 && lane == 0) {  // loads
       tensormap_acquire(tq);
       tensormap_acquire(tk);
@@ -253,192 +549,171 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
         pipe.advance();
       }
     } else if (warp == 1) {  // the dQ writer
-      if (lane == 0) tensormap_acquire(tdq);
+      if constexpr (Cfg<D>::kWide) {
+        dq_writer_wide(walk, tdq, lane);
+      } else {
+        if (lane == 0) tensormap_acquire(tdq);
 #pragma unroll
-      for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
-      int h = h_first, t = t_lo;
-      for (int n = 0; n < steps; ++n) {
+        for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+        int h = h_first, t = t_lo;
+        for (int n = 0; n < steps; ++n) {
 #pragma unroll
-        for (int c = 0; c < CONSUMERS; ++c) {
-          named_barrier_sync(kDqFull + c, kWriterSync);
-          if (lane == 0) {
-            const int col = D == 128 ? 64 * c : 0, row = t * BM + (D == 128 ? 0 : 64 * c);
-            const u32 part = base + L::kDQ + c * L::kDqPart;
-            tma_reduce_add_4d(tdq, part, col, h, row, b);
-            tma_reduce_add_4d(tdq, part + L::kDqPart / 2, col + 32, h, row, b);
-            bulk_commit();
+          for (int c = 0; c < CONSUMERS; ++c) {
+            named_barrier_sync(kDqFull + c, kWriterSync);
+            if (lane == 0) {
+              const int col = D == 128 ? 64 * c : 0, row = t * BM + (D == 128 ? 0 : 64 * c);
+              const u32 part = base + L::kDQ + c * L::kDqPart;
+              tma_reduce_add_4d(tdq, part, col, h, row, b);
+              tma_reduce_add_4d(tdq, part + L::kDqPart / 2, col + 32, h, row, b);
+              bulk_commit();
+            }
           }
-        }
-        if (lane == 0) bulk_wait_read();
-        __syncwarp();
-        if (n + 1 < steps) {
+          if (lane == 0) bulk_wait_read();
+          __syncwarp();
+          if (n + 1 < steps) {
 #pragma unroll
-          for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+            for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+          }
+          if (++t == t_end) t = t_lo, ++h;
         }
-        if (++t == t_end) t = t_lo, ++h;
+        if (lane == 0) bulk_wait_all();
       }
-      if (lane == 0) bulk_wait_all();
     }
     return;
   }
 
   // ------------------------------------------------------------------------------------ consumers
-  warpgroup_reg_alloc<CONSUMER_REGS>();
-  const int cw = wg - 1;
-  const int key_lo = n0 + 64 * cw;                 // first key of this warpgroup
-  const int key0 = key_lo + 16 * warp + lane / 4;  // this thread's keys: key0, key0 + 8
-  const int qc = 2 * (lane % 4);                   // this thread's first query column in a tile
-  const u32 k_lo = desc_lo(base + L::kK + cw * 64 * 128, 16), v_lo = desc_lo(base + L::kV + cw * 64 * 128, 16);
-  // dQ part: B = K column block cw (D = 128) or 0; A = dS^T column block cw (D = 64) or 0
-  const u32 kdq_lo = desc_lo(base + L::kK + (D == 128 ? cw * BN * 128 : 0), 16);
-  const u32 dsdq_off = D == 64 ? cw * BN * 128 : 0;
-  // stmatrix address of dS^T rows (keys) 64 cw + 16 warp + (lane % 16) / 8 * 8 + lane % 8, before the
-  // chunk of the 16 columns: swizzled chunk (2 kk) ^ (lane / 16) ^ (row % 8) = (2 kk) ^ ds_xor
-  const int ds_row = 64 * cw + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
-  const u32 ds_thread = ds_row * 128 + (((lane / 16) ^ (lane % 8)) << 4);
+  warpgroup_reg_alloc<Cfg<D>::kConsumerRegs>();
+  if constexpr (Cfg<D>::kWide) {
+    consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, Sk, off, scale, sl2);
+  } else {
+    const int cw = wg - 1;
+    const int key_lo = n0 + 64 * cw;                 // first key of this warpgroup
+    const int key0 = key_lo + 16 * warp + lane / 4;  // this thread's keys: key0, key0 + 8
+    const int qc = 2 * (lane % 4);                   // this thread's first query column in a tile
+    const u32 k_lo = desc_lo(base + L::kK + cw * 64 * 128, 16), v_lo = desc_lo(base + L::kV + cw * 64 * 128, 16);
+    // dQ part: B = K column block cw (D = 128) or 0; A = dS^T column block cw (D = 64) or 0
+    const u32 kdq_lo = desc_lo(base + L::kK + (D == 128 ? cw * BN * 128 : 0), 16);
+    const u32 dsdq_off = D == 64 ? cw * BN * 128 : 0;
+    // stmatrix address of dS^T rows (keys) 64 cw + 16 warp + (lane % 16) / 8 * 8 + lane % 8, before the
+    // chunk of the 16 columns: swizzled chunk (2 kk) ^ (lane / 16) ^ (row % 8) = (2 kk) ^ ds_xor
+    const int ds_row = 64 * cw + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
+    const u32 ds_thread = ds_row * 128 + (((lane / 16) ^ (lane % 8)) << 4);
 
-  if (tid == 0) {  // the epilogue's tensor maps
-    tensormap_acquire(tdk);
-    tensormap_acquire(tdv);
-  }
-  float acc_dk[D / 2], acc_dv[D / 2];
+    if (tid == 0) {  // the epilogue's tensor maps
+      tensormap_acquire(tdk);
+      tensormap_acquire(tdv);
+    }
+    float acc_dk[D / 2], acc_dv[D / 2];
 #pragma unroll
-  for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+    for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
 
-  mbar_wait(L::kv_full(base), 0);
-  int t = t_lo;
-  PipeState<STAGES> pipe;
-  for (int n = 0; n < steps; ++n) {
-    const int m0 = t * BM, s = pipe.stage;
-    const u32 q_lo = desc_lo(base + L::kQ + s * L::kTile, 16), do_lo = desc_lo(base + L::kDO + s * L::kTile, 16);
-    const u32 qmn_lo = desc_lo(base + L::kQ + s * L::kTile, BM * 128);
-    const u32 domn_lo = desc_lo(base + L::kDO + s * L::kTile, BM * 128);
-    const u32 ds_tile = base + L::kDS + (n & 1) * BN * BM * 2;
+    mbar_wait(L::kv_full(base), 0);
+    int t = t_lo;
+    PipeState<STAGES> pipe;
+    for (int n = 0; n < steps; ++n) {
+      const int m0 = t * BM, s = pipe.stage;
+      const u32 q_lo = desc_lo(base + L::kQ + s * L::kTile, 16), do_lo = desc_lo(base + L::kDO + s * L::kTile, 16);
+      const u32 qmn_lo = desc_lo(base + L::kQ + s * L::kTile, BM * 128);
+      const u32 domn_lo = desc_lo(base + L::kDO + s * L::kTile, BM * 128);
+      const u32 ds_tile = base + L::kDS + (n & 1) * BN * BM * 2;
 
-    float st[BM / 2], dpt[BM / 2];
-    mbar_wait(L::q_full(base, s), pipe.phase);
-    wgmma_fence();
-    keys_by_queries<D, BM, BF16>(st, k_lo, q_lo);
-    wgmma_commit();
-    mbar_wait(L::do_full(base, s), pipe.phase);
-    keys_by_queries<D, BM, BF16>(dpt, v_lo, do_lo);
-    wgmma_commit();
-    wgmma_wait<1>();
-    fence_operands<BM / 2>(st);
+      float st[BM / 2], dpt[BM / 2];
+      mbar_wait(L::q_full(base, s), pipe.phase);
+      wgmma_fence();
+      keys_by_queries<D, BM, BF16>(st, k_lo, q_lo);
+      wgmma_commit();
+      mbar_wait(L::do_full(base, s), pipe.phase);
+      keys_by_queries<D, BM, BF16>(dpt, v_lo, do_lo);
+      wgmma_commit();
+      wgmma_wait<1>();
+      fence_operands<BM / 2>(st);
 
-    // P^T (keys x queries), masked on global positions: element (j, e) is key key0 + 8 (e >> 1), query
-    // m0 + 8 j + qc + (e & 1)
-    const float* l2 = s_lse + s * BM + qc;
-    const int* klo = s_klo + s * BM + qc;
-    const int* khi = s_khi + s * BM + qc;
-    // IV: every key of this consumer visible from every row of the tile when the last row's band starts
-    // at or before key_lo and the first row's band ends at or after key_lo + 64
-    const bool need_mask = (n0 + BN > Sk) ||
-                           (CAUSAL && static_cast<i64>(key_lo + 63) > static_cast<i64>(m0) + off) ||
-                           (IV && !(klo[BM - 1 - qc] <= key_lo && khi[-qc] >= key_lo + 64));
-    if (need_mask) {
-      const int klim = Sk - key0;
-      // hidden when 8 (e >> 1) - 8 j - (e & 1) > dl; clamped so the int compare cannot overflow
-      const int dl = static_cast<int>(
-          max(static_cast<i64>(-4 * BM), min(static_cast<i64>(4 * BM), static_cast<i64>(m0) + off - key0 + qc)));
+      // P^T (keys x queries), masked on global positions: element (j, e) is key key0 + 8 (e >> 1), query
+      // m0 + 8 j + qc + (e & 1)
+      const float* l2 = s_lse + s * BM + qc;
+      const int* klo = s_klo + s * BM + qc;
+      const int* khi = s_khi + s * BM + qc;
+      // IV: every key of this consumer visible from every row of the tile when the last row's band starts
+      // at or before key_lo and the first row's band ends at or after key_lo + 64
+      const bool need_mask = (n0 + BN > Sk) ||
+                             (CAUSAL && static_cast<i64>(key_lo + 63) > static_cast<i64>(m0) + off) ||
+                             (IV && !(klo[BM - 1 - qc] <= key_lo && khi[-qc] >= key_lo + 64));
+      probs_t<BM, CAUSAL, IV>(st, l2, klo, khi, need_mask, key0, m0, qc, Sk, off, sl2);
+      u32 pa[BM / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<BF16>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
+
+      wgmma_wait<0>();
+      fence_operands<BM / 2>(dpt);
+      // dS^T = P^T (dP^T - delta)
+      const float* dl = s_delta + s * BM + qc;
+      u32 dsa[BM / 16][4];
 #pragma unroll
       for (int j = 0; j < BM / 8; ++j) {
-        const float2 lj = *reinterpret_cast<const float2*>(l2 + 8 * j);
-        int2 lo2 = make_int2(0, 0), hi2 = make_int2(Sk, Sk);
-        if (IV) {
-          lo2 = *reinterpret_cast<const int2*>(klo + 8 * j);
-          hi2 = *reinterpret_cast<const int2*>(khi + 8 * j);
-        }
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const float p = fast_exp2(fmaf(st[4 * j + e], sl2, -((e & 1) ? lj.y : lj.x)));
-          const int key = key0 + 8 * (e >> 1);
-          const bool hidden = 8 * (e >> 1) >= klim || (CAUSAL && 8 * (e >> 1) - 8 * j - (e & 1) > dl) ||
-                              (IV && (key < ((e & 1) ? lo2.y : lo2.x) || key >= ((e & 1) ? hi2.y : hi2.x)));
-          st[4 * j + e] = hidden ? 0.f : p;
-        }
+        const float2 dj = *reinterpret_cast<const float2*>(dl + 8 * j);
+        dsa[j / 2][2 * (j & 1) + 0] = pack2<BF16>(st[4 * j + 0] * (dpt[4 * j + 0] - dj.x), st[4 * j + 1] * (dpt[4 * j + 1] - dj.y));
+        dsa[j / 2][2 * (j & 1) + 1] = pack2<BF16>(st[4 * j + 2] * (dpt[4 * j + 2] - dj.x), st[4 * j + 3] * (dpt[4 * j + 3] - dj.y));
       }
-    } else {
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        const float2 lj = *reinterpret_cast<const float2*>(l2 + 8 * j);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) st[4 * j + e] = fast_exp2(fmaf(st[4 * j + e], sl2, -((e & 1) ? lj.y : lj.x)));
-      }
-    }
-    u32 pa[BM / 16][4];
-#pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<BF16>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
 
-    wgmma_wait<0>();
-    fence_operands<BM / 2>(dpt);
-    // dS^T = P^T (dP^T - delta)
-    const float* dl = s_delta + s * BM + qc;
-    u32 dsa[BM / 16][4];
+      wgmma_fence();
+      keys_by_dim<D, BM, BF16>(acc_dv, pa, domn_lo);
+      wgmma_commit();
+      // dS^T to shared memory for the dQ product: 16 keys x 16 queries per stmatrix
 #pragma unroll
-    for (int j = 0; j < BM / 8; ++j) {
-      const float2 dj = *reinterpret_cast<const float2*>(dl + 8 * j);
-      dsa[j / 2][2 * (j & 1) + 0] = pack2<BF16>(st[4 * j + 0] * (dpt[4 * j + 0] - dj.x), st[4 * j + 1] * (dpt[4 * j + 1] - dj.y));
-      dsa[j / 2][2 * (j & 1) + 1] = pack2<BF16>(st[4 * j + 2] * (dpt[4 * j + 2] - dj.x), st[4 * j + 3] * (dpt[4 * j + 3] - dj.y));
+      for (int kk = 0; kk < BM / 16; ++kk)
+        stmatrix_x4(((ds_tile + ds_thread) ^ (((2 * kk) % 8) << 4)) + (kk / 4) * BN * 128, dsa[kk]);
+      fence_async_shared();
+      named_barrier_sync(kDsReady, 128 * CONSUMERS);
+      float acc_dq[32];
+      wgmma_fence();
+      dq_part<D, BF16>(acc_dq, desc_lo(ds_tile + dsdq_off, 16), kdq_lo);
+      wgmma_commit();
+      keys_by_dim<D, BM, BF16>(acc_dk, dsa, qmn_lo);
+      wgmma_commit();
+      wgmma_wait<1>();  // dV and dQ are done; dK may still run
+      fence_operands<D / 2>(acc_dv);
+      fence_operands<32>(acc_dq);
+      mbar_arrive(L::do_empty(base, s));
+
+      // stage scale * dQ for the writer once it has read the previous part
+      named_barrier_sync(kDqEmpty + cw, kWriterSync);
+      stage_f32_rows<64>(base + L::kDQ + cw * L::kDqPart, acc_dq, scale, warp, lane);
+      fence_async_shared();
+      named_barrier_arrive(kDqFull + cw, kWriterSync);
+
+      wgmma_wait<0>();
+      fence_operands<D / 2>(acc_dk);
+      mbar_arrive(L::q_empty(base, s));
+      if (++t == t_end) t = t_lo;
+      pipe.advance();
     }
 
-    wgmma_fence();
-    keys_by_dim<D, BM, BF16>(acc_dv, pa, domn_lo);
-    wgmma_commit();
-    // dS^T to shared memory for the dQ product: 16 keys x 16 queries per stmatrix
+    // ---- epilogue: dk += scale * dK, dv += dV by TMA tensor reductions (adds in L2, so CTAs that share a kv
+    // head through a split GQA group need no atomics; keys past Sk are not written). Staged in the Q / dO
+    // stages, free once both consumers are past their last step; dK first, then dV in the same buffer.
+    named_barrier_sync(kWalkDone, 128 * CONSUMERS);
+    const u32 staging = base + L::kQ + cw * 64 * D * 4;
 #pragma unroll
-    for (int kk = 0; kk < BM / 16; ++kk)
-      stmatrix_x4(((ds_tile + ds_thread) ^ (((2 * kk) % 8) << 4)) + (kk / 4) * BN * 128, dsa[kk]);
-    fence_async_shared();
-    named_barrier_sync(kDsReady, 128 * CONSUMERS);
-    float acc_dq[32];
-    wgmma_fence();
-    dq_part<BF16>(acc_dq, desc_lo(ds_tile + dsdq_off, 16), kdq_lo);
-    wgmma_commit();
-    keys_by_dim<D, BM, BF16>(acc_dk, dsa, qmn_lo);
-    wgmma_commit();
-    wgmma_wait<1>();  // dV and dQ are done; dK may still run
-    fence_operands<D / 2>(acc_dv);
-    fence_operands<32>(acc_dq);
-    mbar_arrive(L::do_empty(base, s));
-
-    // stage scale * dQ for the writer once it has read the previous part
-    named_barrier_sync(kDqEmpty + cw, kWriterSync);
-    stage_f32_rows<64>(base + L::kDQ + cw * L::kDqPart, acc_dq, scale, warp, lane);
-    fence_async_shared();
-    named_barrier_arrive(kDqFull + cw, kWriterSync);
-
-    wgmma_wait<0>();
-    fence_operands<D / 2>(acc_dk);
-    mbar_arrive(L::q_empty(base, s));
-    if (++t == t_end) t = t_lo;
-    pipe.advance();
-  }
-
-  // ---- epilogue: dk += scale * dK, dv += dV by TMA tensor reductions (adds in L2, so CTAs that share a kv
-  // head through a split GQA group need no atomics; keys past Sk are not written). Staged in the Q / dO
-  // stages, free once both consumers are past their last step; dK first, then dV in the same buffer.
-  named_barrier_sync(kWalkDone, 128 * CONSUMERS);
-  const u32 staging = base + L::kQ + cw * 64 * D * 4;
-#pragma unroll
-  for (int which = 0; which < 2; ++which) {
-    if (which == 1) {  // the dK reductions have read the buffer
-      if (tid == 0) bulk_wait_read();
+    for (int which = 0; which < 2; ++which) {
+      if (which == 1) {  // the dK reductions have read the buffer
+        if (tid == 0) bulk_wait_read();
+        named_barrier_sync(kStaged + cw, 128);
+      }
+      stage_f32_rows<D>(staging, which == 0 ? acc_dk : acc_dv, which == 0 ? scale : 1.f, warp, lane);
+      fence_async_shared();
       named_barrier_sync(kStaged + cw, 128);
-    }
-    stage_f32_rows<D>(staging, which == 0 ? acc_dk : acc_dv, which == 0 ? scale : 1.f, warp, lane);
-    fence_async_shared();
-    named_barrier_sync(kStaged + cw, 128);
-    if (tid == 0) {
-      const unsigned char* map = which == 0 ? tdk : tdv;
+      if (tid == 0) {
+        const unsigned char* map = which == 0 ? tdk : tdv;
 #pragma unroll
-      for (int box = 0; box < D / 32; ++box) tma_reduce_add_4d(map, staging + box * 8192, 32 * box, hk, key_lo, b);
-      bulk_commit();
+        for (int box = 0; box < D / 32; ++box) tma_reduce_add_4d(map, staging + box * 8192, 32 * box, hk, key_lo, b);
+        bulk_commit();
+      }
     }
+    if (tid == 0) bulk_wait_all();
   }
-  if (tid == 0) bulk_wait_all();
 }
 
 #define BH_BWD90(NAME, D, BF16, CAUSAL, IV)                                                                       \
@@ -463,3 +738,9 @@ BH_BWD90(attn_bwd_sm90_bf16_d64_interval, 64, true, false, true)
 BH_BWD90(attn_bwd_sm90_f16_d64_full, 64, false, false, false)
 BH_BWD90(attn_bwd_sm90_f16_d64_causal, 64, false, true, false)
 BH_BWD90(attn_bwd_sm90_f16_d64_interval, 64, false, false, true)
+BH_BWD90(attn_bwd_sm90_bf16_d256_full, 256, true, false, false)
+BH_BWD90(attn_bwd_sm90_bf16_d256_causal, 256, true, true, false)
+BH_BWD90(attn_bwd_sm90_bf16_d256_interval, 256, true, false, true)
+BH_BWD90(attn_bwd_sm90_f16_d256_full, 256, false, false, false)
+BH_BWD90(attn_bwd_sm90_f16_d256_causal, 256, false, true, false)
+BH_BWD90(attn_bwd_sm90_f16_d256_interval, 256, false, false, true)

@@ -26,8 +26,11 @@ _NGPU = gpu_count()
 pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
+from burst_hpc import masks  # noqa: E402
 from burst_hpc.backends import cuda_backend, get_backend  # noqa: E402
 from burst_hpc.errors import BackendError  # noqa: E402
+from burst_hpc.reference import attention_backward_reference  # noqa: E402
+from burst_hpc.verify import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 _FAMILIES = cuda_backend.kernel_families() if _NGPU else ()
@@ -202,6 +205,73 @@ def test_forward_every_sm90_tile_height(d, causal):
             be._forced_fwd_rows = None
         _check(f"o (BM={rows})", o, pl_o, ref_o, 2)
         assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max())), f"lse (BM={rows})"
+
+
+# ---------------------------------------------------------------- D = 256: the sm90 backward's wide kernels
+# The families with a native D = 256 backward kernel: the tests below run on these (parametrized, not skipped).
+_NATIVE_D256 = [f for f in _FAMILIES if f == "sm90"]
+
+
+def _backward_d256(be, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, mask=None):
+    """The family's D = 256 backward kernel, called directly: it is what these tests check, whichever way
+    backward_block routes D = 256. Inputs as backward_block would pass them (contiguous)."""
+    be._backward_sm90(be._kind_pair(q), q.shape[-1], q, k, v, do, lse, delta, dq, dk, dv, scale, causal, 0, 0, mask)
+
+
+def _d256_cases():
+    for s in (1, 77, 1000):
+        for causal in (False, True):
+            yield s, causal, 4, 4
+    for causal in (False, True):  # GQA on few CTAs: the group is split over CTAs (dK, dV added by reductions)
+        yield 300, causal, 8, 2
+
+
+@pytest.mark.parametrize("family", _NATIVE_D256, indirect=True)
+@pytest.mark.parametrize("s,causal,hq,hkv", list(_d256_cases()))
+def test_backward_d256(family, s, causal, hq, hkv):
+    b, d = 2, 256
+    q, k, v, do = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv, hq))
+    scale = d ** -0.5
+    be = _be()
+    o, lse = _run_forward(q, k, v, scale, causal)
+    delta = be.delta(do, o)
+    # poison: accumulators start from random values and must be *added* to
+    init = [cupy.random.standard_normal(x.shape, dtype=cupy.float32) for x in (q, k, v)]
+    dq, dk, dv = (x.copy() for x in init)
+    _backward_d256(be, q, k, v, do, lse, delta, dq, dk, dv, scale, causal)
+    ref = ref_backward(do, q, k, v, scale, causal)
+    plain = ref_backward(do, q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
+    for name, got, i0, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), init, ref, plain):
+        _check(name, got - i0, p, r, 3)
+
+
+@pytest.mark.parametrize("family", _NATIVE_D256, indirect=True)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_backward_d256_interval(family, dtype):
+    """The interval kernels at D = 256: documents (two of one token) under a sliding window, against the
+    float64 oracle with the rule of tests/test_cuda_masks.py."""
+    dt = np.dtype(dtype)
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    seqlen, hq, hkv, d = 700, 4, 2, 256
+    cu, window = np.array([0, 1, 2, 130, 451, 700]), (150, 0)
+    mask = masks.make(seqlen, True, window, cu)
+    q, k, v, do = (rng.standard_normal((2, seqlen, h, d)).astype(dt) for h in (hq, hkv, hkv, hq))
+    dev = [cupy.asarray(x) for x in (q, k, v, do)]
+    scale = d ** -0.5
+    be = _be()
+    o = cupy.zeros((2, seqlen, hq, d), cupy.float32)
+    lse = cupy.full((2, hq, seqlen), -cupy.inf, cupy.float32)
+    be.forward_block(*dev[:3], o, lse, scale=scale, causal=True, mask=mask)
+    acc = [cupy.zeros(x.shape, cupy.float32) for x in (q, k, v)]
+    _backward_d256(be, *dev, lse, be.delta(dev[3], o), *acc, scale, True, mask)
+    kw = dict(causal=True, window=window, cu_seqlens=cu)
+    plain = plain_attention(q, k, v, do, True, None, dt, window, cu)
+    for name, got, want, base in zip(("dq", "dk", "dv"), acc, attention_backward_reference(do, q, k, v, **kw),
+                                     plain[2:]):
+        err = float(np.abs(cupy.asnumpy(got).astype(np.float64) - want).max())
+        floor = 3e-3 * max(1.0, float(np.abs(want).max()))
+        assert err <= 3 * float(np.abs(base - want).max()) + floor, f"seed={seed} {name}"
 
 
 # ---------------------------------------------------------------- strided views, offsets, merging

@@ -31,11 +31,12 @@ from . import padding, tma
 SUPPORTED_HEAD_DIMS = (64, 128)  # native kernel widths of every family; narrower heads are zero-padded
 # native widths per (family, direction): the sm90 family adds D = 256 (Gemma-style heads)
 _NATIVE_WIDTHS = {("sm80", "fwd"): (64, 128), ("sm80", "bwd"): (64, 128),
-                  ("sm90", "fwd"): (64, 128, 256), ("sm90", "bwd"): (64, 128)}
+                  ("sm90", "fwd"): (64, 128, 256), ("sm90", "bwd"): (64, 128, 256)}
 # the sm90 forward's schedule: K/V bytes a chunk of heads may keep in L2 (H100: 50 MB), and the
 # throughput of D = 64 with two consumer warpgroups relative to three (bench_kernels.py --fwd-shapes)
 _L2_CHUNK_BYTES = 24 << 20
 _D64_TWO_CONSUMER_RATE = 0.85
+_SM90_HEAD_DIMS = (64, 128, 256)  # the rows of the sm90 sources' geometry tables (attn_*_sm90_geometry)
 # wider heads run the tiled online softmax of numpy_backend on CuPy arrays (batched cuBLAS products per
 # tile pair, float32): exact, slower than a fused kernel; tiles of this many queries x keys
 _WIDE_TILE = 1024
@@ -187,13 +188,15 @@ class CudaBackend:
 
     def _sm90_geometry(self, fname, d):
         """The tile geometry the sm90 source defines for head dim d (its ``<name>_geometry`` table):
-        fwd (query rows, keys, threads, shared bytes); bwd (keys, query rows, threads, shared bytes)."""
+        fwd (query rows, keys, threads, shared bytes); bwd (keys, query rows, threads, shared bytes). Row
+        ``_SM90_HEAD_DIMS.index(d)`` of the table, read alone (16 bytes), so a table with fewer rows than
+        _SM90_HEAD_DIMS still serves the head dims it has."""
         key = (fname, d)
         geo = self._geometries.get(key)
         if geo is None:
             symbol = fname.replace(".cu", "_geometry")
-            table = cupy.ndarray((2, 4), np.int32, memptr=self._module(fname).get_global(symbol)).get()
-            geo = tuple(int(x) for x in table[SUPPORTED_HEAD_DIMS.index(d)])
+            row = self._module(fname).get_global(symbol) + 16 * _SM90_HEAD_DIMS.index(d)
+            geo = tuple(int(x) for x in cupy.ndarray((4,), np.int32, memptr=row).get())
             self._geometries[key] = geo
         return geo
 
@@ -438,6 +441,8 @@ class CudaBackend:
             return x if aligned else cupy.zeros(x.shape, np.float32)
 
         dq_w, dk_w, dv_w = target(dq), target(dk), target(dv)
+        # float32 boxes: 32 columns (128 bytes) x 64 rows at every D: the kernels add parts of 64 rows (a dQ
+        # part of 64 queries; a consumer's 64 keys of dK, dV, at D = 256 its 128 head-dim columns of all 64)
         try:
             maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn), (do, bm), (dq_w, 64), (dk_w, 64), (dv_w, 64)))
         except tma.TensorMapError:  # a stride order the driver refuses: contiguous copies, scratch accumulators
