@@ -112,20 +112,3 @@ __device__ __forceinline__ int local_key(int bound, i64 kofs, int Sk) {
   const i64 c = static_cast<i64>(bound) - kofs;
   return static_cast<int>(c < -1 ? -1 : (c > Sk + 1 ? Sk + 1 : c));
 }
-
-// The keys [n_begin, n_end) that some row of the query block [m0, min(m0 + BM, Sq)) sees (empty when
-// n_end <= n_begin): causal up to the last row's diagonal (off = q_start - k_start), interval masks from
-// the first row's lower and the last row's upper bound (both never decrease with the row).
-template <int BM, bool CAUSAL, bool IV>
-__device__ __forceinline__ void block_key_range(int m0, int Sq, int Sk, i64 off, const int* mlo, const int* mhi,
-                                                i64 kofs, int& n_begin, int& n_end) {
-  n_begin = 0, n_end = Sk;
-  if (CAUSAL) {
-    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
-    n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
-  }
-  if (IV) {
-    n_begin = max(0, local_key(mlo[m0], kofs, Sk));
-    n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
-  }
-}
