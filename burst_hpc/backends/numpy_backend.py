@@ -40,7 +40,11 @@ class NumpyBackend:
 
     def _key_tiles(self, q0, q1, n_keys, causal, q_start, k_start, mask):
         """Key tiles (k0, k1, hidden) with something visible to query rows q0..q1-1; ``hidden`` is
-        None for tiles that need no mask, else the boolean (rows, keys) mask of hidden pairs."""
+        None for tiles that need no mask, else the boolean (rows, keys) mask of hidden pairs.
+        An unmasked pair (``causal`` False) ignores ``mask``: it may be several runs fused in local
+        memory (schedule.block_pairs), whose rows are not at q_start + i."""
+        if not causal:
+            mask = None
         if mask is not None:
             lo, hi = (x - k_start for x in mask.rows(q_start + q0, q1 - q0))
             k_begin, k_end = max(0, int(lo[0])), min(n_keys, int(hi[-1]))  # both ends never decrease
