@@ -1,7 +1,10 @@
 """Agreement across ranks: bad input gives the same clear error on every rank, never a hang.
 Also where the MPI world comes from: mpi4py is imported only here (and in the transports), so a
 machine without an MPI library still runs ``burst-hpc info``, ``check`` and the one-device API."""
+import contextlib
 import hashlib
+import sys
+import traceback
 
 import numpy as np
 
@@ -95,6 +98,24 @@ def agree(comm, error=None, signature=None, arrays=None):
                     mismatch = RankMismatchError(f"{text}; every rank must pass matching arguments")
                     mismatch.agreed = True
                     raise mismatch
+
+
+@contextlib.contextmanager
+def one_fails_all(comm, what):
+    """Inside a pass the ranks wait for each other's transfers, so an error on some ranks (a bug, a
+    device failure, a callback that raises) would leave the others waiting forever. Such an error
+    ends the whole job from the failing rank: its traceback and one error line naming the rank on
+    stderr, then MPI_Abort. A single rank raises as usual."""
+    try:
+        yield
+    except (Exception, KeyboardInterrupt) as error:
+        if comm is None or comm.size == 1:
+            raise
+        from .jobsafety import abort_job
+
+        sys.stderr.write(traceback.format_exc())
+        abort_job(f"rank {comm.rank} failed inside {what}: {describe(error)}; ending every rank of the job "
+                  f"(the others would wait for this one forever)")
 
 
 def _digest(array):

@@ -24,7 +24,7 @@ from .schedule import visit_pairs
 from .schemes import check_scheme, make as make_scheme, ulysses_heads
 from .topology import topology
 from . import ulysses
-from .collective import agree, world
+from .collective import agree, one_fails_all, world
 from .device import gpus_shared
 from .transport import choose_transport, make_transport
 from .transport.emulated import EmulatedNetwork, Nic, setting as emulated_network
@@ -151,7 +151,7 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     comm = world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window, scheme=scheme,
                  ranks_per_node=ranks_per_node)
-    with _device_of(q):
+    with _device_of(q), one_fails_all(comm, "burst_attention"):
         if plan.scheme_name == "ulysses_ring":
             return _ulysses_forward(plan, q, k, v, on_step=on_step)
         return _forward(plan, q, k, v, on_step=on_step)
@@ -252,7 +252,7 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
     comm = world() if comm is None else comm
     plan = _Plan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
                  cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node)
-    with _device_of(q):
+    with _device_of(q), one_fails_all(comm, "burst_attention_backward"):
         if plan.scheme_name == "ulysses_ring":
             return _ulysses_backward(plan, plan.ring, do, q, k, v, o, lse, on_step=on_step)
         return _backward(plan, plan.ring, do, q, k, v, o, lse, on_step=on_step)
