@@ -43,12 +43,13 @@ test-mpi: $(STAMP)
 	  timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(VPY) -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests; \
 	done
 
-# one host acting as several nodes (ranks_per_node): small shapes, oversubscribed, about a minute on 2 cores
+# one host acting as several nodes (ranks_per_node), and the randomized check on 6 and 8 ranks: small shapes,
+# oversubscribed, about a minute on 2 cores
 test-nodes: $(STAMP)
 	@set -e; for n in $(NODE_RANKS); do \
-	  echo "== mpi_tests/test_nodes.py on $$n ranks (as nodes) =="; \
+	  echo "== mpi_tests/test_nodes.py and test_randomized.py on $$n ranks (as nodes) =="; \
 	  BURST_HPC_NODE_TESTS=1 timeout $(MPI_TIMEOUT) $(MPIEXEC) -n $$n $(VPY) -m mpi4py -m pytest -q -p no:cacheprovider \
-	    mpi_tests/test_nodes.py; \
+	    mpi_tests/test_nodes.py mpi_tests/test_randomized.py; \
 	done
 
 # ---- parallel HDF5 (issue 20): h5py built against Debian's MPI-enabled HDF5, in its own venv.

@@ -1,0 +1,356 @@
+"""Randomized differential check of the whole option space against the float64 oracle.
+
+Each case draws, from its seed, every option a call takes: scheme, layout (or the default), causal,
+documents (random cuts, one-token documents, cuts on shard and chunk edges), window (left, right;
+0 and -1 included), GQA/MQA ratio, head dim (native or not), batch, scale, backward ring, and the
+simulated nodes (``ranks_per_node``, 1-4 nodes) over the ranks it is launched on. Every rank draws
+the same case. A call must either match the oracle within the FlashAttention tolerance (forward
+and backward, verify.tolerance), or be refused with the same clear message on every rank, one of
+the refusals this module lists as legitimate. Anything else is a failure, reported as one line
+that reproduces the case.
+
+    make test                                  a fixed set of seeds (mpi_tests/test_randomized.py)
+    python mpi_tests/randomized.py --cases N   a soak: N cases spread over 1-8 ranks
+    mpiexec -n P python -m mpi4py mpi_tests/randomized.py --seed S [--count C]   C cases on P ranks
+
+On a GPU (``--backend cuda``) the inputs are CuPy arrays in bfloat16 or float16 (ranks may share the
+GPU) and the kernels run; the oracle stays in float64 on the host.
+"""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
+LAYOUTS = (None, "contiguous", "zigzag", "balanced")
+HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 72)
+GPU_HEAD_DIMS = (32, 48, 64, 80, 96, 128, 160, 256)
+
+# the only refusals a drawn case may meet: each names what does not fit and what to use instead
+LEGITIMATE = (
+    r"works with the zigzag and contiguous layouts; the balanced layout's causal schedule runs on the flat ring",
+    r"splits the \d+ query heads over the \d+ ranks of a node, and \d+ does not divide \d+",
+    r"gives each rank \d+ query heads, which neither holds whole GQA groups of \d+ nor divides one",
+    r"does not split over \d+ ranks with the \w+ layout: it must be a multiple of \d+",
+)
+
+
+@dataclass
+class Case:
+    seed: int
+    ranks: int
+    backend: str = "numpy"
+    dtype: str = "float64"
+    batch: int = 1
+    seqlen: int = 8
+    heads: int = 1
+    kv_heads: int = 1
+    head_dim: int = 8
+    causal: bool = False
+    layout: str = None
+    scheme: str = "ring"
+    ranks_per_node: int = None
+    cu_seqlens: list = None
+    window: tuple = None
+    scale: float = None
+    backward_ring: str = "auto"
+    notes: list = field(default_factory=list)
+
+    def line(self):
+        """The one-line reproducer."""
+        script = "mpi_tests/randomized.py"
+        extra = "" if self.backend == "numpy" else f" --backend {self.backend} --dtype {self.dtype}"
+        return (f"mpiexec -n {self.ranks} python -m mpi4py {script} --seed {self.seed}{extra}   # "
+                f"B={self.batch} S={self.seqlen} Hq={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
+                f"{self.dtype} causal={self.causal} layout={self.layout} scheme={self.scheme} "
+                f"ranks_per_node={self.ranks_per_node} cu_seqlens={self.cu_seqlens} window={self.window} "
+                f"scale={self.scale} backward_ring={self.backward_ring}")
+
+
+def draw(seed, ranks, backend="numpy", dtype=None):
+    """The case of ``seed`` on ``ranks`` ranks (the same on every rank)."""
+    rng = np.random.default_rng([seed, ranks])
+    c = Case(seed, ranks, backend)
+    c.dtype = dtype or str(rng.choice(["float64", "float32"]))
+    c.scheme = str(rng.choice(SCHEMES))
+    c.layout = LAYOUTS[rng.integers(len(LAYOUTS))]
+    c.causal = bool(rng.random() < 0.6)
+    nodes_choices = [ranks // w for w in range(1, ranks + 1) if ranks % w == 0 and ranks // w <= 4]
+    c.ranks_per_node = None if rng.random() < 0.15 else ranks // int(rng.choice(nodes_choices))
+    c.kv_heads = int(rng.choice([1, 1, 2, 3, 4]))
+    c.heads = c.kv_heads * int(rng.choice([1, 2, 3, 4]))
+    if c.scheme in ("ulysses_ring", "auto") and c.ranks_per_node and rng.random() < 0.7:
+        w = c.ranks_per_node  # mostly heads that split over a node, so the scheme runs
+        c.heads = w * int(rng.integers(1, 4))
+        c.kv_heads = int(rng.choice([h for h in range(1, c.heads + 1) if c.heads % h == 0]))
+    c.head_dim = int(rng.choice(GPU_HEAD_DIMS if backend == "cuda" else HEAD_DIMS))
+    c.batch = int(rng.choice([1, 1, 2]))
+    parts = 2 * ranks if rng.random() < 0.9 else ranks   # a length zigzag cannot split, now and then
+    c.seqlen = parts * int(rng.integers(1, 9 if backend == "numpy" else 40))
+    if backend == "cuda" or rng.random() < 0.08:   # now and then shards of several kernel tiles
+        c.seqlen += parts * int(rng.choice([0, 16, 40]) if backend == "cuda" else rng.integers(16, 80))
+    c.scale = None if rng.random() < 0.8 else float(rng.uniform(0.05, 1.0))
+    c.backward_ring = str(rng.choice(["auto", "q", "kv"]))
+    if rng.random() < 0.45:
+        c.cu_seqlens = documents(rng, c.seqlen, ranks)
+    if rng.random() < 0.4:
+        c.window = (window_side(rng, c.seqlen), 0 if c.causal else window_side(rng, c.seqlen))
+    return c
+
+
+def documents(rng, seqlen, ranks):
+    """Document offsets: random cuts, with one-token documents and cuts on shard and chunk edges."""
+    edges = {seqlen * i // (2 * ranks) for i in range(1, 2 * ranks)}
+    cuts = set(int(x) for x in rng.integers(1, seqlen, size=int(rng.integers(0, 6)))) if seqlen > 1 else set()
+    if rng.random() < 0.4 and edges:
+        cuts |= set(int(x) for x in rng.choice(sorted(edges), size=min(len(edges), 2), replace=False))
+    if rng.random() < 0.3 and seqlen > 2:
+        one = int(rng.integers(1, seqlen - 1))
+        cuts |= {one, one + 1}                       # a one-token document
+    if rng.random() < 0.2 and seqlen > 1:
+        cuts |= {1}                                  # one-token documents at the edges
+    if rng.random() < 0.2 and seqlen > 1:
+        cuts |= {seqlen - 1}
+    return [0] + sorted(c for c in cuts if 0 < c < seqlen) + [seqlen]
+
+
+def window_side(rng, seqlen):
+    return int(rng.choice([-1, 0, int(rng.integers(0, max(1, seqlen // 3))), int(rng.integers(0, seqlen + 2))]))
+
+
+# ------------------------------------------------------------------------------------------- checking
+
+def shard_layout(case):
+    """The layout the inputs are sharded in: the case's, or the default the library picks."""
+    from burst_hpc import layout as layouts, masks
+
+    if case.layout is not None:
+        return case.layout
+    try:
+        mask = masks.make(case.seqlen, case.causal, case.window,
+                          None if case.cu_seqlens is None else np.array(case.cu_seqlens))
+    except Exception:  # noqa: BLE001 - the call itself is then refused
+        mask = None
+    return layouts.default_layout(case.causal) if mask is None else masks.default_layout(mask, case.ranks)
+
+
+def inputs(case):
+    """Global q, k, v, do in the case's dtype (host arrays; float64 copies for the oracle)."""
+    from burst_hpc.dtypes import parse_dtype
+
+    rng = np.random.default_rng([case.seed, case.ranks, 1])
+    shapes = [(case.batch, case.seqlen, h, case.head_dim) for h in (case.heads, case.kv_heads, case.kv_heads,
+                                                                   case.heads)]
+    return [rng.standard_normal(s).astype(parse_dtype(case.dtype)) for s in shapes]
+
+
+def expected(case, q, k, v, do):
+    """(oracle, plain): float64 oracle and the plain same-precision results, global."""
+    from burst_hpc import verify
+
+    kw = dict(causal=case.causal, scale=case.scale, window=case.window,
+              cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
+    f64 = [x.astype(np.float64) for x in (q, k, v, do)]
+    oracle = verify.plain_attention(*f64[:3], do=f64[3], **kw)
+    plain = verify.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
+    return oracle, plain
+
+
+def refusal(comm, error):
+    """None when no rank failed; else the agreed message, after checking every rank has the same one
+    and that it is one of the LEGITIMATE refusals (AssertionError otherwise)."""
+    from burst_hpc.errors import BurstError
+
+    mine = None if error is None else (type(error).__name__, str(error), isinstance(error, BurstError))
+    every = comm.allgather(mine)
+    if all(e is None for e in every):
+        return None
+    assert all(e == every[0] for e in every), f"ranks disagree on the refusal: {every}"
+    name, message, ours = every[0]
+    assert ours, f"not a clear refusal: {name}: {message}"
+    assert any(re.search(p, message) for p in LEGITIMATE), f"unexpected refusal: {name}: {message}"
+    return message
+
+
+def run_case(comm, case, xp=np):
+    """Check one case on every rank of ``comm``. Returns 'ok' or 'refused: ...'; raises AssertionError
+    (on every rank: verdicts are agreed) when a result is wrong."""
+    import burst_hpc
+    from burst_hpc import verify
+
+    P, r = comm.size, comm.rank
+    assert P == case.ranks
+    layout = shard_layout(case)
+    q, k, v, do = inputs(case)
+    try:
+        burst_hpc.layout.check_split(case.seqlen, P, layout)
+    except burst_hpc.LayoutError:
+        layout_for_shards = "contiguous"   # the call must refuse the case's layout
+    else:
+        layout_for_shards = layout
+
+    def mine(x, axis=1):
+        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis)
+
+    kw = dict(comm=comm, causal=case.causal, scale=case.scale, layout=case.layout, scheme=case.scheme,
+              ranks_per_node=case.ranks_per_node, window=case.window,
+              cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
+    dev = [xp.asarray(mine(x)) for x in (q, k, v, do)]
+    error, got = None, None
+    try:
+        got = burst_hpc.burst_attention(*dev[:3], **kw)
+    except Exception as e:  # noqa: BLE001 - judged by refusal()
+        error = e
+    message = refusal(comm, error)
+    if message is not None:
+        return f"refused: {message}"
+    oracle, plain = expected(case, q, k, v, do)
+    grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, backward_ring=case.backward_ring, **kw)
+    ours = dict(zip(("o", "lse", "dq", "dk", "dv"), [_host(x) for x in (*got, *grads)]))
+    problems = []
+    grad_scale = max(verify.max_abs(g) for g in oracle[2:])
+    for index, name in enumerate(("o", "lse", "dq", "dk", "dv")):
+        axis = 2 if name == "lse" else 1
+        ref, low = mine(oracle[index], axis), mine(plain[index], axis)
+        tol = tolerance(name, verify.max_err(low, ref), verify.max_abs(ref), grad_scale, case)
+        err = verify.max_err(ours[name], ref)
+        if not verify.passes(err, tol):
+            problems.append(f"{name} err {err:.3g} > tol {tol:.3g}")
+    every = comm.allgather(problems)
+    bad = [f"rank {rank}: " + ", ".join(p) for rank, p in enumerate(every) if p]
+    assert not bad, "; ".join(bad)
+    return "ok"
+
+
+def tolerance(name, plain_err, ref_max, grad_scale, case):
+    """verify.tolerance (FlashAttention's rule), with two floors for what the plain computation can get
+    right by luck: gradients are judged against the scale of all three (a window of (0, 0) makes dk
+    exactly 0 in the plain formulas, from rounding errors ours need not share), dk and dv sum over a
+    GQA group; and float64 inputs meet a float32 lse."""
+    dtype = np.dtype(case.dtype)
+    tol = verify_module().tolerance(name, plain_err, ref_max, dtype)
+    if name in ("dq", "dk", "dv"):
+        group = case.heads // case.kv_heads if name != "dq" else 1
+        floor = verify_module().ATOL["float32" if dtype == np.float64 else case.dtype]
+        tol += floor * np.sqrt(group) * max(1.0, grad_scale)
+    elif name == "o" and dtype == np.float64:
+        tol += verify_module().LSE_ATOL * max(1.0, ref_max)
+    return tol
+
+
+def verify_module():
+    from burst_hpc import verify
+
+    return verify
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
+    """Run the cases of ``seeds``; returns (counts, failures) with one reproducer line per failure."""
+    xp = np
+    if backend == "cuda":
+        import cupy as xp
+        import burst_hpc
+
+        burst_hpc.select_device(comm)
+    counts, failures = {"ok": 0, "refused": 0, "ran": {}, "refusals": {}}, []
+    for seed in seeds:
+        case = draw(seed, comm.size, backend, dtype)
+        if log is not None and comm.rank == 0:
+            log(f"case {case.line()}")
+        try:
+            outcome = run_case(comm, case, xp)
+        except AssertionError as e:
+            failures.append(f"FAIL {case.line()}\n     {e}")
+            continue
+        counts["ok" if outcome == "ok" else "refused"] += 1
+        tally = counts["ran"] if outcome == "ok" else counts["refusals"]
+        what = f"{case.scheme}/{shard_layout(case)}" if outcome == "ok" else outcome[len("refused: "):][:60]
+        tally[what] = tally.get(what, 0) + 1
+    return counts, failures
+
+
+# ------------------------------------------------------------------------------------------- soak
+
+def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
+    """``cases`` cases spread over 1..max_ranks ranks, in mpiexec launches of ``batch`` cases each."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    mpiexec = os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    if not os.path.exists(mpiexec):
+        mpiexec = "mpiexec"
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
+               OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
+               OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")])))
+    done, refused, failed, seed, start = 0, 0, [], first_seed, time.time()
+    ranks = 1
+    while done < cases:
+        count = min(batch, cases - done)
+        cmd = [mpiexec, "-n", str(ranks), sys.executable, "-m", "mpi4py", os.path.join(here, "randomized.py"),
+               "--seed", str(seed), "--count", str(count), "--backend", backend]
+        if dtype:
+            cmd += ["--dtype", dtype]
+        try:
+            result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+            out, code = result.stdout + result.stderr, result.returncode
+        except subprocess.TimeoutExpired as e:
+            out, code = f"{e.stdout or ''}{e.stderr or ''}\nTIMEOUT after {timeout}s (a hang)", -1
+        summary = re.search(r"randomized: (\d+) ok, (\d+) refused, (\d+) failed", out)
+        if summary:
+            refused += int(summary.group(2))
+        failed += [line for line in out.splitlines() if line.startswith("FAIL") or line.startswith("     ")]
+        if code != 0 and not summary:   # an abort or a hang: the last case started is the reproducer
+            started = [line for line in out.splitlines() if line.startswith("case ")]
+            failed.append(f"FAIL (exit {code}) {started[-1][5:] if started else cmd}\n     "
+                          + " | ".join(out.strip().splitlines()[-6:]))
+        done += count
+        seed += count
+        print(f"soak: {done}/{cases} cases, {ranks} rank(s), {refused} refused, {len(failed)} failure lines, "
+              f"{time.time() - start:.0f}s", flush=True)
+        ranks = ranks % max_ranks + 1
+    return failed
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seed", type=int, default=None, help="first seed (under mpiexec: run from here)")
+    parser.add_argument("--count", type=int, default=1, help="cases from --seed, under mpiexec")
+    parser.add_argument("--cases", type=int, default=None, help="soak: this many cases over 1..--max-ranks ranks")
+    parser.add_argument("--max-ranks", type=int, default=8)
+    parser.add_argument("--batch", type=int, default=25, help="soak: cases per mpiexec launch")
+    parser.add_argument("--timeout", type=int, default=900, help="soak: seconds per launch before it counts as a hang")
+    parser.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
+    parser.add_argument("--dtype", default=None, help="input dtype (numpy: float64/float32 drawn; cuda: bfloat16)")
+    args = parser.parse_args()
+    dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else None)
+    if args.cases is not None:
+        failed = soak(args.cases, args.seed or int(time.time()) % 100000 * 1000, args.max_ranks, args.timeout,
+                      args.backend, dtype, args.batch)
+        print("\n".join(failed) if failed else "soak: no failures")
+        return 1 if failed else 0
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    seed = 0 if args.seed is None else args.seed
+    log = (lambda s: print(s, flush=True))
+    counts, failures = run_seeds(comm, range(seed, seed + args.count), args.backend, dtype, log=log)
+    if comm.rank == 0:
+        for f in failures:
+            print(f, flush=True)
+        print(f"randomized: {counts['ok']} ok, {counts['refused']} refused, {len(failures)} failed "
+              f"on {comm.size} rank(s)", flush=True)
+        for name in ("ran", "refusals"):
+            print(f"randomized {name}: " + ", ".join(f"{k} {n}" for k, n in sorted(counts[name].items())), flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
