@@ -23,8 +23,8 @@ methods in the same order. bench/bench_ring.py is the worked example.
 """
 from .backends import get_backend
 from .collective import world
-from .distributed import (_backward, _device_of, _forward, _Plan, _ulysses_backward, _ulysses_forward,
-                          choose_backward_ring)
+from .callplan import CallPlan, choose_backward_ring
+from .device import array_device
 from .errors import BurstError
 
 
@@ -72,7 +72,7 @@ class RingBenchmark:
         as burst_attention's; the bytes counted are those of the scheme's ring (``bytes_to``: per
         peer, ranks of ``network_peer``'s numbering), not of Ulysses' all-to-alls."""
         self.q, self.k, self.v = q, k, v
-        self._plan = _Plan(world() if comm is None else comm, q, k, v, causal, scale, layout, transport,
+        self._plan = CallPlan(world() if comm is None else comm, q, k, v, causal, scale, layout, transport,
                            scheme=scheme, ranks_per_node=ranks_per_node)
         self.scheme = self._plan.scheme
         if backend is not None:
@@ -109,13 +109,12 @@ class RingBenchmark:
 
     def forward(self, mode="full"):
         """(o, lse) of this rank, as burst_attention returns them (in the "full" mode)."""
-        forward = _ulysses_forward if self._plan.scheme_name == "ulysses_ring" else _forward
-        with _device_of(self.q):
-            return forward(self._plan, self.q, self.k, self.v, **self._mode(mode))
+        with array_device(self.q):
+            return self._plan.passes.forward(self.q, self.k, self.v, **self._mode(mode))
 
     def backward(self, do, o, lse, mode="full"):
         """(dq, dk, dv) of this rank, as burst_attention_backward returns them (in the "full" mode);
         ``do``, ``o``, ``lse`` as it takes them (o, lse from :meth:`forward`)."""
-        backward = _ulysses_backward if self._plan.scheme_name == "ulysses_ring" else _backward
-        with _device_of(self.q):
-            return backward(self._plan, self.backward_ring, do, self.q, self.k, self.v, o, lse, **self._mode(mode))
+        with array_device(self.q):
+            return self._plan.passes.backward(self.backward_ring, do, self.q, self.k, self.v, o, lse,
+                                              **self._mode(mode))

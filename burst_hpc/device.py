@@ -37,3 +37,10 @@ def gpus_shared(comm, device=None):
     mine = None if device is None else (MPI.Get_processor_name(), device.pci_bus_id)
     used = [where for where in comm.allgather(mine) if where is not None]
     return len(set(used)) < len(used)
+
+
+def array_device(x):
+    """A CuPy array's device, as a context to enter; nothing to enter for a NumPy array."""
+    import contextlib
+
+    return x.device if type(x).__module__.startswith("cupy") else contextlib.nullcontext()

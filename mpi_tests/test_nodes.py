@@ -110,13 +110,13 @@ def test_unequal_nodes_give_one_error_everywhere(comm, monkeypatch):
 
 def test_auto_keeps_the_flat_ring_on_one_node_and_schemes_agree(comm):
     """One node -> ring (nothing changes); any pick gives the same results."""
-    from burst_hpc.distributed import _Plan
+    from burst_hpc.callplan import CallPlan
 
     q, k, v, _, _ = problem(comm, 1, 8, 4, 2, 8)
     mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
     kv = burst_hpc.shard(k, comm.rank, comm.size, "zigzag")
-    plan = _Plan(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
-    assert plan.scheme_name == "ring"
+    plan = CallPlan(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
+    assert plan.scheme.name == "ring"
     run_and_check(comm, "auto", cases(comm.size)[0][1], "zigzag", True, 4, 2, rings=("q",))
 
 

@@ -1,0 +1,147 @@
+"""The plan of one call: validated shapes, the mask, the layout, the backward ring, the transport and
+the scheme, decided once and agreed by every rank before the first exchange (bad input gives the
+same error on every rank), then handed to the passes (passes.py) as one value."""
+import logging
+import os
+
+import numpy as np
+
+from . import masks, passes
+from .accounting import backward_ring_bytes
+from .backends import get_backend
+from .collective import agree
+from .device import gpus_shared
+from .dtypes import accum_dtype, dtype_name
+from .errors import BurstError, ShapeError
+from .layout import check_layout, check_split, default_layout
+from .schemes import check_scheme, make as make_scheme
+from .topology import topology
+from .transport import choose_transport, make_transport
+from .transport.emulated import EmulatedNetwork, Nic, setting as emulated_network
+from .validate import check_like, check_qkv, check_same_kind, resolve_scale
+
+log = logging.getLogger("burst_hpc")
+BACKWARD_RINGS = ("auto", "q", "kv")
+
+
+class CallPlan:
+    """What every rank agreed on before the first exchange: shapes, mask, layout, backward ring,
+    transport, scheme and the passes that run it (``passes``), decided once here."""
+
+    def __init__(self, comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
+                 scheme="auto", ranks_per_node=None):
+        """``backward``: (do, o, lse, backward_ring) for the backward pass, checked too."""
+        self.comm, self.rank, self.size = comm, comm.rank, comm.size
+        error, signature, offsets = None, None, None
+        on_device = type(q).__module__.startswith("cupy")
+        shared = gpus_shared(comm, q.device if on_device else None)  # collective: before any check can fail
+        self.topo, topo_error = None, None
+        # collective too (one allgather); the flat ring needs it only to emulate or count the network
+        if scheme != "ring" or ranks_per_node is not None or os.environ.get("BURST_HPC_EMULATE_NETWORK"):
+            try:
+                self.topo = topology(comm, ranks_per_node)
+            except BurstError as e:
+                topo_error = e
+        try:
+            check_scheme(scheme)
+            if topo_error is not None:
+                raise topo_error
+            arrays = {"q": q, "k": k, "v": v}
+            if backward is not None:
+                arrays.update(zip(("do", "o", "lse"), backward[:3]))
+            check_same_kind(**arrays)
+            b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
+            if sq != sk:
+                raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
+            self.mask = masks.make(sq * self.size, causal, window, cu_seqlens)
+            if layout is None and self.mask is not None:
+                layout = masks.default_layout(self.mask, self.size)
+            self.layout = check_layout(default_layout(causal) if layout is None else layout)
+            self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
+            self.ring = None
+            if backward is not None:
+                do, o, lse, ring = backward
+                check_like("do", do, q.shape, q.dtype)
+                check_like("o", o, q.shape, q.dtype)
+                check_like("lse", lse, (b, hq, sq), np.float32)
+                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize,
+                                                 *(masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
+                                                   for queries_travel in (True, False)), self.size)
+            self.scale = resolve_scale(scale, d)
+            self.causal = bool(causal)
+            self.backend = get_backend(q)
+            self.transport_name = choose_transport(transport, self.backend.name == "cuda", shared)
+            self.heads, self.kv_heads, self.head_dim = hq, hkv, d
+            scheme = resolve_scheme(scheme, self.topo, self.layout, self.causal, self.mask, q.shape, hkv,
+                                    q.dtype.itemsize, backward is not None, self.backend.name)
+            self.scheme = make_scheme(scheme, comm, self.topo, self.seqlen, self.layout, self.causal, self.mask)
+            self.passes = passes.for_plan(self)
+            self.network = emulated_network()
+            signature = {"scheme": self.scheme.name, "emulated network": self.network,
+                         "q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
+                         "causal": self.causal, "layout": self.layout, "scale": self.scale,
+                         "transport": self.transport_name, "backward ring": self.ring,
+                         "window": None if self.mask is None else self.mask.window}
+            offsets = None if self.mask is None else self.mask.cu_seqlens
+        except Exception as e:  # shared with every rank below, so no rank is left waiting
+            error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
+        agree(comm, error, signature, {"cu_seqlens": offsets})
+        self.xp = self.backend.xp
+        self.acc = accum_dtype(q.dtype)
+
+    def pieces(self, position):
+        """The tokens of the shard at ``position`` of the scheme's ring."""
+        return self.scheme.pieces(position)
+
+    def steps(self, near, returns):
+        """This rank's schedule; ``near``: the side a plain ring sends around (and the balanced
+        schedule to its near chunk pairs); ``returns``: the sides whose visits return partials."""
+        return self.scheme.steps(near, returns)
+
+    def transport(self):
+        """The transport of the scheme's ring."""
+        return self.transports()[0]
+
+    def transports(self):
+        """(near, far): the scheme's ring transport, and the one for transfers that complete steps
+        after they are posted (the double ring's network lane): over a duplicate communicator, so
+        they never queue behind (NCCL) or share staging buffers with (staged) the inner ring's.
+        With BURST_HPC_EMULATE_NETWORK both are held to one emulated NIC between nodes."""
+        near = make_transport(self.transport_name, self.scheme.comm, self.xp)
+        far = near if self.scheme.far_comm is None else make_transport(self.transport_name, self.scheme.far_comm,
+                                                                       self.xp)
+        if self.network is None:
+            return near, far
+        nic = Nic(*self.network)
+        held = EmulatedNetwork(near, self.scheme.remote, nic)
+        return held, held if far is near else EmulatedNetwork(far, self.scheme.remote, nic)
+
+
+def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, kv_steps=1, size=1):
+    """The backward ring: ``name``, or for 'auto' the one moving fewer bytes over its steps (with
+    documents or a window a ring may stop early: ``q_steps``/``kv_steps`` of ``size``)."""
+    if name not in BACKWARD_RINGS:
+        raise BurstError(f"unknown backward_ring {name!r}; use one of {', '.join(BACKWARD_RINGS)}")
+    if name != "auto":
+        return name
+    q_bytes, kv_bytes = backward_ring_bytes(heads, kv_heads, head_dim, itemsize)
+    if (q_steps, kv_steps) != (size, size):  # a shortened ring sends its carried accumulator home in one hop
+        q_bytes, kv_bytes = q_bytes * q_steps, kv_bytes * kv_steps
+    choice = "q" if q_bytes < kv_bytes else "kv"
+    log.info("backward ring auto -> %s-ring (%d vs %d bytes per token per step)", choice,
+             min(q_bytes, kv_bytes), max(q_bytes, kv_bytes))
+    return choice
+
+
+def resolve_scheme(name, topo, layout, causal, mask, q_shape, kv_heads, itemsize, backward, backend="numpy"):
+    """The concrete scheme: ``name``, or for 'auto' 'ring' on one node and otherwise the cost model's
+    fastest of the schemes that fit the layout and heads (costmodel.pick)."""
+    if name != "auto":
+        return name
+    if topo is None or topo.nodes == 1:
+        return "ring"
+    from . import costmodel
+
+    choice = costmodel.pick_for_call(topo, layout, causal, mask, q_shape, kv_heads, itemsize, backward, backend)
+    log.info("scheme auto -> %s (%d nodes x %d ranks)", choice, topo.nodes, topo.per_node)
+    return choice

@@ -1,0 +1,132 @@
+"""The forward and backward passes of a call over the ring engine (ring.py), one object per way a
+scheme moves the data: ``RingPasses`` runs the scheme's ring on this rank's shards (flat ring, double
+ring, balanced schedule: the schedule says what runs where); ``UlyssesPasses`` wraps the ring in
+all-to-alls over heads inside the node (ulysses.py). ``for_plan`` picks one from the plan's scheme.
+
+Each pass takes the modes the benchmark hook needs: ``skip_compute`` (exchanges alone), ``transport``
+and ``far`` (counting or no-exchange transports in place of the plan's), ``on_step`` (progress)."""
+from . import ulysses
+from .merge import merge_into
+from .ring import Side, run
+from .schedule import visit_pairs
+from .schemes import ulysses_heads
+
+
+class RingPasses:
+    """The passes over the scheme's ring, on this rank's shards."""
+
+    def __init__(self, plan):
+        self.plan = plan
+
+    def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None):
+        """(o, lse) of this rank's queries."""
+        plan = self.plan
+        xp, be = plan.xp, plan.backend
+        o = xp.zeros(q.shape, plan.acc)
+        lse = xp.full((q.shape[0], q.shape[2], q.shape[1]), -xp.inf, plan.acc)
+        sides = {"kv": Side(_contiguous(xp, k, v), []),
+                 "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part))}
+
+        def pair(p, q_side, kv, q_out, _k_out):
+            be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
+                             scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
+
+        run(*_lanes(plan, transport, far), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
+            skip_compute=skip_compute, on_step=on_step)
+        return o.astype(q.dtype), lse.astype(xp.float32)
+
+    def backward(self, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, far=None, delta=None,
+                 cast=True, on_step=None):
+        """(dq, dk, dv) of this rank's shards by the ``ring`` ('q' or 'kv') backward; ``delta``
+        (rowsum(do * o)) when already known, then ``o`` is not read; ``cast`` False keeps float32."""
+        plan = self.plan
+        xp, be, acc = plan.xp, plan.backend, plan.acc
+        delta = be.delta(do, o) if delta is None else delta
+        dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
+        sides = {"kv": Side(_contiguous(xp, k, v), [dk, dv], (0, 0), _add),
+                 "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add)}
+
+        def pair(p, q_side, kv, q_out, k_out):
+            q_, do_, lse_, delta_ = q_side
+            be.backward_block(q_[:, p.q], kv[0][:, p.k], kv[1][:, p.k], do_[:, p.q], lse_[:, :, p.q], delta_[:, :, p.q],
+                              q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
+                              causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
+
+        run(*_lanes(plan, transport, far), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
+            skip_compute=skip_compute, on_step=on_step)
+        if not cast:
+            return dq, dk, dv
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+class UlyssesPasses(RingPasses):
+    """All-to-all over heads inside the node, the ring over the rails, all-to-all back."""
+
+    def __init__(self, plan):
+        super().__init__(plan)
+        self.ranges = ulysses_heads(plan.heads, plan.kv_heads, plan.topo.per_node)
+
+    def forward(self, q, k, v, **mode):
+        plan, ranges = self.plan, self.ranges
+        node, local = ulysses.node_transport(plan), plan.topo.local
+        qn, kn, vn = ulysses.to_node(node, ranges, local, [(q, 0, 1, 2), (k, 1, 1, 2), (v, 1, 1, 2)])
+        o_n, lse_n = super().forward(qn, kn, vn, **mode)
+        o, lse = plan.xp.zeros(q.shape, o_n.dtype), plan.xp.zeros((q.shape[0], plan.heads, q.shape[1]), lse_n.dtype)
+        ulysses.from_node(node, ranges, local, [(o_n, o, 0, 1, 2), (lse_n, lse, 0, 2, 1)])
+        return o, lse
+
+    def backward(self, ring, do, q, k, v, o, lse, **mode):
+        """delta here, then as the forward: all-to-all in, the ring over the rails, all-to-all back
+        (the gradients of a K/V head shared by several ranks summed in float32)."""
+        plan, ranges = self.plan, self.ranges
+        node, local, xp = ulysses.node_transport(plan), plan.topo.local, plan.xp
+        delta = plan.backend.delta(do, o)
+        arrays = [(q, 0, 1, 2), (k, 1, 1, 2), (v, 1, 1, 2), (do, 0, 1, 2), (lse, 0, 2, 1), (delta, 0, 2, 1)]
+        qn, kn, vn, don, lsen, deltan = ulysses.to_node(node, ranges, local, arrays)
+        grads = super().backward(ring, don, qn, kn, vn, None, lsen, delta=deltan, cast=False, **mode)
+        dq, dk, dv = (xp.zeros(x.shape, plan.acc) for x in (q, k, v))
+        ulysses.from_node(node, ranges, local, [(grads[0], dq, 0, 1, 2), (grads[1], dk, 1, 1, 2),
+                                                (grads[2], dv, 1, 1, 2)])
+        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def for_plan(plan):
+    """The passes of the plan's scheme."""
+    return UlyssesPasses(plan) if plan.scheme.name == "ulysses_ring" else RingPasses(plan)
+
+
+def _lanes(plan, transport, far):
+    """(near, far) transports: the plan's, or the caller's (``far`` defaults to ``transport``)."""
+    if transport is None:
+        return plan.transports()
+    return transport, transport if far is None else far
+
+
+def _contiguous(xp, *arrays):
+    return [xp.ascontiguousarray(a) for a in arrays]
+
+
+def _add(into, part):
+    for a, b in zip(into, part):
+        a += b
+
+
+def _visits(plan, sides, pair):
+    """The engine's compute: a kv visit meets this rank's query side with the visiting keys
+    (the partial holds key-side results), a q visit meets the visiting query side with this
+    rank's keys (the partial holds query-side results). ``pair(p, q_side, kv, q_out, k_out)``
+    runs one block pair."""
+    mine = plan.pieces(plan.scheme.position)
+
+    def compute(visit, data, partial):
+        theirs = plan.pieces(visit.shard)
+        if visit.side == "kv":
+            args = (sides["q"].travelling, data, sides["q"].results, partial)
+            q_pieces, k_pieces = mine, theirs
+        else:
+            args = (data, sides["kv"].travelling, partial, sides["kv"].results)
+            q_pieces, k_pieces = theirs, mine
+        for p in visit_pairs(q_pieces, k_pieces, plan.causal, visit.half, plan.mask):
+            pair(p, *args)
+
+    return compute
