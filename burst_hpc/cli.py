@@ -6,7 +6,7 @@
     mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--layout L] [--transport T]
                                              [--backend numpy|cuda|auto] [--verify] [--overwrite]
     [mpiexec -n P] burst-hpc check
-    burst-hpc clean OUT.h5 [--dry-run]
+    burst-hpc clean OUT.h5 [--dry-run] [--force]
 
 Exit status: 0 success, 1 bad input or a failed run (one message, on rank 0, every rank exits 1),
 2 bad command line, 3 ``--verify`` found a mismatch / ``check`` found a failure. ``--help`` of each
@@ -687,16 +687,23 @@ def _note_stale(output):
 def _add_clean(sub):
     p = sub.add_parser("clean", help="remove temporary files a killed job left next to an output",
                        description=_wrap("A job killed from outside (SIGKILL, a node failure) can leave "
-                       "OUT.h5.tmp-<host>-<pid>-<tag> next to OUT.h5. List them and remove those whose job is gone "
-                       "(same host, process no longer running). A running job's file is never removed; one "
-                       "written on another host is listed with the command to remove it by hand."))
+                       "OUT.h5.tmp-<host>-<pid>-<tag> (and its lock file, the same name + .lock) next to OUT.h5. "
+                       "The job writing such a file holds a lock on its lock file for as long as it runs, whatever "
+                       "program it is (burst-hpc, or a script using burst_hpc.io.OutputFile). clean lists the "
+                       "files and removes those whose lock nobody holds (written on this host). A running job's "
+                       "file is never removed. A file written on another host is listed and kept, since a lock "
+                       "held there is not always visible here (it depends on the file system and its mount); "
+                       "--force removes it, and files without a lock file, once you know no job writes OUT.h5."))
     p.add_argument("output", metavar="OUT.h5", help="the output whose temporary files to look for")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument("--force", action="store_true",
+                   help="also remove the files whose job this host cannot judge (another host's; none with a "
+                   "lock file held, which is never removed)")
     p.set_defaults(func=cmd_clean)
 
 
 def cmd_clean(args):
-    print("\n".join(jobsafety.clean(args.output, args.dry_run)), flush=True)
+    print("\n".join(jobsafety.clean(args.output, args.dry_run, args.force)), flush=True)
     return 0
 
 
