@@ -1,7 +1,7 @@
 """A job's life on a shared machine, through real mpiexec and real HDF5 files (issues 20, 24):
 two jobs racing for one output name, SIGTERM / SIGINT / SIGKILL at a random moment, stale
-temporary files and the lock that tells a running job's from a dead one's, and a file system that
-fills up while a job writes.
+temporary files and the lock that tells a running job's from a dead one's, a time limit during
+--verify, and a file system that fills up while a job writes.
 
 BURST_RACE_REPS (default 1) repeats each race; bench/job_safety.py runs the long versions.
 """
@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from burst_hpc import io, jobsafety
+from burst_hpc import cli, io, jobsafety, verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import FileError
 from burst_hpc.reference import attention_reference
@@ -450,6 +450,65 @@ def test_lone_and_own_lock_files(tmp_path):
         os.remove(mine)
         jobsafety.release(mine)
     assert _temps(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- a time limit during --verify
+
+@needs_mpiexec
+def test_sigterm_during_verify_keeps_the_published_output(tmp_path):
+    """Issue 24: a time limit (SIGTERM to every rank, as Slurm sends it) during --verify: the output is
+    already published, complete, and marked verify = 'not finished'; each rank says so in one line."""
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    assert burst("gen", src, "--seqlen", 64, "--heads", 2, "--head-dim", 8, "--dtype", "float32", "--with-grad",
+                 "--quiet").returncode == 0
+    env = dict(ENV, **{cli.TEST_HOOK_VERIFY_PAUSE: "120"})
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "burst_hpc", "run", src, dst, "--causal",
+                             "--backward", "--verify", "--backend", "numpy", "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not dst.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert dst.exists() and proc.poll() is None, proc.communicate()
+    pids = _ranks_of(proc)
+    assert len(pids) == 2
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err)
+    lines = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert lines, err
+    for line in lines:
+        assert line.startswith("burst-hpc: error: rank ") and "no output written" not in line, err
+        assert f"{dst} is written and complete, but its verification did not finish" in line, err
+    for needle in CLEAN_END:
+        assert needle not in err, err
+    assert _temps(tmp_path) == []
+    assert verify.recorded(dst)["verify"] == "not finished"
+    data, got = io.read_global(src), io.read_global(dst)
+    o_ref, lse_ref = attention_reference(data["q"], data["k"], data["v"], True)
+    assert np.abs(got["o"] - o_ref).max() < 1e-5 and np.abs(got["lse"] - lse_ref).max() < 1e-4
+    assert set(got) == {"o", "lse", "dq", "dk", "dv"}
+
+
+def test_verify_outcome_rewrites_values_in_place(tmp_path):
+    """Recording the outcome changes attribute values only: same file size, every dataset intact."""
+    import h5py
+
+    path = tmp_path / "out.h5"
+    o = np.arange(2 * 64 * 2 * 8, dtype=np.float32).reshape(2, 64, 2, 8)
+    io.write_global(path, {"o": o, "lse": np.zeros((2, 2, 64), np.float32)},
+                    verify.pending_attrs(["o", "lse"], True))
+    assert verify.recorded(path)["verify"] == "not finished"
+    size = os.path.getsize(path)
+    report = {"ok": False, "mode": "sampled 256 rows/rank", "err": {"o": 0.5, "lse": 1e-7}, "tol": {"o": 0.1, "lse": 1e-6}}
+    verify.record(path, report)
+    assert os.path.getsize(path) == size
+    got = verify.recorded(path)
+    assert got["verify"] == "fail" and got["verify_mode"] == "sampled 256 rows/rank", got
+    assert got["verify_max_err_o"] == 0.5 and got["verify_tol_lse"] == 1e-6, got
+    assert np.array_equal(io.read_global(path)["o"], o)
+    with h5py.File(path, "r") as f:
+        assert f.attrs.get_id("verify").dtype == np.dtype("S12")  # fixed size: rewritten in place
 
 
 # --------------------------------------------------------------------------- disk full
