@@ -6,11 +6,12 @@
     mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--layout L] [--transport T]
                                              [--backend numpy|cuda|auto] [--verify] [--overwrite]
     [mpiexec -n P] burst-hpc check
-    burst-hpc clean OUT.h5 [--dry-run]
+    burst-hpc clean OUT.h5 [--dry-run] [--force]
 
 Exit status: 0 success, 1 bad input or a failed run (one message, on rank 0, every rank exits 1),
-2 bad command line, 3 ``--verify`` found a mismatch / ``check`` found a failure. ``--help`` of each
-command documents every option and the file format.
+2 bad command line, 3 ``--verify`` found a mismatch (OUT.h5 written, marked verify = "fail") / ``check``
+found a failure, 128+N stopped by signal N. ``--help`` of each command documents every option and the
+file format.
 """
 import argparse
 import os
@@ -328,22 +329,26 @@ def cmd_run(args):
              "run_ranks": size, "run_layout": layout, "run_backend": backend, "run_transport": transport,
              "window": "none" if args.window is None else f"{args.window[0]},{args.window[1]}",
              "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
-    out = io.OutputFile.create(args.output, comm, io.output_datasets(spec, args.backward), attrs,
-                               inputs=[args.input], overwrite=args.overwrite)
+    datasets = io.output_datasets(spec, args.backward)
+    attrs.update(verify.pending_attrs(datasets, args.verify))
+    out = io.OutputFile.create(args.output, comm, datasets, attrs, inputs=[args.input], overwrite=args.overwrite)
     try:
-        summary, code = _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, scale, transport,
-                                       progress, burst_attention, burst_attention_backward, mask)
-        if code == 0:
-            out.commit()
+        parts, host = _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, scale, transport,
+                                     progress, burst_attention, burst_attention_backward, mask)
+        out.commit()  # the finished result is published before any verification: nothing can lose it now
     except BaseException:
         out.abort()
         raise
-    if code != 0:
-        out.abort()
+    jobsafety.on_stop_say(f"{args.output} is written and complete")
+    code = 0
+    if args.verify:
+        parts, code = _verify_published(args, comm, spec, host, layout, causal, scale, progress, parts)
+    parts.append(f"-> {args.output}")
     if rank == 0:
-        print(summary, flush=True)
+        print("  ".join(parts), flush=True)
         if code == EXIT_MISMATCH:
-            _err(f"verification failed; {args.output} not written")
+            _err(f"verification failed; {args.output} is written and marked verify = 'fail' "
+                 f"(see it with: h5dump -a verify {args.output})")
     return code
 
 
@@ -404,17 +409,47 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
              f"fwd {t_fwd:.3f}s {flops / max(t_fwd, 1e-12) / 1e12:.3g} TFLOP/s"]
     if t_bwd is not None:
         parts.append(f"bwd {t_bwd:.3f}s {2.5 * flops / max(t_bwd, 1e-12) / 1e12:.3g} TFLOP/s")
-    code = 0
-    if args.verify:
-        progress("verifying against the float64 oracle")
+    return parts, host
+
+
+TEST_HOOK_VERIFY_PAUSE = "BURST_HPC_TEST_HOOK_VERIFY_PAUSE"
+
+
+def _test_hook_verify_pause():
+    """A test hook, not a setting: BURST_HPC_TEST_HOOK_VERIFY_PAUSE=<seconds> makes every rank sleep
+    as verification starts, so tests/test_jobsafety.py can signal a job inside its verification."""
+    seconds = float(os.environ.get(TEST_HOOK_VERIFY_PAUSE) or 0)
+    if seconds > 0:
+        time.sleep(seconds)
+
+
+def _verify_published(args, comm, spec, host, layout, causal, scale, progress, parts):
+    """--verify after the output is published: its attributes say verify = 'not finished' until rank 0
+    records the outcome (a job stopped meanwhile keeps its complete output, so marked)."""
+    jobsafety.on_stop_say(f"{args.output} is written and complete, but its verification did not finish "
+                          "(its attribute verify says 'not finished')")
+    progress("verifying against the float64 oracle")
+    _test_hook_verify_pause()
+    try:
         report = verify.verify(args.input, spec, host, comm, layout, causal, scale, rows=args.verify_rows,
                                seed=args.verify_seed, progress=progress, window=args.window)
-        errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
-        parts.append(f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}")
-        code = 0 if report["ok"] else EXIT_MISMATCH
-    if code == 0:  # a failed verify writes nothing (the error line says so)
-        parts.append(f"-> {args.output}")
-    return "  ".join(parts), code
+    except BurstError as e:
+        error = BurstError(f"{e}; {args.output} is written and complete, its verification did not finish")
+        error.agreed = getattr(e, "agreed", False)
+        raise error from None
+    outcome = "pass" if report["ok"] else "fail"
+    if comm.rank == 0:
+        try:
+            verify.record(args.output, report)
+        except Exception as e:  # noqa: BLE001 - the result stands; only its mark could not be written
+            outcome = "not finished"
+            sys.stderr.write(f"burst-hpc: note: verification {'passed' if report['ok'] else 'failed'} but "
+                             f"{args.output} could not be marked so (its attribute verify still says 'not "
+                             f"finished'): {describe(e).splitlines()[0]}\n")
+    jobsafety.on_stop_say(f"{args.output} is written and complete (verify = '{outcome}')")
+    errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
+    parts = parts + [f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}"]
+    return parts, 0 if report["ok"] else EXIT_MISMATCH
 
 
 # =========================================================================== main
@@ -438,7 +473,9 @@ HDF5 files (gen writes them; any tool can):
 EXIT_CODES = """\
 exit status: 0 done; 1 bad input or a failed run (one "burst-hpc: error:" line from rank 0, every
 rank exits 1, no output file appears); 2 bad command line; 3 --verify found a mismatch (OUT.h5 is
-not written).
+written, its attribute verify = "fail"); 128+N stopped by signal N (143 SIGTERM, a time limit; 130
+SIGINT): no output, or with --verify once the passes are done, OUT.h5 written and complete with
+verify = "not finished". See the outcome with: h5dump -a verify OUT.h5.
 """
 
 
@@ -551,8 +588,9 @@ def build_parser():
     p.add_argument("--verify", action="store_true",
                    help="check every output against the float64 oracle: max error <= 2x (o, lse) / 3x (dq, dk, dv) "
                    "the error of a plain same-precision computation plus a small floor; a NaN or Inf error always "
-                   "fails; exit status 3 and no OUT.h5 on a mismatch. Every row when B*Hq*S^2 <= 4M, else sampled "
-                   "query rows (o, lse, dq)")
+                   "fails. OUT.h5 is published first; the outcome goes into its attributes (verify = pass, fail, "
+                   "or 'not finished' when stopped), a mismatch exits 3. Every row when B*Hq*S^2 <= 4M, else "
+                   "sampled query rows (o, lse, dq)")
     p.add_argument("--verify-rows", type=positive_int, default=256,
                    help="query rows per rank checked when the input is too large for a full check, > 0 (default 256)")
     p.add_argument("--verify-seed", type=int, default=0, help="where the sampled rows fall (default 0)")
@@ -687,16 +725,23 @@ def _note_stale(output):
 def _add_clean(sub):
     p = sub.add_parser("clean", help="remove temporary files a killed job left next to an output",
                        description=_wrap("A job killed from outside (SIGKILL, a node failure) can leave "
-                       "OUT.h5.tmp-<host>-<pid>-<tag> next to OUT.h5. List them and remove those whose job is gone "
-                       "(same host, process no longer running). A running job's file is never removed; one "
-                       "written on another host is listed with the command to remove it by hand."))
+                       "OUT.h5.tmp-<host>-<pid>-<tag> (and its lock file, the same name + .lock) next to OUT.h5. "
+                       "The job writing such a file holds a lock on its lock file for as long as it runs, whatever "
+                       "program it is (burst-hpc, or a script using burst_hpc.io.OutputFile). clean lists the "
+                       "files and removes those whose lock nobody holds (written on this host). A running job's "
+                       "file is never removed. A file written on another host is listed and kept, since a lock "
+                       "held there is not always visible here (it depends on the file system and its mount); "
+                       "--force removes it, and files without a lock file, once you know no job writes OUT.h5."))
     p.add_argument("output", metavar="OUT.h5", help="the output whose temporary files to look for")
     p.add_argument("--dry-run", action="store_true", help="only list what would be removed")
+    p.add_argument("--force", action="store_true",
+                   help="also remove the files whose job this host cannot judge (another host's; none with a "
+                   "lock file held, which is never removed)")
     p.set_defaults(func=cmd_clean)
 
 
 def cmd_clean(args):
-    print("\n".join(jobsafety.clean(args.output, args.dry_run)), flush=True)
+    print("\n".join(jobsafety.clean(args.output, args.dry_run, args.force)), flush=True)
     return 0
 
 

@@ -16,7 +16,9 @@ Reading: every rank opens the input read-only and reads only the token runs it o
 Writing: the output is built under a temporary name next to the final one (``OUT.tmp-<host>-<pid>-<tag>``,
 see jobsafety) and published only once every rank has written its part, so a failure never leaves a
 file under the output's name; publishing never replaces a file that appeared under that name while
-the job ran (unless ``overwrite``).
+the job ran (unless ``overwrite``). Rank 0 holds the lock of the temporary file's sidecar
+(``OUT.tmp-...lock``) from before the file exists until it is published or removed, so
+``burst-hpc clean`` never removes a running job's file, whatever program the job is.
 With an MPI-enabled h5py the ranks write through parallel HDF5 (driver ``mpio``); otherwise rank 0
 creates the file and the ranks write their token runs one after another, passing a token along
 the ranks (each opens, writes, closes, then hands on), which is safe on any file system.
@@ -357,9 +359,12 @@ class OutputFile:
         if rank == 0:
             try:
                 tmp = check_output_path(path, inputs, overwrite)
+                jobsafety.hold(tmp)  # rank 0 owns the file: its lock says the job runs
                 jobsafety.check_space(os.path.dirname(tmp), _bytes_needed(datasets), f"output {path!r}")
             except Exception as e:  # noqa: BLE001
                 err = e
+                if tmp is not None:
+                    jobsafety.release(tmp)
         if comm is not None and comm.size > 1:
             tmp = comm.bcast(tmp, root=0)
         agree(comm, err)
@@ -474,6 +479,8 @@ class OutputFile:
                 err = e
             except OSError as e:
                 err = FileError(f"cannot move the finished output to {self.path!r}: {e}")
+            if err is None or getattr(err, "kept", None):
+                jobsafety.release(self.tmp)  # published or kept: the temporary name is gone
         jobsafety.untrack(self.tmp)  # published, kept or gone: no longer ours to remove
         if getattr(err, "kept", None):
             self.done = True  # the result lives under the kept name: abort must not touch it
@@ -492,11 +499,12 @@ class OutputFile:
     def _remove(self):
         if self.tmp:
             jobsafety.untrack(self.tmp)
-        if self.rank == 0 and not self.done and self.tmp and os.path.exists(self.tmp):
+        if self.rank == 0 and not self.done and self.tmp:
             try:
                 os.remove(self.tmp)
             except OSError:
                 pass
+            jobsafety.release(self.tmp)  # after the file: its lock guards it until it is gone
 
 
 _NEVER_CLOSED = []
@@ -604,7 +612,9 @@ def write_new(path, fill, overwrite=False, needed=0):
     import h5py
 
     tmp = check_output_path(path, overwrite=overwrite)
+    held = tmp
     try:
+        jobsafety.hold(held)
         jobsafety.track(tmp)
         jobsafety.check_space(os.path.dirname(tmp), needed, f"output {path!r}")
         failure = None
@@ -627,6 +637,7 @@ def write_new(path, fill, overwrite=False, needed=0):
             jobsafety.untrack(tmp)
             if os.path.exists(tmp):
                 os.remove(tmp)
+        jobsafety.release(held)
 
 
 # --------------------------------------------------------------------------- random inputs

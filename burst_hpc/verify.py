@@ -7,8 +7,12 @@ float32 accumulation, as a PyTorch-style implementation does) plus a floor:
     max|ours - ref| <= FACTOR[name] * max|plain - ref| + ATOL[dtype] * max(1, max|ref|)
 FACTOR is 2 for o and lse, 3 for dq, dk, dv (FlashAttention's test convention). An error that is
 not finite (NaN or Inf anywhere in our output where the oracle is finite) fails whatever the tolerance.
+The outcome is recorded in the output file's attributes (see :func:`pending_attrs`):
+``verify`` ("not run", "not finished", "pass" or "fail"), ``verify_mode`` and, per output X,
+``verify_max_err_X`` and ``verify_tol_X`` (NaN where X was not checked).
 """
 import math
+import time
 
 import numpy as np
 
@@ -231,3 +235,57 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
     ok = all(passes(err[n], tol[n]) for n in names)
     return {"ok": ok, "mode": "full" if full else f"sampled {rows} rows/rank", "err": err, "tol": tol,
             "plain": err_plain}
+
+
+# --------------------------------------------------------------------------- the outcome in the file
+
+# fixed-size values, made with the file: recording the outcome later rewrites their bytes in place
+# and never changes the file's structure, so a job killed while recording cannot damage its output
+STATUS_BYTES, MODE_BYTES = 12, 40
+
+
+def _fixed(text, size):
+    return np.array(text.encode("ascii"), dtype=f"S{size}")
+
+
+def pending_attrs(outputs, requested):
+    """The verification attributes a ``run`` output is created with: ``verify = "not finished"`` and
+    room for the outcome when ``requested`` (a job stopped before :func:`record` leaves them so, which
+    is the truth), else ``verify = "not run"``. ``outputs``: the names of the output datasets."""
+    if not requested:
+        return {"verify": _fixed("not run", STATUS_BYTES)}
+    attrs = {"verify": _fixed("not finished", STATUS_BYTES), "verify_mode": _fixed("", MODE_BYTES)}
+    for name in outputs:
+        attrs[f"verify_max_err_{name}"] = np.float64(np.nan)
+        attrs[f"verify_tol_{name}"] = np.float64(np.nan)
+    return attrs
+
+
+def record(path, report, tries=5):
+    """Write ``report`` (from :func:`verify`) into the attributes of the published output ``path``
+    (one process). The attributes were made by :func:`pending_attrs`; only their values change.
+    Tried a few times: a reader that has the file open holds HDF5's lock on it for a moment."""
+    import h5py
+
+    for attempt in range(tries):
+        try:
+            with h5py.File(path, "r+") as f:
+                f.attrs.modify("verify_mode", _fixed(report["mode"][:MODE_BYTES], MODE_BYTES))
+                for name in report["err"]:
+                    f.attrs.modify(f"verify_max_err_{name}", np.float64(report["err"][name]))
+                    f.attrs.modify(f"verify_tol_{name}", np.float64(report["tol"][name]))
+                f.attrs.modify("verify", _fixed("pass" if report["ok"] else "fail", STATUS_BYTES))  # last
+            return
+        except OSError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.5)
+
+
+def recorded(path):
+    """The verification attributes of an output file, as plain Python values ({} without them)."""
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return {key: (value.decode() if isinstance(value, bytes) else value.item() if isinstance(value, np.generic)
+                      else value) for key, value in f.attrs.items() if key.startswith("verify")}

@@ -74,6 +74,7 @@ with h5py.File(sys.argv[1], "r") as f:
     for name, ds in f.items():
         tag = ds.attrs.get("dtype", ds.dtype)
         print(f"  {name:4s} {str(ds.shape):22s} {tag}")
-    print("  attributes: " + ", ".join(f"{k}={v}" for k, v in sorted(f.attrs.items())))
+    print("  attributes: " + ", ".join(f"{k}={v.decode() if isinstance(v, bytes) else v}"
+                                       for k, v in sorted(f.attrs.items())))
 PYEOF
 echo "demo: OK"

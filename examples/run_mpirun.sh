@@ -20,8 +20,9 @@ if [ ! -f "$WORK/input.h5" ]; then
 fi
 
 # 2. the run: each rank reads only its own tokens and writes only its own token ranges;
-#    output.h5 appears only when every rank has finished. --verify samples query rows on
-#    large inputs and checks them against the float64 oracle (exit status 3 on mismatch).
+#    output.h5 appears only when every rank has finished. --verify then samples query rows on
+#    large inputs and checks them against the float64 oracle; its outcome goes into output.h5's
+#    attribute verify (h5dump -a verify output.h5); exit status 3 on mismatch.
 # shellcheck disable=SC2086
 "$MPIRUN" -n "$RANKS" ${MPIRUN_ARGS:-} burst-hpc run "$WORK/input.h5" "$WORK/output.h5" \
   --causal --backward --backend "$BACKEND" --verify --progress --overwrite

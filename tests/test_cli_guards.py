@@ -7,6 +7,7 @@ import h5py
 import numpy as np
 import pytest
 
+from burst_hpc import verify
 from burst_hpc.cli import build_parser
 from test_cli import _leftovers, _qkv, _write, burst, mpirun, needs_mpiexec
 
@@ -44,8 +45,9 @@ def test_verify_fails_on_nonfinite_error(tmp_path):
     r = mpirun(2, "run", src, dst, "--backend", "numpy", "--allow-nonfinite", "--verify")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "verify=FAIL" in r.stdout and "verification failed" in r.stderr, r.stdout + r.stderr
-    assert f"-> {dst}" not in r.stdout  # the summary names no output that was not written
-    assert not dst.exists() and not _leftovers(tmp_path)
+    # the output is published before verification and marked as failed, never thrown away
+    assert f"-> {dst}" in r.stdout and f"{dst} is written and marked verify = 'fail'" in r.stderr, r.stderr
+    assert verify.recorded(dst)["verify"] == "fail" and not _leftovers(tmp_path)
 
 
 @needs_mpiexec

@@ -88,8 +88,9 @@ def test_verify_sampled_detects_mismatch(tmp_path, monkeypatch, corrupt):
     assert report["ok"] == (corrupt is None), report
 
 
-def test_mismatch_exits_3_and_writes_nothing(tmp_path, monkeypatch):
-    """The CLI in-process on one rank, with a broken attention: exit 3, no output file."""
+def test_mismatch_exits_3_and_marks_the_output_failed(tmp_path, monkeypatch):
+    """The CLI in-process on one rank, with a broken attention: exit 3, the output published (before
+    verification) and marked verify = 'fail' with the errors; a good run marks it 'pass'."""
     import burst_hpc.distributed as dist
 
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
@@ -102,7 +103,13 @@ def test_mismatch_exits_3_and_writes_nothing(tmp_path, monkeypatch):
 
     monkeypatch.setattr(dist, "burst_attention", broken)
     assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == cli.EXIT_MISMATCH
-    assert not dst.exists() and not list(tmp_path.glob("*.tmp*"))
+    assert dst.exists() and not list(tmp_path.glob("*.tmp*"))
+    marks = verify.recorded(dst)
+    assert marks["verify"] == "fail" and marks["verify_mode"] == "full", marks
+    assert marks["verify_max_err_o"] > marks["verify_tol_o"] and marks["verify_max_err_lse"] <= marks["verify_tol_lse"]
+    data = io.read_global(src)
+    o_ref, _ = attention_reference(data["q"], data["k"], data["v"], False)
+    assert np.abs(io.read_global(dst)["o"] - (o_ref + 1)).max() < 1e-5  # the result as computed, kept
     monkeypatch.setattr(dist, "burst_attention", real)
-    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == 0
-    assert dst.exists()
+    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy", "--overwrite"]) == 0
+    assert verify.recorded(dst)["verify"] == "pass"

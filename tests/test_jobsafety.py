@@ -1,10 +1,12 @@
-"""A job's life on a shared machine, through real mpiexec and real HDF5 files (issue 20):
+"""A job's life on a shared machine, through real mpiexec and real HDF5 files (issues 20, 24):
 two jobs racing for one output name, SIGTERM / SIGINT / SIGKILL at a random moment, stale
-temporary files, and a file system that fills up while a job writes.
+temporary files and the lock that tells a running job's from a dead one's, a time limit during
+--verify, and a file system that fills up while a job writes.
 
 BURST_RACE_REPS (default 1) repeats each race; bench/job_safety.py runs the long versions.
 """
 import errno
+import json
 import os
 import random
 import re
@@ -17,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from burst_hpc import io, jobsafety
+from burst_hpc import cli, io, jobsafety, verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import FileError
 from burst_hpc.reference import attention_reference
@@ -28,7 +30,13 @@ CLEAN_END = ("Traceback", "Exception ignored", "Segmentation", "Bus error", "cor
 
 
 def _temps(directory):
+    """Temporary files and their lock files (``.tmp-...lock``)."""
     return sorted(p for p in os.listdir(directory) if ".tmp-" in p)
+
+
+def _temp_outputs(directory):
+    """Temporary files without their lock files."""
+    return [p for p in _temps(directory) if not p.endswith(jobsafety.LOCK_SUFFIX)]
 
 
 def _popen(args, ranks=None):
@@ -165,9 +173,9 @@ def stop_run_at_random(tmp_path, src, target, sig, ranks=4, earliest=0.2, latest
     dst = tmp_path / "out.h5"
     proc = _popen(["run", src, dst, "--backend", "numpy", "--quiet", *flags], ranks=ranks)
     deadline = time.time() + 120
-    while not _temps(tmp_path) and proc.poll() is None and time.time() < deadline:
+    while not _temp_outputs(tmp_path) and proc.poll() is None and time.time() < deadline:
         time.sleep(0.02)
-    assert _temps(tmp_path) and proc.poll() is None, "the run ended before it could be stopped; make it larger"
+    assert _temp_outputs(tmp_path) and proc.poll() is None, "the run ended before it could be stopped; make it larger"
     time.sleep(random.uniform(earliest, latest))
     pids = _ranks_of(proc)
     assert len(pids) == ranks and proc.poll() is None, (pids, "the run ended before it could be stopped")
@@ -207,19 +215,45 @@ def test_signal_ends_every_rank_and_removes_temp(tmp_path, long_input, target, s
 
 # --------------------------------------------------------------------------- stale temporary files
 
+HOLDER = """import sys, time
+from burst_hpc import jobsafety
+jobsafety.hold(sys.argv[1])
+open(sys.argv[1], "wb").write(b"x")
+print("ready", flush=True)
+time.sleep(120)
+"""
+
+
+def _holder(tmp_path, tmp):
+    """A process that holds the lock of temporary file ``tmp`` (as a job's rank 0 does) and waits."""
+    script = tmp_path / "holder.py"
+    script.write_text(HOLDER)
+    proc = subprocess.Popen([sys.executable, str(script), str(tmp)], env=ENV, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    return proc
+
+
+def _sidecar(tmp, **record):
+    """A temporary file and a lock file that nobody holds, recording ``record`` as its owner."""
+    with open(tmp, "wb") as f:
+        f.write(b"x")
+    with open(jobsafety.lock_path(tmp), "w") as f:
+        json.dump(record, f)
+
+
 @needs_mpiexec
 def test_sigkill_leaves_a_stale_temp_that_is_named_and_cleaned(tmp_path, long_input):
     gone, _ = stop_run_at_random(tmp_path, long_input, "mpiexec", signal.SIGKILL, ranks=2, latest=0.5,
                                  flags=["--causal", "--backward"])
     # SIGKILL of mpiexec: the ranks die with it (or a moment later), their temporary file stays
-    (stale,) = _temps(tmp_path)
+    (stale,) = _temp_outputs(tmp_path)
+    assert _temps(tmp_path) == [stale, stale + jobsafety.LOCK_SUFFIX]  # and the lock file nobody holds now
     dst = tmp_path / "out.h5"
-    # a live job's temporary file (a running burst process on this host) and one of another host
-    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "burst"])
+    # a live job's temporary file (its writer holds the lock) and one of another host
+    live_tmp = tmp_path / f"out.h5.tmp-{jobsafety.host_tag()}-{os.getpid()}-0123abcd"
+    live = _holder(tmp_path, live_tmp)
     try:
-        live_tmp = tmp_path / f"out.h5.tmp-{jobsafety.host_tag()}-{live.pid}-0123abcd"
         other_tmp = tmp_path / "out.h5.tmp-othernode-4242-89abcdef"
-        live_tmp.write_bytes(b"x")
         other_tmp.write_bytes(b"x")
         r = burst("gen", dst, "--seqlen", 64, "--heads", 2, "--head-dim", 8, "--quiet")
         assert r.returncode == 0, r.stderr
@@ -227,16 +261,254 @@ def test_sigkill_leaves_a_stale_temp_that_is_named_and_cleaned(tmp_path, long_in
         assert len(notes) == 2, r.stderr
         assert stale in r.stderr and f"burst-hpc clean {dst}" in r.stderr, r.stderr
         assert str(other_tmp) in r.stderr and "host othernode" in r.stderr and live_tmp.name not in r.stderr
+        assert f"burst-hpc clean --force {dst}" in r.stderr, r.stderr
         r = burst("clean", dst)
         assert r.returncode == 0, r.stderr
-        assert f"removed {tmp_path / stale}" in r.stdout and "a running job owns it" in r.stdout, r.stdout
-        assert "cannot tell whether its job runs" in r.stdout, r.stdout
-        assert _temps(tmp_path) == sorted([live_tmp.name, other_tmp.name])
+        assert f"removed {tmp_path / stale} and its lock file" in r.stdout, r.stdout
+        assert "a running job owns it" in r.stdout, r.stdout
+        assert "cannot tell from this host whether its job runs" in r.stdout, r.stdout
+        live_files = [live_tmp.name, live_tmp.name + jobsafety.LOCK_SUFFIX]
+        assert _temps(tmp_path) == sorted(live_files + [other_tmp.name])
     finally:
         live.kill()
         live.wait()
     r = burst("clean", dst)  # its owner is gone now
-    assert f"removed {live_tmp}" in r.stdout and _temps(tmp_path) == [other_tmp.name], r.stdout
+    assert f"removed {live_tmp} and its lock file" in r.stdout and _temps(tmp_path) == [other_tmp.name], r.stdout
+
+
+JOB = """# a job written with the documented Python API (docs/USAGE.md), which waits before publishing
+import sys, time
+from mpi4py import MPI
+from burst_hpc import io, burst_attention
+
+comm = MPI.COMM_WORLD
+spec, shards = io.read_shards(sys.argv[1], comm, "contiguous", names=("q", "k", "v"))
+o, lse = burst_attention(shards["q"], shards["k"], shards["v"], comm, layout="contiguous")
+out = io.OutputFile.create(sys.argv[2], comm, io.output_datasets(spec, backward=False), {"causal": False})
+try:
+    out.write({"o": o, "lse": lse}, "contiguous")
+    if comm.rank == 0:
+        print("written", flush=True)
+    time.sleep(600)
+    out.commit()
+except BaseException:
+    out.abort()
+    raise
+"""
+
+
+def _children(pid):
+    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
+    pairs = [tuple(map(int, line.split())) for line in out.splitlines()]
+    found, todo = [], [pid]
+    while todo:
+        parent = todo.pop()
+        for child, ppid in pairs:
+            if ppid == parent:
+                found.append(child)
+                todo.append(child)
+    return found
+
+
+@needs_mpiexec
+def test_clean_never_removes_a_running_python_api_job(tmp_path):
+    """Issue 24: a job that is not 'burst-hpc' (a script using io.OutputFile) holds its temporary file
+    by the lock; clean keeps it while the job runs, and removes it once the job is SIGKILLed."""
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    assert burst("gen", src, "--seqlen", 64, "--heads", 2, "--head-dim", 8, "--dtype", "float32",
+                 "--quiet").returncode == 0
+    (tmp_path / "job.py").write_text(JOB)
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "job.py", "in.h5", "out.h5"], cwd=tmp_path, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert proc.stdout.readline().strip() == "written", proc.stderr.read()
+        (tmp,) = _temp_outputs(tmp_path)
+        owner = int(re.search(r"\.tmp-.+-(\d+)-[0-9a-f]{8}$", tmp)[1])
+        with open(f"/proc/{owner}/cmdline", "rb") as f:
+            assert b"burst" not in f.read().lower()  # nothing in its command line says what it is
+        assert _temps(tmp_path) == [tmp, tmp + jobsafety.LOCK_SUFFIX]
+        for flags in ([], ["--force"]):
+            r = burst("clean", dst, *flags)
+            assert r.returncode == 0, r.stderr
+            assert f"kept {tmp_path / tmp}: a running job owns it (pid {owner} on this host holds its lock)" \
+                in r.stdout, r.stdout
+            assert _temps(tmp_path) == [tmp, tmp + jobsafety.LOCK_SUFFIX], r.stdout
+        assert jobsafety.stale_note(dst) == []  # run and gen would not point at it either
+        family = _children(proc.pid)  # the launcher's helpers and the ranks
+        assert owner in family
+        for pid in family:  # SIGKILL: no clean-up of any kind runs
+            os.kill(pid, signal.SIGKILL)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.communicate(timeout=60)
+        deadline = time.time() + 30
+        while any(_running(pid) for pid in family) and time.time() < deadline:
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    assert _temps(tmp_path) == [tmp, tmp + jobsafety.LOCK_SUFFIX]  # SIGKILL left both behind
+    r = burst("clean", dst)
+    assert r.returncode == 0, r.stderr
+    assert f"removed {tmp_path / tmp} and its lock file (no process holds its lock: pid {owner} is gone)" \
+        in r.stdout, r.stdout
+    assert _temps(tmp_path) == [] and not dst.exists()
+
+
+def test_a_reused_pid_is_not_taken_for_the_owner(tmp_path, monkeypatch):
+    """The lock decides: a pid that runs but holds no lock (whatever its start time) is not the owner.
+    Where the file system has no locks, the pid and its start time decide."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        host, pid = jobsafety.host_tag(), other.pid
+        start, boot = jobsafety.owner_record(pid)["start"], jobsafety.owner_record()["boot"]
+        assert start is not None  # /proc is there
+        dst = tmp_path / "out.h5"
+        reused = tmp_path / f"out.h5.tmp-{host}-{pid}-0000aaaa"  # pid now another process: started later
+        unlocked = tmp_path / f"out.h5.tmp-{host}-{pid}-0000bbbb"  # the same process, but no lock held
+        no_lock_file = tmp_path / f"out.h5.tmp-{host}-{pid}-0000cccc"  # an older burst-hpc's file
+        _sidecar(reused, host=host, pid=pid, start=start - 100, boot=boot)
+        _sidecar(unlocked, host=host, pid=pid, start=start, boot=boot)
+        no_lock_file.write_bytes(b"x")
+        r = burst("clean", dst)
+        assert r.returncode == 0, r.stderr
+        assert f"removed {reused} and its lock file (no process holds its lock: pid {pid} is now another " \
+               "process, started after the job's)" in r.stdout, r.stdout
+        assert f"removed {unlocked} and its lock file (no process holds its lock: pid {pid} runs but does not " \
+               "hold it)" in r.stdout, r.stdout
+        assert f"kept {no_lock_file}: cannot tell whether its job runs" in r.stdout, r.stdout
+        assert _temps(tmp_path) == [no_lock_file.name]
+        r = burst("clean", dst, "--force")
+        assert f"removed {no_lock_file} (no lock file, and pid {pid} on this host runs" in r.stdout, r.stdout
+        assert _temps(tmp_path) == []
+
+        # a file system without locks (ENOLCK): the recorded start time tells the owner from a reused pid
+        monkeypatch.setattr(jobsafety, "_try_lock", lambda path: ("untestable", None))
+        _sidecar(reused, host=host, pid=pid, start=start - 100, boot=boot)
+        _sidecar(unlocked, host=host, pid=pid, start=start, boot=boot)
+        lines = jobsafety.clean(dst)
+        assert f"removed {reused} and its lock file (pid {pid} is now another process, started after the " \
+               "job's; no file locks here)" in lines, lines
+        assert f"kept {unlocked}: a running job owns it (pid {pid} on this host runs, with the same start time; " \
+               "no file locks here)" in lines, lines
+        assert _temps(tmp_path) == [unlocked.name, unlocked.name + jobsafety.LOCK_SUFFIX]
+    finally:
+        other.kill()
+        other.wait()
+    assert jobsafety.clean(dst) == [f"removed {unlocked} and its lock file (pid {pid} is gone; no file locks here)"]
+
+
+def test_another_hosts_file_is_kept_unless_force(tmp_path):
+    """A lock seen free says nothing about another host's job (its locks may stay on that host):
+    listed and kept, removed with --force; a lock seen held is a live job's, kept even with --force."""
+    dst = tmp_path / "out.h5"
+    free = tmp_path / "out.h5.tmp-othernode-4242-89abcdef"
+    held = tmp_path / "out.h5.tmp-othernode-4343-0123abcd"
+    _sidecar(free, host="othernode", pid=4242, start=1, boot="b")
+    holder = _holder(tmp_path, held)
+    try:
+        r = burst("clean", dst)
+        assert r.returncode == 0, r.stderr
+        assert f"kept {free}: cannot tell from this host whether its job runs (owned by pid 4242 on host " \
+               "othernode; no lock on it is seen from here" in r.stdout, r.stdout
+        assert f"burst-hpc clean --force {dst}" in r.stdout, r.stdout
+        assert f"kept {held}: a running job owns it (pid 4343 on host othernode holds its lock)" in r.stdout
+        both = sorted(p + s for p in (free.name, held.name) for s in ("", jobsafety.LOCK_SUFFIX))
+        assert _temps(tmp_path) == both
+        r = burst("clean", dst, "--force", "--dry-run")
+        assert f"would remove {free} and its lock file" in r.stdout and _temps(tmp_path) == both, r.stdout
+        r = burst("clean", dst, "--force")
+        assert f"removed {free} and its lock file (owned by pid 4242 on host othernode" in r.stdout, r.stdout
+        assert f"kept {held}: a running job owns it" in r.stdout, r.stdout
+        assert _temps(tmp_path) == [held.name, held.name + jobsafety.LOCK_SUFFIX]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lone_and_own_lock_files(tmp_path):
+    """A lock file left without its temporary file (killed between the two) is removed when stale; a
+    process never probes (and so never drops) the locks it holds itself."""
+    dst = tmp_path / "out.h5"
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    lone = jobsafety.lock_path(tmp_path / f"out.h5.tmp-{jobsafety.host_tag()}-{dead.pid}-0123abcd")
+    with open(lone, "w") as f:
+        f.write("{}")
+    mine = jobsafety.temp_name(dst)
+    jobsafety.hold(mine)
+    try:
+        with open(mine, "wb") as f:
+            f.write(b"x")
+        for _ in range(2):  # probing twice: a probe that dropped our lock would find it free the second time
+            states = {path: state for path, state, _ in jobsafety.temp_files(dst)}
+            assert states == {str(lone): "stale", mine: "live"}, states
+        r = burst("clean", dst)  # another process sees the lock held
+        assert f"removed {lone} (no process holds its lock: pid {dead.pid} is gone)" in r.stdout, r.stdout
+        assert f"kept {mine}: a running job owns it" in r.stdout, r.stdout
+    finally:
+        os.remove(mine)
+        jobsafety.release(mine)
+    assert _temps(tmp_path) == []
+
+
+# --------------------------------------------------------------------------- a time limit during --verify
+
+@needs_mpiexec
+def test_sigterm_during_verify_keeps_the_published_output(tmp_path):
+    """Issue 24: a time limit (SIGTERM to every rank, as Slurm sends it) during --verify: the output is
+    already published, complete, and marked verify = 'not finished'; each rank says so in one line."""
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    assert burst("gen", src, "--seqlen", 64, "--heads", 2, "--head-dim", 8, "--dtype", "float32", "--with-grad",
+                 "--quiet").returncode == 0
+    env = dict(ENV, **{cli.TEST_HOOK_VERIFY_PAUSE: "120"})
+    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "burst_hpc", "run", src, dst, "--causal",
+                             "--backward", "--verify", "--backend", "numpy", "--quiet"], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.time() + 120
+    while not dst.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert dst.exists() and proc.poll() is None, proc.communicate()
+    pids = _ranks_of(proc)
+    assert len(pids) == 2
+    for pid in pids:
+        os.kill(pid, signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 128 + signal.SIGTERM, (proc.returncode, out, err)
+    lines = [line for line in err.splitlines() if "stopped by SIGTERM" in line]
+    assert lines, err
+    for line in lines:
+        assert line.startswith("burst-hpc: error: rank ") and "no output written" not in line, err
+        assert f"{dst} is written and complete, but its verification did not finish" in line, err
+    for needle in CLEAN_END:
+        assert needle not in err, err
+    assert _temps(tmp_path) == []
+    assert verify.recorded(dst)["verify"] == "not finished"
+    data, got = io.read_global(src), io.read_global(dst)
+    o_ref, lse_ref = attention_reference(data["q"], data["k"], data["v"], True)
+    assert np.abs(got["o"] - o_ref).max() < 1e-5 and np.abs(got["lse"] - lse_ref).max() < 1e-4
+    assert set(got) == {"o", "lse", "dq", "dk", "dv"}
+
+
+def test_verify_outcome_rewrites_values_in_place(tmp_path):
+    """Recording the outcome changes attribute values only: same file size, every dataset intact."""
+    import h5py
+
+    path = tmp_path / "out.h5"
+    o = np.arange(2 * 64 * 2 * 8, dtype=np.float32).reshape(2, 64, 2, 8)
+    io.write_global(path, {"o": o, "lse": np.zeros((2, 2, 64), np.float32)},
+                    verify.pending_attrs(["o", "lse"], True))
+    assert verify.recorded(path)["verify"] == "not finished"
+    size = os.path.getsize(path)
+    report = {"ok": False, "mode": "sampled 256 rows/rank", "err": {"o": 0.5, "lse": 1e-7}, "tol": {"o": 0.1, "lse": 1e-6}}
+    verify.record(path, report)
+    assert os.path.getsize(path) == size
+    got = verify.recorded(path)
+    assert got["verify"] == "fail" and got["verify_mode"] == "sampled 256 rows/rank", got
+    assert got["verify_max_err_o"] == 0.5 and got["verify_tol_lse"] == 1e-6, got
+    assert np.array_equal(io.read_global(path)["o"], o)
+    with h5py.File(path, "r") as f:
+        assert f.attrs.get_id("verify").dtype == np.dtype("S12")  # fixed size: rewritten in place
 
 
 # --------------------------------------------------------------------------- disk full
