@@ -42,6 +42,7 @@ import cupy
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from burst_hpc import masks  # noqa: E402
+from burst_hpc.accounting import attention_flops, visible_pairs  # noqa: E402
 from burst_hpc.backends import cuda_backend  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
@@ -130,7 +131,7 @@ def main():
     for d in dims:
         for s in seqs:
             for causal in (False, True):
-                flops = 4.0 * s * s * H * d * (0.5 if causal else 1.0)
+                flops = attention_flops(1, H, d, visible_pairs(s, causal))
                 q, k, v, do = (cupy.random.standard_normal((B, s, H, d), dtype=cupy.float32).astype(BF16)
                                for _ in range(4))
                 o = cupy.zeros((B, s, H, d), cupy.float32)
@@ -240,7 +241,7 @@ def forward_shapes(args, B=1, H=32):
             o = cupy.zeros((B, s, H, d), cupy.float32)
             lse = cupy.full((B, H, s), -cupy.inf, cupy.float32)
             for causal in (False, True):
-                flops = 4.0 * s * s * H * d * (0.5 if causal else 1.0)
+                flops = attention_flops(1, H, d, visible_pairs(s, causal))
                 cells = []
                 for rows, *_ in be._sm90_forward_shapes(d):
                     be._forced_fwd_rows = rows
@@ -263,7 +264,7 @@ def mask_rows(families, torch, reps, dev, md_path, s=16384, d=128, heads=32):
     scale = d ** -0.5
     for name, mask in mask_cases(s):
         visible = mask.visible_count(0, s, 0, s) if mask is not None else s * (s + 1) // 2
-        flops = 4.0 * visible * heads * d
+        flops = attention_flops(1, heads, d, visible)
         row = {"case": name, "visible": visible / (s * s)}
         for family in families:
             be = cuda_backend.CudaBackend.instance(family=family)

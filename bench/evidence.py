@@ -17,13 +17,15 @@ import time
 import ml_dtypes
 import numpy as np
 
+from burst_hpc.accounting import attention_flops, visible_pairs
+
 GRADS = ("dq", "dk", "dv")
 
 
 def flops(seqlen, heads, dim, causal, backward):
-    """The FlashAttention count: 4 S^2 H D forward, x3.5 forward+backward, halved when causal."""
-    f = 4.0 * seqlen * seqlen * heads * dim * (3.5 if backward else 1.0)
-    return f / 2 if causal else f
+    """The FlashAttention count (burst_hpc.accounting) of the forward, or of forward + backward."""
+    pairs = visible_pairs(seqlen, causal)
+    return attention_flops(1, heads, dim, pairs) + (attention_flops(1, heads, dim, pairs, True) if backward else 0)
 
 
 def timed(comm, fn, iters, warmup, xp=np):

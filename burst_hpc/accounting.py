@@ -4,21 +4,33 @@ cost model, the CLI's summary and the bench scripts (DESIGN.md, "Communication v
 BACKWARD_FLOPS = 2.5   # backward FLOPs per forward FLOP (5 matrix products against 2)
 
 
+def step_bytes(heads, kv_heads, head_dim, itemsize):
+    """Bytes per token one ring step moves, as (data out, partial back), for each pass and side:
+    'forward' K and V out, nothing back; backward 'q' (q-ring) Q, dO (+ lse and delta, float32 per
+    head) out and float32 dQ back; backward 'kv' (kv-ring) K, V out and float32 dK, dV back."""
+    d, it = head_dim, itemsize
+    return {"forward": (2 * kv_heads * d * it, 0),
+            "q": (heads * (2 * d * it + 8), heads * d * 4),
+            "kv": (2 * kv_heads * d * it, 2 * kv_heads * d * 4)}
+
+
 def backward_ring_bytes(heads, kv_heads, head_dim, itemsize):
-    """Bytes per token moved each step by the (q-ring, kv-ring) backward: Q, dO, dQ (+ lse and delta,
-    float32 per head) against K, V, dK, dV (the gradients travel as float32)."""
-    q_ring = heads * head_dim * (2 * itemsize + 4) + 8 * heads
-    kv_ring = kv_heads * head_dim * (2 * itemsize + 2 * 4)
-    return q_ring, kv_ring
+    """Bytes per token moved each step by the (q-ring, kv-ring) backward, both directions."""
+    sides = step_bytes(heads, kv_heads, head_dim, itemsize)
+    return sum(sides["q"]), sum(sides["kv"])
 
 
-def attention_flops(batch, seqlen, heads, head_dim, causal, mask=None, backward=False):
-    """FLOPs of a pass by the FlashAttention convention: 4 B S^2 Hq D forward (two matmuls), half of
-    it when causal; with documents or a window (``mask``, a masks.Mask) those of the visible (query,
-    key) pairs; the backward BACKWARD_FLOPS times the forward."""
+def visible_pairs(seqlen, causal, mask=None):
+    """The (query, key) pairs a pass computes, by the FlashAttention convention: S^2, half of it when
+    causal; with documents or a window (``mask``, a masks.Mask) those of the visible pairs."""
     if mask is not None:
         lo, hi = mask.intervals
-        flops = 4.0 * batch * heads * head_dim * float((hi - lo).sum())
-    else:
-        flops = 4.0 * batch * seqlen * seqlen * heads * head_dim * (0.5 if causal else 1.0)
+        return float((hi - lo).sum())
+    return float(seqlen) * seqlen * (0.5 if causal else 1.0)
+
+
+def attention_flops(batch, heads, head_dim, pairs, backward=False):
+    """FLOPs of a pass over ``pairs`` visible (query, key) pairs (visible_pairs): 4 B Hq D per pair
+    forward (two matmuls), BACKWARD_FLOPS times that backward."""
+    flops = 4.0 * batch * heads * head_dim * pairs
     return flops * BACKWARD_FLOPS if backward else flops

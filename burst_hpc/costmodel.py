@@ -14,9 +14,8 @@ causal). Exposed communication = predicted time - compute alone.
 """
 from dataclasses import dataclass, replace
 
+from .accounting import attention_flops, step_bytes
 from .errors import BurstError
-
-BACKWARD_FLOPS = 2.5   # backward FLOPs per forward FLOP (5 matrix products against 2)
 
 
 @dataclass(frozen=True)
@@ -63,8 +62,7 @@ class Problem:
         return count if self.reach is None else min(count, 1 + -(-self.reach // int(tokens)))
 
     def flops(self, backward=False):
-        fwd = 4.0 * self.batch * self.seqlen ** 2 * self.heads * self.head_dim * self.share
-        return fwd * BACKWARD_FLOPS if backward else fwd
+        return attention_flops(self.batch, self.heads, self.head_dim, float(self.seqlen) ** 2 * self.share, backward)
 
 
 @dataclass(frozen=True)
@@ -81,14 +79,11 @@ def token_bytes(pr, backward, heads=None, kv_heads=None):
     """(data, partial) bytes per token (and batch row) one ring step moves: the forward's K/V;
     the backward's cheaper ring (q-ring: Q, dO, lse, delta out and dQ back; kv-ring: K, V out and
     dK, dV back). ``heads``/``kv_heads``: the heads one rank carries (Ulysses: a share of them)."""
-    h = pr.heads if heads is None else heads
-    hk = pr.kv_heads if kv_heads is None else kv_heads
-    d, it = pr.head_dim, pr.itemsize
+    sides = step_bytes(pr.heads if heads is None else heads, pr.kv_heads if kv_heads is None else kv_heads,
+                       pr.head_dim, pr.itemsize)
     if not backward:
-        return 2 * hk * d * it, 0
-    q_ring = (h * (2 * d * it + 8), h * d * 4)
-    kv_ring = (2 * hk * d * it, 2 * hk * d * 4)
-    return min(kv_ring, q_ring, key=sum)   # a tie goes to the kv-ring, as choose_backward_ring does
+        return sides["forward"]
+    return min(sides["kv"], sides["q"], key=sum)   # a tie goes to the kv-ring, as choose_backward_ring does
 
 
 def _link(rates, inter):

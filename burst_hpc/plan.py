@@ -7,6 +7,7 @@ hides its communication (within 5% of compute; forward / forward+backward). The 
 ``scheme="auto"`` runs for this problem.
 """
 from . import costmodel
+from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 
 
 def _gib(x):
@@ -76,7 +77,7 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
         sync = cupy.cuda.get_current_stream().synchronize
     except Exception:  # noqa: BLE001
         sync = lambda: None  # noqa: E731
-    flops = 4.0 * tokens ** 2 * pr.heads * pr.head_dim * (0.5 if pr.causal else 1.0)
+    flops = attention_flops(1, pr.heads, pr.head_dim, visible_pairs(tokens, pr.causal))
     attention(q, k, k, causal=pr.causal)
     sync()
     t0 = time.perf_counter()
@@ -87,7 +88,7 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     sync()
     t2 = time.perf_counter()
     fwd = comm.allreduce(flops / (t1 - t0) / 1e12) / comm.size
-    bwd = comm.allreduce(costmodel.BACKWARD_FLOPS * flops / (t2 - t1) / 1e12) / comm.size
+    bwd = comm.allreduce(BACKWARD_FLOPS * flops / (t2 - t1) / 1e12) / comm.size
 
     def link(a, b):
         """GB/s and latency (us) of a ping-pong between ordered ranks a and b (None if absent)."""
