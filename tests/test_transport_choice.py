@@ -47,3 +47,25 @@ def test_backward_ring_picks_fewer_bytes():
     assert choose_backward_ring("auto", 32, 32, 128, 2) == "q"
     assert choose_backward_ring("auto", 32, 4, 128, 2) == "kv"
     assert choose_backward_ring("kv", 32, 32, 128, 2) == "kv"
+
+
+def test_every_transport_and_wrapper_satisfies_the_protocol():
+    import numpy as np
+
+    from burst_hpc.benchmark import NoExchange
+    from burst_hpc.transport.base import Transport
+    from burst_hpc.transport.emulated import EmulatedNetwork, Nic
+
+    class Loopback:
+        xp, rank, size = np, 0, 1
+
+        def exchange(self, sends, recvs):
+            return self
+
+        def wait(self):
+            pass
+
+    assert isinstance(Loopback(), Transport)
+    assert isinstance(NoExchange(Loopback()), Transport)
+    assert isinstance(EmulatedNetwork(Loopback(), lambda peer: True, Nic(1.0, 0.0)), Transport)
+    assert not isinstance(object(), Transport)

@@ -12,28 +12,20 @@ float16 need no MPI datatype.
 - nccl:   cupy.cuda.nccl send/recv on a communication stream.
 - staged: device -> pinned host -> MPI -> pinned host -> device, in pipelined chunks.
 - auto:   host for NumPy; for CuPy mpi if the MPI is known to be CUDA-aware, else nccl, else staged.
+
+The protocol they share is transport.base.Transport.
 """
 import ctypes
 import logging
 import os
 
 from ..errors import TransportError
+from .base import Transport  # noqa: F401  (the protocol every transport satisfies)
 
 log = logging.getLogger("burst_hpc")
 
 TRANSPORTS = ("auto", "host", "mpi", "nccl", "staged")
 DEVICE_TRANSPORTS = ("mpi", "nccl", "staged")
-
-
-def per_peer(transfers):
-    """(peer, index, array) for every array of ``transfers`` ((peer, arrays) pairs), ``index``
-    counting the arrays exchanged with that peer so far: the message tag both ends agree on."""
-    count = {}
-    for peer, arrays in transfers:
-        for array in arrays:
-            index = count.get(peer, 0)
-            count[peer] = index + 1
-            yield peer, index, array
 
 
 def _libmpi_path():

@@ -1,7 +1,7 @@
 """MPI point-to-point transport: NumPy host buffers, or CuPy device buffers on a CUDA-aware MPI."""
 from mpi4py import MPI
 
-from . import per_peer
+from .base import per_peer
 
 # Open MPI 4.x has no large-count calls: keep every message under 2**31 bytes
 MAX_MESSAGE = 1 << 30

@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 from mpi4py import MPI
 
-from . import per_peer
+from .base import per_peer
 
 CHUNK = 16 << 20
 
