@@ -291,6 +291,7 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
                OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")])))
     done, refused, failed, seed, start = 0, 0, [], first_seed, time.time()
+    tallies = {"ran": {}, "refusals": {}}
     ranks = 1
     while done < cases:
         count = min(batch, cases - done)
@@ -306,6 +307,10 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
         summary = re.search(r"randomized: (\d+) ok, (\d+) refused, (\d+) failed", out)
         if summary:
             refused += int(summary.group(2))
+        for name, items in re.findall(r"^randomized (ran|refusals): (.*)$", out, re.M):
+            for item in filter(None, items.split(", ")):
+                what, _, n = item.rpartition(" ")
+                tallies[name][what] = tallies[name].get(what, 0) + int(n)
         failed += [line for line in out.splitlines() if line.startswith("FAIL") or line.startswith("     ")]
         if code != 0 and not summary:   # an abort or a hang: the last case started is the reproducer
             started = [line for line in out.splitlines() if line.startswith("case ")]
@@ -316,6 +321,8 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
         print(f"soak: {done}/{cases} cases, {ranks} rank(s), {refused} refused, {len(failed)} failure lines, "
               f"{time.time() - start:.0f}s", flush=True)
         ranks = ranks % max_ranks + 1
+    for name, tally in tallies.items():
+        print(f"soak {name}: " + ", ".join(f"{k} {n}" for k, n in sorted(tally.items(), key=lambda kv: -kv[1])))
     return failed
 
 
