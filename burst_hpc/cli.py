@@ -409,6 +409,7 @@ def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, s
              f"fwd {t_fwd:.3f}s {flops / max(t_fwd, 1e-12) / 1e12:.3g} TFLOP/s"]
     if t_bwd is not None:
         parts.append(f"bwd {t_bwd:.3f}s {2.5 * flops / max(t_bwd, 1e-12) / 1e12:.3g} TFLOP/s")
+    parts += verify.nonfinite_summary(host, comm)  # collective; [] when every output is finite
     return parts, host
 
 
@@ -598,7 +599,8 @@ def build_parser():
                    help="replace OUT.h5 if it exists (atomically, once the run has finished); without it an existing "
                    "OUT.h5 is an error before any work and is left untouched")
     p.add_argument("--allow-nonfinite", action="store_true",
-                   help="run on inputs holding NaN or Inf (they propagate into the outputs, and --verify fails)")
+                   help="run on inputs holding NaN or Inf: they propagate into the outputs of the rows that see them "
+                   "(the summary counts them: nonfinite o=N ...), and --verify fails")
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once untimed first (GPU kernels compile on first use)")
     p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "

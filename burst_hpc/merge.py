@@ -4,8 +4,11 @@
     o   = o_a * exp(lse_a - lse) + o_b * exp(lse_b - lse)
 
 Both exponents are <= 0, so nothing overflows; where both parts are empty (lse = -inf) the
-weights are exp(-inf) = 0 and o stays 0. Works on NumPy and CuPy arrays alike.
+weights are exp(-inf) = 0 and o stays 0. Only lse = -inf means empty: a NaN lse (a part whose
+rows saw a NaN or Inf input) is not, so the merged lse and o are NaN there, and stay NaN through
+every later merge. Works on NumPy and CuPy arrays alike.
 """
+import contextlib
 
 
 def array_module(x):
@@ -21,10 +24,17 @@ def array_module(x):
 def merge_weights(lse_a, lse_b):
     """(lse, w_a, w_b) for merging two parts; lse arrays of any matching shape."""
     xp = array_module(lse_a)
-    lse = xp.logaddexp(lse_a, lse_b)
-    # where both parts are empty lse is -inf; subtract 0 instead so the weights are exp(-inf) = 0
-    finite = xp.where(xp.isneginf(lse), 0, lse)
-    return lse, xp.exp(lse_a - finite), xp.exp(lse_b - finite)
+    # NumPy warns of an 'invalid value' where an lse is NaN: a NaN it propagates, as it should
+    with _errstate(xp, invalid="ignore"):
+        lse = xp.logaddexp(lse_a, lse_b)
+        # where both parts are empty lse is -inf; subtract 0 instead so the weights are exp(-inf) = 0
+        finite = xp.where(xp.isneginf(lse), 0, lse)
+        return lse, xp.exp(lse_a - finite), xp.exp(lse_b - finite)
+
+
+def _errstate(xp, **kwargs):
+    """numpy.errstate(**kwargs) for NumPy arrays; nothing for CuPy (which never warns)."""
+    return xp.errstate(**kwargs) if xp.__name__ == "numpy" else contextlib.nullcontext()
 
 
 def merge(o_a, lse_a, o_b, lse_b):

@@ -145,6 +145,22 @@ def max_abs(ref):
     return float(np.abs(finite).max()) if finite.size else 0.0
 
 
+def nonfinite_summary(outputs, comm):
+    """Collective: the run summary's account of NaN and Inf in the outputs, summed over the ranks:
+    ``["nonfinite o=N lse=M ..."]`` naming each output that holds any, or ``[]`` when all are finite.
+    An lse of -inf is a row that sees nothing, not counted. Inputs holding NaN or Inf
+    (``--allow-nonfinite``) propagate into the rows that see them, and this says how far."""
+    counts = []
+    for name, x in outputs.items():
+        bad = ~np.isfinite(x)
+        if name == "lse":
+            bad &= ~np.isneginf(x)
+        counts.append(int(np.count_nonzero(bad)))
+    counts = comm.allreduce(np.array(counts, np.int64))
+    found = [f"{name}={int(n)}" for name, n in zip(outputs, counts) if n]
+    return ["nonfinite " + " ".join(found)] if found else []
+
+
 def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, progress=None, window=None):
     """Check this rank's outputs ``ours`` (host arrays, local layout order) against the float64 oracle.
 

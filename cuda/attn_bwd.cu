@@ -15,7 +15,8 @@
 //     (plain read-add-write when this CTA is their only writer, atomics when the group is split).
 //   * dQ = dS K: warps re-split 2 (32 queries) x 4 (D/4 columns), float2 atomics into global dq.
 // Q, dO, lse, delta for tile it+1 are loaded (cp.async) during tile it; two barriers per tile.
-// Rows with lse = -inf (nothing visible in the forward) get P = 0; out-of-range query rows are
+// Rows with lse = -inf (nothing visible in the forward) get P = 0 (a NaN lse gives NaN: non-finite inputs
+// propagate; the mask selects P = 0, it never multiplies); out-of-range query rows are
 // zero-filled (their dO and delta are 0, so they add nothing); out-of-range keys are masked.
 #include "common.cuh"
 

@@ -21,7 +21,8 @@
 //     wait for dV and dQ, stage scale * dQ for the writer while dK runs, wait for dK.
 // A consumer's dQ part is 64 x 64: at D = 128 the tile's 64 rows and head-dim half cw; at D = 64 rows
 // 64 cw.. of the 128-row tile and all 64 columns.
-// Rows with lse = -inf (nothing visible in the forward) and query rows past the end get P = 0; keys past
+// Rows with lse = -inf (nothing visible in the forward) and query rows past the end get P = 0 (a NaN lse
+// gives NaN: non-finite inputs propagate); keys past
 // the end are masked; causal masks are on global positions, and query tiles hidden from every key of the
 // CTA are skipped. Interval masks (IV: documents, sliding windows; docs/KERNELS.md "Masks"): local query
 // row r sees the keys at global positions [mlo[r], mhi[r]); the pre-pass attn_bwd_sm90_ranges gives each
@@ -138,6 +139,8 @@ static_assert(bwd90::Smem<256>::kBytes <= 227 * 1024, "D = 256 shared memory");
 
 // The pre-pass: the row table the producer copies per tile. rows[0][b][h][i] = lse * log2(e) (+inf for rows
 // past Sq and rows that saw nothing, so their P is 0), rows[1][b][h][i] = delta (0 there); i < Sq_pad.
+// Only lse = -inf is "saw nothing": a NaN lse (the row saw a NaN or Inf) stays NaN, so its P, dS and the
+// gradients it feeds are NaN.
 // With interval bounds (mlo != null) the table goes on with two int rows of Sq_pad: each query row's
 // visible keys [klo, khi) as local key indices (empty past Sq, kept nondecreasing there).
 extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* delta, float* rows, i64 lsb, i64 lsh,
@@ -159,7 +162,7 @@ extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* del
     float l2 = BH_INF, dl = 0.f;
     if (i < Sq) {
       const float x = lse[b * lsb + h * lsh + i * lss];
-      if (x > -BH_INF) {
+      if (x != -BH_INF) {
         l2 = x * BH_LOG2E;
         dl = delta[b * dsb + h * dsh + i * dss];
       }

@@ -7,6 +7,10 @@
 // the online softmax runs in base 2 (ex2.approx). The epilogue merges the block result into the
 // caller's float32 (o, lse) in place (GAO), so no separate pass over o is needed.
 //
+// Non-finite inputs: fmaxf drops a NaN score from the running max, but exp2 of it is NaN, so the row
+// sum, then lse and o, are NaN; the epilogue reads only a row sum of exactly 0 as "nothing visible",
+// and only a running lse of -inf as "nothing merged yet", so a NaN row stays NaN through every merge.
+//
 // Causal masking is on global positions: key j is hidden from query i when j > i + off, with
 // off = q_start - k_start. Key tiles wholly hidden are never loaded, tiles wholly visible skip the
 // mask, and only tiles that straddle the diagonal (or the key tail) are masked.
@@ -251,10 +255,12 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row_lo + m * 16 + r * 8;
-      if (row < Sq && lrow[m][r] > 0.f) {
+      // nothing visible only when the row sum is exactly 0: a NaN sum (the row saw a NaN or Inf) is merged
+      // and makes lb, ln and the row's o NaN
+      if (row < Sq && lrow[m][r] != 0.f) {
         const float lb = (mrow[m][r] + __log2f(lrow[m][r])) * BH_LN2;
         const float lo = lold[m][r];
-        const bool fresh = !(lo > -BH_INF);  // -inf (or NaN): nothing merged yet
+        const bool fresh = lo == -BH_INF;  // nothing merged yet (a NaN lse is merged: the row stays NaN)
         const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
         const float wo = fresh ? 0.f : __expf(lo - ln);
         const float wb = __expf(lb - ln) / lrow[m][r];

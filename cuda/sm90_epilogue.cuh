@@ -7,6 +7,8 @@
 // l, unnormalised output acc) into the running (o, lse). `o_rows` points at row 0, column 2 (lane % 4) of
 // this (batch, head); `lse_rows` at its lse entry of row 0. Rows with nothing visible (l = 0) and rows
 // past Sq stay untouched; a running lse of -inf means nothing was merged yet, so the old o is ignored.
+// Only those exact values mean "nothing": a NaN l or running lse (a NaN or Inf input reached the row,
+// and exp2 of a NaN score made its sum NaN even where fmaxf dropped it from the max) makes the row NaN.
 template <int D>
 __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_rows, i64 lss, const float* acc,
                                            const float* m, float* l, int row0, int Sq, int lane) {
@@ -25,10 +27,10 @@ __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_ro
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
-    if (row < Sq && l[r] > 0.f) {
+    if (row < Sq && l[r] != 0.f) {  // a NaN l (the row saw a NaN or Inf) is merged: lb, ln and o are NaN
       const float lb = (m[r] + __log2f(l[r])) * BH_LN2;
       const float lo = l_old[r];
-      const bool fresh = !(lo > -BH_INF);  // -inf (or NaN): nothing merged yet
+      const bool fresh = lo == -BH_INF;  // nothing merged yet (a NaN lse is merged: the row stays NaN)
       const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
       const float wo = fresh ? 0.f : __expf(lo - ln);
       const float wb = __expf(lb - ln) / l[r];

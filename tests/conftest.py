@@ -177,3 +177,40 @@ def assert_rule(name, got, ref, plain, factor, dtype, ctx, floor=None):
     assert err <= tol, (f"{ctx}: {name} max error {err:.3e} > {factor} x plain {base:.3e} + floor "
                         f"{floor * scale:.3e}")
     return err, base
+
+
+# ---------------------------------------------------------------------------------------------
+# non-finite inputs (DESIGN.md, "What every call promises")
+
+
+def poke_nonfinite(rng, x, value, count=1):
+    """Put ``value`` (NaN or +-Inf) at ``count`` random distinct entries of ``x``, in place; returns
+    their indices (for the failure message)."""
+    flat = rng.choice(x.size, size=count, replace=False)
+    spots = [tuple(int(i) for i in np.unravel_index(f, x.shape)) for f in flat]
+    for s in spots:
+        x[s] = value
+    return spots
+
+
+def assert_finite_like(name, got, ref, tol, ctx, superset=False):
+    """``got`` is non-finite exactly where the oracle ``ref`` is (``superset``: at least there), lse-style
+    -inf exactly where ``ref`` is -inf (a row that sees nothing, never a NaN one), and within
+    tol * max(1, max |ref|) of ``ref`` where both are finite."""
+    got, ref = f64(got), f64(ref)
+    assert got.shape == ref.shape, f"{ctx}: {name} shape {got.shape} != {ref.shape}"
+    lost = ~np.isfinite(ref) & np.isfinite(got)
+    assert not lost.any(), (f"{ctx}: {name} finite at {np.argwhere(lost)[:5].tolist()} (of {int(lost.sum())}) "
+                            f"where the oracle is not: a NaN or Inf was dropped")
+    if not superset:
+        extra = np.isfinite(ref) & ~np.isfinite(got)
+        assert not extra.any(), (f"{ctx}: {name} non-finite at {np.argwhere(extra)[:5].tolist()} (of "
+                                 f"{int(extra.sum())}) where the oracle is finite: a NaN or Inf leaked")
+        empty = np.isneginf(ref)
+        assert np.array_equal(np.isneginf(got), empty), \
+            f"{ctx}: {name} is -inf at {np.argwhere(np.isneginf(got) != empty)[:5].tolist()} where the oracle disagrees"
+    both = np.isfinite(ref) & np.isfinite(got)
+    if both.any():
+        err = float(np.abs(got[both] - ref[both]).max())
+        bound = tol * max(1.0, float(np.abs(ref[both]).max()))
+        assert err <= bound, f"{ctx}: {name} max error {err:.3e} > {bound:.3e} where both are finite"

@@ -7,8 +7,9 @@ import h5py
 import numpy as np
 import pytest
 
-from burst_hpc import verify
+from burst_hpc import io, verify
 from burst_hpc.cli import build_parser
+from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_cli import _leftovers, _qkv, _write, burst, mpirun, needs_mpiexec
 
 
@@ -48,6 +49,39 @@ def test_verify_fails_on_nonfinite_error(tmp_path):
     # the output is published before verification and marked as failed, never thrown away
     assert f"-> {dst}" in r.stdout and f"{dst} is written and marked verify = 'fail'" in r.stderr, r.stderr
     assert verify.recorded(dst)["verify"] == "fail" and not _leftovers(tmp_path)
+
+
+@needs_mpiexec
+def test_allow_nonfinite_propagates_into_the_output(tmp_path):
+    """--allow-nonfinite: the outputs hold NaN exactly where the float64 oracle does (the rows that see the
+    NaN and Inf, and the gradients they feed: not zeros, as if masked), the run exits 0 and its summary
+    counts them; a finite run's summary has no such count."""
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    data = _qkv(32)
+    data["do"] = np.random.default_rng(1).standard_normal(data["q"].shape).astype(np.float32)
+    data["k"][0, 9, 0, 5] = np.nan   # on rank 1 (zigzag): rows 9.. see it
+    data["q"][0, 26, 1, 2] = np.inf  # on rank 0 (zigzag)
+    _write(src, **data)
+    r = mpirun(2, "run", src, dst, "--backend", "numpy", "--causal", "--backward", "--allow-nonfinite")
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = io.read_global(dst)
+    ref = dict(zip(("o", "lse"), attention_reference(data["q"], data["k"], data["v"], causal=True)))
+    ref.update(zip(("dq", "dk", "dv"), attention_backward_reference(data["do"], data["q"], data["k"], data["v"],
+                                                                    causal=True)))
+    counts = []
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        bad = ~np.isfinite(out[name])
+        np.testing.assert_array_equal(bad, ~np.isfinite(ref[name]), err_msg=name)
+        assert np.isnan(out[name][bad]).all(), name
+        counts.append(f"{name}={int(bad.sum())}")
+    assert np.isfinite(out["o"][:, :9]).all() and np.isnan(out["o"][:, 9:, 0]).all()  # head 0 reads kv head 0
+    assert "nonfinite " + " ".join(counts) in r.stdout, r.stdout
+    assert f"-> {dst}" in r.stdout and not _leftovers(tmp_path)
+
+    finite = tmp_path / "finite.h5"
+    _write(finite, **_qkv(32))
+    r = mpirun(2, "run", finite, tmp_path / "finite_out.h5", "--backend", "numpy", "--causal")
+    assert r.returncode == 0 and "  nonfinite " not in r.stdout, r.stdout + r.stderr
 
 
 @needs_mpiexec

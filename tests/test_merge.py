@@ -167,3 +167,51 @@ def test_an_empty_part_is_ignored_whatever_its_o_holds(rng):
     assert np.isnan(o[:, 0]).all()
     np.testing.assert_array_equal(o[:, 1:], o_new[:, 1:])
     np.testing.assert_array_equal(lse[:, :, 1:], lse_new[:, :, 1:])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_a_nan_part_stays_nan_through_every_merge(dtype, rng, seed):
+    """A NaN lse (a part whose rows saw a NaN or Inf input) is not "empty": merged with a finite part, an
+    empty part (-inf) or another NaN part, in any order and through later merges, lse and o stay NaN
+    there; rows with no NaN part merge as usual; two empty parts still give o = 0, lse = -inf."""
+    parts = [tuple(x.astype(dtype) for x in _parts(rng)[:2]) for _ in range(3)]
+    nan_row = rng.random(parts[0][1].shape) < 0.3
+    empty = rng.random(parts[0][1].shape) < 0.3
+    owner = rng.integers(0, 3, nan_row.shape)  # the part that holds each NaN row
+    nan_row[0, 0, 0], empty[0, 0, 0] = True, True   # NaN meets empty somewhere,
+    nan_row[0, 0, 1], empty[0, 0, 1] = False, True  # two empty rows meet somewhere else
+    for i, (o, lse) in enumerate(parts):
+        lse[empty & ~(nan_row & (owner == i))] = -np.inf
+        o[(empty & ~(nan_row & (owner == i))).transpose(0, 2, 1)] = rng.choice([0.0, np.nan])  # empty: o ignored
+        lse[nan_row & (owner == i)] = np.nan
+        o[(nan_row & (owner == i)).transpose(0, 2, 1)] = np.nan
+    clean = [(o.copy(), lse.copy()) for o, lse in parts]
+    for o, lse in clean:  # the same parts with the NaN rows empty: what the other rows must give
+        lse[nan_row] = -np.inf
+    for order in itertools.permutations(range(3)):
+        ctx = f"seed={seed} order={order}"
+        o, lse = _merge_all(parts, order, dtype)
+        o_clean, lse_clean = _merge_all(clean, order, dtype)
+        rows = nan_row.transpose(0, 2, 1)
+        assert np.isnan(lse[nan_row]).all() and np.isnan(o[rows]).all(), ctx
+        np.testing.assert_array_equal(lse[~nan_row], lse_clean[~nan_row], err_msg=ctx)
+        np.testing.assert_array_equal(o[~rows], o_clean[~rows], err_msg=ctx)
+        both_empty = empty & ~nan_row
+        assert np.isneginf(lse[both_empty]).all() and np.all(o[both_empty.transpose(0, 2, 1)] == 0), ctx
+        assert not np.isnan(o[~rows]).any() and not np.isnan(lse[~nan_row]).any(), ctx
+
+
+def test_merge_into_keeps_a_running_nan(rng, seed):
+    """merge_into, in place: a running NaN row stays NaN when a finite part arrives, a NaN part makes a
+    finite running row NaN, and an empty part changes nothing (the kernels' epilogue follows the same rule)."""
+    o, lse, o_b, lse_b = _parts(rng)
+    lse[:, :, 0], o[:, 0] = np.nan, np.nan  # running NaN, finite part
+    lse_b[:, :, 1], o_b[:, 1] = np.nan, np.nan  # finite running, NaN part
+    lse_b[:, :, 2] = -np.inf  # empty part
+    before = o[:, 2].copy(), lse[:, :, 2].copy()
+    merge_into(o, lse, o_b, lse_b)
+    ctx = f"seed={seed}"
+    assert np.isnan(o[:, :2]).all() and np.isnan(lse[:, :, :2]).all(), ctx
+    np.testing.assert_array_equal(o[:, 2], before[0], err_msg=ctx)
+    np.testing.assert_array_equal(lse[:, :, 2], before[1], err_msg=ctx)
+    assert np.isfinite(o[:, 3:]).all() and np.isfinite(lse[:, :, 3:]).all(), ctx

@@ -6,7 +6,14 @@ backend's path for head dims wider than its kernels, where each tile is a batche
 Query heads are grouped under their key/value head (GQA) so a key tile is read once per group. Masks use global positions: plain causal from q_start/k_start, documents
 and windows from a masks.Mask (each row's visible key interval). Key tiles with nothing visible
 are never visited; tiles wholly visible are not masked.
+
+Non-finite inputs propagate as in the float64 oracle (burst_hpc.reference): a NaN or Inf reaches the
+rows that see it and the gradients they feed, and no other. Only lse = -inf means "nothing seen" (a
+NaN row sum or lse is a row that saw a NaN); masks select, never multiply by 0; and on a partly
+masked tile whose inputs hold NaN or Inf, the products skip the hidden pairs (``_visible_product``).
 """
+import contextlib
+
 import numpy as np
 
 from ..dtypes import accum_dtype
@@ -22,6 +29,30 @@ def _grouped(x, n_kv, acc):
 def _heads_first(x, acc):
     """(B, m, Hkv, D) -> (B, Hkv, 1, m, D): broadcasts over the query heads of a group."""
     return x.astype(acc, copy=False).transpose(0, 2, 1, 3)[:, :, None]
+
+
+def _all_finite(xp, *arrays):
+    return all(bool(xp.isfinite(x).all()) for x in arrays)
+
+
+def _quiet(finite):
+    """numpy's 'invalid value' warnings off for inputs holding NaN or Inf (inf - inf is NaN, as it should
+    be); finite inputs keep them, as the sign of a bug."""
+    return contextlib.nullcontext() if finite else np.errstate(invalid="ignore")
+
+
+def _visible_product(xp, w, x, hidden):
+    """w @ x over the visible pairs (~hidden) alone: w (..., n, m), x (..., m, D), hidden (n, m).
+    A hidden pair adds nothing, also where x is NaN or Inf (its weight 0 times NaN would be NaN): x's
+    non-finite entries are taken out of the product and added back, pair by visible pair, for the
+    few keys that hold one."""
+    w = xp.where(hidden, 0, w)
+    bad = ~xp.isfinite(x)
+    out = w @ xp.where(bad, 0, x)
+    for j in xp.flatnonzero(bad.any(axis=tuple(range(bad.ndim - 2)) + (-1,))).tolist():
+        term = w[..., :, j, None] * xp.where(bad[..., j, :], x[..., j, :], 0)[..., None, :]
+        out += xp.where(hidden[:, j, None], 0, term)
+    return out
 
 
 def _ungroup(x):
@@ -64,6 +95,11 @@ class NumpyBackend:
                 yield k0, k1, None
 
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
+        finite = _all_finite(self.xp, q, k, v)
+        with _quiet(finite):
+            self._forward(q, k, v, o, lse, scale, causal, q_start, k_start, mask, finite)
+
+    def _forward(self, q, k, v, o, lse, scale, causal, q_start, k_start, mask, finite):
         xp = self.xp
         acc = o.dtype
         n_kv = k.shape[2]
@@ -85,16 +121,24 @@ class NumpyBackend:
                 p = xp.exp(s - safe_max[..., None])
                 rescale = xp.exp(row_max - safe_max)
                 row_sum = row_sum * rescale + p.sum(-1)
-                out = out * rescale[..., None] + p @ vt
+                pv = p @ vt if finite or hidden is None else _visible_product(xp, p, vt, hidden)
+                out = out * rescale[..., None] + pv
                 row_max = new_max
-            seen = row_sum > 0
-            block_lse = xp.where(seen, row_max + xp.log(xp.where(seen, row_sum, 1)), -xp.inf)
-            block_o = out / xp.where(seen, row_sum, 1)[..., None]
+            # nothing seen: a row sum of exactly 0 (a NaN sum is a row that saw a NaN, and stays NaN)
+            empty = row_sum == 0
+            block_lse = xp.where(empty, -xp.inf, row_max + xp.log(xp.where(empty, 1, row_sum)))
+            block_o = out / xp.where(empty, 1, row_sum)[..., None]
             b, hk, g, n = block_lse.shape
             merge_into(o[:, q0:q1], lse[:, :, q0:q1], _ungroup(block_o), block_lse.reshape(b, hk * g, n))
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
                        mask=None):
+        # a NaN lse or delta (rows that saw a NaN elsewhere, e.g. on another rank) needs the exact products too
+        finite = _all_finite(self.xp, q, k, v, do, delta) and not bool(self.xp.isnan(lse).any())
+        with _quiet(finite):
+            self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask, finite)
+
+    def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask, finite):
         xp = self.xp
         acc = dq.dtype
         b, _, n_kv, d = k.shape
@@ -106,7 +150,7 @@ class NumpyBackend:
             n = q1 - q0
             lse_t = lse[:, :, q0:q1].astype(acc).reshape(b, n_kv, group, n)
             delta_t = delta[:, :, q0:q1].astype(acc).reshape(b, n_kv, group, n)
-            visible = ~xp.isneginf(lse_t)
+            visible = ~xp.isneginf(lse_t)  # a NaN lse is a row that saw a NaN: its P is NaN
             lse_t = xp.where(visible, lse_t, 0)
             dq_t = xp.zeros(qt.shape, acc)
             for k0, k1, hidden in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
@@ -120,10 +164,17 @@ class NumpyBackend:
                 p = xp.exp(xp.where(keep, s - lse_t[..., None], -xp.inf))
                 dp = dot @ vt.swapaxes(-1, -2)
                 ds = p * (dp - delta_t[..., None])
-                dq_t += (ds @ kt) * acc.type(scale)
+                if finite or hidden is None:
+                    ds_k, p_dot, ds_q = ds @ kt, p.swapaxes(-1, -2) @ dot, ds.swapaxes(-1, -2) @ qt
+                else:  # hidden pairs add nothing: not a NaN delta or dP times P = 0, nor 0 times a NaN input
+                    ds = xp.where(hidden, 0, ds)
+                    ds_k = _visible_product(xp, ds, kt, hidden)
+                    p_dot = _visible_product(xp, p.swapaxes(-1, -2), dot, hidden.T)
+                    ds_q = _visible_product(xp, ds.swapaxes(-1, -2), qt, hidden.T)
+                dq_t += ds_k * acc.type(scale)
                 # sum over the group's query heads: (B, Hkv, G, m, D) -> (B, m, Hkv, D)
-                dv[:, k0:k1] += (p.swapaxes(-1, -2) @ dot).sum(2).transpose(0, 2, 1, 3)
-                dk[:, k0:k1] += ((ds.swapaxes(-1, -2) @ qt).sum(2) * acc.type(scale)).transpose(0, 2, 1, 3)
+                dv[:, k0:k1] += p_dot.sum(2).transpose(0, 2, 1, 3)
+                dk[:, k0:k1] += (ds_q.sum(2) * acc.type(scale)).transpose(0, 2, 1, 3)
             dq[:, q0:q1] += _ungroup(dq_t)
 
     def delta(self, do, o):
