@@ -369,7 +369,7 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
         if summary:
             refused += int(summary.group(2))
         for name, items in re.findall(r"^randomized (ran|refusals): (.*)$", out, re.M):
-            for item in filter(None, items.split(", ")):
+            for item in filter(None, items.split(" | ")):
                 what, _, n = item.rpartition(" ")
                 tallies[name][what] = tallies[name].get(what, 0) + int(n)
         failed += [line for line in out.splitlines() if line.startswith("FAIL") or line.startswith("     ")]
@@ -383,7 +383,7 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
               f"{time.time() - start:.0f}s", flush=True)
         ranks = ranks % max_ranks + 1
     for name, tally in tallies.items():
-        print(f"soak {name}: " + ", ".join(f"{k} {n}" for k, n in sorted(tally.items(), key=lambda kv: -kv[1])))
+        print(f"soak {name}: " + " | ".join(f"{k} {n}" for k, n in sorted(tally.items(), key=lambda kv: -kv[1])))
     return failed
 
 
@@ -416,7 +416,7 @@ def main():
         print(f"randomized: {counts['ok']} ok, {counts['refused']} refused, {len(failures)} failed "
               f"on {comm.size} rank(s)", flush=True)
         for name in ("ran", "refusals"):
-            print(f"randomized {name}: " + ", ".join(f"{k} {n}" for k, n in sorted(counts[name].items())), flush=True)
+            print(f"randomized {name}: " + " | ".join(f"{k} {n}" for k, n in sorted(counts[name].items())), flush=True)
     return 1 if failures else 0
 
 
