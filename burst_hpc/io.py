@@ -26,13 +26,14 @@ the ranks (each opens, writes, closes, then hands on), which is safe on any file
 Every collective step ends with :func:`agree`: if any rank failed, every rank raises the same
 error (the lowest failing rank's message), so the job exits cleanly everywhere.
 """
+import math
 import os
 
 import numpy as np
 
 from . import __version__, jobsafety
 from .collective import agree, describe
-from .dtypes import SUPPORTED, bfloat16, dtype_name
+from .dtypes import SUPPORTED, accum_dtype, bfloat16, dtype_name
 from .errors import BurstError, DTypeError, FileError, MaskError, ShapeError
 from .layout import check_split, pieces
 
@@ -512,7 +513,7 @@ _NEVER_CLOSED = []
 
 def _bytes_needed(datasets):
     """Bytes of the datasets plus room for HDF5's metadata and chunk index."""
-    data = sum(int(np.prod(shape, dtype=np.int64)) * stored_dtype(dtype)[0].itemsize
+    data = sum(math.prod(map(int, shape)) * stored_dtype(dtype)[0].itemsize  # Python ints: no int64 overflow
                for shape, dtype in datasets.values())
     return int(data * 1.01) + (256 << 10)
 
