@@ -51,13 +51,59 @@ def _err(message):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line once (rank 0), not once per rank."""
+    """argparse that reports a bad command line once (rank 0), not once per rank, and surely:
+    every rank parses the same command line, so every rank meets rank 0 before it exits."""
 
     def error(self, message):
-        if _env_rank() == 0:
+        def write():
             self.print_usage(sys.stderr)
             _err(message)
+
+        _say_once(write)
         sys.exit(EXIT_USAGE)
+
+
+# how long a rank waits at the end of a job that failed for rank 0 to say why (see _say_once)
+SAY_WAIT_S = 30.0
+
+
+def _say_once(write):
+    """Deliver an error every rank of the job has alike (a bad command line, an agreed BurstError):
+    rank 0 calls ``write`` (lines on stderr, flushed), then every rank meets at a barrier, so no
+    rank exits, and makes the launcher end the job, before rank 0's lines are out. MPI is
+    initialised here if it was not yet (a bad command line is found before any verb runs); where no
+    MPI library loads, every rank writes (the same lines P times, never none). A rank that waits
+    SAY_WAIT_S without rank 0 at the barrier (ranks started with different command lines) writes
+    the lines itself. Afterwards a SIGTERM (the launcher ending ranks still exiting once the first
+    has gone) ends this rank without a second error line."""
+    comm = _job_world()
+    if comm is None or comm.rank == 0:
+        write()
+    if comm is not None and comm.size > 1 and not _meet(comm, SAY_WAIT_S) and comm.rank != 0:
+        write()
+    jobsafety.error_reported()
+
+
+def _job_world():
+    """MPI.COMM_WORLD when MPI is up, or when launched by mpiexec and an MPI library loads (it is
+    initialised then); None otherwise (one process, or no usable MPI)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None and _under_mpi() and mpi_problem() is None:
+        from mpi4py import MPI as mpi
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return None
+    return mpi.COMM_WORLD
+
+
+def _meet(comm, seconds):
+    """A barrier that gives up after ``seconds``: True when every rank came."""
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 class Progress:
@@ -814,10 +860,8 @@ def _main(argv=None):
         return args.func(args)
     except BurstError as e:
         if getattr(e, "agreed", False):
-            # every rank raised the same error: one message from rank 0, exit 1 everywhere
-            if _rank_now() == 0:
-                _err(str(e))
-            _barrier()  # the message is out before any rank exits (and mpiexec tears the job down)
+            # every rank raised the same error: one message from rank 0, out before any rank exits
+            _say_once(lambda: _err(str(e)))
             return EXIT_ERROR
         _err(f"[rank {_rank_now()}] {e}")
         _abort_job()
@@ -839,12 +883,6 @@ def _rank_now():
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return mpi.COMM_WORLD.rank
     return _env_rank()
-
-
-def _barrier():
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:
-        mpi.COMM_WORLD.Barrier()
 
 
 def _abort_job():
