@@ -169,7 +169,8 @@ def cmd_info(args):
              f"{'yes' if h5py.get_config().mpi else 'no, rank-ordered writes'})"]
     if missing is None:
         aware, reason = cuda_aware_mpi()
-        lines += [f"MPI: {MPI.Get_library_version().splitlines()[0].strip()} "
+        library = MPI.Get_library_version().replace("\0", "")  # Open MPI's ends in a NUL byte
+        lines += [f"MPI: {library.splitlines()[0].strip()} "
                   f"(MPI {'.'.join(map(str, MPI.Get_version()))})",
                   f"ranks: {comm.size} on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}",
                   f"CUDA-aware MPI: {'yes' if aware else 'no'} ({reason})"]

@@ -1,12 +1,17 @@
 """plan, gen and run check their numbers (issue 24, item 7): zero, negative, NaN, infinite or
 overflowing sizes, rates and windows are refused with one "burst-hpc: error:" line and a non-zero
-exit status, never a traceback, a silent default or a table of NaN."""
+exit status, never a traceback, a silent default or a table of NaN; inputs so large that the
+kernels' sums overflow are refused before any work."""
+import re
+
 import h5py
+import numpy as np
 import pytest
 
-from burst_hpc.errors import TopologyError
+from burst_hpc import io
+from burst_hpc.errors import FileError, TopologyError
 from burst_hpc.topology import arrange
-from test_cli import burst
+from test_cli import _leftovers, _write, burst, mpirun, needs_mpiexec
 
 HUGE = "99999999999999999999"
 
@@ -133,3 +138,54 @@ def test_arrange_says_ranks_per_node_must_be_positive():
     for bad in (0, -2):
         with pytest.raises(TopologyError, match=f"ranks_per_node must be positive; got {bad}"):
             arrange(["h"] * 4, ranks_per_node=bad)
+
+
+def test_info_prints_text_only():
+    r = burst("info")
+    assert r.returncode == 0, r.stderr
+    assert "\0" not in r.stdout  # Open MPI's library version string ends in one
+    assert all(line.isprintable() for line in r.stdout.splitlines()), r.stdout
+
+
+# ------------------------------------------------------------------ inputs too large for the sums
+
+def _shards(scale=1.0, names=("q", "k", "v"), seqlen=32, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    shards = {name: rng.standard_normal((1, seqlen, 2, 8)).astype(dtype) for name in names}
+    for name, factor in (scale if isinstance(scale, dict) else {"q": scale, "k": scale}).items():
+        shards[name] = (shards[name].astype(np.float64) * factor).astype(dtype)
+    return shards
+
+
+@pytest.mark.parametrize("scale,needle", [
+    (1e30, r"dataset 'q' holds values up to \S+e\+30 in magnitude and 'k' up to \S+e\+30: the scores scale \* q.k "
+           r"may reach \S+e\+61"),
+    ({"v": 3e37}, r"dataset 'v' holds values up to \S+e\+3[78] in magnitude: the output's running sum over the keys"),
+    ({"do": 1e19, "v": 1e19}, r"dataset 'do' holds values up to \S+ in magnitude and 'v' up to \S+: the backward's do.v"),
+])
+def test_check_finite_refuses_inputs_whose_sums_overflow(scale, needle):
+    shards = _shards(scale, ("q", "k", "v", "do"))
+    with pytest.raises(FileError) as info:
+        io.check_finite("in.h5", shards, None, "contiguous", 32)
+    text = str(info.value)
+    assert text.startswith("in.h5: ") and re.search(needle, text) and "float32 sums overflow at 3.4e+38" in text, text
+    assert "--allow-nonfinite" in text and info.value.agreed
+
+
+def test_check_finite_keeps_large_inputs_that_fit():
+    io.check_finite("in.h5", _shards(1e17), None, "contiguous", 32)       # scores up to ~1e36
+    io.check_finite("in.h5", _shards(1e30, dtype=np.float64), None, "contiguous", 32)  # float64 sums
+    with pytest.raises(FileError, match="scores"):  # a larger --scale moves the bound
+        io.check_finite("in.h5", _shards(1e17), None, "contiguous", 32, scale=1e4)
+
+
+@needs_mpiexec
+def test_run_refuses_inputs_whose_scores_overflow(tmp_path):
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    data = _shards(1e30, seqlen=32)
+    _write(src, **data)
+    r = mpirun(2, "run", src, dst, "--backend", "numpy")
+    _refused(r, f"{src}: dataset 'q' holds values up to", 1, launched=True)
+    assert "RuntimeWarning" not in r.stderr and not dst.exists() and not _leftovers(tmp_path)
+    r = mpirun(2, "run", src, dst, "--backend", "numpy", "--allow-nonfinite", "--quiet")
+    assert r.returncode == 0 and dst.exists(), r.stdout + r.stderr  # the user's call: it runs
