@@ -202,7 +202,7 @@ def _gpu_summary():
     try:
         import cupy
     except Exception:  # noqa: BLE001
-        return "none visible (cupy not installed; pip install 'burst-hpc[cuda12]')"
+        return "none visible (cupy not installed; pip install cupy-cuda12x, or cupy-cuda13x for CUDA 13 drivers)"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
         names = []
