@@ -626,7 +626,8 @@ def build_parser():
                        "lse (and dq, dk, dv) to OUT.h5, each rank only its own token ranges. OUT.h5 is built under "
                        "a temporary name next to it and appears only when every rank has finished. Inputs holding "
                        "NaN or Inf are refused before any work (the error names the dataset and the first bad "
-                       "index). Rank 0 prints one summary line: sizes, ranks, layout, backend, transport, time "
+                       "index), and so are values large enough to overflow the kernels' float32 sums (the error "
+                       "names the datasets and their largest magnitudes). Rank 0 prints one summary line: sizes, ranks, layout, backend, transport, time "
                        "and TFLOP/s per pass (FlashAttention convention) and, with --verify, max error / tolerance "
                        "per output."))
     p.add_argument("input", metavar="IN.h5", help="HDF5 file with q, k, v (and do for --backward); layout below")
@@ -680,7 +681,8 @@ def build_parser():
                    "OUT.h5 is an error before any work and is left untouched")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="run on inputs holding NaN or Inf: they propagate into the outputs of the rows that see them "
-                   "(the summary counts them: nonfinite o=N ...), and --verify fails")
+                   "(the summary counts them: nonfinite o=N ...), and --verify fails; or on values large enough to "
+                   "overflow the kernels' float32 sums")
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once untimed first (GPU kernels compile on first use)")
     p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "
