@@ -26,7 +26,7 @@ from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
 from . import jobsafety, verify
 from .collective import HOW_TO_GET_MPI, Alone, agree, describe, mpi_problem, world as _world
 from .device import gpu_count as _gpu_count
-from .errors import BackendError, BurstError, FileError
+from .errors import BackendError, BurstError, FileError, MaskError, ShapeError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
@@ -51,13 +51,59 @@ def _err(message):
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse that reports a bad command line once (rank 0), not once per rank."""
+    """argparse that reports a bad command line once (rank 0), not once per rank, and surely:
+    every rank parses the same command line, so every rank meets rank 0 before it exits."""
 
     def error(self, message):
-        if _env_rank() == 0:
+        def write():
             self.print_usage(sys.stderr)
             _err(message)
+
+        _say_once(write)
         sys.exit(EXIT_USAGE)
+
+
+# how long a rank waits at the end of a job that failed for rank 0 to say why (see _say_once)
+SAY_WAIT_S = 30.0
+
+
+def _say_once(write):
+    """Deliver an error every rank of the job has alike (a bad command line, an agreed BurstError):
+    rank 0 calls ``write`` (lines on stderr, flushed), then every rank meets at a barrier, so no
+    rank exits, and makes the launcher end the job, before rank 0's lines are out. MPI is
+    initialised here if it was not yet (a bad command line is found before any verb runs); where no
+    MPI library loads, every rank writes (the same lines P times, never none). A rank that waits
+    SAY_WAIT_S without rank 0 at the barrier (ranks started with different command lines) writes
+    the lines itself. Afterwards a SIGTERM (the launcher ending ranks still exiting once the first
+    has gone) ends this rank without a second error line."""
+    comm = _job_world()
+    if comm is None or comm.rank == 0:
+        write()
+    if comm is not None and comm.size > 1 and not _meet(comm, SAY_WAIT_S) and comm.rank != 0:
+        write()
+    jobsafety.error_reported()
+
+
+def _job_world():
+    """MPI.COMM_WORLD when MPI is up, or when launched by mpiexec and an MPI library loads (it is
+    initialised then); None otherwise (one process, or no usable MPI)."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None and _under_mpi() and mpi_problem() is None:
+        from mpi4py import MPI as mpi
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return None
+    return mpi.COMM_WORLD
+
+
+def _meet(comm, seconds):
+    """A barrier that gives up after ``seconds``: True when every rank came."""
+    request = comm.Ibarrier()
+    deadline = time.monotonic() + seconds
+    while not request.Test():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.002)
+    return True
 
 
 class Progress:
@@ -123,7 +169,8 @@ def cmd_info(args):
              f"{'yes' if h5py.get_config().mpi else 'no, rank-ordered writes'})"]
     if missing is None:
         aware, reason = cuda_aware_mpi()
-        lines += [f"MPI: {MPI.Get_library_version().splitlines()[0].strip()} "
+        library = MPI.Get_library_version().replace("\0", "")  # Open MPI's ends in a NUL byte
+        lines += [f"MPI: {library.splitlines()[0].strip()} "
                   f"(MPI {'.'.join(map(str, MPI.Get_version()))})",
                   f"ranks: {comm.size} on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}",
                   f"CUDA-aware MPI: {'yes' if aware else 'no'} ({reason})"]
@@ -155,7 +202,7 @@ def _gpu_summary():
     try:
         import cupy
     except Exception:  # noqa: BLE001
-        return "none visible (cupy not installed; pip install 'burst-hpc[cuda12]')"
+        return "none visible (cupy not installed; pip install cupy-cuda12x, or cupy-cuda13x for CUDA 13 drivers)"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
         names = []
@@ -191,11 +238,12 @@ def cmd_gen(args):
                     shown[0] = now
                     progress(f"gen {100 * done / all_:5.1f}%")
 
-            names = io.generate(args.output, args.batch, args.seqlen, args.heads, args.kv_heads or args.heads,
+            kv_heads = args.kv_heads if args.kv_heads is not None else args.heads
+            names = io.generate(args.output, args.batch, args.seqlen, args.heads, kv_heads,
                                 args.head_dim, dtype, seed=args.seed, with_grad=args.with_grad, progress=report,
                                 documents=args.documents, overwrite=args.overwrite)
             print(f"burst-hpc gen: wrote {args.output}: {', '.join(names)} with B={args.batch} S={args.seqlen} "
-                  f"Hq={args.heads} Hkv={args.kv_heads or args.heads} D={args.head_dim} {dtype_name(dtype)} "
+                  f"Hq={args.heads} Hkv={kv_heads} D={args.head_dim} {dtype_name(dtype)} "
                   f"seed={args.seed} ({total} tokens)", flush=True)
         except Exception as e:  # noqa: BLE001
             err = e if isinstance(e, BurstError) else FileError(f"cannot write {args.output!r}: {describe(e)}")
@@ -247,35 +295,66 @@ def attention_flops(batch, seqlen, heads, head_dim, causal, mask=None):
     return flops / 2 if causal else flops
 
 
-def positive_int(text):
+# The command line's numbers: one type function per kind, each a clear "argument --x: expected ..."
+# line and exit status 2 for anything else (zero, negative, NaN, infinite, too large).
+LARGEST_INT = 2 ** 63 - 1    # sizes, counts and seeds become int64 (NumPy, HDF5)
+LARGEST_WINDOW = 2 ** 62     # masks add window sizes to token positions in int64
+
+
+def _whole(text, least, what, largest=LARGEST_INT):
     try:
         value = int(text)
     except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number > 0; got {text!r}")
+        value = None
+    if value is None or value < least:
+        raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}")
+    if value > largest:
+        raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}, more than the largest accepted, {largest}")
     return value
 
 
-def positive_float(text):
+def _finite(text, what, positive):
     try:
         value = float(text)
     except ValueError:
         value = float("nan")
-    if not np.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a finite number > 0; got {text!r}")
+    if not np.isfinite(value) or value < 0 or (positive and value == 0):
+        raise argparse.ArgumentTypeError(f"expected {what}; got {text!r}")
     return value
+
+
+def positive_int(text):
+    """A size or a count: a whole number > 0."""
+    return _whole(text, 1, "a whole number > 0")
+
+
+def nonnegative_int(text):
+    """A seed: a whole number >= 0."""
+    return _whole(text, 0, "a whole number >= 0")
+
+
+def positive_float(text):
+    """A rate or a scale: a finite number > 0."""
+    return _finite(text, "a finite number > 0", positive=True)
+
+
+def nonnegative_float(text):
+    """A latency: a finite number >= 0."""
+    return _finite(text, "a finite number >= 0", positive=False)
+
+
+def window_size(text):
+    """One side of a sliding window: a whole number of tokens >= 0, or -1 for unbounded."""
+    return _whole(text, -1, "a window size: a whole number >= 0, or -1 for unbounded", LARGEST_WINDOW)
 
 
 def parse_window(text):
     """'L' -> (L, 0) (the L tokens before each query and itself); 'L,R' -> (L, R); -1 unbounded."""
-    try:
-        parts = [int(x) for x in text.split(",")]
-    except ValueError:
-        parts = []
+    parts = text.split(",")
     if len(parts) not in (1, 2):
-        raise argparse.ArgumentTypeError(f"expected L or L,R (integers, -1 unbounded); got {text!r}")
-    return (parts[0], parts[1] if len(parts) == 2 else 0)
+        raise argparse.ArgumentTypeError(f"expected L or L,R (window sizes, -1 unbounded); got {text!r}")
+    sizes = [window_size(part) for part in parts]
+    return (sizes[0], sizes[1] if len(sizes) == 2 else 0)
 
 
 def cmd_run(args):
@@ -519,21 +598,21 @@ def build_parser():
                        "whole tensor in memory. Run it as one process (under mpiexec rank 0 writes, the others "
                        "wait). The file appears under its name only when complete."))
     p.add_argument("output", metavar="OUT.h5", help="HDF5 file to create (refused if it exists, unless --overwrite)")
-    p.add_argument("--batch", type=int, default=1, help="B, sequences in the batch (default 1)")
-    p.add_argument("--seqlen", type=int, required=True, help="S, tokens per sequence (required)")
-    p.add_argument("--heads", type=int, default=8, help="Hq, query heads (default 8)")
-    p.add_argument("--kv-heads", type=int, default=None,
+    p.add_argument("--batch", type=positive_int, default=1, help="B, sequences in the batch (default 1)")
+    p.add_argument("--seqlen", type=positive_int, required=True, help="S, tokens per sequence (required)")
+    p.add_argument("--heads", type=positive_int, default=8, help="Hq, query heads (default 8)")
+    p.add_argument("--kv-heads", type=positive_int, default=None,
                    help="Hkv, key/value heads; Hq must be a multiple (GQA/MQA) (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=64, help="D, the head dimension (default 64)")
+    p.add_argument("--head-dim", type=positive_int, default=64, help="D, the head dimension (default 64)")
     p.add_argument("--dtype", default="bfloat16",
                    help=f"element type of every dataset: one of {', '.join(SUPPORTED_NAMES)} "
-                   "(aliases bf16, fp16, fp32, fp64) (default bfloat16)")
-    p.add_argument("--seed", type=int, default=0,
-                   help="random seed; each block of 1024 tokens of one batch entry of one tensor draws from its "
+                   "(aliases bf16, fp16, fp32, fp64; any case) (default bfloat16)")
+    p.add_argument("--seed", type=nonnegative_int, default=0,
+                   help="random seed, >= 0; each block of 1024 tokens of one batch entry of one tensor draws from its "
                    "own generator seeded by (seed, tensor, batch, block), so the data never depends on chunk "
                    "sizes (default 0)")
     p.add_argument("--with-grad", action="store_true", help="also write do, the output gradient 'run --backward' needs")
-    p.add_argument("--documents", type=int, default=None, metavar="N",
+    p.add_argument("--documents", type=positive_int, default=None, metavar="N",
                    help="also write cu_seqlens: N packed documents of random lengths, seeded by --seed (run masks "
                    "attention across them)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT.h5 if it exists (atomically, when done)")
@@ -547,7 +626,8 @@ def build_parser():
                        "lse (and dq, dk, dv) to OUT.h5, each rank only its own token ranges. OUT.h5 is built under "
                        "a temporary name next to it and appears only when every rank has finished. Inputs holding "
                        "NaN or Inf are refused before any work (the error names the dataset and the first bad "
-                       "index). Rank 0 prints one summary line: sizes, ranks, layout, backend, transport, time "
+                       "index), and so are values large enough to overflow the kernels' float32 sums (the error "
+                       "names the datasets and their largest magnitudes). Rank 0 prints one summary line: sizes, ranks, layout, backend, transport, time "
                        "and TFLOP/s per pass (FlashAttention convention) and, with --verify, max error / tolerance "
                        "per output."))
     p.add_argument("input", metavar="IN.h5", help="HDF5 file with q, k, v (and do for --backward); layout below")
@@ -576,7 +656,7 @@ def build_parser():
                    "rank and inner round over the network), ulysses_ring (all-to-all over heads inside the node, "
                    "ring between nodes); auto: ring on one node, else the cost model's pick ('burst-hpc plan' "
                    "shows it) (default auto)")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="W",
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="W",
                    help="treat every W ranks of a host as one node (emulation; default: detect, or "
                    "BURST_HPC_RANKS_PER_NODE)")
     p.add_argument("--backward-ring", choices=("auto", "q", "kv"), default="auto",
@@ -594,13 +674,15 @@ def build_parser():
                    "sampled query rows (o, lse, dq)")
     p.add_argument("--verify-rows", type=positive_int, default=256,
                    help="query rows per rank checked when the input is too large for a full check, > 0 (default 256)")
-    p.add_argument("--verify-seed", type=int, default=0, help="where the sampled rows fall (default 0)")
+    p.add_argument("--verify-seed", type=nonnegative_int, default=0,
+                   help="where the sampled rows fall, >= 0 (default 0)")
     p.add_argument("--overwrite", action="store_true",
                    help="replace OUT.h5 if it exists (atomically, once the run has finished); without it an existing "
                    "OUT.h5 is an error before any work and is left untouched")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="run on inputs holding NaN or Inf: they propagate into the outputs of the rows that see them "
-                   "(the summary counts them: nonfinite o=N ...), and --verify fails")
+                   "(the summary counts them: nonfinite o=N ...), and --verify fails; or on values large enough to "
+                   "overflow the kernels' float32 sums")
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once untimed first (GPU kernels compile on first use)")
     p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "
@@ -619,29 +701,32 @@ def build_parser():
                        "mpiexec (one kernel timing, one exchange over each link class)."),
                        epilog="example: burst-hpc plan --seqlen 1048576 --heads 32 --kv-heads 8 --causal --nodes 32 "
                        "--gpus-per-node 8 --gpu H100 --inter-gbps 50")
-    p.add_argument("--seqlen", type=int, required=True, help="S, tokens in the whole sequence (required)")
-    p.add_argument("--batch", type=int, default=1, help="B (default 1)")
-    p.add_argument("--heads", type=int, default=32, help="Hq (default 32)")
-    p.add_argument("--kv-heads", type=int, default=None, help="Hkv (default: --heads)")
-    p.add_argument("--head-dim", type=int, default=128, help="D (default 128)")
+    p.add_argument("--seqlen", type=positive_int, required=True, help="S, tokens in the whole sequence (required)")
+    p.add_argument("--batch", type=positive_int, default=1, help="B (default 1)")
+    p.add_argument("--heads", type=positive_int, default=32, help="Hq (default 32)")
+    p.add_argument("--kv-heads", type=positive_int, default=None, help="Hkv (default: --heads)")
+    p.add_argument("--head-dim", type=positive_int, default=128, help="D (default 128)")
     p.add_argument("--dtype", default="bfloat16", help="element type (default bfloat16)")
     p.add_argument("--causal", action="store_true", help="causal mask")
-    p.add_argument("--window", type=int, default=None, metavar="L",
-                   help="causal sliding window of L keys before each query (the visible share follows)")
-    p.add_argument("--documents", type=int, default=None, metavar="N", help="N packed documents of equal length")
+    p.add_argument("--window", type=window_size, default=None, metavar="L",
+                   help="causal sliding window of L keys before each query (the visible share follows; -1 none)")
+    p.add_argument("--documents", type=positive_int, default=None, metavar="N",
+                   help="N packed documents of equal length")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="the layout of the call (default zigzag; contiguous with --window or --documents)")
-    p.add_argument("--nodes", type=int, default=None, help="nodes (default 1; with --measure: the job's)")
-    p.add_argument("--gpus-per-node", type=int, default=None, help="ranks per node (default 8; with --measure: "
+    p.add_argument("--nodes", type=positive_int, default=None, help="nodes (default 1; with --measure: the job's)")
+    p.add_argument("--gpus-per-node", type=positive_int, default=None, help="ranks per node (default 8; with --measure: "
                    "the job's)")
     p.add_argument("--gpu", choices=sorted(GPU_RATES), default="H100", help="built-in rates (default H100)")
-    for name, unit in (("fwd-tflops", "forward kernel TFLOP/s"), ("bwd-tflops", "backward kernel TFLOP/s"),
-                       ("intra-gbps", "GB/s per GPU inside a node"), ("inter-gbps", "GB/s per GPU between nodes"),
-                       ("intra-latency-us", "latency inside a node (us)"),
-                       ("inter-latency-us", "latency between nodes (us)")):
-        p.add_argument(f"--{name}", type=float, default=None, help=f"override the {unit}")
+    for name, unit, kind in (("fwd-tflops", "forward kernel TFLOP/s", positive_float),
+                             ("bwd-tflops", "backward kernel TFLOP/s", positive_float),
+                             ("intra-gbps", "GB/s per GPU inside a node", positive_float),
+                             ("inter-gbps", "GB/s per GPU between nodes", positive_float),
+                             ("intra-latency-us", "latency inside a node (us)", nonnegative_float),
+                             ("inter-latency-us", "latency between nodes (us)", nonnegative_float)):
+        p.add_argument(f"--{name}", type=kind, default=None, help=f"override the {unit}")
     p.add_argument("--measure", action="store_true", help="measure the rates here, under mpiexec")
-    p.add_argument("--ranks-per-node", type=int, default=None, metavar="W",
+    p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="W",
                    help="with --measure: treat every W ranks of a host as one node")
     p.set_defaults(func=cmd_plan)
 
@@ -654,8 +739,8 @@ def build_parser():
                        "lists as available. Each result must meet the FlashAttention rule against the float64 "
                        "oracle (as --verify). Prints a pass/fail table on rank 0."),
                        epilog="exit status: 0 every check passed; 3 a check failed; 1 the check could not run.")
-    p.add_argument("--seed", type=int, default=None,
-                   help="draw the inputs from this seed (the table's header prints the seed of every run, so a "
+    p.add_argument("--seed", type=nonnegative_int, default=None,
+                   help="draw the inputs from this seed, >= 0 (the table's header prints the seed of every run, so a "
                    "failure can be replayed) (default: a fresh seed)")
     p.set_defaults(func=cmd_check)
     _add_clean(sub)
@@ -666,41 +751,54 @@ def cmd_plan(args):
     from dataclasses import replace
 
     from . import plan
-    from .costmodel import GPU_RATES, Cluster, Problem
+    from .costmodel import GPU_RATES, Cluster
+    from .layout import check_split
 
-    itemsize = np.dtype(parse_dtype(args.dtype)).itemsize
-    kv_heads = args.kv_heads or args.heads
-    if args.heads % kv_heads:
-        raise BurstError(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads}")
-    visible = None
-    if args.window is not None:
-        reach = min(args.window + 1, args.seqlen)
-        visible = reach / args.seqlen * (1 - reach / (2 * args.seqlen))
-    if args.documents:
-        visible = (visible if visible is not None else (0.5 if args.causal else 1.0)) / args.documents
-    layout = args.layout or ("contiguous" if args.window is not None or args.documents else "zigzag")
-    pr = Problem(args.batch, args.seqlen, args.heads, kv_heads, args.head_dim, itemsize,
-                 args.causal or args.window is not None, visible,
-                 args.window if args.window is not None and layout == "contiguous" else None)
-    rank = 0
+    # the command line alone decides all but --measure: every rank finds the same, one message if refused
+    problem, layout = _collective(_plan_problem, args)
+    rank = _env_rank()
     if args.measure:
-        rates, topo = plan.measure(_world(), pr, args.ranks_per_node)
-        rank = _world().rank
+        comm = _world()
+        rates, topo = plan.measure(comm, problem, args.ranks_per_node)
+        rank = comm.rank
         nodes, per_node = args.nodes or topo.nodes, args.gpus_per_node or topo.per_node
     else:
         rates, nodes, per_node = GPU_RATES[args.gpu], args.nodes or 1, args.gpus_per_node or 8
     overrides = {f: getattr(args, f) for f in ("fwd_tflops", "bwd_tflops", "intra_gbps", "inter_gbps",
                                                "intra_latency_us", "inter_latency_us") if getattr(args, f) is not None}
     rates = replace(rates, **overrides)
-    cl = Cluster(nodes, per_node)
-    if args.seqlen % (2 * cl.ranks):
-        raise BurstError(f"--seqlen {args.seqlen} must be a multiple of 2 x {cl.ranks} GPUs (zigzag chunks)")
-    text, pick = plan.table(pr, cl, rates, layout)
+    cluster = Cluster(nodes, per_node)
+    _collective(check_split, args.seqlen, cluster.ranks, layout)
+    text, pick = _collective(plan.table, problem, cluster, rates, layout)
     if rank == 0:
-        print(plan.describe(pr, cl, rates))
+        print(plan.describe(problem, cluster, rates))
         print(text)
         print(f"auto picks: {pick}")
     return 0
+
+
+def _plan_problem(args):
+    """(costmodel.Problem, layout) of the plan's command line, or a BurstError saying why it has none."""
+    from .costmodel import Problem
+
+    itemsize = np.dtype(parse_dtype(args.dtype)).itemsize
+    kv_heads = args.kv_heads if args.kv_heads is not None else args.heads
+    if args.heads % kv_heads:
+        raise ShapeError(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads}")
+    if args.documents is not None and args.documents > args.seqlen:
+        raise MaskError(f"--documents {args.documents}: more documents than the {args.seqlen} tokens of --seqlen")
+    window = None if args.window == -1 else args.window
+    visible = None
+    if window is not None:
+        reach = min(window + 1, args.seqlen)
+        visible = reach / args.seqlen * (1 - reach / (2 * args.seqlen))
+    if args.documents:
+        visible = (visible if visible is not None else (0.5 if args.causal else 1.0)) / args.documents
+    layout = args.layout or ("contiguous" if window is not None or args.documents else "zigzag")
+    problem = Problem(args.batch, args.seqlen, args.heads, kv_heads, args.head_dim, itemsize,
+                      args.causal or window is not None, visible,
+                      window if window is not None and layout == "contiguous" else None)
+    return problem, layout
 
 
 def cmd_check(args):
@@ -765,10 +863,8 @@ def _main(argv=None):
         return args.func(args)
     except BurstError as e:
         if getattr(e, "agreed", False):
-            # every rank raised the same error: one message from rank 0, exit 1 everywhere
-            if _rank_now() == 0:
-                _err(str(e))
-            _barrier()  # the message is out before any rank exits (and mpiexec tears the job down)
+            # every rank raised the same error: one message from rank 0, out before any rank exits
+            _say_once(lambda: _err(str(e)))
             return EXIT_ERROR
         _err(f"[rank {_rank_now()}] {e}")
         _abort_job()
@@ -790,12 +886,6 @@ def _rank_now():
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         return mpi.COMM_WORLD.rank
     return _env_rank()
-
-
-def _barrier():
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:
-        mpi.COMM_WORLD.Barrier()
 
 
 def _abort_job():

@@ -19,10 +19,10 @@ def dtype_name(dtype):
 
 
 def parse_dtype(name_or_dtype):
-    """A supported dtype from a name ('bf16', 'bfloat16', 'fp16', ...) or a dtype."""
+    """A supported dtype from a name ('bf16', 'bfloat16', 'fp16', ..., in any case) or a dtype."""
     aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "fp64": "float64"}
     if isinstance(name_or_dtype, str):
-        name = aliases.get(name_or_dtype, name_or_dtype)
+        name = aliases.get(name_or_dtype.lower(), name_or_dtype.lower())
         if name not in SUPPORTED_NAMES:
             raise DTypeError(f"unsupported dtype {name_or_dtype!r}; use one of {sorted(SUPPORTED_NAMES)}")
         return SUPPORTED_NAMES[name]

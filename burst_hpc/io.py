@@ -26,13 +26,14 @@ the ranks (each opens, writes, closes, then hands on), which is safe on any file
 Every collective step ends with :func:`agree`: if any rank failed, every rank raises the same
 error (the lowest failing rank's message), so the job exits cleanly everywhere.
 """
+import math
 import os
 
 import numpy as np
 
 from . import __version__, jobsafety
 from .collective import agree, describe
-from .dtypes import SUPPORTED, bfloat16, dtype_name
+from .dtypes import SUPPORTED, accum_dtype, bfloat16, dtype_name
 from .errors import BurstError, DTypeError, FileError, MaskError, ShapeError
 from .layout import check_split, pieces
 
@@ -267,8 +268,10 @@ def _first_nonfinite(x, block_tokens=4096):
     return None
 
 
-def check_finite(path, shards, comm, layout, seqlen):
-    """Collective: refuse NaN and Inf in the input shards (this rank's tokens of each dataset).
+def check_finite(path, shards, comm, layout, seqlen, scale=None):
+    """Collective: refuse NaN and Inf in the input shards (this rank's tokens of each dataset), and
+    finite values so large that the kernels' sums overflow (:func:`check_range`; ``scale``: the
+    softmax scale of the run, default head_dim**-0.5).
 
     Every rank raises the same FileError, naming the dataset and the first non-finite value in the
     file's order (datasets q, k, v, do; then batch, token, head, dim with global token positions)."""
@@ -285,8 +288,9 @@ def check_finite(path, shards, comm, layout, seqlen):
                 t -= n
             mine = (order, b, start + t, *rest, name, value)
             break
-    everyone = [mine] if size == 1 else comm.allgather(mine)
-    found = [f for f in everyone if f is not None]
+    largest = largest_magnitudes(shards) if mine is None else None
+    everyone = [(mine, largest)] if size == 1 else comm.allgather((mine, largest))
+    found = [f for f, _ in everyone if f is not None]
     if found:
         *_, b, t, h, d, name, value = min(found)
         error = FileError(f"{path}: dataset {name!r} holds {value} at [{b}, {t}, {h}, {d}] (batch, token, head, dim), "
@@ -294,6 +298,44 @@ def check_finite(path, shards, comm, layout, seqlen):
                           "--allow-nonfinite to run on it anyway")
         error.agreed = True
         raise error
+    largest = {name: max(theirs[name] for _, theirs in everyone) for name in largest}
+    head_dim = shards["q"].shape[-1]
+    check_range(path, largest, head_dim, seqlen, head_dim ** -0.5 if scale is None else scale, shards["q"].dtype)
+
+
+def largest_magnitudes(shards):
+    """{dataset: max |value|} of this rank's shards (0.0 for an empty one), as floats."""
+    return {name: max(float(x.max()), -float(x.min())) if x.size else 0.0 for name, x in shards.items()}
+
+
+# the kernels scale scores by scale * log2(e) for exp2 and sum in several orders: keep a factor 2 spare
+RANGE_HEADROOM = 2.0
+
+
+def check_range(path, largest, head_dim, seqlen, scale, dtype):
+    """Refuse finite inputs so large that the float32 sums of the kernels (float64 for float64
+    inputs) overflow, which makes every output NaN or Inf: FileError (marked agreed) naming the
+    datasets and their largest magnitudes. ``largest``: {dataset: max |value|} over all ranks.
+    Bounds, each times RANGE_HEADROOM below the accumulator's largest number: the scores,
+    |scale q.k| <= max(1, scale) D max|q| max|k| (the dot product is formed before scaling); the
+    output's running sum, <= S max|v| (softmax weights <= 1); with do, the backward's
+    do.v <= D max|do| max|v|."""
+    accum = accum_dtype(dtype)
+    largest_sum = float(np.finfo(accum).max)
+    bounds = [(("q", "k"), max(1.0, scale) * head_dim, "the scores scale * q.k"),
+              (("v",), seqlen, "the output's running sum over the keys")]
+    if "do" in largest:
+        bounds.append((("do", "v"), head_dim, "the backward's do.v"))
+    for names, factor, what in bounds:
+        reach = float(factor) * math.prod(largest[name] for name in names)
+        if reach * RANGE_HEADROOM > largest_sum:
+            held = f"dataset {names[0]!r} holds values up to {largest[names[0]]:.3g} in magnitude"
+            held += "".join(f" and {name!r} up to {largest[name]:.3g}" for name in names[1:])
+            error = FileError(f"{path}: {held}: {what} may reach {reach:.3g}; {accum.name} sums overflow at "
+                              f"{largest_sum:.3g}, so the outputs would be NaN or Inf. Scale the input down, or pass "
+                              "--allow-nonfinite to run on it anyway")
+            error.agreed = True
+            raise error
 
 
 # --------------------------------------------------------------------------- outputs
@@ -512,7 +554,7 @@ _NEVER_CLOSED = []
 
 def _bytes_needed(datasets):
     """Bytes of the datasets plus room for HDF5's metadata and chunk index."""
-    data = sum(int(np.prod(shape, dtype=np.int64)) * stored_dtype(dtype)[0].itemsize
+    data = sum(math.prod(map(int, shape)) * stored_dtype(dtype)[0].itemsize  # Python ints: no int64 overflow
                for shape, dtype in datasets.values())
     return int(data * 1.01) + (256 << 10)
 

@@ -515,10 +515,22 @@ def _rank():
     return 0, 1
 
 
+_REPORTED = []
+
+
+def error_reported():
+    """This rank's job has failed and its error line is out: a SIGTERM or SIGINT from now on is the
+    launcher ending the ranks still exiting once the first has gone, and ends this rank without
+    another error line."""
+    _REPORTED.append(True)
+
+
 def _stop(signum):
     """Signal received: remove our temporary files, say so in one line, end this rank now (the
     launcher then ends the others, which do the same if the signal reached them too)."""
     removed = remove_tracked()
+    if _REPORTED:
+        os._exit(128 + signum)
     rank, size = _rank()
     name = signal.Signals(signum).name
     where = f"rank {rank} " if size > 1 else ""

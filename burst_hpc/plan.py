@@ -6,8 +6,11 @@ memory per rank (forward / backward call), and the fewest tokens per GPU at whic
 hides its communication (within 5% of compute; forward / forward+backward). The pick is what
 ``scheme="auto"`` runs for this problem.
 """
+import math
+
 from . import costmodel
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
+from .errors import BurstError
 
 
 def _gib(x):
@@ -32,6 +35,10 @@ def table(pr, cl, rates, layout="zigzag"):
             lines.append(f"| {scheme} | - | - | - | - | - | - | - | does not fit: {why} |")
             continue
         p = costmodel.predict(scheme, pr, cl, rates)
+        times = (p.fwd.compute, p.bwd.compute, p.fwd.time, p.bwd.time)
+        if not all(math.isfinite(t) and t > 0 for t in times):
+            raise BurstError(f"the cost model leaves the floating-point range with these sizes and rates ({scheme}: "
+                             f"forward compute {p.fwd.compute:.3g} s, time {p.fwd.time:.3g} s)")
         fwd_exp = p.fwd.exposed / p.fwd.time
         all_exp = p.exposed_fwdbwd / p.fwdbwd
         peak = [_gib(costmodel.peak_memory(scheme, pr, cl, b)) for b in (False, True)]

@@ -48,7 +48,9 @@ def arrange(node_ids, ranks_per_node=None):
         members.setdefault(node, []).append(rank)
     groups = sorted(members.values(), key=min)
     if ranks_per_node is not None:
-        if ranks_per_node < 1 or any(len(g) % ranks_per_node for g in groups):
+        if ranks_per_node < 1:
+            raise TopologyError(f"ranks_per_node must be positive; got {ranks_per_node}")
+        if any(len(g) % ranks_per_node for g in groups):
             sizes = sorted({len(g) for g in groups})
             raise TopologyError(f"ranks_per_node={ranks_per_node} does not divide the ranks of each host "
                                 f"({', '.join(map(str, sizes))} ranks per host)")

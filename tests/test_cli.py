@@ -164,7 +164,6 @@ BAD_INPUTS = {
                       "dataset 'cu_seqlens': cu_seqlens must be strictly increasing"),
     "short-documents": (lambda: dict(_qkv(16), cu_seqlens=np.array([0, 5, 12])), [],
                         "must start at 0 and end at the sequence length 16"),
-    "bad-window": (lambda: _qkv(16), ["--window=-3"], "window sizes must be >= 0, or -1 for unbounded"),
 }
 
 

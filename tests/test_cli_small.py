@@ -77,10 +77,11 @@ def test_run_without_mpi_says_what_is_missing(no_mpi_env, tmp_path):
     r = _no_mpi(dict(env, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2"), "gen", tmp_path / "g.h5", "--seqlen", 8)
     assert r.returncode == 1 and r.stderr.startswith("burst-hpc: error: no usable MPI") and HOW in r.stderr, r.stderr
     assert r.stderr.count("\n") == 1
-    for rank in ("0", "1"):  # check under a launcher: the same one line (not a table per rank); info once
+    for rank in ("0", "1"):  # check under a launcher: one line (not a table) from every rank, which cannot
+        # wait for rank 0 without an MPI (a line lost when the launcher ends rank 0 first is worse); info once
         launched = dict(env, OMPI_COMM_WORLD_RANK=rank, OMPI_COMM_WORLD_SIZE="2")
         r = _no_mpi(launched, "check")
-        assert r.returncode == 1 and r.stderr.count("burst-hpc: error: no usable MPI") == (rank == "0"), r.stderr
+        assert r.returncode == 1 and r.stderr.count("burst-hpc: error: no usable MPI") == 1, r.stderr
         r = _no_mpi(launched, "info")
         assert r.returncode == 0 and ("MPI: none usable" in r.stdout) == (rank == "0"), r.stdout
 

@@ -1,0 +1,191 @@
+"""plan, gen and run check their numbers (issue 24, item 7): zero, negative, NaN, infinite or
+overflowing sizes, rates and windows are refused with one "burst-hpc: error:" line and a non-zero
+exit status, never a traceback, a silent default or a table of NaN; inputs so large that the
+kernels' sums overflow are refused before any work."""
+import re
+
+import h5py
+import numpy as np
+import pytest
+
+from burst_hpc import io
+from burst_hpc.errors import FileError, TopologyError
+from burst_hpc.topology import arrange
+from test_cli import _leftovers, _write, burst, mpirun, needs_mpiexec
+
+HUGE = "99999999999999999999"
+
+
+def _refused(r, needle, code, launched=False):
+    """One error line, no traceback. From one process it is the last line on stderr, after nothing
+    but argparse's usage (under mpiexec the launcher adds its own note on the exit status)."""
+    lines = r.stderr.strip().splitlines()
+    ours = [line for line in lines if line.startswith("burst-hpc: error:")]
+    assert len(ours) == 1, r.stderr
+    if not launched:
+        assert lines[-1] == ours[0] and all(line.startswith(("usage: ", " ")) for line in lines[:-1]), r.stderr
+    assert needle in ours[0], r.stderr
+    assert "Traceback" not in r.stderr + r.stdout, r.stderr
+    assert r.returncode == code, r.stdout + r.stderr
+
+
+PLAN = ["plan", "--seqlen", "4096"]
+BAD_PLAN_ARGS = [
+    # (arguments after `plan --seqlen 4096`, what the error line says)
+    (["--seqlen", "0"], "argument --seqlen: expected a whole number > 0; got '0'"),
+    (["--seqlen", "-4096"], "argument --seqlen: expected a whole number > 0; got '-4096'"),
+    (["--seqlen", HUGE], f"argument --seqlen: expected a whole number > 0; got '{HUGE}', more than the largest"),
+    (["--heads", "0"], "argument --heads: expected a whole number > 0"),
+    (["--heads", "nan"], "argument --heads: expected a whole number > 0; got 'nan'"),
+    (["--kv-heads", "0"], "argument --kv-heads: expected a whole number > 0"),
+    (["--head-dim", "0"], "argument --head-dim: expected a whole number > 0"),
+    (["--batch", "0"], "argument --batch: expected a whole number > 0"),
+    (["--documents", "0"], "argument --documents: expected a whole number > 0"),
+    (["--nodes", "0"], "argument --nodes: expected a whole number > 0"),
+    (["--gpus-per-node", "-8"], "argument --gpus-per-node: expected a whole number > 0"),
+    (["--ranks-per-node", "0"], "argument --ranks-per-node: expected a whole number > 0"),
+    (["--fwd-tflops", "0"], "argument --fwd-tflops: expected a finite number > 0; got '0'"),
+    (["--fwd-tflops", "nan"], "argument --fwd-tflops: expected a finite number > 0; got 'nan'"),
+    (["--bwd-tflops", "-1"], "argument --bwd-tflops: expected a finite number > 0"),
+    (["--intra-gbps", "inf"], "argument --intra-gbps: expected a finite number > 0"),
+    (["--inter-gbps", "0", "--nodes", "2"], "argument --inter-gbps: expected a finite number > 0"),
+    (["--inter-gbps", "1e999"], "argument --inter-gbps: expected a finite number > 0; got '1e999'"),
+    (["--inter-latency-us", "-1"], "argument --inter-latency-us: expected a finite number >= 0"),
+    (["--intra-latency-us", "nan"], "argument --intra-latency-us: expected a finite number >= 0"),
+    (["--window", "-2"], "argument --window: expected a window size: a whole number >= 0, or -1 for unbounded"),
+    (["--window", HUGE], f"argument --window: expected a window size: a whole number >= 0, or -1 for unbounded; "
+                         f"got '{HUGE}', more than the largest"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_PLAN_ARGS, ids=[" ".join(a) for a, _ in BAD_PLAN_ARGS])
+def test_plan_refuses_bad_numbers_on_the_command_line(args, needle):
+    _refused(burst(*PLAN, *args), needle, 2)
+
+
+BAD_PLAN_PROBLEMS = [
+    # the balanced layout splits like contiguous: S a multiple of P (not of 2P), and it is checked
+    (["--seqlen", "1000", "--nodes", "3", "--layout", "balanced"],
+     "sequence length 1000 does not split over 24 ranks with the balanced layout: it must be a multiple of 24"),
+    (["--seqlen", "21", "--gpus-per-node", "3", "--causal"],
+     "sequence length 21 does not split over 3 ranks with the zigzag layout: it must be a multiple of 6"),
+    (["--heads", "6", "--kv-heads", "4"], "--heads 6 must be a multiple of --kv-heads 4"),
+    (["--documents", "5000"], "--documents 5000: more documents than the 4096 tokens of --seqlen"),
+    (["--dtype", "int8"], "unsupported dtype 'int8'"),
+    (["--fwd-tflops", "1e300"], "the cost model leaves the floating-point range with these sizes and rates"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_PLAN_PROBLEMS, ids=[" ".join(a) for a, _ in BAD_PLAN_PROBLEMS])
+def test_plan_refuses_problems_it_cannot_model(args, needle):
+    _refused(burst(*PLAN, *args), needle, 1)
+
+
+@pytest.mark.parametrize("args", [["--dtype", "BF16"], ["--intra-latency-us", "0"], ["--window", "-1"],
+                                  ["--seqlen", "21", "--gpus-per-node", "3", "--causal", "--layout", "balanced"],
+                                  ["--kv-heads", "8", "--nodes", "2", "--documents", "4"]])
+def test_plan_accepts_edge_values(args):
+    r = burst(*PLAN, *args)
+    assert r.returncode == 0 and not r.stderr, r.stdout + r.stderr
+    table = r.stdout.split("| ring |")[1]
+    assert "nan" not in table and "inf" not in table and float(table.split("|")[0]) > 0, r.stdout
+    assert "auto picks: " in r.stdout
+
+
+BAD_GEN_ARGS = [
+    (["--kv-heads", "0"], "argument --kv-heads: expected a whole number > 0; got '0'"),
+    (["--seed", "-1"], "argument --seed: expected a whole number >= 0; got '-1'"),
+    (["--seed", HUGE], "argument --seed: expected a whole number >= 0; got"),
+    (["--seqlen", "0"], "argument --seqlen: expected a whole number > 0"),
+    (["--heads", "-8"], "argument --heads: expected a whole number > 0"),
+    (["--head-dim", "0"], "argument --head-dim: expected a whole number > 0"),
+    (["--batch", HUGE], "argument --batch: expected a whole number > 0"),
+    (["--documents", "0"], "argument --documents: expected a whole number > 0"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_GEN_ARGS, ids=[" ".join(a) for a, _ in BAD_GEN_ARGS])
+def test_gen_refuses_bad_numbers(tmp_path, args, needle):
+    _refused(burst("gen", tmp_path / "in.h5", "--seqlen", 16, "--head-dim", 8, *args), needle, 2)
+    assert not list(tmp_path.iterdir())
+
+
+def test_gen_takes_dtype_names_in_any_case(tmp_path):
+    r = burst("gen", tmp_path / "in.h5", "--seqlen", 16, "--head-dim", 8, "--dtype", "BF16", "--kv-heads", 2)
+    assert r.returncode == 0, r.stderr
+    assert "Hq=8 Hkv=2" in r.stdout and "bfloat16" in r.stdout, r.stdout
+    with h5py.File(tmp_path / "in.h5", "r") as f:
+        assert f["q"].attrs["dtype"] == "bfloat16" and f["k"].shape == (1, 16, 2, 8)
+
+
+BAD_RUN_ARGS = [
+    (["--window", HUGE], f"argument --window: expected a window size: a whole number >= 0, or -1 for unbounded; "
+                         f"got '{HUGE}', more than the largest accepted, {2 ** 62}"),
+    (["--window=-3"], "argument --window: expected a window size: a whole number >= 0, or -1 for unbounded; got '-3'"),
+    (["--window", "5,x"], "argument --window: expected a window size"),
+    (["--window", "1,2,3"], "argument --window: expected L or L,R"),
+    (["--ranks-per-node", "0"], "argument --ranks-per-node: expected a whole number > 0; got '0'"),
+    (["--verify-seed=-1"], "argument --verify-seed: expected a whole number >= 0"),
+]
+
+
+@pytest.mark.parametrize("args,needle", BAD_RUN_ARGS, ids=[" ".join(a) for a, _ in BAD_RUN_ARGS])
+def test_run_refuses_bad_numbers(tmp_path, args, needle):
+    _refused(burst("run", tmp_path / "in.h5", tmp_path / "out.h5", *args), needle, 2)
+
+
+def test_arrange_says_ranks_per_node_must_be_positive():
+    for bad in (0, -2):
+        with pytest.raises(TopologyError, match=f"ranks_per_node must be positive; got {bad}"):
+            arrange(["h"] * 4, ranks_per_node=bad)
+
+
+def test_info_prints_text_only():
+    r = burst("info")
+    assert r.returncode == 0, r.stderr
+    assert "\0" not in r.stdout  # Open MPI's library version string ends in one
+    assert all(line.isprintable() for line in r.stdout.splitlines()), r.stdout
+
+
+# ------------------------------------------------------------------ inputs too large for the sums
+
+def _shards(scale=1.0, names=("q", "k", "v"), seqlen=32, dtype=np.float32):
+    rng = np.random.default_rng(0)
+    shards = {name: rng.standard_normal((1, seqlen, 2, 8)).astype(dtype) for name in names}
+    for name, factor in (scale if isinstance(scale, dict) else {"q": scale, "k": scale}).items():
+        shards[name] = (shards[name].astype(np.float64) * factor).astype(dtype)
+    return shards
+
+
+@pytest.mark.parametrize("scale,needle", [
+    (1e30, r"dataset 'q' holds values up to \S+e\+30 in magnitude and 'k' up to \S+e\+30: the scores scale \* q.k "
+           r"may reach \S+e\+61"),
+    ({"v": 3e37}, r"dataset 'v' holds values up to \S+e\+3[78] in magnitude: the output's running sum over the keys"),
+    ({"do": 1e19, "v": 1e19}, r"dataset 'do' holds values up to \S+ in magnitude and 'v' up to \S+: the backward's do.v"),
+])
+def test_check_finite_refuses_inputs_whose_sums_overflow(scale, needle):
+    shards = _shards(scale, ("q", "k", "v", "do"))
+    with pytest.raises(FileError) as info:
+        io.check_finite("in.h5", shards, None, "contiguous", 32)
+    text = str(info.value)
+    assert text.startswith("in.h5: ") and re.search(needle, text) and "float32 sums overflow at 3.4e+38" in text, text
+    assert "--allow-nonfinite" in text and info.value.agreed
+
+
+def test_check_finite_keeps_large_inputs_that_fit():
+    io.check_finite("in.h5", _shards(1e17), None, "contiguous", 32)       # scores up to ~1e36
+    io.check_finite("in.h5", _shards(1e30, dtype=np.float64), None, "contiguous", 32)  # float64 sums
+    with pytest.raises(FileError, match="scores"):  # a larger --scale moves the bound
+        io.check_finite("in.h5", _shards(1e17), None, "contiguous", 32, scale=1e4)
+
+
+@needs_mpiexec
+def test_run_refuses_inputs_whose_scores_overflow(tmp_path):
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    data = _shards(1e30, seqlen=32)
+    _write(src, **data)
+    r = mpirun(2, "run", src, dst, "--backend", "numpy")
+    _refused(r, f"{src}: dataset 'q' holds values up to", 1, launched=True)
+    assert "RuntimeWarning" not in r.stderr and not dst.exists() and not _leftovers(tmp_path)
+    r = mpirun(2, "run", src, dst, "--backend", "numpy", "--allow-nonfinite", "--quiet")
+    assert r.returncode == 0 and dst.exists(), r.stdout + r.stderr  # the user's call: it runs
