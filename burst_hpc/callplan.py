@@ -30,7 +30,8 @@ class CallPlan:
 
     def __init__(self, comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
                  scheme="auto", ranks_per_node=None):
-        """``backward``: (do, o, lse, backward_ring) for the backward pass, checked too."""
+        """``backward``: (do, o, lse, backward_ring) for the backward pass, checked too (o and lse may be
+        None when the caller makes them with this plan's forward pass)."""
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
         error, signature, offsets = None, None, None
         on_device = type(q).__module__.startswith("cupy")
@@ -48,7 +49,7 @@ class CallPlan:
                 raise topo_error
             arrays = {"q": q, "k": k, "v": v}
             if backward is not None:
-                arrays.update(zip(("do", "o", "lse"), backward[:3]))
+                arrays.update((name, x) for name, x in zip(("do", "o", "lse"), backward[:3]) if x is not None)
             check_same_kind(**arrays)
             b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
             if sq != sk:
@@ -62,8 +63,9 @@ class CallPlan:
             if backward is not None:
                 do, o, lse, ring = backward
                 check_like("do", do, q.shape, q.dtype)
-                check_like("o", o, q.shape, q.dtype)
-                check_like("lse", lse, (b, hq, sq), np.float32)
+                if o is not None:  # None: the caller's own forward pass makes them (the run job)
+                    check_like("o", o, q.shape, q.dtype)
+                    check_like("lse", lse, (b, hq, sq), np.float32)
                 self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize,
                                                  *(masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
                                                    for queries_travel in (True, False)), self.size)

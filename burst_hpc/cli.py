@@ -23,10 +23,10 @@ import numpy as np
 
 from . import __version__
 from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
-from . import jobsafety, verify
+from . import jobsafety
 from .collective import HOW_TO_GET_MPI, Alone, agree, describe, mpi_problem, world as _world
 from .device import gpu_count as _gpu_count
-from .errors import BackendError, BurstError, FileError, MaskError, ShapeError
+from .errors import BurstError, FileError, MaskError, ShapeError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
 _RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
@@ -104,36 +104,6 @@ def _meet(comm, seconds):
             return False
         time.sleep(0.002)
     return True
-
-
-class Progress:
-    """Stage lines on stderr from rank 0: '[burst-hpc   1.2s] forward ...'."""
-
-    def __init__(self, enabled):
-        self.enabled = enabled
-        self.t0 = time.perf_counter()
-
-    def __call__(self, message):
-        if self.enabled:
-            sys.stderr.write(f"[burst-hpc {time.perf_counter() - self.t0:7.1f}s] {message}\n")
-            sys.stderr.flush()
-
-    def ring(self, stage, xp, lines=20):
-        """An ``on_step`` callback for one pass: 'forward: ring step 3/8, ETA 12.0s', at most about
-        ``lines`` lines a pass (None when disabled). On the GPU it waits for the queued kernels first,
-        so the count and the ETA are of finished work."""
-        if not self.enabled:
-            return None
-        start = time.perf_counter()
-
-        def on_step(done, total):
-            if done < total and done * lines // total == (done - 1) * lines // total:
-                return
-            _sync(xp)
-            elapsed = time.perf_counter() - start
-            self(f"{stage}: ring step {done}/{total}, {elapsed:.1f}s, ETA {elapsed / done * (total - done):.1f}s")
-
-        return on_step
 
 
 # =========================================================================== info
@@ -220,6 +190,7 @@ def _gpu_summary():
 
 def cmd_gen(args):
     from . import io
+    from .job import Progress
 
     comm = _world() if _under_mpi() else None
     rank = comm.rank if comm is not None else 0
@@ -227,7 +198,8 @@ def cmd_gen(args):
     err = None
     if rank == 0:
         try:
-            _note_stale(args.output)
+            for line in jobsafety.stale_note(args.output):
+                sys.stderr.write(line + "\n")
             dtype = parse_dtype(args.dtype)
             total = args.batch * args.seqlen
             shown = [time.perf_counter()]
@@ -252,48 +224,6 @@ def cmd_gen(args):
 
 
 # =========================================================================== run
-
-def _setup_backend(name, comm):
-    """(xp, backend name): NumPy, or CuPy with this rank on GPU (local rank mod GPU count)."""
-    if name == "auto":
-        name = "cuda" if _gpu_count() else "numpy"
-    if name == "numpy":
-        return np, "numpy"
-    try:
-        import cupy
-    except Exception as e:  # noqa: BLE001
-        raise BackendError(f"--backend cuda needs CuPy ({type(e).__name__}: {e}); "
-                           "pip install 'burst-hpc[cuda12]' or use --backend numpy") from None
-    from .device import select_device
-
-    if _gpu_count() == 0:
-        raise BackendError("--backend cuda: no GPU visible to this rank; use --backend numpy")
-    select_device(comm)  # node-local rank mod GPU count
-    return cupy, "cuda"
-
-
-def _to_host(x):
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy.asnumpy(x)
-    return x
-
-
-def _sync(xp):
-    if xp is not np:
-        xp.cuda.Device().synchronize()
-
-
-def attention_flops(batch, seqlen, heads, head_dim, causal, mask=None):
-    """Forward FLOPs by the FlashAttention convention (two matmuls; half of them when causal; with
-    documents or a window, those of the visible (query, key) pairs)."""
-    if mask is not None:
-        lo, hi = mask.intervals
-        return 4.0 * batch * heads * head_dim * float((hi - lo).sum())
-    flops = 4.0 * batch * seqlen * seqlen * heads * head_dim
-    return flops / 2 if causal else flops
-
 
 # The command line's numbers: one type function per kind, each a clear "argument --x: expected ..."
 # line and exit status 2 for anything else (zero, negative, NaN, infinite, too large).
@@ -358,178 +288,18 @@ def parse_window(text):
 
 
 def cmd_run(args):
-    from . import io, masks
-    from .distributed import burst_attention, burst_attention_backward
-    from .layout import default_layout
-    from .device import gpus_shared
-    from .transport import choose_transport
+    from .job import RunOptions, run
 
-    comm = _world()
-    rank, size = comm.rank, comm.size
-    causal = bool(args.causal)
-    names = ("q", "k", "v", "do") if args.backward else ("q", "k", "v")
-    err, xp, backend, mask, layout = None, np, None, None, args.layout
-    try:
-        xp, backend = _setup_backend(args.backend, comm)
-        if rank == 0:  # before reading anything: an existing output is kept unless --overwrite
-            io.check_output_path(args.output, [args.input], args.overwrite)
-            _note_stale(args.output)
-        probe = io.inspect_input(args.input, names)  # the documents and length decide the layout
-        mask = masks.make(probe.seqlen, causal, args.window, probe.cu_seqlens)
-        if layout is None:
-            layout = default_layout(causal) if mask is None else masks.default_layout(mask, size)
-    except Exception as e:  # noqa: BLE001
-        err = e
-    agree(comm, err)
-
-    spec, shards = io.read_shards(args.input, comm, layout, names)
-    if not args.allow_nonfinite:
-        io.check_finite(args.input, shards, comm, layout, spec.seqlen)
-    scale = args.scale if args.scale is not None else spec.head_dim ** -0.5
-    big = attention_flops(spec.batch, spec.seqlen, spec.heads, spec.head_dim, causal, mask) > 2e11
-    progress = Progress(rank == 0 and not args.quiet and (args.progress or big or sys.stderr.isatty()))
-    progress(f"read {args.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
-    if mask is not None:
-        work = masks.rank_work(mask, size, layout)
-        progress(f"{mask}: ring steps {masks.ring_steps(mask, size, layout)} of {size}, "
-                 f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
-
-    err, transport = None, args.transport
-    shared = gpus_shared(comm, xp.cuda.Device() if backend == "cuda" else None)  # NCCL refuses that
-    try:
-        transport = choose_transport(args.transport, backend == "cuda", shared)
-    except Exception as e:  # noqa: BLE001
-        err = e
-    agree(comm, err)
-
-    attrs = {"kind": "outputs", "causal": causal, "scale": float(scale), "source": os.path.abspath(args.input),
-             "batch": spec.batch, "seqlen": spec.seqlen, "heads": spec.heads, "kv_heads": spec.kv_heads,
-             "head_dim": spec.head_dim, "dtype": dtype_name(spec.dtype), "backward": bool(args.backward),
-             "run_ranks": size, "run_layout": layout, "run_backend": backend, "run_transport": transport,
-             "window": "none" if args.window is None else f"{args.window[0]},{args.window[1]}",
-             "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
-    datasets = io.output_datasets(spec, args.backward)
-    attrs.update(verify.pending_attrs(datasets, args.verify))
-    out = io.OutputFile.create(args.output, comm, datasets, attrs, inputs=[args.input], overwrite=args.overwrite)
-    try:
-        parts, host = _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, scale, transport,
-                                     progress, burst_attention, burst_attention_backward, mask)
-        out.commit()  # the finished result is published before any verification: nothing can lose it now
-    except BaseException:
-        out.abort()
-        raise
-    jobsafety.on_stop_say(f"{args.output} is written and complete")
-    code = 0
-    if args.verify:
-        parts, code = _verify_published(args, comm, spec, host, layout, causal, scale, progress, parts)
-    parts.append(f"-> {args.output}")
-    if rank == 0:
-        print("  ".join(parts), flush=True)
-        if code == EXIT_MISMATCH:
+    fields = RunOptions.__dataclass_fields__
+    options = RunOptions(**{name: getattr(args, name) for name in fields if name != "progress"},
+                         progress=False if args.quiet else (True if args.progress else None))
+    outcome = run(options, _world())
+    if _world().rank == 0:
+        print(outcome.summary, flush=True)
+        if outcome.verified is False:
             _err(f"verification failed; {args.output} is written and marked verify = 'fail' "
                  f"(see it with: h5dump -a verify {args.output})")
-    return code
-
-
-def _collective(fn, *args, **kwargs):
-    """Run a library call that raises the same BurstError on every rank; mark it as agreed."""
-    try:
-        return fn(*args, **kwargs)
-    except BurstError as e:
-        e.agreed = True
-        raise
-
-
-def _run_and_write(args, comm, spec, shards, out, xp, backend, layout, causal, scale, transport, progress,
-                   burst_attention, burst_attention_backward, mask):
-    size = comm.size
-    dev = {name: xp.asarray(a) for name, a in shards.items()}
-    kw = dict(comm=comm, causal=causal, scale=scale, layout=layout, transport=args.transport,
-              cu_seqlens=spec.cu_seqlens, window=args.window, scheme=args.scheme, ranks_per_node=args.ranks_per_node)
-    if args.warmup:
-        progress("warm-up pass (kernel compilation, transport set-up), not timed")
-        o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], **kw)
-        if args.backward:
-            _collective(burst_attention_backward, dev["do"], dev["q"], dev["k"], dev["v"], o, lse,
-                        backward_ring=args.backward_ring, **kw)
-        _sync(xp)
-    progress("forward")
-    comm.Barrier()
-    t0 = time.perf_counter()
-    o, lse = _collective(burst_attention, dev["q"], dev["k"], dev["v"], on_step=progress.ring("forward", xp), **kw)
-    _sync(xp)
-    comm.Barrier()
-    t_fwd = time.perf_counter() - t0
-    results = {"o": o, "lse": lse}
-    t_bwd = None
-    if args.backward:
-        progress(f"forward done in {t_fwd:.3f}s; backward")
-        comm.Barrier()
-        t0 = time.perf_counter()
-        dq, dk, dv = _collective(burst_attention_backward, dev["do"], dev["q"], dev["k"], dev["v"], o, lse,
-                                 backward_ring=args.backward_ring, on_step=progress.ring("backward", xp), **kw)
-        _sync(xp)
-        comm.Barrier()
-        t_bwd = time.perf_counter() - t0
-        results.update(dq=dq, dk=dk, dv=dv)
-    del dev
-    host = {name: _to_host(a) for name, a in results.items()}
-    progress(f"writing {args.output}")
-    out.write(host, layout)
-
-    flops = attention_flops(spec.batch, spec.seqlen, spec.heads, spec.head_dim, causal, mask)
-    parts = [f"burst-hpc run: tokens={spec.batch * spec.seqlen} ({spec.describe()})", f"ranks={size}",
-             f"layout={layout}", "causal" if causal else "non-causal"]
-    if args.window is not None:
-        parts.append(f"window={args.window[0]},{args.window[1]}")
-    if args.scheme != "auto" or args.ranks_per_node is not None:
-        parts.append(f"scheme={args.scheme}" + ("" if args.ranks_per_node is None else f"({args.ranks_per_node}/node)"))
-    parts += [f"backend={backend}", f"transport={transport}",
-             f"fwd {t_fwd:.3f}s {flops / max(t_fwd, 1e-12) / 1e12:.3g} TFLOP/s"]
-    if t_bwd is not None:
-        parts.append(f"bwd {t_bwd:.3f}s {2.5 * flops / max(t_bwd, 1e-12) / 1e12:.3g} TFLOP/s")
-    parts += verify.nonfinite_summary(host, comm)  # collective; [] when every output is finite
-    return parts, host
-
-
-TEST_HOOK_VERIFY_PAUSE = "BURST_HPC_TEST_HOOK_VERIFY_PAUSE"
-
-
-def _test_hook_verify_pause():
-    """A test hook, not a setting: BURST_HPC_TEST_HOOK_VERIFY_PAUSE=<seconds> makes every rank sleep
-    as verification starts, so tests/test_jobsafety.py can signal a job inside its verification."""
-    seconds = float(os.environ.get(TEST_HOOK_VERIFY_PAUSE) or 0)
-    if seconds > 0:
-        time.sleep(seconds)
-
-
-def _verify_published(args, comm, spec, host, layout, causal, scale, progress, parts):
-    """--verify after the output is published: its attributes say verify = 'not finished' until rank 0
-    records the outcome (a job stopped meanwhile keeps its complete output, so marked)."""
-    jobsafety.on_stop_say(f"{args.output} is written and complete, but its verification did not finish "
-                          "(its attribute verify says 'not finished')")
-    progress("verifying against the float64 oracle")
-    _test_hook_verify_pause()
-    try:
-        report = verify.verify(args.input, spec, host, comm, layout, causal, scale, rows=args.verify_rows,
-                               seed=args.verify_seed, progress=progress, window=args.window)
-    except BurstError as e:
-        error = BurstError(f"{e}; {args.output} is written and complete, its verification did not finish")
-        error.agreed = getattr(e, "agreed", False)
-        raise error from None
-    outcome = "pass" if report["ok"] else "fail"
-    if comm.rank == 0:
-        try:
-            verify.record(args.output, report)
-        except Exception as e:  # noqa: BLE001 - the result stands; only its mark could not be written
-            outcome = "not finished"
-            sys.stderr.write(f"burst-hpc: note: verification {'passed' if report['ok'] else 'failed'} but "
-                             f"{args.output} could not be marked so (its attribute verify still says 'not "
-                             f"finished'): {describe(e).splitlines()[0]}\n")
-    jobsafety.on_stop_say(f"{args.output} is written and complete (verify = '{outcome}')")
-    errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
-    parts = parts + [f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}"]
-    return parts, 0 if report["ok"] else EXIT_MISMATCH
+    return EXIT_MISMATCH if outcome.verified is False else 0
 
 
 # =========================================================================== main
@@ -747,6 +517,15 @@ def build_parser():
     return parser
 
 
+def _collective(fn, *args, **kwargs):
+    """Run a call that raises the same BurstError on every rank; mark it as agreed."""
+    try:
+        return fn(*args, **kwargs)
+    except BurstError as e:
+        e.agreed = True
+        raise
+
+
 def cmd_plan(args):
     from dataclasses import replace
 
@@ -814,13 +593,6 @@ def cmd_check(args):
 
 
 # =========================================================================== clean (jobsafety)
-
-def _note_stale(output):
-    """Rank 0, before writing ``output``: name temporary files a killed job left next to it."""
-    for line in jobsafety.stale_note(output):
-        sys.stderr.write(line + "\n")
-    sys.stderr.flush()
-
 
 def _add_clean(sub):
     p = sub.add_parser("clean", help="remove temporary files a killed job left next to an output",

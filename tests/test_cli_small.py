@@ -126,7 +126,7 @@ def test_progress_reports_ring_steps_with_an_eta(tmp_path, ranks, flags, steps):
 
 
 def test_progress_of_a_long_ring_prints_about_twenty_lines(capsys):
-    from burst_hpc.cli import Progress
+    from burst_hpc.job import Progress
 
     on_step = Progress(True).ring("backward", np)
     for done in range(1, 101):

@@ -76,7 +76,7 @@ def test_cli_error_on_one_rank_ends_every_rank_and_leaves_no_file(tmp_path):
     script.write_text(CLI_JOB)
     result = _launch(3, [str(script), "run", src, out, "--causal"])
     assert result.returncode != 0
-    assert ("burst-hpc: error: rank 1 failed inside burst_attention: FloatingPointError: injected kernel failure"
+    assert ("burst-hpc: error: rank 1 failed inside the forward pass: FloatingPointError: injected kernel failure"
             in result.stderr), result.stderr[-3000:]
     assert not out.exists()
     assert glob.glob(str(out) + ".tmp*") == []
