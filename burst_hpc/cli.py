@@ -14,7 +14,6 @@ found a failure, 128+N stopped by signal N. ``--help`` of each command documents
 file format.
 """
 import argparse
-import os
 import sys
 import textwrap
 import time
@@ -24,30 +23,12 @@ import numpy as np
 from . import __version__
 from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
 from . import jobsafety
-from .collective import HOW_TO_GET_MPI, Alone, agree, describe, mpi_problem, world as _world
+from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, launched, live_world, mpi_problem,
+                         rank_and_size, world as _world)
 from .device import gpu_count as _gpu_count
-from .errors import BurstError, FileError, MaskError, ShapeError
+from .errors import BurstError, say, FileError, MaskError, ShapeError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
-_RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
-_SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
-
-
-def _env_rank():
-    """This process's rank as the launcher says (0 when not under mpiexec); no MPI call."""
-    for var in _RANK_VARS:
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var])
-    return 0
-
-
-def _under_mpi():
-    return any(var in os.environ for var in _RANK_VARS + _SIZE_VARS)
-
-
-def _err(message):
-    sys.stderr.write(f"burst-hpc: error: {message}\n")
-    sys.stderr.flush()
 
 
 class _Parser(argparse.ArgumentParser):
@@ -57,7 +38,7 @@ class _Parser(argparse.ArgumentParser):
     def error(self, message):
         def write():
             self.print_usage(sys.stderr)
-            _err(message)
+            say(message)
 
         _say_once(write)
         sys.exit(EXIT_USAGE)
@@ -87,12 +68,9 @@ def _say_once(write):
 def _job_world():
     """MPI.COMM_WORLD when MPI is up, or when launched by mpiexec and an MPI library loads (it is
     initialised then); None otherwise (one process, or no usable MPI)."""
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is None and _under_mpi() and mpi_problem() is None:
-        from mpi4py import MPI as mpi
-    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
-        return None
-    return mpi.COMM_WORLD
+    if live_world() is None and launched() and mpi_problem() is None:
+        from mpi4py import MPI  # noqa: F401  (initialises MPI)
+    return live_world()
 
 
 def _meet(comm, seconds):
@@ -122,7 +100,7 @@ def cmd_info(args):
     from .transport import choose_transport, cuda_aware_mpi, nccl_available
 
     missing = mpi_problem()  # info works without an MPI library, and says how to get one
-    if missing is not None and _env_rank() != 0:
+    if missing is not None and rank_and_size()[0] != 0:
         return 0
     if missing is None:
         from mpi4py import MPI
@@ -192,7 +170,7 @@ def cmd_gen(args):
     from . import io
     from .job import Progress
 
-    comm = _world() if _under_mpi() else None
+    comm = _world() if launched() else None
     rank = comm.rank if comm is not None else 0
     progress = Progress(rank == 0 and not args.quiet)
     err = None
@@ -297,7 +275,7 @@ def cmd_run(args):
     if _world().rank == 0:
         print(outcome.summary, flush=True)
         if outcome.verified is False:
-            _err(f"verification failed; {args.output} is written and marked verify = 'fail' "
+            say(f"verification failed; {args.output} is written and marked verify = 'fail' "
                  f"(see it with: h5dump -a verify {args.output})")
     return EXIT_MISMATCH if outcome.verified is False else 0
 
@@ -535,7 +513,7 @@ def cmd_plan(args):
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
     problem, layout = _collective(_plan_problem, args)
-    rank = _env_rank()
+    rank = rank_and_size()[0]
     if args.measure:
         comm = _world()
         rates, topo = plan.measure(comm, problem, args.ranks_per_node)
@@ -584,7 +562,7 @@ def cmd_check(args):
     from . import selfcheck
 
     missing = mpi_problem()  # without an MPI library the kernels are still checked, in this one process
-    if missing is not None and _under_mpi():
+    if missing is not None and launched():
         _world()  # launched as a job whose MPI mpi4py cannot load: one error, not P separate tables
     passed = selfcheck.main(Alone() if missing is not None else _world(), seed=args.seed)
     if missing is not None:
@@ -636,34 +614,21 @@ def _main(argv=None):
     except BurstError as e:
         if getattr(e, "agreed", False):
             # every rank raised the same error: one message from rank 0, out before any rank exits
-            _say_once(lambda: _err(str(e)))
+            _say_once(lambda: say(str(e)))
             return EXIT_ERROR
-        _err(f"[rank {_rank_now()}] {e}")
-        _abort_job()
+        say(f"[rank {rank_and_size()[0]}] {e}")
+        abort_world(EXIT_ERROR)
         return EXIT_ERROR
     except KeyboardInterrupt:
-        _abort_job()
+        abort_world(EXIT_ERROR)
         return 130
     except Exception:  # a bug on one rank: say so and take the whole job down instead of hanging
         import traceback
 
-        sys.stderr.write(f"burst-hpc: internal error on rank {_rank_now()}:\n{traceback.format_exc()}")
+        sys.stderr.write(f"burst-hpc: internal error on rank {rank_and_size()[0]}:\n{traceback.format_exc()}")
         sys.stderr.flush()
-        _abort_job()
+        abort_world(EXIT_ERROR)
         return EXIT_ERROR
-
-
-def _rank_now():
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        return mpi.COMM_WORLD.rank
-    return _env_rank()
-
-
-def _abort_job():
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:
-        mpi.COMM_WORLD.Abort(EXIT_ERROR)
 
 
 if __name__ == "__main__":

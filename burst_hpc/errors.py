@@ -1,4 +1,17 @@
-"""The project's exception types. All derive from BurstError (a ValueError) so callers can catch one."""
+"""The project's exception types (all derive from BurstError, a ValueError, so callers can catch one),
+and the one writer of the lines the command prints about them ("burst-hpc: error: ...")."""
+import sys
+
+
+def say(message, kind="error"):
+    """Write 'burst-hpc: KIND: MESSAGE' on stderr, flushed (stdout too, so the lines keep their order).
+    Never raises: a signal's or an abort's last word may find the stream gone with the launcher."""
+    try:
+        sys.stderr.write(f"burst-hpc: {kind}: {message}\n")
+        sys.stderr.flush()
+        sys.stdout.flush()
+    except Exception:  # noqa: BLE001
+        pass
 
 
 class BurstError(ValueError):

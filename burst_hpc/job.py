@@ -24,7 +24,7 @@ from .callplan import CallPlan
 from .collective import agree, describe, one_fails_all, world
 from .device import array_device, gpu_count, gpus_shared, select_device
 from .dtypes import dtype_name
-from .errors import BackendError, BurstError
+from .errors import BackendError, BurstError, say
 from .layout import default_layout
 from .transport import choose_transport
 
@@ -224,9 +224,8 @@ def _verify_published(options, comm, spec, host, layout, scale, progress):
             verify.record(options.output, report)
         except Exception as e:  # noqa: BLE001 - the result stands; only its mark could not be written
             outcome = "not finished"
-            sys.stderr.write(f"burst-hpc: note: verification {'passed' if report['ok'] else 'failed'} but "
-                             f"{options.output} could not be marked so (its attribute verify still says 'not "
-                             f"finished'): {describe(e).splitlines()[0]}\n")
+            say(f"verification {'passed' if report['ok'] else 'failed'} but {options.output} could not be "
+                f"marked so (its attribute verify still says 'not finished'): {describe(e).splitlines()[0]}", "note")
     jobsafety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
     errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
     return report["ok"], f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}"

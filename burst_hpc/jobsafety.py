@@ -40,7 +40,8 @@ import threading
 import time
 import uuid
 
-from .errors import FileError
+from .collective import abort_world, live_world, rank_and_size
+from .errors import FileError, say
 
 _TMP = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{8})$")
 LOCK_SUFFIX = ".lock"
@@ -505,16 +506,6 @@ def on_stop_say(note):
         _STOP_NOTE[:] = [note]
 
 
-def _rank():
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        return mpi.COMM_WORLD.rank, mpi.COMM_WORLD.size
-    for var in ("OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMI_RANK"):
-        if os.environ.get(var, "").isdigit():
-            return int(os.environ[var]), 2
-    return 0, 1
-
-
 _REPORTED = []
 
 
@@ -531,17 +522,12 @@ def _stop(signum):
     removed = remove_tracked()
     if _REPORTED:
         os._exit(128 + signum)
-    rank, size = _rank()
+    rank, size = rank_and_size()
     name = signal.Signals(signum).name
     where = f"rank {rank} " if size > 1 else ""
     gone = f"; temporary output {removed[0]} removed" if removed else ""
     outcome = _STOP_NOTE[0] if _STOP_NOTE else "no output written"
-    try:
-        sys.stderr.write(f"burst-hpc: error: {where}stopped by {name}{gone}; {outcome}\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001 - the stream may be gone with the launcher
-        pass
+    say(f"{where}stopped by {name}{gone}; {outcome}")
     os._exit(128 + signum)
 
 
@@ -550,15 +536,8 @@ def abort_job(message):
     error line, then MPI_Abort (a plain exit for one process). For failures after which the ranks
     cannot agree (they wait in different collectives)."""
     remove_tracked()
-    try:
-        sys.stderr.write(f"burst-hpc: error: {message}\n")
-        sys.stderr.flush()
-        sys.stdout.flush()
-    except Exception:  # noqa: BLE001
-        pass
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized() and mpi.COMM_WORLD.size > 1:
-        mpi.COMM_WORLD.Abort(1)
+    say(message)
+    abort_world(1)
     os._exit(1)
 
 
@@ -644,9 +623,10 @@ def exit_now(code):
     """End the process with ``code``, skipping HDF5's exit handler (MPI finalized first)."""
     sys.stdout.flush()
     sys.stderr.flush()
-    mpi = sys.modules.get("mpi4py.MPI")
-    if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
-        mpi.Finalize()
+    if live_world() is not None:
+        from mpi4py import MPI
+
+        MPI.Finalize()
     os._exit(code)
 
 
