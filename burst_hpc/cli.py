@@ -25,7 +25,6 @@ from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
 from . import jobsafety
 from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, launched, live_world, mpi_problem,
                          rank_and_size, world as _world)
-from .device import gpu_count as _gpu_count
 from .errors import BurstError, say, FileError, MaskError, ShapeError
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
@@ -86,82 +85,13 @@ def _meet(comm, seconds):
 
 # =========================================================================== info
 
-def _version(module):
-    try:
-        mod = __import__(module)
-        return getattr(mod, "__version__", "?")
-    except Exception:  # noqa: BLE001
-        return "not installed"
-
-
 def cmd_info(args):
-    import h5py
+    from .selfcheck import installation
 
-    from .transport import choose_transport, cuda_aware_mpi, nccl_available
-
-    missing = mpi_problem()  # info works without an MPI library, and says how to get one
-    if missing is not None and rank_and_size()[0] != 0:
-        return 0
-    if missing is None:
-        from mpi4py import MPI
-
-        comm = _world()
-        hosts = comm.gather(MPI.Get_processor_name(), root=0)
-        if comm.rank != 0:
-            return 0
-    gpus = _gpu_summary()
-    lines = [f"burst-hpc {__version__}",
-             f"python {sys.version.split()[0]}; numpy {np.__version__}; mpi4py {_version('mpi4py')}; "
-             f"ml_dtypes {_version('ml_dtypes')}",
-             f"h5py {h5py.__version__} (HDF5 {h5py.version.hdf5_version}; parallel HDF5: "
-             f"{'yes' if h5py.get_config().mpi else 'no, rank-ordered writes'})"]
-    if missing is None:
-        aware, reason = cuda_aware_mpi()
-        library = MPI.Get_library_version().replace("\0", "")  # Open MPI's ends in a NUL byte
-        lines += [f"MPI: {library.splitlines()[0].strip()} "
-                  f"(MPI {'.'.join(map(str, MPI.Get_version()))})",
-                  f"ranks: {comm.size} on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}",
-                  f"CUDA-aware MPI: {'yes' if aware else 'no'} ({reason})"]
-    else:
-        lines += [f"MPI: none usable: {missing}. 'burst-hpc run' and the ring need one; {HOW_TO_GET_MPI}",
-                  "ranks: 1 (no MPI)", "CUDA-aware MPI: no (no MPI)"]
-    lines.append(f"cupy: {_version('cupy')}")
-    lines.append(f"GPUs: {gpus}")
-    lines.append(f"NCCL: {'available' if nccl_available() else 'not available'}")
-    try:
-        on_device = "none (no MPI)" if missing is not None else choose_transport("auto", on_device=True)
-    except BurstError as e:
-        on_device = f"none ({e})"
-    lines.append(f"transport auto: NumPy arrays -> {choose_transport('auto', on_device=False)}; "
-                 f"CuPy arrays -> {on_device}")
-    lines.append(f"backend auto: {'cuda' if _gpu_count() else 'numpy'}")
-    lines.append(f"HDF5 output: {_hdf5_write_path(1 if missing is not None else comm.size)}")
-    print("\n".join(lines), flush=True)
+    text = installation()
+    if text is not None:  # rank 0's
+        print(text, flush=True)
     return 0
-
-
-def _hdf5_write_path(size):
-    from .io import write_path
-
-    return write_path(size)
-
-
-def _gpu_summary():
-    try:
-        import cupy
-    except Exception:  # noqa: BLE001
-        return "none visible (cupy not installed; pip install cupy-cuda12x, or cupy-cuda13x for CUDA 13 drivers)"
-    try:
-        n = cupy.cuda.runtime.getDeviceCount()
-        names = []
-        for i in range(n):
-            props = cupy.cuda.runtime.getDeviceProperties(i)
-            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
-            names.append(f"{i}: {name} ({props['totalGlobalMem'] / 2**30:.0f} GiB, sm_{props['major']}{props['minor']})")
-        rt = cupy.cuda.runtime.runtimeGetVersion()
-        return f"{n} (CUDA runtime {rt // 1000}.{rt % 1000 // 10}) " + "; ".join(names) if n else "none"
-    except Exception as e:  # noqa: BLE001
-        return f"none ({type(e).__name__}: {e})"
 
 
 # =========================================================================== gen

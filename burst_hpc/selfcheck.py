@@ -191,3 +191,86 @@ def main(comm, out=print, seed=None):
     out(_table(rows))
     out(f"\n{passed} passed, {failed} failed in {time.perf_counter() - t0:.1f} s: {'PASS' if not failed else 'FAIL'}")
     return comm.bcast(failed == 0, root=0)
+
+
+# --------------------------------------------------------------------------- burst-hpc info
+
+def _version(module):
+    try:
+        mod = __import__(module)
+        return getattr(mod, "__version__", "?")
+    except Exception:  # noqa: BLE001
+        return "not installed"
+
+
+def installation():
+    """``burst-hpc info``: what this installation has and would pick (versions, MPI, GPUs, transports,
+    the HDF5 write path), as text on rank 0 (None on the others). Collective under MPI; works without."""
+    import sys
+
+    import h5py
+
+    from . import __version__
+    from .collective import HOW_TO_GET_MPI, mpi_problem, rank_and_size, world
+    from .device import gpu_count
+    from .errors import BurstError
+    from .io import write_path
+
+    from .transport import choose_transport, cuda_aware_mpi, nccl_available
+
+    missing = mpi_problem()  # info works without an MPI library, and says how to get one
+    if missing is not None and rank_and_size()[0] != 0:
+        return None
+    if missing is None:
+        from mpi4py import MPI
+
+        comm = world()
+        hosts = comm.gather(MPI.Get_processor_name(), root=0)
+        if comm.rank != 0:
+            return None
+    gpus = _gpu_summary()
+    lines = [f"burst-hpc {__version__}",
+             f"python {sys.version.split()[0]}; numpy {np.__version__}; mpi4py {_version('mpi4py')}; "
+             f"ml_dtypes {_version('ml_dtypes')}",
+             f"h5py {h5py.__version__} (HDF5 {h5py.version.hdf5_version}; parallel HDF5: "
+             f"{'yes' if h5py.get_config().mpi else 'no, rank-ordered writes'})"]
+    if missing is None:
+        aware, reason = cuda_aware_mpi()
+        library = MPI.Get_library_version().replace("\0", "")  # Open MPI's ends in a NUL byte
+        lines += [f"MPI: {library.splitlines()[0].strip()} "
+                  f"(MPI {'.'.join(map(str, MPI.Get_version()))})",
+                  f"ranks: {comm.size} on {len(set(hosts))} host(s): {', '.join(sorted(set(hosts)))}",
+                  f"CUDA-aware MPI: {'yes' if aware else 'no'} ({reason})"]
+    else:
+        lines += [f"MPI: none usable: {missing}. 'burst-hpc run' and the ring need one; {HOW_TO_GET_MPI}",
+                  "ranks: 1 (no MPI)", "CUDA-aware MPI: no (no MPI)"]
+    lines.append(f"cupy: {_version('cupy')}")
+    lines.append(f"GPUs: {gpus}")
+    lines.append(f"NCCL: {'available' if nccl_available() else 'not available'}")
+    try:
+        on_device = "none (no MPI)" if missing is not None else choose_transport("auto", on_device=True)
+    except BurstError as e:
+        on_device = f"none ({e})"
+    lines.append(f"transport auto: NumPy arrays -> {choose_transport('auto', on_device=False)}; "
+                 f"CuPy arrays -> {on_device}")
+    lines.append(f"backend auto: {'cuda' if gpu_count() else 'numpy'}")
+    lines.append(f"HDF5 output: {write_path(1 if missing is not None else comm.size)}")
+    return "\n".join(lines)
+
+
+def _gpu_summary():
+    try:
+        import cupy
+    except Exception:  # noqa: BLE001
+        return "none visible (cupy not installed; pip install cupy-cuda12x, or cupy-cuda13x for CUDA 13 drivers)"
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+        names = []
+        for i in range(n):
+            props = cupy.cuda.runtime.getDeviceProperties(i)
+            name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+            names.append(f"{i}: {name} ({props['totalGlobalMem'] / 2**30:.0f} GiB, sm_{props['major']}{props['minor']})")
+        rt = cupy.cuda.runtime.runtimeGetVersion()
+        return f"{n} (CUDA runtime {rt // 1000}.{rt % 1000 // 10}) " + "; ".join(names) if n else "none"
+    except Exception as e:  # noqa: BLE001
+        return f"none ({type(e).__name__}: {e})"
