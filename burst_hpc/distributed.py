@@ -17,19 +17,64 @@ from .device import array_device
 
 def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto", cu_seqlens=None,
                     window=None, scheme="auto", ranks_per_node=None, on_step=None):
-    """This rank's (o, lse) of attention over the whole sharded sequence.
+    """This rank's (o, lse) of exact attention over the whole sequence sharded across ``comm``.
 
-    q (B, S/P, Hq, D), k and v (B, S/P, Hkv, D): this rank's shards in ``layout`` ('contiguous',
-    'zigzag' or 'balanced'; default zigzag when causal; with documents or a window
-    masks.default_layout). 'balanced' shards are contiguous ones (natural token order) with causal
-    work balanced by the schedule. Returns o like q and lse float32 (B, Hq, S/P).
-    ``cu_seqlens``: global document offsets [0, ..., S] of a packed sequence, the same on every
-    rank; ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
-    NaN or Inf inputs are not refused: they propagate like torch's (see burst_hpc.attention).
-    ``scheme``: how shards cross nodes ('ring', 'double_ring', 'ulysses_ring' or 'auto': the cost
-    model's pick, 'ring' on one node); ``ranks_per_node`` (or BURST_HPC_RANKS_PER_NODE) overrides
-    the node detection, so one host can act as several nodes (burst_hpc.topology).
-    ``on_step(done, total)``: called on this rank after each of its ring steps (progress reports)."""
+    Parameters
+    ----------
+    q : array (B, S/P, Hq, D)
+        This rank's query shard in ``layout`` (NumPy runs on the CPU, CuPy on this rank's GPU).
+    k, v : array (B, S/P, Hkv, D)
+        Its key and value shards; Hq a multiple of Hkv (GQA/MQA). Same kind and dtype as ``q``.
+    comm : mpi4py communicator, optional
+        The ranks holding the sequence (default MPI.COMM_WORLD).
+    causal : bool
+        Key j visible from query i only when j <= i (global positions).
+    scale : float, optional
+        Score scale (default D ** -0.5).
+    layout : {'contiguous', 'zigzag', 'balanced'}, optional
+        How the shards were cut (burst_hpc.shard). Default: zigzag when causal, contiguous otherwise;
+        with documents or a window masks.default_layout. 'balanced' shards are contiguous ones
+        (natural token order) with causal work balanced by the schedule.
+    transport : {'auto', 'host', 'mpi', 'nccl', 'staged'}
+        How shards travel (auto: the fastest available, logged).
+    cu_seqlens : 1-D integer array, optional
+        Global document offsets [0, ..., S] of a packed sequence, the same on every rank.
+    window : (int, int), optional
+        (left, right) sliding window, -1 unbounded (flash-attn's meaning).
+    scheme : {'auto', 'ring', 'double_ring', 'ulysses_ring'}
+        How shards cross nodes (auto: the cost model's pick; 'ring' on one node).
+    ranks_per_node : int, optional
+        Overrides the node detection (or BURST_HPC_RANKS_PER_NODE): one host can act as several nodes.
+    on_step : callable, optional
+        ``on_step(done, total)`` after each of this rank's ring steps (progress reports).
+
+    Returns
+    -------
+    o : array like q
+        This rank's rows of the output.
+    lse : float32 array (B, Hq, S/P)
+        Their natural-log sum-exp (-inf for a row that sees nothing, where o is 0).
+
+    Raises
+    ------
+    BurstError
+        On bad input, with the same message on every rank, before any exchange. An error inside the
+        pass on some ranks ends the job from there (collective.one_fails_all), never a hang.
+
+    Notes
+    -----
+    NaN or Inf inputs are not refused: they reach exactly the rows that see them (DESIGN.md).
+
+    Examples
+    --------
+    ``mpiexec -n 4 python job.py`` with, in job.py::
+
+        from mpi4py import MPI
+        import burst_hpc
+        r, P = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
+        mine = lambda x: burst_hpc.shard(x, r, P, "zigzag")
+        o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, layout="zigzag")
+    """
     comm = world() if comm is None else comm
     plan = CallPlan(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
                     scheme=scheme, ranks_per_node=ranks_per_node)
@@ -40,9 +85,38 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
 def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale=None, layout=None,
                              transport="auto", backward_ring="auto", cu_seqlens=None, window=None, scheme="auto",
                              ranks_per_node=None, on_step=None):
-    """This rank's (dq, dk, dv) for the loss sum(do * o), reusing (o, lse) from burst_attention
-    (called with the same causal, layout, cu_seqlens, window, scheme and ranks_per_node).
-    ``on_step`` as burst_attention's."""
+    """This rank's (dq, dk, dv) of the loss sum(do * o), reusing (o, lse) from burst_attention (the
+    forward is never recomputed across ranks).
+
+    Parameters
+    ----------
+    do : array like q
+        This rank's output gradient.
+    q, k, v, o, lse :
+        As burst_attention took and returned them.
+    backward_ring : {'auto', 'q', 'kv'}
+        Which side travels (auto: the one moving fewer bytes over the steps that have work).
+    comm, causal, scale, layout, transport, cu_seqlens, window, scheme, ranks_per_node, on_step :
+        As burst_attention's, and the same as its call.
+
+    Returns
+    -------
+    dq : array like q
+    dk, dv : arrays like k
+        This rank's gradients, in the input dtype (float32 accumulation).
+
+    Raises
+    ------
+    BurstError
+        As burst_attention's.
+
+    Examples
+    --------
+    ::
+
+        o, lse = burst_hpc.burst_attention(q, k, v, causal=True)
+        dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
+    """
     comm = world() if comm is None else comm
     plan = CallPlan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
                     cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node)
