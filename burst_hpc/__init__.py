@@ -2,29 +2,12 @@
 __version__ = "0.1.0"
 
 from .api import attention, attention_backward
+from .device import select_device
+from .distributed import burst_attention, burst_attention_backward
 from .errors import (BackendError, BurstError, DTypeError, LayoutError, MaskError, RankMismatchError, ShapeError,
                      TransportError)
 from .layout import layout_indices, shard, unshard
 from .reference import attention_backward_reference, attention_reference
-
-
-def select_device(comm=None):
-    from .device import select_device as impl
-
-    return impl(comm)
-
-
-def burst_attention(*args, **kwargs):
-    from .distributed import burst_attention as impl
-
-    return impl(*args, **kwargs)
-
-
-def burst_attention_backward(*args, **kwargs):
-    from .distributed import burst_attention_backward as impl
-
-    return impl(*args, **kwargs)
-
 
 __all__ = ["select_device", "attention", "attention_backward", "burst_attention", "burst_attention_backward", "layout_indices",
            "shard", "unshard", "attention_reference", "attention_backward_reference", "BurstError", "ShapeError",
