@@ -21,7 +21,7 @@ import burst_hpc
 from burst_hpc import costmodel
 from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.dtypes import parse_dtype
-from burst_hpc.transport.emulated import setting
+from burst_hpc.config import emulated_network as setting
 
 import evidence
 

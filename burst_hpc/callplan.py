@@ -2,11 +2,10 @@
 the scheme, decided once and agreed by every rank before the first exchange (bad input gives the
 same error on every rank), then handed to the passes (passes.py) as one value."""
 import logging
-import os
 
 import numpy as np
 
-from . import masks, passes
+from . import config, masks, passes
 from .accounting import backward_ring_bytes
 from .backends import get_backend
 from .collective import agree
@@ -17,7 +16,7 @@ from .layout import check_layout, check_split, default_layout
 from .schemes import check_scheme, make as make_scheme
 from .topology import topology
 from .transport import choose_transport, make_transport
-from .transport.emulated import EmulatedNetwork, Nic, setting as emulated_network
+from .transport.emulated import EmulatedNetwork, Nic
 from .validate import check_like, check_qkv, check_same_kind, resolve_scale
 
 log = logging.getLogger("burst_hpc")
@@ -38,7 +37,7 @@ class CallPlan:
         shared = gpus_shared(comm, q.device if on_device else None)  # collective: before any check can fail
         self.topo, topo_error = None, None
         # collective too (one allgather); the flat ring needs it only to emulate or count the network
-        if scheme != "ring" or ranks_per_node is not None or os.environ.get("BURST_HPC_EMULATE_NETWORK"):
+        if scheme != "ring" or ranks_per_node is not None or config.emulated_network():
             try:
                 self.topo = topology(comm, ranks_per_node)
             except BurstError as e:
@@ -78,7 +77,7 @@ class CallPlan:
                                     q.dtype.itemsize, backward is not None, self.backend.name)
             self.scheme = make_scheme(scheme, comm, self.topo, self.seqlen, self.layout, self.causal, self.mask)
             self.passes = passes.for_plan(self)
-            self.network = emulated_network()
+            self.network = config.emulated_network()
             signature = {"scheme": self.scheme.name, "emulated network": self.network,
                          "q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
                          "causal": self.causal, "layout": self.layout, "scale": self.scale,

@@ -236,7 +236,7 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05):
 def rates_for(backend_name, device_name=None):
     """The built-in rates for this call's device (the GPU model named in ``device_name``, else H100),
     with the network's rate and latency of BURST_HPC_EMULATE_NETWORK when it is set."""
-    from .transport.emulated import setting
+    from .config import emulated_network as setting
 
     rates = GPU_RATES["cpu"] if backend_name != "cuda" else GPU_RATES["H100"]
     for model in ("H200", "H100"):

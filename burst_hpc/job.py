@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import io, jobsafety, masks, verify
+from . import config, io, jobsafety, masks, verify
 from .accounting import attention_flops, visible_pairs
 from .callplan import CallPlan
 from .collective import agree, describe, one_fails_all, world
@@ -61,9 +61,6 @@ class Outcome:
     verified: bool = None
     forward_s: float = None
     backward_s: float = None
-
-
-TEST_HOOK_VERIFY_PAUSE = "BURST_HPC_TEST_HOOK_VERIFY_PAUSE"
 
 
 def run(options, comm=None):
@@ -232,9 +229,7 @@ def _verify_published(options, comm, spec, host, layout, scale, progress):
 
 
 def _test_hook_verify_pause():
-    """A test hook, not a setting: BURST_HPC_TEST_HOOK_VERIFY_PAUSE=<seconds> makes every rank sleep
-    as verification starts, so tests/test_jobsafety.py can signal a job inside its verification."""
-    seconds = float(os.environ.get(TEST_HOOK_VERIFY_PAUSE) or 0)
+    seconds = config.test_hook_verify_pause()
     if seconds > 0:
         time.sleep(seconds)
 

@@ -40,6 +40,7 @@ import threading
 import time
 import uuid
 
+from . import config
 from .collective import abort_world, live_world, rank_and_size
 from .errors import FileError, say
 
@@ -633,7 +634,7 @@ def exit_now(code):
 def check_space(directory, needed, what):
     """Refuse early when the file system holding ``directory`` has less than ``needed`` bytes free
     (BURST_HPC_SPACE_CHECK=0 skips: free space can be misreported, e.g. under quotas)."""
-    if os.environ.get("BURST_HPC_SPACE_CHECK", "1") == "0":
+    if not config.space_check():
         return
     try:
         st = os.statvfs(directory)

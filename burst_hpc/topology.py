@@ -14,9 +14,9 @@ need not be placed node by node: *positions* number the ranks node by node (posi
 and ``ordered`` is the communicator whose rank is the position (``far``: a duplicate of it). ``rails[local]`` is the same
 local rank on every node (one NIC rail); ``node_comm`` this rank's node.
 """
-import os
 from dataclasses import dataclass
 
+from . import config
 from .errors import TopologyError
 
 
@@ -64,13 +64,7 @@ def arrange(node_ids, ranks_per_node=None):
 
 def ranks_per_node_setting(ranks_per_node=None):
     """``ranks_per_node`` or the environment's BURST_HPC_RANKS_PER_NODE (None: detect)."""
-    if ranks_per_node is None:
-        env = os.environ.get("BURST_HPC_RANKS_PER_NODE", "").strip()
-        if env:
-            if not env.isdigit():
-                raise TopologyError(f"BURST_HPC_RANKS_PER_NODE must be a positive integer; got {env!r}")
-            ranks_per_node = int(env)
-    return ranks_per_node
+    return config.ranks_per_node() if ranks_per_node is None else ranks_per_node
 
 
 _hosts = {}
@@ -85,7 +79,7 @@ def node_ids(comm):
         host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         _hosts[id(comm)] = host.allreduce(comm.rank, op=MPI.MIN)
         host.Free()
-    env = os.environ.get("BURST_HPC_NODE_ID", "").strip()
+    env = config.node_id()
     return comm.allgather(("env", env) if env else ("host", _hosts[id(comm)]))
 
 

@@ -19,7 +19,7 @@ import h5py
 import numpy as np
 import pytest
 
-from burst_hpc import io, job, jobsafety, verify
+from burst_hpc import config, io, jobsafety, verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import FileError
 from burst_hpc.reference import attention_reference
@@ -464,7 +464,7 @@ def test_sigterm_during_verify_keeps_the_published_output(tmp_path):
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     assert burst("gen", src, "--seqlen", 64, "--heads", 2, "--head-dim", 8, "--dtype", "float32", "--with-grad",
                  "--quiet").returncode == 0
-    env = dict(ENV, **{job.TEST_HOOK_VERIFY_PAUSE: "120"})
+    env = dict(ENV, **{config.TEST_HOOK_VERIFY_PAUSE: "120"})
     proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "-m", "burst_hpc", "run", src, dst, "--causal",
                              "--backward", "--verify", "--backend", "numpy", "--quiet"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

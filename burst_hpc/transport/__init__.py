@@ -19,6 +19,7 @@ import ctypes
 import logging
 import os
 
+from .. import config
 from ..errors import TransportError
 from .base import Transport  # noqa: F401  (the protocol every transport satisfies)
 
@@ -42,10 +43,9 @@ def _libmpi_path():
 
 def cuda_aware_mpi():
     """(is_cuda_aware, reason). BURST_HPC_CUDA_AWARE=1/0 overrides what the library reports."""
-    forced = os.environ.get("BURST_HPC_CUDA_AWARE")
-    if forced is not None and forced.strip() != "":
-        aware = forced.strip().lower() in ("1", "yes", "true", "on")
-        return aware, f"BURST_HPC_CUDA_AWARE={forced}"
+    forced = config.cuda_aware()
+    if forced is not None:
+        return forced
     from mpi4py import MPI  # noqa: F401  (loads libmpi)
 
     path = _libmpi_path()

@@ -7,25 +7,7 @@ transfer; ``wait()`` returns no earlier than that (the data itself moves through
 transport at full speed). Transfers inside a node are not held. Switched on for any call by
 ``BURST_HPC_EMULATE_NETWORK="GBPS[,LATENCY_US]"`` (e.g. "50,5"); every rank sets the same value.
 """
-import os
 import time
-
-from ..errors import TransportError
-
-
-def setting():
-    """(bytes per second, latency in seconds) from BURST_HPC_EMULATE_NETWORK, or None."""
-    value = os.environ.get("BURST_HPC_EMULATE_NETWORK", "").strip()
-    if not value:
-        return None
-    try:
-        parts = [float(x) for x in value.split(",")]
-        gbps, latency_us = parts[0], parts[1] if len(parts) > 1 else 0.0
-        if gbps <= 0 or latency_us < 0 or len(parts) > 2:
-            raise ValueError
-    except ValueError:
-        raise TransportError(f"BURST_HPC_EMULATE_NETWORK must be 'GBPS[,LATENCY_US]' with GBPS > 0; got {value!r}") from None
-    return gbps * 1e9, latency_us * 1e-6
 
 
 class _Held:
