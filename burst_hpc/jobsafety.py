@@ -648,18 +648,3 @@ def exit_now(code):
     if mpi is not None and mpi.Is_initialized() and not mpi.Is_finalized():
         mpi.Finalize()
     os._exit(code)
-
-
-def check_space(directory, needed, what):
-    """Refuse early when the file system holding ``directory`` has less than ``needed`` bytes free
-    (BURST_HPC_SPACE_CHECK=0 skips: free space can be misreported, e.g. under quotas)."""
-    if os.environ.get("BURST_HPC_SPACE_CHECK", "1") == "0":
-        return
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    if free < needed:
-        raise FileError(f"not enough space for {what}: it needs about {needed / 1e6:.1f} MB, "
-                        f"{directory} has {free / 1e6:.1f} MB free")

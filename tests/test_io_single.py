@@ -24,6 +24,20 @@ def test_chunk_shape_bounds_bytes():
     assert io.chunk_shape((2, 8, 1 << 20), 4, 2) == (1, 1, 1 << 18)
 
 
+def test_every_writer_stamps_the_format(tmp_path):
+    import h5py
+
+    written = str(tmp_path / "global.h5")
+    io.write_global(written, {"o": np.zeros((1, 4, 1, 2), np.float32)}, attrs={"causal": True})
+    generated = str(tmp_path / "gen.h5")
+    io.generate(generated, 1, 8, 2, 1, 4, np.float32, attrs={"note": "x"})
+    for path in (written, generated):
+        with h5py.File(path, "r") as f:
+            assert f.attrs["format"] == io.FORMAT and f.attrs["burst_hpc_version"], path
+    with h5py.File(generated, "r") as f:
+        assert f.attrs["kind"] == "inputs" and f.attrs["head_dim"] == 4 and f.attrs["note"] == "x"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_plain_float64_matches_oracle(causal):
     q, k, v, do = _inputs(dtype=np.float64)
