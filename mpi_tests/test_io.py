@@ -99,6 +99,33 @@ def _expect_same_error(comm, cls, fragment, fn):
     assert len(set(messages)) == 1, messages
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_read_shards_with_spec_does_not_inspect_again(comm, workdir, monkeypatch, layout):
+    """read_shards(spec=...) reads the same shards as without it, and never inspects the file again."""
+    from burst_hpc.io import read
+
+    seqlen = 8 * comm.size
+    arrays = _global_inputs(comm, seqlen, bfloat16)
+    src = os.path.join(workdir, f"spec-{layout}.h5")
+    _write_inputs(comm, src, arrays)
+    names = ("q", "k", "v", "do")
+    spec = io.inspect_input(src, names)
+
+    def inspected_again(*args, **kwargs):
+        raise AssertionError("the input was inspected again")
+
+    monkeypatch.setattr(read, "_inspect", inspected_again)
+    monkeypatch.setattr(read, "inspect_input", inspected_again)
+    got, shards = io.read_shards(src, comm, layout, names, spec=spec)
+    assert got is spec
+    for name in names:
+        assert _same(shards[name], shard(arrays[name], comm.rank, comm.size, layout)), name
+
+    narrow = io.InputSpec(src, spec.batch, seqlen, spec.heads, spec.kv_heads, spec.head_dim, spec.dtype,
+                          ("q", "k", "v"), {})
+    _expect_same_error(comm, FileError, "'do' is missing", lambda: io.read_shards(src, comm, layout, names, spec=narrow))
+
+
 def test_missing_file_and_dataset(comm, workdir):
     _expect_same_error(comm, FileError, "does not exist",
                        lambda: io.read_shards(os.path.join(workdir, "nope.h5"), comm, "contiguous"))

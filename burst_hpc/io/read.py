@@ -134,16 +134,21 @@ def read_tokens(ds, runs, dtype, token_axis=1):
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=token_axis)
 
 
-def read_shards(path, comm, layout, names=("q", "k", "v")):
+def read_shards(path, comm, layout, names=("q", "k", "v"), spec=None):
     """(InputSpec, {name: this rank's shard}) for ``names``; collective, errors agreed on every rank.
 
     Each rank reads only its own token runs (both zigzag halves) with the file opened read-only.
+    ``spec``: the file's InputSpec from :func:`inspect_input` (on this rank, with ``need`` covering
+    ``names``), so the file is not inspected again; None inspects it here.
     """
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    spec, shards, err = None, {}, None
+    shards, err = {}, None
     try:
         with open_input(path) as f:
-            spec = _inspect(f, path, names)
+            if spec is None:
+                spec = _inspect(f, path, names)
+            else:
+                _check_inspected(spec, path, names)
             check_split(spec.seqlen, size, layout)
             runs = pieces(spec.seqlen, rank, size, layout)
             for name in names:
@@ -152,6 +157,15 @@ def read_shards(path, comm, layout, names=("q", "k", "v")):
         err = e
     agree(comm, err)
     return spec, shards
+
+
+def _check_inspected(spec, path, names):
+    """Refuse a ``spec`` that is not of ``path`` or lacks one of ``names``."""
+    if os.path.abspath(spec.path) != os.path.abspath(path):
+        raise FileError(f"{path}: the InputSpec given was inspected from {spec.path!r}, another file")
+    for name in names:
+        if name not in spec.names:
+            raise FileError(f"{path}: dataset {name!r} is missing; the inspected input holds {', '.join(spec.names)}")
 
 
 def _first_nonfinite(x, block_tokens=4096):
