@@ -22,6 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from burst_hpc import io
+from burst_hpc.layout import pieces
 
 H, D = 16, 128
 ROW = H * D * 4  # bytes per token
@@ -78,7 +79,7 @@ def hdf5(comm, path, data, seqlen, mpio):
     def read():
         import h5py
 
-        runs = io.pieces(seqlen, comm.rank, comm.size, "contiguous")
+        runs = pieces(seqlen, comm.rank, comm.size, "contiguous")
         kwargs = {"driver": "mpio", "comm": comm} if mpio else {}
         with h5py.File(path, "r", **kwargs) as f:
             got = io.read_tokens(f["o"], runs, np.float32)

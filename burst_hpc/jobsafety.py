@@ -40,7 +40,6 @@ import threading
 import time
 import uuid
 
-from . import config
 from .collective import abort_world, live_world, rank_and_size
 from .errors import FileError, say
 
@@ -629,18 +628,3 @@ def exit_now(code):
 
         MPI.Finalize()
     os._exit(code)
-
-
-def check_space(directory, needed, what):
-    """Refuse early when the file system holding ``directory`` has less than ``needed`` bytes free
-    (BURST_HPC_SPACE_CHECK=0 skips: free space can be misreported, e.g. under quotas)."""
-    if not config.space_check():
-        return
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return
-    free = st.f_bavail * st.f_frsize
-    if free < needed:
-        raise FileError(f"not enough space for {what}: it needs about {needed / 1e6:.1f} MB, "
-                        f"{directory} has {free / 1e6:.1f} MB free")

@@ -206,7 +206,7 @@ def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, prog
             runs = pieces(spec.seqlen, comm.rank, comm.size, layout)
             per_run = max(1, rows // len(runs))
             width = max(1, min(per_run, KEY_CHUNK // (spec.batch * spec.heads * 128)))
-            with io._open_read(path) as f:
+            with io.open_input(path) as f:
                 dsq, dsk, dsv = f["q"], f["k"], f["v"]
                 dsdo = f["do"] if "dq" in ours else None
                 block = max(128, KEY_CHUNK // (spec.batch * spec.heads * width))

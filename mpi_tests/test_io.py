@@ -13,7 +13,7 @@ import pytest
 
 from burst_hpc import io
 from burst_hpc.dtypes import bfloat16
-from burst_hpc.errors import BurstError, DTypeError, LayoutError, ShapeError
+from burst_hpc.errors import BurstError, DTypeError, FileError, LayoutError, ShapeError
 from burst_hpc.layout import LAYOUTS, shard
 
 
@@ -99,14 +99,41 @@ def _expect_same_error(comm, cls, fragment, fn):
     assert len(set(messages)) == 1, messages
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_read_shards_with_spec_does_not_inspect_again(comm, workdir, monkeypatch, layout):
+    """read_shards(spec=...) reads the same shards as without it, and never inspects the file again."""
+    from burst_hpc.io import read
+
+    seqlen = 8 * comm.size
+    arrays = _global_inputs(comm, seqlen, bfloat16)
+    src = os.path.join(workdir, f"spec-{layout}.h5")
+    _write_inputs(comm, src, arrays)
+    names = ("q", "k", "v", "do")
+    spec = io.inspect_input(src, names)
+
+    def inspected_again(*args, **kwargs):
+        raise AssertionError("the input was inspected again")
+
+    monkeypatch.setattr(read, "_inspect", inspected_again)
+    monkeypatch.setattr(read, "inspect_input", inspected_again)
+    got, shards = io.read_shards(src, comm, layout, names, spec=spec)
+    assert got is spec
+    for name in names:
+        assert _same(shards[name], shard(arrays[name], comm.rank, comm.size, layout)), name
+
+    narrow = io.InputSpec(src, spec.batch, seqlen, spec.heads, spec.kv_heads, spec.head_dim, spec.dtype,
+                          ("q", "k", "v"), {})
+    _expect_same_error(comm, FileError, "'do' is missing", lambda: io.read_shards(src, comm, layout, names, spec=narrow))
+
+
 def test_missing_file_and_dataset(comm, workdir):
-    _expect_same_error(comm, io.FileError, "does not exist",
+    _expect_same_error(comm, FileError, "does not exist",
                        lambda: io.read_shards(os.path.join(workdir, "nope.h5"), comm, "contiguous"))
     src = os.path.join(workdir, "nodo.h5")
     arrays = _global_inputs(comm, 4 * comm.size, np.float32)
     del arrays["do"]
     _write_inputs(comm, src, arrays)
-    _expect_same_error(comm, io.FileError, "'do' is missing",
+    _expect_same_error(comm, FileError, "'do' is missing",
                        lambda: io.read_shards(src, comm, "zigzag", names=("q", "k", "v", "do")))
 
 
@@ -133,7 +160,7 @@ def test_bad_inputs(comm, workdir):
 def test_unwritable_output_leaves_nothing(comm, workdir):
     spec = io.InputSpec("x", 1, 4 * comm.size, 2, 1, 4, np.dtype(np.float32), ("q", "k", "v"), {})
     missing_dir = os.path.join(workdir, "no-such-dir", "out.h5")
-    _expect_same_error(comm, io.FileError, "does not exist",
+    _expect_same_error(comm, FileError, "does not exist",
                        lambda: io.OutputFile.create(missing_dir, comm, io.output_datasets(spec, False)))
     assert not os.path.exists(os.path.dirname(missing_dir))
 

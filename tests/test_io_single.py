@@ -24,6 +24,34 @@ def test_chunk_shape_bounds_bytes():
     assert io.chunk_shape((2, 8, 1 << 20), 4, 2) == (1, 1, 1 << 18)
 
 
+def test_read_shards_with_spec_reads_without_inspecting(tmp_path, monkeypatch):
+    from burst_hpc.io import read
+
+    q, k, v, do = _inputs(dtype=bfloat16)
+    src = str(tmp_path / "in.h5")
+    io.write_global(src, {"q": q, "k": k, "v": v, "do": do})
+    spec = io.inspect_input(src, ("q", "k", "v", "do"))
+    monkeypatch.setattr(read, "_inspect", lambda *args: pytest.fail("the input was inspected again"))
+    got, shards = io.read_shards(src, None, "zigzag", ("q", "k", "v", "do"), spec=spec)
+    assert got is spec
+    for name, want in zip(("q", "k", "v", "do"), (q, k, v, do)):
+        assert np.array_equal(shards[name].view(np.uint16), want.view(np.uint16)), name
+
+
+def test_every_writer_stamps_the_format(tmp_path):
+    import h5py
+
+    written = str(tmp_path / "global.h5")
+    io.write_global(written, {"o": np.zeros((1, 4, 1, 2), np.float32)}, attrs={"causal": True})
+    generated = str(tmp_path / "gen.h5")
+    io.generate(generated, 1, 8, 2, 1, 4, np.float32, attrs={"note": "x"})
+    for path in (written, generated):
+        with h5py.File(path, "r") as f:
+            assert f.attrs["format"] == io.FORMAT and f.attrs["burst_hpc_version"], path
+    with h5py.File(generated, "r") as f:
+        assert f.attrs["kind"] == "inputs" and f.attrs["head_dim"] == 4 and f.attrs["note"] == "x"
+
+
 @pytest.mark.parametrize("causal", [False, True])
 def test_plain_float64_matches_oracle(causal):
     q, k, v, do = _inputs(dtype=np.float64)
