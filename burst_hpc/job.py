@@ -110,7 +110,7 @@ def run(options, comm=None):
                                overwrite=options.overwrite)
     try:
         # read and check this rank's shards
-        _, shards = io.read_shards(options.input, comm, layout, names)
+        _, shards = io.read_shards(options.input, comm, layout, names, spec=spec)
         if not options.allow_nonfinite:
             io.check_finite(options.input, shards, comm, layout, spec.seqlen, scale=scale)
         progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
