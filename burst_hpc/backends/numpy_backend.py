@@ -32,7 +32,10 @@ def _heads_first(x, acc):
 
 
 def _all_finite(xp, *arrays):
-    return all(bool(xp.isfinite(x).all()) for x in arrays)
+    """True when every element is finite (then the fast path is exact). Judged by each array's sum,
+    which needs no array-sized temporary (the memory per rank stays as documented): a NaN or Inf
+    element always makes the sum non-finite; a sum that merely overflows takes the careful path."""
+    return all(bool(xp.isfinite(x.sum(dtype=accum_dtype(x.dtype)))) for x in arrays)
 
 
 def _quiet(finite):
@@ -165,16 +168,20 @@ class NumpyBackend:
                 dp = dot @ vt.swapaxes(-1, -2)
                 ds = p * (dp - delta_t[..., None])
                 if finite or hidden is None:
-                    ds_k, p_dot, ds_q = ds @ kt, p.swapaxes(-1, -2) @ dot, ds.swapaxes(-1, -2) @ qt
+                    def product(w, x, _hidden):
+                        return w @ x
                 else:  # hidden pairs add nothing: not a NaN delta or dP times P = 0, nor 0 times a NaN input
                     ds = xp.where(hidden, 0, ds)
-                    ds_k = _visible_product(xp, ds, kt, hidden)
-                    p_dot = _visible_product(xp, p.swapaxes(-1, -2), dot, hidden.T)
-                    ds_q = _visible_product(xp, ds.swapaxes(-1, -2), qt, hidden.T)
-                dq_t += ds_k * acc.type(scale)
+
+                    def product(w, x, hidden):
+                        return _visible_product(xp, w, x, hidden)
+                transposed = None if hidden is None else hidden.T
+                # each product is used at once: one tile-sized temporary at a time (mpi_tests/test_memory.py)
+                dq_t += product(ds, kt, hidden) * acc.type(scale)
                 # sum over the group's query heads: (B, Hkv, G, m, D) -> (B, m, Hkv, D)
-                dv[:, k0:k1] += p_dot.sum(2).transpose(0, 2, 1, 3)
-                dk[:, k0:k1] += (ds_q.sum(2) * acc.type(scale)).transpose(0, 2, 1, 3)
+                dv[:, k0:k1] += product(p.swapaxes(-1, -2), dot, transposed).sum(2).transpose(0, 2, 1, 3)
+                dk_t = product(ds.swapaxes(-1, -2), qt, transposed).sum(2) * acc.type(scale)
+                dk[:, k0:k1] += dk_t.transpose(0, 2, 1, 3)
             dq[:, q0:q1] += _ungroup(dq_t)
 
     def delta(self, do, o):
