@@ -12,7 +12,6 @@ rows that see it and the gradients they feed, and no other. Only lse = -inf mean
 NaN row sum or lse is a row that saw a NaN); masks select, never multiply by 0; and on a partly
 masked tile whose inputs hold NaN or Inf, the products skip the hidden pairs (``_visible_product``).
 """
-import contextlib
 
 import numpy as np
 
@@ -31,17 +30,10 @@ def _heads_first(x, acc):
     return x.astype(acc, copy=False).transpose(0, 2, 1, 3)[:, :, None]
 
 
-def _all_finite(xp, *arrays):
-    """True when every element is finite (then the fast path is exact). Judged by each array's sum,
-    which needs no array-sized temporary (the memory per rank stays as documented): a NaN or Inf
-    element always makes the sum non-finite; a sum that merely overflows takes the careful path."""
-    return all(bool(xp.isfinite(x.sum(dtype=accum_dtype(x.dtype)))) for x in arrays)
-
-
-def _quiet(finite):
-    """numpy's 'invalid value' warnings off for inputs holding NaN or Inf (inf - inf is NaN, as it should
-    be); finite inputs keep them, as the sign of a bug."""
-    return contextlib.nullcontext() if finite else np.errstate(invalid="ignore")
+def _finite(xp, *tiles):
+    """True when every element of these tiles is finite: a partly masked tile's plain products are then
+    exact. Asked of tiles only, so the test costs at most a tile's worth of memory (mpi_tests/test_memory.py)."""
+    return all(bool(xp.isfinite(t).all()) for t in tiles)
 
 
 def _visible_product(xp, w, x, hidden):
@@ -98,11 +90,11 @@ class NumpyBackend:
                 yield k0, k1, None
 
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
-        finite = _all_finite(self.xp, q, k, v)
-        with _quiet(finite):
-            self._forward(q, k, v, o, lse, scale, causal, q_start, k_start, mask, finite)
+        # inf - inf is NaN where the inputs hold Inf, as it should be: no 'invalid value' warnings
+        with np.errstate(invalid="ignore"):
+            self._forward(q, k, v, o, lse, scale, causal, q_start, k_start, mask)
 
-    def _forward(self, q, k, v, o, lse, scale, causal, q_start, k_start, mask, finite):
+    def _forward(self, q, k, v, o, lse, scale, causal, q_start, k_start, mask):
         xp = self.xp
         acc = o.dtype
         n_kv = k.shape[2]
@@ -124,7 +116,7 @@ class NumpyBackend:
                 p = xp.exp(s - safe_max[..., None])
                 rescale = xp.exp(row_max - safe_max)
                 row_sum = row_sum * rescale + p.sum(-1)
-                pv = p @ vt if finite or hidden is None else _visible_product(xp, p, vt, hidden)
+                pv = p @ vt if hidden is None or _finite(xp, vt) else _visible_product(xp, p, vt, hidden)
                 out = out * rescale[..., None] + pv
                 row_max = new_max
             # nothing seen: a row sum of exactly 0 (a NaN sum is a row that saw a NaN, and stays NaN)
@@ -136,12 +128,10 @@ class NumpyBackend:
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
                        mask=None):
-        # a NaN lse or delta (rows that saw a NaN elsewhere, e.g. on another rank) needs the exact products too
-        finite = _all_finite(self.xp, q, k, v, do, delta) and not bool(self.xp.isnan(lse).any())
-        with _quiet(finite):
-            self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask, finite)
+        with np.errstate(invalid="ignore"):
+            self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask)
 
-    def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask, finite):
+    def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask):
         xp = self.xp
         acc = dq.dtype
         b, _, n_kv, d = k.shape
@@ -156,6 +146,7 @@ class NumpyBackend:
             visible = ~xp.isneginf(lse_t)  # a NaN lse is a row that saw a NaN: its P is NaN
             lse_t = xp.where(visible, lse_t, 0)
             dq_t = xp.zeros(qt.shape, acc)
+            rows_finite = _finite(xp, qt, dot)
             for k0, k1, hidden in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
                 kt = _heads_first(k[:, k0:k1], acc)
                 vt = _heads_first(v[:, k0:k1], acc)
@@ -167,12 +158,12 @@ class NumpyBackend:
                 p = xp.exp(xp.where(keep, s - lse_t[..., None], -xp.inf))
                 dp = dot @ vt.swapaxes(-1, -2)
                 ds = p * (dp - delta_t[..., None])
-                if finite or hidden is None:
+                if hidden is not None:  # hidden pairs add nothing: not a NaN delta or dP times P = 0 ...
+                    xp.copyto(ds, 0, where=hidden)  # in place: no second tile at the peak
+                if hidden is None or (rows_finite and _finite(xp, kt)):
                     def product(w, x, _hidden):
                         return w @ x
-                else:  # hidden pairs add nothing: not a NaN delta or dP times P = 0, nor 0 times a NaN input
-                    ds = xp.where(hidden, 0, ds)
-
+                else:  # ... nor 0 times a NaN or Inf input
                     def product(w, x, hidden):
                         return _visible_product(xp, w, x, hidden)
                 transposed = None if hidden is None else hidden.T
@@ -180,8 +171,8 @@ class NumpyBackend:
                 dq_t += product(ds, kt, hidden) * acc.type(scale)
                 # sum over the group's query heads: (B, Hkv, G, m, D) -> (B, m, Hkv, D)
                 dv[:, k0:k1] += product(p.swapaxes(-1, -2), dot, transposed).sum(2).transpose(0, 2, 1, 3)
-                dk_t = product(ds.swapaxes(-1, -2), qt, transposed).sum(2) * acc.type(scale)
-                dk[:, k0:k1] += dk_t.transpose(0, 2, 1, 3)
+                dk[:, k0:k1] += (product(ds.swapaxes(-1, -2), qt, transposed).sum(2)
+                                 * acc.type(scale)).transpose(0, 2, 1, 3)
             dq[:, q0:q1] += _ungroup(dq_t)
 
     def delta(self, do, o):
