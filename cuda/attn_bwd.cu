@@ -420,28 +420,3 @@ BH_BWD_K4(attn_bwd_bf16_d64_interval_k4x2, 64, true, false, true)
 BH_BWD_K4(attn_bwd_f16_d64_full_k4x2, 64, false, false, false)
 BH_BWD_K4(attn_bwd_f16_d64_causal_k4x2, 64, false, true, false)
 BH_BWD_K4(attn_bwd_f16_d64_interval_k4x2, 64, false, false, true)
-
-// delta[b, h, s] = sum_d do[b, s, h, d] * o[b, s, h, d]; one warp per (b, s, h) row.
-// kinds: 0 = bf16, 1 = fp16, 2 = fp32 (for do and o independently).
-__device__ __forceinline__ float load_kind(const void* p, i64 i, int kind) {
-  if (kind == 2) return static_cast<const float*>(p)[i];
-  const u16 bits = static_cast<const u16*>(p)[i];
-  return kind == 0 ? bf16_bits_to_float(bits) : half_bits_to_float(bits);
-}
-
-extern "C" __global__ void __launch_bounds__(256)
-    attn_delta(const void* dout, const void* o, float* delta, i64 gsb, i64 gss, i64 gsh, i64 osb, i64 oss, i64 osh,
-               int B, int S, int H, int D, int gkind, int okind) {
-  const i64 row = static_cast<i64>(blockIdx.x) * 8 + (threadIdx.x >> 5);
-  const int lane = threadIdx.x & 31;
-  if (row >= static_cast<i64>(B) * S * H) return;
-  const int h = static_cast<int>(row % H);
-  const int s = static_cast<int>((row / H) % S);
-  const int b = static_cast<int>(row / (static_cast<i64>(H) * S));
-  const i64 g0 = b * gsb + s * gss + h * gsh, o0 = b * osb + s * oss + h * osh;
-  float acc = 0.f;
-  for (int d = lane; d < D; d += 32) acc += load_kind(dout, g0 + d, gkind) * load_kind(o, o0 + d, okind);
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
-  if (lane == 0) delta[(static_cast<i64>(b) * H + h) * S + s] = acc;
-}

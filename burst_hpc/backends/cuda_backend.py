@@ -507,7 +507,7 @@ class CudaBackend:
             do = cupy.ascontiguousarray(do)
         if o.strides[-1] != o.itemsize:
             o = cupy.ascontiguousarray(o)
-        kern = self._kernel("attn_bwd.cu", "attn_delta", 0)
+        kern = self._kernel("attn_delta.cu", "attn_delta", 0)
         rows = b * s * h
         kern(((rows + 7) // 8,), (_THREADS,),
              (do, o, out, *self._strides(do)[:3], *self._strides(o)[:3], np.int32(b), np.int32(s), np.int32(h),
