@@ -24,7 +24,7 @@ takes the same mask as a dense boolean attn_mask (cuDNN where it accepts one, el
 memory-efficient kernel; the column says which ran).
 
 --fwd-shapes: the sm90 forward at each of its instantiated tile heights for D (default 64), forced, and the
-one the backend picks: the numbers behind _D64_TWO_CONSUMER_RATE in cuda_backend.py.
+one the backend picks: the numbers behind D64_TWO_CONSUMER_RATE in burst_hpc/backends/cuda/sm90.py.
 
 --write-docs replaces the "## Kernels (single GPU)" latest-table block of docs/BENCHMARKS.md.
 """
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from burst_hpc import masks  # noqa: E402
 from burst_hpc.accounting import attention_flops, visible_pairs  # noqa: E402
-from burst_hpc.backends import cuda_backend  # noqa: E402
+from burst_hpc.backends import cuda  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 PHASES = (("f", "fwd", 1.0), ("fb", "fwd+bwd", 3.5), ("b", "bwd", 2.5))  # key, label, FLOPs / forward FLOPs
@@ -102,7 +102,7 @@ def parse_args():
 
 def main():
     args = parse_args()
-    runnable = cuda_backend.kernel_families()
+    runnable = cuda.kernel_families()
     families = tuple(args.families.split(",")) if args.families else runnable
     for f in families:
         if f not in runnable:
@@ -139,7 +139,7 @@ def main():
                 dq, dk, dv = (cupy.zeros((B, s, H, d), cupy.float32) for _ in range(3))
                 ms = {}  # (impl, phase) -> milliseconds
                 for family in families:
-                    be = cuda_backend.CudaBackend.instance(family=family)
+                    be = cuda.CudaBackend.instance(family=family)
                     for key, t in time_ours(be, q, k, v, do, o, lse, dq, dk, dv, causal, args.reps).items():
                         ms[family, key] = t
                 if torch is not None:
@@ -234,7 +234,7 @@ def mask_cases(s):
 
 def forward_shapes(args, B=1, H=32):
     """TFLOP/s of the sm90 forward at each tile height (forced), and the height the backend picks."""
-    be = cuda_backend.CudaBackend.instance(family="sm90")
+    be = cuda.CudaBackend.instance(family="sm90")
     for d in tuple(int(x) for x in (args.dims or "64").split(",")):
         for s in tuple(int(x) for x in (args.seqs or "4096,16384").split(",")):
             q, k, v = (cupy.random.standard_normal((B, s, H, d), dtype=cupy.float32).astype(BF16) for _ in range(3))
@@ -243,13 +243,13 @@ def forward_shapes(args, B=1, H=32):
             for causal in (False, True):
                 flops = attention_flops(1, H, d, visible_pairs(s, causal))
                 cells = []
-                for rows, *_ in be._sm90_forward_shapes(d):
-                    be._forced_fwd_rows = rows
+                for rows, *_ in be.kernels.forward_shapes(d):
+                    be.kernels.forced_tile_height = rows
                     t = time_cupy(lambda: be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=causal), 3,
                                   args.reps)
                     cells.append(f"BM={rows}: {flops / t / 1e9:.0f}")
-                be._forced_fwd_rows = None
-                picked = be._forward_shape(d, B * H, s)[0]
+                be.kernels.forced_tile_height = None
+                picked = be.kernels.forward_shape(d, B * H, s)[0]
                 print(f"D={d} S={s} causal={causal}: " + ", ".join(cells) + f" TFLOP/s; picked BM={picked}",
                       flush=True)
 
@@ -267,7 +267,7 @@ def mask_rows(families, torch, reps, dev, md_path, s=16384, d=128, heads=32):
         flops = attention_flops(1, heads, d, visible)
         row = {"case": name, "visible": visible / (s * s)}
         for family in families:
-            be = cuda_backend.CudaBackend.instance(family=family)
+            be = cuda.CudaBackend.instance(family=family)
 
             def fwd():
                 be.forward_block(q, k, v, o, lse, scale=scale, causal=True, mask=mask)

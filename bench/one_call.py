@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from burst_hpc.backends.cuda_backend import CudaBackend, default_family  # noqa: E402
+from burst_hpc.backends.cuda import CudaBackend, default_family  # noqa: E402
 
 
 def main():

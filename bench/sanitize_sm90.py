@@ -18,7 +18,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burst_hpc import masks, reference  # noqa: E402
-from burst_hpc.backends.cuda_backend import CudaBackend  # noqa: E402
+from burst_hpc.backends.cuda import CudaBackend  # noqa: E402
 
 
 def main():
@@ -28,7 +28,7 @@ def main():
     worst = 0.0
     for dtype in (np.dtype("bfloat16"), np.dtype(np.float16)):
         for d, rows in ((64, 128), (64, 192), (128, 128), (256, 128)):  # every forward shape (tile height)
-            be._forced_fwd_rows = rows
+            be.kernels.forced_tile_height = rows
             for mode in ("full", "causal", "interval"):
                 causal = mode != "full"
                 b, sq, sk, hq, hkv = 1, 200, 300, 4, 2

@@ -12,7 +12,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burst_hpc import reference  # noqa: E402
-from burst_hpc.backends.cuda_backend import CudaBackend  # noqa: E402
+from burst_hpc.backends.cuda import CudaBackend  # noqa: E402
 
 
 def main():
@@ -20,9 +20,9 @@ def main():
     rng = np.random.default_rng()
     bad = 0
     for d in (64, 128, 256):
-        for rows, *_ in be._sm90_forward_shapes(d):
+        for rows, *_ in be.kernels.forward_shapes(d):
             for causal in (False, True):
-                be._forced_fwd_rows = rows
+                be.kernels.forced_tile_height = rows
                 b, s, hq, hkv = 1, 300, 4, 2
                 q, k, v, do = (rng.standard_normal((b, s, h, d)).astype(np.float32) for h in (hq, hkv, hkv, hq))
                 dev = [cupy.asarray(x).astype(np.dtype("bfloat16")) for x in (q, k, v, do)]
@@ -41,7 +41,7 @@ def main():
                 bad += not ok
                 print(f"D={d} BM={rows} causal={causal}: rel err o/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs)
                       + ("" if ok else "  FAIL"), flush=True)
-    be._forced_fwd_rows = None
+    be.kernels.forced_tile_height = None
     return 1 if bad else 0
 
 

@@ -160,7 +160,7 @@ def main(comm, out=print, seed=None):
     if on_device:
         import cupy
 
-        from .backends.cuda_backend import CudaBackend, kernel_families
+        from .backends.cuda import CudaBackend, kernel_families
         from .device import select_device
 
         if comm.size > 1:  # one rank keeps device 0, which needs no MPI (check runs without one)

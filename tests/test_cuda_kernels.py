@@ -27,13 +27,13 @@ pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
 from burst_hpc import masks  # noqa: E402
-from burst_hpc.backends import cuda_backend, get_backend  # noqa: E402
+from burst_hpc.backends import cuda, get_backend  # noqa: E402
 from burst_hpc.errors import BackendError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference  # noqa: E402
 from burst_hpc.verify import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
-_FAMILIES = cuda_backend.kernel_families() if _NGPU else ()
+_FAMILIES = cuda.kernel_families() if _NGPU else ()
 _family = None  # the family of the running test (set by the fixture below)
 
 
@@ -48,7 +48,7 @@ def family(request):
 
 
 def _be():
-    return cuda_backend.CudaBackend.instance(family=_family)
+    return cuda.CudaBackend.instance(family=_family)
 
 
 # ---------------------------------------------------------------- oracles (float64 and plain low precision)
@@ -198,15 +198,15 @@ def test_forward_every_sm90_tile_height(d, causal):
     scale, q_start = d ** -0.5, 200
     ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
     pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
-    shapes = be._sm90_forward_shapes(d)
+    shapes = be.kernels.forward_shapes(d)
     assert shapes, f"no sm90 forward shape for D={d}"
     for rows, *_ in shapes:
-        be._forced_fwd_rows = rows
+        be.kernels.forced_tile_height = rows
         try:  # two halves of the keys merged, as two ring steps would
             o, lse = _run_forward(q, k[:, :300], v[:, :300], scale, causal, q_start=q_start)
             _run_forward(q, k[:, 300:], v[:, 300:], scale, causal, q_start=q_start, k_start=300, o=o, lse=lse)
         finally:
-            be._forced_fwd_rows = None
+            be.kernels.forced_tile_height = None
         _check(f"o (BM={rows})", o, pl_o, ref_o, 2)
         assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max())), f"lse (BM={rows})"
 
@@ -375,14 +375,14 @@ def test_oracle_matches_numpy_reference():
         assert np.allclose(cupy.asnumpy(a), r, atol=1e-10)
 
 
-@pytest.mark.skipif(not _NGPU or cuda_backend._capability() != (9, 0), reason="needs a Hopper GPU (sm_90)")
+@pytest.mark.skipif(not _NGPU or cuda.gpu_capability() != (9, 0), reason="needs a Hopper GPU (sm_90)")
 def test_hopper_default_family(monkeypatch):
     """On Hopper the sm90 family is the default; BURST_HPC_KERNELS=sm80 forces the mma.sync family."""
     monkeypatch.delenv("BURST_HPC_KERNELS")
-    assert cuda_backend.default_family() == "sm90"
+    assert cuda.default_family() == "sm90"
     assert get_backend(cupy.zeros(1)).family == "sm90"
     monkeypatch.setenv("BURST_HPC_KERNELS", "sm80")
-    assert cuda_backend.default_family() == "sm80"
+    assert cuda.default_family() == "sm80"
     assert get_backend(cupy.zeros(1)).family == "sm80"
 
 

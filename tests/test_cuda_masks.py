@@ -19,14 +19,14 @@ pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
 from burst_hpc import masks  # noqa: E402
-from burst_hpc.backends import cuda_backend, get_backend  # noqa: E402
+from burst_hpc.backends import cuda, get_backend  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
 from burst_hpc.verify import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 
 
-@pytest.fixture(scope="module", autouse=True, params=cuda_backend.kernel_families() if _NGPU else ())
+@pytest.fixture(scope="module", autouse=True, params=cuda.kernel_families() if _NGPU else ())
 def family(request):
     """Run the module's tests on one kernel family (the API and get_backend read $BURST_HPC_KERNELS)."""
     with pytest.MonkeyPatch.context() as mp:

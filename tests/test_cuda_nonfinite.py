@@ -28,7 +28,7 @@ pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
 from burst_hpc import masks  # noqa: E402
-from burst_hpc.backends import cuda_backend  # noqa: E402
+from burst_hpc.backends import cuda  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
 
 from burst_testing import BF16, assert_finite_like, poke_nonfinite  # noqa: E402
@@ -39,7 +39,7 @@ NAMES = ("o", "lse", "dq", "dk", "dv")
 TOL = {BF16: 0.05, FP16: 0.02}  # of max(1, max |oracle|), where both are finite: the pattern is the test
 
 
-@pytest.fixture(scope="module", autouse=True, params=cuda_backend.kernel_families() if _NGPU else ())
+@pytest.fixture(scope="module", autouse=True, params=cuda.kernel_families() if _NGPU else ())
 def family(request):
     """Run the module's tests on one kernel family (the API reads $BURST_HPC_KERNELS)."""
     with pytest.MonkeyPatch.context() as mp:
@@ -132,7 +132,7 @@ def test_running_nan_survives_the_epilogue_merge(family, nan_first):
     the oracle."""
     rng, seed = _seeded()
     seqlen, d, cut = 700, 128, int(rng.integers(200, 500))
-    be = cuda_backend.CudaBackend.instance(family=family)
+    be = cuda.CudaBackend.instance(family=family)
     q, k, v = (rng.standard_normal((1, seqlen, h, d)).astype(BF16) for h in (4, 2, 2))
     k[0, int(rng.integers(0, cut)), 1, int(rng.integers(0, d))] = np.nan
     o = cupy.zeros((1, seqlen, 4, d), cupy.float32)

@@ -16,15 +16,15 @@ _NGPU = gpu_count()
 pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc.backends import cuda_backend  # noqa: E402
+from burst_hpc.backends import cuda  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
 from burst_testing import BF16, FP16, assert_lse_close, assert_rule, plain_backward, plain_forward, randn  # noqa: E402
 
-FAMILIES = list(cuda_backend.kernel_families()) if _NGPU else []
+FAMILIES = list(cuda.kernel_families()) if _NGPU else []
 
 
 def _backend(family):
-    return cuda_backend.CudaBackend.instance(family=family)
+    return cuda.CudaBackend.instance(family=family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

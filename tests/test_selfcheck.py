@@ -21,7 +21,7 @@ def test_check_one_process():
     kernels = _rows(r.stdout, "kernels ")
     n = len(selfcheck.KERNEL_CASES) * len(selfcheck.DTYPES) * 2
     if GPU:
-        from burst_hpc.backends.cuda_backend import kernel_families
+        from burst_hpc.backends.cuda import kernel_families
 
         n *= len(kernel_families())
     assert len(kernels) == n, r.stdout

@@ -71,14 +71,14 @@ def test_installed_backend_finds_every_kernel_source(installed):
     assert any(s.endswith(".cu") for s in sources), sources
     script = (
         "import sys, burst_hpc\n"
-        "from burst_hpc.backends.cuda_backend import cuda_dir, _inline_source\n"
+        "from burst_hpc.backends.cuda.compile import cuda_dir, inline_source\n"
         "root = cuda_dir()\n"
         "print(burst_hpc.__file__)\n"
         "print(root)\n"
         "for name in sys.argv[1:]:\n"
         "    text = (root / name).read_text()\n"
         "    if name.endswith('.cu'):\n"
-        "        _inline_source(name, root)  # every #include \"x.cuh\" resolves inside the package\n"
+        "        inline_source(name, root)  # every #include \"x.cuh\" resolves inside the package\n"
         "    print(name, len(text))\n")
     r = subprocess.run([str(python), "-c", script, *sources], cwd=tmp, capture_output=True, text=True, timeout=120,
                        env=ENV)

@@ -43,7 +43,7 @@ def get_backend(array, name=None):
     if name == "cuda":
         if not is_cupy:
             raise BackendError("the cuda backend takes CuPy arrays; convert with cupy.asarray first")
-        from .cuda_backend import CudaBackend
+        from .cuda import CudaBackend
 
         return CudaBackend.instance()
     raise BackendError(f"unknown backend {name!r}; use 'numpy' or 'cuda'")

@@ -55,3 +55,16 @@ def backward_block(backend, widths, q, k, v, do, lse, delta, dq, dk, dv, **kwarg
     backend.backward_block(*(pad(xp, x, width) for x in (q, k, v, do)), lse, delta, *grads, **kwargs)
     for g, g_padded in zip((dq, dk, dv), grads):
         g[...] = g_padded[..., :g.shape[-1]]
+
+
+class Padded:
+    """The block calls of ``backend`` for head dims outside its native ``widths``, zero-padded to them."""
+
+    def __init__(self, backend, widths):
+        self.backend, self.widths = backend, widths
+
+    def forward_block(self, q, k, v, o, lse, **kwargs):
+        forward_block(self.backend, self.widths, q, k, v, o, lse, **kwargs)
+
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, **kwargs):
+        backward_block(self.backend, self.widths, q, k, v, do, lse, delta, dq, dk, dv, **kwargs)

@@ -12,7 +12,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ..errors import BackendError
+from ...errors import BackendError
 
 _MAP_BYTES = 128
 _DTYPE_CODE = {"bfloat16": 9, "uint16": 9, "float16": 6, "float32": 7}  # CU_TENSOR_MAP_DATA_TYPE_*

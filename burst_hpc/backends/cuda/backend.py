@@ -1,0 +1,214 @@
+"""CudaBackend: the block interface (backends/__init__.py) on the kernels of one family.
+
+Which family runs is decided here, once per backend; so is the route of a head dim: native (the family's
+kernels), zero-padded to the next native width (padding.py: exact, the scale stays the caller's), or, for
+heads wider than every kernel, numpy_backend's tiled online softmax on CuPy arrays (float32 cuBLAS products
+per tile pair; exact, slower than the kernels). docs/KERNELS.md has the conventions.
+"""
+import os
+from typing import Protocol
+
+import numpy as np
+
+from ...errors import BackendError
+from .. import padding
+from . import launch
+from .compile import Modules
+from .sm80 import Sm80Kernels
+from .sm90 import Sm90Kernels
+
+# Kernel families, newest first. "sm90": wgmma / TMA / warp-specialized kernels for Hopper (sm_90a);
+# "sm80": the mma.sync / ldmatrix / cp.async kernels, which run on any GPU of compute capability >= 8.0.
+FAMILIES = ("sm90", "sm80")
+_FAMILY_ENV = "BURST_HPC_KERNELS"  # set to "sm80" to force the mma.sync family on Hopper
+# native widths per (family, direction): the sm90 family adds D = 256 (Gemma-style heads)
+_NATIVE_WIDTHS = {("sm80", "fwd"): (64, 128), ("sm80", "bwd"): (64, 128),
+                  ("sm90", "fwd"): (64, 128, 256), ("sm90", "bwd"): (64, 128, 256)}
+# heads wider than every kernel: tiles of this many queries x keys
+WIDE_TILE = 1024
+
+
+def kernel_families(capability=None):
+    """The kernel families the current GPU runs, the default first. ``capability``: (major, minor)."""
+    if capability is None:
+        capability = gpu_capability()
+    major, minor = capability
+    families = []
+    if (major, minor) == (9, 0):
+        families.append("sm90")
+    if major >= 8:
+        families.append("sm80")
+    return tuple(families)
+
+
+def default_family(capability=None):
+    """The family used unless one is asked for: $BURST_HPC_KERNELS if set, else the newest this GPU runs."""
+    families = kernel_families(capability)
+    forced = os.environ.get(_FAMILY_ENV)
+    if forced:
+        if forced not in FAMILIES:
+            raise BackendError(f"{_FAMILY_ENV} must be one of {FAMILIES}; got {forced!r}")
+        if forced not in families:
+            raise BackendError(f"{_FAMILY_ENV}={forced} does not run on this GPU (it runs {families or 'none'})")
+        return forced
+    if not families:
+        raise BackendError("the cuda backend needs a GPU of compute capability 8.0 or newer")
+    return families[0]
+
+
+def gpu_capability():
+    """(major, minor) compute capability of the current GPU."""
+    import cupy
+
+    cc = cupy.cuda.Device().compute_capability  # e.g. "90"
+    return int(cc[:-1]), int(cc[-1])
+
+
+def _require_gpu():
+    try:
+        import cupy
+    except ImportError:
+        raise BackendError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from None
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # noqa: BLE001 - any runtime failure means no usable GPU
+        raise BackendError(f"the cuda backend found no usable GPU: {exc}") from exc
+    if n < 1:
+        raise BackendError("the cuda backend found no GPU")
+
+
+class FamilyKernels(Protocol):
+    """The launches of one kernel family, on inputs the backend has marshalled: 16-bit q, k, v, do of the
+    kernels' type ``kind``, float32 accumulators the kernels can write; ``mask`` only for masked pairs."""
+
+    def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask): ...
+
+    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask): ...
+
+
+class CudaBackend:
+    """The block backend of one kernel family (``CudaBackend.instance(family)``: one per process)."""
+
+    name = "cuda"
+    _instances = {}
+
+    @classmethod
+    def instance(cls, family=None):
+        """The process-wide backend of ``family`` (None: ``default_family()``)."""
+        _require_gpu()
+        family = family or default_family()
+        if family not in cls._instances:
+            cls._instances[family] = cls(family)
+        return cls._instances[family]
+
+    def __init__(self, family="sm80"):
+        if family not in FAMILIES:
+            raise BackendError(f"unknown kernel family {family!r}; use one of {FAMILIES}")
+        _require_gpu()
+        import cupy
+
+        self.xp = cupy
+        self.family = family
+        self.modules = Modules()
+        self.kernels: FamilyKernels = (Sm90Kernels if family == "sm90" else Sm80Kernels)(self.modules)
+        self._wide = None
+
+    def native_widths(self, direction="fwd"):
+        """The head dims this family runs natively (``direction``: 'fwd' or 'bwd'); others are padded."""
+        return _NATIVE_WIDTHS[self.family, direction]
+
+    def _elsewhere(self, direction, head_dim):
+        """None when this family's kernels run ``head_dim``; else the block backend that does: these kernels
+        on zero-padded heads, or for heads wider than every kernel the tiled path."""
+        widths = self.native_widths(direction)
+        if head_dim in widths:
+            return None
+        if head_dim > max(widths):
+            if self._wide is None:
+                self._wide = _WideHeads(self.xp)
+            return self._wide
+        return padding.Padded(self, widths)
+
+    # ---- the three block calls ---------------------------------------------------------------------
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
+        where = dict(scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+        other = self._elsewhere("fwd", q.shape[-1])
+        if other is not None:
+            return other.forward_block(q, k, v, o, lse, mask=mask, **where)
+        launch.check_dims(q, k, self.native_widths("fwd"))
+        if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
+            return
+        kind = launch.kernel_dtype(q)
+        q, k, v = (launch.half_input(x, kind) for x in (q, k, v))
+        o_w, o_back = launch.accumulator(o, "o")
+        lse_w, lse_back = launch.f32_rows(lse, "lse")
+        # an unmasked pair runs the full kernel
+        self.kernels.forward(kind, q, k, v, o_w, lse_w, mask=mask if causal else None, **where)
+        if o_back is not None:
+            o_back[...] = o_w
+        if lse_back is not None:
+            lse_back[...] = lse_w
+
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
+                       mask=None):
+        where = dict(scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+        other = self._elsewhere("bwd", q.shape[-1])
+        if other is not None:
+            return other.backward_block(q, k, v, do, lse, delta, dq, dk, dv, mask=mask, **where)
+        launch.check_dims(q, k, self.native_widths("bwd"))
+        if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
+            return
+        kind = launch.kernel_dtype(q)
+        q, k, v, do = (launch.half_input(x, kind) for x in (q, k, v, do))
+        lse_r, _ = launch.f32_rows(lse, "lse")
+        delta_r, _ = launch.f32_rows(delta, "delta")
+        grads = [launch.accumulator(g, name) for g, name in ((dq, "dq"), (dk, "dk"), (dv, "dv"))]
+        # an unmasked pair runs the full kernel
+        self.kernels.backward(kind, q, k, v, do, lse_r, delta_r, *(w for w, _ in grads), mask=mask if causal else None,
+                              **where)
+        for w, back in grads:
+            if back is not None:
+                back[...] = w
+
+    def delta(self, do, o):
+        cupy = self.xp
+        b, s, h, d = do.shape
+        out = cupy.empty((b, h, s), np.float32)
+        if out.size == 0:
+            return out
+        kinds = {"bf16": 0, "f16": 1, "f32": 2}
+        if do.strides[-1] != do.itemsize:
+            do = cupy.ascontiguousarray(do)
+        if o.strides[-1] != o.itemsize:
+            o = cupy.ascontiguousarray(o)
+        kern = self.modules.kernel("attn_delta.cu", "attn_delta", 0)
+        rows = b * s * h
+        s_ = launch.strides
+        kern(((rows + 7) // 8,), (256,),
+             (do, o, out, *s_(do)[:3], *s_(o)[:3], np.int32(b), np.int32(s), np.int32(h), np.int32(d),
+              np.int32(kinds[launch.dtype_kind(do.dtype)]), np.int32(kinds[launch.dtype_kind(o.dtype)])))
+        return out
+
+
+class _WideHeads:
+    """Heads wider than every kernel: numpy_backend's tiled online softmax on CuPy arrays (WIDE_TILE x
+    WIDE_TILE tiles, batched float32 cuBLAS products, the same masks and GAO merge); uint16 arrays are raw
+    bf16 bits, as for the kernels."""
+
+    def __init__(self, xp):
+        from ..numpy_backend import NumpyBackend
+
+        self.tiled = NumpyBackend(WIDE_TILE, WIDE_TILE, xp=xp)
+
+    def forward_block(self, q, k, v, o, lse, **where):
+        self.tiled.forward_block(*_as_float(q, k, v), o, lse, **where)
+
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, **where):
+        self.tiled.backward_block(*_as_float(q, k, v, do), lse, delta, dq, dk, dv, **where)
+
+
+def _as_float(*arrays):
+    """The inputs as floating-point arrays: uint16 holds bf16 bits; a dtype the kernels do not take raises."""
+    for x in arrays:
+        launch.dtype_kind(x.dtype)
+    return [x.view(np.dtype("bfloat16")) if x.dtype == np.uint16 else x for x in arrays]

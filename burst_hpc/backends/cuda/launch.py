@@ -1,0 +1,132 @@
+"""Kernel arguments, shared by both families' launches: inputs as 16-bit arrays the kernels can read,
+float32 accumulators they can write, strides, mask bounds, and the GPU's size for the schedules.
+
+Every launch goes on CuPy's current stream; nothing here synchronizes the device.
+"""
+import functools
+
+import numpy as np
+
+from ...errors import BackendError
+
+LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: they take scale * log2(e)
+
+
+def dtype_kind(dtype):
+    """'bf16' | 'f16' | 'f32' for an input dtype, or BackendError (uint16 holds raw bf16 bits)."""
+    dtype = np.dtype(dtype)
+    if dtype == np.float16:
+        return "f16"
+    if dtype.name == "bfloat16" or dtype == np.uint16:
+        return "bf16"
+    if dtype == np.float32:
+        return "f32"
+    raise BackendError(f"the cuda backend takes bfloat16, float16 or float32 inputs; got {dtype}")
+
+
+def kernel_dtype(x):
+    """The 16-bit type of the kernels that run ``x``'s dtype: float32 inputs run the bf16 kernels."""
+    return "f16" if dtype_kind(x.dtype) == "f16" else "bf16"
+
+
+@functools.cache
+def _bfloat16():
+    import cupy
+
+    try:
+        import ml_dtypes  # noqa: F401
+
+        cupy.zeros(1, dtype=np.dtype("bfloat16"))
+        return np.dtype("bfloat16")
+    except Exception:  # noqa: BLE001 - older CuPy: no bf16 arrays
+        return None
+
+
+def half_input(x, want):
+    """A 16-bit device array (kernel input) with D contiguous and 16-byte aligned rows, of type ``want``
+    ('bf16' or 'f16'); x itself when it already is one, else a converted or contiguous copy."""
+    import cupy
+
+    if dtype_kind(x.dtype) != want:
+        if want == "f16":
+            x = x.astype(np.float16)
+        elif _bfloat16() is None:
+            raise BackendError("float32 inputs need CuPy with bfloat16 support (CuPy >= 14 with ml_dtypes)")
+        else:
+            x = x.astype(_bfloat16())
+    item = x.itemsize
+    ok = (x.strides[-1] == item and x.data.ptr % 16 == 0
+          and all((s // item) % 8 == 0 and s % item == 0 for s in x.strides[:-1]))
+    if not ok:
+        x = cupy.ascontiguousarray(x)
+    return x
+
+
+def accumulator(x, name):
+    """(array the kernel writes, array to copy it back into or None) for the float32 accumulator ``x``:
+    x itself when its head dim is contiguous in 8-byte aligned pairs, else a contiguous scratch copy."""
+    import cupy
+
+    if x.dtype != np.float32:
+        raise BackendError(f"{name} must be a float32 accumulator; got {x.dtype}")
+    if x.strides[-1] == 4 and x.data.ptr % 8 == 0 and all(s % 8 == 0 for s in x.strides[:-1]):
+        return x, None
+    return cupy.ascontiguousarray(x), x
+
+
+def f32_rows(x, name):
+    """(array the kernel uses, array to copy back into or None) for lse / delta (B, H, S) float32 views:
+    any strides, element-aligned."""
+    import cupy
+
+    if x.dtype != np.float32:
+        raise BackendError(f"{name} must be float32; got {x.dtype}")
+    if x.data.ptr % 4 or any(s % 4 for s in x.strides):
+        return cupy.ascontiguousarray(x), x
+    return x, None
+
+
+def strides(x):
+    """x's strides in elements, as the kernels' int64 arguments."""
+    return [np.int64(s // x.itemsize) for s in x.strides]
+
+
+def check_dims(q, k, widths):
+    """q's head dim, which must be one of ``widths`` and k's; q's heads a multiple of k's."""
+    d = q.shape[-1]
+    if d not in widths:
+        raise BackendError(f"the cuda backend supports head_dim {widths}; got {d}")
+    if k.shape[-1] != d or q.shape[2] % k.shape[2]:
+        raise BackendError(f"bad shapes q {q.shape} k {k.shape}")
+    return d
+
+
+def mask_args(mask, q_start, sq, k_start):
+    """Kernel arguments (mlo, mhi, kofs): the interval kernels read each query row's key bounds
+    (masks.Mask, docs/KERNELS.md "Masks"); other modes take null pointers."""
+    import cupy
+
+    if mask is None:
+        return (np.uint64(0), np.uint64(0), np.int64(0))
+    lo, hi = mask.device_intervals(cupy)
+    return (lo[q_start:q_start + sq], hi[q_start:q_start + sq], np.int64(k_start))
+
+
+@functools.cache
+def sm_count():
+    """The streaming multiprocessors of the GPU that was current at the first call (read once)."""
+    import cupy
+
+    return cupy.cuda.Device().attributes["MultiProcessorCount"]
+
+
+def split_group(group, key_blocks, kv_heads):
+    """(query heads per CTA, CTAs per GQA group) of a backward: split the group over CTAs only as far as
+    needed to fill the GPU (fewer dK/dV atomics). ``kv_heads``: batch x kv heads."""
+    target = 2 * sm_count()
+    hpb = group
+    while hpb > 1 and key_blocks * kv_heads * (group // hpb) < target:
+        hpb -= 1
+        while group % hpb:
+            hpb -= 1
+    return hpb, group // hpb
