@@ -243,13 +243,13 @@ def forward_shapes(args, B=1, H=32):
             for causal in (False, True):
                 flops = attention_flops(1, H, d, visible_pairs(s, causal))
                 cells = []
-                for rows, *_ in be.kernels.forward_shapes(d):
+                for rows in be.kernels.tile_heights(d):
                     be.kernels.forced_tile_height = rows
                     t = time_cupy(lambda: be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=causal), 3,
                                   args.reps)
                     cells.append(f"BM={rows}: {flops / t / 1e9:.0f}")
                 be.kernels.forced_tile_height = None
-                picked = be.kernels.forward_shape(d, B * H, s)[0]
+                picked = be.kernels.tile_height(d, B * H, s)
                 print(f"D={d} S={s} causal={causal}: " + ", ".join(cells) + f" TFLOP/s; picked BM={picked}",
                       flush=True)
 

@@ -27,7 +27,7 @@ def main():
     rng = np.random.default_rng()
     worst = 0.0
     for dtype in (np.dtype("bfloat16"), np.dtype(np.float16)):
-        for d, rows in ((64, 128), (64, 192), (128, 128), (256, 128)):  # every forward shape (tile height)
+        for d, rows in ((d, rows) for d in be.native_widths("fwd") for rows in be.kernels.tile_heights(d)):
             be.kernels.forced_tile_height = rows
             for mode in ("full", "causal", "interval"):
                 causal = mode != "full"

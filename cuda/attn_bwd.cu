@@ -19,6 +19,21 @@
 // propagate; the mask selects P = 0, it never multiplies); out-of-range query rows are
 // zero-filled (their dO and delta are 0, so they add nothing); out-of-range keys are masked.
 #include "common.cuh"
+#include "contract.cuh"
+
+namespace bwd80 {
+// Layout k4x2: a CTA of THREADS / 32 warps owns BN keys and walks query tiles of BM rows.
+template <int D>
+struct Cfg {
+  static constexpr int BM = 64, BN = 128, THREADS = 256;
+  // shared memory: K and V (BN x D), two stages of Q and of dO tiles (BM x D), P^T and dS^T (BN x BM), all
+  // 16-bit; then two stages of lse and of delta rows (BM floats), and with interval masks (IV) two of the
+  // rows' key bounds mlo and mhi (BM ints)
+  static constexpr int smem_bytes(bool iv) {
+    return (2 * BN * D + 4 * BM * D + 2 * BN * BM) * 2 + (iv ? 8 : 4) * BM * 4;
+  }
+};
+}  // namespace bwd80
 
 // ---------------------------------------------------------------------------------------------------
 // first r in [0, n) with a[r] > x, n if none (a never decreases); every thread gets the same answer
@@ -47,7 +62,8 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
                                               i64 vgsh, int Sq, int Sk, int Hkv, int group, int hpb, float scale,
                                               float sl2, i64 off, int atomic_kv, int order_g,
                                               const int* __restrict__ mlo, const int* __restrict__ mhi, i64 kofs) {
-  constexpr int BM = 64, BN = 128, NT = 256;
+  using C = bwd80::Cfg<D>;
+  constexpr int BM = C::BM, BN = C::BN, NT = C::THREADS;
   constexpr int DH = D / 2;   // dK/dV head-dim columns per warp
   constexpr int DQC = D / 4;  // dQ head-dim columns per warp
   static_assert(DH % 16 == 0 && DQC % 16 == 0, "bad head dim");
@@ -393,30 +409,28 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
   }
 }
 
-#define BH_BWD_K4(NAME, D, BF16, CAUSAL, IV)                                                                          \
-  extern "C" __global__ void __launch_bounds__(256) NAME(                                                          \
+#define BH_BWD80_NAME(DT, MASK, D) attn_bwd_##DT##_d##D##_##MASK##_k4x2
+#define BH_BWD80_KERNEL(DT, MASK, D)                                                                              \
+  extern "C" __global__ void __launch_bounds__(bwd80::Cfg<D>::THREADS) BH_BWD80_NAME(DT, MASK, D)(                 \
       const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse, const float* delta,           \
       float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss,   \
       i64 vsh, i64 gsb, i64 gss, i64 gsh, i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,        \
       i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,   \
       int group, int hpb, float scale, float sl2, i64 off, int atomic_kv, int order_g, const int* mlo,           \
       const int* mhi, i64 kofs) {                                                                                 \
-    attn_bwd_k4x2<D, BF16, CAUSAL, IV>(q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb,  \
-                                   vss, vsh, gsb, gss, gsh, lsb, lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb, \
-                                   kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb, scale, sl2, off,       \
-                                   atomic_kv, order_g, mlo, mhi, kofs);                                          \
+    attn_bwd_k4x2<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                   \
+        q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, gsb, gss, gsh, lsb,   \
+        lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb, kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb,   \
+        scale, sl2, off, atomic_kv, order_g, mlo, mhi, kofs);                                                    \
   }
+#define BH_BWD80_ROW(DT, MASK, D)                                                                          \
+  {BH_STR(BH_BWD80_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, bwd80::Cfg<D>::BM,              \
+   bwd80::Cfg<D>::BN, bwd80::Cfg<D>::THREADS, bwd80::Cfg<D>::smem_bytes(BH_IS_INTERVAL(MASK))},
+#define BH_BWD80_KERNELS(D) BH_EACH_DTYPE_AND_MASK(BH_BWD80_KERNEL, D)
+#define BH_BWD80_ROWS(D) BH_EACH_DTYPE_AND_MASK(BH_BWD80_ROW, D)
 
-// name: attn_bwd_<dtype>_d<D>_<mask>_k4x2  (a CTA owns 128 keys)
-BH_BWD_K4(attn_bwd_bf16_d128_full_k4x2, 128, true, false, false)
-BH_BWD_K4(attn_bwd_bf16_d128_causal_k4x2, 128, true, true, false)
-BH_BWD_K4(attn_bwd_bf16_d128_interval_k4x2, 128, true, false, true)
-BH_BWD_K4(attn_bwd_f16_d128_full_k4x2, 128, false, false, false)
-BH_BWD_K4(attn_bwd_f16_d128_causal_k4x2, 128, false, true, false)
-BH_BWD_K4(attn_bwd_f16_d128_interval_k4x2, 128, false, false, true)
-BH_BWD_K4(attn_bwd_bf16_d64_full_k4x2, 64, true, false, false)
-BH_BWD_K4(attn_bwd_bf16_d64_causal_k4x2, 64, true, true, false)
-BH_BWD_K4(attn_bwd_bf16_d64_interval_k4x2, 64, true, false, true)
-BH_BWD_K4(attn_bwd_f16_d64_full_k4x2, 64, false, false, false)
-BH_BWD_K4(attn_bwd_f16_d64_causal_k4x2, 64, false, true, false)
-BH_BWD_K4(attn_bwd_f16_d64_interval_k4x2, 64, false, false, true)
+// The instances, listed once: each head dim X(D) in bf16 and f16 with the full, causal and interval masks,
+// named attn_bwd_<dtype>_d<D>_<mask>_k4x2; the kernel table attn_bwd_kernels lists them with their geometry.
+#define BH_BWD80_SHAPES(X) X(128) X(64)
+BH_BWD80_SHAPES(BH_BWD80_KERNELS)
+BH_KERNEL_TABLE(attn_bwd, BH_BWD80_SHAPES(BH_BWD80_ROWS))

@@ -41,6 +41,7 @@
 // done with the stage (barrier kTileRead), consumer c stages scale * dQ_c (64 queries x 128 float32, 32 KB)
 // in the stage's Q tile (c = 0) or dO tile (c = 1) itself; the writer adds it into dq and then releases the
 // stage to the loader (it arrives on the stage's empty barriers after its reductions have read it).
+#include "contract.cuh"
 #include "sm90_epilogue.cuh"
 #include "sm90_pipeline.cuh"
 
@@ -129,12 +130,6 @@ struct Walk {
 };
 }  // namespace bwd90
 
-// Tile geometry read by the host (cuda_backend.py), so it is written down once: per head dim (64, 128, 256)
-// {keys per CTA, queries per tile, threads, dynamic shared memory bytes}.
-extern "C" __constant__ int attn_bwd_sm90_geometry[3][4] = {
-    {bwd90::Cfg<64>::BN, bwd90::Cfg<64>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<64>::kBytes)},
-    {bwd90::Cfg<128>::BN, bwd90::Cfg<128>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<128>::kBytes)},
-    {bwd90::Cfg<256>::BN, bwd90::Cfg<256>::BM, bwd90::THREADS, static_cast<int>(bwd90::Smem<256>::kBytes)}};
 static_assert(bwd90::Smem<256>::kBytes <= 227 * 1024, "D = 256 shared memory");
 
 // The pre-pass: the row table the producer copies per tile. rows[0][b][h][i] = lse * log2(e) (+inf for rows
@@ -719,31 +714,25 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   }
 }
 
-#define BH_BWD90(NAME, D, BF16, CAUSAL, IV)                                                                       \
-  extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1)                                                \
-      NAME(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int Hq, int Hkv, int group, \
-           int hpb, float scale, float sl2, i64 off, const int* ranges) {                                        \
-    attn_bwd_sm90<D, BF16, CAUSAL, IV>(tmaps, rows, Sq, Sq_pad, Sk, Hq, Hkv, group, hpb, scale, sl2, off, ranges); \
+#define BH_BWD90_NAME(DT, MASK, D) attn_bwd_sm90_##DT##_d##D##_##MASK
+#define BH_BWD90_KERNEL(DT, MASK, D)                                                                              \
+  extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1) BH_BWD90_NAME(DT, MASK, D)(                     \
+      const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int Hq, int Hkv, int group,      \
+      int hpb, float scale, float sl2, i64 off, const int* ranges) {                                             \
+    attn_bwd_sm90<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(tmaps, rows, Sq, Sq_pad, Sk, Hq, Hkv, \
+                                                                               group, hpb, scale, sl2, off, ranges); \
   }
+#define BH_BWD90_ROW(DT, MASK, D)                                                                      \
+  {BH_STR(BH_BWD90_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, bwd90::Cfg<D>::BM,          \
+   bwd90::Cfg<D>::BN, bwd90::THREADS, static_cast<int>(bwd90::Smem<D>::kBytes)},
+#define BH_BWD90_KERNELS(D) BH_EACH_DTYPE_AND_MASK(BH_BWD90_KERNEL, D)
+#define BH_BWD90_ROWS(D) BH_EACH_DTYPE_AND_MASK(BH_BWD90_ROW, D)
 
-// name: attn_bwd_sm90_<dtype>_d<D>_<mask>, mask: full | causal | interval; tmaps: the q, k, v, do (16-bit)
-// and dq, dk, dv (float32) tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows; ranges (interval
-// only): the query tiles of each key block from attn_bwd_sm90_ranges
-BH_BWD90(attn_bwd_sm90_bf16_d128_full, 128, true, false, false)
-BH_BWD90(attn_bwd_sm90_bf16_d128_causal, 128, true, true, false)
-BH_BWD90(attn_bwd_sm90_bf16_d128_interval, 128, true, false, true)
-BH_BWD90(attn_bwd_sm90_f16_d128_full, 128, false, false, false)
-BH_BWD90(attn_bwd_sm90_f16_d128_causal, 128, false, true, false)
-BH_BWD90(attn_bwd_sm90_f16_d128_interval, 128, false, false, true)
-BH_BWD90(attn_bwd_sm90_bf16_d64_full, 64, true, false, false)
-BH_BWD90(attn_bwd_sm90_bf16_d64_causal, 64, true, true, false)
-BH_BWD90(attn_bwd_sm90_bf16_d64_interval, 64, true, false, true)
-BH_BWD90(attn_bwd_sm90_f16_d64_full, 64, false, false, false)
-BH_BWD90(attn_bwd_sm90_f16_d64_causal, 64, false, true, false)
-BH_BWD90(attn_bwd_sm90_f16_d64_interval, 64, false, false, true)
-BH_BWD90(attn_bwd_sm90_bf16_d256_full, 256, true, false, false)
-BH_BWD90(attn_bwd_sm90_bf16_d256_causal, 256, true, true, false)
-BH_BWD90(attn_bwd_sm90_bf16_d256_interval, 256, true, false, true)
-BH_BWD90(attn_bwd_sm90_f16_d256_full, 256, false, false, false)
-BH_BWD90(attn_bwd_sm90_f16_d256_causal, 256, false, true, false)
-BH_BWD90(attn_bwd_sm90_f16_d256_interval, 256, false, false, true)
+// The instances, listed once: each head dim X(D) in bf16 and f16 with the full, causal and interval masks,
+// named attn_bwd_sm90_<dtype>_d<D>_<mask>; the kernel table attn_bwd_sm90_kernels lists them with their
+// geometry. tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32) tensor maps, 128 bytes each; rows: the
+// table of attn_bwd_sm90_rows; ranges (interval only): the query tiles of each key block from
+// attn_bwd_sm90_ranges
+#define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
+BH_BWD90_SHAPES(BH_BWD90_KERNELS)
+BH_KERNEL_TABLE(attn_bwd_sm90, BH_BWD90_SHAPES(BH_BWD90_ROWS))

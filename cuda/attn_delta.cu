@@ -1,19 +1,22 @@
 // The delta pre-pass of both kernel families' backward: rowsum(do * o) per (batch, head, query row), in
 // float32, before the backward walks its block pairs.
 #include "common.cuh"
+#include "contract.cuh"
+
+constexpr int DELTA_THREADS = 256, DELTA_ROWS = DELTA_THREADS / 32;  // one warp per row
 
 // delta[b, h, s] = sum_d do[b, s, h, d] * o[b, s, h, d]; one warp per (b, s, h) row.
-// kinds: 0 = bf16, 1 = fp16, 2 = fp32 (for do and o independently).
+// kinds (for do and o independently): BH_DTYPE_bf16, BH_DTYPE_f16 or BH_DTYPE_f32.
 __device__ __forceinline__ float load_kind(const void* p, i64 i, int kind) {
-  if (kind == 2) return static_cast<const float*>(p)[i];
+  if (kind == BH_DTYPE_f32) return static_cast<const float*>(p)[i];
   const u16 bits = static_cast<const u16*>(p)[i];
-  return kind == 0 ? bf16_bits_to_float(bits) : half_bits_to_float(bits);
+  return kind == BH_DTYPE_bf16 ? bf16_bits_to_float(bits) : half_bits_to_float(bits);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
+extern "C" __global__ void __launch_bounds__(DELTA_THREADS)
     attn_delta(const void* dout, const void* o, float* delta, i64 gsb, i64 gss, i64 gsh, i64 osb, i64 oss, i64 osh,
                int B, int S, int H, int D, int gkind, int okind) {
-  const i64 row = static_cast<i64>(blockIdx.x) * 8 + (threadIdx.x >> 5);
+  const i64 row = static_cast<i64>(blockIdx.x) * DELTA_ROWS + (threadIdx.x >> 5);
   const int lane = threadIdx.x & 31;
   if (row >= static_cast<i64>(B) * S * H) return;
   const int h = static_cast<int>(row % H);
@@ -26,3 +29,6 @@ extern "C" __global__ void __launch_bounds__(256)
   for (int m = 16; m > 0; m >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, m);
   if (lane == 0) delta[(static_cast<i64>(b) * H + h) * S + s] = acc;
 }
+
+// its row: any dtype, head dim and mask; DELTA_ROWS rows of (b, s, h) per CTA of DELTA_THREADS threads
+BH_KERNEL_TABLE(attn_delta, {"attn_delta", BH_ANY, BH_ANY, BH_ANY, DELTA_ROWS, 0, DELTA_THREADS, 0})

@@ -20,18 +20,30 @@
 // Both bounds never decrease with r, so a CTA's keys run from mlo[first row] to mhi[last row] and a
 // warp's tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
 #include "common.cuh"
+#include "contract.cuh"
 
+namespace fwd80 {
+// The shape of a head dim's kernels: NW warps, each owning MT m16 row tiles (MT = 2: every K/V fragment read
+// from shared memory feeds two MMAs, halving shared-memory traffic per FLOP against one tile per warp), and
+// key tiles of BN.
+template <int D>
+struct Cfg {
+  static constexpr int NW = 4, MT = 2, BN = 64;
+  static constexpr int BM = NW * 16 * MT, THREADS = NW * 32;
+  // shared memory: the Q tile (BM x D), then two stages of K tiles and two of V tiles (BN x D), 16-bit
+  static constexpr int kSmemBytes = (BM * D + 2 * 2 * BN * D) * 2;
+};
+}  // namespace fwd80
 
-template <int D, int BN, int NW, int MT, bool BF16, bool CAUSAL, bool IV>
+template <int D, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k,
                                          const u16* __restrict__ v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh,
                                          i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss,
                                          i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int group, float sl2,
                                          i64 off, const int* __restrict__ mlo, const int* __restrict__ mhi,
                                          i64 kofs) {
-  // NW warps, each owning MT m16 row tiles (MT = 2: every K/V fragment read from shared memory
-  // feeds two MMAs, halving shared-memory traffic per FLOP against one tile per warp).
-  constexpr int NT = NW * 32, WM = 16 * MT, BM = NW * WM;
+  using C = fwd80::Cfg<D>;
+  constexpr int BN = C::BN, MT = C::MT, NT = C::THREADS, WM = 16 * MT, BM = C::BM;
   extern __shared__ __align__(128) unsigned char smem[];
   const u32 sQ = smem_u32(smem);
   const u32 sK = sQ + BM * D * 2;
@@ -281,25 +293,24 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
   }
 }
 
-#define BH_FWD(NAME, D, BN, NW, MT, BF16, CAUSAL, IV)                                                          \
-  extern "C" __global__ void __launch_bounds__(NW * 32) NAME(                                                      \
+#define BH_FWD80_NAME(DT, MASK, D) attn_fwd_##DT##_d##D##_##MASK
+#define BH_FWD80_KERNEL(DT, MASK, D)                                                                            \
+  extern "C" __global__ void __launch_bounds__(fwd80::Cfg<D>::THREADS) BH_FWD80_NAME(DT, MASK, D)(              \
       const u16* q, const u16* k, const u16* v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh, i64 ksb,      \
       i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,       \
       int Sq, int Sk, int group, float sl2, i64 off, const int* mlo, const int* mhi, i64 kofs) {               \
-    attn_fwd<D, BN, NW, MT, BF16, CAUSAL, IV>(q, k, v, o, lse, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, \
-                                      osh, lsb, lsh, lss, Sq, Sk, group, sl2, off, mlo, mhi, kofs);            \
+    attn_fwd<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                    \
+        q, k, v, o, lse, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh, lsb, lsh, lss, Sq, Sk, group, \
+        sl2, off, mlo, mhi, kofs);                                                                             \
   }
+#define BH_FWD80_ROW(DT, MASK, D)                                                                      \
+  {BH_STR(BH_FWD80_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, fwd80::Cfg<D>::BM,          \
+   fwd80::Cfg<D>::BN, fwd80::Cfg<D>::THREADS, fwd80::Cfg<D>::kSmemBytes},
+#define BH_FWD80_KERNELS(D) BH_EACH_DTYPE_AND_MASK(BH_FWD80_KERNEL, D)
+#define BH_FWD80_ROWS(D) BH_EACH_DTYPE_AND_MASK(BH_FWD80_ROW, D)
 
-// name: attn_fwd_<dtype>_d<D>_<mask>, mask: full | causal | interval
-BH_FWD(attn_fwd_bf16_d128_full, 128, 64, 4, 2, true, false, false)
-BH_FWD(attn_fwd_bf16_d128_causal, 128, 64, 4, 2, true, true, false)
-BH_FWD(attn_fwd_bf16_d128_interval, 128, 64, 4, 2, true, false, true)
-BH_FWD(attn_fwd_f16_d128_full, 128, 64, 4, 2, false, false, false)
-BH_FWD(attn_fwd_f16_d128_causal, 128, 64, 4, 2, false, true, false)
-BH_FWD(attn_fwd_f16_d128_interval, 128, 64, 4, 2, false, false, true)
-BH_FWD(attn_fwd_bf16_d64_full, 64, 64, 4, 2, true, false, false)
-BH_FWD(attn_fwd_bf16_d64_causal, 64, 64, 4, 2, true, true, false)
-BH_FWD(attn_fwd_bf16_d64_interval, 64, 64, 4, 2, true, false, true)
-BH_FWD(attn_fwd_f16_d64_full, 64, 64, 4, 2, false, false, false)
-BH_FWD(attn_fwd_f16_d64_causal, 64, 64, 4, 2, false, true, false)
-BH_FWD(attn_fwd_f16_d64_interval, 64, 64, 4, 2, false, false, true)
+// The instances, listed once: each head dim X(D) in bf16 and f16 with the full, causal and interval masks,
+// named attn_fwd_<dtype>_d<D>_<mask>; the kernel table attn_fwd_kernels lists them with their geometry.
+#define BH_FWD80_SHAPES(X) X(128) X(64)
+BH_FWD80_SHAPES(BH_FWD80_KERNELS)
+BH_KERNEL_TABLE(attn_fwd, BH_FWD80_SHAPES(BH_FWD80_ROWS))

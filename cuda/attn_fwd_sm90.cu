@@ -29,6 +29,7 @@
 // key tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
 // The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel; the old o
 // rows are prefetched to L2 two key tiles before it.
+#include "contract.cuh"
 #include "sm90_epilogue.cuh"
 #include "sm90_pipeline.cuh"
 
@@ -98,13 +99,6 @@ __device__ __forceinline__ Tile tile_at(int idx, int nmb, int Hq, int BH, int hc
   return t;
 }
 }  // namespace fwd90
-
-// Tile geometry read by the host (cuda_backend.py), so it is written down once: one row per instantiated
-// shape {head dim, query rows per tile, keys per tile, threads, dynamic shared memory bytes}.
-#define BH_FWD90_GEOMETRY(D, C) \
-  {D, fwd90::Cfg<D, C>::BM, fwd90::Cfg<D, C>::BN, fwd90::Cfg<D, C>::THREADS, static_cast<int>(fwd90::Smem<D, C>::kBytes)}
-extern "C" __constant__ int attn_fwd_sm90_geometry[4][5] = {
-    BH_FWD90_GEOMETRY(64, 2), BH_FWD90_GEOMETRY(64, 3), BH_FWD90_GEOMETRY(128, 2), BH_FWD90_GEOMETRY(256, 2)};
 
 // S (this warpgroup's 64 query rows x BN keys) = Q rows . K tile, over D
 template <int D, int BM, int BN, bool BF16>
@@ -390,28 +384,28 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   }
 }
 
-#define BH_FWD90(NAME, D, C, BF16, CAUSAL, IV)                                                                      \
-  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1)                                       \
-      NAME(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss, \
-           int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, const int* order,              \
-           const int* mlo, const int* mhi, i64 kofs, int* next_tile) {                                              \
-    attn_fwd_sm90<D, C, BF16, CAUSAL, IV>(tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2,   \
-                                          off, hchunk, order, mlo, mhi, kofs, next_tile);                           \
+#define BH_FWD90_NAME(DT, MASK, D, C) attn_fwd_sm90_##DT##_d##D##_m##C##_##MASK
+#define BH_FWD90_KERNEL(DT, MASK, D, C)                                                                            \
+  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1) BH_FWD90_NAME(DT, MASK, D, C)(        \
+      const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,      \
+      int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, const int* order, const int* mlo,  \
+      const int* mhi, i64 kofs, int* next_tile) {                                                                  \
+    attn_fwd_sm90<D, C, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                 \
+        tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, order, mlo, mhi, kofs, \
+        next_tile);                                                                                                \
   }
-#define BH_FWD90_MODES(DT, BF16, D, C)                                          \
-  BH_FWD90(attn_fwd_sm90_##DT##_d##D##_m##C##_full, D, C, BF16, false, false)   \
-  BH_FWD90(attn_fwd_sm90_##DT##_d##D##_m##C##_causal, D, C, BF16, true, false)  \
-  BH_FWD90(attn_fwd_sm90_##DT##_d##D##_m##C##_interval, D, C, BF16, false, true)
+#define BH_FWD90_ROW(DT, MASK, D, C)                                                                         \
+  {BH_STR(BH_FWD90_NAME(DT, MASK, D, C)), BH_DTYPE_##DT, D, BH_MASK_##MASK, fwd90::Cfg<D, C>::BM,          \
+   fwd90::Cfg<D, C>::BN, fwd90::Cfg<D, C>::THREADS, static_cast<int>(fwd90::Smem<D, C>::kBytes)},
+#define BH_FWD90_KERNELS(D, C) BH_EACH_DTYPE_AND_MASK(BH_FWD90_KERNEL, D, C)
+#define BH_FWD90_ROWS(D, C) BH_EACH_DTYPE_AND_MASK(BH_FWD90_ROW, D, C)
 
-// name: attn_fwd_sm90_<dtype>_d<D>_m<consumer warpgroups>_<mask>, mask: full | causal | interval;
+// The instances, listed once: each shape X(D, consumer warpgroups) in bf16 and f16 with the full, causal and
+// interval masks, named attn_fwd_sm90_<dtype>_d<D>_m<consumer warpgroups>_<mask>; the kernel table
+// attn_fwd_sm90_kernels lists them with their geometry (the host picks among a head dim's tile heights).
 // tmaps: the q, k, v tensor maps (128 bytes each, global memory); grid: one CTA per SM at most;
 // hchunk, order: the schedule (order: interval only, the query blocks longest first); mlo, mhi, kofs: the
 // interval bounds (null for full and causal); next_tile: the tile counter, one int that is 0 at launch
-BH_FWD90_MODES(bf16, true, 64, 2)
-BH_FWD90_MODES(bf16, true, 64, 3)
-BH_FWD90_MODES(bf16, true, 128, 2)
-BH_FWD90_MODES(bf16, true, 256, 2)
-BH_FWD90_MODES(f16, false, 64, 2)
-BH_FWD90_MODES(f16, false, 64, 3)
-BH_FWD90_MODES(f16, false, 128, 2)
-BH_FWD90_MODES(f16, false, 256, 2)
+#define BH_FWD90_SHAPES(X) X(64, 2) X(64, 3) X(128, 2) X(256, 2)
+BH_FWD90_SHAPES(BH_FWD90_KERNELS)
+BH_KERNEL_TABLE(attn_fwd_sm90, BH_FWD90_SHAPES(BH_FWD90_ROWS))

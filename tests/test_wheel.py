@@ -71,7 +71,8 @@ def test_installed_backend_finds_every_kernel_source(installed):
     assert any(s.endswith(".cu") for s in sources), sources
     script = (
         "import sys, burst_hpc\n"
-        "from burst_hpc.backends.cuda.compile import cuda_dir, inline_source\n"
+        "from burst_hpc.backends.cuda.compile import inline_source\n"
+        "from burst_hpc.backends.cuda.contract import cuda_dir\n"
         "root = cuda_dir()\n"
         "print(burst_hpc.__file__)\n"
         "print(root)\n"

@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import BackendError
 from .. import padding
-from . import launch
+from . import contract, launch
 from .compile import Modules
 from .sm80 import Sm80Kernels
 from .sm90 import Sm90Kernels
@@ -21,9 +21,6 @@ from .sm90 import Sm90Kernels
 # "sm80": the mma.sync / ldmatrix / cp.async kernels, which run on any GPU of compute capability >= 8.0.
 FAMILIES = ("sm90", "sm80")
 _FAMILY_ENV = "BURST_HPC_KERNELS"  # set to "sm80" to force the mma.sync family on Hopper
-# native widths per (family, direction): the sm90 family adds D = 256 (Gemma-style heads)
-_NATIVE_WIDTHS = {("sm80", "fwd"): (64, 128), ("sm80", "bwd"): (64, 128),
-                  ("sm90", "fwd"): (64, 128, 256), ("sm90", "bwd"): (64, 128, 256)}
 # heads wider than every kernel: tiles of this many queries x keys
 WIDE_TILE = 1024
 
@@ -114,8 +111,9 @@ class CudaBackend:
         self._wide = None
 
     def native_widths(self, direction="fwd"):
-        """The head dims this family runs natively (``direction``: 'fwd' or 'bwd'); others are padded."""
-        return _NATIVE_WIDTHS[self.family, direction]
+        """The head dims this family runs natively (``direction``: 'fwd' or 'bwd'), as its source lists them;
+        narrower ones are zero-padded, wider ones run the tiled path."""
+        return contract.native_widths(self.family, direction)
 
     def _elsewhere(self, direction, head_dim):
         """None when this family's kernels run ``head_dim``; else the block backend that does: these kernels
@@ -171,22 +169,24 @@ class CudaBackend:
                 back[...] = w
 
     def delta(self, do, o):
+        """rowsum(do * o) as a float32 (B, H, S) array (attn_delta.cu, any head dim; do and o each bf16,
+        fp16 or float32)."""
         cupy = self.xp
         b, s, h, d = do.shape
         out = cupy.empty((b, h, s), np.float32)
         if out.size == 0:
             return out
-        kinds = {"bf16": 0, "f16": 1, "f32": 2}
+        codes = contract.header().dtypes
         if do.strides[-1] != do.itemsize:
             do = cupy.ascontiguousarray(do)
         if o.strides[-1] != o.itemsize:
             o = cupy.ascontiguousarray(o)
-        kern = self.modules.kernel("attn_delta.cu", "attn_delta", 0)
-        rows = b * s * h
-        s_ = launch.strides
-        kern(((rows + 7) // 8,), (256,),
-             (do, o, out, *s_(do)[:3], *s_(o)[:3], np.int32(b), np.int32(s), np.int32(h), np.int32(d),
-              np.int32(kinds[launch.dtype_kind(do.dtype)]), np.int32(kinds[launch.dtype_kind(o.dtype)])))
+        kernel = self.modules.table(contract.DELTA_SOURCE).find()
+        kern = self.modules.kernel(contract.DELTA_SOURCE, kernel.name, kernel.smem_bytes)
+        strides = launch.strides
+        kern((-(-b * s * h // kernel.query_rows),), (kernel.threads,),
+             (do, o, out, *strides(do)[:3], *strides(o)[:3], np.int32(b), np.int32(s), np.int32(h), np.int32(d),
+              np.int32(codes[launch.dtype_kind(do.dtype)]), np.int32(codes[launch.dtype_kind(o.dtype)])))
         return out
 
 

@@ -4,23 +4,11 @@ A source is compiled with its local ``#include "x.cuh"`` headers pasted in, so t
 its compile cache covers the headers too; ``#line`` directives keep compiler messages pointing at the
 real files. ``*sm90*`` sources are built for ``sm_90a``, the others for the current GPU.
 """
-import os
 import re
-from importlib import resources
-from pathlib import Path
 
+import numpy as np
 
-def cuda_dir():
-    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else the package's kernels/
-    (the repository's cuda/, which the wheel installs as burst_hpc/kernels), else the cuda/ of the
-    source tree this module runs from (a checkout on PYTHONPATH, an editable install)."""
-    env = os.environ.get("BURST_HPC_CUDA_DIR")
-    if env:
-        return Path(env)
-    installed = resources.files("burst_hpc") / "kernels"
-    if installed.is_dir():
-        return installed
-    return Path(__file__).resolve().parents[3] / "cuda"
+from .contract import KernelTable, cuda_dir, header, table_symbols
 
 
 def inline_source(name, root):
@@ -49,11 +37,12 @@ def inline_source(name, root):
 
 
 class Modules:
-    """The compiled sources of one backend, and their kernels per device."""
+    """The compiled sources of one backend, their kernel tables, and their kernels per device."""
 
     def __init__(self):
         self._modules = {}
         self._kernels = {}
+        self._tables = {}
 
     def module(self, source):
         """The cupy.RawModule of cuda/<source>, compiled on first use."""
@@ -80,3 +69,16 @@ class Modules:
                 kern.max_dynamic_shared_size_bytes = smem
             self._kernels[key] = kern
         return kern
+
+    def table(self, source):
+        """The kernel table of cuda/<source> (contract.KernelTable), read from its compiled module once."""
+        import cupy
+
+        table = self._tables.get(source)
+        if table is None:
+            mod = self.module(source)
+            rows, count = table_symbols(source)
+            n = int(cupy.ndarray((1,), np.int32, memptr=mod.get_global(count)).get()[0])
+            data = cupy.ndarray((n * header().row.itemsize,), np.uint8, memptr=mod.get_global(rows)).get()
+            table = self._tables[source] = KernelTable.from_bytes(source, data.tobytes())
+        return table

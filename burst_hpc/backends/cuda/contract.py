@@ -1,6 +1,166 @@
-"""What the kernel sources define, as the host needs it."""
+"""The kernel contract: where the sources in cuda/ are and what they define, read from them
+(docs/KERNELS.md, "The kernel contract"). Nothing here needs CuPy or a GPU.
+
+Each fact has one home, in cuda/:
+- ``contract.cuh``: the dtype and mask codes, the expansion of a shape into its instances (both 16-bit
+  dtypes, the three masks), and the row of a kernel table;
+- each family source's shape list, ``#define <FAMILY>_SHAPES(X) X(D, ...) ...`` (head dim first): its
+  instances, so the head dims its family runs natively;
+- each source's kernel table ``<source>_kernels`` (``<source>_kernel_count`` rows), built by the compiler
+  from the same list: every kernel's name and geometry (tile rows and keys, threads, shared memory).
+The header and the shape lists are read as text; a table comes from the compiled module
+(``compile.Modules.table``) as bytes, decoded by ``KernelTable.from_bytes``.
+"""
+import functools
+import os
+import re
+from importlib import resources
+from pathlib import Path, PurePath
+from typing import NamedTuple
+
+import numpy as np
+
+from ...errors import BackendError
+
+# the source of each (family, pass), and of the delta pre-pass both families' backward use
+SOURCES = {("sm80", "fwd"): "attn_fwd.cu", ("sm80", "bwd"): "attn_bwd.cu",
+           ("sm90", "fwd"): "attn_fwd_sm90.cu", ("sm90", "bwd"): "attn_bwd_sm90.cu"}
+DELTA_SOURCE = "attn_delta.cu"
+HEADER = "contract.cuh"
+
+
+def cuda_dir():
+    """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else the package's kernels/
+    (the repository's cuda/, which the wheel installs as burst_hpc/kernels), else the cuda/ of the
+    source tree this module runs from (a checkout on PYTHONPATH, an editable install)."""
+    env = os.environ.get("BURST_HPC_CUDA_DIR")
+    if env:
+        return Path(env)
+    installed = resources.files("burst_hpc") / "kernels"
+    if installed.is_dir():
+        return installed
+    return Path(__file__).resolve().parents[3] / "cuda"
 
 
 def mask_mode(causal, mask):
     """The kernel instance of a block pair: interval (documents / windows), causal or full."""
     return "interval" if mask is not None else "causal" if causal else "full"
+
+
+class Header(NamedTuple):
+    """What contract.cuh defines."""
+    dtypes: dict  # dtype token -> code ('bf16': 0, ...)
+    masks: dict  # mask token -> code ('full': 0, ...)
+    any_code: int  # the code of a column a kernel does not fix
+    variants: tuple  # the (dtype, mask) instances of every shape, in the sources' order
+    row: np.dtype  # one row of a kernel table
+
+
+def header():
+    """contract.cuh of the sources in use (``compile.cuda_dir()``)."""
+    return _header(cuda_dir())
+
+
+@functools.lru_cache(maxsize=None)
+def _header(root):
+    text = _read(root, HEADER)
+    defines = {name: int(value) for name, value in re.findall(r"^#define (BH_\w+) (-?\d+)\b", text, re.M)}
+    expansion = re.search(r"^#define BH_EACH_DTYPE_AND_MASK\(K, \.\.\.\)((?:.*\\\n)*.*)$", text, re.M)
+    fields = re.search(r"struct KernelRow \{\s*char name\[BH_NAME_BYTES\];\s*int ([\w, ]+);\s*\};", text)
+    if expansion is None or fields is None:
+        raise BackendError(f"cuda/{HEADER}: no BH_EACH_DTYPE_AND_MASK or struct KernelRow")
+    return Header(
+        dtypes={name[len("BH_DTYPE_"):].lower(): code for name, code in defines.items() if name.startswith("BH_DTYPE_")},
+        masks={name[len("BH_MASK_"):].lower(): code for name, code in defines.items() if name.startswith("BH_MASK_")},
+        any_code=defines["BH_ANY"],
+        variants=tuple(re.findall(r"K\((\w+), (\w+), __VA_ARGS__\)", expansion.group(1))),
+        row=np.dtype([("name", f"S{defines['BH_NAME_BYTES']}")]
+                     + [(field.strip(), "<i4") for field in fields.group(1).split(",")]))
+
+
+def shapes(source):
+    """The shapes cuda/<source> lists once (its ``_SHAPES(X)`` macro): [(head dim, ...)]."""
+    return _shapes(cuda_dir(), source)
+
+
+@functools.lru_cache(maxsize=None)
+def _shapes(root, source):
+    lists = re.findall(r"^#define \w+_SHAPES\(X\)((?:.*\\\n)*.*)$", _read(root, source), re.M)
+    if len(lists) != 1:
+        raise BackendError(f"cuda/{source} must list its shapes once (#define <FAMILY>_SHAPES(X) X(D, ...) ...); "
+                           f"found {len(lists)} lists")
+    return tuple(tuple(int(v) for v in item.split(",")) for item in re.findall(r"\bX\(([^()]*)\)", lists[0]))
+
+
+def instances(source):
+    """Every kernel instance cuda/<source> defines: [(dtype, head dim, mask, shape)]."""
+    return [(dtype, shape[0], mask, shape) for shape in shapes(source) for dtype, mask in header().variants]
+
+
+def native_widths(family, direction):
+    """The head dims the ``family``'s kernels of ``direction`` ('fwd' or 'bwd') run natively, ascending."""
+    return tuple(sorted({shape[0] for shape in shapes(SOURCES[family, direction])}))
+
+
+def _read(root, source):
+    try:
+        return (root / source).read_text()
+    except OSError as exc:
+        raise BackendError(f"the cuda backend cannot read its kernel source {root / source}: {exc}") from exc
+
+
+# ---- kernel tables ---------------------------------------------------------------------------------------
+def table_symbols(source):
+    """(rows, row count) symbols of cuda/<source>'s kernel table."""
+    stem = PurePath(source).stem
+    return f"{stem}_kernels", f"{stem}_kernel_count"
+
+
+class Kernel(NamedTuple):
+    """One row of a kernel table. dtype, head_dim, mask: None where the kernel takes any."""
+    name: str
+    dtype: str
+    head_dim: int
+    mask: str
+    query_rows: int  # per tile
+    keys: int  # per tile (forward) or per CTA (backward)
+    threads: int  # per CTA
+    smem_bytes: int  # dynamic shared memory
+
+
+class KernelTable:
+    """The kernels one source defines, found by what they run."""
+
+    def __init__(self, source, kernels):
+        self.source = source
+        self.kernels = tuple(kernels)
+        self._index = {}
+        for kern in self.kernels:
+            self._index.setdefault((kern.dtype, kern.head_dim, kern.mask), []).append(kern)
+
+    @classmethod
+    def from_bytes(cls, source, data):
+        """The table of cuda/<source> from the bytes of its ``<source>_kernels`` rows."""
+        head = header()
+        names = {code: name for name, code in head.dtypes.items()}, {code: name for name, code in head.masks.items()}
+        kernels = []
+        for row in np.frombuffer(data, dtype=head.row):
+            dtype, head_dim, mask = (None if int(row[f]) == head.any_code else int(row[f])
+                                     for f in ("dtype", "head_dim", "mask"))
+            kernels.append(Kernel(row["name"].decode(), names[0].get(dtype), head_dim, names[1].get(mask),
+                                  *(int(row[f]) for f in ("query_rows", "keys", "threads", "smem_bytes"))))
+        return cls(source, kernels)
+
+    def find(self, dtype=None, head_dim=None, mask=None, query_rows=None):
+        """The kernel for (dtype, head_dim, mask), of ``query_rows`` rows per tile where the source has
+        several; BackendError when the source defines none."""
+        found = [k for k in self._index.get((dtype, head_dim, mask), ())
+                 if query_rows is None or k.query_rows == query_rows]
+        if len(found) != 1:
+            what = f"dtype {dtype}, head_dim {head_dim}, mask {mask}, query rows {query_rows}"
+            raise BackendError(f"cuda/{self.source} defines {len(found)} kernels for {what} (one expected)")
+        return found[0]
+
+    def tile_heights(self, head_dim):
+        """The query rows per tile of ``head_dim``'s kernels, in table order."""
+        return tuple(dict.fromkeys(k.query_rows for k in self.kernels if k.head_dim == head_dim))
