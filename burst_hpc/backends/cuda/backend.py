@@ -53,6 +53,14 @@ def default_family(capability=None):
     return families[0]
 
 
+def route(head_dim, widths):
+    """How a family whose kernels run the head dims ``widths`` runs ``head_dim``: 'native', 'padded' (zero-padded
+    to the next native width) or 'wide' (wider than every kernel: the tiled path)."""
+    if head_dim in widths:
+        return "native"
+    return "wide" if head_dim > max(widths) else "padded"
+
+
 def gpu_capability():
     """(major, minor) compute capability of the current GPU."""
     import cupy
@@ -119,9 +127,10 @@ class CudaBackend:
         """None when this family's kernels run ``head_dim``; else the block backend that does: these kernels
         on zero-padded heads, or for heads wider than every kernel the tiled path."""
         widths = self.native_widths(direction)
-        if head_dim in widths:
+        how = route(head_dim, widths)
+        if how == "native":
             return None
-        if head_dim > max(widths):
+        if how == "wide":
             if self._wide is None:
                 self._wide = _WideHeads(self.xp)
             return self._wide

@@ -1,0 +1,185 @@
+"""Run as a script (tests/test_kernel_contract.py does, in a fresh process): drive the CUDA backend over every
+family x pass x head dim x input dtype x mask mode on a stand-in for CuPy, and print as JSON what it asked for.
+
+The stand-in holds arrays as NumPy arrays and compiles each kernel source with nvcc to PTX (no GPU): its
+modules define the kernels and the constant tables the PTX defines, a launch is recorded (name, grid, block,
+shared memory) instead of run, and asking for a kernel the PTX does not define fails as CuPy would. TMA tensor
+maps are not encoded (no driver). Output: {"tables": the kernel tables as the backend decoded them,
+"entries": each source's kernels with their launch bounds, "calls": [{"call", "error", "launches"}]}.
+
+    python3 tests/record_launches.py
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import types
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+HEAD_DIMS = (1, 32, 63, 64, 65, 100, 128, 129, 200, 256, 300)
+DTYPES = ("bfloat16", "float16", "float32", "uint16")
+MODES = ("full", "causal", "interval")
+ENTRIES = {}  # source -> {kernel its PTX defines: its launch bound in threads, 0 if none}
+
+
+class _Pointer:
+    def __init__(self, ptr):
+        self.ptr = ptr
+
+
+class ndarray(np.ndarray):  # noqa: N801 - cupy.ndarray
+    def __new__(cls, shape, dtype=float, memptr=None):
+        if memptr is None:
+            return np.zeros(shape, dtype).view(cls)
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return np.frombuffer(memptr.data[memptr.offset:memptr.offset + n], dtype).reshape(shape).view(cls)
+
+    @property
+    def data(self):
+        return _Pointer(self.__array_interface__["data"][0])
+
+    def get(self):
+        return np.array(self)
+
+
+class _Global:
+    def __init__(self, data, offset=0):
+        self.data, self.offset = data, offset
+
+    def __add__(self, n):
+        return _Global(self.data, self.offset + n)
+
+
+class _Kernel:
+    def __init__(self, name, launches):
+        self.name, self.launches = name, launches
+        self.max_dynamic_shared_size_bytes = 48 * 1024
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        if shared_mem > self.max_dynamic_shared_size_bytes:
+            raise RuntimeError(f"{self.name}: {shared_mem} bytes of shared memory, limit not raised")
+        self.launches.append([self.name, list(grid), list(block), shared_mem])
+
+
+def _ptx(code, options):
+    arch = "compute_90a" if "-arch=sm_90a" in options else "compute_90"
+    with tempfile.TemporaryDirectory() as tmp:
+        src, out = Path(tmp, "source.cu"), Path(tmp, "source.ptx")
+        src.write_text(code)
+        # the tables are the same at any optimisation level; -O0 keeps this quick
+        r = subprocess.run(["nvcc", f"-arch={arch}", "-std=c++17", "-ptx", "-Xcicc", "-O0", "-o", str(out), str(src)],
+                           capture_output=True, text=True)
+        if r.returncode:
+            raise RuntimeError(f"nvcc failed:\n{r.stderr}")
+        return out.read_text()
+
+
+def _fake_cupy(launches):
+    """A module that stands in for cupy, as far as the backend uses it."""
+    cupy = types.ModuleType("cupy")
+
+    def wrap(x):
+        return x.view(ndarray) if isinstance(x, np.ndarray) else x
+
+    class RawModule:
+        def __init__(self, code, options=()):
+            text = _ptx(code, options)
+            source = re.search(r'#line 1 "cuda/(\S+\.cu)"', code).group(1)
+            # each kernel with its launch bound (.maxntid: the threads its __launch_bounds__ allows), or 0
+            self.entries = ENTRIES[source] = {
+                name: int(bound or 0)
+                for name, bound in re.findall(r"^\.visible \.entry (\w+)\([^)]*\)\s*(?:\.maxntid (\d+), 1, 1)?",
+                                              text, re.M)}
+            self.globals = {}
+            for name, size, body in re.findall(r"^\.const \.align \d+ \.b8 (\w+)\[(\d+)\] = \{([^}]*)\}", text, re.M):
+                values = [int(v) for v in body.split(",")]
+                self.globals[name] = bytes(values + [0] * (int(size) - len(values)))  # PTX drops trailing zeros
+            for name, value in re.findall(r"^\.const \.align \d+ \.u32 (\w+) = (\d+);", text, re.M):
+                self.globals[name] = np.int32(value).tobytes()
+
+        def get_function(self, name):
+            if name not in self.entries:
+                raise RuntimeError(f"CUDA_ERROR_NOT_FOUND: no kernel {name}")
+            return _Kernel(name, launches)
+
+        def get_global(self, name):
+            return _Global(self.globals[name])
+
+    class Device:
+        def __init__(self, device=0):
+            self.id = device
+            self.compute_capability = "90"
+            self.attributes = {"MultiProcessorCount": 132}
+
+    cupy.ndarray, cupy.RawModule = ndarray, RawModule
+    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+    for name in ("ascontiguousarray", "asarray", "zeros", "empty", "full"):
+        setattr(cupy, name, lambda *a, _f=getattr(np, name), **k: wrap(_f(*a, **k)))
+    cupy.__getattr__ = lambda name: getattr(np, name)  # the tiled path of wide heads: NumPy functions
+    return cupy
+
+
+def main():
+    launches = []
+    sys.modules["cupy"] = _fake_cupy(launches)
+    sys.path.insert(0, str(REPO))
+    from burst_hpc import masks
+    from burst_hpc.backends.cuda import FAMILIES, CudaBackend, contract, tma
+
+    class _Maps:  # the tensor maps: the arrays and box rows only
+        def __init__(self, pairs):
+            self.pairs = pairs
+
+    tma.device_maps = lambda cupy, pairs: _Maps(pairs)
+    rng = np.random.default_rng(0)
+
+    def array(shape, dtype):
+        x = rng.standard_normal(shape).astype(np.dtype("bfloat16") if dtype == "uint16" else dtype)
+        return sys.modules["cupy"].asarray(x.view(np.uint16) if dtype == "uint16" else x)
+
+    calls = []
+    for family in FAMILIES:
+        backend = CudaBackend.instance(family)
+        for d in HEAD_DIMS:
+            for dtype in DTYPES:
+                for mode in MODES:
+                    tile_heights = [None]
+                    if family == "sm90" and d in contract.native_widths("sm90", "fwd"):
+                        tile_heights += list(backend.kernels.tile_heights(d))
+                    for rows in tile_heights:
+                        b, sq, sk, hq, hkv = 1, 70, 90, 4, 2
+                        q, do = array((b, sq, hq, d), dtype), array((b, sq, hq, d), dtype)
+                        k, v = array((b, sk, hkv, d), dtype), array((b, sk, hkv, d), dtype)
+                        o, grads = array((b, sq, hq, d), "float32"), [array(x.shape, "float32") for x in (q, k, v)]
+                        lse = sys.modules["cupy"].full((b, hq, sq), -np.inf, np.float32)
+                        mask = masks.make(sk, True, (30, 0), np.array([0, 40, sk])) if mode == "interval" else None
+                        where = dict(scale=d ** -0.5, causal=mode != "full", q_start=sk - sq, mask=mask)
+                        backend.kernels.forced_tile_height = rows
+                        for direction, run in (("fwd", lambda: backend.forward_block(q, k, v, o, lse, **where)),
+                                               ("bwd", lambda: backend.backward_block(q, k, v, do, lse, lse, *grads,
+                                                                                      **where)),
+                                               ("delta", lambda: backend.delta(do, o))):
+                            launches.clear()
+                            try:
+                                run()
+                                error = None
+                            except Exception as exc:  # noqa: BLE001 - reported to the test
+                                error = f"{type(exc).__name__}: {exc}"
+                            calls.append({"call": [family, direction, d, dtype, mode, rows], "error": error,
+                                          "launches": list(launches)})
+                        backend.kernels.forced_tile_height = None
+    tables = {source: [list(kernel) for kernel in CudaBackend.instance(family).modules.table(source).kernels]
+              for (family, _), source in contract.SOURCES.items()}
+    tables[contract.DELTA_SOURCE] = [list(k) for k in CudaBackend.instance("sm80").modules.table(
+        contract.DELTA_SOURCE).kernels]
+    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls}, sys.stdout)
+
+
+if __name__ == "__main__":
+    os.environ.pop("BURST_HPC_KERNELS", None)
+    main()

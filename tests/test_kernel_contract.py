@@ -1,0 +1,175 @@
+"""The kernel contract on the CPU: every kernel the CUDA backend can ask for exists in cuda/*.cu, with the
+geometry its launch assumes. No GPU and no CuPy needed; each level runs as far as the machine's tools go:
+
+- the text (always): contract.cuh's codes, instance expansion and table row; each source's shape list; every
+  (family, pass, head dim, input dtype, mask mode) routes to an instance its source lists;
+- the preprocessed text (``cpp``): each source's kernel table rows name kernels the source defines, one row
+  per listed instance, and every family kernel it defines has a row;
+- the compiled text (``nvcc``): tests/record_launches.py drives the backend itself over that matrix on a
+  stand-in for CuPy whose modules are the PTX of the sources: the tables decode (as at run time) to the
+  instances, and every launch asks for a kernel the PTX defines, for the routed head dim, dtype and mask,
+  with the threads and shared memory of its table row.
+"""
+import json
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from burst_hpc.backends import padding
+from burst_hpc.backends.cuda import FAMILIES, contract, launch
+from burst_hpc.backends.cuda.backend import route
+
+CUDA = Path(__file__).resolve().parents[1] / "cuda"
+INPUT_DTYPES = {"bfloat16": np.dtype("bfloat16"), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
+                "uint16": np.dtype(np.uint16)}  # uint16: raw bf16 bits
+MODES = ("full", "causal", "interval")
+PASSES = ("fwd", "bwd")
+
+
+def routed_width(family, direction, head_dim):
+    """The native width a head dim runs at, or None for the wide (tiled, kernel-free) path."""
+    widths = contract.native_widths(family, direction)
+    how = route(head_dim, widths)
+    return None if how == "wide" else padding.native_width(head_dim, widths)
+
+
+def expected_kernels():
+    """{(family, pass, dtype, head dim, mask)} the backend can ask for: every input dtype, mask mode and head dim
+    up to past the widest kernel."""
+    keys = set()
+    for family in FAMILIES:
+        for direction in PASSES:
+            for d in range(1, 2 * max(contract.native_widths(family, direction)) + 1):
+                width = routed_width(family, direction, d)
+                if width is not None:
+                    keys |= {(family, direction, launch.kernel_dtype(np.empty(0, dtype)), width, mode)
+                             for dtype in INPUT_DTYPES.values() for mode in MODES}
+    return keys
+
+
+# ---- the text ----------------------------------------------------------------------------------------------
+def test_header_defines_codes_expansion_and_row():
+    head = contract.header()
+    assert set(head.dtypes) == {"bf16", "f16", "f32"} and len(set(head.dtypes.values())) == 3
+    assert set(head.masks) == set(MODES) and len(set(head.masks.values())) == 3
+    assert head.any_code not in head.dtypes.values() and head.any_code not in head.masks.values()
+    assert sorted(head.variants) == sorted((dt, m) for dt in ("bf16", "f16") for m in MODES)
+    assert head.row.names == contract.Kernel._fields  # the row the launches read, field for field
+    for kind in map(launch.dtype_kind, INPUT_DTYPES.values()):  # attn_delta's kind arguments
+        assert kind in head.dtypes
+
+
+def test_every_source_lists_its_shapes_once():
+    for (family, direction), source in contract.SOURCES.items():
+        assert (CUDA / source).is_file()
+        shapes = contract.shapes(source)
+        assert shapes and len(set(shapes)) == len(shapes), source
+        assert all(shape[0] % 64 == 0 for shape in shapes), f"{source}: head dims of whole 64-column blocks"
+        assert contract.native_widths(family, direction) == tuple(sorted({s[0] for s in shapes}))
+    assert (CUDA / contract.DELTA_SOURCE).is_file()
+
+
+def test_every_routed_kernel_is_listed():
+    listed = {(family, direction, dtype, d, mask)
+              for (family, direction), source in contract.SOURCES.items()
+              for dtype, d, mask, _ in contract.instances(source)}
+    wanted = expected_kernels()
+    assert wanted <= listed, sorted(wanted - listed)
+    assert listed <= wanted, f"instances no call reaches: {sorted(listed - wanted)}"
+
+
+def test_routes():
+    assert [route(d, (64, 128)) for d in (32, 64, 100, 128, 129)] == ["padded", "native", "padded", "native", "wide"]
+    assert routed_width("sm90", "bwd", 200) == 256 and routed_width("sm80", "bwd", 200) is None
+
+
+# ---- the preprocessed text ------------------------------------------------------------------------------------
+def _preprocessed(source):
+    return subprocess.run(["cpp", "-P", "-x", "c++", f"-I{CUDA}", str(CUDA / source)], capture_output=True,
+                          text=True, check=True).stdout
+
+
+@pytest.mark.skipif(shutil.which("cpp") is None, reason="needs the C preprocessor (cpp)")
+@pytest.mark.parametrize("source", [*contract.SOURCES.values(), contract.DELTA_SOURCE])
+def test_tables_name_the_listed_kernels(source):
+    text = _preprocessed(source)
+    symbol, _ = contract.table_symbols(source)
+    table = re.search(r"KernelRow %s\[\] = \{(.*?)\};" % symbol, text, re.S)
+    assert table, f"{source} exports no {symbol}"
+    rows = re.findall(r'\{"(\w+)", (-?\d+), (-?\d+), (-?\d+),', table.group(1))
+    defined = set(re.findall(r'extern "C" __global__ void\s+(?:__launch_bounds__\([^()]*\)\s+)?(\w+)\(', text))
+    head = contract.header()
+    codes = [(head.dtypes[dt], d, head.masks[m]) for dt, d, m, _ in contract.instances(source)] \
+        if source != contract.DELTA_SOURCE else [(head.any_code,) * 3]
+    assert sorted((int(a), int(b), int(c)) for _, a, b, c in rows) == sorted(codes)
+    names = [name for name, *_ in rows]
+    assert len(set(names)) == len(names) and set(names) <= defined, sorted(set(names) - defined)
+    families = {name for name in defined if not name.endswith(("_rows", "_ranges"))}  # the sm90 pre-passes
+    assert families == set(names), sorted(families ^ set(names))
+
+
+# ---- the compiled text: the backend's own launches ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def recorded():
+    r = subprocess.run([sys.executable, str(Path(__file__).with_name("record_launches.py"))], capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return json.loads(r.stdout)
+
+
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="needs nvcc (PTX of the sources)")
+
+
+@needs_nvcc
+def test_compiled_tables_are_the_listed_instances(recorded):
+    for (family, direction), source in contract.SOURCES.items():
+        rows = [contract.Kernel(*row) for row in recorded["tables"][source]]
+        assert sorted((k.dtype, k.head_dim, k.mask) for k in rows) == sorted(
+            (dt, d, m) for dt, d, m, _ in contract.instances(source))
+        for k in rows:
+            assert recorded["entries"][source][k.name] == k.threads, f"{k}: the kernel's __launch_bounds__"
+            assert 0 < k.smem_bytes <= 227 * 1024 and k.threads % 128 == 0, k
+            assert k.query_rows % 64 == 0 and k.keys % 64 == 0, k  # whole mma / TMA tiles
+            if family == "sm90":
+                assert max(k.query_rows, k.keys) <= 256, k  # a TMA box holds at most 256 rows
+    (delta,) = [contract.Kernel(*row) for row in recorded["tables"][contract.DELTA_SOURCE]]
+    assert recorded["entries"][contract.DELTA_SOURCE][delta.name] == delta.threads == 32 * delta.query_rows
+
+
+@needs_nvcc
+def test_every_launch_asks_for_a_kernel_with_its_table_geometry(recorded):
+    tables = {source: {row[0]: contract.Kernel(*row) for row in table} for source, table in recorded["tables"].items()}
+    (delta,) = tables[contract.DELTA_SOURCE].values()
+    launched = set()
+    for call in recorded["calls"]:
+        family, direction, d, dtype, mode, tile_height = call["call"]
+        assert call["error"] is None, call
+        if direction == "delta":  # any head dim, dtype and mask
+            assert call["launches"] == [[delta.name, call["launches"][0][1], [delta.threads], 0]], call
+            continue
+        width = routed_width(family, direction, d)
+        if width is None:  # the tiled path: no kernel
+            assert call["launches"] == [], call
+            continue
+        source = contract.SOURCES[family, direction]
+        ours = [entry for entry in call["launches"] if entry[0] in tables[source]]
+        assert len(ours) == 1, call
+        for name, _, _, smem in call["launches"]:
+            if name not in tables[source]:  # the sm90 backward's pre-passes: no dynamic shared memory
+                assert (family, direction, smem) == ("sm90", "bwd", 0) and name in recorded["entries"][source], call
+        ((name, _, block, smem),) = ours
+        kernel = tables[source][name]
+        assert name in recorded["entries"][source] and block == [kernel.threads] and smem == kernel.smem_bytes, call
+        assert (kernel.dtype, kernel.head_dim, kernel.mask) == (
+            launch.kernel_dtype(np.empty(0, INPUT_DTYPES[dtype])), width, mode), call
+        assert tile_height is None or direction == "bwd" or kernel.query_rows == tile_height, call
+        launched.add((family, direction, kernel.dtype, kernel.head_dim, kernel.mask, kernel.query_rows))
+    assert {key[:5] for key in launched} == expected_kernels()
+    forward = tables[contract.SOURCES["sm90", "fwd"]].values()
+    assert {(k.dtype, k.head_dim, k.mask, k.query_rows) for k in forward} == {
+        key[2:] for key in launched if key[:2] == ("sm90", "fwd")}, "every sm90 forward tile height runs"
