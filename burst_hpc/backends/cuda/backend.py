@@ -92,7 +92,11 @@ class FamilyKernels(Protocol):
 
 
 class CudaBackend:
-    """The block backend of one kernel family (``CudaBackend.instance(family)``: one per process)."""
+    """The block backend of one kernel family (``CudaBackend.instance(family)``: one per process).
+
+    q, k, v, do: CuPy arrays of bfloat16, float16 or float32 (converted once per call to bfloat16; a uint16
+    array holds raw bf16 bits); o, lse, dq, dk, dv, delta: float32; any strides along batch, sequence and
+    head. Every launch goes on CuPy's current stream."""
 
     name = "cuda"
     _instances = {}
@@ -116,12 +120,15 @@ class CudaBackend:
         self.family = family
         self.modules = Modules()
         self.kernels: FamilyKernels = (Sm90Kernels if family == "sm90" else Sm80Kernels)(self.modules)
+        # read from the sources once: every block call routes on them
+        self._widths = {direction: contract.native_widths(family, direction) for direction in ("fwd", "bwd")}
+        self._dtype_codes = contract.header().dtypes
         self._wide = None
 
     def native_widths(self, direction="fwd"):
         """The head dims this family runs natively (``direction``: 'fwd' or 'bwd'), as its source lists them;
         narrower ones are zero-padded, wider ones run the tiled path."""
-        return contract.native_widths(self.family, direction)
+        return self._widths[direction]
 
     def _elsewhere(self, direction, head_dim):
         """None when this family's kernels run ``head_dim``; else the block backend that does: these kernels
@@ -185,7 +192,7 @@ class CudaBackend:
         out = cupy.empty((b, h, s), np.float32)
         if out.size == 0:
             return out
-        codes = contract.header().dtypes
+        codes = self._dtype_codes
         if do.strides[-1] != do.itemsize:
             do = cupy.ascontiguousarray(do)
         if o.strides[-1] != o.itemsize:

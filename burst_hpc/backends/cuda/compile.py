@@ -1,4 +1,5 @@
-"""The kernel sources, compiled by NVRTC through cupy.RawModule once per process, and their kernels.
+"""The kernel sources, compiled by NVRTC through cupy.RawModule once per backend (CuPy caches the result on
+disk), their kernel tables, and their kernels.
 
 A source is compiled with its local ``#include "x.cuh"`` headers pasted in, so the text CuPy hashes for
 its compile cache covers the headers too; ``#line`` directives keep compiler messages pointing at the

@@ -134,9 +134,10 @@ class KernelTable:
     def __init__(self, source, kernels):
         self.source = source
         self.kernels = tuple(kernels)
-        self._index = {}
+        self._index, self._heights = {}, {}
         for kern in self.kernels:
             self._index.setdefault((kern.dtype, kern.head_dim, kern.mask), []).append(kern)
+            self._heights.setdefault(kern.head_dim, {})[kern.query_rows] = None
 
     @classmethod
     def from_bytes(cls, source, data):
@@ -163,4 +164,4 @@ class KernelTable:
 
     def tile_heights(self, head_dim):
         """The query rows per tile of ``head_dim``'s kernels, in table order."""
-        return tuple(dict.fromkeys(k.query_rows for k in self.kernels if k.head_dim == head_dim))
+        return tuple(self._heights.get(head_dim, ()))
