@@ -12,6 +12,7 @@ import numpy as np
 
 from ...errors import BackendError
 from .. import padding
+from ..numpy_backend import NumpyBackend
 from . import contract, launch
 from .compile import Modules
 from .sm80 import Sm80Kernels
@@ -152,7 +153,7 @@ class CudaBackend:
         launch.check_dims(q, k, self.native_widths("fwd"))
         if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
             return
-        kind = launch.kernel_dtype(q)
+        kind = launch.kernel_dtype(q.dtype)
         q, k, v = (launch.half_input(x, kind) for x in (q, k, v))
         o_w, o_back = launch.accumulator(o, "o")
         lse_w, lse_back = launch.f32_rows(lse, "lse")
@@ -172,7 +173,7 @@ class CudaBackend:
         launch.check_dims(q, k, self.native_widths("bwd"))
         if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
             return
-        kind = launch.kernel_dtype(q)
+        kind = launch.kernel_dtype(q.dtype)
         q, k, v, do = (launch.half_input(x, kind) for x in (q, k, v, do))
         lse_r, _ = launch.f32_rows(lse, "lse")
         delta_r, _ = launch.f32_rows(delta, "delta")
@@ -212,8 +213,6 @@ class _WideHeads:
     bf16 bits, as for the kernels."""
 
     def __init__(self, xp):
-        from ..numpy_backend import NumpyBackend
-
         self.tiled = NumpyBackend(WIDE_TILE, WIDE_TILE, xp=xp)
 
     def forward_block(self, q, k, v, o, lse, **where):

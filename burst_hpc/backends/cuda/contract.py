@@ -57,7 +57,7 @@ class Header(NamedTuple):
 
 
 def header():
-    """contract.cuh of the sources in use (``compile.cuda_dir()``)."""
+    """contract.cuh of the sources in use (``cuda_dir()``)."""
     return _header(cuda_dir())
 
 
@@ -143,13 +143,13 @@ class KernelTable:
     def from_bytes(cls, source, data):
         """The table of cuda/<source> from the bytes of its ``<source>_kernels`` rows."""
         head = header()
-        names = {code: name for name, code in head.dtypes.items()}, {code: name for name, code in head.masks.items()}
+        dtype_of = {code: name for name, code in head.dtypes.items()}
+        mask_of = {code: name for name, code in head.masks.items()}
         kernels = []
         for row in np.frombuffer(data, dtype=head.row):
-            dtype, head_dim, mask = (None if int(row[f]) == head.any_code else int(row[f])
-                                     for f in ("dtype", "head_dim", "mask"))
-            kernels.append(Kernel(row["name"].decode(), names[0].get(dtype), head_dim, names[1].get(mask),
-                                  *(int(row[f]) for f in ("query_rows", "keys", "threads", "smem_bytes"))))
+            fixed = {f: int(row[f]) for f in ("dtype", "head_dim", "mask") if int(row[f]) != head.any_code}
+            kernels.append(Kernel(row["name"].decode(), dtype_of.get(fixed.get("dtype")), fixed.get("head_dim"),
+                                  mask_of.get(fixed.get("mask")), *(int(row[f]) for f in Kernel._fields[4:])))
         return cls(source, kernels)
 
     def find(self, dtype=None, head_dim=None, mask=None, query_rows=None):

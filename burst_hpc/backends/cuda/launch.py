@@ -24,13 +24,14 @@ def dtype_kind(dtype):
     raise BackendError(f"the cuda backend takes bfloat16, float16 or float32 inputs; got {dtype}")
 
 
-def kernel_dtype(x):
-    """The 16-bit type of the kernels that run ``x``'s dtype: float32 inputs run the bf16 kernels."""
-    return "f16" if dtype_kind(x.dtype) == "f16" else "bf16"
+def kernel_dtype(dtype):
+    """The 16-bit type of the kernels that run inputs of ``dtype``: float32 inputs run the bf16 kernels."""
+    return "f16" if dtype_kind(dtype) == "f16" else "bf16"
 
 
 @functools.cache
 def _bfloat16():
+    """The bfloat16 dtype when this CuPy holds bf16 arrays (CuPy >= 14 with ml_dtypes), else None."""
     import cupy
 
     try:
