@@ -5,11 +5,11 @@ kernels), zero-padded to the next native width (padding.py: exact, the scale sta
 heads wider than every kernel, numpy_backend's tiled online softmax on CuPy arrays (float32 cuBLAS products
 per tile pair; exact, slower than the kernels). docs/KERNELS.md has the conventions.
 """
-import os
 from typing import Protocol
 
 import numpy as np
 
+from ... import config
 from ...errors import BackendError
 from .. import padding
 from ..numpy_backend import NumpyBackend
@@ -21,7 +21,6 @@ from .sm90 import Sm90Kernels
 # Kernel families, newest first. "sm90": wgmma / TMA / warp-specialized kernels for Hopper (sm_90a);
 # "sm80": the mma.sync / ldmatrix / cp.async kernels, which run on any GPU of compute capability >= 8.0.
 FAMILIES = ("sm90", "sm80")
-_FAMILY_ENV = "BURST_HPC_KERNELS"  # set to "sm80" to force the mma.sync family on Hopper
 # heads wider than every kernel: tiles of this many queries x keys
 WIDE_TILE = 1024
 
@@ -42,12 +41,12 @@ def kernel_families(capability=None):
 def default_family(capability=None):
     """The family used unless one is asked for: $BURST_HPC_KERNELS if set, else the newest this GPU runs."""
     families = kernel_families(capability)
-    forced = os.environ.get(_FAMILY_ENV)
+    forced = config.kernel_family()
     if forced:
         if forced not in FAMILIES:
-            raise BackendError(f"{_FAMILY_ENV} must be one of {FAMILIES}; got {forced!r}")
+            raise BackendError(f"BURST_HPC_KERNELS must be one of {FAMILIES}; got {forced!r}")
         if forced not in families:
-            raise BackendError(f"{_FAMILY_ENV}={forced} does not run on this GPU (it runs {families or 'none'})")
+            raise BackendError(f"BURST_HPC_KERNELS={forced} does not run on this GPU (it runs {families or 'none'})")
         return forced
     if not families:
         raise BackendError("the cuda backend needs a GPU of compute capability 8.0 or newer")

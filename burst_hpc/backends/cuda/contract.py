@@ -12,7 +12,6 @@ The header and the shape lists are read as text; a table comes from the compiled
 (``compile.Modules.table``) as bytes, decoded by ``KernelTable.from_bytes``.
 """
 import functools
-import os
 import re
 from importlib import resources
 from pathlib import Path, PurePath
@@ -20,6 +19,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from ... import config
 from ...errors import BackendError
 
 # the source of each (family, pass), and of the delta pre-pass both families' backward use
@@ -33,7 +33,7 @@ def cuda_dir():
     """Directory holding the kernel sources: $BURST_HPC_CUDA_DIR, else the package's kernels/
     (the repository's cuda/, which the wheel installs as burst_hpc/kernels), else the cuda/ of the
     source tree this module runs from (a checkout on PYTHONPATH, an editable install)."""
-    env = os.environ.get("BURST_HPC_CUDA_DIR")
+    env = config.cuda_dir()
     if env:
         return Path(env)
     installed = resources.files("burst_hpc") / "kernels"
