@@ -4,8 +4,6 @@ import numpy as np
 from .dtypes import check_supported, dtype_name
 from .errors import BurstError, DTypeError, ShapeError
 
-SUPPORTED_HEAD_DIMS = None  # any D on NumPy; the CUDA backend narrows this itself
-
 
 def check_qkv(q, k, v, causal=False):
     """Validate q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); return (B, Sq, Sk, Hq, Hkv, D)."""

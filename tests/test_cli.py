@@ -45,7 +45,7 @@ def mpirun(n, *args, timeout=180):
     return subprocess.run(cmd, env=ENV, capture_output=True, text=True, timeout=timeout)
 
 
-def _leftovers(directory):
+def leftovers(directory):
     return glob.glob(os.path.join(directory, "*.tmp*"))
 
 
@@ -72,7 +72,7 @@ def test_gen_is_chunk_independent_and_tagged(tmp_path):
         assert f["q"].dtype == np.uint16 and f["q"].attrs["dtype"] == "bfloat16"
         assert f["q"].chunks is not None and f["k"].shape == (2, 3000, 2, 16)
         assert f.attrs["burst_hpc_version"] and f.attrs["seqlen"] == 3000
-    assert not _leftovers(tmp_path)
+    assert not leftovers(tmp_path)
 
 
 def test_gen_rejects_bad_arguments(tmp_path):
@@ -114,7 +114,7 @@ def test_run_writes_and_verifies(tmp_path, ranks, causal, dtype, layout):
         assert bool(f.attrs["causal"]) == causal and f.attrs["run_ranks"] == ranks
         assert f.attrs["run_layout"] == (layout or default_layout(causal))
         assert abs(f.attrs["scale"] - 16 ** -0.5) < 1e-12 and f.attrs["burst_hpc_version"]
-    assert not _leftovers(tmp_path)
+    assert not leftovers(tmp_path)
 
 
 @needs_mpiexec
@@ -139,13 +139,13 @@ def test_packed_run_with_window_writes_and_verifies(tmp_path):
         assert f.attrs["window"] == "20,0" and f.attrs["documents"] == 6
 
 
-def _write(path, **arrays):
+def write_input(path, **arrays):
     with h5py.File(path, "w") as f:
         for name, a in arrays.items():
             f[name] = a
 
 
-def _qkv(seqlen, dtype=np.float32, hq=2, hkv=1, d=8):
+def random_qkv(seqlen, dtype=np.float32, hq=2, hkv=1, d=8):
     rng = np.random.default_rng(0)
     return {"q": rng.standard_normal((1, seqlen, hq, d)).astype(dtype),
             "k": rng.standard_normal((1, seqlen, hkv, d)).astype(dtype),
@@ -154,15 +154,15 @@ def _qkv(seqlen, dtype=np.float32, hq=2, hkv=1, d=8):
 
 BAD_INPUTS = {
     "missing-file": (None, [], "does not exist"),
-    "missing-dataset": (lambda: {k: a for k, a in _qkv(16).items() if k != "v"}, [], "dataset 'v' is missing"),
-    "missing-do": (lambda: _qkv(16), ["--backward"], "dataset 'do' is missing"),
-    "shape-mismatch": (lambda: dict(_qkv(16), k=_qkv(16, hkv=3)["k"]), [], "k and v must have the same shape"),
-    "heads-mismatch": (lambda: dict(_qkv(16, hq=3, hkv=2)), [], "multiple of key/value heads"),
-    "unsupported-dtype": (lambda: {k: a.astype(np.int16) for k, a in _qkv(16).items()}, [], "unsupported dtype int16"),
-    "no-split": (lambda: _qkv(18), ["--causal"], "does not split over 2 ranks"),
-    "bad-documents": (lambda: dict(_qkv(16), cu_seqlens=np.array([0, 5, 5, 16])), ["--causal"],
+    "missing-dataset": (lambda: {k: a for k, a in random_qkv(16).items() if k != "v"}, [], "dataset 'v' is missing"),
+    "missing-do": (lambda: random_qkv(16), ["--backward"], "dataset 'do' is missing"),
+    "shape-mismatch": (lambda: dict(random_qkv(16), k=random_qkv(16, hkv=3)["k"]), [], "k and v must have the same shape"),
+    "heads-mismatch": (lambda: dict(random_qkv(16, hq=3, hkv=2)), [], "multiple of key/value heads"),
+    "unsupported-dtype": (lambda: {k: a.astype(np.int16) for k, a in random_qkv(16).items()}, [], "unsupported dtype int16"),
+    "no-split": (lambda: random_qkv(18), ["--causal"], "does not split over 2 ranks"),
+    "bad-documents": (lambda: dict(random_qkv(16), cu_seqlens=np.array([0, 5, 5, 16])), ["--causal"],
                       "dataset 'cu_seqlens': cu_seqlens must be strictly increasing"),
-    "short-documents": (lambda: dict(_qkv(16), cu_seqlens=np.array([0, 5, 12])), [],
+    "short-documents": (lambda: dict(random_qkv(16), cu_seqlens=np.array([0, 5, 12])), [],
                         "must start at 0 and end at the sequence length 16"),
 }
 
@@ -173,26 +173,26 @@ def test_bad_input_fails_cleanly(tmp_path, case):
     make, flags, message = BAD_INPUTS[case]
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     if make is not None:
-        _write(src, **make())
+        write_input(src, **make())
     r = mpirun(2, "run", src, dst, *flags)
     assert r.returncode == 1, r.stdout + r.stderr
     assert r.stderr.count("burst-hpc: error:") == 1, r.stderr  # one message, not one per rank
     assert message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
-    assert not dst.exists() and not _leftovers(tmp_path)
+    assert not dst.exists() and not leftovers(tmp_path)
 
 
 @needs_mpiexec
 @pytest.mark.parametrize("where", ["missing-dir", "is-a-directory", "same-as-input"])
 def test_unwritable_output_fails_cleanly(tmp_path, where):
     src = tmp_path / "in.h5"
-    _write(src, **_qkv(16))
+    write_input(src, **random_qkv(16))
     dst = {"missing-dir": tmp_path / "nowhere" / "out.h5", "is-a-directory": tmp_path, "same-as-input": src}[where]
     before = sorted(os.listdir(tmp_path))
     r = mpirun(2, "run", src, dst)
     assert r.returncode == 1, r.stdout + r.stderr
     assert r.stderr.count("burst-hpc: error:") == 1 and "output" in r.stderr, r.stderr
-    assert sorted(os.listdir(tmp_path)) == before and not _leftovers(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == before and not leftovers(tmp_path)
 
 
 @needs_mpiexec
@@ -205,9 +205,9 @@ def test_killed_run_leaves_no_output(tmp_path):
     proc = subprocess.Popen(cmd, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
     try:
         deadline = time.time() + 60
-        while not _leftovers(tmp_path) and proc.poll() is None and time.time() < deadline:
+        while not leftovers(tmp_path) and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        assert _leftovers(tmp_path), "the temporary output never appeared"
+        assert leftovers(tmp_path), "the temporary output never appeared"
         assert proc.poll() is None, "the run finished before it could be interrupted; make it larger"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
@@ -226,7 +226,7 @@ def test_console_script_under_mpiexec(tmp_path):
     if not script.exists():
         pytest.skip("burst-hpc console script not installed in this environment")
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
-    _write(src, **_qkv(32, np.float64))
+    write_input(src, **random_qkv(32, np.float64))
     r = subprocess.run([MPIEXEC, "-n", "2", str(script), "run", str(src), str(dst), "--causal", "--verify",
                         "--layout", "contiguous", "--backend", "numpy", "--warmup"], env=ENV, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stdout + r.stderr

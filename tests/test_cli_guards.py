@@ -10,7 +10,7 @@ import pytest
 from burst_hpc import io, verify
 from burst_hpc.cli import build_parser
 from burst_hpc.reference import attention_backward_reference, attention_reference
-from test_cli import _leftovers, _qkv, _write, burst, mpirun, needs_mpiexec
+from test_cli import leftovers, random_qkv, write_input, burst, mpirun, needs_mpiexec
 
 
 def _one_error(r):
@@ -22,33 +22,33 @@ def _one_error(r):
 @pytest.mark.parametrize("causal", [False, True])
 def test_nonfinite_input_refused_with_first_index(tmp_path, causal):
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
-    data = _qkv(32)
+    data = random_qkv(32)
     # global token 9 is on rank 1 under both layouts (zigzag: rank 0 owns 0-7 and 24-31);
     # token 26 sits on rank 0 under zigzag: the message must name the first in file order
     data["q"][0, 26, 1, 2] = np.inf
     data["q"][0, 9, 0, 5] = np.nan
     data["k"][0, 1, 0, 0] = np.nan  # a later dataset: q is reported first
-    _write(src, **data)
+    write_input(src, **data)
     r = mpirun(2, "run", src, dst, "--backend", "numpy", *(["--causal"] if causal else []))
     assert r.returncode == 1, r.stdout + r.stderr
     _one_error(r)
     assert "dataset 'q' holds nan at [0, 9, 0, 5]" in r.stderr, r.stderr
     assert "--allow-nonfinite" in r.stderr
-    assert not dst.exists() and not _leftovers(tmp_path)
+    assert not dst.exists() and not leftovers(tmp_path)
 
 
 @needs_mpiexec
 def test_verify_fails_on_nonfinite_error(tmp_path):
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
-    data = _qkv(32)
+    data = random_qkv(32)
     data["v"][0, 30, 0, 1] = np.inf
-    _write(src, **data)
+    write_input(src, **data)
     r = mpirun(2, "run", src, dst, "--backend", "numpy", "--allow-nonfinite", "--verify")
     assert r.returncode == 3, r.stdout + r.stderr
     assert "verify=FAIL" in r.stdout and "verification failed" in r.stderr, r.stdout + r.stderr
     # the output is published before verification and marked as failed, never thrown away
     assert f"-> {dst}" in r.stdout and f"{dst} is written and marked verify = 'fail'" in r.stderr, r.stderr
-    assert verify.recorded(dst)["verify"] == "fail" and not _leftovers(tmp_path)
+    assert verify.recorded(dst)["verify"] == "fail" and not leftovers(tmp_path)
 
 
 @needs_mpiexec
@@ -57,11 +57,11 @@ def test_allow_nonfinite_propagates_into_the_output(tmp_path):
     NaN and Inf, and the gradients they feed: not zeros, as if masked), the run exits 0 and its summary
     counts them; a finite run's summary has no such count."""
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
-    data = _qkv(32)
+    data = random_qkv(32)
     data["do"] = np.random.default_rng(1).standard_normal(data["q"].shape).astype(np.float32)
     data["k"][0, 9, 0, 5] = np.nan   # on rank 1 (zigzag): rows 9.. see it
     data["q"][0, 26, 1, 2] = np.inf  # on rank 0 (zigzag)
-    _write(src, **data)
+    write_input(src, **data)
     r = mpirun(2, "run", src, dst, "--backend", "numpy", "--causal", "--backward", "--allow-nonfinite")
     assert r.returncode == 0, r.stdout + r.stderr
     out = io.read_global(dst)
@@ -76,10 +76,10 @@ def test_allow_nonfinite_propagates_into_the_output(tmp_path):
         counts.append(f"{name}={int(bad.sum())}")
     assert np.isfinite(out["o"][:, :9]).all() and np.isnan(out["o"][:, 9:, 0]).all()  # head 0 reads kv head 0
     assert "nonfinite " + " ".join(counts) in r.stdout, r.stdout
-    assert f"-> {dst}" in r.stdout and not _leftovers(tmp_path)
+    assert f"-> {dst}" in r.stdout and not leftovers(tmp_path)
 
     finite = tmp_path / "finite.h5"
-    _write(finite, **_qkv(32))
+    write_input(finite, **random_qkv(32))
     r = mpirun(2, "run", finite, tmp_path / "finite_out.h5", "--backend", "numpy", "--causal")
     assert r.returncode == 0 and "  nonfinite " not in r.stdout, r.stdout + r.stderr
 
@@ -87,19 +87,19 @@ def test_allow_nonfinite_propagates_into_the_output(tmp_path):
 @needs_mpiexec
 def test_existing_output_kept_unless_overwrite(tmp_path):
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
-    _write(src, **_qkv(32))
+    write_input(src, **random_qkv(32))
     dst.write_bytes(b"a finished result")
     r = mpirun(2, "run", src, dst, "--backend", "numpy")
     assert r.returncode == 1, r.stdout + r.stderr
     _one_error(r)
     assert "already exists; pass --overwrite" in r.stderr, r.stderr
-    assert dst.read_bytes() == b"a finished result" and not _leftovers(tmp_path)
+    assert dst.read_bytes() == b"a finished result" and not leftovers(tmp_path)
 
     r = mpirun(2, "run", src, dst, "--backend", "numpy", "--overwrite", "--verify")
     assert r.returncode == 0, r.stdout + r.stderr
     with h5py.File(dst, "r") as f:
         assert f["o"].shape == (1, 32, 2, 8)
-    assert not _leftovers(tmp_path)
+    assert not leftovers(tmp_path)
 
 
 def test_gen_keeps_existing_file_unless_overwrite(tmp_path):

