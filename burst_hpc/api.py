@@ -14,12 +14,45 @@ def _mask(q, k, v, causal, window, cu_seqlens):
 
 
 def attention(q, k, v, causal=False, scale=None, backend=None, cu_seqlens=None, window=None):
-    """Exact attention. Returns (o, lse): o like q, lse float32 (B, Hq, Sq) in natural log.
-    ``cu_seqlens``: document offsets [0, ..., S] of a packed sequence (no attention across
-    documents); ``window``: (left, right) sliding window, -1 unbounded (flash-attn's meaning).
+    """Exact attention on one device (no MPI).
 
-    Inputs are not scanned for NaN or Inf: like torch, they propagate into the outputs of every
-    query row that sees them (``burst-hpc run`` refuses such inputs before any work)."""
+    Parameters
+    ----------
+    q : array (B, Sq, Hq, D)
+        NumPy arrays run on the CPU, CuPy arrays on the current GPU (CUDA kernels).
+    k, v : array (B, Sk, Hkv, D)
+        Hq a multiple of Hkv (GQA/MQA); with a mask (causal, documents, window) Sk == Sq.
+    causal : bool
+        Key j visible from query i only when j <= i.
+    scale : float, optional
+        Score scale (default D ** -0.5).
+    backend : {'numpy', 'cuda'} or a backend object, optional
+        Default: by the arrays' kind.
+    cu_seqlens : 1-D integer array, optional
+        Document offsets [0, ..., S] of a packed sequence (no attention across documents).
+    window : (int, int), optional
+        (left, right) sliding window, -1 unbounded (flash-attn's meaning).
+
+    Returns
+    -------
+    o : array like q
+    lse : float32 array (B, Hq, Sq)
+        Natural-log sum-exp of each row's scaled scores (-inf for a row that sees nothing, o = 0).
+
+    Raises
+    ------
+    BurstError
+        Bad shapes, dtypes, masks or backend.
+
+    Notes
+    -----
+    Inputs are not scanned for NaN or Inf: they reach exactly the rows that see them, as in the
+    float64 oracle (``burst-hpc run`` refuses such inputs unless ``--allow-nonfinite``).
+
+    Examples
+    --------
+    >>> o, lse = burst_hpc.attention(q, k, v, causal=True)
+    """
     check_same_kind(q=q, k=k, v=v)
     (b, sq, _, hq, _, d), mask = _mask(q, k, v, causal, window, cu_seqlens)
     be = get_backend(q, backend)
@@ -32,7 +65,29 @@ def attention(q, k, v, causal=False, scale=None, backend=None, cu_seqlens=None, 
 
 
 def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, backend=None, cu_seqlens=None, window=None):
-    """Gradients (dq, dk, dv) of sum(do * o), each in its input's dtype. NaN or Inf inputs propagate."""
+    """Gradients of sum(do * o) on one device, from the forward's (o, lse) (no recomputation of them).
+
+    Parameters
+    ----------
+    do : array like q
+    q, k, v, o, lse, causal, scale, backend, cu_seqlens, window :
+        As ``attention`` took and returned them.
+
+    Returns
+    -------
+    dq : array like q
+    dk, dv : arrays like k
+        Each in its input's dtype (float32 accumulation). NaN or Inf inputs propagate.
+
+    Raises
+    ------
+    BurstError
+        Bad shapes, dtypes, masks or backend.
+
+    Examples
+    --------
+    >>> dq, dk, dv = burst_hpc.attention_backward(do, q, k, v, o, lse, causal=True)
+    """
     check_same_kind(do=do, q=q, k=k, v=v, o=o, lse=lse)
     (b, sq, _, hq, _, d), mask = _mask(q, k, v, causal, window, cu_seqlens)
     check_like("do", do, q.shape, q.dtype)

@@ -51,12 +51,52 @@ def pieces(seqlen, rank, size, layout):
 
 
 def layout_indices(seqlen, rank, size, layout):
-    """Global token indices of rank ``rank``'s shard, in local order."""
+    """Global token indices of rank ``rank``'s shard, in local order.
+
+    Parameters
+    ----------
+    seqlen : int
+        Tokens in the whole sequence.
+    rank, size : int
+        This rank and the number of ranks.
+    layout : {'contiguous', 'zigzag', 'balanced'}
+
+    Returns
+    -------
+    int64 array of S/P indices (positions for rotary embeddings, labels, ...).
+
+    Raises
+    ------
+    LayoutError
+        ``seqlen`` does not split over ``size`` ranks in ``layout``.
+    """
     return np.concatenate([np.arange(start, start + n) for start, n in pieces(seqlen, rank, size, layout)])
 
 
 def shard(x, rank, size, layout, axis=1):
-    """Rank ``rank``'s shard of the global array ``x`` along ``axis`` (NumPy or CuPy)."""
+    """Rank ``rank``'s shard of the global array ``x``.
+
+    Parameters
+    ----------
+    x : array (NumPy or CuPy)
+        The whole sequence along ``axis`` (1 for q, k, v; 2 for lse).
+    rank, size : int
+    layout : {'contiguous', 'zigzag', 'balanced'}
+    axis : int
+
+    Returns
+    -------
+    array of the same kind: this rank's tokens in local order (a copy).
+
+    Raises
+    ------
+    LayoutError
+        The length does not split over ``size`` ranks in ``layout``.
+
+    Examples
+    --------
+    >>> mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
+    """
     axis = _normalize_axis(axis, x.ndim)
     runs = pieces(x.shape[axis], rank, size, layout)
     parts = [x[(slice(None),) * axis + (slice(start, start + n),)] for start, n in runs]
@@ -67,7 +107,24 @@ def shard(x, rank, size, layout, axis=1):
 
 
 def unshard(shards, layout, axis=1):
-    """The global array from every rank's shard (``shards[r]`` from rank r)."""
+    """The global array from every rank's shard: the inverse of ``shard``.
+
+    Parameters
+    ----------
+    shards : sequence of arrays
+        ``shards[r]`` from rank r (e.g. ``comm.gather(o)`` on rank 0).
+    layout : {'contiguous', 'zigzag', 'balanced'}
+    axis : int
+
+    Returns
+    -------
+    array of the same kind, the tokens in natural order.
+
+    Raises
+    ------
+    LayoutError
+        No shards, or shards that do not fit ``layout``.
+    """
     shards = list(shards)
     size = len(shards)
     if size == 0:
