@@ -20,6 +20,7 @@ import numpy as np
 from mpi4py import MPI
 
 import burst_hpc
+import evidence
 from bench_ring import timed
 from burst_hpc import masks
 from burst_hpc.dtypes import parse_dtype
@@ -42,13 +43,9 @@ def main():
     ap.add_argument("case", choices=("packed", "window"))
     ap.add_argument("--tokens", type=int, default=262144, help="packed: total tokens")
     ap.add_argument("--documents", type=int, default=64, help="packed: documents of random lengths")
-    ap.add_argument("--tokens-per-rank", type=int, default=32768, help="window: tokens per GPU")
+    evidence.problem_arguments(ap)   # --tokens-per-rank: the window case's tokens per GPU
     ap.add_argument("--window", type=int, default=4096, help="window: keys before each query")
     ap.add_argument("--layouts", default="contiguous,zigzag")
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--transport", default="auto")
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--iters", type=int, default=3)

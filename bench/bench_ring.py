@@ -48,12 +48,8 @@ timed = functools.partial(evidence.timed, xp=cupy)  # median seconds per call, b
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--tokens-per-rank", type=int, default=32768)
+    evidence.problem_arguments(ap)
     ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=128)
-    ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--transports", default="nccl")
     ap.add_argument("--layouts", default=None, help="contiguous, zigzag, balanced, alltoall; default: "

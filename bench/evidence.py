@@ -28,6 +28,17 @@ def flops(seqlen, heads, dim, causal, backward):
     return attention_flops(1, heads, dim, pairs) + (attention_flops(1, heads, dim, pairs, True) if backward else 0)
 
 
+def problem_arguments(parser, tokens_per_rank=32768, dtype=True):
+    """The attention problem every ring benchmark takes: --tokens-per-rank, --heads, --kv-heads,
+    --head-dim and (unless ``dtype`` is False) --dtype."""
+    parser.add_argument("--tokens-per-rank", type=int, default=tokens_per_rank)
+    parser.add_argument("--heads", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
+    parser.add_argument("--head-dim", type=int, default=128)
+    if dtype:
+        parser.add_argument("--dtype", default="bf16")
+
+
 def timed(comm, fn, iters, warmup, xp=np):
     """Median seconds per call of ``fn`` over ``iters`` calls after ``warmup``, each between barriers
     (and, on the GPU, device synchronisations): the slowest rank's time."""

@@ -6,6 +6,7 @@ received, for the zigzag and balanced layouts (causal), forward and both backwar
 """
 import argparse
 
+import evidence
 from burst_hpc.layout import pieces
 from burst_hpc.schedule import steps, visit_pairs
 
@@ -51,10 +52,7 @@ def table(layout, size, local, near, returns, sizes, pass_):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=4)
-    ap.add_argument("--tokens-per-rank", type=int, default=32768)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=None)
-    ap.add_argument("--head-dim", type=int, default=128)
+    evidence.problem_arguments(ap, dtype=False)
     ap.add_argument("--itemsize", type=int, default=2, help="bytes per element of q, k, v (bf16: 2)")
     args = ap.parse_args()
     sizes = token_bytes(args.heads, args.kv_heads or args.heads, args.head_dim, args.itemsize)
