@@ -17,13 +17,11 @@ import sys
 
 import cupy
 import numpy as np
-from mpi4py import MPI
 
 import burst_hpc
 import evidence
-from bench_ring import timed
+from bench_ring import gpu_job, timed
 from burst_hpc import masks
-from burst_hpc.dtypes import parse_dtype
 
 
 def pair_flops(visible_pairs, heads, dim, backward):
@@ -54,11 +52,8 @@ def main():
     ap.add_argument("--out", default=None, help="append a markdown table here (rank 0)")
     args = ap.parse_args()
 
-    comm = MPI.COMM_WORLD
-    burst_hpc.select_device(comm)
+    comm, dtype, kv_heads = gpu_job(args)
     P, r = comm.size, comm.rank
-    dtype = parse_dtype(args.dtype)
-    kv_heads = args.kv_heads or args.heads
     S = args.tokens if args.case == "packed" else args.tokens_per_rank * P
     n = S // P
     rng = cupy.random.default_rng()

@@ -46,6 +46,14 @@ def design_bytes(P, n, heads, kv_heads, dim, itemsize, ring, backward):
 timed = functools.partial(evidence.timed, xp=cupy)  # median seconds per call, between barriers
 
 
+def gpu_job(args):
+    """(comm, dtype, kv_heads): MPI's world with each rank on its GPU, the problem's element type and
+    K/V heads (evidence.problem_arguments)."""
+    comm = MPI.COMM_WORLD
+    burst_hpc.select_device(comm)
+    return comm, parse_dtype(args.dtype), args.kv_heads or args.heads
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     evidence.problem_arguments(ap)
@@ -63,11 +71,8 @@ def main():
     ap.add_argument("--out", default=None, help="append JSON lines and a markdown table here (rank 0)")
     args = ap.parse_args()
 
-    comm = MPI.COMM_WORLD
-    burst_hpc.select_device(comm)
+    comm, dtype, kv_heads = gpu_job(args)
     P, r = comm.size, comm.rank
-    dtype = parse_dtype(args.dtype)
-    kv_heads = args.kv_heads or args.heads
     n, S = args.tokens_per_rank, args.tokens_per_rank * P
     layouts = (args.layouts or ("zigzag,balanced,contiguous" if args.causal else "contiguous")).split(",")
     rng = cupy.random.default_rng()
