@@ -25,7 +25,7 @@ from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
 from . import jobsafety
 from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, launched, live_world, mpi_problem,
                          rank_and_size, world as _world)
-from .errors import BurstError, say, FileError, MaskError, ShapeError
+from .errors import BurstError, FileError, say
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
 
@@ -442,7 +442,8 @@ def cmd_plan(args):
     from .layout import check_split
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
-    problem, layout = _collective(_plan_problem, args)
+    problem, layout = _collective(plan.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
+                                  parse_dtype(args.dtype), args.causal, args.window, args.documents, args.layout)
     rank = rank_and_size()[0]
     if args.measure:
         comm = _world()
@@ -462,30 +463,6 @@ def cmd_plan(args):
         print(text)
         print(f"auto picks: {pick}")
     return 0
-
-
-def _plan_problem(args):
-    """(costmodel.Problem, layout) of the plan's command line, or a BurstError saying why it has none."""
-    from .costmodel import Problem
-
-    itemsize = np.dtype(parse_dtype(args.dtype)).itemsize
-    kv_heads = args.kv_heads if args.kv_heads is not None else args.heads
-    if args.heads % kv_heads:
-        raise ShapeError(f"--heads {args.heads} must be a multiple of --kv-heads {kv_heads}")
-    if args.documents is not None and args.documents > args.seqlen:
-        raise MaskError(f"--documents {args.documents}: more documents than the {args.seqlen} tokens of --seqlen")
-    window = None if args.window == -1 else args.window
-    visible = None
-    if window is not None:
-        reach = min(window + 1, args.seqlen)
-        visible = reach / args.seqlen * (1 - reach / (2 * args.seqlen))
-    if args.documents:
-        visible = (visible if visible is not None else (0.5 if args.causal else 1.0)) / args.documents
-    layout = args.layout or ("contiguous" if window is not None or args.documents else "zigzag")
-    problem = Problem(args.batch, args.seqlen, args.heads, kv_heads, args.head_dim, itemsize,
-                      args.causal or window is not None, visible,
-                      window if window is not None and layout == "contiguous" else None)
-    return problem, layout
 
 
 def cmd_check(args):
@@ -544,7 +521,8 @@ def _main(argv=None):
     except BurstError as e:
         if getattr(e, "agreed", False):
             # every rank raised the same error: one message from rank 0, out before any rank exits
-            _say_once(lambda: say(str(e)))
+            message = str(e)
+            _say_once(lambda: say(message))
             return EXIT_ERROR
         say(f"[rank {rank_and_size()[0]}] {e}")
         abort_world(EXIT_ERROR)

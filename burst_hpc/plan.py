@@ -8,9 +8,33 @@ hides its communication (within 5% of compute; forward / forward+backward). The 
 """
 import math
 
+import numpy as np
+
 from . import costmodel
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
-from .errors import BurstError
+from .errors import BurstError, MaskError, ShapeError
+
+
+def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, documents=None, layout=None):
+    """(costmodel.Problem, layout) of a planned call (``plan``'s options), or a BurstError saying why it
+    has none. ``kv_heads`` None: MHA; ``window`` a causal window of that many keys (-1 or None: none);
+    ``documents`` that many packed documents of equal length."""
+    kv_heads = heads if kv_heads is None else kv_heads
+    if heads % kv_heads:
+        raise ShapeError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
+    if documents is not None and documents > seqlen:
+        raise MaskError(f"--documents {documents}: more documents than the {seqlen} tokens of --seqlen")
+    window = None if window == -1 else window
+    visible = None
+    if window is not None:
+        reach = min(window + 1, seqlen)
+        visible = reach / seqlen * (1 - reach / (2 * seqlen))
+    if documents:
+        visible = (visible if visible is not None else (0.5 if causal else 1.0)) / documents
+    layout = layout or ("contiguous" if window is not None or documents else "zigzag")
+    itemsize = np.dtype(dtype).itemsize
+    return costmodel.Problem(batch, seqlen, heads, kv_heads, head_dim, itemsize, causal or window is not None, visible,
+                             window if window is not None and layout == "contiguous" else None), layout
 
 
 def _gib(x):
