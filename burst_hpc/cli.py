@@ -241,6 +241,13 @@ def _wrap(text):
     return textwrap.fill(text, 100)
 
 
+def _verb(sub, name, func, **kwargs):
+    """The sub-parser of one verb, run by ``func`` (descriptions pre-wrapped, epilogs kept as written)."""
+    parser = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
+    parser.set_defaults(func=func)
+    return parser
+
+
 def build_parser():
     from .layout import LAYOUTS
     from .costmodel import GPU_RATES
@@ -261,16 +268,15 @@ def build_parser():
     sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,plan,check,clean}", parser_class=_Parser)
     sub.required = True
 
-    p = sub.add_parser("info", help="versions, GPUs, MPI library, CUDA-awareness, NCCL, transport choice",
+    p = _verb(sub, "info", cmd_info, help="versions, GPUs, MPI library, CUDA-awareness, NCCL, transport choice",
                        description=_wrap("Print versions (burst-hpc, Python, NumPy, mpi4py, h5py/HDF5 and whether it "
                        "has parallel HDF5), the MPI library, ranks and hosts, whether the MPI is CUDA-aware "
                        "(BURST_HPC_CUDA_AWARE=1/0 overrides), CuPy and the GPUs, NCCL, and what --transport auto "
                        "and --backend auto pick. Run it under mpiexec to see the job's view. Without a usable MPI library it "
                        "says what is missing and how to get one."))
-    p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("gen", help="write random inputs q, k, v (and do) to an HDF5 file, chunk by chunk",
-                       formatter_class=raw, epilog=FILE_FORMAT,
+    p = _verb(sub, "gen", cmd_gen, help="write random inputs q, k, v (and do) to an HDF5 file, chunk by chunk",
+                       epilog=FILE_FORMAT,
                        description=_wrap("Write standard-normal q, k, v (and do) to OUT.h5 for 'burst-hpc run'. Written "
                        "in blocks (about 4M values in memory at a time), so a million-token input never needs a "
                        "whole tensor in memory. Run it as one process (under mpiexec rank 0 writes, the others "
@@ -295,10 +301,9 @@ def build_parser():
                    "attention across them)")
     p.add_argument("--overwrite", action="store_true", help="replace OUT.h5 if it exists (atomically, when done)")
     p.add_argument("--quiet", action="store_true", help="no progress lines on stderr")
-    p.set_defaults(func=cmd_gen)
 
-    p = sub.add_parser("run", help="attention over the ranks of mpiexec; outputs written to OUT.h5",
-                       formatter_class=raw, epilog=FILE_FORMAT + "\n" + EXIT_CODES,
+    p = _verb(sub, "run", cmd_run, help="attention over the ranks of mpiexec; outputs written to OUT.h5",
+                       epilog=FILE_FORMAT + "\n" + EXIT_CODES,
                        description=_wrap("Under 'mpiexec -n P': read q, k, v (and do) from IN.h5, each rank only its own "
                        "tokens, run the forward pass (and the backward pass) over the ring of ranks and write o, "
                        "lse (and dq, dk, dv) to OUT.h5, each rank only its own token ranges. OUT.h5 is built under "
@@ -367,10 +372,8 @@ def build_parser():
                    "anyway on long runs or a terminal): each stage, and inside each pass the ring steps done of "
                    "the total with an ETA (rank 0's steps)")
     p.add_argument("--quiet", action="store_true", help="no stage lines")
-    p.set_defaults(func=cmd_run)
 
-    p = sub.add_parser("plan", help="predicted time of each scheme across nodes for a problem and a cluster",
-                       formatter_class=raw,
+    p = _verb(sub, "plan", cmd_plan, help="predicted time of each scheme across nodes for a problem and a cluster",
                        description=_wrap("The cost model's table (docs/RING.md, 'Across nodes'): for each scheme "
                        "(ring, double_ring, ulysses_ring) the predicted forward and forward+backward time, the "
                        "communication left exposed, bytes per GPU over the network, peak memory per rank, and the "
@@ -406,10 +409,8 @@ def build_parser():
     p.add_argument("--measure", action="store_true", help="measure the rates here, under mpiexec")
     p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="W",
                    help="with --measure: treat every W ranks of a host as one node")
-    p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("check", help="self-test: kernels and ring against the float64 oracle, pass/fail table",
-                       formatter_class=raw,
+    p = _verb(sub, "check", cmd_check, help="self-test: kernels and ring against the float64 oracle, pass/fail table",
                        description=_wrap("Correctness self-test of this installation, in seconds. On a GPU: every kernel "
                        "family the GPU runs, forward and backward, on odd shapes (lengths off the tile, GQA, causal "
                        "and not, bfloat16 and float16, padded head dims); without a GPU the NumPy backend, and it "
@@ -420,7 +421,6 @@ def build_parser():
     p.add_argument("--seed", type=nonnegative_int, default=None,
                    help="draw the inputs from this seed, >= 0 (the table's header prints the seed of every run, so a "
                    "failure can be replayed) (default: a fresh seed)")
-    p.set_defaults(func=cmd_check)
     _add_clean(sub)
     return parser
 
@@ -480,7 +480,7 @@ def cmd_check(args):
 # =========================================================================== clean (jobsafety)
 
 def _add_clean(sub):
-    p = sub.add_parser("clean", help="remove temporary files a killed job left next to an output",
+    p = _verb(sub, "clean", cmd_clean, help="remove temporary files a killed job left next to an output",
                        description=_wrap("A job killed from outside (SIGKILL, a node failure) can leave "
                        "OUT.h5.tmp-<host>-<pid>-<tag> (and its lock file, the same name + .lock) next to OUT.h5. "
                        "The job writing such a file holds a lock on its lock file for as long as it runs, whatever "
@@ -494,7 +494,6 @@ def _add_clean(sub):
     p.add_argument("--force", action="store_true",
                    help="also remove the files whose job this host cannot judge (another host's; none with a "
                    "lock file held, which is never removed)")
-    p.set_defaults(func=cmd_clean)
 
 
 def cmd_clean(args):
