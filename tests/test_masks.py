@@ -132,7 +132,7 @@ def test_blocks_skip_hidden_tiles_and_mask_only_where_needed(rng, seed):
         visited = np.zeros((q_len, k_len), int)
         for q0 in range(0, q_len, 16):
             q1 = min(q_len, q0 + 16)
-            for k0, k1, hidden in be._key_tiles(q0, q1, k_len, True, q_start, k_start, mask):
+            for k0, k1, hidden in be.key_tiles(q0, q1, k_len, True, q_start, k_start, mask):
                 block = dense[q_start + q0:q_start + q1, k_start + k0:k_start + k1]
                 assert block.any(), f"seed={seed} hidden tile visited"
                 assert (hidden is None) == block.all(), f"seed={seed}"

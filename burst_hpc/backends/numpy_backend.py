@@ -64,7 +64,7 @@ class NumpyBackend:
         self.block_k = block_k
         self.xp = xp  # numpy, or cupy: then the masks of diagonal tiles are built on the host and copied
 
-    def _key_tiles(self, q0, q1, n_keys, causal, q_start, k_start, mask):
+    def key_tiles(self, q0, q1, n_keys, causal, q_start, k_start, mask):
         """Key tiles (k0, k1, hidden) with something visible to query rows q0..q1-1; ``hidden`` is
         None for tiles that need no mask, else the boolean (rows, keys) mask of hidden pairs.
         An unmasked pair (``causal`` False) ignores ``mask``: it may be several runs fused in local
@@ -105,7 +105,7 @@ class NumpyBackend:
             row_max = xp.full(shape, -xp.inf, acc)
             row_sum = xp.zeros(shape, acc)
             out = xp.zeros(qt.shape, acc)
-            for k0, k1, hidden in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
+            for k0, k1, hidden in self.key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
                 kt = _heads_first(k[:, k0:k1], acc)
                 vt = _heads_first(v[:, k0:k1], acc)
                 s = qt @ kt.swapaxes(-1, -2)
@@ -147,7 +147,7 @@ class NumpyBackend:
             lse_t = xp.where(visible, lse_t, 0)
             dq_t = xp.zeros(qt.shape, acc)
             rows_finite = _finite(xp, qt, dot)
-            for k0, k1, hidden in self._key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
+            for k0, k1, hidden in self.key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
                 kt = _heads_first(k[:, k0:k1], acc)
                 vt = _heads_first(v[:, k0:k1], acc)
                 s = (qt @ kt.swapaxes(-1, -2)) * acc.type(scale)
