@@ -12,7 +12,7 @@ from .collective import agree
 from .device import gpus_shared
 from .dtypes import accum_dtype, dtype_name
 from .errors import BurstError, ShapeError
-from .layout import check_layout, check_split, default_layout
+from .layout import check_layout, check_split
 from .schemes import check_scheme, make as make_scheme
 from .topology import topology
 from .transport import choose_transport, make_transport
@@ -54,9 +54,7 @@ class CallPlan:
             if sq != sk:
                 raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
             self.mask = masks.make(sq * self.size, causal, window, cu_seqlens)
-            if layout is None and self.mask is not None:
-                layout = masks.default_layout(self.mask, self.size)
-            self.layout = check_layout(default_layout(causal) if layout is None else layout)
+            self.layout = check_layout(masks.call_layout(self.mask, causal, self.size) if layout is None else layout)
             self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
             self.ring = None
             if backward is not None:

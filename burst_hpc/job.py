@@ -25,7 +25,6 @@ from .collective import agree, describe, one_fails_all, world
 from .device import array_device, gpu_count, gpus_shared, select_device
 from .dtypes import dtype_name
 from .errors import BackendError, BurstError, say
-from .layout import default_layout
 from .transport import choose_transport
 
 
@@ -77,7 +76,7 @@ def run(options, comm=None):
         spec = io.inspect_input(options.input, names)
         mask = masks.make(spec.seqlen, options.causal, options.window, spec.cu_seqlens)
         if layout is None:
-            layout = default_layout(options.causal) if mask is None else masks.default_layout(mask, size)
+            layout = masks.call_layout(mask, options.causal, size)
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     agree(comm, error)

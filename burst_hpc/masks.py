@@ -21,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 
 from .errors import MaskError
-from .layout import pieces
+from .layout import default_layout as plain_default_layout, pieces
 
 
 def check_window(window):
@@ -200,6 +200,12 @@ def default_layout(mask, size):
     work = {layout: max(rank_work(mask, size, layout)) for layout in fits}
     fewer_steps = ring_steps(mask, size, "contiguous") < ring_steps(mask, size, "zigzag")
     return "zigzag" if work["zigzag"] < (0.9 if fewer_steps else 0.98) * work["contiguous"] else "contiguous"
+
+
+def call_layout(mask, causal, size):
+    """The layout of a call that names none: the plain default for causal or full attention (no Mask),
+    default_layout's pick with documents or a window. The one rule the call's plan and the run job use."""
+    return plain_default_layout(causal) if mask is None else default_layout(mask, size)
 
 
 def random_documents(rng, seqlen, count):

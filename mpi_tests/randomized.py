@@ -132,7 +132,7 @@ def window_side(rng, seqlen):
 
 def shard_layout(case):
     """The layout the inputs are sharded in: the case's, or the default the library picks."""
-    from burst_hpc import layout as layouts, masks
+    from burst_hpc import masks
 
     if case.layout is not None:
         return case.layout
@@ -141,7 +141,7 @@ def shard_layout(case):
                           None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     except Exception:  # noqa: BLE001 - the call itself is then refused
         mask = None
-    return layouts.default_layout(case.causal) if mask is None else masks.default_layout(mask, case.ranks)
+    return masks.call_layout(mask, case.causal, case.ranks)
 
 
 def inputs(case):
