@@ -98,7 +98,7 @@ def cmd_info(args):
 
 def cmd_gen(args):
     from . import io
-    from .job import Progress
+    from .progress import Progress
 
     comm = _world() if launched() else None
     rank = comm.rank if comm is not None else 0
@@ -311,8 +311,10 @@ def build_parser():
                        "NaN or Inf are refused before any work (the error names the dataset and the first bad "
                        "index), and so are values large enough to overflow the kernels' float32 sums (the error "
                        "names the datasets and their largest magnitudes). Rank 0 prints one summary line: sizes, ranks, layout, backend, transport, time "
-                       "and TFLOP/s per pass (FlashAttention convention) and, with --verify, max error / tolerance "
-                       "per output."))
+                       "and TFLOP/s per pass (FlashAttention convention), with --verify max error / tolerance "
+                       "per output, and the wall seconds of each phase (read, setup, forward, backward, write, "
+                       "verify, total; set-up: the backend's start, the plan, a rehearsal of the passes that loads "
+                       "their kernels, connects the communicators and allocates their buffers, and --warmup)."))
     p.add_argument("input", metavar="IN.h5", help="HDF5 file with q, k, v (and do for --backward); layout below")
     p.add_argument("output", metavar="OUT.h5", help="HDF5 file to write: o, lse (and dq, dk, dv); refused if it exists, "
                    "unless --overwrite")
@@ -367,11 +369,18 @@ def build_parser():
                    "(the summary counts them: nonfinite o=N ...), and --verify fails; or on values large enough to "
                    "overflow the kernels' float32 sums")
     p.add_argument("--warmup", action="store_true",
-                   help="run the passes once untimed first (GPU kernels compile on first use)")
+                   help="run the passes once more in the set-up before the timed ones (the set-up already loads "
+                   "what the passes use; this also warms clocks and caches)")
     p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "
-                   "anyway on long runs or a terminal): each stage, and inside each pass the ring steps done of "
-                   "the total with an ETA (rank 0's steps)")
+                   "anyway on long runs or a terminal): each stage, and inside a pass a line every 5 seconds "
+                   "(BURST_HPC_PROGRESS_SECONDS) with the share of rank 0's visible (query, key) pairs done and "
+                   "the ETA")
     p.add_argument("--quiet", action="store_true", help="no stage lines")
+    p.add_argument("--json", metavar="FILE", default=None,
+                   help="also write the run's report to FILE as one JSON object: seconds of read, setup, forward, "
+                   "backward, write, verify and total, TFLOP/s, sizes, layout, scheme, transport, backend, device, "
+                   "versions (the summary line's facts; OUT.h5's attributes hold them too). Checked before any "
+                   "work; an existing FILE is replaced")
 
     p = _verb(sub, "plan", cmd_plan, help="predicted time of each scheme across nodes for a problem and a cluster",
                        description=_wrap("The cost model's table (docs/RING.md, 'Across nodes'): for each scheme "

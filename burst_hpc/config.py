@@ -11,11 +11,12 @@ so a job or a test may set it before any call). docs/USAGE.md lists them for use
 | BURST_HPC_CUDA_DIR=DIR | read the kernel sources from DIR instead of the package |
 | BURST_HPC_HDF5_MPIO=0 | write outputs by rank-ordered token passing even with parallel HDF5 |
 | BURST_HPC_SPACE_CHECK=0 | skip the free-space check before writing (quotas can misreport it) |
+| BURST_HPC_PROGRESS_SECONDS=S | seconds between the progress lines inside a pass (default 5) |
 | BURST_HPC_TEST_HOOK_VERIFY_PAUSE=S | tests only: every rank sleeps S seconds as verification starts |
 """
 import os
 
-from .errors import TopologyError, TransportError
+from .errors import BurstError, TopologyError, TransportError
 
 ON = ("1", "yes", "true", "on")
 
@@ -69,6 +70,24 @@ def hdf5_mpio():
 def space_check():
     """False when BURST_HPC_SPACE_CHECK=0; True otherwise."""
     return _value("BURST_HPC_SPACE_CHECK") != "0"
+
+
+PROGRESS_SECONDS = 5.0
+
+
+def progress_seconds():
+    """BURST_HPC_PROGRESS_SECONDS: seconds between the progress lines inside a pass, a number > 0
+    (default PROGRESS_SECONDS)."""
+    value = _value("BURST_HPC_PROGRESS_SECONDS")
+    if not value:
+        return PROGRESS_SECONDS
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not 0 < seconds < float("inf"):
+        raise BurstError(f"BURST_HPC_PROGRESS_SECONDS must be a number of seconds > 0; got {value!r}")
+    return seconds
 
 
 def kernel_family():

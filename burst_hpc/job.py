@@ -1,8 +1,13 @@
 """The run job: `burst-hpc run`, usable from Python, as one linear body.
 
     inspect the input once -> decide the layout and transport once -> create the output (its path
-    checked there) -> read this rank's shards -> check them -> plan the call once -> run the passes
-    -> write -> publish -> verify (the published file records the outcome)
+    checked there) -> read this rank's shards -> check them -> plan the call once -> set up the
+    passes -> run the passes -> write -> publish -> verify (the published file records the outcome)
+    -> the report (report.py: the summary line, the output's attributes, the --json file)
+
+Each phase (report.PHASES) is timed between barriers (:class:`Phases`); the set-up rehearses the
+passes (passes.py) so the timed passes do not pay for first use (kernel loads, communicators,
+allocations).
 
 Every step that can fail on some ranks agrees on the verdict first (collective.agree), so bad input
 ends every rank with the same message; an error inside the passes ends the job from the failing rank
@@ -14,17 +19,19 @@ ends every rank with the same message; an error inside the passes ends the job f
 import os
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-from . import config, io, jobsafety, masks, verify
+from . import config, io, jobsafety, masks, report, verify
 from .accounting import attention_flops, visible_pairs
 from .callplan import CallPlan
 from .collective import agree, describe, one_fails_all, world
 from .device import array_device, gpu_count, gpus_shared, select_device
 from .dtypes import dtype_name
 from .errors import BackendError, BurstError, say
+from .progress import Progress
 from .transport import choose_transport
 
 
@@ -50,16 +57,58 @@ class RunOptions:
     allow_nonfinite: bool = False
     warmup: bool = False
     progress: bool = None       # stage lines on rank 0: None shows them for a large job or on a terminal
+    json: str = None            # write the report to this file (rank 0), as one JSON object
 
 
 @dataclass
 class Outcome:
     """How a run ended: ``summary`` the one-line report (rank 0's is complete), ``verified`` None
-    (not asked), True or False, and the seconds of each pass."""
+    (not asked), True or False, and ``report`` the facts of the run (the --json object: ``seconds``
+    of each phase and in all, ``tflops``, sizes, choices, device, versions; rank 0's clock)."""
     summary: str
     verified: bool = None
-    forward_s: float = None
-    backward_s: float = None
+    report: dict = None
+
+    @property
+    def forward_s(self):
+        """Seconds of the forward pass."""
+        return self.report["seconds"]["forward"]
+
+    @property
+    def backward_s(self):
+        """Seconds of the backward pass (None without one)."""
+        return self.report["seconds"]["backward"]
+
+
+class Phases:
+    """The wall seconds of the job's phases (report.PHASES) on this rank's clock. A phase starts and
+    ends at a barrier with the GPU's queued work finished, so every rank times the same interval,
+    the slowest rank's time of it. Use only where every rank gets through or the job ends (an
+    agreed error raises on every rank before the closing barrier; one_fails_all aborts)."""
+
+    def __init__(self, comm):
+        self.comm, self.xp = comm, np
+        self.seconds = dict.fromkeys(report.PHASES)
+        self.start = self.mark()
+
+    def mark(self):
+        """The clock, read once every rank's queued work is done and every rank is here."""
+        sync(self.xp)
+        self.comm.Barrier()
+        return time.perf_counter()
+
+    def add(self, phase, seconds):
+        self.seconds[phase] = (self.seconds[phase] or 0.0) + seconds
+
+    @contextmanager
+    def __call__(self, phase):
+        start = self.mark()
+        yield
+        self.add(phase, self.mark() - start)
+
+    def total(self):
+        """Every phase's seconds and, "total", the seconds since the job started."""
+        return dict(self.seconds, total=self.mark() - self.start)
 
 
 def run(options, comm=None):
@@ -68,11 +117,17 @@ def run(options, comm=None):
     comm = world() if comm is None else comm
     rank, size = comm.rank, comm.size
     names = ("q", "k", "v", "do") if options.backward else ("q", "k", "v")
+    clock = Phases(comm)
 
     # inspect once; decide the layout and the transport once
     error, spec, mask, layout, transport, xp, backend = None, None, None, options.layout, None, np, None
+    interval = device = versions = None
     try:
+        if rank == 0 and options.json is not None:
+            report.check_json_path(options.json, (options.input, options.output))
+        interval = config.progress_seconds()
         xp, backend = setup_backend(options.backend, comm)
+        device, versions = report.device_name(xp), report.versions(xp)
         spec = io.inspect_input(options.input, names)
         mask = masks.make(spec.seqlen, options.causal, options.window, spec.cu_seqlens)
         if layout is None:
@@ -80,6 +135,8 @@ def run(options, comm=None):
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     agree(comm, error)
+    clock.xp = xp
+    clock.add("setup", time.perf_counter() - clock.start)  # the backend's start; agree() met every rank
     shared = gpus_shared(comm, xp.cuda.Device() if backend == "cuda" else None)  # collective: NCCL refuses that
     try:
         transport = choose_transport(options.transport, backend == "cuda", shared)
@@ -90,7 +147,17 @@ def run(options, comm=None):
     pairs = visible_pairs(spec.seqlen, options.causal, mask)
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]
     shown = options.progress if options.progress is not None else flops[0] > 2e11 or sys.stderr.isatty()
-    progress = Progress(rank == 0 and shown)
+    progress = Progress(rank == 0 and shown, interval)
+    facts = {"command": "burst-hpc run", "input": os.path.abspath(options.input),
+             "output": os.path.abspath(options.output), "timing": report.TIMING,
+             "sizes": {"batch": spec.batch, "seqlen": spec.seqlen, "tokens": spec.batch * spec.seqlen,
+                       "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+                       "dtype": dtype_name(spec.dtype), "ranks": size, "visible_pairs": pairs,
+                       "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1},
+             "causal": bool(options.causal), "window": None if options.window is None else list(options.window),
+             "backward": bool(options.backward), "layout": layout, "transport": transport, "backend": backend,
+             "device": device, "versions": versions, "warmup": bool(options.warmup),
+             "flops": {"forward": flops[0], "backward": flops[1] if options.backward else None}}
 
     # create the output (the path is checked there, before any data is read)
     if rank == 0:
@@ -105,32 +172,38 @@ def run(options, comm=None):
              "window": "none" if options.window is None else f"{options.window[0]},{options.window[1]}",
              "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
     attrs.update(verify.pending_attrs(datasets, options.verify))
+    attrs.update(report.pending_attrs())
+    attrs.update(report.fixed_attrs(facts))
     out = io.OutputFile.create(options.output, comm, datasets, attrs, inputs=[options.input],
                                overwrite=options.overwrite)
     try:
-        # read and check this rank's shards
-        _, shards = io.read_shards(options.input, comm, layout, names, spec=spec)
-        if not options.allow_nonfinite:
-            io.check_finite(options.input, shards, comm, layout, spec.seqlen, scale=scale)
+        # read and check this rank's shards, onto the device
+        with clock("read"):
+            _, shards = io.read_shards(options.input, comm, layout, names, spec=spec)
+            if not options.allow_nonfinite:
+                io.check_finite(options.input, shards, comm, layout, spec.seqlen, scale=scale)
+            dev = {name: xp.asarray(a) for name, a in shards.items()}
+            del shards
         progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
         if mask is not None:
             work = masks.rank_work(mask, size, layout)
             progress(f"{mask}: ring steps {masks.ring_steps(mask, size, layout)} of {size}, "
                      f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
 
-        # plan the call once, run its passes
-        dev = {name: xp.asarray(a) for name, a in shards.items()}
-        del shards
-        plan = CallPlan(comm, dev["q"], dev["k"], dev["v"], options.causal, scale, layout, transport,
-                        backward=(dev["do"], None, None, options.backward_ring) if options.backward else None,
-                        cu_seqlens=spec.cu_seqlens, window=options.window, scheme=options.scheme,
-                        ranks_per_node=options.ranks_per_node)
-        results, seconds = _passes(plan, dev, options, progress, xp)
+        # plan the call once, set up its passes, run them
+        with clock("setup"):
+            plan = CallPlan(comm, dev["q"], dev["k"], dev["v"], options.causal, scale, layout, transport,
+                            backward=(dev["do"], None, None, options.backward_ring) if options.backward else None,
+                            cu_seqlens=spec.cu_seqlens, window=options.window, scheme=options.scheme,
+                            ranks_per_node=options.ranks_per_node)
+        facts.update(scheme=plan.scheme.name, backward_ring=plan.ring)
+        results = _passes(plan, dev, options, progress, xp, clock)
         del dev
-        host = {name: to_host(a) for name, a in results.items()}
         progress(f"writing {options.output}")
-        out.write(host, layout)
-        summary = _summary(spec, plan, options, backend, transport, flops, seconds)
+        with clock("write"):
+            host = {name: to_host(a) for name, a in results.items()}
+            out.write(host, layout)
+        summary = _summary(spec, plan, options, backend, transport, flops, clock.seconds)
         summary += verify.nonfinite_summary(host, comm)  # collective; [] when every output is finite
 
         # publish: nothing can lose the finished result after this
@@ -139,51 +212,89 @@ def run(options, comm=None):
         out.abort()
         raise
     jobsafety.on_stop_say(f"{options.output} is written and complete")
-    verified = None
+    verified, checked = None, None
     if options.verify:
-        verified, line = _verify_published(options, comm, spec, host, layout, scale, progress)
+        with clock("verify"):
+            checked, line = _verify_published(options, comm, spec, host, layout, scale, progress)
+        verified = checked["ok"]
         summary.append(line)
-    summary.append(f"-> {options.output}")
-    return Outcome("  ".join(summary), verified, *seconds)
+    facts.update(_outcome(clock.total(), flops, checked))
+    summary += [report.seconds_text(facts["seconds"]), f"-> {options.output}"]
+    _publish_report(options, comm, facts)
+    return Outcome("  ".join(summary), verified, facts)
 
 
-def _passes(plan, dev, options, progress, xp):
-    """({name: result}, (forward seconds, backward seconds or None)): the passes between barriers,
-    each after an untimed warm-up when asked."""
+def _passes(plan, dev, options, progress, xp, clock):
+    """{name: result}: the set-up of the passes (their rehearsal, then the warm-up passes when
+    asked), then the passes, each a phase of ``clock``."""
     comm, passes = plan.comm, plan.passes
 
-    def timed(what, call):
-        comm.Barrier()
-        start = time.perf_counter()
-        with array_device(dev["q"]), one_fails_all(comm, what):
-            result = call()
-            sync(xp)
-        comm.Barrier()
-        return result, time.perf_counter() - start
+    @contextmanager
+    def phase(name, what):
+        with array_device(dev["q"]), one_fails_all(comm, what), clock(name):
+            yield
 
-    def forward(on_step=None):
-        return passes.forward(dev["q"], dev["k"], dev["v"], on_step=on_step)
+    def forward(**mode):
+        return passes.forward(dev["q"], dev["k"], dev["v"], **mode)
 
-    def backward(o, lse, on_step=None):
-        return passes.backward(plan.ring, dev["do"], dev["q"], dev["k"], dev["v"], o, lse, on_step=on_step)
+    def backward(o, lse, **mode):
+        return passes.backward(plan.ring, dev["do"], dev["q"], dev["k"], dev["v"], o, lse, **mode)
 
-    if options.warmup:
-        progress("warm-up pass (kernel compilation, transport set-up), not timed")
-        o, lse = timed("the forward warm-up", forward)[0]
+    def both(**mode):
+        o, lse = forward(**mode)
         if options.backward:
-            timed("the backward warm-up", lambda: backward(o, lse))
-    progress("forward")
-    (o, lse), t_fwd = timed("the forward pass", lambda: forward(progress.ring("forward", xp)))
-    results, t_bwd = {"o": o, "lse": lse}, None
+            backward(o, lse, **mode)
+
+    progress("set-up: rehearsing the passes (kernels, communicators, buffers)")
+    with phase("setup", "the set-up of the passes"):
+        both(rehearse=True)
+        if options.warmup:
+            progress("warm-up passes (counted in set-up)")
+            both()
+    progress(f"set-up done in {clock.seconds['setup']:.3f}s; forward")
+    with phase("forward", "the forward pass"):
+        o, lse = forward(meter=progress.meter("forward", xp))
+    results = {"o": o, "lse": lse}
     if options.backward:
-        progress(f"forward done in {t_fwd:.3f}s; backward")
-        (dq, dk, dv), t_bwd = timed("the backward pass", lambda: backward(o, lse, progress.ring("backward", xp)))
-        results.update(dq=dq, dk=dk, dv=dv)
-    return results, (t_fwd, t_bwd)
+        progress(f"forward done in {clock.seconds['forward']:.3f}s; backward")
+        with phase("backward", "the backward pass"):
+            results.update(zip(("dq", "dk", "dv"), backward(o, lse, meter=progress.meter("backward", xp))))
+    return results
+
+
+def _outcome(seconds, flops, checked):
+    """The report's entries known at the end: seconds, TFLOP/s (the job's, FlashAttention count) and
+    the verification (None when not asked)."""
+    rates = {name: None if seconds[name] is None else flops[i] / max(seconds[name], 1e-12) / 1e12
+             for i, name in enumerate(report.PASSES)}
+    found = None
+    if checked is not None:
+        found = {"outcome": "pass" if checked["ok"] else "fail", "mode": checked["mode"],
+                 "max_err": {name: float(e) for name, e in checked["err"].items()},
+                 "tol": {name: float(t) for name, t in checked["tol"].items()}}
+    return {"seconds": seconds, "tflops": rates, "verify": found}
+
+
+def _publish_report(options, comm, facts):
+    """Rank 0 records the report in the output's attributes (a failure is a note: the output stands)
+    and writes it to --json (a failure ends the job, on every rank, after the output is complete)."""
+    error = None
+    if comm.rank == 0:
+        try:
+            report.record(options.output, facts)
+        except Exception as e:  # noqa: BLE001 - the result stands; only its report could not be written
+            say(f"{options.output} is written and complete, but its report attributes (seconds_*, tflops_*) "
+                f"could not be recorded: {describe(e).splitlines()[0]}", "note")
+        if options.json is not None:
+            try:
+                report.write_json(options.json, facts)
+            except BurstError as e:
+                error = BurstError(f"{e}; {options.output} is written and complete")
+    agree(comm, error)
 
 
 def _summary(spec, plan, options, backend, transport, flops, seconds):
-    (t_fwd, t_bwd), (fwd_flops, bwd_flops) = seconds, flops
+    (t_fwd, t_bwd), (fwd_flops, bwd_flops) = (seconds["forward"], seconds["backward"]), flops
     parts = [f"burst-hpc run: tokens={spec.batch * spec.seqlen} ({spec.describe()})", f"ranks={plan.size}",
              f"layout={plan.layout}", "causal" if options.causal else "non-causal"]
     if options.window is not None:
@@ -201,7 +312,7 @@ def _summary(spec, plan, options, backend, transport, flops, seconds):
 def _verify_published(options, comm, spec, host, layout, scale, progress):
     """--verify after the output is published: its attributes say verify = 'not finished' until rank 0
     records the outcome (a job stopped meanwhile keeps its complete output, so marked).
-    Returns (passed, the summary's verify entry)."""
+    Returns (verify.verify's report, the summary's verify entry)."""
     jobsafety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
     progress("verifying against the float64 oracle")
@@ -224,7 +335,7 @@ def _verify_published(options, comm, spec, host, layout, scale, progress):
                 f"marked so (its attribute verify still says 'not finished'): {describe(e).splitlines()[0]}", "note")
     jobsafety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
     errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
-    return report["ok"], f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}"
+    return report, f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}"
 
 
 def _test_hook_verify_pause():
@@ -263,33 +374,3 @@ def sync(xp):
     """Wait for the GPU's queued work (nothing on NumPy)."""
     if xp is not np:
         xp.cuda.Device().synchronize()
-
-
-class Progress:
-    """Stage lines on stderr when enabled (the CLI enables them on rank 0): '[burst-hpc   1.2s] forward'."""
-
-    def __init__(self, enabled):
-        self.enabled = enabled
-        self.t0 = time.perf_counter()
-
-    def __call__(self, message):
-        if self.enabled:
-            sys.stderr.write(f"[burst-hpc {time.perf_counter() - self.t0:7.1f}s] {message}\n")
-            sys.stderr.flush()
-
-    def ring(self, stage, xp, lines=20):
-        """An ``on_step`` callback for one pass: 'forward: ring step 3/8, ETA 12.0s', at most about
-        ``lines`` lines a pass (None when disabled). On the GPU it waits for the queued kernels first,
-        so the count and the ETA are of finished work."""
-        if not self.enabled:
-            return None
-        start = time.perf_counter()
-
-        def on_step(done, total):
-            if done < total and done * lines // total == (done - 1) * lines // total:
-                return
-            sync(xp)
-            elapsed = time.perf_counter() - start
-            self(f"{stage}: ring step {done}/{total}, {elapsed:.1f}s, ETA {elapsed / done * (total - done):.1f}s")
-
-        return on_step

@@ -4,12 +4,28 @@ ring, balanced schedule: the schedule says what runs where); ``UlyssesPasses`` w
 all-to-alls over heads inside the node (ulysses.py). ``for_plan`` picks one from the plan's scheme.
 
 Each pass takes the modes the benchmark hook needs: ``skip_compute`` (exchanges alone), ``transport``
-and ``far`` (counting or no-exchange transports in place of the plan's), ``on_step`` (progress)."""
+and ``far`` (counting or no-exchange transports in place of the plan's), ``on_step`` (a callback after
+each ring step), and those of the run job: ``meter`` (progress.PassMeter: the work done, pair by pair)
+and ``rehearse`` (the set-up of the pass, below).
+
+A rehearsal runs the pass as it will run, every exchange and every combine, but each distinct kind
+of block pair (mask or not, query rows, keys up to REHEARSAL_KEYS) once, on its first
+REHEARSAL_KEYS keys, and no other pair: whatever the pass makes on first use is made then, out of
+the timed pass (the kernels it launches loaded, the communicators created and connected to every
+peer, the memory pool grown to the pass's buffers), for a small share of its work. Its results are
+meaningless."""
+from contextlib import contextmanager
+
 from . import ulysses
 from .merge import merge_into
 from .ring import Side, run
 from .schedule import visit_pairs
 from .schemes import ulysses_heads
+
+REHEARSAL_KEYS = 256
+# the NumPy backend's block pairs are cut into about this many row parts for the progress meter (its
+# arithmetic is the same: it works one tile of query rows at a time); the GPU's are queued whole
+PROGRESS_PARTS = 64
 
 
 class RingPasses:
@@ -18,7 +34,8 @@ class RingPasses:
     def __init__(self, plan):
         self.plan = plan
 
-    def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None):
+    def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None, meter=None,
+                rehearse=False):
         """(o, lse) of this rank's queries."""
         plan = self.plan
         xp, be = plan.xp, plan.backend
@@ -31,12 +48,14 @@ class RingPasses:
             be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
                              scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
-        run(*_lanes(plan, transport, far), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
-            skip_compute=skip_compute, on_step=on_step)
+        steps = plan.steps("kv", ("q",))
+        with _metered(meter, plan, steps):
+            run(*_lanes(plan, transport, far), steps, sides, _visits(plan, sides, pair, meter, rehearse),
+                skip_compute=skip_compute, on_step=on_step)
         return o.astype(q.dtype), lse.astype(xp.float32)
 
     def backward(self, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, far=None, delta=None,
-                 cast=True, on_step=None):
+                 cast=True, on_step=None, meter=None, rehearse=False):
         """(dq, dk, dv) of this rank's shards by the ``ring`` ('q' or 'kv') backward; ``delta``
         (rowsum(do * o)) when already known, then ``o`` is not read; ``cast`` False keeps float32."""
         plan = self.plan
@@ -52,8 +71,10 @@ class RingPasses:
                               q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
                               causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
-        run(*_lanes(plan, transport, far), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
-            skip_compute=skip_compute, on_step=on_step)
+        steps = plan.steps(ring, ("kv", "q"))
+        with _metered(meter, plan, steps):
+            run(*_lanes(plan, transport, far), steps, sides, _visits(plan, sides, pair, meter, rehearse),
+                skip_compute=skip_compute, on_step=on_step)
         if not cast:
             return dq, dk, dv
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -111,22 +132,61 @@ def _add(into, part):
         a += b
 
 
-def _visits(plan, sides, pair):
+def _pairs(plan, visit):
+    """The block pairs of a visit of this rank's steps."""
+    mine, theirs = plan.pieces(plan.scheme.position), plan.pieces(visit.shard)
+    q_pieces, k_pieces = (mine, theirs) if visit.side == "kv" else (theirs, mine)
+    return visit_pairs(q_pieces, k_pieces, plan.causal, visit.half, plan.mask)
+
+
+@contextmanager
+def _metered(meter, plan, steps):
+    """The pass inside ``meter``'s begin (with this rank's work over ``steps``) and end."""
+    if meter is None:
+        yield
+        return
+    meter.begin(sum(p.visible(plan.mask) for step in steps if step.visit is not None
+                    for p in _pairs(plan, step.visit)))
+    try:
+        yield
+    finally:
+        meter.end()
+
+
+def _visits(plan, sides, pair, meter=None, rehearse=False):
     """The engine's compute: a kv visit meets this rank's query side with the visiting keys
     (the partial holds key-side results), a q visit meets the visiting query side with this
     rank's keys (the partial holds query-side results). ``pair(p, q_side, kv, q_out, k_out)``
-    runs one block pair."""
-    mine = plan.pieces(plan.scheme.position)
+    runs one block pair; ``meter`` is told the work of each; ``rehearse``: the rehearsal's
+    pairs only (the module's docstring)."""
+    rehearsed = set()
+    numpy = meter is not None and plan.backend.name == "numpy"
+    parts, tile = (PROGRESS_PARTS, plan.backend.block_q) if numpy else (1, None)
 
     def compute(visit, data, partial):
-        theirs = plan.pieces(visit.shard)
         if visit.side == "kv":
             args = (sides["q"].travelling, data, sides["q"].results, partial)
-            q_pieces, k_pieces = mine, theirs
         else:
             args = (data, sides["kv"].travelling, partial, sides["kv"].results)
-            q_pieces, k_pieces = theirs, mine
-        for p in visit_pairs(q_pieces, k_pieces, plan.causal, visit.half, plan.mask):
-            pair(p, *args)
+        for p in _pairs(plan, visit):
+            if rehearse:
+                kind = (p.causal, p.q.stop - p.q.start, min(p.k.stop - p.k.start, REHEARSAL_KEYS))
+                if kind in rehearsed:
+                    continue
+                rehearsed.add(kind)
+                p = p.first_keys(REHEARSAL_KEYS)
+            for part in _row_parts(p, parts, tile):
+                pair(part, *args)
+                if meter is not None:
+                    meter.done(part.visible(plan.mask))
 
     return compute
+
+
+def _row_parts(p, parts, tile):
+    """``p`` cut into at most ``parts`` pairs of whole ``tile``s of query rows, in order."""
+    rows = p.q.stop - p.q.start
+    if parts == 1 or rows <= tile:
+        return (p,)
+    step = tile * -(-rows // (parts * tile))
+    return tuple(p.rows(lo, min(rows, lo + step)) for lo in range(0, rows, step))

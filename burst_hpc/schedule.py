@@ -29,6 +29,8 @@ zigzag step with no diagonal is a single kernel launch.
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
+import numpy as np
+
 from . import masks
 
 
@@ -39,6 +41,25 @@ class BlockPair:
     q_start: int    # global position of the first query row
     k_start: int    # global position of the first key row
     causal: bool    # True only for pairs that need the mask (diagonal, or masks.Mask's 'masked')
+
+    def visible(self, mask=None):
+        """The visible (query, key) pairs of this block pair, the work it costs (``mask``: the call's
+        masks.Mask, None for plain causal or full attention)."""
+        rows, keys = self.q.stop - self.q.start, self.k.stop - self.k.start
+        if not self.causal:
+            return rows * keys
+        if mask is not None:
+            return mask.visible_count(self.q_start, rows, self.k_start, keys)
+        seen = np.arange(self.q_start, self.q_start + rows, dtype=np.int64) - self.k_start + 1
+        return int(np.clip(seen, 0, keys).sum())
+
+    def rows(self, lo, hi):
+        """The pair of this pair's query rows lo..hi-1 (local to the pair)."""
+        return replace(self, q=slice(self.q.start + lo, self.q.start + hi), q_start=self.q_start + lo)
+
+    def first_keys(self, n):
+        """The pair of this pair's first ``n`` keys (all of them when it has fewer)."""
+        return replace(self, k=slice(self.k.start, min(self.k.stop, self.k.start + n)))
 
 
 def _classify(q_start, q_len, k_start, k_len, causal):

@@ -1,0 +1,153 @@
+"""The facts of a run, in one place for its three readers: the summary line, the ``--json`` object
+and the output file's attributes (docs/USAGE.md, "The run's report").
+
+The seconds are wall seconds of the job's phases (PHASES) and in all ("total"), each phase timed
+by the run job between barriers with the GPU's queued work finished (job.Phases): rank 0's clock,
+which is the slowest rank's time of the phase. A phase that did not run is None (NaN in the file).
+"""
+import json
+import os
+import platform
+import sys
+import time
+
+import numpy as np
+
+from . import __version__
+from .errors import FileError
+
+PHASES = ("read", "setup", "forward", "backward", "write", "verify")
+SECONDS = PHASES + ("total",)
+PASSES = ("forward", "backward")
+SCHEME_BYTES = 16   # room for the scheme's name, which is known only once the plan is made
+
+TIMING = ("wall seconds on rank 0 between barriers, the GPU's queued work finished at each (a phase's time is "
+          "the slowest rank's); setup: the backend's start, the plan, the rehearsal of the passes (their "
+          "kernels loaded, communicators connected, buffers allocated) and the warm-up passes when asked; "
+          "total: from the job's start to the end of its verification")
+
+
+def pending_attrs():
+    """The attributes of the report that a ``run`` output is created with: NaN seconds and rates,
+    an empty scheme. :func:`record` rewrites their values in place once the run is over (a job
+    stopped before leaves them so: not measured)."""
+    attrs = {f"seconds_{name}": np.float64(np.nan) for name in SECONDS}
+    attrs.update({f"tflops_{name}": np.float64(np.nan) for name in PASSES})
+    attrs["run_scheme"] = _fixed("", SCHEME_BYTES)
+    return attrs
+
+
+def fixed_attrs(report):
+    """The attributes of the report known before any work: the device, the versions, the warm-up."""
+    return {"run_device": report["device"], "run_versions": json.dumps(report["versions"], sort_keys=True),
+            "run_warmup": bool(report["warmup"])}
+
+
+def record(path, report, tries=5):
+    """Write the seconds, rates and scheme of ``report`` into the attributes of the published output
+    ``path`` (one process; made by :func:`pending_attrs`, only their values change). Tried a few
+    times: a reader that has the file open holds HDF5's lock on it for a moment."""
+    import h5py
+
+    for attempt in range(tries):
+        try:
+            with h5py.File(path, "r+") as f:
+                for name in SECONDS:
+                    f.attrs.modify(f"seconds_{name}", _number(report["seconds"][name]))
+                for name in PASSES:
+                    f.attrs.modify(f"tflops_{name}", _number(report["tflops"][name]))
+                f.attrs.modify("run_scheme", _fixed(report["scheme"][:SCHEME_BYTES], SCHEME_BYTES))
+            return
+        except OSError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.5)
+
+
+def seconds_text(seconds):
+    """The summary line's part: 'seconds: read 0.012 setup 0.031 ... total 0.300' ('-': not run)."""
+    return "seconds: " + " ".join(f"{name} {'-' if seconds[name] is None else f'{seconds[name]:.3f}'}"
+                                  for name in SECONDS)
+
+
+def check_json_path(path, others=()):
+    """Refuse a ``--json`` path the job could not write, before any work (one process): it must not
+    be a directory nor one of ``others`` (the input, the output), and its directory must take a new
+    file (tried: permissions alone do not tell, e.g. for root or a read-only mount). An existing
+    file there is replaced when the job ends."""
+    if not path:
+        raise FileError("--json: no path given")
+    full = os.path.abspath(path)
+    if os.path.isdir(full):
+        raise FileError(f"--json {path!r}: it is a directory")
+    for other in others:
+        if other and os.path.abspath(other) == full:
+            raise FileError(f"--json {path!r} is also the input or the output file; choose another name")
+    probe = _temporary(full)
+    try:
+        with open(probe, "x"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        raise FileError(f"--json {path!r} cannot be written: {e.strerror or e}") from None
+
+
+def write_json(path, report):
+    """Write ``report`` to ``path`` as one JSON object (built under a temporary name, then renamed)."""
+    full = os.path.abspath(path)
+    tmp = _temporary(full)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(report, f, indent=1, sort_keys=True)
+            f.write("\n")
+        os.replace(tmp, full)
+    except OSError as e:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise FileError(f"--json {path!r} could not be written: {e.strerror or e}") from None
+
+
+def device_name(xp):
+    """The device the passes ran on: 'NVIDIA H100 80GB HBM3 (sm_90)', or the CPU ('cpu x86_64')."""
+    if xp is np:
+        return f"cpu {platform.machine() or 'unknown'}"
+    device = xp.cuda.Device()
+    props = xp.cuda.runtime.getDeviceProperties(device.id)
+    name = props["name"].decode() if isinstance(props["name"], bytes) else props["name"]
+    return f"{name} (sm_{props['major']}{props['minor']})"
+
+
+def versions(xp=np):
+    """The versions that made the numbers: burst-hpc, Python, NumPy, h5py and HDF5, mpi4py and the MPI
+    library, and with CuPy arrays CuPy, the CUDA runtime and driver."""
+    import h5py
+
+    found = {"burst_hpc": __version__, "python": sys.version.split()[0], "numpy": np.__version__,
+             "h5py": h5py.__version__, "hdf5": h5py.version.hdf5_version}
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        found["mpi4py"] = mpi4py.__version__
+        found["mpi"] = MPI.Get_library_version().replace("\0", "").splitlines()[0].strip()
+    except Exception:  # noqa: BLE001 - the run needs MPI; a report without its version still stands
+        pass
+    if xp is not np:
+        found["cupy"] = xp.__version__
+        for name, call in (("cuda_runtime", xp.cuda.runtime.runtimeGetVersion),
+                           ("cuda_driver", xp.cuda.runtime.driverGetVersion)):
+            number = call()
+            found[name] = f"{number // 1000}.{number % 1000 // 10}"
+    return found
+
+
+def _number(value):
+    return np.float64(np.nan if value is None else value)
+
+
+def _fixed(text, size):
+    return np.array(text.encode("ascii"), dtype=f"S{size}")
+
+
+def _temporary(full):
+    return os.path.join(os.path.dirname(full), f".{os.path.basename(full)}.tmp-{os.getpid()}")
