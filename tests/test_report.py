@@ -1,0 +1,222 @@
+"""The run's report (issue 25, items 2 and 4): the set-up timed apart from the passes, the phases on
+the summary line, in --json and in the output's attributes, all agreeing; --json refused before any
+work; progress lines inside a long pass, counted in visible pairs."""
+import json
+import re
+import time
+
+import h5py
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from burst_hpc import callplan, config, passes, report
+from burst_hpc.backends.numpy_backend import NumpyBackend
+from burst_hpc.callplan import CallPlan
+from burst_hpc.job import RunOptions, run
+from burst_hpc.progress import PassMeter, Progress
+from burst_hpc.schedule import BlockPair
+
+from test_cli import burst, leftovers, mpirun, needs_mpiexec
+
+SECONDS = ["read", "setup", "forward", "backward", "write", "verify", "total"]
+
+
+def _gen(path, seqlen, dtype="float32", heads=4, kv_heads=2, head_dim=16):
+    r = burst("gen", path, "--seqlen", seqlen, "--heads", heads, "--kv-heads", kv_heads, "--head-dim", head_dim,
+              "--dtype", dtype, "--seed", 3, "--with-grad")
+    assert r.returncode == 0, r.stderr
+
+
+def _summary_seconds(line):
+    """{phase: seconds or None} from the summary line's 'seconds: read 0.012 ... total 0.300'."""
+    text = line.split("seconds: ")[1].split("  ")[0].split()
+    return {name: None if value == "-" else float(value) for name, value in zip(text[::2], text[1::2])}
+
+
+@needs_mpiexec
+def test_summary_json_and_attributes_agree(tmp_path):
+    src, dst, js = tmp_path / "in.h5", tmp_path / "out.h5", tmp_path / "run.json"
+    _gen(src, 96, "bfloat16")
+    r = mpirun(2, "run", src, dst, "--causal", "--backward", "--verify", "--backend", "numpy", "--json", js)
+    assert r.returncode == 0, r.stdout + r.stderr
+    (line,) = [x for x in r.stdout.splitlines() if x.startswith("burst-hpc run:")]
+    facts = json.loads(js.read_text())
+    seconds = facts["seconds"]
+    assert list(_summary_seconds(line)) == SECONDS and sorted(seconds) == sorted(SECONDS)
+    for name, value in _summary_seconds(line).items():
+        assert value == pytest.approx(seconds[name], abs=6e-4), (name, line)
+    assert all(seconds[name] > 0 for name in SECONDS), seconds
+    assert seconds["total"] >= sum(seconds[name] for name in report.PHASES)
+    # the choices are the run's, as the summary line says them
+    assert (facts["backend"], facts["layout"], facts["transport"], facts["scheme"]) == ("numpy", "zigzag", "host", "ring")
+    for needle in ("backend=numpy", "layout=zigzag", "transport=host", "verify=PASS"):
+        assert needle in line
+    sizes = facts["sizes"]
+    assert (sizes["seqlen"], sizes["heads"], sizes["kv_heads"], sizes["head_dim"], sizes["dtype"], sizes["ranks"]) == \
+        (96, 4, 2, 16, "bfloat16", 2)
+    assert facts["causal"] is True and facts["backward"] is True and facts["warmup"] is False
+    assert facts["verify"]["outcome"] == "pass" and set(facts["verify"]["max_err"]) == {"o", "lse", "dq", "dk", "dv"}
+    assert facts["device"].startswith("cpu") and facts["versions"]["burst_hpc"] and facts["versions"]["mpi"]
+    for name in ("forward", "backward"):
+        assert facts["tflops"][name] == pytest.approx(facts["flops"][name] / seconds[name] / 1e12)
+    assert f"fwd {seconds['forward']:.3f}s" in line and f"bwd {seconds['backward']:.3f}s" in line
+    # the same facts in the output's attributes
+    with h5py.File(dst, "r") as f:
+        for name in SECONDS:
+            assert f.attrs[f"seconds_{name}"] == pytest.approx(seconds[name]), name
+        for name in ("forward", "backward"):
+            assert f.attrs[f"tflops_{name}"] == pytest.approx(facts["tflops"][name])
+        assert f.attrs["run_scheme"].decode() == "ring" and f.attrs["run_backend"] == "numpy"
+        assert f.attrs["run_device"] == facts["device"] and not f.attrs["run_warmup"]
+        assert json.loads(f.attrs["run_versions"]) == facts["versions"]
+    assert not leftovers(tmp_path)
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("where", ["missing directory", "a directory", "the output"])
+def test_json_that_cannot_be_written_is_refused_before_any_work(tmp_path, where):
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    _gen(src, 32)
+    path = {"missing directory": tmp_path / "nowhere" / "run.json", "a directory": tmp_path,
+            "the output": dst}[where]
+    r = mpirun(2, "run", src, dst, "--backend", "numpy", "--json", path, "--progress")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.count("burst-hpc: error:") == 1 and "--json" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "read " not in r.stderr  # no work: not even the read
+    assert not dst.exists() and not leftovers(tmp_path) and not (tmp_path / "nowhere").exists()
+
+
+def test_json_path_check_tries_the_directory(tmp_path):
+    report.check_json_path(str(tmp_path / "ok.json"))
+    assert list(tmp_path.iterdir()) == []  # the probe is gone
+    (tmp_path / "old.json").write_text("{}")
+    report.check_json_path(str(tmp_path / "old.json"))  # an existing report is replaced at the end
+    with pytest.raises(Exception, match="--json"):
+        report.check_json_path(str(tmp_path / "in.h5"), (str(tmp_path / "in.h5"),))
+
+
+class FirstUseCosts(NumpyBackend):
+    """A backend whose first call of each kind (direction, mask or not) costs PAUSE seconds, as a GPU's
+    first launch of a kernel instance loads (or compiles) it."""
+    PAUSE = 0.4
+
+    def __init__(self):
+        super().__init__()
+        self.loaded = set()
+        self.calls = []
+
+    def _first_use(self, direction, causal):
+        if (direction, causal) not in self.loaded:
+            self.loaded.add((direction, causal))
+            time.sleep(self.PAUSE)
+
+    def forward_block(self, q, k, v, o, lse, **kw):
+        self.calls.append(("fwd", q.shape[1], k.shape[1]))
+        self._first_use("fwd", kw["causal"])
+        super().forward_block(q, k, v, o, lse, **kw)
+
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, **kw):
+        self.calls.append(("bwd", q.shape[1], k.shape[1]))
+        self._first_use("bwd", kw["causal"])
+        super().backward_block(q, k, v, do, lse, delta, dq, dk, dv, **kw)
+
+
+@pytest.mark.parametrize("warmup", [False, True])
+def test_first_use_costs_go_to_the_setup_not_the_passes(tmp_path, monkeypatch, warmup):
+    """Without --warmup the passes no longer pay for first use: the set-up's rehearsal meets every
+    kind of block pair the passes run (here each first use costs 0.4 s, the passes far less)."""
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    _gen(src, 512)
+    backend = FirstUseCosts()
+    monkeypatch.setattr(callplan, "get_backend", lambda q: backend)
+    outcome = run(RunOptions(str(src), str(dst), causal=True, backward=True, backend="numpy", warmup=warmup,
+                             progress=False), MPI.COMM_SELF)
+    seconds = outcome.report["seconds"]
+    assert {"fwd", "bwd"} <= {direction for direction, _ in backend.loaded}
+    assert seconds["setup"] >= len(backend.loaded) * FirstUseCosts.PAUSE
+    assert seconds["forward"] < FirstUseCosts.PAUSE and seconds["backward"] < FirstUseCosts.PAUSE, seconds
+    assert outcome.forward_s == seconds["forward"] and outcome.report["warmup"] is warmup
+    assert f"setup {seconds['setup']:.3f}" in outcome.summary
+
+
+def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous"):
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((1, seqlen, heads, d)).astype(np.float32)
+    k, v, do = (rng.standard_normal(q.shape).astype(np.float32) for _ in range(3))
+    plan = CallPlan(MPI.COMM_SELF, q, k, v, causal, None, layout, "auto",
+                    backward=(do, None, None, "kv"))
+    plan.backend = backend
+    return plan, q, k, v, do
+
+
+def test_rehearsal_runs_each_kind_of_pair_once_on_its_first_keys():
+    backend = FirstUseCosts()
+    backend.PAUSE = 0
+    plan, q, k, v, do = _plan(1024, True, backend, layout="zigzag")
+    o, lse = plan.passes.forward(q, k, v, rehearse=True)
+    plan.passes.backward("kv", do, q, k, v, o, lse, rehearse=True)
+    rehearsed = list(backend.calls)
+    backend.calls.clear()
+    o, lse = plan.passes.forward(q, k, v)
+    plan.passes.backward("kv", do, q, k, v, o, lse)
+    assert rehearsed and all(keys <= passes.REHEARSAL_KEYS for _, _, keys in rehearsed)
+    assert {(d, rows) for d, rows, _ in rehearsed} == {(d, rows) for d, rows, _ in backend.calls}
+    assert len(rehearsed) <= len(backend.calls)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_row_parts_of_the_meter_change_no_bit(causal):
+    """The NumPy backend's pairs cut into row parts for the meter give the same bits."""
+    plan, q, k, v, do = _plan(1000, causal, NumpyBackend(block_q=32, block_k=64))
+    progress = Progress(False, 60)
+    meter = PassMeter(progress, "forward", np)
+    whole = plan.passes.forward(q, k, v)
+    cut = plan.passes.forward(q, k, v, meter=meter)
+    assert meter.finished == meter.total > 0
+    grads = plan.passes.backward("kv", do, q, k, v, *whole)
+    meter = PassMeter(progress, "backward", np)
+    grads_cut = plan.passes.backward("kv", do, q, k, v, *whole, meter=meter)
+    assert meter.finished == meter.total
+    for a, b in zip(whole + grads, cut + grads_cut):
+        assert np.array_equal(a, b)
+
+
+def test_block_pair_visible_counts_the_mask():
+    pair = BlockPair(slice(0, 10), slice(0, 8), 100, 96, True)  # query 100 + i sees keys <= 100 + i
+    brute = sum(1 for i in range(10) for j in range(8) if 96 + j <= 100 + i)
+    assert pair.visible() == brute
+    assert sum(pair.rows(lo, min(10, lo + 3)).visible() for lo in range(0, 10, 3)) == brute
+    assert BlockPair(slice(0, 10), slice(0, 8), 0, 0, False).visible() == 80
+
+
+class SlowNumpy(NumpyBackend):
+    """A slow CPU: each call of a pair (or part of one) takes 20 ms."""
+
+    def forward_block(self, *args, **kw):
+        time.sleep(0.02)
+        super().forward_block(*args, **kw)
+
+
+def test_progress_lines_come_by_time_inside_one_long_step(capsys):
+    """One rank: the whole pass is one ring step of one block pair; the lines still come every
+    interval, counted in visible pairs, with an ETA, and never more often than the interval."""
+    plan, q, k, v, _ = _plan(2048, False, SlowNumpy(block_q=16))
+    progress = Progress(True, 0.1)
+    start = time.perf_counter()
+    plan.passes.forward(q, k, v, meter=progress.meter("forward", np))
+    elapsed = time.perf_counter() - start
+    lines = [x for x in capsys.readouterr().err.splitlines() if "] forward: " in x]
+    shares = [float(re.search(r"forward: ([\d.]+)% of rank 0's visible pairs", x).group(1)) for x in lines]
+    assert len(lines) >= 5 and len(lines) <= elapsed / 0.1 + 1, lines
+    assert shares == sorted(shares) and 0 < shares[-1] <= 100 and all(", ETA " in x for x in lines), lines
+    assert Progress(False, 0.1).meter("forward", np) is None  # rank != 0 or --quiet: no meter at all
+
+
+def test_progress_interval_setting(monkeypatch):
+    monkeypatch.setenv("BURST_HPC_PROGRESS_SECONDS", "0.5")
+    assert config.progress_seconds() == 0.5
+    for bad in ("0", "-1", "nan", "soon"):
+        monkeypatch.setenv("BURST_HPC_PROGRESS_SECONDS", bad)
+        with pytest.raises(Exception, match="BURST_HPC_PROGRESS_SECONDS"):
+            config.progress_seconds()
