@@ -148,16 +148,8 @@ def run(options, comm=None):
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]
     shown = options.progress if options.progress is not None else flops[0] > 2e11 or sys.stderr.isatty()
     progress = Progress(rank == 0 and shown, interval)
-    facts = {"command": "burst-hpc run", "input": os.path.abspath(options.input),
-             "output": os.path.abspath(options.output), "timing": report.TIMING,
-             "sizes": {"batch": spec.batch, "seqlen": spec.seqlen, "tokens": spec.batch * spec.seqlen,
-                       "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
-                       "dtype": dtype_name(spec.dtype), "ranks": size, "visible_pairs": pairs,
-                       "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1},
-             "causal": bool(options.causal), "window": None if options.window is None else list(options.window),
-             "backward": bool(options.backward), "layout": layout, "transport": transport, "backend": backend,
-             "device": device, "versions": versions, "warmup": bool(options.warmup),
-             "flops": {"forward": flops[0], "backward": flops[1] if options.backward else None}}
+    facts = report.start(options, spec, size, {"layout": layout, "transport": transport, "backend": backend},
+                         device, versions, pairs, flops)
 
     # create the output (the path is checked there, before any data is read)
     if rank == 0:

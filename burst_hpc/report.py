@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from . import __version__
+from .dtypes import dtype_name
 from .errors import FileError
 
 PHASES = ("read", "setup", "forward", "backward", "write", "verify")
@@ -25,6 +26,22 @@ TIMING = ("wall seconds on rank 0 between barriers, the GPU's queued work finish
           "the slowest rank's); setup: the backend's start, the plan, the rehearsal of the passes (their "
           "kernels loaded, communicators connected, buffers allocated) and the warm-up passes when asked; "
           "total: from the job's start to the end of its verification")
+
+
+def start(options, spec, ranks, choices, device, versions, pairs, flops):
+    """The report's facts known before any work: the run's options (job.RunOptions), its sizes
+    (``spec``, an io.InputSpec, on ``ranks`` ranks), ``choices`` ({"layout", "transport",
+    "backend"}), ``device``, ``versions``, the visible ``pairs`` and the (forward, backward) ``flops``
+    (the job's, FlashAttention count). The run adds the scheme, the seconds, the rates and the
+    verification."""
+    sizes = {"batch": spec.batch, "seqlen": spec.seqlen, "tokens": spec.batch * spec.seqlen, "heads": spec.heads,
+             "kv_heads": spec.kv_heads, "head_dim": spec.head_dim, "dtype": dtype_name(spec.dtype), "ranks": ranks,
+             "visible_pairs": pairs, "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
+    return dict(choices, command="burst-hpc run", input=os.path.abspath(options.input),
+                output=os.path.abspath(options.output), timing=TIMING, sizes=sizes, causal=bool(options.causal),
+                window=None if options.window is None else list(options.window), backward=bool(options.backward),
+                device=device, versions=versions, warmup=bool(options.warmup),
+                flops={"forward": flops[0], "backward": flops[1] if options.backward else None})
 
 
 def pending_attrs():

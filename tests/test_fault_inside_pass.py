@@ -30,19 +30,23 @@ API_JOB = textwrap.dedent("""
     print("finished", comm.rank, flush=True)
 """)
 
-# the real CLI, with one rank's block kernel failing at its second call
+# the real CLI, with one rank's block kernel failing at its second call (argv[1] "setup": in the set-up's
+# rehearsal; "forward": in the forward pass, whose block pairs have more keys than the rehearsal's)
 CLI_JOB = textwrap.dedent("""
     import os, sys
     from burst_hpc.backends import numpy_backend
+    from burst_hpc.passes import REHEARSAL_KEYS
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
+    stage = sys.argv.pop(1)
     calls = []
     forward_block = numpy_backend.NumpyBackend.forward_block
 
-    def failing(self, *args, **kwargs):
-        calls.append(1)
+    def failing(self, q, k, *args, **kwargs):
+        if stage == "setup" or k.shape[1] > REHEARSAL_KEYS:
+            calls.append(1)
         if rank == 1 and len(calls) == 2:
             raise FloatingPointError("injected kernel failure")
-        return forward_block(self, *args, **kwargs)
+        return forward_block(self, q, k, *args, **kwargs)
 
     numpy_backend.NumpyBackend.forward_block = failing
     from burst_hpc.cli import main
@@ -69,14 +73,16 @@ def test_api_error_on_one_rank_ends_every_rank(tmp_path, ranks, failing, stage):
 
 
 @needs_mpiexec
-def test_cli_error_on_one_rank_ends_every_rank_and_leaves_no_file(tmp_path):
+@pytest.mark.parametrize("stage,what", [("setup", "the set-up of the passes"), ("forward", "the forward pass")])
+def test_cli_error_on_one_rank_ends_every_rank_and_leaves_no_file(tmp_path, stage, what):
     src, out = tmp_path / "in.h5", tmp_path / "out.h5"
-    assert burst("gen", src, "--batch", 1, "--seqlen", 60, "--heads", 2, "--head-dim", 8).returncode == 0
+    # S/(2P) = 300 tokens per zigzag chunk: every pair of the pass has more keys than the rehearsal's
+    assert burst("gen", src, "--batch", 1, "--seqlen", 1800, "--heads", 2, "--head-dim", 8).returncode == 0
     script = tmp_path / "cli_job.py"
     script.write_text(CLI_JOB)
-    result = _launch(3, [str(script), "run", src, out, "--causal"])
+    result = _launch(3, [str(script), stage, "run", src, out, "--causal"])
     assert result.returncode != 0
-    assert ("burst-hpc: error: rank 1 failed inside the forward pass: FloatingPointError: injected kernel failure"
+    assert (f"burst-hpc: error: rank 1 failed inside {what}: FloatingPointError: injected kernel failure"
             in result.stderr), result.stderr[-3000:]
     assert not out.exists()
     assert glob.glob(str(out) + ".tmp*") == []

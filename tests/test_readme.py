@@ -41,7 +41,8 @@ def test_readme_command_block_runs(tmp_path):
     r = _run(["bash", "-e", "-o", "pipefail", "-c", script], tmp_path)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "Traceback" not in r.stderr and "0 failed" in r.stdout and "verify=PASS(full)" in r.stdout, r.stdout
-    assert (tmp_path / "out.h5").exists() and "backward: ring step" in r.stderr
+    assert (tmp_path / "out.h5").exists() and "; backward" in r.stderr and "set-up done in" in r.stderr
+    assert "  seconds: read " in r.stdout and " total " in r.stdout, r.stdout
 
     # USAGE.md on these files: reading the bfloat16 results back, and the file API on two ranks
     (reading,) = [code for code in blocks("python", USAGE) if "ml_dtypes" in code]

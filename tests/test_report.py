@@ -49,7 +49,8 @@ def test_summary_json_and_attributes_agree(tmp_path):
     assert all(seconds[name] > 0 for name in SECONDS), seconds
     assert seconds["total"] >= sum(seconds[name] for name in report.PHASES)
     # the choices are the run's, as the summary line says them
-    assert (facts["backend"], facts["layout"], facts["transport"], facts["scheme"]) == ("numpy", "zigzag", "host", "ring")
+    choices = (facts["backend"], facts["layout"], facts["transport"], facts["scheme"])
+    assert choices == ("numpy", "zigzag", "host", "ring")
     for needle in ("backend=numpy", "layout=zigzag", "transport=host", "verify=PASS"):
         assert needle in line
     sizes = facts["sizes"]
