@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 LOG=${OUT:-out}; mkdir -p "$LOG"
 S=${1:-131072}
+echo "== pytest tests/test_report_gpu.py (the rehearsal loads every module the passes use; the meter's events)"
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_report_gpu.py 2>&1 | tee "$LOG/timing_pytest.txt" | tail -3
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export CUPY_CACHE_DIR=$WORK/cache   # empty: the first run compiles what it needs

@@ -23,9 +23,9 @@ PASSES = ("forward", "backward")
 SCHEME_BYTES = 16   # room for the scheme's name, which is known only once the plan is made
 
 TIMING = ("wall seconds on rank 0 between barriers, the GPU's queued work finished at each (a phase's time is "
-          "the slowest rank's); setup: the backend's start (and the input's inspection), the plan, the rehearsal of the passes (their "
-          "kernels loaded, communicators connected, buffers allocated) and the warm-up passes when asked; "
-          "total: from the job's start to the end of its verification")
+          "the slowest rank's); setup: the backend's start (and the input's inspection), the plan, the "
+          "rehearsal of the passes (their kernels loaded, communicators connected, buffers allocated) and "
+          "the warm-up passes when asked; total: from the job's start to the end of its verification")
 
 
 def start(options, spec, ranks, choices, device, versions, pairs, flops):
