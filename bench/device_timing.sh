@@ -11,7 +11,9 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RU
 LOG=${OUT:-out}; mkdir -p "$LOG"
 S=${1:-131072}
 echo "== pytest tests/test_report_gpu.py (the rehearsal loads every module the passes use; the meter's events)"
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_report_gpu.py 2>&1 | tee "$LOG/timing_pytest.txt" | tail -3
+tests_ok=1
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_report_gpu.py 2>&1 | tee "$LOG/timing_pytest.txt" \
+  | tail -3 || tests_ok=0
 WORK=$(mktemp -d)
 trap 'rm -rf "$WORK"' EXIT
 export CUPY_CACHE_DIR=$WORK/cache   # empty: the first run compiles what it needs
@@ -24,7 +26,8 @@ for run in cold nowarmup warmup; do
     --json "$LOG/timing_$run.json" "${flags[@]}" --progress 2>&1 | tee "$LOG/timing_$run.txt"
 done
 rm -f "$WORK/out.h5"
-python3 - "$LOG" <<'PY'
+timing_ok=1
+python3 - "$LOG" <<'PY' || timing_ok=0
 import json, sys
 log = sys.argv[1]
 runs = {name: json.load(open(f"{log}/timing_{name}.json")) for name in ("cold", "nowarmup", "warmup")}
@@ -44,3 +47,4 @@ for name in ("cold", "nowarmup"):
 print("timing check:", "PASS" if ok else "FAIL (a pass without --warmup is more than 5% slower)")
 sys.exit(0 if ok else 1)
 PY
+[ "$tests_ok" = 1 ] && [ "$timing_ok" = 1 ]
