@@ -4,7 +4,7 @@
     burst-hpc gen OUT.h5 --batch B --seqlen S --heads H --kv-heads K --head-dim D --dtype T --seed N [--with-grad]
                          [--documents N]
     mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--layout L] [--transport T]
-                                             [--backend numpy|cuda|auto] [--verify] [--overwrite]
+                                             [--backend numpy|cuda|auto] [--verify] [--overwrite] [--json FILE]
     [mpiexec -n P] burst-hpc check
     burst-hpc clean OUT.h5 [--dry-run] [--force]
 
