@@ -91,10 +91,11 @@ def _fake_cupy(launches):
             text = _ptx(code, options)
             source = re.search(r'#line 1 "cuda/(\S+\.cu)"', code).group(1)
             # each kernel with its launch bound (.maxntid: the threads its __launch_bounds__ allows), or 0
-            self.entries = ENTRIES[source] = {
+            self.entries = {
                 name: int(bound or 0)
                 for name, bound in re.findall(r"^\.visible \.entry (\w+)\([^)]*\)\s*(?:\.maxntid (\d+), 1, 1)?",
                                               text, re.M)}
+            ENTRIES.setdefault(source, {}).update(self.entries)  # a source's builds: its table, one per instance
             self.globals = {}
             for name, size, body in re.findall(r"^\.const \.align \d+ \.b8 (\w+)\[(\d+)\] = \{([^}]*)\}", text, re.M):
                 values = [int(v) for v in body.split(",")]
@@ -116,8 +117,9 @@ def _fake_cupy(launches):
             self.compute_capability = "90"
             self.attributes = {"MultiProcessorCount": 132}
 
-    cupy.ndarray, cupy.RawModule = ndarray, RawModule
-    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+    cupy.ndarray, cupy.RawModule, cupy.__version__ = ndarray, RawModule, "stand-in"
+    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+                                      nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)))
     for name in ("ascontiguousarray", "asarray", "zeros", "empty", "full"):
         setattr(cupy, name, lambda *a, _f=getattr(np, name), **k: wrap(_f(*a, **k)))
     cupy.__getattr__ = lambda name: getattr(np, name)  # the tiled path of wide heads: NumPy functions
@@ -182,4 +184,6 @@ def main():
 
 if __name__ == "__main__":
     os.environ.pop("BURST_HPC_KERNELS", None)
-    main()
+    with tempfile.TemporaryDirectory() as cache:  # the kernel cache's entries, of this run only
+        os.environ["CUPY_CACHE_DIR"] = cache
+        main()

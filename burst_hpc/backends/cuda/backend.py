@@ -14,7 +14,7 @@ from ...errors import BackendError
 from .. import padding
 from ..numpy_backend import NumpyBackend
 from . import contract, launch
-from .compile import Modules
+from .compile import Modules, call_builds
 from .sm80 import Sm80Kernels
 from .sm90 import Sm90Kernels
 
@@ -59,6 +59,19 @@ def route(head_dim, widths):
     if head_dim in widths:
         return "native"
     return "wide" if head_dim > max(widths) else "padded"
+
+
+def kernel_builds(family, dtypes, head_dims, masks, directions=("fwd", "bwd")):
+    """The builds (compile.Build) of the ``family``'s kernels that run inputs of the kernel ``dtypes``
+    ('bf16', 'f16') and ``head_dims`` under ``masks`` ('full', 'causal', 'interval') in ``directions``,
+    each head dim routed as a call routes it: native, zero-padded to the next native width, or (wide) no
+    kernel at all."""
+    builds = []
+    for direction in directions:
+        widths = contract.native_widths(family, direction)
+        dims = {padding.native_width(d, widths) for d in head_dims if route(d, widths) != "wide"}
+        builds += call_builds(family, dtypes, dims, masks, (direction,))
+    return builds
 
 
 def gpu_capability():
@@ -142,6 +155,19 @@ class CudaBackend:
                 self._wide = _WideHeads(self.xp)
             return self._wide
         return padding.Padded(self, widths)
+
+    def prepare(self, comm, dtype, head_dim, causal, masked, directions):
+        """Collective on ``comm``: compile the kernels a call needs before its first launch, once per node
+        and per cache directory (compile.prepare): for inputs of ``dtype`` and ``head_dim``, those of the
+        passes ``directions`` ('fwd', 'bwd') with the full mask and, when ``causal``, the causal one, or
+        the interval one when the call is ``masked`` (documents, a window)."""
+        try:
+            kind = launch.kernel_dtype(dtype)
+        except BackendError:  # the call's first launch says so, as it would without this step
+            return {}
+        masks = ("full", "interval" if masked else "causal") if causal else ("full",)
+        builds = kernel_builds(self.family, (kind,), (head_dim,), masks, directions)
+        return self.modules.prepare(builds, comm)
 
     # ---- the three block calls ---------------------------------------------------------------------
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
