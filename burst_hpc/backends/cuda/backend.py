@@ -5,6 +5,7 @@ kernels), zero-padded to the next native width (padding.py: exact, the scale sta
 heads wider than every kernel, numpy_backend's tiled online softmax on CuPy arrays (float32 cuBLAS products
 per tile pair; exact, slower than the kernels). docs/KERNELS.md has the conventions.
 """
+import time
 from typing import Protocol
 
 import numpy as np
@@ -13,7 +14,8 @@ from ... import config
 from ...errors import BackendError
 from .. import padding
 from ..numpy_backend import NumpyBackend
-from . import contract, launch
+from ...collective import agree
+from . import compile as compiling, contract, launch
 from .compile import Modules, call_builds
 from .sm80 import Sm80Kernels
 from .sm90 import Sm90Kernels
@@ -72,6 +74,37 @@ def kernel_builds(family, dtypes, head_dims, masks, directions=("fwd", "bwd")):
         dims = {padding.native_width(d, widths) for d in head_dims if route(d, widths) != "wide"}
         builds += call_builds(family, dtypes, dims, masks, (direction,))
     return builds
+
+
+def compile_ahead(families=None, head_dims=None, dtypes=None, directions=("fwd", "bwd"), comm=None):
+    """Collective on ``comm`` (None: this process alone): fill the kernel cache ahead of jobs (``burst-hpc
+    compile``) with the kernels of every mask for ``families`` (default: those this GPU runs), ``head_dims``
+    (default: every native width; others are routed as a call routes them) and ``dtypes`` ('bf16', 'f16',
+    'f32', which runs the bf16 kernels; default: both 16-bit ones) in ``directions``. The node's ranks share
+    the compiles out (compile.prepare). Returns a summary line (the same on every rank)."""
+    error, builds, cache = None, [], None
+    try:
+        cache = compiling.default_cache()
+        families = list(families or kernel_families())
+        unknown = [f for f in families if f not in FAMILIES] + [t for t in dtypes or () if t not in ("bf16", "f16", "f32")]
+        if unknown or any(d < 1 for d in head_dims or ()):
+            raise BackendError(f"compile takes families {', '.join(FAMILIES)}, dtypes bf16, f16, f32 and positive head "
+                               f"dims; got {', '.join(map(str, unknown or head_dims))}")
+        kinds = {"f16" if name == "f16" else "bf16" for name in dtypes or ("bf16", "f16")}
+        for family in families:
+            dims = head_dims or {d for direction in directions for d in contract.native_widths(family, direction)}
+            builds += kernel_builds(family, kinds, dims, ("full", "causal", "interval"), directions)
+    except BackendError as e:
+        error = e
+    agree(comm, error)
+    t0 = time.perf_counter()
+    done = compiling.prepare(cache, builds, comm)
+    counts = [sum(1 for how in done.values() if how == word) for word in ("compiled", "cached", "waited")]
+    if comm is not None and comm.size > 1:
+        counts = [sum(c) for c in zip(*comm.allgather(counts))]
+    return (f"kernel cache {cache.directory}: {len(set(builds))} build(s) of {', '.join(families)}: {counts[0]} "
+            f"compiled, {counts[1]} already there, {counts[2]} compiled meanwhile by another process; "
+            f"{time.perf_counter() - t0:.1f} s")
 
 
 def gpu_capability():

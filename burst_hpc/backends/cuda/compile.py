@@ -116,7 +116,7 @@ def call_builds(family, dtypes, head_dims, masks, directions):
 
 def compile_command(builds):
     """The ``burst-hpc compile`` command that builds ``builds`` (every mask of each head dim and dtype)."""
-    families = sorted({family_of(b.source) or "sm80" for b in builds})
+    families = sorted({family_of(b.source) for b in builds} - {None})  # the delta pre-pass comes with any
     dims = sorted({b.instance[1] for b in builds if b.instance})
     dtypes = sorted({b.instance[0] for b in builds if b.instance})
     words = ["burst-hpc compile"] + [f"--family {f}" for f in families]
@@ -151,6 +151,13 @@ class CupyCompiler:
     """NVRTC through cupy.RawModule; CuPy's own cache (CUPY_CACHE_DIR) stores the result. ``*sm90*``
     sources are built for sm_90a, the others for the current GPU."""
 
+    def __init__(self):
+        try:
+            import cupy  # noqa: F401
+        except ImportError:
+            raise BackendError("compiling the CUDA kernels needs CuPy and a GPU (pip install cupy-cuda13x, or "
+                               "cupy-cuda12x)") from None
+
     def options(self, source):
         return ("-std=c++17", "-arch=sm_90a") if "sm90" in source else ("-std=c++17",)
 
@@ -178,6 +185,11 @@ class CupyCompiler:
         return module
 
     load = compile
+
+
+def default_cache():
+    """The kernel cache of this process's backends: CUPY_CACHE_DIR's, compiled by NVRTC through CuPy."""
+    return KernelCache(CupyCompiler())
 
 
 class KernelCache:
@@ -278,6 +290,24 @@ def entries(directory=None):
     return found
 
 
+def describe_cache(directory=None):
+    """Lines naming the kernel cache directory and what it holds, a line per source and target
+    (``burst-hpc info``)."""
+    directory = Path(directory or config.kernel_cache_dir())
+    found = entries(directory)
+    lines = [f"kernel cache: {directory} ({len(found)} build(s); CUPY_CACHE_DIR sets it; burst-hpc compile fills it"
+             f"{'; BURST_HPC_NO_JIT=1: no compiling' if config.no_jit() else ''})"]
+    groups = {}
+    for entry in found:
+        groups.setdefault((entry.get("source", "?"), entry.get("target", "?"), entry.get("toolchain", "?")),
+                          []).append(entry.get("build", "?"))
+    for (source, target, toolchain), names in sorted(groups.items()):
+        stem = Path(source).stem + "-"
+        lines.append(f"  {source} for {target} ({toolchain}): "
+                     + ", ".join(sorted(n[len(stem):] if n.startswith(stem) else n for n in names)))
+    return lines
+
+
 def node_share(comm, ranks_per_node=None):
     """Collective: (this rank's place among its node's ranks, the node's ranks); (0, 1) alone."""
     if comm is None or comm.size == 1:
@@ -329,7 +359,7 @@ class Modules:
     kernels of a source come from its table build (helpers) or from one build per instance."""
 
     def __init__(self, cache=None):
-        self.cache = cache or KernelCache(CupyCompiler())
+        self.cache = cache or default_cache()
         self._modules = {}
         self._kernels = {}
         self._tables = {}
