@@ -39,6 +39,7 @@ from ...errors import BackendError, BurstError
 from .contract import DELTA_SOURCE, SOURCES, KernelTable, cuda_dir, header, instances, table_symbols
 
 ENTRY_SUFFIX = ".json"
+_BUSY = (errno.EAGAIN, errno.EACCES)  # another process holds the lock
 _NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)  # no locks here
 
 
@@ -267,11 +268,16 @@ class KernelCache:
         with inside:
             fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
             try:
-                try:
-                    fcntl.lockf(fd, fcntl.LOCK_EX)
-                except OSError as e:
-                    if e.errno not in _NO_LOCKS:
-                        raise
+                while True:  # polled: a blocking wait can fail with EDEADLK when threads of two processes
+                    try:     # hold and wait for two entries (POSIX locks belong to processes)
+                        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except OSError as e:
+                        if e.errno in _NO_LOCKS:
+                            break
+                        if e.errno not in _BUSY:
+                            raise
+                    time.sleep(0.02)
                 yield
             finally:
                 os.close(fd)  # drops the lock
