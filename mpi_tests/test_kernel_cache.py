@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from burst_hpc.backends.cuda.backend import kernel_builds
-from burst_hpc.backends.cuda.compile import KernelCache, prepare
+from burst_hpc.backends.cuda.compile import KernelCache, compiles, prepare
 from burst_hpc.errors import BackendError
 
 _spec = importlib.util.spec_from_file_location("fake_compiler",
@@ -64,6 +64,7 @@ def test_nodes_sharing_a_cache_directory_compile_once_in_all(comm, shared):
     done = prepare(mine, BUILDS, comm, ranks_per_node=1)  # every rank a node: each takes every build
     comm.Barrier()
     assert Counter(name for name, _, _ in mine.compiler.compiles()) == Counter(b.name() for b in BUILDS)
+    assert Counter(c[0] for c in compiles(shared / "cache")) == Counter(b.name() for b in BUILDS)
     assert set(done.values()) <= {"compiled", "waited", "cached"} and len(done) == len(BUILDS)
 
 

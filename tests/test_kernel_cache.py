@@ -114,6 +114,7 @@ def test_processes_racing_on_one_cache_directory_compile_once(tmp_path, cache_di
         assert p.exitcode == 0
     hows = sorted(results.get(timeout=5) for _ in procs)
     assert len(fake(tmp_path).compiles()) == 1
+    assert [c[0] for c in compiling.compiles(cache_dir)] == [one_instance().name()]  # the cache's own log
     assert hows[0] == "compiled" and set(hows[1:]) <= {"waited", "cached"}
     assert "waited" in hows  # the second look: they queued on the lock while it compiled
 

@@ -248,6 +248,7 @@ class KernelCache:
             tmp = path.with_name(f"{path.name}.tmp-{socket.gethostname()}-{os.getpid()}-{threading.get_ident()}")
             tmp.write_text(json.dumps(record) + "\n")
             os.replace(tmp, path)  # atomic: an entry is whole or absent
+            log_compile(self.directory, record)
             return "compiled", module
 
     def module(self, build):
@@ -281,6 +282,28 @@ class KernelCache:
                 yield
             finally:
                 os.close(fd)  # drops the lock
+
+
+COMPILE_LOG = "compiles.log"
+
+
+def log_compile(directory, record):
+    """Append one line (build, seconds, host, pid, time) to the cache directory's compile log: what was
+    compiled when and by whom (O_APPEND: whole lines from any number of processes)."""
+    line = f"{record['build']} {record['seconds']} {record['host']} {os.getpid()} {record['compiled']}\n"
+    fd = os.open(Path(directory, COMPILE_LOG), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        os.write(fd, line.encode())
+    finally:
+        os.close(fd)
+
+
+def compiles(directory=None):
+    """The compile log of the kernel cache ``directory``: [(build, seconds, host, pid)], oldest first."""
+    path = Path(directory or config.kernel_cache_dir(), COMPILE_LOG)
+    if not path.exists():
+        return []
+    return [(w[0], float(w[1]), w[2], int(w[3])) for w in (line.split() for line in path.read_text().splitlines())]
 
 
 def entries(directory=None):
