@@ -5,7 +5,8 @@ The stand-in holds arrays as NumPy arrays and compiles each kernel source with n
 modules define the kernels and the constant tables the PTX defines, a launch is recorded (name, grid, block,
 shared memory) instead of run, and asking for a kernel the PTX does not define fails as CuPy would. TMA tensor
 maps are not encoded (no driver). Output: {"tables": the kernel tables as the backend decoded them,
-"entries": each source's kernels with their launch bounds, "calls": [{"call", "error", "launches"}]}.
+"entries": each source's kernels with their launch bounds, "calls": [{"call", "error", "launches"}],
+"prepared": {family: what CudaBackend.prepare did for a causal bf16 D = 128 call}}.
 
     python3 tests/record_launches.py
 """
@@ -117,6 +118,12 @@ def _fake_cupy(launches):
             self.compute_capability = "90"
             self.attributes = {"MultiProcessorCount": 132}
 
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
     cupy.ndarray, cupy.RawModule, cupy.__version__ = ndarray, RawModule, "stand-in"
     cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
                                       nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)))
@@ -144,9 +151,11 @@ def main():
         x = rng.standard_normal(shape).astype(np.dtype("bfloat16") if dtype == "uint16" else dtype)
         return sys.modules["cupy"].asarray(x.view(np.uint16) if dtype == "uint16" else x)
 
-    calls = []
+    calls, prepared = [], {}
     for family in FAMILIES:
         backend = CudaBackend.instance(family)
+        # a causal bf16 D = 128 call's builds, compiled before its launches (which then load them)
+        prepared[family] = backend.prepare(None, np.dtype("bfloat16"), 128, True, False, ("fwd", "bwd"))
         for d in HEAD_DIMS:
             for dtype in DTYPES:
                 for mode in MODES:
@@ -179,7 +188,7 @@ def main():
               for (family, _), source in contract.SOURCES.items()}
     tables[contract.DELTA_SOURCE] = [list(k) for k in CudaBackend.instance("sm80").modules.table(
         contract.DELTA_SOURCE).kernels]
-    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls}, sys.stdout)
+    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls, "prepared": prepared}, sys.stdout)
 
 
 if __name__ == "__main__":
