@@ -2,7 +2,7 @@
 against the whole source (a proxy for NVRTC's time on the GPU machine, which runs the same front end and
 ptxas).
 
-    python3 bench/compile_builds.py                       # every build of every source (~2 min on 16 cores)
+    python3 bench/compile_builds.py                       # every build of every source (71, about 1 s each)
     python3 bench/compile_builds.py --sample              # each source's table and its first instance
     python3 bench/compile_builds.py --whole               # also the whole sources, for the comparison
     python3 bench/compile_builds.py --source attn_fwd_sm90.cu --jobs 4

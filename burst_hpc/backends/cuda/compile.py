@@ -269,8 +269,12 @@ class KernelCache:
         with inside:
             fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
             try:
-                while True:  # polled: a blocking wait can fail with EDEADLK when threads of two processes
-                    try:     # hold and wait for two entries (POSIX locks belong to processes)
+                # polled, not a blocking wait: that fails with EDEADLK when threads of two processes hold
+                # and wait for two entries (POSIX locks belong to processes); backing off to 0.5 s spares a
+                # shared file system's lock server the polls of a thousand waiting nodes
+                pause = 0.01
+                while True:
+                    try:
                         fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                         break
                     except OSError as e:
@@ -278,7 +282,8 @@ class KernelCache:
                             break
                         if e.errno not in _BUSY:
                             raise
-                    time.sleep(0.02)
+                    time.sleep(pause)
+                    pause = min(0.5, pause * 1.5)
                 yield
             finally:
                 os.close(fd)  # drops the lock
