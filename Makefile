@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED := 1
 export OPENBLAS_NUM_THREADS := 1
 export OMP_NUM_THREADS := 1
 
-.PHONY: test test-unit test-mpi test-nodes test-phdf5 setup-phdf5 cuda-check demo clean setup
+.PHONY: test test-unit test-mpi test-nodes test-phdf5 setup-phdf5 cuda-check cuda-check-builds demo clean setup
 
 setup: $(STAMP)
 
@@ -116,6 +116,11 @@ cuda-check:
 	    echo "$$report" | $(PTXAS_SUMMARY); \
 	  done; \
 	else echo "cuda-check: no nvcc on this machine; kernels not compiled"; fi
+
+# every build a call can ask for (each source's table, each instance alone) through nvcc, with its time
+cuda-check-builds: $(STAMP)
+	@if command -v nvcc >/dev/null 2>&1; then $(VPY) bench/compile_builds.py; \
+	else echo "cuda-check-builds: no nvcc on this machine; kernels not compiled"; fi
 
 demo: $(STAMP)
 	bash examples/demo.sh "$(MPIEXEC)" "$(VPY)"

@@ -85,6 +85,9 @@ class CallPlan:
         except Exception as e:  # shared with every rank below, so no rank is left waiting
             error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
         agree(comm, error, signature, {"cu_seqlens": offsets})
+        if self.backend.name == "cuda":  # collective: every rank agreed on the call above
+            directions = ("fwd",) if backward is None else ("bwd",) if backward[1] is not None else ("fwd", "bwd")
+            self.backend.prepare(comm, q.dtype, self.head_dim, self.causal, self.mask is not None, directions)
         self.xp = self.backend.xp
         self.acc = accum_dtype(q.dtype)
 

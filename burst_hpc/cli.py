@@ -6,6 +6,7 @@
     mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--layout L] [--transport T]
                                              [--backend numpy|cuda|auto] [--verify] [--overwrite] [--json FILE]
     [mpiexec -n P] burst-hpc check
+    [mpiexec -n P] burst-hpc compile [--family F] [--head-dim D] [--dtype T] [--pass fwd|bwd]
     burst-hpc clean OUT.h5 [--dry-run] [--force]
 
 Exit status: 0 success, 1 bad input or a failed run (one message, on rank 0, every rank exits 1),
@@ -265,7 +266,7 @@ def build_parser():
                      "  mpiexec -n 8 burst-hpc run in.h5 out.h5 --causal --backward --verify\n"
                      "  mpiexec -n 8 burst-hpc check      # self-test of the kernels and the ring on this machine")
     parser.add_argument("--version", action="version", version=f"burst-hpc {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,plan,check,clean}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,plan,check,compile,clean}", parser_class=_Parser)
     sub.required = True
 
     p = _verb(sub, "info", cmd_info, help="versions, GPUs, MPI library, CUDA-awareness, NCCL, transport choice",
@@ -430,8 +431,33 @@ def build_parser():
     p.add_argument("--seed", type=nonnegative_int, default=None,
                    help="draw the inputs from this seed, >= 0 (the table's header prints the seed of every run, so a "
                    "failure can be replayed) (default: a fresh seed)")
+    p = _verb(sub, "compile", cmd_compile, help="compile kernels into the cache ahead of jobs (job prologue, image build)",
+              description=_wrap("Compile the CUDA kernels of the chosen families, head dims and dtypes (every mask, "
+              "forward and backward) into the kernel cache that jobs with the same CUPY_CACHE_DIR read, so their "
+              "first calls compile nothing ('burst-hpc info' lists what the cache holds; a job with "
+              "BURST_HPC_NO_JIT=1 refuses to compile). Runs on a GPU node of the kind the jobs use; under 'mpiexec "
+              "-n P' the ranks of a node share the compiles out. Each kernel is compiled once per cache directory, "
+              "whatever number of processes or jobs share it."))
+    p.add_argument("--family", action="append", choices=("sm90", "sm80"),
+                   help="a kernel family, repeatable (default: those this GPU runs)")
+    p.add_argument("--head-dim", action="append", type=positive_int, metavar="D",
+                   help="a head dim, repeatable (default: every one the kernels run natively)")
+    p.add_argument("--dtype", action="append", choices=("bf16", "f16", "f32"),
+                   help="an input dtype, repeatable; f32 runs the bf16 kernels (default: bf16 and f16)")
+    p.add_argument("--pass", dest="passes", action="append", choices=("fwd", "bwd"),
+                   help="forward or backward kernels only (default: both)")
     _add_clean(sub)
     return parser
+
+
+def cmd_compile(args):
+    from .backends.cuda.backend import compile_ahead
+
+    comm = Alone() if mpi_problem() is not None else _world()
+    line = compile_ahead(args.family, args.head_dim, args.dtype, tuple(args.passes or ("fwd", "bwd")), comm)
+    if comm.rank == 0:
+        print(line, flush=True)
+    return 0
 
 
 def _collective(fn, *args, **kwargs):

@@ -9,6 +9,8 @@ so a job or a test may set it before any call). docs/USAGE.md lists them for use
 | BURST_HPC_CUDA_AWARE=1/0 | override what the MPI library says of its CUDA support |
 | BURST_HPC_KERNELS=sm80 | force a kernel family (the mma.sync one on Hopper) |
 | BURST_HPC_CUDA_DIR=DIR | read the kernel sources from DIR instead of the package |
+| BURST_HPC_NO_JIT=1 | never compile a kernel: one missing from the cache is an error naming `burst-hpc compile` |
+| CUPY_CACHE_DIR=DIR | (CuPy's) where compiled kernels are kept; burst-hpc's entries in DIR/burst_hpc |
 | BURST_HPC_HDF5_MPIO=0 | write outputs by rank-ordered token passing even with parallel HDF5 |
 | BURST_HPC_SPACE_CHECK=0 | skip the free-space check before writing (quotas can misreport it) |
 | BURST_HPC_PROGRESS_SECONDS=S | seconds between the progress lines inside a pass (default 5) |
@@ -98,6 +100,17 @@ def kernel_family():
 def cuda_dir():
     """BURST_HPC_CUDA_DIR, or None (the package's own kernel sources)."""
     return _value("BURST_HPC_CUDA_DIR") or None
+
+
+def no_jit():
+    """True when BURST_HPC_NO_JIT is on (1, yes, true, on): kernels come from the cache only."""
+    return _value("BURST_HPC_NO_JIT").lower() in ON
+
+
+def kernel_cache_dir():
+    """The directory of burst-hpc's kernel cache entries: burst_hpc/ inside CuPy's cache directory
+    ($CUPY_CACHE_DIR, else CuPy's default ~/.cupy/kernel_cache), which holds the compiled code."""
+    return os.path.join(_value("CUPY_CACHE_DIR") or os.path.expanduser("~/.cupy/kernel_cache"), "burst_hpc")
 
 
 TEST_HOOK_VERIFY_PAUSE = "BURST_HPC_TEST_HOOK_VERIFY_PAUSE"

@@ -168,7 +168,7 @@ def main(comm, out=print, seed=None):
         backends = [(f"cuda {f}", CudaBackend.instance(family=f)) for f in kernel_families()]
         xp = cupy
         where = (f"GPU {cupy.cuda.Device().id} of each rank; kernel families {', '.join(kernel_families())} "
-                 "(the first use of a family compiles it, CuPy caches the result)")
+                 "(a call compiles the kernels it needs, once per cache directory: see 'burst-hpc info')")
     else:
         from .backends.numpy_backend import NumpyBackend
 
@@ -211,6 +211,7 @@ def installation():
     import h5py
 
     from . import __version__
+    from .backends.cuda.compile import describe_cache
     from .collective import HOW_TO_GET_MPI, mpi_problem, rank_and_size, world
     from .device import gpu_count
     from .errors import BurstError
@@ -255,6 +256,7 @@ def installation():
                  f"CuPy arrays -> {on_device}")
     lines.append(f"backend auto: {'cuda' if gpu_count() else 'numpy'}")
     lines.append(f"HDF5 output: {write_path(1 if missing is not None else comm.size)}")
+    lines += describe_cache()
     return "\n".join(lines)
 
 

@@ -432,5 +432,5 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 // The instances, listed once: each head dim X(D) in bf16 and f16 with the full, causal and interval masks,
 // named attn_bwd_<dtype>_d<D>_<mask>_k4x2; the kernel table attn_bwd_kernels lists them with their geometry.
 #define BH_BWD80_SHAPES(X) X(128) X(64)
-BH_BWD80_SHAPES(BH_BWD80_KERNELS)
-BH_KERNEL_TABLE(attn_bwd, BH_BWD80_SHAPES(BH_BWD80_ROWS))
+BH_INSTANCES(BH_BWD80_SHAPES, BH_BWD80_KERNELS)
+BH_KERNEL_TABLE(attn_bwd, BH_TABLE_ROWS(BH_BWD80_SHAPES, BH_BWD80_ROWS))

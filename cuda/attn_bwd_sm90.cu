@@ -734,5 +734,5 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 // table of attn_bwd_sm90_rows; ranges (interval only): the query tiles of each key block from
 // attn_bwd_sm90_ranges
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
-BH_BWD90_SHAPES(BH_BWD90_KERNELS)
-BH_KERNEL_TABLE(attn_bwd_sm90, BH_BWD90_SHAPES(BH_BWD90_ROWS))
+BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)
+BH_KERNEL_TABLE(attn_bwd_sm90, BH_TABLE_ROWS(BH_BWD90_SHAPES, BH_BWD90_ROWS))

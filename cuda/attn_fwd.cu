@@ -312,5 +312,5 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
 // The instances, listed once: each head dim X(D) in bf16 and f16 with the full, causal and interval masks,
 // named attn_fwd_<dtype>_d<D>_<mask>; the kernel table attn_fwd_kernels lists them with their geometry.
 #define BH_FWD80_SHAPES(X) X(128) X(64)
-BH_FWD80_SHAPES(BH_FWD80_KERNELS)
-BH_KERNEL_TABLE(attn_fwd, BH_FWD80_SHAPES(BH_FWD80_ROWS))
+BH_INSTANCES(BH_FWD80_SHAPES, BH_FWD80_KERNELS)
+BH_KERNEL_TABLE(attn_fwd, BH_TABLE_ROWS(BH_FWD80_SHAPES, BH_FWD80_ROWS))

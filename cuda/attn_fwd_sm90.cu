@@ -407,5 +407,5 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 // hchunk, order: the schedule (order: interval only, the query blocks longest first); mlo, mhi, kofs: the
 // interval bounds (null for full and causal); next_tile: the tile counter, one int that is 0 at launch
 #define BH_FWD90_SHAPES(X) X(64, 2) X(64, 3) X(128, 2) X(256, 2)
-BH_FWD90_SHAPES(BH_FWD90_KERNELS)
-BH_KERNEL_TABLE(attn_fwd_sm90, BH_FWD90_SHAPES(BH_FWD90_ROWS))
+BH_INSTANCES(BH_FWD90_SHAPES, BH_FWD90_KERNELS)
+BH_KERNEL_TABLE(attn_fwd_sm90, BH_TABLE_ROWS(BH_FWD90_SHAPES, BH_FWD90_ROWS))

@@ -19,9 +19,33 @@
 
 // A source lists its instances once, as shapes: `#define <FAMILY>_SHAPES(X) X(D, ...) X(D, ...)`, head dim
 // first. Every shape is instantiated in both 16-bit dtypes with each of the three masks: K(dtype, mask, shape).
-#define BH_EACH_DTYPE_AND_MASK(K, ...)                                                    \
+#define BH_ALL_DTYPES_AND_MASKS(K, ...)                                                   \
   K(bf16, full, __VA_ARGS__) K(bf16, causal, __VA_ARGS__) K(bf16, interval, __VA_ARGS__) \
   K(f16, full, __VA_ARGS__) K(f16, causal, __VA_ARGS__) K(f16, interval, __VA_ARGS__)
+// (two names: a macro does not expand inside its own expansion, and a selected shape expands its variants)
+#define BH_APPLY_SHAPE(F, ...) F(__VA_ARGS__)
+#define BH_APPLY_VARIANT(F, ...) F(__VA_ARGS__)
+
+// What one compile builds (burst_hpc/backends/cuda/compile.py chooses): by default every instance and the
+// whole table; with BH_TABLE_ONLY defined the kernel table alone (no instance: the host reads every
+// kernel's geometry from it); with `#define BH_SELECT_DTYPE bf16`, `#define BH_SELECT_MASK causal` and
+// `#define BH_SELECT_SHAPE 128, 2` (a shape of the source's list) before the source, one instance and its
+// table row. A source writes its kernels as BH_INSTANCES(<FAMILY>_SHAPES, <per shape>) and
+// its rows as BH_TABLE_ROWS(<FAMILY>_SHAPES, <per shape>), each per-shape macro expanding
+// BH_EACH_DTYPE_AND_MASK(K, shape).
+#if defined(BH_SELECT_SHAPE)
+#define BH_EACH_DTYPE_AND_MASK(K, ...) BH_APPLY_VARIANT(K, BH_SELECT_DTYPE, BH_SELECT_MASK, __VA_ARGS__)
+#define BH_INSTANCES(SHAPES, K) BH_APPLY_SHAPE(K, BH_SELECT_SHAPE)
+#define BH_TABLE_ROWS(SHAPES, K) BH_APPLY_SHAPE(K, BH_SELECT_SHAPE)
+#else
+#define BH_EACH_DTYPE_AND_MASK(K, ...) BH_ALL_DTYPES_AND_MASKS(K, __VA_ARGS__)
+#if defined(BH_TABLE_ONLY)
+#define BH_INSTANCES(SHAPES, K)
+#else
+#define BH_INSTANCES(SHAPES, K) SHAPES(K)
+#endif
+#define BH_TABLE_ROWS(SHAPES, K) SHAPES(K)
+#endif
 
 #define BH_STR(x) BH_STR_(x)
 #define BH_STR_(x) #x

@@ -5,7 +5,8 @@ The stand-in holds arrays as NumPy arrays and compiles each kernel source with n
 modules define the kernels and the constant tables the PTX defines, a launch is recorded (name, grid, block,
 shared memory) instead of run, and asking for a kernel the PTX does not define fails as CuPy would. TMA tensor
 maps are not encoded (no driver). Output: {"tables": the kernel tables as the backend decoded them,
-"entries": each source's kernels with their launch bounds, "calls": [{"call", "error", "launches"}]}.
+"entries": each source's kernels with their launch bounds, "calls": [{"call", "error", "launches"}],
+"prepared": {family: what CudaBackend.prepare did for a causal bf16 D = 128 call}}.
 
     python3 tests/record_launches.py
 """
@@ -91,10 +92,11 @@ def _fake_cupy(launches):
             text = _ptx(code, options)
             source = re.search(r'#line 1 "cuda/(\S+\.cu)"', code).group(1)
             # each kernel with its launch bound (.maxntid: the threads its __launch_bounds__ allows), or 0
-            self.entries = ENTRIES[source] = {
+            self.entries = {
                 name: int(bound or 0)
                 for name, bound in re.findall(r"^\.visible \.entry (\w+)\([^)]*\)\s*(?:\.maxntid (\d+), 1, 1)?",
                                               text, re.M)}
+            ENTRIES.setdefault(source, {}).update(self.entries)  # a source's builds: its table, one per instance
             self.globals = {}
             for name, size, body in re.findall(r"^\.const \.align \d+ \.b8 (\w+)\[(\d+)\] = \{([^}]*)\}", text, re.M):
                 values = [int(v) for v in body.split(",")]
@@ -116,8 +118,15 @@ def _fake_cupy(launches):
             self.compute_capability = "90"
             self.attributes = {"MultiProcessorCount": 132}
 
-    cupy.ndarray, cupy.RawModule = ndarray, RawModule
-    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    cupy.ndarray, cupy.RawModule, cupy.__version__ = ndarray, RawModule, "stand-in"
+    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+                                      nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)))
     for name in ("ascontiguousarray", "asarray", "zeros", "empty", "full"):
         setattr(cupy, name, lambda *a, _f=getattr(np, name), **k: wrap(_f(*a, **k)))
     cupy.__getattr__ = lambda name: getattr(np, name)  # the tiled path of wide heads: NumPy functions
@@ -142,9 +151,11 @@ def main():
         x = rng.standard_normal(shape).astype(np.dtype("bfloat16") if dtype == "uint16" else dtype)
         return sys.modules["cupy"].asarray(x.view(np.uint16) if dtype == "uint16" else x)
 
-    calls = []
+    calls, prepared = [], {}
     for family in FAMILIES:
         backend = CudaBackend.instance(family)
+        # a causal bf16 D = 128 call's builds, compiled before its launches (which then load them)
+        prepared[family] = backend.prepare(None, np.dtype("bfloat16"), 128, True, False, ("fwd", "bwd"))
         for d in HEAD_DIMS:
             for dtype in DTYPES:
                 for mode in MODES:
@@ -177,9 +188,11 @@ def main():
               for (family, _), source in contract.SOURCES.items()}
     tables[contract.DELTA_SOURCE] = [list(k) for k in CudaBackend.instance("sm80").modules.table(
         contract.DELTA_SOURCE).kernels]
-    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls}, sys.stdout)
+    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls, "prepared": prepared}, sys.stdout)
 
 
 if __name__ == "__main__":
     os.environ.pop("BURST_HPC_KERNELS", None)
-    main()
+    with tempfile.TemporaryDirectory() as cache:  # the kernel cache's entries, of this run only
+        os.environ["CUPY_CACHE_DIR"] = cache
+        main()

@@ -142,6 +142,18 @@ def test_compiled_tables_are_the_listed_instances(recorded):
 
 
 @needs_nvcc
+def test_a_call_prepares_its_builds_which_its_launches_then_load(recorded):
+    from burst_hpc.backends.cuda.backend import kernel_builds
+
+    done = set()
+    for family in FAMILIES:  # in this order, on one cache: the delta pre-pass is compiled once for both
+        wanted = kernel_builds(family, {"bf16"}, [128], ("full", "causal"), ("fwd", "bwd"))
+        assert len(wanted) == 7  # two tables, two instances per pass, the delta pre-pass
+        assert recorded["prepared"][family] == {b.name(): "cached" if b in done else "compiled" for b in wanted}
+        done |= set(wanted)
+
+
+@needs_nvcc
 def test_every_launch_asks_for_a_kernel_with_its_table_geometry(recorded):
     tables = {source: {row[0]: contract.Kernel(*row) for row in table} for source, table in recorded["tables"].items()}
     (delta,) = tables[contract.DELTA_SOURCE].values()

@@ -5,6 +5,7 @@ kernels), zero-padded to the next native width (padding.py: exact, the scale sta
 heads wider than every kernel, numpy_backend's tiled online softmax on CuPy arrays (float32 cuBLAS products
 per tile pair; exact, slower than the kernels). docs/KERNELS.md has the conventions.
 """
+import time
 from typing import Protocol
 
 import numpy as np
@@ -13,8 +14,9 @@ from ... import config
 from ...errors import BackendError
 from .. import padding
 from ..numpy_backend import NumpyBackend
-from . import contract, launch
-from .compile import Modules
+from ...collective import agree
+from . import compile as compiling, contract, launch
+from .compile import Modules, call_builds
 from .sm80 import Sm80Kernels
 from .sm90 import Sm90Kernels
 
@@ -59,6 +61,50 @@ def route(head_dim, widths):
     if head_dim in widths:
         return "native"
     return "wide" if head_dim > max(widths) else "padded"
+
+
+def kernel_builds(family, dtypes, head_dims, masks, directions=("fwd", "bwd")):
+    """The builds (compile.Build) of the ``family``'s kernels that run inputs of the kernel ``dtypes``
+    ('bf16', 'f16') and ``head_dims`` under ``masks`` ('full', 'causal', 'interval') in ``directions``,
+    each head dim routed as a call routes it: native, zero-padded to the next native width, or (wide) no
+    kernel at all."""
+    builds = []
+    for direction in directions:
+        widths = contract.native_widths(family, direction)
+        dims = {padding.native_width(d, widths) for d in head_dims if route(d, widths) != "wide"}
+        builds += call_builds(family, dtypes, dims, masks, (direction,))
+    return builds
+
+
+def compile_ahead(families=None, head_dims=None, dtypes=None, directions=("fwd", "bwd"), comm=None):
+    """Collective on ``comm`` (None: this process alone): fill the kernel cache ahead of jobs (``burst-hpc
+    compile``) with the kernels of every mask for ``families`` (default: those this GPU runs), ``head_dims``
+    (default: every native width; others are routed as a call routes them) and ``dtypes`` ('bf16', 'f16',
+    'f32', which runs the bf16 kernels; default: both 16-bit ones) in ``directions``. The node's ranks share
+    the compiles out (compile.prepare). Returns a summary line (the same on every rank)."""
+    error, builds, cache = None, [], None
+    try:
+        cache = compiling.default_cache()
+        families = list(families or kernel_families())
+        unknown = [f for f in families if f not in FAMILIES] + [t for t in dtypes or () if t not in ("bf16", "f16", "f32")]
+        if unknown or any(d < 1 for d in head_dims or ()):
+            raise BackendError(f"compile takes families {', '.join(FAMILIES)}, dtypes bf16, f16, f32 and positive head "
+                               f"dims; got {', '.join(map(str, unknown or head_dims))}")
+        kinds = {"f16" if name == "f16" else "bf16" for name in dtypes or ("bf16", "f16")}
+        for family in families:
+            dims = head_dims or {d for direction in directions for d in contract.native_widths(family, direction)}
+            builds += kernel_builds(family, kinds, dims, ("full", "causal", "interval"), directions)
+    except BackendError as e:
+        error = e
+    agree(comm, error)
+    t0 = time.perf_counter()
+    done = compiling.prepare(cache, builds, comm)
+    counts = [sum(1 for how in done.values() if how == word) for word in ("compiled", "cached", "waited")]
+    if comm is not None and comm.size > 1:
+        counts = [sum(c) for c in zip(*comm.allgather(counts))]
+    return (f"kernel cache {cache.directory}: {len(set(builds))} build(s) of {', '.join(families)}: {counts[0]} "
+            f"compiled, {counts[1]} already there, {counts[2]} compiled meanwhile by another process; "
+            f"{time.perf_counter() - t0:.1f} s")
 
 
 def gpu_capability():
@@ -142,6 +188,19 @@ class CudaBackend:
                 self._wide = _WideHeads(self.xp)
             return self._wide
         return padding.Padded(self, widths)
+
+    def prepare(self, comm, dtype, head_dim, causal, masked, directions):
+        """Collective on ``comm``: compile the kernels a call needs before its first launch, once per node
+        and per cache directory (compile.prepare): for inputs of ``dtype`` and ``head_dim``, those of the
+        passes ``directions`` ('fwd', 'bwd') with the full mask and, when ``causal``, the causal one, or
+        the interval one when the call is ``masked`` (documents, a window)."""
+        try:
+            kind = launch.kernel_dtype(dtype)
+        except BackendError:  # the call's first launch says so, as it would without this step
+            return {}
+        masks = ("full", "interval" if masked else "causal") if causal else ("full",)
+        builds = kernel_builds(self.family, (kind,), (head_dim,), masks, directions)
+        return self.modules.prepare(builds, comm)
 
     # ---- the three block calls ---------------------------------------------------------------------
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):

@@ -65,10 +65,10 @@ def header():
 def _header(root):
     text = _read(root, HEADER)
     defines = {name: int(value) for name, value in re.findall(r"^#define (BH_\w+) (-?\d+)\b", text, re.M)}
-    expansion = re.search(r"^#define BH_EACH_DTYPE_AND_MASK\(K, \.\.\.\)((?:.*\\\n)*.*)$", text, re.M)
+    expansion = re.search(r"^#define BH_ALL_DTYPES_AND_MASKS\(K, \.\.\.\)((?:.*\\\n)*.*)$", text, re.M)
     fields = re.search(r"struct KernelRow \{\s*char name\[BH_NAME_BYTES\];\s*int ([\w, ]+);\s*\};", text)
     if expansion is None or fields is None:
-        raise BackendError(f"cuda/{HEADER}: no BH_EACH_DTYPE_AND_MASK or struct KernelRow")
+        raise BackendError(f"cuda/{HEADER}: no BH_ALL_DTYPES_AND_MASKS or struct KernelRow")
     return Header(
         dtypes={name[len("BH_DTYPE_"):].lower(): code for name, code in defines.items() if name.startswith("BH_DTYPE_")},
         masks={name[len("BH_MASK_"):].lower(): code for name, code in defines.items() if name.startswith("BH_MASK_")},
