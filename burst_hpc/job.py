@@ -44,7 +44,7 @@ class RunOptions:
     backward_ring: str = "auto"
     scale: float = None         # None: head_dim ** -0.5
     verify: bool = False
-    verify_rows: int = 256
+    verify_rows: int = None     # None: sized by the budget (verify.BUDGET), at most verify.ROWS
     verify_seed: int = 0
     overwrite: bool = False
     allow_nonfinite: bool = False
@@ -126,7 +126,8 @@ def run(options, comm=None):
                         cu_seqlens=spec.cu_seqlens, window=options.window, scheme=options.scheme,
                         ranks_per_node=options.ranks_per_node)
         results, seconds = _passes(plan, dev, options, progress, xp)
-        del dev
+        if not options.verify:
+            del dev
         host = {name: to_host(a) for name, a in results.items()}
         progress(f"writing {options.output}")
         out.write(host, layout)
@@ -141,7 +142,8 @@ def run(options, comm=None):
     jobsafety.on_stop_say(f"{options.output} is written and complete")
     verified = None
     if options.verify:
-        verified, line = _verify_published(options, comm, spec, host, layout, scale, progress)
+        del host
+        verified, line = _verify_published(options, comm, spec, dev, results, layout, scale, seconds, progress)
         summary.append(line)
     summary.append(f"-> {options.output}")
     return Outcome("  ".join(summary), verified, *seconds)
@@ -198,18 +200,24 @@ def _summary(spec, plan, options, backend, transport, flops, seconds):
     return parts
 
 
-def _verify_published(options, comm, spec, host, layout, scale, progress):
-    """--verify after the output is published: its attributes say verify = 'not finished' until rank 0
-    records the outcome (a job stopped meanwhile keeps its complete output, so marked).
-    Returns (passed, the summary's verify entry)."""
+def _verify_published(options, comm, spec, inputs, results, layout, scale, seconds, progress):
+    """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs):
+    the output's attributes say verify = 'not finished' until rank 0 records the outcome (a job stopped
+    meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
+    cost at most verify.BUDGET of the passes' time. Returns (passed, the summary's verify entry)."""
+    from .layout import layout_indices
+
     jobsafety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
-    progress("verifying against the float64 oracle")
     _test_hook_verify_pause()
+    backend = "numpy" if isinstance(inputs["q"], np.ndarray) else "cuda"
+    budget = None if options.verify_rows is not None else verify.BUDGET[backend] * sum(s for s in seconds if s)
+    announce = Progress(comm.rank == 0 and options.progress is not False)
     try:
-        report = verify.verify(options.input, spec, host, comm, layout, options.causal, scale,
-                               rows=options.verify_rows, seed=options.verify_seed, progress=progress,
-                               window=options.window)
+        report = verify.verify_resident(inputs, results, layout_indices(spec.seqlen, comm.rank, comm.size, layout),
+                                        spec, comm, options.causal, scale, options.window,
+                                        rows=options.verify_rows or verify.ROWS, seed=options.verify_seed,
+                                        budget_s=budget, announce=announce, progress=progress)
     except BurstError as e:
         error = BurstError(f"{e}; {options.output} is written and complete, its verification did not finish")
         error.agreed = getattr(e, "agreed", False)
@@ -224,7 +232,8 @@ def _verify_published(options, comm, spec, host, layout, scale, progress):
                 f"marked so (its attribute verify still says 'not finished'): {describe(e).splitlines()[0]}", "note")
     jobsafety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
     errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
-    return report["ok"], f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}"
+    return report["ok"], (f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}, {report['seconds']:.2f}s) "
+                          f"max_err/tol {errs}")
 
 
 def _test_hook_verify_pause():
