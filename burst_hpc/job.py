@@ -232,7 +232,7 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
                 f"marked so (its attribute verify still says 'not finished'): {describe(e).splitlines()[0]}", "note")
     jobsafety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
     errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
-    return report["ok"], (f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}, {report['seconds']:.2f}s) "
+    return report["ok"], (f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) {report['seconds']:.2f}s "
                           f"max_err/tol {errs}")
 
 
