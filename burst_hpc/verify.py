@@ -519,10 +519,10 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     except Exception as e:  # noqa: BLE001
         failure = e if isinstance(e, BurstError) else BurstError(f"verification could not read its samples: {describe(e)}")
     agree(comm, failure)
-    parts = comm.allgather((tokens.positions[idx], {n: own[n] for n in own if n != "o"})) if size > 1 else \
-        [(tokens.positions[idx], {n: own[n] for n in own if n != "o"})]
+    part = (tokens.positions[idx], {n: own[n] for n in own if n != "o"})
+    parts = comm.allgather(part) if size > 1 else [part]
+    offsets = np.cumsum([0] + [len(pos) for pos, _ in parts])  # where each rank's samples start
     parts = [(pos, arrays) for pos, arrays in parts if len(pos)]
-    offsets = np.cumsum([0] + [len(pos) for pos, _ in comm.allgather(tokens.positions[idx])]) if size > 1 else [0]
     axis = {"lse": 2, "delta": 2}
     gathered = {"positions": np.concatenate([pos for pos, _ in parts])}
     for n in [n for n in ("q", "k", "v", "do", "lse", "delta") if parts and n in parts[0][1]]:
