@@ -387,8 +387,8 @@ def build_parser():
                    "OUT.h5 is an error before any work and is left untouched")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="run on inputs holding NaN or Inf: they propagate into the outputs of the rows that see them "
-                   "(the summary counts them: nonfinite o=N ...), and --verify fails; or on values large enough to "
-                   "overflow the kernels' float32 sums")
+                   "(the summary counts them: nonfinite o=N ...; --verify passes NaN and Inf only where the float64 oracle "
+                   "has them too); or on values large enough to overflow the kernels' float32 sums")
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once untimed first (GPU kernels compile on first use)")
     p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "
