@@ -22,6 +22,7 @@ import numpy as np
 from .collective import agree, describe
 from .dtypes import dtype_name
 from .errors import BurstError
+from .merge import array_module
 from .reference import visible
 
 FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
@@ -159,18 +160,10 @@ SAMPLE_ELEMENTS = 1 << 24   # B * Hq * D * samples of all ranks at most (each ro
 PROGRESS_S = 5.0
 
 
-def _xp_of(x):
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    return np
-
-
 def as_float64(x, xp):
     """``x`` (NumPy or CuPy, any supported dtype; uint16 or bfloat16 holds bfloat16 bits) as a float64
     array of ``xp``, exact."""
-    x = xp.asarray(x) if _xp_of(x) is xp else xp.asarray(_host_float(x))
+    x = xp.asarray(x) if array_module(x) is xp else xp.asarray(_host_float(x))
     if x.dtype == xp.uint16 or str(x.dtype) == "bfloat16":
         x = (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
     return x.astype(xp.float64)
@@ -209,7 +202,7 @@ def visible_product(w, x, seen, finite):
     pair's 0 times NaN would be NaN; the oracle's rule, reference.py)."""
     if finite:
         return w @ x
-    xp = _xp_of(x)
+    xp = array_module(x)
     bad = ~xp.isfinite(x)
     out = w @ xp.where(bad, 0, x)
     for j in np.flatnonzero(_host(bad.any(axis=tuple(a for a in range(bad.ndim) if a != bad.ndim - 2)))):
@@ -241,7 +234,7 @@ class Tokens:
             return {n: arrays[n][index(n, slice(lo, hi))] for n in names}
 
         def take(names, idx):
-            return {n: arrays[n][index(n, _xp_of(arrays[n]).asarray(idx))] for n in names}
+            return {n: arrays[n][index(n, array_module(arrays[n]).asarray(idx))] for n in names}
 
         return cls(positions, read, take)
 
@@ -405,7 +398,7 @@ def seconds_per_pair(spec, scale, backward, xp, comm):
     ``backward``), timed on a small block of random data after one untimed go (the largest over ranks)."""
     from types import SimpleNamespace
 
-    samples, tokens = (256, 2048) if xp is not np else (64, 512)
+    samples, tokens = (256, 8192) if xp is not np else (64, 512)
     rng = np.random.default_rng(0)
     b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
     draw = lambda t, h: rng.standard_normal((b, t, h, d)).astype(np.float32)
@@ -617,7 +610,7 @@ def verify_resident(inputs, outputs, positions, spec, comm, causal, scale, windo
     o, lse (dq, dk, dv), NumPy or CuPy arrays in local layout order; ``positions`` their global token
     indices), on the device they are on. See :func:`check`."""
     arrays = dict(inputs, **outputs)
-    xp = _xp_of(arrays["q"])
+    xp = array_module(arrays["q"])
     return check(Tokens.resident(arrays, positions), spec, comm, causal, scale, window, "dq" in outputs, rows, seed,
                  xp, budget_s, announce, progress)
 

@@ -143,3 +143,34 @@ def test_max_err_counts_nonfinite_against_nonfinite_as_no_error():
     assert verify.max_err(np.array([1.0, 0.0, np.inf, -np.inf]), ref) == np.inf
     assert verify.max_err(np.array([np.nan, np.nan, np.inf, -np.inf]), ref) == np.inf
     assert verify.max_err(np.array([-np.inf, np.nan, np.inf, -np.inf]), ref) == np.inf
+
+
+def _gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no GPU")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no GPU")
+    return cupy
+
+
+@pytest.mark.parametrize("mask", ["causal", "documents+window"])
+def test_on_the_gpu_as_on_the_cpu(mask, monkeypatch):
+    """CuPy shards (a cuda run's): the check runs on the device and finds what the CPU finds, a corrupted
+    dk included; NaN that match the oracle pass there too."""
+    cupy = _gpu()
+    monkeypatch.setattr(verify, "FULL_LIMIT", 10)
+    for dtype, poke in ((bfloat16, None), (np.float32, ("k", (0, 9, 1, 3), np.nan))):
+        inputs, outputs, mask_args = _problem(dtype, mask, poke=poke)
+        outputs["dk"] = outputs["dk"].copy()
+        for bad in (False, True):
+            if bad:
+                outputs["dk"][1, 7] += np.asarray(0.5, outputs["dk"].dtype)
+            cpu = _check(inputs, outputs, mask_args, dtype, rows=17)
+            gpu = _check({n: cupy.asarray(x) for n, x in inputs.items()},
+                         {n: cupy.asarray(x) for n, x in outputs.items()}, mask_args, dtype, rows=17)
+            assert gpu["ok"] == cpu["ok"] == (not bad) and gpu["failed"] == cpu["failed"], (gpu, cpu)
+            for name in cpu["err"]:
+                assert gpu["err"][name] == pytest.approx(cpu["err"][name], rel=1e-6, abs=1e-12), name
+                assert gpu["tol"][name] == pytest.approx(cpu["tol"][name], rel=0.25), name  # float32 sums differ
