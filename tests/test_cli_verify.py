@@ -1,6 +1,7 @@
 """`burst-hpc verify`: a published output checked later, with a rank count other than the job's: it
 passes on a good output, fails (exit 3, naming what failed) on a corrupted one, prints its predicted
 cost first, and refuses options that contradict what the output records."""
+import re
 import shutil
 
 import h5py
@@ -80,3 +81,20 @@ def test_a_forward_output_has_no_gradients_to_check(tmp_path):
     assert r.returncode == 0 and "PASS" in r.stdout and "dq=" not in r.stdout and "(full," in r.stdout, r.stdout
     r = mpirun(2, "verify", src, dst, "--backward")
     assert r.returncode == 1 and r.stderr.count("dataset 'do' is missing") == 1, r.stderr
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("ranks,layout,rows", [(3, "zigzag", "32"), (2, "balanced", None)])
+def test_run_verifies_sampled_tokens_of_its_shards(tmp_path, job, ranks, layout, rows):
+    """run --verify on a problem too large for the full check: sampled tokens of each rank's shards (its
+    layout's token order), the predicted cost first; without --verify-rows the budget sizes the sample."""
+    src, _ = job
+    dst = tmp_path / "out.h5"
+    r = mpirun(ranks, "run", src, dst, "--causal", "--backward", "--backend", "numpy", "--verify", "--layout", layout,
+               *(["--verify-rows", rows] if rows else []))
+    assert r.returncode == 0, r.stdout + r.stderr
+    count = re.search(r"verify=PASS\(sampled (\d+) rows\+cols/rank\) \d+\.\d+s max_err/tol o=", r.stdout)
+    assert count, r.stdout
+    assert count.group(1) == rows if rows else 16 <= int(count.group(1)) <= 256, r.stdout
+    assert r.stderr.count(f"verify: {count.group(1)} rows and {count.group(1)} key columns per rank against "
+                          f"{SEQLEN} tokens") == 1, r.stderr
