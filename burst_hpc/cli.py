@@ -369,8 +369,9 @@ def build_parser():
                    "rank mod GPU count); auto: cuda when a GPU is visible (default auto)")
     p.add_argument("--scale", type=positive_float, default=None, help="softmax scale, a finite number > 0 (default head_dim**-0.5)")
     p.add_argument("--verify", action="store_true",
-                   help="check every output against the float64 oracle, where the job runs (on the GPU for cuda runs), "
-                   "on the shards the job holds: max error <= 2x (o, lse) / 3x (dq, dk, dv) the error of a plain "
+                   help="check every output against the float64 oracle on the shards the job holds (a cuda run's "
+                   "on its GPUs with BURST_HPC_VERIFY_ON_GPU=1, else on host copies): max error <= 2x (o, lse) / 3x "
+                   "(dq, dk, dv) the error of a plain "
                    "same-precision computation plus a small floor; NaN or Inf where the oracle has none fails. "
                    "OUT.h5 is published first; the outcome goes into its attributes (verify = pass, fail, or 'not "
                    "finished' when stopped), a mismatch exits 3. Every token when B*Hq*S^2 <= 4M, else sampled "
@@ -415,9 +416,8 @@ def build_parser():
                    help="check dq, dk, dv too (default: when OUT.h5 holds them)")
     p.add_argument("--rows", type=positive_int, default=256, help="tokens per rank sampled, > 0 (default 256)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="where the samples fall, >= 0 (default 0)")
-    p.add_argument("--backend", choices=("auto", "numpy", "cuda"), default="auto",
-                   help="where to check: numpy (CPU) or cuda (this rank's GPU, float64); auto: cuda when a GPU is "
-                   "visible (default auto)")
+    p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy",
+                   help="where to check: numpy (CPU) or cuda (this rank's GPU, float64) (default numpy)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
     p = _verb(sub, "plan", cmd_plan, help="predicted time of each scheme across nodes for a problem and a cluster",

@@ -11,6 +11,7 @@ so a job or a test may set it before any call). docs/USAGE.md lists them for use
 | BURST_HPC_CUDA_DIR=DIR | read the kernel sources from DIR instead of the package |
 | BURST_HPC_HDF5_MPIO=0 | write outputs by rank-ordered token passing even with parallel HDF5 |
 | BURST_HPC_SPACE_CHECK=0 | skip the free-space check before writing (quotas can misreport it) |
+| BURST_HPC_VERIFY_ON_GPU=1 | a cuda run's --verify checks on its GPUs (off until measured there: on the host) |
 | BURST_HPC_TEST_HOOK_VERIFY_PAUSE=S | tests only: every rank sleeps S seconds as verification starts |
 """
 import os
@@ -69,6 +70,12 @@ def hdf5_mpio():
 def space_check():
     """False when BURST_HPC_SPACE_CHECK=0; True otherwise."""
     return _value("BURST_HPC_SPACE_CHECK") != "0"
+
+
+def verify_on_gpu():
+    """True when BURST_HPC_VERIFY_ON_GPU is on: a cuda run's --verify runs on the GPU (CuPy, float64);
+    otherwise on host copies of the shards (NumPy)."""
+    return _value("BURST_HPC_VERIFY_ON_GPU").lower() in ON
 
 
 def kernel_family():

@@ -201,7 +201,8 @@ def _summary(spec, plan, options, backend, transport, flops, seconds):
 
 
 def _verify_published(options, comm, spec, inputs, results, layout, scale, seconds, progress):
-    """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs):
+    """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs with
+    BURST_HPC_VERIFY_ON_GPU=1, else on host copies):
     the output's attributes say verify = 'not finished' until rank 0 records the outcome (a job stopped
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
     cost at most verify.BUDGET of the passes' time. Returns (passed, the summary's verify entry)."""
@@ -210,8 +211,10 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     jobsafety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
     _test_hook_verify_pause()
-    backend = "numpy" if isinstance(inputs["q"], np.ndarray) else "cuda"
-    budget = None if options.verify_rows is not None else verify.BUDGET[backend] * sum(s for s in seconds if s)
+    if not isinstance(inputs["q"], np.ndarray) and not config.verify_on_gpu():
+        inputs, results = ({name: to_host(a) for name, a in arrays.items()} for arrays in (inputs, results))
+    where = "numpy" if isinstance(inputs["q"], np.ndarray) else "cuda"
+    budget = None if options.verify_rows is not None else verify.BUDGET[where] * sum(s for s in seconds if s)
     announce = Progress(comm.rank == 0 and options.progress is not False)
     try:
         report = verify.verify_resident(inputs, results, layout_indices(spec.seqlen, comm.rank, comm.size, layout),

@@ -450,7 +450,7 @@ def failures(report):
 
 
 def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=ROWS, seed=0, xp=np, budget_s=None,
-          announce=None, progress=None, outputs=None):
+          announce=None, progress=None):
     """Check a rank's outputs against the float64 oracle, on sampled tokens; collective.
 
     Parameters
@@ -472,8 +472,6 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     announce, progress : callable or None
         Take lines: ``announce`` the predicted cost before the check starts, ``progress`` a line every
         few seconds while it runs (rank 0 passes them; other ranks None).
-    outputs : list of str or None
-        The outputs to check (default o, lse, and dq, dk, dv with ``backward``).
 
     Returns
     -------
@@ -485,7 +483,7 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
 
     start = time.perf_counter()
     rank, size = comm.rank, comm.size
-    names = outputs or ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])
+    names = ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])
     n_local = len(tokens.positions)
     full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
     share = visible_share(spec, causal, window)
@@ -539,8 +537,7 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
                 for lo in range(0, n_local, block):
                     hi = min(n_local, lo + block)
                     pos = tokens.positions[lo:hi]
-                    blocks = tokens.read(["q", "k", "v", "o", "lse"] + (["do"] if backward else []) if backward
-                                         else ["k", "v"], lo, hi)
+                    blocks = tokens.read(["k", "v"] + (["q", "do", "o", "lse"] if backward else []), lo, hi)
                     samples.add_keys(pos, blocks["k"], blocks["v"])
                     if backward:
                         samples.add_queries(pos, blocks["q"], blocks["do"], blocks["lse"], blocks["o"])
@@ -556,8 +553,8 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
 
     # the sums reduced to the samples' owners: the oracle's values, the plain computation's, ours
     err, err_plain, ref_max = {n: 0.0 for n in names}, {n: 0.0 for n in names}, {n: 0.0 for n in names}
-    if total:
-        reduced = samples.reduced(comm)
+    reduced = samples.reduced(comm) if total else None
+    try:
         if mine:
             with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
                 ref, plain = finish(reduced, slice(offsets[rank], offsets[rank] + mine), own, spec, scale, backward)
@@ -566,6 +563,9 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
                 # where the plain computation took a NaN from the output's o or lse it says nothing of rounding
                 err_plain[n] = max_err(np.where(np.isfinite(plain[n]), plain[n], ref[n]), ref[n])
                 ref_max[n] = max_abs(ref[n])
+    except Exception as e:  # noqa: BLE001
+        failure = BurstError(f"verification could not compare: {describe(e)}")
+    agree(comm, failure)
     if size > 1:
         err, err_plain, ref_max = ({n: comm.allreduce(x[n], op=MPI.MAX) for n in names} for x in (err, err_plain, ref_max))
     rounding = 0.0 if samples is None else samples.lse_rounding * samples.lse_max
