@@ -388,8 +388,8 @@ def build_parser():
                    "OUT.h5 is an error before any work and is left untouched")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="run on inputs holding NaN or Inf: they propagate into the outputs of the rows that see them "
-                   "(the summary counts them: nonfinite o=N ...; --verify passes NaN and Inf only where the float64 oracle "
-                   "has them too); or on values large enough to overflow the kernels' float32 sums")
+                   "(the summary counts them: nonfinite o=N ...; --verify passes NaN and Inf only where the float64 "
+                   "oracle has them too); or on values large enough to overflow the kernels' float32 sums")
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once untimed first (GPU kernels compile on first use)")
     p.add_argument("--progress", action="store_true", help="show stage lines on stderr even on short runs (they show "
@@ -397,7 +397,8 @@ def build_parser():
                    "the total with an ETA (rank 0's steps)")
     p.add_argument("--quiet", action="store_true", help="no stage lines")
 
-    p = _verb(sub, "verify", cmd_verify, help="check a published output against the float64 oracle, on any number of ranks",
+    p = _verb(sub, "verify", cmd_verify,
+              help="check a published output against the float64 oracle, on any number of ranks",
               epilog="exit status: 0 the output passed; 3 it failed (the error names each output that failed); 1 the "
               "check could not run.\nexample: mpiexec -n 4 burst-hpc verify in.h5 out.h5",
               description=_wrap("Check OUT.h5, written by 'burst-hpc run' from IN.h5 (or any program writing the same "

@@ -262,7 +262,8 @@ class Samples:
 
     def __init__(self, gathered, spec, causal, scale, window, xp):
         self.xp, self.causal, self.scale, self.window, self.cu = xp, causal, scale, window, spec.cu_seqlens
-        self.batch, self.hkv, self.group, self.dim = spec.batch, spec.kv_heads, spec.heads // spec.kv_heads, spec.head_dim
+        self.batch, self.hkv, self.dim = spec.batch, spec.kv_heads, spec.head_dim
+        self.group = spec.heads // spec.kv_heads
         self.plain_type, self.rnd = rounder(spec.dtype, xp)
         self.positions = gathered["positions"]
         b, g, hk, d, t = self.batch, self.group, self.hkv, self.dim, len(self.positions)
@@ -403,7 +404,8 @@ def seconds_per_pair(spec, scale, backward, xp, comm):
     b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
     draw = lambda t, h: rng.standard_normal((b, t, h, d)).astype(np.float32)
     gathered = {"positions": np.arange(samples), "q": draw(samples, hq), "k": draw(samples, hk),
-                "v": draw(samples, hk), "lse": np.full((b, hq, samples), 5.0), "do": draw(samples, hq) if backward else None,
+                "v": draw(samples, hk), "lse": np.full((b, hq, samples), 5.0),
+                "do": draw(samples, hq) if backward else None,
                 "delta": np.zeros((b, hq, samples))}
     shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=None)
     block = {n: xp.asarray(draw(tokens, hk if n in ("k", "v") else hq)) for n in ("q", "k", "v", "do", "o")}
@@ -508,7 +510,8 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
         if mine and backward:
             own["delta"] = (own["do"] * own["o"]).sum(-1).transpose(0, 2, 1)  # (B, Hq, n)
     except Exception as e:  # noqa: BLE001
-        failure = e if isinstance(e, BurstError) else BurstError(f"verification could not read its samples: {describe(e)}")
+        failure = e if isinstance(e, BurstError) else \
+            BurstError(f"verification could not read its samples: {describe(e)}")
     agree(comm, failure)
     part = (tokens.positions[idx], {n: own[n] for n in own if n != "o"})
     parts = comm.allgather(part) if size > 1 else [part]
@@ -567,7 +570,8 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
         failure = BurstError(f"verification could not compare: {describe(e)}")
     agree(comm, failure)
     if size > 1:
-        err, err_plain, ref_max = ({n: comm.allreduce(x[n], op=MPI.MAX) for n in names} for x in (err, err_plain, ref_max))
+        err, err_plain, ref_max = ({n: comm.allreduce(x[n], op=MPI.MAX) for n in names}
+                                   for x in (err, err_plain, ref_max))
     rounding = 0.0 if samples is None else samples.lse_rounding * samples.lse_max
     rounding = comm.allreduce(rounding, op=MPI.MAX) if size > 1 else rounding
     tol = {n: tolerance(n, err_plain[n], ref_max[n], spec.dtype, rounding) for n in names}
@@ -596,7 +600,8 @@ def finish(reduced, own_slice, own, spec, scale, backward):
     if backward:
         do = own["do"].reshape(b, n, hk, g, d).transpose(0, 2, 3, 1, 4)
         delta = (do * o).sum(-1)[..., None]
-        dq = np.where(empty[..., None], 0.0, scale * (rows(reduced["C"]) - delta * rows(reduced["Bk"])) / safe[..., None])
+        dq = scale * (rows(reduced["C"]) - delta * rows(reduced["Bk"])) / safe[..., None]
+        dq = np.where(empty[..., None], 0.0, dq)
         ref["dq"], plain["dq"] = as_o(dq), as_o(rnd(rows(reduced["dq_plain"]) * scale))
         cols = lambda x: x[:, :, own_slice].transpose(0, 2, 1, 3)             # (B, Hk, T, D) -> (B, n, Hk, D)
         ref["dk"], ref["dv"] = cols(reduced["dk"]) * scale, cols(reduced["dv"])
@@ -626,15 +631,15 @@ def verify_output(input_path, output_path, comm, causal=None, window=None, backw
 
     error, spec, files, opened = None, None, {}, []
     try:
-        spec = io.inspect_input(input_path)
         out = io.open_input(output_path)
         opened.append(out)
         attrs = {key: (value.decode() if isinstance(value, bytes) else value) for key, value in out.attrs.items()}
         grads = all(n in out for n in ("dq", "dk", "dv"))
-        recorded_window = attrs.get("window")
-        recorded_window = None if recorded_window in (None, "none") else tuple(int(x) for x in str(recorded_window).split(","))
+        text = str(attrs.get("window", "none"))
+        recorded_window = None if text == "none" else tuple(int(x) for x in text.split(","))
         for what, given, recorded in (("--causal", causal, attrs.get("causal")), ("--window", window, recorded_window)):
-            if given is not None and "causal" in attrs and given != (bool(recorded) if what == "--causal" else recorded):
+            recorded = bool(recorded) if what == "--causal" else recorded
+            if given is not None and "causal" in attrs and given != recorded:
                 raise FileError(f"{output_path} was written with {what[2:]} = {recorded}, not {given}: leave {what} "
                                 "out to check it as it was written")
         causal = bool(attrs.get("causal", False)) if causal is None else causal

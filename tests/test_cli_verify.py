@@ -98,3 +98,17 @@ def test_run_verifies_sampled_tokens_of_its_shards(tmp_path, job, ranks, layout,
     assert count.group(1) == rows if rows else 16 <= int(count.group(1)) <= 256, r.stdout
     assert r.stderr.count(f"verify: {count.group(1)} rows and {count.group(1)} key columns per rank against "
                           f"{SEQLEN} tokens") == 1, r.stderr
+
+
+@needs_mpiexec
+def test_a_window_is_taken_from_the_output(job, tmp_path):
+    """A sliding-window output: checked under the window it records, with the flag or without it."""
+    src, _ = job
+    dst = tmp_path / "out.h5"
+    r = mpirun(2, "run", src, dst, "--causal", "--window", "100", "--backward", "--backend", "numpy", "--quiet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for flags in ([], ["--causal", "--window", "100"]):
+        r = mpirun(3, "verify", src, dst, "--rows", ROWS, "--quiet", *flags)
+        assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    r = mpirun(3, "verify", src, dst, "--window", "50", "--quiet")
+    assert r.returncode == 1 and "was written with window = (100, 0), not (50, 0)" in r.stderr, r.stderr
