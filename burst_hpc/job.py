@@ -215,7 +215,8 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
         inputs, results = ({name: to_host(a) for name, a in arrays.items()} for arrays in (inputs, results))
     where = "numpy" if isinstance(inputs["q"], np.ndarray) else "cuda"
     budget = None if options.verify_rows is not None else verify.BUDGET[where] * sum(s for s in seconds if s)
-    announce = Progress(comm.rank == 0 and options.progress is not False)
+    announce = Progress(comm.rank == 0 and options.progress is not False)  # the predicted cost, unless --quiet
+    announce.t0 = progress.t0
     try:
         report = verify.verify_resident(inputs, results, layout_indices(spec.seqlen, comm.rank, comm.size, layout),
                                         spec, comm, options.causal, scale, options.window,
