@@ -44,7 +44,8 @@ compile_check() {
 if [ "${COMPILE_ONLY:-0}" = 1 ]; then compile_check; exit $?; fi
 echo "== pytest (kernels, masks, head dims; every kernel family this GPU runs)"
 timeout 330 python3 -m pytest -q --maxfail=8 --timeout 300 -p no:cacheprovider \
-  tests/test_cuda_kernels.py tests/test_cuda_masks.py tests/test_cuda_padding.py tests/test_cuda_nonfinite.py 2>&1 | tee "$LOG/pytest.txt" | tail -15
+  tests/test_cuda_kernels.py tests/test_cuda_masks.py tests/test_cuda_padding.py tests/test_cuda_nonfinite.py \
+  tests/test_verify.py 2>&1 | tee "$LOG/pytest.txt" | tail -15
 echo "== GPU ring tests, 2 ranks on this GPU (transports that share a GPU)"
 timeout 150 mpirun -np 2 python3 -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests/test_ring_gpu.py \
   mpi_tests/test_baselines_gpu.py 2>&1 | tee "$LOG/ring.txt" | grep -E "passed|failed|error" | tail -4

@@ -5,13 +5,14 @@
                          [--documents N]
     mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--layout L] [--transport T]
                                              [--backend numpy|cuda|auto] [--verify] [--overwrite] [--json FILE]
+    [mpiexec -n P] burst-hpc verify IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--rows N]
     [mpiexec -n P] burst-hpc check
     [mpiexec -n P] burst-hpc compile [--family F] [--head-dim D] [--dtype T] [--pass fwd|bwd]
     burst-hpc clean OUT.h5 [--dry-run] [--force]
 
 Exit status: 0 success, 1 bad input or a failed run (one message, on rank 0, every rank exits 1),
-2 bad command line, 3 ``--verify`` found a mismatch (OUT.h5 written, marked verify = "fail") / ``check``
-found a failure, 128+N stopped by signal N. ``--help`` of each command documents every option and the
+2 bad command line, 3 ``--verify`` found a mismatch (OUT.h5 written, marked verify = "fail") / ``verify``
+or ``check`` found a failure, 128+N stopped by signal N. ``--help`` of each command documents every option and the
 file format.
 """
 import argparse
@@ -211,6 +212,24 @@ def cmd_run(args):
     return EXIT_MISMATCH if outcome.verified is False else 0
 
 
+def cmd_verify(args):
+    from . import verify
+    from .job import Progress, setup_backend
+
+    comm = _world()
+    xp, _ = _collective(setup_backend, args.backend, comm)
+    lines = Progress(comm.rank == 0 and not args.quiet)
+    report = verify.verify_output(args.input, args.output, comm, args.causal, args.window, args.backward,
+                                  rows=args.rows, seed=args.seed, xp=xp, announce=lines, progress=lines)
+    if comm.rank == 0:
+        errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
+        print(f"burst-hpc verify: {'PASS' if report['ok'] else 'FAIL'} {args.output} ({report['mode']}, {comm.size} "
+              f"rank(s), {report['seconds']:.2f}s) max_err/tol {errs}", flush=True)
+        if not report["ok"]:
+            say(f"verification failed: {verify.failures(report)}")
+    return 0 if report["ok"] else EXIT_MISMATCH
+
+
 # =========================================================================== main
 
 FILE_FORMAT = """\
@@ -266,7 +285,8 @@ def build_parser():
                      "  mpiexec -n 8 burst-hpc run in.h5 out.h5 --causal --backward --verify\n"
                      "  mpiexec -n 8 burst-hpc check      # self-test of the kernels and the ring on this machine")
     parser.add_argument("--version", action="version", version=f"burst-hpc {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,plan,check,compile,clean}", parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", metavar="{info,gen,run,verify,plan,check,compile,clean}",
+                                parser_class=_Parser)
     sub.required = True
 
     p = _verb(sub, "info", cmd_info, help="versions, GPUs, MPI library, CUDA-awareness, NCCL, transport choice",
@@ -353,13 +373,18 @@ def build_parser():
                    "rank mod GPU count); auto: cuda when a GPU is visible (default auto)")
     p.add_argument("--scale", type=positive_float, default=None, help="softmax scale, a finite number > 0 (default head_dim**-0.5)")
     p.add_argument("--verify", action="store_true",
-                   help="check every output against the float64 oracle: max error <= 2x (o, lse) / 3x (dq, dk, dv) "
-                   "the error of a plain same-precision computation plus a small floor; a NaN or Inf error always "
-                   "fails. OUT.h5 is published first; the outcome goes into its attributes (verify = pass, fail, "
-                   "or 'not finished' when stopped), a mismatch exits 3. Every row when B*Hq*S^2 <= 4M, else "
-                   "sampled query rows (o, lse, dq)")
-    p.add_argument("--verify-rows", type=positive_int, default=256,
-                   help="query rows per rank checked when the input is too large for a full check, > 0 (default 256)")
+                   help="check every output against the float64 oracle on the shards the job holds (a cuda run's "
+                   "on its GPUs with BURST_HPC_VERIFY_ON_GPU=1, else on host copies): max error <= 2x (o, lse) / 3x "
+                   "(dq, dk, dv) the error of a plain "
+                   "same-precision computation plus a small floor; NaN or Inf where the oracle has none fails. "
+                   "OUT.h5 is published first; the outcome goes into its attributes (verify = pass, fail, or 'not "
+                   "finished' when stopped), a mismatch exits 3. Every token when B*Hq*S^2 <= 4M, else sampled "
+                   "tokens of each rank, each checked as a query row (o, lse, dq against every key) and as a key "
+                   "column (dk, dv against every query); the predicted cost is printed first. To check later "
+                   "instead: burst-hpc verify IN.h5 OUT.h5")
+    p.add_argument("--verify-rows", type=positive_int, default=None,
+                   help="tokens per rank --verify samples, > 0 (default: as many as cost at most half the passes' "
+                   "time on the CPU, 8%% on a GPU, between 16 and 256)")
     p.add_argument("--verify-seed", type=nonnegative_int, default=0,
                    help="where the sampled rows fall, >= 0 (default 0)")
     p.add_argument("--overwrite", action="store_true",
@@ -367,8 +392,8 @@ def build_parser():
                    "OUT.h5 is an error before any work and is left untouched")
     p.add_argument("--allow-nonfinite", action="store_true",
                    help="run on inputs holding NaN or Inf: they propagate into the outputs of the rows that see them "
-                   "(the summary counts them: nonfinite o=N ...), and --verify fails; or on values large enough to "
-                   "overflow the kernels' float32 sums")
+                   "(the summary counts them: nonfinite o=N ...; --verify passes NaN and Inf only where the float64 "
+                   "oracle has them too); or on values large enough to overflow the kernels' float32 sums")
     p.add_argument("--warmup", action="store_true",
                    help="run the passes once more in the set-up before the timed ones (the set-up already loads "
                    "what the passes use; this also warms clocks and caches)")
@@ -382,6 +407,30 @@ def build_parser():
                    "backward, write, verify and total, TFLOP/s, sizes, layout, scheme, transport, backend, device, "
                    "versions (the summary line's facts; OUT.h5's attributes hold them too). Checked before any "
                    "work; an existing FILE is replaced")
+
+    p = _verb(sub, "verify", cmd_verify,
+              help="check a published output against the float64 oracle, on any number of ranks",
+              epilog="exit status: 0 the output passed; 3 it failed (the error names each output that failed); 1 the "
+              "check could not run.\nexample: mpiexec -n 4 burst-hpc verify in.h5 out.h5",
+              description=_wrap("Check OUT.h5, written by 'burst-hpc run' from IN.h5 (or any program writing the same "
+              "datasets), as --verify does, so a job can publish first and verify later, with any number of "
+              "ranks: each reads its share of the tokens once. Sampled tokens of each rank are checked as query "
+              "rows (o, lse, dq against every key) and key columns (dk, dv against every query) in float64; every "
+              "token when B*Hq*S^2 <= 4M. The mask, gradients and scale default to what OUT.h5 records; flags "
+              "given must agree with it. Prints the predicted cost first, then one line: PASS or FAIL, max "
+              "error / tolerance per output. OUT.h5 is only read."))
+    p.add_argument("input", metavar="IN.h5", help="the input the output was computed from")
+    p.add_argument("output", metavar="OUT.h5", help="the output to check: o, lse (and dq, dk, dv)")
+    p.add_argument("--causal", action="store_true", default=None, help="causal mask (default: as OUT.h5 records)")
+    p.add_argument("--window", type=parse_window, default=None, metavar="L[,R]",
+                   help="sliding window, as for run (default: as OUT.h5 records)")
+    p.add_argument("--backward", action="store_true", default=None,
+                   help="check dq, dk, dv too (default: when OUT.h5 holds them)")
+    p.add_argument("--rows", type=positive_int, default=256, help="tokens per rank sampled, > 0 (default 256)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="where the samples fall, >= 0 (default 0)")
+    p.add_argument("--backend", choices=("numpy", "cuda"), default="numpy",
+                   help="where to check: numpy (CPU) or cuda (this rank's GPU, float64) (default numpy)")
+    p.add_argument("--quiet", action="store_true", help="no progress lines")
 
     p = _verb(sub, "plan", cmd_plan, help="predicted time of each scheme across nodes for a problem and a cluster",
                        description=_wrap("The cost model's table (docs/RING.md, 'Across nodes'): for each scheme "

@@ -14,6 +14,7 @@ so a job or a test may set it before any call). docs/USAGE.md lists them for use
 | BURST_HPC_HDF5_MPIO=0 | write outputs by rank-ordered token passing even with parallel HDF5 |
 | BURST_HPC_SPACE_CHECK=0 | skip the free-space check before writing (quotas can misreport it) |
 | BURST_HPC_PROGRESS_SECONDS=S | seconds between the progress lines inside a pass (default 5) |
+| BURST_HPC_VERIFY_ON_GPU=1 | a cuda run's --verify checks on its GPUs (off until measured there: on the host) |
 | BURST_HPC_TEST_HOOK_VERIFY_PAUSE=S | tests only: every rank sleeps S seconds as verification starts |
 """
 import os
@@ -90,6 +91,12 @@ def progress_seconds():
     if not 0 < seconds < float("inf"):
         raise BurstError(f"BURST_HPC_PROGRESS_SECONDS must be a number of seconds > 0; got {value!r}")
     return seconds
+
+
+def verify_on_gpu():
+    """True when BURST_HPC_VERIFY_ON_GPU is on: a cuda run's --verify runs on the GPU (CuPy, float64);
+    otherwise on host copies of the shards (NumPy)."""
+    return _value("BURST_HPC_VERIFY_ON_GPU").lower() in ON
 
 
 def kernel_family():

@@ -51,7 +51,7 @@ class RunOptions:
     backward_ring: str = "auto"
     scale: float = None         # None: head_dim ** -0.5
     verify: bool = False
-    verify_rows: int = 256
+    verify_rows: int = None     # None: sized by the budget (verify.BUDGET), at most verify.ROWS
     verify_seed: int = 0
     overwrite: bool = False
     allow_nonfinite: bool = False
@@ -190,7 +190,8 @@ def run(options, comm=None):
                             ranks_per_node=options.ranks_per_node)
         facts.update(scheme=plan.scheme.name, backward_ring=plan.ring)
         results = _passes(plan, dev, options, progress, xp, clock)
-        del dev
+        if not options.verify:
+            del dev
         progress(f"writing {options.output}")
         with clock("write"):
             host = {name: to_host(a) for name, a in results.items()}
@@ -206,8 +207,10 @@ def run(options, comm=None):
     jobsafety.on_stop_say(f"{options.output} is written and complete")
     verified, checked = None, None
     if options.verify:
+        del host
         with clock("verify"):
-            checked, line = _verify_published(options, comm, spec, host, layout, scale, progress)
+            passes_s = (clock.seconds["forward"], clock.seconds["backward"])
+            checked, line = _verify_published(options, comm, spec, dev, results, layout, scale, passes_s, progress)
         verified = checked["ok"]
         summary.append(line)
     facts.update(_outcome(clock.total(), flops, checked))
@@ -301,18 +304,29 @@ def _summary(spec, plan, options, backend, transport, flops, seconds):
     return parts
 
 
-def _verify_published(options, comm, spec, host, layout, scale, progress):
-    """--verify after the output is published: its attributes say verify = 'not finished' until rank 0
-    records the outcome (a job stopped meanwhile keeps its complete output, so marked).
-    Returns (verify.verify's report, the summary's verify entry)."""
+def _verify_published(options, comm, spec, inputs, results, layout, scale, seconds, progress):
+    """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs with
+    BURST_HPC_VERIFY_ON_GPU=1, else on host copies):
+    the output's attributes say verify = 'not finished' until rank 0 records the outcome (a job stopped
+    meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
+    cost at most verify.BUDGET of the passes' time (``seconds``). Returns (verify's report, the
+    summary's verify entry)."""
+    from .layout import layout_indices
+
     jobsafety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
-    progress("verifying against the float64 oracle")
     _test_hook_verify_pause()
+    if not isinstance(inputs["q"], np.ndarray) and not config.verify_on_gpu():
+        inputs, results = ({name: to_host(a) for name, a in arrays.items()} for arrays in (inputs, results))
+    where = "numpy" if isinstance(inputs["q"], np.ndarray) else "cuda"
+    budget = None if options.verify_rows is not None else verify.BUDGET[where] * sum(s for s in seconds if s)
+    announce = Progress(comm.rank == 0 and options.progress is not False)  # the predicted cost, unless --quiet
+    announce.t0 = progress.t0
     try:
-        report = verify.verify(options.input, spec, host, comm, layout, options.causal, scale,
-                               rows=options.verify_rows, seed=options.verify_seed, progress=progress,
-                               window=options.window)
+        report = verify.verify_resident(inputs, results, layout_indices(spec.seqlen, comm.rank, comm.size, layout),
+                                        spec, comm, options.causal, scale, options.window,
+                                        rows=options.verify_rows or verify.ROWS, seed=options.verify_seed,
+                                        budget_s=budget, announce=announce, progress=progress)
     except BurstError as e:
         error = BurstError(f"{e}; {options.output} is written and complete, its verification did not finish")
         error.agreed = getattr(e, "agreed", False)
@@ -327,7 +341,8 @@ def _verify_published(options, comm, spec, host, layout, scale, progress):
                 f"marked so (its attribute verify still says 'not finished'): {describe(e).splitlines()[0]}", "note")
     jobsafety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
     errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
-    return report, f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) max_err/tol {errs}"
+    return report, (f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) {report['seconds']:.2f}s "
+                    f"max_err/tol {errs}")
 
 
 def _test_hook_verify_pause():

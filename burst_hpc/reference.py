@@ -43,8 +43,9 @@ def visible(q_pos, k_pos, causal=False, window=None, cu_seqlens=None):
         if right != -1:
             seen &= j <= i + right
     if cu_seqlens is not None:
-        document = np.repeat(np.arange(len(cu_seqlens) - 1), np.diff(cu_seqlens))  # document of each token
-        seen &= document[i] == document[j]
+        cu = np.asarray(cu_seqlens)
+        document = lambda pos: np.searchsorted(cu, pos, side="right")  # the document holding each position
+        seen &= document(i) == document(j)
     return seen
 
 

@@ -1,12 +1,15 @@
-"""--verify: our outputs against the float64 oracle, on every row when small, on sampled
-windows of query rows when the full reference is too large.
+"""--verify and ``burst-hpc verify``: our outputs against the float64 oracle, on every token when the
+problem is small, else on sampled tokens of every rank, each as a query row and as a key column.
 
 Error of our result against the float64 oracle must stay within FACTOR x the error of a plain
 computation in the input precision (scores, probabilities and products rounded to the input dtype,
 float32 accumulation, as a PyTorch-style implementation does) plus a floor:
     max|ours - ref| <= FACTOR[name] * max|plain - ref| + ATOL[dtype] * max(1, max|ref|)
-FACTOR is 2 for o and lse, 3 for dq, dk, dv (FlashAttention's test convention). An error that is
-not finite (NaN or Inf anywhere in our output where the oracle is finite) fails whatever the tolerance.
+FACTOR is 2 for o and lse, 3 for dq, dk, dv (FlashAttention's test convention). A NaN or Inf in our
+output where the oracle has a number (or the reverse) fails whatever the tolerance; one where the
+oracle has a NaN or Inf too (inputs holding them, --allow-nonfinite) is no error.
+The check runs where the job runs (CuPy arrays on the GPU), on sampled tokens of every rank: see
+"the sampled check" below.
 The outcome is recorded in the output file's attributes (see :func:`pending_attrs`):
 ``verify`` ("not run", "not finished", "pass" or "fail"), ``verify_mode`` and, per output X,
 ``verify_max_err_X`` and ``verify_tol_X`` (NaN where X was not checked).
@@ -19,11 +22,13 @@ import numpy as np
 from .collective import agree, describe
 from .dtypes import dtype_name
 from .errors import BurstError
+from .merge import array_module
 from .reference import visible
 
 FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 ATOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
 LSE_ATOL = 5e-7  # lse is stored as float32 whatever the inputs
+LSE_SPREAD = 4.0  # dk, dv: the stored lse's rounding reaches them summed over rows with random signs
 FULL_LIMIT = 1 << 22  # B * Hq * S * S at most this: every row, every output, checked in full
 KEY_CHUNK = 1 << 21  # elements of one (B, Hq, rows, keys) score block in the sampled check
 
@@ -82,47 +87,13 @@ def _logsumexp(s):
         return np.log(np.exp(s - safe[..., None]).sum(-1)) + safe
 
 
-def window_attention(q, do, key_blocks, causal, scale, q_start, lowp=None, window=None, cu_seqlens=None):
-    """(o, lse, dq) of a window of query rows against keys that arrive in blocks.
-
-    q, do (B, W, Hq, D) (do may be None); ``key_blocks()`` yields (k_start, k, v) blocks covering the
-    keys, read again for each of the (up to) three passes, so memory stays at one score block.
-    float64 and exact when ``lowp`` is None; else the plain same-precision computation."""
-    ct = _compute_type(lowp)
-    rnd = _rounder(lowp, ct)
-    heads = q.shape[2]
-    qc = q.astype(ct)
-    lse = np.full((q.shape[0], heads, q.shape[1]), -np.inf, ct)
-    for k0, k, _ in key_blocks():
-        lse = np.logaddexp(lse, _logsumexp(_scores(qc, _expand(k, heads, ct), scale, causal, q_start, k0, rnd,
-                                                   window, cu_seqlens)))
-    safe = np.where(np.isneginf(lse), 0, lse)[..., None]
-
-    def probabilities(k0, k):
-        kc = _expand(k, heads, ct)
-        return kc, rnd(np.exp(_scores(qc, kc, scale, causal, q_start, k0, rnd, window, cu_seqlens) - safe))
-
-    o = np.zeros(q.shape, ct)
-    for k0, k, v in key_blocks():
-        _, p = probabilities(k0, k)
-        o += np.einsum("bhqk,bkhd->bqhd", p, _expand(v, heads, ct))
-    o = rnd(o)
-    if do is None:
-        return o, lse, None
-    doc = do.astype(ct)
-    delta = np.einsum("bqhd,bqhd->bhq", doc, o)[..., None]
-    dq = np.zeros(q.shape, ct)
-    for k0, k, v in key_blocks():
-        kc, p = probabilities(k0, k)
-        dp = rnd(np.einsum("bqhd,bkhd->bhqk", doc, _expand(v, heads, ct)))
-        dq += np.einsum("bhqk,bkhd->bqhd", rnd(p * (dp - delta)), kc) * scale
-    return o, lse, rnd(dq)
-
-
-def tolerance(name, plain_err, ref_max, dtype):
-    """The allowed max error of output ``name``: FACTOR x the plain computation's error + the floor."""
+def tolerance(name, plain_err, ref_max, dtype, lse_rounding=0.0):
+    """The allowed max error of output ``name``: FACTOR x the plain computation's error + the floor.
+    ``lse_rounding``: for dk and dv checked with P from a stored lse, that lse's rounding error at its
+    largest magnitude (its dtype's eps / 2 times max|lse|), which the reference inherits (relative)."""
     atol = max(ATOL[dtype_name(dtype)], LSE_ATOL if name == "lse" else 0.0)
-    return FACTOR[name] * plain_err + atol * max(1.0, ref_max)
+    inherited = LSE_SPREAD * lse_rounding if name in ("dk", "dv") else 0.0
+    return FACTOR[name] * plain_err + (atol + inherited) * max(1.0, ref_max)
 
 
 def passes(err, tol):
@@ -131,10 +102,13 @@ def passes(err, tol):
 
 
 def max_err(ours, ref):
+    """max |ours - ref|; a NaN or infinity counts as no error where the oracle holds one too (NaN or
+    infinite: which one depends on the order of the sums), and as an infinite error anywhere else."""
     ours = np.asarray(ours, np.float64)
     ref = np.asarray(ref, np.float64)
-    both_inf = np.isneginf(ours) & np.isneginf(ref)
-    diff = np.where(both_inf, 0.0, np.abs(ours - ref))
+    same = (ours == ref) | (~np.isfinite(ours) & ~np.isfinite(ref))
+    with np.errstate(invalid="ignore"):
+        diff = np.where(same, 0.0, np.abs(ours - ref))
     diff = np.where(np.isnan(diff), np.inf, diff)
     return float(diff.max()) if diff.size else 0.0
 
@@ -161,97 +135,540 @@ def nonfinite_summary(outputs, comm):
     return ["nonfinite " + " ".join(found)] if found else []
 
 
-def verify(path, spec, ours, comm, layout, causal, scale, rows=256, seed=0, progress=None, window=None):
-    """Check this rank's outputs ``ours`` (host arrays, local layout order) against the float64 oracle.
+# --------------------------------------------------------------------------- the sampled check
+#
+# Each rank samples tokens of its own and checks them as query rows (o, lse, dq against every key) and
+# as key columns (dk, dv against every query). The samples of every rank travel to every rank (they are
+# small); each rank then streams over its own tokens once, a block at a time, adding their share to
+# every sample's sums, and the sums are reduced to the samples' owners. So the inputs are read once,
+# by the rank that owns them (or not at all: a job checks the shards it holds, on its own device).
+#   rows: online softmax over the key blocks in float64: l = sum e, A = sum e v, Bk = sum e k,
+#         C = sum e (do.v) k with e = exp(s - m), m the running max; at the end lse = m + log l,
+#         o = A / l, delta = do.o and dq = scale (C - delta Bk) / l (exact, no second pass).
+#   columns: dv_j = sum_i P_ij do_i, dk_j = scale sum_i P_ij (do_i.v_j - delta_i) q_i with P_ij from the
+#         output's lse and delta_i = do_i.o_i from the output's o (the checkpoint the backward pass
+#         itself uses; o and lse are checked on the sampled rows).
+# The plain same-precision computation that sets the tolerance runs alongside on the same blocks:
+# scores, probabilities (normalized by the output's lse), dp and dS rounded to the input dtype,
+# float32 sums. Hidden pairs add nothing, also where a hidden key, value or query is NaN or Inf.
 
-    Collective. Full check (every row of every output) when B*Hq*S*S <= FULL_LIMIT; otherwise
-    ``rows`` query rows per rank in random windows, checking o, lse (and dq when present) with the
-    keys read from ``path`` in blocks. Returns {'ok', 'mode', 'err', 'tol'} (the same on every rank).
-    Documents (the input's cu_seqlens) and ``window`` mask the oracle as they masked the run.
+ROWS = 256          # samples per rank unless told (the run job picks fewer when they would cost too much)
+LEAST_ROWS = 16     # the job's budget never takes the sample below this
+BUDGET = {"numpy": 0.5, "cuda": 0.08}      # the job's verification: at most this share of its passes' time
+BLOCK_ELEMENTS = {"numpy": 1 << 22, "cuda": 1 << 25}   # B * Hq * samples * tokens of one score block
+SAMPLE_ELEMENTS = 1 << 24   # B * Hq * D * samples of all ranks at most (each row sum is that big)
+PROGRESS_S = 5.0
+
+
+def as_float64(x, xp):
+    """``x`` (NumPy or CuPy, any supported dtype; uint16 or bfloat16 holds bfloat16 bits) as a float64
+    array of ``xp``, exact."""
+    x = xp.asarray(x) if array_module(x) is xp else xp.asarray(_host_float(x))
+    if x.dtype == xp.uint16 or str(x.dtype) == "bfloat16":
+        x = (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
+    return x.astype(xp.float64)
+
+
+def _host_float(x):
+    x = _host(x)
+    return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+
+
+def rounder(lowp, xp):
+    """(plain compute type, rounding to ``lowp``): x -> x rounded to the input dtype, as the compute type
+    (float64 and no rounding for float64 inputs; bfloat16 by round-to-nearest-even on float32 bits, so
+    it needs no bfloat16 support from ``xp``)."""
+    name = dtype_name(lowp)
+    if name == "float64":
+        return xp.float64, lambda x: x
+    if name == "float32":
+        return xp.float32, lambda x: x.astype(xp.float32)
+    if name == "float16":
+        return xp.float32, lambda x: x.astype(xp.float32).astype(xp.float16).astype(xp.float32)
+
+    def bf16(x):
+        x = x.astype(xp.float32)
+        bits = x.view(xp.uint32)
+        bits = (bits + xp.uint32(0x7FFF) + ((bits >> 16) & xp.uint32(1))) & xp.uint32(0xFFFF0000)
+        return xp.where(xp.isnan(x), x, bits.view(xp.float32))
+
+    return xp.float32, bf16
+
+
+def visible_product(w, x, seen, finite):
+    """w @ x over the visible pairs alone: w (..., I, J) zero on hidden pairs, x (..., J, D), seen (I, J)
+    on the device. ``finite``: x holds no NaN or Inf (then a plain product); else its non-finite
+    entries are taken out and added back, pair by visible pair, for the keys that hold one (a hidden
+    pair's 0 times NaN would be NaN; the oracle's rule, reference.py)."""
+    if finite:
+        return w @ x
+    xp = array_module(x)
+    bad = ~xp.isfinite(x)
+    out = w @ xp.where(bad, 0, x)
+    for j in np.flatnonzero(_host(bad.any(axis=tuple(a for a in range(bad.ndim) if a != bad.ndim - 2)))):
+        term = w[..., :, j, None] * xp.where(bad[..., j, :], x[..., j, :], 0)[..., None, :]
+        out += xp.where(seen[:, j, None], term, 0)
+    return out
+
+
+def _host(x):
+    return x.get() if hasattr(x, "get") else np.asarray(x)
+
+
+class Tokens:
+    """One rank's tokens, which the check streams over: ``positions`` (global token indices in local
+    order) and ``read(names, lo, hi)``, {name: array} of local tokens lo..hi of input datasets ('q',
+    'k', 'v', 'do') and output datasets ('o', 'lse', 'dq', 'dk', 'dv'; lse's tokens on axis 2), NumPy
+    or CuPy. ``take(names, index)``: the same at sorted local indices."""
+
+    def __init__(self, positions, read, take):
+        self.positions, self.read, self.take = np.asarray(positions, np.int64), read, take
+
+    @classmethod
+    def resident(cls, arrays, positions):
+        """The shards a job holds (host or device), in local layout order."""
+        def index(name, sel):
+            return (slice(None), slice(None), sel) if name == "lse" else (slice(None), sel)
+
+        def read(names, lo, hi):
+            return {n: arrays[n][index(n, slice(lo, hi))] for n in names}
+
+        def take(names, idx):
+            return {n: arrays[n][index(n, array_module(arrays[n]).asarray(idx))] for n in names}
+
+        return cls(positions, read, take)
+
+    @classmethod
+    def stored(cls, files, start, stop):
+        """Global tokens start..stop of open HDF5 files (``files``: {dataset name: h5py dataset})."""
+        from .io.format import dataset_dtype, read_slab
+
+        def index(name, sel):
+            return (slice(None), slice(None), sel) if name == "lse" else (slice(None), sel)
+
+        def read(names, lo, hi):
+            return {n: read_slab(files[n], index(n, slice(start + lo, start + hi)), dataset_dtype(files[n], n))
+                    for n in names}
+
+        def take(names, idx):
+            return {n: read_slab(files[n], index(n, start + np.asarray(idx)), dataset_dtype(files[n], n))
+                    for n in names}
+
+        return cls(np.arange(start, stop, dtype=np.int64), read, take)
+
+
+class Samples:
+    """The sums of every rank's sampled tokens against this rank's tokens, block by block (see above)."""
+
+    def __init__(self, gathered, spec, causal, scale, window, xp):
+        self.xp, self.causal, self.scale, self.window, self.cu = xp, causal, scale, window, spec.cu_seqlens
+        self.batch, self.hkv, self.dim = spec.batch, spec.kv_heads, spec.head_dim
+        self.group = spec.heads // spec.kv_heads
+        self.plain_type, self.rnd = rounder(spec.dtype, xp)
+        self.positions = gathered["positions"]
+        b, g, hk, d, t = self.batch, self.group, self.hkv, self.dim, len(self.positions)
+        heads = lambda x: as_float64(x, xp).reshape(b, t, hk, g, -1).transpose(0, 2, 3, 1, 4).copy()  # (B, Hk, g, T, D)
+        self.q, self.do = heads(gathered["q"]), None if gathered.get("do") is None else heads(gathered["do"])
+        self.k = as_float64(gathered["k"], xp).transpose(0, 2, 1, 3).copy()  # (B, Hk, T, D)
+        self.v = as_float64(gathered["v"], xp).transpose(0, 2, 1, 3).copy()
+        self.lse = as_float64(gathered["lse"], xp).reshape(b, hk, g, t)           # the output's, for the plain rows
+        self.delta = None if self.do is None else as_float64(gathered["delta"], xp).reshape(b, hk, g, t)
+        f64, low = xp.float64, self.plain_type
+        self.m = xp.full((b, hk, g, t), -np.inf, f64)
+        self.sums = {n: xp.zeros((b, hk, g, t), f64) for n in ("l", "l_plain")}
+        self.sums.update({n: xp.zeros((b, hk, g, t, d), f64) for n in ("A", "Bk", "C")})
+        self.sums.update({n: xp.zeros((b, hk, g, t, d), low) for n in ("o_plain", "dq_plain")})
+        self.lse_max, self.lse_rounding = 0.0, 0.0  # the largest finite |lse| the columns took P from, its eps/2
+        self.cols = None if self.do is None else {
+            n: xp.zeros((b, hk, t, d), f64 if n in ("dk", "dv") else low) for n in ("dk", "dv", "dk_plain", "dv_plain")}
+
+    def seen(self, q_pos, k_pos):
+        return visible(q_pos, k_pos, self.causal, self.window, self.cu)
+
+    def add_keys(self, pos, k, v):
+        """The rows' sums over keys ``pos`` (k, v (B, c, Hkv, D) of any dtype)."""
+        xp, b, hk, g, d = self.xp, self.batch, self.hkv, self.group, self.dim
+        seen = self.seen(self.positions, pos)
+        active = np.flatnonzero(seen.any(1))
+        if active.size == 0:
+            return
+        ta = active.size
+        sel = slice(None) if ta == len(self.positions) else xp.asarray(active)
+        seen_f = xp.asarray(np.tile(seen[active], (g, 1)))                       # (g Ta, c)
+        kc = as_float64(k, xp).transpose(0, 2, 1, 3).copy()                       # (B, Hk, c, D)
+        vc = as_float64(v, xp).transpose(0, 2, 1, 3).copy()
+        k_ok, v_ok = bool(xp.isfinite(kc).all()), bool(xp.isfinite(vc).all())
+        flat = lambda x: x[:, :, :, sel].reshape(b, hk, g * ta, *x.shape[4:])
+        s = xp.where(seen_f, (flat(self.q) @ kc.swapaxes(-1, -2)) * self.scale, -np.inf)
+        m_old = flat(self.m)
+        m_new = xp.maximum(m_old, s.max(-1))
+        safe = xp.where(xp.isneginf(m_new), 0, m_new)
+        alpha = xp.exp(m_old - safe)
+        e = xp.exp(s - safe[..., None])
+        upd = {"l": e.sum(-1), "A": visible_product(e, vc, seen_f, v_ok), "Bk": visible_product(e, kc, seen_f, k_ok)}
+        s_plain = self.rnd(s)
+        upd["l_plain"] = xp.exp(s_plain - safe[..., None]).sum(-1)
+        lse = flat(self.lse)
+        p_plain = self.rnd(xp.exp(s_plain - xp.where(xp.isneginf(lse), 0, lse)[..., None]))
+        del s, s_plain
+        upd["o_plain"] = visible_product(p_plain, vc.astype(self.plain_type), seen_f, v_ok)
+        if self.do is not None:
+            dp = flat(self.do) @ vc.swapaxes(-1, -2)
+            upd["C"] = visible_product(xp.where(seen_f, e * dp, 0), kc, seen_f, k_ok)
+            ds_plain = self.rnd(xp.where(seen_f, p_plain * (self.rnd(dp) - flat(self.delta)[..., None]), 0))
+            upd["dq_plain"] = visible_product(ds_plain, kc.astype(self.plain_type), seen_f, k_ok)
+        del e, p_plain
+        self.m[:, :, :, sel] = m_new.reshape(b, hk, g, ta)
+        for name, add in upd.items():
+            old = flat(self.sums[name])
+            if name in ("l", "l_plain", "A", "Bk", "C"):
+                old = old * (alpha if old.ndim == 3 else alpha[..., None])
+            self.sums[name][:, :, :, sel] = (old + add).reshape(b, hk, g, ta, *add.shape[3:])
+
+    def add_queries(self, pos, q, do, lse, o):
+        """The columns' sums over queries ``pos`` (q, do, o (B, c, Hq, D), lse (B, Hq, c): the output's)."""
+        if self.cols is None:
+            return
+        xp, b, hk, g, d = self.xp, self.batch, self.hkv, self.group, self.dim
+        seen = self.seen(pos, self.positions).T                                    # (T, c)
+        active = np.flatnonzero(seen.any(1))
+        if active.size == 0:
+            return
+        c, tb = len(pos), active.size
+        sel = slice(None) if tb == len(self.positions) else xp.asarray(active)
+        seen_f = xp.asarray(np.tile(seen[active], (1, g)))                        # (Tb, g c)
+        heads = lambda x: x.reshape(b, c, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * c, d)
+        qc, doc, oc = (heads(as_float64(x, xp)) for x in (q, do, o))
+        q_ok, do_ok = bool(xp.isfinite(qc).all()), bool(xp.isfinite(doc).all())
+        self.lse_rounding = float(np.finfo(lse.dtype).eps) / 2 if lse.dtype in (np.float32, np.float64) else 0.0
+        lse = as_float64(lse, xp).reshape(b, hk, 1, g * c)
+        finite = xp.abs(lse[xp.isfinite(lse)])
+        self.lse_max = max(self.lse_max, float(finite.max()) if finite.size else 0.0)
+        delta = (doc * oc).sum(-1)[:, :, None, :]
+        st = (self.k[:, :, sel] @ qc.swapaxes(-1, -2)) * self.scale                # (B, Hk, Tb, g c)
+        p = xp.where(seen_f, xp.exp(st - lse), 0)
+        p_plain = self.rnd(xp.where(seen_f, xp.exp(self.rnd(st) - lse), 0))
+        del st
+        dp = self.v[:, :, sel] @ doc.swapaxes(-1, -2)
+        ds = xp.where(seen_f, p * (dp - delta), 0)
+        ds_plain = self.rnd(xp.where(seen_f, p_plain * (self.rnd(dp) - delta), 0))
+        del dp
+        low = self.plain_type
+        upd = {"dv": visible_product(p, doc, seen_f, do_ok), "dk": visible_product(ds, qc, seen_f, q_ok),
+               "dv_plain": visible_product(p_plain, doc.astype(low), seen_f, do_ok),
+               "dk_plain": visible_product(ds_plain, qc.astype(low), seen_f, q_ok)}
+        for name, add in upd.items():
+            self.cols[name][:, :, sel] += add
+
+    def reduced(self, comm):
+        """Collective: the sums over every rank's tokens, as host float64 arrays."""
+        from mpi4py import MPI
+
+        m = _host(self.m)
+        top = np.where(np.isnan(m), -np.inf, m)  # a NaN row stays NaN through its factor below
+        if comm.size > 1:
+            comm.Allreduce(MPI.IN_PLACE, top, op=MPI.MAX)
+        safe = np.where(np.isneginf(top), 0.0, top)
+        with np.errstate(invalid="ignore", over="ignore"):
+            factor = np.where(np.isneginf(m), 0.0, np.exp(m - safe))
+        names = list(self.sums) + (list(self.cols) if self.cols is not None else [])
+        arrays = {n: _host(self.sums[n]).astype(np.float64) for n in self.sums}
+        for n in ("l", "l_plain"):
+            arrays[n] = arrays[n] * factor
+        for n in ("A", "Bk", "C"):
+            arrays[n] = arrays[n] * factor[..., None]
+        if self.cols is not None:
+            arrays.update({n: _host(x).astype(np.float64) for n, x in self.cols.items()})
+        flat = np.concatenate([arrays[n].ravel() for n in names])
+        if comm.size > 1:
+            comm.Allreduce(MPI.IN_PLACE, flat, op=MPI.SUM)
+        out, at = {"top": safe}, 0
+        for n in names:
+            out[n] = flat[at:at + arrays[n].size].reshape(arrays[n].shape)
+            at += arrays[n].size
+        return out
+
+
+def _sync(xp):
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+
+
+def seconds_per_pair(spec, scale, backward, xp, comm):
+    """Collective: seconds this machine's check takes per (sample, token) pair (rows, and columns when
+    ``backward``), timed on a small block of random data after one untimed go (the largest over ranks)."""
+    from types import SimpleNamespace
+
+    samples, tokens = (256, 8192) if xp is not np else (64, 512)
+    rng = np.random.default_rng(0)
+    b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
+    draw = lambda t, h: rng.standard_normal((b, t, h, d)).astype(np.float32)
+    gathered = {"positions": np.arange(samples), "q": draw(samples, hq), "k": draw(samples, hk),
+                "v": draw(samples, hk), "lse": np.full((b, hq, samples), 5.0),
+                "do": draw(samples, hq) if backward else None,
+                "delta": np.zeros((b, hq, samples))}
+    shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=None)
+    block = {n: xp.asarray(draw(tokens, hk if n in ("k", "v") else hq)) for n in ("q", "k", "v", "do", "o")}
+    lse = xp.full((b, hq, tokens), 5.0)
+    pos = np.arange(tokens)
+    elapsed = []
+    for _ in range(2):
+        check = Samples(gathered, shape, False, scale, None, xp)
+        _sync(xp)
+        start = time.perf_counter()
+        check.add_keys(pos, block["k"], block["v"])
+        if backward:
+            check.add_queries(pos, block["q"], block["do"], lse, block["o"])
+        _sync(xp)
+        elapsed.append(time.perf_counter() - start)
+    per_pair = elapsed[-1] / (samples * tokens)
+    return per_pair if comm.size == 1 else comm.allreduce(per_pair, op=_mpi_max())
+
+
+def _mpi_max():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
+def visible_share(spec, causal, window):
+    """The share of (query, key) pairs the mask leaves visible (accounting.visible_pairs / S^2)."""
+    from . import masks
+    from .accounting import visible_pairs
+
+    mask = masks.make(spec.seqlen, causal, window, spec.cu_seqlens)
+    return visible_pairs(spec.seqlen, causal, mask) / float(spec.seqlen) ** 2
+
+
+def failures(report):
+    """'o: max error 5.0e-01 > tolerance 3.9e-03; ...' for each output that failed, '' when none."""
+    said = []
+    for name in report["failed"]:
+        err, tol = report["err"][name], report["tol"][name]
+        why = "NaN or Inf where the float64 oracle has none (or the reverse)" if not math.isfinite(err) else \
+            f"max error {err:.2e} > tolerance {tol:.2e}"
+        said.append(f"{name}: {why}")
+    return "; ".join(said)
+
+
+def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=ROWS, seed=0, xp=np, budget_s=None,
+          announce=None, progress=None):
+    """Check a rank's outputs against the float64 oracle, on sampled tokens; collective.
+
+    Parameters
+    ----------
+    tokens : Tokens
+        This rank's tokens of the input (q, k, v, do) and of the output (o, lse, dq, dk, dv).
+    spec : io.InputSpec
+        The input's shapes, dtype and documents (cu_seqlens mask the oracle as they masked the run).
+    causal, scale, window
+        The run's mask and softmax scale.
+    backward : bool
+        Check dq (sampled rows), dk and dv (sampled key columns) too.
+    rows : int
+        Tokens each rank samples, each checked as a query row and a key column; every token when the
+        problem is small (B Hq S^2 <= FULL_LIMIT). With ``budget_s`` it is the most: fewer (down to
+        LEAST_ROWS) when the predicted time would pass ``budget_s`` seconds.
+    xp : module
+        numpy, or cupy to check on this rank's GPU (float64 on the device).
+    announce, progress : callable or None
+        Take lines: ``announce`` the predicted cost before the check starts, ``progress`` a line every
+        few seconds while it runs (rank 0 passes them; other ranks None).
+
+    Returns
+    -------
+    dict
+        'ok', 'mode', 'failed' (names), 'err', 'tol', 'plain' ({name: float}), 'rows' (samples per rank),
+        'predicted_s' and 'seconds': the same on every rank.
     """
     from mpi4py import MPI
 
-    from . import io
-    from .layout import layout_indices, pieces
-    from .reference import attention_backward_reference, attention_reference
-
-    names = [n for n in ("o", "lse", "dq", "dk", "dv") if n in ours]
-    masked = dict(window=window, cu_seqlens=spec.cu_seqlens)
+    start = time.perf_counter()
+    rank, size = comm.rank, comm.size
+    names = ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])
+    n_local = len(tokens.positions)
     full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
-    lowp = spec.dtype
-    err, err_plain, ref_max = {}, {}, {}
-    failure = None
+    share = visible_share(spec, causal, window)
+    per_pair = seconds_per_pair(spec, scale, backward, xp, comm)
+    cap = max(1, SAMPLE_ELEMENTS // (spec.batch * spec.heads * spec.head_dim * size))
+    count = min(rows, cap)
+    if budget_s is not None and not full:
+        count = min(count, max(LEAST_ROWS, int(budget_s / (per_pair * spec.seqlen * share))))
+    mine = n_local if full else min(count, n_local)
+    every = full or comm.allreduce(int(mine == n_local), op=MPI.MIN) == 1
+    mode = "full" if every else f"sampled {count} {'rows+cols' if backward else 'rows'}/rank"
+
+    # this rank's samples, then every rank's
+    rng = np.random.default_rng([seed, rank])
+    idx = np.arange(n_local) if mine == n_local else np.sort(rng.choice(n_local, mine, replace=False))
+    failure, ours, own, gathered = None, {}, {}, None
     try:
-        if full:
-            data = io.read_global(path, ["q", "k", "v"] + (["do"] if "dq" in ours else []))
-            q, k, v, do = data["q"], data["k"], data["v"], data.get("do")
-            ref = dict(zip(("o", "lse"), attention_reference(q, k, v, causal, scale, **masked)))
-            if do is not None:
-                ref.update(zip(("dq", "dk", "dv"), attention_backward_reference(do, q, k, v, causal, scale, **masked)))
-            plain = dict(zip(("o", "lse", "dq", "dk", "dv"), plain_attention(q, k, v, do, causal, scale, lowp,
-                                                                               **masked)))
-            idx = layout_indices(spec.seqlen, comm.rank, comm.size, layout)
-            for name in names:
-                axis = 2 if name == "lse" else 1
-                mine = np.take(ref[name], idx, axis=axis)
-                err[name] = max_err(ours[name], mine)
-                err_plain[name] = max_err(np.take(plain[name], idx, axis=axis).astype(
-                    np.float32 if name == "lse" else lowp), mine)
-                ref_max[name] = max_abs(mine)
-        else:
-            names = [n for n in names if n in ("o", "lse", "dq")]
-            for n in names:
-                err[n] = err_plain[n] = ref_max[n] = 0.0
-            rng = np.random.default_rng([seed, comm.rank])
-            runs = pieces(spec.seqlen, comm.rank, comm.size, layout)
-            per_run = max(1, rows // len(runs))
-            width = max(1, min(per_run, KEY_CHUNK // (spec.batch * spec.heads * 128)))
-            with io.open_input(path) as f:
-                dsq, dsk, dsv = f["q"], f["k"], f["v"]
-                dsdo = f["do"] if "dq" in ours else None
-                block = max(128, KEY_CHUNK // (spec.batch * spec.heads * width))
-                offset = 0
-                windows = []
-                for start, n in runs:
-                    for _ in range(max(1, per_run // width)):
-                        w = min(width, n)
-                        g0 = start + int(rng.integers(0, n - w + 1))
-                        windows.append((g0, w, offset + g0 - start))
-                    offset += n
-                for i, (g0, w, local0) in enumerate(windows):
-                    if progress is not None:
-                        progress(f"verify window {i + 1}/{len(windows)} on rank 0: rows {g0}..{g0 + w - 1}")
-                    q = io.read_slab(dsq, (slice(None), slice(g0, g0 + w)), spec.dtype)
-                    do = io.read_slab(dsdo, (slice(None), slice(g0, g0 + w)), spec.dtype) if dsdo is not None else None
-                    k_end = g0 + w if causal else spec.seqlen
+        inputs = ["q", "k", "v"] + (["do"] if backward else [])
+        got = tokens.take(inputs + names + (["o"] if "o" not in names else []), idx) if mine else {}
+        ours = {n: _host(got[n]) for n in names} if mine else {}
+        own = {n: _host(as_float64(got[n], np)) for n in inputs + ["o", "lse"]} if mine else {}
+        if mine and backward:
+            own["delta"] = (own["do"] * own["o"]).sum(-1).transpose(0, 2, 1)  # (B, Hq, n)
+    except Exception as e:  # noqa: BLE001
+        failure = e if isinstance(e, BurstError) else \
+            BurstError(f"verification could not read its samples: {describe(e)}")
+    agree(comm, failure)
+    part = (tokens.positions[idx], {n: own[n] for n in own if n != "o"})
+    parts = comm.allgather(part) if size > 1 else [part]
+    offsets = np.cumsum([0] + [len(pos) for pos, _ in parts])  # where each rank's samples start
+    parts = [(pos, arrays) for pos, arrays in parts if len(pos)]
+    axis = {"lse": 2, "delta": 2}
+    gathered = {"positions": np.concatenate([pos for pos, _ in parts])}
+    for n in [n for n in ("q", "k", "v", "do", "lse", "delta") if parts and n in parts[0][1]]:
+        gathered[n] = np.concatenate([arrays[n] for _, arrays in parts], axis=axis.get(n, 1))
+    total = len(gathered["positions"])
+    block = max(16, BLOCK_ELEMENTS["numpy" if xp is np else "cuda"] // (spec.batch * spec.heads * max(total, 1)))
+    predicted = per_pair * total * n_local * share
+    predicted = comm.allreduce(predicted, op=MPI.MAX) if size > 1 else predicted
+    if announce is not None:
+        what = f"{mine} rows and {mine} key columns" if backward else f"{mine} rows"
+        announce(f"verify: {what} per rank against {spec.seqlen} tokens ({mode}, {'GPU' if xp is not np else 'CPU'} "
+                 f"float64), about {predicted:.1f}s")
 
-                    def key_blocks():
-                        for k0 in range(0, k_end, block):
-                            k1 = min(k_end, k0 + block)
-                            yield (k0, io.read_slab(dsk, (slice(None), slice(k0, k1)), spec.dtype),
-                                   io.read_slab(dsv, (slice(None), slice(k0, k1)), spec.dtype))
-
-                    ref = dict(zip(("o", "lse", "dq"), window_attention(q, do, key_blocks, causal, scale, g0, **masked)))
-                    plain = dict(zip(("o", "lse", "dq"), window_attention(q, do, key_blocks, causal, scale, g0, lowp,
-                                                                          **masked)))
-                    for name in names:
-                        axis = 2 if name == "lse" else 1
-                        sel = (slice(None),) * axis + (slice(local0, local0 + w),)
-                        err[name] = max(err[name], max_err(ours[name][sel], ref[name]))
-                        err_plain[name] = max(err_plain[name], max_err(plain[name].astype(
-                            np.float32 if name == "lse" else lowp), ref[name]))
-                        ref_max[name] = max(ref_max[name], max_abs(ref[name]))
+    # this rank's tokens, a block at a time: every sample's sums
+    failure, samples = None, None
+    try:
+        if total:
+            samples = Samples(gathered, spec, causal, scale, window, xp)
+            shown = time.perf_counter()
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                for lo in range(0, n_local, block):
+                    hi = min(n_local, lo + block)
+                    pos = tokens.positions[lo:hi]
+                    blocks = tokens.read(["k", "v"] + (["q", "do", "o", "lse"] if backward else []), lo, hi)
+                    samples.add_keys(pos, blocks["k"], blocks["v"])
+                    if backward:
+                        samples.add_queries(pos, blocks["q"], blocks["do"], blocks["lse"], blocks["o"])
+                    if progress is not None and time.perf_counter() - shown > PROGRESS_S:
+                        _sync(xp)
+                        shown, done = time.perf_counter(), hi / n_local
+                        spent = shown - start
+                        progress(f"verify: {100 * done:.0f}% of rank 0's tokens, {spent:.1f}s, "
+                                 f"ETA {spent / done * (1 - done):.1f}s")
     except Exception as e:  # noqa: BLE001
         failure = e if isinstance(e, BurstError) else BurstError(f"verification could not run: {describe(e)}")
     agree(comm, failure)
-    err = {n: comm.allreduce(err[n], op=MPI.MAX) for n in names}
-    err_plain = {n: comm.allreduce(err_plain[n], op=MPI.MAX) for n in names}
-    ref_max = {n: comm.allreduce(ref_max[n], op=MPI.MAX) for n in names}
-    tol = {n: tolerance(n, err_plain[n], ref_max[n], spec.dtype) for n in names}
-    ok = all(passes(err[n], tol[n]) for n in names)
-    return {"ok": ok, "mode": "full" if full else f"sampled {rows} rows/rank", "err": err, "tol": tol,
-            "plain": err_plain}
 
+    # the sums reduced to the samples' owners: the oracle's values, the plain computation's, ours
+    err, err_plain, ref_max = {n: 0.0 for n in names}, {n: 0.0 for n in names}, {n: 0.0 for n in names}
+    reduced = samples.reduced(comm) if total else None
+    try:
+        if mine:
+            with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+                ref, plain = finish(reduced, slice(offsets[rank], offsets[rank] + mine), own, spec, scale, backward)
+            for n in names:
+                err[n] = max_err(ours[n], ref[n])
+                # where the plain computation took a NaN from the output's o or lse it says nothing of rounding
+                err_plain[n] = max_err(np.where(np.isfinite(plain[n]), plain[n], ref[n]), ref[n])
+                ref_max[n] = max_abs(ref[n])
+    except Exception as e:  # noqa: BLE001
+        failure = BurstError(f"verification could not compare: {describe(e)}")
+    agree(comm, failure)
+    if size > 1:
+        err, err_plain, ref_max = ({n: comm.allreduce(x[n], op=MPI.MAX) for n in names}
+                                   for x in (err, err_plain, ref_max))
+    rounding = 0.0 if samples is None else samples.lse_rounding * samples.lse_max
+    rounding = comm.allreduce(rounding, op=MPI.MAX) if size > 1 else rounding
+    tol = {n: tolerance(n, err_plain[n], ref_max[n], spec.dtype, rounding) for n in names}
+    failed = [n for n in names if not passes(err[n], tol[n])]
+    _sync(xp)
+    return {"ok": not failed, "mode": mode, "failed": failed, "err": err, "tol": tol, "plain": err_plain,
+            "rows": count, "predicted_s": predicted, "seconds": time.perf_counter() - start}
+
+
+def finish(reduced, own_slice, own, spec, scale, backward):
+    """({output: the oracle's values}, {output: the plain computation's}) at this rank's samples, in the
+    outputs' shapes, from the reduced sums (:meth:`Samples.reduced`) and this rank's samples ``own``."""
+    b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
+    g = hq // hk
+    _, rnd = rounder(spec.dtype, np)
+    rows = lambda x: x[:, :, :, own_slice]                                    # (B, Hk, g, T[, D]) -> own
+    top, l, l_plain = rows(reduced["top"]), rows(reduced["l"]), rows(reduced["l_plain"])
+    n = l.shape[-1]
+    as_o = lambda x: x.transpose(0, 3, 1, 2, 4).reshape(b, n, hq, d)
+    as_lse = lambda x: x.reshape(b, hq, n)
+    empty = l == 0
+    safe = np.where(empty, 1.0, l)
+    o = np.where(empty[..., None], 0.0, rows(reduced["A"]) / safe[..., None])
+    ref = {"o": as_o(o), "lse": as_lse(top + np.log(l))}
+    plain = {"o": as_o(rnd(rows(reduced["o_plain"]))), "lse": as_lse((top + np.log(l_plain)).astype(np.float32))}
+    if backward:
+        do = own["do"].reshape(b, n, hk, g, d).transpose(0, 2, 3, 1, 4)
+        delta = (do * o).sum(-1)[..., None]
+        dq = scale * (rows(reduced["C"]) - delta * rows(reduced["Bk"])) / safe[..., None]
+        dq = np.where(empty[..., None], 0.0, dq)
+        ref["dq"], plain["dq"] = as_o(dq), as_o(rnd(rows(reduced["dq_plain"]) * scale))
+        cols = lambda x: x[:, :, own_slice].transpose(0, 2, 1, 3)             # (B, Hk, T, D) -> (B, n, Hk, D)
+        ref["dk"], ref["dv"] = cols(reduced["dk"]) * scale, cols(reduced["dv"])
+        plain["dk"], plain["dv"] = rnd(cols(reduced["dk_plain"]) * scale), rnd(cols(reduced["dv_plain"]))
+    return ref, plain
+
+
+def verify_resident(inputs, outputs, positions, spec, comm, causal, scale, window=None, rows=ROWS, seed=0,
+                    budget_s=None, announce=None, progress=None):
+    """Collective: the run job's check of the shards it holds (``inputs`` q, k, v (do) and ``outputs``
+    o, lse (dq, dk, dv), NumPy or CuPy arrays in local layout order; ``positions`` their global token
+    indices), on the device they are on. See :func:`check`."""
+    arrays = dict(inputs, **outputs)
+    xp = array_module(arrays["q"])
+    return check(Tokens.resident(arrays, positions), spec, comm, causal, scale, window, "dq" in outputs, rows, seed,
+                 xp, budget_s, announce, progress)
+
+
+def verify_output(input_path, output_path, comm, causal=None, window=None, backward=None, rows=ROWS, seed=0,
+                  xp=np, announce=None, progress=None):
+    """Collective: check a published output against its input, on any number of ranks (each reads
+    its share of the tokens, once). ``causal``, ``window`` and ``backward`` left None are taken from
+    what the output records (a ``burst-hpc run`` output records them); given, they must agree with it.
+    The softmax scale is the recorded one (default head_dim**-0.5). See :func:`check`."""
+    from . import io
+    from .errors import FileError, ShapeError
+
+    error, spec, files, opened = None, None, {}, []
+    try:
+        out = io.open_input(output_path)
+        opened.append(out)
+        attrs = {key: (value.decode() if isinstance(value, bytes) else value) for key, value in out.attrs.items()}
+        grads = all(n in out for n in ("dq", "dk", "dv"))
+        text = str(attrs.get("window", "none"))
+        recorded_window = None if text == "none" else tuple(int(x) for x in text.split(","))
+        for what, given, recorded in (("--causal", causal, attrs.get("causal")), ("--window", window, recorded_window)):
+            recorded = bool(recorded) if what == "--causal" else recorded
+            if given is not None and "causal" in attrs and given != recorded:
+                raise FileError(f"{output_path} was written with {what[2:]} = {recorded}, not {given}: leave {what} "
+                                "out to check it as it was written")
+        causal = bool(attrs.get("causal", False)) if causal is None else causal
+        window = recorded_window if window is None and "causal" in attrs else window
+        backward = grads if backward is None else backward
+        need = ["q", "k", "v"] + (["do"] if backward else [])
+        spec = io.inspect_input(input_path, need)
+        for name in ["o", "lse"] + (["dq", "dk", "dv"] if backward else []):
+            if name not in out:
+                hint = " (it was written without --backward)" if name in ("dq", "dk", "dv") else ""
+                raise FileError(f"{output_path}: dataset {name!r} is missing{hint}; it holds {', '.join(sorted(out))}")
+            if tuple(out[name].shape) != spec.shape(name):
+                raise ShapeError(f"{output_path}: {name} has shape {tuple(out[name].shape)}, but {input_path} "
+                                 f"needs {spec.shape(name)}: is it the output of this input?")
+        inp = io.open_input(input_path)
+        opened.append(inp)
+        files = {n: inp[n] for n in need}
+        files.update({n: out[n] for n in ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])})
+        scale = float(attrs.get("scale", spec.head_dim ** -0.5))
+    except Exception as e:  # noqa: BLE001
+        error = e if isinstance(e, BurstError) else FileError(f"cannot verify {output_path}: {describe(e)}")
+    try:
+        agree(comm, error)
+        start, stop = comm.rank * spec.seqlen // comm.size, (comm.rank + 1) * spec.seqlen // comm.size
+        return check(Tokens.stored(files, start, stop), spec, comm, causal, scale, window, backward, rows, seed, xp,
+                     None, announce, progress)
+    finally:
+        for f in opened:
+            f.close()
 
 # --------------------------------------------------------------------------- the outcome in the file
 

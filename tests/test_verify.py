@@ -1,0 +1,176 @@
+"""The sampled check (burst_hpc.verify.check) on one process: its sums equal the float64 oracle under
+every mask, corrupted outputs fail naming what failed, NaN and Inf that match the oracle pass, the
+predicted cost is announced, and the run job's budget sizes the sample."""
+import re
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from burst_hpc import verify
+from burst_hpc.dtypes import bfloat16
+from burst_hpc.reference import attention_backward_reference, attention_reference
+
+B, S, HQ, HKV, D, SCALE = 2, 40, 4, 2, 8, 0.3
+MASKS = {"none": (False, None, None), "causal": (True, None, None), "window": (True, (5, 0), None),
+         "documents+window": (False, (3, 4), np.array([0, 11, 30, 40]))}
+
+
+def _spec(dtype, cu_seqlens=None):
+    return SimpleNamespace(batch=B, seqlen=S, heads=HQ, kv_heads=HKV, head_dim=D, dtype=np.dtype(dtype),
+                           cu_seqlens=cu_seqlens)
+
+
+def _problem(dtype, mask, seed=0, poke=None):
+    """Inputs and the oracle's outputs in the stored dtypes (lse float32 unless ``dtype`` is float64)."""
+    causal, window, cu = MASKS[mask]
+    rng = np.random.default_rng(seed)
+    q, do = (rng.standard_normal((B, S, HQ, D)).astype(dtype) for _ in range(2))
+    k, v = (rng.standard_normal((B, S, HKV, D)).astype(dtype) for _ in range(2))
+    inputs = {"q": q, "k": k, "v": v, "do": do}
+    if poke is not None:
+        name, index, value = poke
+        inputs[name][index] = value
+    with np.errstate(invalid="ignore"):
+        o, lse = attention_reference(q, k, v, causal, SCALE, window=window, cu_seqlens=cu)
+        dq, dk, dv = attention_backward_reference(do, q, k, v, causal, SCALE, window=window, cu_seqlens=cu)
+    lse_type = np.float64 if np.dtype(dtype) == np.float64 else np.float32
+    outputs = {"o": o.astype(dtype), "lse": lse.astype(lse_type), "dq": dq.astype(dtype), "dk": dk.astype(dtype),
+               "dv": dv.astype(dtype)}
+    return inputs, outputs, (causal, window, cu)
+
+
+def _check(inputs, outputs, mask_args, dtype, rows=S, **kwargs):
+    causal, window, cu = mask_args
+    return verify.verify_resident(inputs, outputs, np.arange(S), _spec(dtype, cu), MPI.COMM_SELF, causal, SCALE,
+                                  window, rows=rows, **kwargs)
+
+
+@pytest.fixture(params=["full", "sampled"])
+def sampled(request, monkeypatch):
+    """Both modes, with key blocks of 7 tokens (several blocks, one ragged)."""
+    monkeypatch.setattr(verify, "BLOCK_ELEMENTS", {"numpy": 7 * B * HQ * S, "cuda": 7 * B * HQ * S})
+    if request.param == "sampled":
+        monkeypatch.setattr(verify, "FULL_LIMIT", 10)
+    return request.param == "sampled"
+
+
+@pytest.mark.parametrize("mask", MASKS)
+def test_the_sums_equal_the_oracle(mask, sampled):
+    """float64 outputs equal to the oracle: every error is float64 rounding (the reference is exact)."""
+    inputs, outputs, mask_args = _problem(np.float64, mask)
+    report = _check(inputs, outputs, mask_args, np.float64, rows=13 if sampled else S)
+    assert report["ok"], report
+    assert report["mode"] == ("sampled 13 rows+cols/rank" if sampled else "full")
+    for name in ("o", "lse", "dq", "dk", "dv"):
+        assert report["err"][name] < 1e-12, (name, report["err"])
+
+
+@pytest.mark.parametrize("mask", ["causal", "documents+window"])
+@pytest.mark.parametrize("name,where", [("o", (0, 5)), ("lse", (1, slice(None), 5)), ("dq", (0, 5)),
+                                        ("dk", (1, 7)), ("dv", (0, 30))])
+def test_a_corrupted_output_fails_by_name(mask, name, where, sampled):
+    """One token of one output off by 0.5 (lse: one row of every head): that output fails, and no other but
+    dk and dv when o or lse is off (their reference takes delta and P from the output's o and lse)."""
+    inputs, outputs, mask_args = _problem(bfloat16, mask)
+    report = _check(inputs, outputs, mask_args, bfloat16, rows=S)  # every token sampled, also when 'sampled'
+    assert report["ok"], report
+    outputs[name] = outputs[name].copy()
+    outputs[name][where] += np.asarray(0.5, outputs[name].dtype)
+    report = _check(inputs, outputs, mask_args, bfloat16, rows=S)
+    assert name in report["failed"], report
+    assert set(report["failed"]) <= {name} | ({"dk", "dv"} if name in ("o", "lse") else set()), report
+    assert re.search(rf"(^|; ){name}: max error \S+ > tolerance \S+", verify.failures(report)), verify.failures(report)
+
+
+@pytest.mark.parametrize("poke", [("k", (0, 9, 1, 3), np.nan), ("v", (1, 20, 0, 2), np.inf),
+                                  ("q", (0, 33, 2, 0), np.nan), ("do", (1, 12, 3, 5), np.nan)])
+def test_nonfinite_outputs_that_match_the_oracle_pass(poke, sampled):
+    """Inputs holding NaN or Inf (causal, documents): the oracle's outputs, NaN where it has NaN, pass;
+    the same outputs with NaN in a row the oracle keeps finite fail, as non-finite."""
+    inputs, outputs, mask_args = _problem(np.float32, "causal", poke=poke)
+    assert any(not np.isfinite(x).all() for x in outputs.values())
+    assert all(np.isfinite(x[:, :9]).all() for n, x in outputs.items() if n in ("o", "dq"))  # rows before the poke
+    report = _check(inputs, outputs, mask_args, np.float32, rows=S)
+    assert report["ok"], report
+    outputs["o"] = outputs["o"].copy()
+    outputs["o"][0, 2, 1, 1] = np.nan
+    report = _check(inputs, outputs, mask_args, np.float32, rows=S)
+    assert report["failed"][0] == "o" and set(report["failed"]) <= {"o", "dk"}, report  # dk: its delta takes o
+    assert "o: NaN or Inf where the float64 oracle has none" in verify.failures(report), report
+
+
+def test_forward_only_checks_o_and_lse(sampled):
+    inputs, outputs, mask_args = _problem(bfloat16, "window")
+    report = _check({n: inputs[n] for n in "qkv"}, {n: outputs[n] for n in ("o", "lse")}, mask_args, bfloat16, rows=9)
+    assert report["ok"] and sorted(report["err"]) == ["lse", "o"], report
+
+
+def test_the_predicted_cost_is_announced_first(monkeypatch):
+    monkeypatch.setattr(verify, "FULL_LIMIT", 10)
+    inputs, outputs, mask_args = _problem(bfloat16, "causal")
+    lines = []
+    report = _check(inputs, outputs, mask_args, bfloat16, rows=11, announce=lines.append)
+    assert report["ok"] and len(lines) == 1, lines
+    assert re.fullmatch(r"verify: 11 rows and 11 key columns per rank against 40 tokens \(sampled 11 rows\+cols/rank, "
+                        r"CPU float64\), about \d+\.\ds", lines[0]), lines
+    assert report["predicted_s"] > 0
+
+
+def test_the_budget_sizes_the_sample(monkeypatch):
+    """The run job's budget: a tiny one takes LEAST_ROWS samples, an ample one the most asked for."""
+    monkeypatch.setattr(verify, "FULL_LIMIT", 10)
+    monkeypatch.setattr(verify, "LEAST_ROWS", 5)
+    inputs, outputs, mask_args = _problem(bfloat16, "none")
+    assert _check(inputs, outputs, mask_args, bfloat16, rows=30, budget_s=1e-12)["mode"] == "sampled 5 rows+cols/rank"
+    assert _check(inputs, outputs, mask_args, bfloat16, rows=30, budget_s=1e6)["mode"] == "sampled 30 rows+cols/rank"
+
+
+@pytest.mark.parametrize("dtype", [bfloat16, np.float16, np.float32])
+def test_rounding_matches_numpy_casts(dtype):
+    x = np.random.default_rng(3).standard_normal(100000) * np.logspace(-40, 38, 100000)
+    x = np.concatenate([x, [np.inf, -np.inf, np.nan, 0.0, -0.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 65504.0, 1e-39]])
+    _, rnd = verify.rounder(dtype, np)
+    with np.errstate(over="ignore"):
+        want = x.astype(np.float32).astype(dtype).astype(np.float32)
+        assert np.array_equal(rnd(x), want, equal_nan=True)
+
+
+def test_max_err_counts_nonfinite_against_nonfinite_as_no_error():
+    ref = np.array([1.0, np.nan, np.inf, -np.inf])
+    assert verify.max_err(np.array([1.5, np.inf, np.nan, -np.inf]), ref) == 0.5
+    assert verify.max_err(np.array([1.0, 0.0, np.inf, -np.inf]), ref) == np.inf
+    assert verify.max_err(np.array([np.nan, np.nan, np.inf, -np.inf]), ref) == np.inf
+    assert verify.max_err(np.array([-np.inf, np.nan, np.inf, -np.inf]), ref) == np.inf
+
+
+def _gpu():
+    cupy = pytest.importorskip("cupy")
+    try:
+        if cupy.cuda.runtime.getDeviceCount() == 0:
+            pytest.skip("no GPU")
+    except cupy.cuda.runtime.CUDARuntimeError:
+        pytest.skip("no GPU")
+    return cupy
+
+
+@pytest.mark.parametrize("mask", ["causal", "documents+window"])
+def test_on_the_gpu_as_on_the_cpu(mask, monkeypatch):
+    """CuPy shards (a cuda run's): the check runs on the device and finds what the CPU finds, a corrupted
+    dk included; NaN that match the oracle pass there too."""
+    cupy = _gpu()
+    monkeypatch.setattr(verify, "FULL_LIMIT", 10)
+    for dtype, poke in ((bfloat16, None), (np.float32, ("k", (0, 9, 1, 3), np.nan))):
+        inputs, outputs, mask_args = _problem(dtype, mask, poke=poke)
+        outputs["dk"] = outputs["dk"].copy()
+        for bad in (False, True):
+            if bad:
+                outputs["dk"][1, 7] += np.asarray(0.5, outputs["dk"].dtype)
+            cpu = _check(inputs, outputs, mask_args, dtype, rows=17)
+            gpu = _check({n: cupy.asarray(x) for n, x in inputs.items()},
+                         {n: cupy.asarray(x) for n, x in outputs.items()}, mask_args, dtype, rows=17)
+            assert gpu["ok"] == cpu["ok"] == (not bad) and gpu["failed"] == cpu["failed"], (gpu, cpu)
+            for name in cpu["err"]:
+                assert gpu["err"][name] == pytest.approx(cpu["err"][name], rel=1e-6, abs=1e-12), name
+                assert gpu["tol"][name] == pytest.approx(cpu["tol"][name], rel=0.25), name  # float32 sums differ
