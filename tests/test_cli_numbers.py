@@ -5,6 +5,7 @@ kernels' sums overflow are refused before any work."""
 import re
 
 import h5py
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -189,3 +190,12 @@ def test_run_refuses_inputs_whose_scores_overflow(tmp_path):
     assert "RuntimeWarning" not in r.stderr and not dst.exists() and not leftovers(tmp_path)
     r = mpirun(2, "run", src, dst, "--backend", "numpy", "--allow-nonfinite", "--quiet")
     assert r.returncode == 0 and dst.exists(), r.stdout + r.stderr  # the user's call: it runs
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64, "bfloat16"])
+def test_largest_magnitudes_match_the_absolute_maximum(dtype):
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((2, 9001, 3, 5)) * 100).astype(dtype)
+    x[1, rng.integers(9001), 2, 4] = -3000.0   # the largest magnitude is negative, in the last batch
+    assert io.largest_magnitudes({"q": x, "k": x[:, :0]}) == {"q": float(np.abs(x.astype(np.float64)).max()), "k": 0.0}
