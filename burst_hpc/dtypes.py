@@ -7,6 +7,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import DTypeError
+from .merge import array_module
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 SUPPORTED = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
@@ -42,3 +43,34 @@ def check_supported(dtype):
 def accum_dtype(dtype):
     """float64 stays float64; every other supported input accumulates in float32."""
     return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+# 16-bit floats are read on their bits (fast in NumPy, where bfloat16's ufuncs are slow, and with no
+# bfloat16 support needed from CuPy): with the sign bit cleared, finite magnitudes order like the bits,
+# and bits from these up are Inf or NaN
+_NONFINITE_BITS = {"bfloat16": 0x7F80, "float16": 0x7C00}
+
+
+def magnitude_bits(x):
+    """|x| as uint16 bits for a 16-bit float array (NumPy or CuPy), else None."""
+    if dtype_name(x.dtype) not in _NONFINITE_BITS:
+        return None
+    return x.view(np.uint16) & np.uint16(0x7FFF)
+
+
+def nonfinite(x):
+    """Where x (NumPy or CuPy, a supported float dtype) is NaN or Inf, as a boolean array."""
+    bits = magnitude_bits(x)
+    if bits is None:
+        return ~array_module(x).isfinite(x)
+    return bits >= _NONFINITE_BITS[dtype_name(x.dtype)]
+
+
+def largest_magnitude(x):
+    """max |x| of a finite array (NumPy or CuPy) as a float, 0.0 when empty."""
+    if not x.size:
+        return 0.0
+    bits = magnitude_bits(x)
+    if bits is None:
+        return max(float(x.max()), -float(x.min()))
+    return float(np.array(int(bits.max()), np.uint16).view(x.dtype))

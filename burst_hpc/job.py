@@ -197,7 +197,7 @@ def run(options, comm=None):
             host = {name: to_host(a) for name, a in results.items()}
             out.write(host, layout)
         summary = _summary(spec, plan, options, backend, transport, flops, clock.seconds)
-        summary += verify.nonfinite_summary(host, comm)  # collective; [] when every output is finite
+        summary += verify.nonfinite_summary(results, comm)  # collective, on the device; [] when all finite
 
         # publish: nothing can lose the finished result after this
         out.commit()

@@ -20,7 +20,7 @@ import time
 import numpy as np
 
 from .collective import agree, describe
-from .dtypes import dtype_name
+from .dtypes import dtype_name, nonfinite
 from .errors import BurstError
 from .merge import array_module
 from .reference import visible
@@ -120,16 +120,16 @@ def max_abs(ref):
 
 
 def nonfinite_summary(outputs, comm):
-    """Collective: the run summary's account of NaN and Inf in the outputs, summed over the ranks:
+    """Collective: the run summary's account of NaN and Inf in the outputs (NumPy or CuPy), summed over the ranks:
     ``["nonfinite o=N lse=M ..."]`` naming each output that holds any, or ``[]`` when all are finite.
     An lse of -inf is a row that sees nothing, not counted. Inputs holding NaN or Inf
     (``--allow-nonfinite``) propagate into the rows that see them, and this says how far."""
     counts = []
     for name, x in outputs.items():
-        bad = ~np.isfinite(x)
+        bad = nonfinite(x)
         if name == "lse":
-            bad &= ~np.isneginf(x)
-        counts.append(int(np.count_nonzero(bad)))
+            bad &= ~array_module(x).isneginf(x)
+        counts.append(int(bad.sum()))
     counts = comm.allreduce(np.array(counts, np.int64))
     found = [f"{name}={int(n)}" for name, n in zip(outputs, counts) if n]
     return ["nonfinite " + " ".join(found)] if found else []
@@ -287,7 +287,7 @@ class Samples:
 
     def add_keys(self, pos, k, v):
         """The rows' sums over keys ``pos`` (k, v (B, c, Hkv, D) of any dtype)."""
-        xp, b, hk, g, d = self.xp, self.batch, self.hkv, self.group, self.dim
+        xp, b, hk, g = self.xp, self.batch, self.hkv, self.group
         seen = self.seen(self.positions, pos)
         active = np.flatnonzero(seen.any(1))
         if active.size == 0:
@@ -402,13 +402,15 @@ def seconds_per_pair(spec, scale, backward, xp, comm):
     samples, tokens = (256, 8192) if xp is not np else (64, 512)
     rng = np.random.default_rng(0)
     b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
-    draw = lambda t, h: rng.standard_normal((b, t, h, d)).astype(np.float32)
+    draw = lambda t, h: rng.standard_normal((b, t, h, d), np.float32)
+    # the block is large on a GPU: drawn there (NumPy's generator would take seconds)
+    draw_block = draw if xp is np else lambda t, h: xp.random.standard_normal((b, t, h, d), np.float32)
     gathered = {"positions": np.arange(samples), "q": draw(samples, hq), "k": draw(samples, hk),
                 "v": draw(samples, hk), "lse": np.full((b, hq, samples), 5.0),
                 "do": draw(samples, hq) if backward else None,
                 "delta": np.zeros((b, hq, samples))}
     shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=None)
-    block = {n: xp.asarray(draw(tokens, hk if n in ("k", "v") else hq)) for n in ("q", "k", "v", "do", "o")}
+    block = {n: xp.asarray(draw_block(tokens, hk if n in ("k", "v") else hq)) for n in ("q", "k", "v", "do", "o")}
     lse = xp.full((b, hq, tokens), 5.0)
     pos = np.arange(tokens)
     elapsed = []

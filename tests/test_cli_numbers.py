@@ -199,3 +199,15 @@ def test_largest_magnitudes_match_the_absolute_maximum(dtype):
     x = (rng.standard_normal((2, 9001, 3, 5)) * 100).astype(dtype)
     x[1, rng.integers(9001), 2, 4] = -3000.0   # the largest magnitude is negative, in the last batch
     assert io.largest_magnitudes({"q": x, "k": x[:, :0]}) == {"q": float(np.abs(x.astype(np.float64)).max()), "k": 0.0}
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, "bfloat16"])
+def test_nonfinite_finds_nan_and_both_infinities(dtype):
+    from burst_hpc.dtypes import nonfinite
+
+    dtype = ml_dtypes.bfloat16 if dtype == "bfloat16" else dtype
+    rng = np.random.default_rng()
+    x = (rng.standard_normal((3, 40, 2)) * 1e4).astype(dtype)   # large finite values stay finite
+    for value in (np.nan, np.inf, -np.inf):
+        x.flat[rng.integers(x.size)] = value
+    assert np.array_equal(nonfinite(x), ~np.isfinite(x.astype(np.float64)))

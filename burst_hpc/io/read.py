@@ -11,7 +11,7 @@ import os
 import numpy as np
 
 from ..collective import agree
-from ..dtypes import accum_dtype, dtype_name
+from ..dtypes import accum_dtype, dtype_name, largest_magnitude, nonfinite
 from ..errors import DTypeError, FileError, MaskError, ShapeError
 from ..layout import check_split, pieces
 from .format import INPUTS, dataset_dtype, read_slab
@@ -173,9 +173,9 @@ def _first_nonfinite(x, block_tokens=4096):
     tokens at a time, so the mask never costs more than a block."""
     for b in range(x.shape[0]):
         for t0 in range(0, x.shape[1], block_tokens):
-            bad = ~np.isfinite(x[b, t0:t0 + block_tokens])
+            bad = nonfinite(x[b, t0:t0 + block_tokens])
             if bad.any():
-                t, *rest = np.unravel_index(int(np.argmax(bad)), bad.shape)
+                t, *rest = np.unravel_index(int(bad.argmax()), bad.shape)
                 index = (b, t0 + int(t), *map(int, rest))
                 return index, float(x[index])
     return None
@@ -218,19 +218,7 @@ def check_finite(path, shards, comm, layout, seqlen, scale=None):
 
 def largest_magnitudes(shards):
     """{dataset: max |value|} of this rank's finite shards (0.0 for an empty one), as floats."""
-    return {name: _largest(x) for name, x in shards.items()}
-
-
-def _largest(x, block_tokens=4096):
-    if not x.size:
-        return 0.0
-    if x.dtype.itemsize != 2:
-        return max(float(x.max()), -float(x.min()))
-    # 16-bit floats (bfloat16's max and min are slow in NumPy): finite magnitudes order like their
-    # bits without the sign; a block of tokens at a time bounds the temporary
-    top = max(int((x[:, t0:t0 + block_tokens].view(np.uint16) & 0x7FFF).max())
-              for t0 in range(0, x.shape[1], block_tokens))
-    return float(np.array(top, np.uint16).view(x.dtype))
+    return {name: largest_magnitude(x) for name, x in shards.items()}
 
 
 # the kernels scale scores by scale * log2(e) for exp2 and sum in several orders: keep a factor 2 spare
