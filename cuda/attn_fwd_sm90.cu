@@ -54,7 +54,7 @@ struct Cfg {
   // products only after consumer c - 1 (cyclically) has issued its own, so one warpgroup's products run on
   // the tensor cores while the others do their softmax. D = 256 runs without: its 64-key steps are short
   // and its accumulators leave the softmax little to overlap.
-  static constexpr bool PINGPONG = false;  // D <= 128 once checked on a GPU
+  static constexpr bool PINGPONG = D <= 128;
   static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= (65536 / THREADS) / 8 * 8 * THREADS,
                 "register split exceeds the launch allocation");
 };
