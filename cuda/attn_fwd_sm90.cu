@@ -16,9 +16,7 @@
 //   Inside a consumer the softmax of tile t overlaps the P V product of tile t-1: the loop issues
 //   S_t = Q K_t^T and O += P_{t-1} V_{t-1} back to back and waits only for S_t before the softmax.
 //   Between consumers (Cfg::PINGPONG), named barriers hand a turn around: a consumer issues a step's two
-//   products only in its turn, so the products of one run while the others do their softmax. Across
-//   tiles (Cfg::QK_UNDER_MERGE), a consumer issues the first Q K^T of the next tile right behind the last
-//   P V of a tile, before it merges the tile, so the product runs under the merge.
+//   products only in its turn, so the products of one run while the others do their softmax.
 // Shapes: D = 64 runs 2 or 3 consumers (BM 128 or 192; the host picks the one whose tile count fills the
 // SMs best), D = 128 two consumers and 128-key tiles, D = 256 two consumers and 64-key tiles (its O
 // accumulator is 128 registers per thread).
@@ -57,9 +55,6 @@ struct Cfg {
   // the tensor cores while the others do their softmax. D = 256 runs without: its 64-key steps are short
   // and its accumulators leave the softmax little to overlap.
   static constexpr bool PINGPONG = D <= 128;
-  // a tile's first Q K^T issued before the tile before it merges (its S registers live through the merge:
-  // D = 256, whose O takes 128 registers, would spill)
-  static constexpr bool QK_UNDER_MERGE = false;  // D <= 128 once checked on a GPU
   static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= (65536 / THREADS) / 8 * 8 * THREADS,
                 "register split exceeds the launch allocation");
 };
@@ -318,21 +313,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   if (C::PINGPONG && cw == 0) named_barrier_arrive(kTurn, 256);
   PipeState<1> q_pipe;
   PipeState<STAGES> k_pipe, v_pipe;  // the K tile of step t, the V tile of step t - 1
-  float s[BN / 2];
-  // S_0 = Q K_0^T of the tile in the Q buffer, issued, not waited for
-  auto issue_first_qk = [&] {
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) s[i] = 0.f;  // the old scores are dead (the product's operands read them)
-    mbar_wait(L::k_full(base, k_pipe.stage), k_pipe.phase);
-    wgmma_fence();
-    qk_issue<D, BM, BN, BF16>(s, q_lo, desc_lo(base + L::kK + k_pipe.stage * L::kTile, 16));
-    wgmma_commit();
-  };
 
-  mbar_wait(L::q_full(base), q_pipe.phase);
-  int idx = *slot;
-  if (idx < ntotal) issue_first_qk();
-  while (idx < ntotal) {
+  for (;;) {
+    mbar_wait(L::q_full(base), q_pipe.phase);
+    const int idx = *slot;
+    if (idx >= ntotal) break;
     const Tile tl = tile(idx);
     const int ntiles = tl.ntiles;
     const int mw0 = tl.mb * BM + 64 * cw;                // first query row of this warpgroup
@@ -344,6 +329,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
     float m[2] = {-BH_INF, -BH_INF}, l[2] = {0.f, 0.f}, alpha[2];
+    float s[BN / 2];
     u32 p[BN / 16][4];
 
     // IV: the key range [klo, khi) (local) of this thread's rows, and of the warpgroup's first and last rows
@@ -366,7 +352,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     auto col0 = [&](int t) { return (tl.t_begin + t) * BN + 2 * (lane % 4); };
 
     if (ntiles <= 2) prefetch_rows<D>(o_rows, oss, lse_rows, lss, row0, Sq, lane);
-    // key tile 0: S_0 (issued already), softmax (nothing to rescale yet)
+    // tile 0: S_0, softmax (nothing to rescale yet)
+    mbar_wait(L::k_full(base, k_pipe.stage), k_pipe.phase);
+    wgmma_fence();
+    qk_issue<D, BM, BN, BF16>(s, q_lo, desc_lo(base + L::kK + k_pipe.stage * L::kTile, 16));
+    wgmma_commit();
     wgmma_wait<0>();
     fence_operands<BN / 2>(s);
     if (leader) mbar_arrive(L::k_empty(base, k_pipe.stage));
@@ -404,36 +394,21 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       }
       pack_p<BN, BF16>(s, p);
     }
-    // the last key tile's P V, then the next tile's S_0 behind it: both run while this tile merges
-    const int sp = v_pipe.stage;
-    mbar_wait(L::v_full(base, sp), v_pipe.phase);
-    wgmma_fence();
-    pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
-    wgmma_commit();
-    q_pipe.advance();
-    if (C::QK_UNDER_MERGE) {
-      mbar_wait(L::q_full(base), q_pipe.phase);
-      idx = *slot;
-      if (idx < ntotal) {
-        issue_first_qk();
-        wgmma_wait<1>();  // the P V is done; the next S_0 may still run
-      } else {
-        wgmma_wait<0>();
-      }
-    } else {
+    {  // the last tile's P V
+      const int sp = v_pipe.stage;
+      mbar_wait(L::v_full(base, sp), v_pipe.phase);
+      wgmma_fence();
+      pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
+      wgmma_commit();
       wgmma_wait<0>();
+      fence_operands<D / 2>(acc);
+      if (leader) mbar_arrive(L::v_empty(base, sp));
+      v_pipe.advance();
     }
-    fence_operands<D / 2>(acc);
-    if (leader) mbar_arrive(L::v_empty(base, sp));
-    v_pipe.advance();
+    q_pipe.advance();
 
     // ---- epilogue: GAO merge into the running (o, lse); rows with nothing visible stay untouched
     merge_rows<D>(o_rows + 2 * (lane % 4), oss, lse_rows, lss, acc, m, l, row0, Sq, lane);
-    if (!C::QK_UNDER_MERGE) {
-      mbar_wait(L::q_full(base), q_pipe.phase);
-      idx = *slot;
-      if (idx < ntotal) issue_first_qk();
-    }
   }
 }
 
