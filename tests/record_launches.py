@@ -117,7 +117,9 @@ def _fake_cupy(launches):
             self.attributes = {"MultiProcessorCount": 132}
 
     cupy.ndarray, cupy.RawModule = ndarray, RawModule
-    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1))
+    stream = types.SimpleNamespace(ptr=0)
+    cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
+                                      get_current_stream=lambda: stream)
     for name in ("ascontiguousarray", "asarray", "zeros", "empty", "full"):
         setattr(cupy, name, lambda *a, _f=getattr(np, name), **k: wrap(_f(*a, **k)))
     cupy.__getattr__ = lambda name: getattr(np, name)  # the tiled path of wide heads: NumPy functions
