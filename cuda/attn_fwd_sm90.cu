@@ -18,8 +18,8 @@
 //   Between consumers (Cfg::PINGPONG), named barriers hand a turn around: a consumer issues a step's two
 //   products only in its turn, so the products of one run while the others do their softmax.
 // Shapes: D = 64 runs 2 or 3 consumers (BM 128 or 192; the host picks the one whose tile count fills the
-// SMs best), D = 128 two consumers and 128-key tiles, D = 256 two consumers and 64-key tiles (its O
-// accumulator is 128 registers per thread).
+// SMs best), D = 128 two consumers and 128-key tiles, D = 256 two consumers and 80-key tiles (its O
+// accumulator is 128 registers per thread; 80 keys fill the shared memory and ran faster than 64).
 // Schedule: query heads in chunks of `hchunk` (the host sizes a chunk's K/V to stay in L2); inside a
 // chunk, query blocks in rank order, each over the chunk's heads: causal ranks run the heaviest block first,
 // interval masks take the host's longest-first `order` of query blocks, full attention plain order.
@@ -45,15 +45,16 @@ struct Cfg {
   static_assert((D == 64 && (CONSUMERS == 2 || CONSUMERS == 3)) || ((D == 128 || D == 256) && CONSUMERS == 2),
                 "instantiated shapes");
   static constexpr int BM = 64 * CONSUMERS;
-  static constexpr int BN = D == 256 ? 64 : 128;
+  static constexpr int BN = D == 256 ? 80 : 128;
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
   // setmaxnreg moves registers within the CTA's launch allocation (the per-thread count ptxas gives a
   // 1-CTA-per-SM kernel, a multiple of 8, times THREADS): asking for more than it holds hangs the CTA
-  static constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 32 : 40, CONSUMER_REGS = CONSUMERS == 3 ? 160 : 232;
+  static constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 32 : D == 256 ? 24 : 40,
+                       CONSUMER_REGS = CONSUMERS == 3 ? 160 : D == 256 ? 240 : 232;
   // ping-pong between the consumers (FlashAttention-3's warp scheduler barriers): consumer c issues a step's
   // products only after consumer c - 1 (cyclically) has issued its own, so one warpgroup's products run on
-  // the tensor cores while the others do their softmax. D = 256 runs without: its 64-key steps are short
-  // and its accumulators leave the softmax little to overlap.
+  // the tensor cores while the others do their softmax. D = 256 runs without (as FlashAttention-3 does
+  // with intra-warpgroup overlap at that width).
   static constexpr bool PINGPONG = D <= 128;
   static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= (65536 / THREADS) / 8 * 8 * THREADS,
                 "register split exceeds the launch allocation");
