@@ -15,9 +15,11 @@
 //   memory), the online softmax on the accumulator registers, and O += P V (wgmma, P from registers).
 //   Inside a consumer the softmax of tile t overlaps the P V product of tile t-1: the loop issues
 //   S_t = Q K_t^T and O += P_{t-1} V_{t-1} back to back and waits only for S_t before the softmax.
+//   Between consumers (Cfg::PINGPONG), named barriers hand a turn around: a consumer issues a step's two
+//   products only in its turn, so the products of one run while the others do their softmax.
 // Shapes: D = 64 runs 2 or 3 consumers (BM 128 or 192; the host picks the one whose tile count fills the
-// SMs best), D = 128 two consumers and 128-key tiles, D = 256 two consumers and 64-key tiles (its O
-// accumulator is 128 registers per thread).
+// SMs best), D = 128 two consumers and 128-key tiles, D = 256 two consumers and 80-key tiles (its O
+// accumulator is 128 registers per thread; 80 keys fill the shared memory and ran faster than 64).
 // Schedule: query heads in chunks of `hchunk` (the host sizes a chunk's K/V to stay in L2); inside a
 // chunk, query blocks in rank order, each over the chunk's heads: causal ranks run the heaviest block first,
 // interval masks take the host's longest-first `order` of query blocks, full attention plain order.
@@ -35,17 +37,25 @@
 
 namespace fwd90 {
 constexpr int STAGES = 2;
+// named barrier ids (0 is __syncthreads): kTurn + c, consumer c's turn to issue its products
+constexpr int kTurn = 1;
 // CONSUMERS warpgroups of 64 query rows; keys per tile and register split per head dim
 template <int D, int CONSUMERS>
 struct Cfg {
   static_assert((D == 64 && (CONSUMERS == 2 || CONSUMERS == 3)) || ((D == 128 || D == 256) && CONSUMERS == 2),
                 "instantiated shapes");
   static constexpr int BM = 64 * CONSUMERS;
-  static constexpr int BN = D == 256 ? 64 : 128;
+  static constexpr int BN = D == 256 ? 80 : 128;
   static constexpr int THREADS = 128 * (1 + CONSUMERS);
   // setmaxnreg moves registers within the CTA's launch allocation (the per-thread count ptxas gives a
   // 1-CTA-per-SM kernel, a multiple of 8, times THREADS): asking for more than it holds hangs the CTA
-  static constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 32 : 40, CONSUMER_REGS = CONSUMERS == 3 ? 160 : 232;
+  static constexpr int PRODUCER_REGS = CONSUMERS == 3 ? 32 : D == 256 ? 24 : 40,
+                       CONSUMER_REGS = CONSUMERS == 3 ? 160 : D == 256 ? 240 : 232;
+  // ping-pong between the consumers (FlashAttention-3's warp scheduler barriers): consumer c issues a step's
+  // products only after consumer c - 1 (cyclically) has issued its own, so one warpgroup's products run on
+  // the tensor cores while the others do their softmax. D = 256 runs without (as FlashAttention-3 does
+  // with intra-warpgroup overlap at that width).
+  static constexpr bool PINGPONG = D <= 128;
   static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= (65536 / THREADS) / 8 * 8 * THREADS,
                 "register split exceeds the launch allocation");
 };
@@ -253,6 +263,13 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
         *slot = idx;
         if (idx >= ntotal) {  // no tile left: the consumers read the end mark and stop
           mbar_arrive(L::q_full(base));
+          // the last CTA to run out zeroes the counters for the next launch (every other CTA has drawn its
+          // last index before it counted itself out), so the host needs no memset per call
+          __threadfence();
+          if (atomicAdd(next_tile + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+            atomicExch(next_tile, 0);
+            atomicExch(next_tile + 1, 0);
+          }
           break;
         }
         const int hk = tl.h / group;
@@ -285,6 +302,16 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   const int cw = wg - 1, tid = threadIdx.x % 128, lane = tid % 32;
   const bool leader = tid == 0;  // arrives on the "empty" barriers for its warpgroup
   const u32 q_lo = desc_lo(base + L::kQ + cw * 64 * 128, 16);
+  // ping-pong: consumer cw waits for its turn (barrier kTurn + cw, 256 threads: its own 128 and the 128 of
+  // the consumer before it that arrive) and passes the turn on; consumer 0 takes the first turn. Every
+  // consumer takes the same number of turns per tile (ntiles - 1), so the turns stay in step across tiles.
+  auto take_turn = [&] {
+    if (C::PINGPONG) named_barrier_sync(kTurn + cw, 256);
+  };
+  auto pass_turn = [&] {
+    if (C::PINGPONG) named_barrier_arrive(kTurn + (cw + 1) % CONSUMERS, 256);
+  };
+  if (C::PINGPONG && cw == 0) named_barrier_arrive(kTurn, 256);
   PipeState<1> q_pipe;
   PipeState<STAGES> k_pipe, v_pipe;  // the K tile of step t, the V tile of step t - 1
 
@@ -343,12 +370,14 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       const int st = k_pipe.stage, sp = v_pipe.stage;
       if (t + 2 == ntiles) prefetch_rows<D>(o_rows, oss, lse_rows, lss, row0, Sq, lane);
       mbar_wait(L::k_full(base, st), k_pipe.phase);
+      mbar_wait(L::v_full(base, sp), v_pipe.phase);
+      take_turn();
       wgmma_fence();
       qk_issue<D, BM, BN, BF16>(s, q_lo, desc_lo(base + L::kK + st * L::kTile, 16));
       wgmma_commit();
-      mbar_wait(L::v_full(base, sp), v_pipe.phase);
       pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
       wgmma_commit();
+      pass_turn();
       wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
       fence_operands<BN / 2>(s);
       if (leader) mbar_arrive(L::k_empty(base, st));
@@ -405,7 +434,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 // attn_fwd_sm90_kernels lists them with their geometry (the host picks among a head dim's tile heights).
 // tmaps: the q, k, v tensor maps (128 bytes each, global memory); grid: one CTA per SM at most;
 // hchunk, order: the schedule (order: interval only, the query blocks longest first); mlo, mhi, kofs: the
-// interval bounds (null for full and causal); next_tile: the tile counter, one int that is 0 at launch
+// interval bounds (null for full and causal); next_tile: the tile counter and the count of CTAs done, two
+// ints that are 0 at launch and 0 again when the kernel ends
 #define BH_FWD90_SHAPES(X) X(64, 2) X(64, 3) X(128, 2) X(256, 2)
 BH_INSTANCES(BH_FWD90_SHAPES, BH_FWD90_KERNELS)
 BH_KERNEL_TABLE(attn_fwd_sm90, BH_TABLE_ROWS(BH_FWD90_SHAPES, BH_FWD90_ROWS))

@@ -145,7 +145,7 @@ __device__ __forceinline__ void fence_operands(u32* d) {
 // 8*j + 2*(t%4) + {0, 1}: d[4*j + 2*half + c]. A from registers uses the same per-warp layout as the
 // m16n8k16 A fragment of mma.sync. wgmma_ss: A and B from shared memory (descriptors); wgmma_rs: A from
 // registers. TRANS_A / TRANS_B = 1 read A / B as MN-major (the M or N index contiguous) instead of
-// K-major. accumulate = 0 overwrites D. N is 64 or 128 (wgmma_ss also 32); the element type is bf16 or f16.
+// K-major. accumulate = 0 overwrites D. N is 64 or 128 (wgmma_ss also 32 and 80); the element type is bf16 or f16.
 // The accumulator operand lists, written once (inline asm takes no loops):
 #define BH_ACC16_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define BH_ACC32_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -153,6 +153,8 @@ __device__ __forceinline__ void fence_operands(u32* d) {
 #define BH_ACC16_OPS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
 #define BH_ACC32_OPS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
 #define BH_ACC64_OPS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+#define BH_ACC40_REGS "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39}"
+#define BH_ACC40_OPS "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39])
 // one wgmma of each operand form; I0.. are the operand numbers after the accumulators, whose
 // constraint list comes last
 #define BH_WGMMA_SS_(SHAPE, TYPE, REGS, I0, I1, I2, I3, I4, ...)                                             \
@@ -170,14 +172,19 @@ __device__ __forceinline__ void fence_operands(u32* d) {
 #define BH_WGMMA_RS(SHAPE, TYPE, ...) BH_WGMMA_RS_(SHAPE, TYPE, __VA_ARGS__)
 #define BH_SS16 BH_ACC16_REGS, "16", "17", "18", "19", "20", BH_ACC16_OPS
 #define BH_SS32 BH_ACC32_REGS, "32", "33", "34", "35", "36", BH_ACC32_OPS
+#define BH_SS40 BH_ACC40_REGS, "40", "41", "42", "43", "44", BH_ACC40_OPS
 #define BH_SS64 BH_ACC64_REGS, "64", "65", "66", "67", "68", BH_ACC64_OPS
 #define BH_RS32 BH_ACC32_REGS, "32", "33", "34", "35", "36", "37", "38", BH_ACC32_OPS
 #define BH_RS64 BH_ACC64_REGS, "64", "65", "66", "67", "68", "69", "70", BH_ACC64_OPS
 
 template <int N, bool BF16, int TRANS_A, int TRANS_B>
 __device__ __forceinline__ void wgmma_ss(float* d, u64 desc_a, u64 desc_b, int accumulate) {
-  static_assert(N == 32 || N == 64 || N == 128, "wgmma width");
-  if constexpr (N == 32 && BF16)
+  static_assert(N == 32 || N == 64 || N == 80 || N == 128, "wgmma width");
+  if constexpr (N == 80 && BF16)
+    BH_WGMMA_SS("m64n80k16", "bf16", BH_SS40);
+  else if constexpr (N == 80)
+    BH_WGMMA_SS("m64n80k16", "f16", BH_SS40);
+  else if constexpr (N == 32 && BF16)
     BH_WGMMA_SS("m64n32k16", "bf16", BH_SS16);
   else if constexpr (N == 32)
     BH_WGMMA_SS("m64n32k16", "f16", BH_SS16);

@@ -125,8 +125,10 @@ def _fake_cupy(launches):
             return False
 
     cupy.ndarray, cupy.RawModule, cupy.__version__ = ndarray, RawModule, "stand-in"
+    stream = types.SimpleNamespace(ptr=0)
     cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
-                                      nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)))
+                                      nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)),
+                                      get_current_stream=lambda: stream)
     for name in ("ascontiguousarray", "asarray", "zeros", "empty", "full"):
         setattr(cupy, name, lambda *a, _f=getattr(np, name), **k: wrap(_f(*a, **k)))
     cupy.__getattr__ = lambda name: getattr(np, name)  # the tiled path of wide heads: NumPy functions

@@ -211,6 +211,27 @@ def test_forward_every_sm90_tile_height(d, causal):
         assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max())), f"lse (BM={rows})"
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_tile_counter_resets_on_every_stream(causal):
+    """The sm90 forward's tile counter is made once per stream and zeroed by the kernel itself: calls after
+    the first (the same stream, then another) must still run every tile, and leave the counter at zero."""
+    if _family != "sm90":
+        pytest.skip("the tile counter belongs to the persistent sm90 forward")
+    be = _be()
+    b, s, hq, hkv, d = 1, 1000, 32, 8, 128  # 256 tiles: more than one per SM, so CTAs draw from the counter
+    q, k, v = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv))
+    scale = d ** -0.5
+    ref_o, _, _ = ref_forward(q, k, v, scale, causal)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
+    side = cupy.cuda.Stream(non_blocking=True)
+    for stream in (cupy.cuda.get_current_stream(), cupy.cuda.get_current_stream(), side, side):
+        with stream:
+            o, _ = _run_forward(q, k, v, scale, causal)
+            stream.synchronize()
+            assert cupy.asnumpy(be.kernels.tile_counter()).tolist() == [0, 0], "the counter was left non-zero"
+        _check("o", o, pl_o, ref_o, 2)
+
+
 # ---------------------------------------------------------------- D = 256: the sm90 backward's wide kernels
 # The families with a native D = 256 backward kernel (backward_block routes D = 256 there): the tests below
 # run on these (parametrized, not skipped).

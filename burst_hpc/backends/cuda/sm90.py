@@ -29,6 +29,7 @@ class Sm90Kernels:
     def __init__(self, modules):
         self.modules = modules
         self.forced_tile_height = None
+        self._counters = {}
 
     def tile_heights(self, d):
         """The forward's tile heights (query rows per tile) for head dim d, as its source instantiates them."""
@@ -48,6 +49,18 @@ class Sm90Kernels:
         return min(self.tile_heights(d), key=cost)
 
     # ---- forward ---------------------------------------------------------------------------------------
+    def tile_counter(self):
+        """The forward's tile counter for the current device and stream: two int32 that are zero between
+        launches (the kernel's last CTA zeroes them), made once, so a call allocates and clears nothing.
+        Launches on one stream run one after another; each stream has its own counter."""
+        import cupy
+
+        key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+        counter = self._counters.get(key)
+        if counter is None:
+            counter = self._counters[key] = cupy.zeros(2, np.int32)
+        return counter
+
     def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask):
         import cupy
 
@@ -69,7 +82,7 @@ class Sm90Kernels:
         grid = (min(nmb * b * hq, launch.sm_count()),)
         args = (maps, o, lse, *strides(o)[:3], *strides(lse), np.int32(sq), np.int32(sk), np.int32(b), np.int32(hq),
                 np.int32(hq // hkv), np.float32(scale * LOG2E), np.int64(int(q_start) - int(k_start)),
-                np.int32(hchunk), order, *mask_args(mask, q_start, sq, k_start), cupy.zeros(1, np.int32))
+                np.int32(hchunk), order, *mask_args(mask, q_start, sq, k_start), self.tile_counter())
         kern(grid, (kernel.threads,), args, shared_mem=kernel.smem_bytes)
 
     # ---- backward --------------------------------------------------------------------------------------

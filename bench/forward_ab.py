@@ -1,0 +1,81 @@
+"""The sm90 forward alone, for A/B runs of kernel versions: run it once per checkout (each with its own
+PYTHONPATH), interleaved, in one GPU call, and compare the lines; --torch adds cuDNN's forward on the same
+inputs. Prints `label D S causal TFLOP/s` (bf16, B=1, H=32; median of --reps samples of 5 queued calls).
+
+    PYTHONPATH=$PWD python3 bench/forward_ab.py new --dims 128,64 --seqs 4096,16384 --torch
+    (cd ../base && PYTHONPATH=$PWD python3 ../new/bench/forward_ab.py base --dims 128,64 --seqs 4096,16384)
+"""
+import argparse
+import statistics
+
+import cupy
+import numpy as np
+
+from burst_hpc.backends.cuda import CudaBackend
+
+BF16 = np.dtype("bfloat16")
+HEADS, BATCH = 32, 5
+
+
+def median_ms(record, fn, reps):
+    """Median over reps of (one sample: BATCH queued calls between two events) / BATCH; record(fn) times it."""
+    for _ in range(3):
+        fn()
+    return statistics.median(record(fn) for _ in range(reps))
+
+
+def cupy_sample(fn):
+    a, b = cupy.cuda.Event(), cupy.cuda.Event()
+    a.record()
+    for _ in range(BATCH):
+        fn()
+    b.record()
+    b.synchronize()
+    return cupy.cuda.get_elapsed_time(a, b) / BATCH
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("label")
+    ap.add_argument("--dims", default="128")
+    ap.add_argument("--seqs", default="4096,16384")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--torch", action="store_true", help="also time torch's cuDNN forward")
+    args = ap.parse_args()
+    be = CudaBackend.instance(family="sm90")
+    if args.torch:
+        import torch
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        def torch_sample(fn):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(BATCH):
+                fn()
+            b.record()
+            b.synchronize()
+            return a.elapsed_time(b) / BATCH
+    for d in map(int, args.dims.split(",")):
+        for s in map(int, args.seqs.split(",")):
+            q, k, v = (cupy.random.standard_normal((1, s, HEADS, d), dtype=cupy.float32).astype(BF16) for _ in range(3))
+            o = cupy.zeros((1, s, HEADS, d), cupy.float32)
+            lse = cupy.full((1, HEADS, s), -cupy.inf, cupy.float32)
+            for causal in (False, True):
+                flops = 4 * s * s * HEADS * d / (2 if causal else 1)
+                t = median_ms(cupy_sample, lambda: be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=causal),
+                              args.reps)
+                print(f"{args.label} {d} {s} {int(causal)} {flops / t / 1e9:.1f}", flush=True)
+                if args.torch:
+                    tq, tk, tv = (torch.as_tensor(x.view(cupy.int16), device="cuda").view(torch.bfloat16)
+                                  .transpose(1, 2).contiguous() for x in (q, k, v))
+
+                    def cudnn():
+                        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+                            torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
+
+                    print(f"cudnn {d} {s} {int(causal)} {flops / median_ms(torch_sample, cudnn, args.reps) / 1e9:.1f}",
+                          flush=True)
+
+
+if __name__ == "__main__":
+    main()
