@@ -31,7 +31,7 @@ class RingPasses:
             be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
                              scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
-        run(*_lanes(plan, transport, far), plan.steps("kv", ("q",)), sides, _visits(plan, sides, pair),
+        run(*_lanes(plan, transport, far), plan.steps("kv", ("q",)), sides, _visits(plan, pair),
             skip_compute=skip_compute, on_step=on_step)
         return o.astype(q.dtype), lse.astype(xp.float32)
 
@@ -52,7 +52,7 @@ class RingPasses:
                               q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
                               causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
 
-        run(*_lanes(plan, transport, far), plan.steps(ring, ("kv", "q")), sides, _visits(plan, sides, pair),
+        run(*_lanes(plan, transport, far), plan.steps(ring, ("kv", "q")), sides, _visits(plan, pair),
             skip_compute=skip_compute, on_step=on_step)
         if not cast:
             return dq, dk, dv
@@ -111,22 +111,12 @@ def _add(into, part):
         a += b
 
 
-def _visits(plan, sides, pair):
-    """The engine's compute: a kv visit meets this rank's query side with the visiting keys
-    (the partial holds key-side results), a q visit meets the visiting query side with this
-    rank's keys (the partial holds query-side results). ``pair(p, q_side, kv, q_out, k_out)``
-    runs one block pair."""
-    mine = plan.pieces(plan.scheme.position)
-
-    def compute(visit, data, partial):
-        theirs = plan.pieces(visit.shard)
-        if visit.side == "kv":
-            args = (sides["q"].travelling, data, sides["q"].results, partial)
-            q_pieces, k_pieces = mine, theirs
-        else:
-            args = (data, sides["kv"].travelling, partial, sides["kv"].results)
-            q_pieces, k_pieces = theirs, mine
-        for p in visit_pairs(q_pieces, k_pieces, plan.causal, visit.half, plan.mask):
-            pair(p, *args)
+def _visits(plan, pair):
+    """The engine's compute: every block pair of the visit's query rows against its keys.
+    ``pair(p, q_side, kv, q_out, k_out)`` runs one block pair."""
+    def compute(visit, q_data, kv_data, q_out, k_out):
+        for p in visit_pairs(plan.pieces(visit.q_shard), plan.pieces(visit.kv_shard), plan.causal, visit.rows,
+                             plan.mask):
+            pair(p, q_data, kv_data, q_out, k_out)
 
     return compute

@@ -32,20 +32,27 @@ class Side:
     combine: Callable = None  # combine(into, part): folds a partial into accumulators
 
 
+def uses(visit, side, shard):
+    """Whether ``visit`` reads ``side`` of ``shard``."""
+    return (visit.q_shard if side == "q" else visit.kv_shard) == shard
+
+
 @lru_cache(maxsize=256)
 def lifetimes(steps, rank):
     """What the engine holds and when, read off the schedule (cached: the schedules are): ``ends``
     {step: ((kind, side, shard), ...)} the received shards whose last use (a visit, a send still
-    in flight) ends at that step; ``fresh`` the steps whose visit makes a partial that is sent on;
-    ``peak`` the most buffers of each kind ("data", "partial") alive at once. It follows ``run``:
-    an accumulator lives from the visit that makes it, or from the arrival of a partial for a
-    shard that has none here (a double ring's rail relay, which then keeps the arriving buffer),
-    until its send completes; at a step's end sends complete before receives."""
+    in flight) ends at that step; ``returned`` the (side, shard) partials this rank sends (a visit
+    adds into the one held, or starts one); ``peak`` the most buffers of each kind ("data",
+    "partial") alive at once. It follows ``run``: an accumulator lives from the first visit that
+    adds into it, or from the arrival of a partial for a shard that has none here (a double
+    ring's rail relay, which then keeps the arriving buffer), until its send completes; at a
+    step's end sends complete before receives."""
     def due(t, index):
         return index if t.due is None else t.due
 
-    ends, fresh, live = {}, set(), []   # live: (kind, first step, last step) of every buffer
-    sent, completing = {}, {}           # partial key -> steps posting its sends; step -> completions
+    ends, live = {}, []                 # live: (kind, side, first step, last step) of every buffer
+    completing = {}                     # step -> completions
+    returned = frozenset((t.side, t.shard) for step in steps for t in step.sends if t.what == "partial")
     for index, step in enumerate(steps):
         for t in step.recvs:
             key = (t.what, t.side, t.shard)
@@ -53,7 +60,7 @@ def lifetimes(steps, rank):
             if t.what == "data":
                 for later in range(end + 1, len(steps)):
                     s = steps[later]
-                    if s.visit is not None and (s.visit.side, s.visit.shard) == (t.side, t.shard):
+                    if any(uses(v, t.side, t.shard) for v in s.visits):
                         end = later
                     for u in s.sends:
                         if (u.what, u.side, u.shard) == key:
@@ -61,26 +68,27 @@ def lifetimes(steps, rank):
                 ends.setdefault(end, []).append(key)
             else:
                 completing.setdefault(end, []).append((1, t))
-            live.append((t.what, index, end))
+            live.append((t.what, t.side, index, end))
         for t in step.sends:
             if t.what == "partial":
-                sent.setdefault((t.side, t.shard), []).append(index)
                 completing.setdefault(due(t, index), []).append((0, t))
     held = {}   # partial key -> the step its accumulator was made
     for index, step in enumerate(steps):
-        visit = step.visit
-        if visit is not None and any(i > index for i in sent.get((visit.side, visit.shard), ())):
-            fresh.add(index)
-            held[(visit.side, visit.shard)] = index
+        for visit in step.visits:
+            for key in (("q", visit.q_shard), ("kv", visit.kv_shard)):
+                if key in returned and key not in held:
+                    held[key] = index
         for incoming, t in sorted(completing.get(index, ()), key=lambda c: c[0]):
             key = (t.side, t.shard)
             if not incoming:
-                live.append(("partial", held.pop(key), index))
+                live.append(("partial", t.side, held.pop(key), index))
             elif t.shard != rank and key not in held:
                 held[key] = index + 1   # the arriving buffer, counted as such until now, is kept
-    peak = {kind: max([sum(1 for k, a, b in live if k == kind and a <= i <= b) for i in range(len(steps))] or [0])
+    assert not held, f"partials made and never sent: {sorted(held)}"
+    peak = {kind: sum(max([sum(1 for k, s, a, b in live if (k, s) == (kind, side) and a <= i <= b)
+                           for i in range(len(steps))] or [0]) for side in ("kv", "q"))
             for kind in ("data", "partial")}
-    return {step: tuple(keys) for step, keys in ends.items()}, frozenset(fresh), peak
+    return {step: tuple(keys) for step, keys in ends.items()}, returned, peak
 
 
 class _Pool:
@@ -102,23 +110,39 @@ class _Pool:
 
 def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None):
     """Run this rank's ``steps`` (schedule.Step). ``sides``: {"kv": Side, "q": Side};
-    ``compute(visit, data, partial)`` adds the visit's block pairs into this rank's results and
-    into ``partial`` (the visiting shard's, or this rank's results when it stays here).
-    ``on_step(done, total)``, if given, is called after each step (progress reports).
+    ``compute(visit, q_data, kv_data, q_out, k_out)`` adds the visit's block pairs into the
+    query-side and key-side results ``q_out``, ``k_out`` (this rank's own results, or the partial
+    of another rank's shard). ``on_step(done, total)``, if given, is called after each step
+    (progress reports).
 
     A transfer completes at the end of its ``due`` step (the posting step when None): a plain
     ring's all do; a double ring's transfers over the network run under a whole inner round, on
     the ``far`` transport (the same as ``transport`` where nothing is due later)."""
     rank = transport.rank
     pool = _Pool(transport.xp, sides)
-    ends, fresh, _ = lifetimes(steps, rank)
-    data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard) -> arrays
+    ends, returned, _ = lifetimes(steps, rank)
+    data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard, peer) -> arrays
     waiting = {}                            # step -> [(handle, transfers completed then)]
 
     def payload(t):
         if t.what == "partial":
             return partials[(t.side, t.shard)]
-        return sides[t.side].travelling if t.shard == rank else data[(t.side, t.shard)]
+        return travelling(t.side, t.shard)
+
+    def travelling(side, shard):
+        return sides[side].travelling if shard == rank else data[(side, shard)]
+
+    def results(side, shard):
+        """Where a visit's results for ``side`` of ``shard`` go: this rank's own, or the partial."""
+        key = (side, shard)
+        if key not in returned:   # this rank's own, or a side that is not returned (the forward's keys)
+            assert shard == rank or not sides[side].results, f"results for {key} would go nowhere"
+            return sides[side].results
+        if key not in partials:
+            partials[key] = pool.take("partial", side)
+            for a, fill in zip(partials[key], sides[side].fills):
+                a.fill(fill)
+        return partials[key]
 
     for index, step in enumerate(steps):
         groups = {}   # due step -> (sends, recvs, [(direction, transfer)])
@@ -128,7 +152,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
                 if direction == "out":
                     sends.append((t.peer, payload(t)))
                 else:
-                    key = (t.what, t.side, t.shard)
+                    key = (t.what, t.side, t.shard, t.peer)
                     assert key not in arriving, f"{key} received twice at once"
                     arriving[key] = pool.take("data" if t.what == "data" else "partial", t.side)
                     recvs.append((t.peer, arriving[key]))
@@ -137,17 +161,10 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
             sends, recvs, done = groups[due]
             lane = transport if due == index else far
             waiting.setdefault(due, []).append((lane.exchange(sends, recvs), done))
-        visit = step.visit
-        if visit is not None:
-            key = (visit.side, visit.shard)
-            if index in fresh:
-                partial = partials[key] = pool.take("partial", visit.side)
-                for a, fill in zip(partial, sides[visit.side].fills):
-                    a.fill(fill)
-            else:
-                partial = sides[visit.side].results
+        for visit in step.visits:
+            q_out, k_out = results("q", visit.q_shard), results("kv", visit.kv_shard)
             if not skip_compute:
-                compute(visit, sides[visit.side].travelling if visit.shard == rank else data[key], partial)
+                compute(visit, travelling("q", visit.q_shard), travelling("kv", visit.kv_shard), q_out, k_out)
         done = []
         for handle, transfers in waiting.pop(index, ()):
             handle.wait()
@@ -157,12 +174,13 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
             if direction == "out":
                 if t.what == "partial":
                     pool.give("partial", t.side, partials.pop(key))
-            elif t.what == "data":           # held for this rank's visits and sends
-                data[key] = arriving.pop(("data",) + key)
+                continue
+            part = arriving.pop((t.what, t.side, t.shard, t.peer))
+            if t.what == "data":             # held for this rank's visits and sends
+                data[key] = part
             elif t.shard != rank and key not in partials:   # a relay: the arriving partial is kept
-                partials[key] = arriving.pop(("partial",) + key)
+                partials[key] = part
             else:                            # folded into this rank's results, or its partial of that shard
-                part = arriving.pop(("partial",) + key)
                 sides[t.side].combine(sides[t.side].results if t.shard == rank else partials[key], part)
                 pool.give("partial", t.side, part)
         for _, side, shard in ends.get(index, ()):   # received shards whose last use was this step

@@ -1,0 +1,211 @@
+"""The work-aware schedule of the balanced layout: which rank computes which query rows of which
+(query chunk, key chunk) pair, and at which step, for any mask (causal, documents, windows and
+their compositions), decided on the host from the mask alone.
+
+Contiguous ownership (rank r owns chunk r, natural token order) leaves the work of a chunk pair
+where its tokens are: with packed documents the ranks inside a long document hold ~m/2 chunk
+pairs each while those inside short ones hold ~1/2, and no choice between the two owners can
+move work between documents. So a pair's rows may also run on a third rank: both sides travel
+there and the partials go back to their owners (DistFlashAttn's idea, generalised from the causal
+distance to the visible work of each block pair).
+
+1. Work: ``block_work`` counts the visible (query, key) pairs of every row block (``row_unit``
+   query rows: the kernels' tile height, 128, where the chunk allows) against every key chunk.
+2. Assignment (``assign``): every pair with visible work starts on its *home* rank, the owner
+   of the side that does not travel on a plain ring (the query owner when K/V travel). While a
+   rank holds more than the mean, it hands a run of its last rows to the rank where that costs
+   the fewest new transfers per unit of work moved (the other owner: one side travels and one
+   partial returns; any rank: both sides travel and both partials return), never more than the
+   receiver's spare work, so every rank ends within one row block of the mean.
+3. Steps (``work_plan``): each rank's tasks in order (its local pair first, then the work it
+   does for others, then its own pairs) are cut into ``steps`` pieces of equal work; step 0
+   holds only local work (nothing has arrived yet), as much as every rank has.
+
+Everything is a pure function of (mask, ranks, near side, returned sides), cached, so every rank
+computes the same plan.
+"""
+from functools import lru_cache
+
+import numpy as np
+
+ROW_TILE = 128          # the kernels' tile height: row cuts at its multiples where the chunk allows
+
+
+def row_unit(chunk):
+    """Query rows per row block: ROW_TILE for chunks of at least 8 tiles that it divides, else the
+    largest divisor of the chunk up to chunk / 8 (small test shapes still get split)."""
+    if chunk % ROW_TILE == 0 and chunk >= 8 * ROW_TILE:
+        return ROW_TILE
+    return next(d for d in range(max(1, chunk // 8), 0, -1) if chunk % d == 0)
+
+
+@lru_cache(maxsize=8)
+def block_work(mask, size):
+    """(prefix, unit): prefix[i, b, j] = visible pairs of the first b row blocks of chunk i against
+    key chunk j (int64, shape (size, blocks + 1, size)); ``unit`` rows per block."""
+    chunk = mask.seqlen // size
+    unit = row_unit(chunk)
+    lo, hi = mask.intervals
+    work = np.empty((mask.seqlen // unit, size), np.int64)
+    for j in range(size):
+        k0, k1 = j * chunk, (j + 1) * chunk
+        work[:, j] = np.clip(np.minimum(hi, k1) - np.maximum(lo, k0), 0, None).reshape(-1, unit).sum(1)
+    blocks = chunk // unit
+    prefix = np.zeros((size, blocks + 1, size), np.int64)
+    prefix[:, 1:, :] = np.cumsum(work.reshape(size, blocks, size), axis=1)
+    return prefix, unit
+
+
+# relative cost of starting a transfer between a rank and another: the near side's data is the
+# cheaper to move (it is the side a plain ring moves), a partial is float32
+_DATA_NEAR, _DATA_FAR, _PARTIAL = 1.0, 2.0, 2.0
+
+
+@lru_cache(maxsize=16)
+def assign(mask, size, near, returns):
+    """Every rank's tasks after balancing: a tuple over ranks of tuples (i, j, b0, b1, kind), rows
+    [b0, b1) (row blocks) of query chunk i against key chunk j, ``kind`` 'home', 'owner' (the
+    other owner computes it) or 'helper' (a third rank)."""
+    prefix, _ = block_work(mask, size)
+    blocks = prefix.shape[1] - 1
+    tasks = [[] for _ in range(size)]
+    load = np.zeros(size, np.float64)
+    for i in range(size):
+        for j in range(size):
+            rows = np.flatnonzero(np.diff(prefix[i, :, j]))
+            if rows.size:
+                home = i if near == "kv" else j
+                tasks[home].append([i, j, int(rows[0]), int(rows[-1]) + 1, "home"])
+                load[home] += prefix[i, blocks, j]
+    mean = load.sum() / size
+    held = [{("q", r), ("kv", r)} for r in range(size)]   # data and partials each rank already exchanges
+
+    def cost(h, i, j):
+        c = 0.0
+        for side, shard in (("q", i), ("kv", j)):
+            if (side, shard) not in held[h]:
+                c += (_DATA_NEAR if side == near else _DATA_FAR) + (_PARTIAL if side in returns else 0.0)
+        return c
+
+    def work(i, j, b0, b1):
+        return int(prefix[i, b1, j] - prefix[i, b0, j])
+
+    for _ in range(64 * size * size):
+        donor = int(np.argmax(load))
+        excess = load[donor] - mean
+        if excess <= max(1.0, 1e-3 * mean):
+            break
+        spare = mean - load
+        receivers = [int(h) for h in np.argsort(-spare, kind="stable")[:8] if spare[h] > 0 and h != donor]
+        best = None
+        for index, (i, j, b0, b1, kind) in enumerate(tasks[donor]):
+            if kind != "home":
+                continue
+            w = work(i, j, b0, b1)
+            for h in sorted(set(receivers + [j if near == "kv" else i]) - {donor}):
+                if spare[h] <= 0:
+                    continue
+                amount = min(w, excess, spare[h])
+                score = (cost(h, i, j) / amount, i == j, h, i, j)   # the diagonal pair moves last
+                if best is None or score < best[0]:
+                    best = (score, index, h, amount)
+        if best is None:
+            break
+        _, index, h, amount = best
+        i, j, b0, b1, kind = tasks[donor][index]
+        cut = b1 - 1                                 # move the last rows worth ``amount``, one block at least
+        while cut > b0 and work(i, j, cut - 1, b1) <= amount:
+            cut -= 1
+        moved = work(i, j, cut, b1)
+        if cut == b0:
+            tasks[donor].pop(index)
+        else:
+            tasks[donor][index][3] = cut
+        tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
+        load[donor] -= moved
+        load[h] += moved
+        held[h].update({("q", i), ("kv", j)})
+    return tuple(tuple(tuple(t) for t in rank_tasks) for rank_tasks in tasks)
+
+
+def row_work(mask, size, i, j, lo, hi):
+    """Visible pairs of each query row lo..hi-1 of chunk i against key chunk j (int64 array)."""
+    chunk = mask.seqlen // size
+    first, last = mask.rows(i * chunk + lo, hi - lo)
+    return np.clip(np.minimum(last, (j + 1) * chunk) - np.maximum(first, j * chunk), 0, None)
+
+
+@lru_cache(maxsize=16)
+def work_plan(mask, size, near, returns, steps=None):
+    """Each rank's visits per step: a tuple over ranks of tuples over steps of tuples of
+    (q_shard, kv_shard, row0, row1) (local query rows of the query shard), and the work of each
+    (rank, step) as an int64 array (steps, ranks). ``steps`` defaults to ``default_steps``.
+
+    A rank's tasks run in order: its local pair, the work it does for other ranks (their
+    partials go home early), its own pairs. The step boundaries sit where the work reaches
+    equal shares: at a row block's edge when that is within 2% of a step's work, otherwise at
+    the exact query row (a kernel tile cut short costs less than an uneven step)."""
+    prefix, unit = block_work(mask, size)
+    assigned = assign(mask, size, near, returns)
+    count = default_steps(mask, size, near, returns) if steps is None else steps
+
+    def order(r, task):
+        i, j, b0, b1, kind = task
+        return (not i == j == r, kind == "home", i, j, b0)
+
+    runs = []   # per rank: (i, j, block) units in order, their cumulative work, the local units
+    for r in range(size):
+        units = [(i, j, b) for i, j, b0, b1, _ in sorted(assigned[r], key=lambda t: order(r, t)) for b in range(b0, b1)]
+        weights = np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)
+        runs.append((units, np.concatenate([[0], np.cumsum(weights)]), sum(1 for i, j, _ in units if i == j == r)))
+    totals = [int(cum[-1]) for _, cum, _ in runs]
+    local = [int(cum[n]) for _, cum, n in runs]
+    first = min(min(local), min(totals) // count) if count > 1 else 0
+    plan, work = [], np.zeros((count, size), np.int64)
+    for r, (units, cum, locals_end) in enumerate(runs):
+        share = (totals[r] - first) / max(1, count - 1)
+        cuts = [(0, 0, 0)]   # (unit index, rows into it, work before the cut)
+        for t in range(count - 1):
+            target = first + share * t
+            if t == 0:
+                target = min(target, cum[locals_end])
+            u = min(int(np.searchsorted(cum, target, side="right")) - 1, len(units) - 1)
+            if u < 0 or not units:
+                cuts.append((0, 0, 0))
+                continue
+            tolerance = 0.02 * max(share, 1.0)
+            if target - cum[u] <= tolerance or cum[u + 1] - target <= tolerance:
+                u += 1 if cum[u + 1] - target < target - cum[u] else 0
+                cut = (u, 0, int(cum[u]))
+            else:
+                i, j, b = units[u]
+                rows = np.concatenate([[0], np.cumsum(row_work(mask, size, i, j, b * unit, (b + 1) * unit))])
+                x = int(np.argmin(np.abs(cum[u] + rows - target)))
+                cut = (u, x, int(cum[u] + rows[x]))
+            cuts.append(max(cuts[-1], cut))
+        cuts.append((len(units), 0, totals[r]))
+        per_step = []
+        for t in range(count):
+            (u0, x0, w0), (u1, x1, w1) = cuts[t], cuts[t + 1]
+            visits = []
+            for u in range(u0, min(u1 + 1, len(units))):
+                i, j, b = units[u]
+                lo = b * unit + (x0 if u == u0 else 0)
+                hi = b * unit + (x1 if u == u1 else unit)
+                if lo >= hi:
+                    continue
+                if visits and visits[-1][:2] == (i, j) and visits[-1][3] == lo:
+                    visits[-1] = (i, j, visits[-1][2], hi)
+                else:
+                    visits.append((i, j, lo, hi))
+            per_step.append(tuple(visits))
+            work[t, r] = w1 - w0
+        plan.append(tuple(per_step))
+    work.setflags(write=False)
+    return tuple(plan), work
+
+
+def default_steps(mask, size, near, returns):
+    """The number of steps: as many as the plain ring's (each step's transfers then about one
+    shard's, behind a share of the work like a ring step's)."""
+    return size
