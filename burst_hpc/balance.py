@@ -141,8 +141,9 @@ def work_plan(mask, size, near, returns, steps=None):
     (q_shard, kv_shard, row0, row1) (local query rows of the query shard), and the work of each
     (rank, step) as an int64 array (steps, ranks). ``steps`` defaults to ``default_steps``.
 
-    A rank's tasks run in order: its local pair, the work it does for other ranks (their
-    partials go home early), its own pairs. The step boundaries sit where the work reaches
+    A rank's tasks run in order: the first rows of its local pair (step 0: nothing has arrived
+    yet), the work it does for other ranks (their partials go home early), its own pairs, the
+    rest of its local pair (while the last partials go home). The step boundaries sit where the work reaches
     equal shares: at a row block's edge when that is within 2% of a step's work, otherwise at
     the exact query row (a kernel tile cut short costs less than an uneven step)."""
     prefix, unit = block_work(mask, size)
@@ -151,16 +152,22 @@ def work_plan(mask, size, near, returns, steps=None):
 
     def order(r, task):
         i, j, b0, b1, kind = task
-        return (not i == j == r, kind == "home", i, j, b0)
+        return (kind == "home", i, j, b0)
 
-    runs = []   # per rank: (i, j, block) units in order, their cumulative work, the local units
+    runs = []   # per rank: (i, j, block) units in order, their cumulative work, the units of step 0
     for r in range(size):
-        units = [(i, j, b) for i, j, b0, b1, _ in sorted(assigned[r], key=lambda t: order(r, t)) for b in range(b0, b1)]
-        weights = np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)
-        runs.append((units, np.concatenate([[0], np.cumsum(weights)]), sum(1 for i, j, _ in units if i == j == r)))
-    totals = [int(cum[-1]) for _, cum, _ in runs]
-    local = [int(cum[n]) for _, cum, n in runs]
-    first = min(min(local), min(totals) // count) if count > 1 else 0
+        local = [(r, r, b) for i, j, b0, b1, _ in assigned[r] if i == j == r for b in range(b0, b1)]
+        others = [(i, j, b) for i, j, b0, b1, _ in sorted(assigned[r], key=lambda t: order(r, t))
+                  if not i == j == r for b in range(b0, b1)]
+        runs.append((local, others))
+    weight = lambda units: np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)  # noqa: E731
+    totals = [int(weight(local).sum() + weight(others).sum()) for local, others in runs]
+    first = min(min(int(weight(local).sum()) for local, _ in runs), min(totals) // count) if count > 1 else 0
+    for r, (local, others) in enumerate(runs):   # the local pair: step 0's work first, the rest last
+        cum = np.cumsum(weight(local))
+        split = int(np.searchsorted(cum, first, side="left")) + 1 if first else 0
+        units = local[:split] + others + local[split:]
+        runs[r] = (units, np.concatenate([[0], np.cumsum(weight(units))]), min(split, len(local)))
     plan, work = [], np.zeros((count, size), np.int64)
     for r, (units, cum, locals_end) in enumerate(runs):
         share = (totals[r] - first) / max(1, count - 1)
@@ -206,6 +213,10 @@ def work_plan(mask, size, near, returns, steps=None):
 
 
 def default_steps(mask, size, near, returns):
-    """The number of steps: as many as the plain ring's (each step's transfers then about one
-    shard's, behind a share of the work like a ring step's)."""
-    return size
+    """The number of steps: each about half a full chunk pair's work (a plain causal ring's step:
+    P steps), at least 4 (a step to receive, steps to compute, a step for partials to go home)
+    and at most P."""
+    prefix, _ = block_work(mask, size)
+    chunk = mask.seqlen // size
+    mean = prefix[:, -1, :].sum() / size
+    return int(min(size, max(4, round(mean / (chunk * chunk / 2)))))

@@ -323,3 +323,49 @@ def peak_memory(scheme, pr, cl, backward=False):
         near, returns = "kv", ("q",)
     buffers = dict(lifetimes(_schedule(scheme, cl, near, returns), 0)[2], side=near)
     return inputs + extra + _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A pass predicted step by step from its schedule (``step_prediction``)."""
+    time: float          # seconds: every step the larger of its busiest rank's compute and transfers
+    compute: float       # seconds of the critical path's kernels (the busiest rank of every step)
+    mean: float          # seconds of the mean rank's kernels
+    steps: int
+
+    @property
+    def exposed(self):
+        """Share of the time spent waiting for transfers."""
+        return max(0.0, self.time - self.compute) / self.time if self.time else 0.0
+
+    @property
+    def imbalance(self):
+        """Critical path over mean work."""
+        return self.compute / self.mean if self.mean else 1.0
+
+
+def step_prediction(pr, ranks, rates, layout, mask, backward=False, per_node=8):
+    """The pass over ``ranks`` GPUs (``per_node`` a node) in ``layout``, from its schedule's own
+    account (workload.py): at each step the busiest rank's kernels (the critical path, not the
+    mean) against the most bytes any rank sends or receives then, over NVLink inside a node and
+    the network between nodes."""
+    from .accounting import transfer_bytes
+    from .workload import schedule_traffic, work_of
+
+    direction = "backward" if backward else "forward"
+    work = work_of(pr.seqlen, ranks, pr.causal, mask, layout, direction)
+    F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
+    per_pair = attention_flops(pr.batch, pr.heads, pr.head_dim, 1.0, backward) / F
+    sizes = transfer_bytes(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, backward)
+    intra, inter = _link(rates, False), _link(rates, True)
+    remote = schedule_traffic(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
+    time = 0.0
+    for t in range(work.shape[0]):
+        comm = 0.0
+        for r in range(ranks):
+            for link, far in ((intra, False), (inter, True)):
+                for direction_ in (0, 1):
+                    nbytes = sum(sizes[key] * pr.batch * counts[far][direction_][t, r] for key, counts in remote.items())
+                    comm = max(comm, link(nbytes))
+        time += max(work[t].max() * per_pair, comm)
+    return StepPrediction(time, work.max(1).sum() * per_pair, work.sum() / ranks * per_pair, work.shape[0])

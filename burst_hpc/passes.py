@@ -5,6 +5,8 @@ all-to-alls over heads inside the node (ulysses.py). ``for_plan`` picks one from
 
 Each pass takes the modes the benchmark hook needs: ``skip_compute`` (exchanges alone), ``transport``
 and ``far`` (counting or no-exchange transports in place of the plan's), ``on_step`` (progress)."""
+from dataclasses import replace
+
 from . import ulysses
 from .merge import merge_into
 from .ring import Side, run
@@ -25,7 +27,8 @@ class RingPasses:
         o = xp.zeros(q.shape, plan.acc)
         lse = xp.full((q.shape[0], q.shape[2], q.shape[1]), -xp.inf, plan.acc)
         sides = {"kv": Side(_contiguous(xp, k, v), []),
-                 "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part))}
+                 "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part),
+                           results_axes=(1, 2))}
 
         def pair(p, q_side, kv, q_out, _k_out):
             be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
@@ -44,7 +47,8 @@ class RingPasses:
         delta = be.delta(do, o) if delta is None else delta
         dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
         sides = {"kv": Side(_contiguous(xp, k, v), [dk, dv], (0, 0), _add),
-                 "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add)}
+                 "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add,
+                           travelling_axes=(1, 1, 2, 2))}
 
         def pair(p, q_side, kv, q_out, k_out):
             q_, do_, lse_, delta_ = q_side
@@ -114,9 +118,11 @@ def _add(into, part):
 def _visits(plan, pair):
     """The engine's compute: every block pair of the visit's query rows against its keys.
     ``pair(p, q_side, kv, q_out, k_out)`` runs one block pair."""
-    def compute(visit, q_data, kv_data, q_out, k_out):
+    def compute(visit, q_data, kv_data, q_out, k_out, offset):
         for p in visit_pairs(plan.pieces(visit.q_shard), plan.pieces(visit.kv_shard), plan.causal, visit.rows,
                              plan.mask):
+            if offset:   # q_data and q_out hold the rows from ``offset`` on
+                p = replace(p, q=slice(p.q.start - offset, p.q.stop - offset))
             pair(p, q_data, kv_data, q_out, k_out)
 
     return compute

@@ -120,6 +120,7 @@ class Transfer:
     side: str            # the side that travels, or the side whose results the partial holds
     shard: int           # whose tokens
     due: int = None      # the step at whose end it completes (None: the step that posts it)
+    rows: tuple = None   # (lo, hi): only these local rows of the query side (None: the whole shard)
 
 
 @dataclass(frozen=True)
@@ -180,24 +181,35 @@ def plain_ring_steps(rank, size, side, returns, count=None):
 @lru_cache(maxsize=16)
 def work_transfers(mask, size, near, returns):
     """The balanced schedule's transfers, for every rank: (steps, [(step, sender, receiver, what, side,
-    shard)]). Data goes straight from its owner to the rank that computes with it, posted the step
+    shard, rows)]). Data goes straight from its owner to the rank that computes with it, posted the step
     before its first use; a partial goes straight to its owner the step after its last contribution
-    (one step more than the plan's when a partial is made at the last)."""
+    (one step more than the plan's when a partial is made at the last). The query side moves only
+    the rows the receiving rank computes with, and its partial holds only those."""
     plan, _ = balance.work_plan(mask, size, near, returns)
+    chunk = mask.seqlen // size
     first, last = {}, {}   # (computing rank, side, shard) -> first use; the same -> last contribution
+    rows = {}              # (computing rank, "q", shard) -> the query rows it needs of that shard
     for c in range(size):
         for t, visits in enumerate(plan[c]):
-            for i, j, _, _ in visits:
+            for i, j, lo, hi in visits:
                 for side, shard in (("q", i), ("kv", j)):
                     if shard != c:
                         first.setdefault((c, side, shard), t)
                         if side in returns:
                             last[(c, side, shard)] = t
+                if i != c:
+                    a, b = rows.get((c, "q", i), (lo, hi))
+                    rows[(c, "q", i)] = (min(a, lo), max(b, hi))
+
+    def cut(key):
+        r = rows.get(key)
+        return None if r is None or r == (0, chunk) else r
+
     count = len(plan[0]) + (1 if any(t + 1 == len(plan[0]) for t in last.values()) else 0)
-    moves = [(t - 1, shard, c, "data", side, shard) for (c, side, shard), t in first.items()]
-    moves += [(t + 1, c, shard, "partial", side, shard) for (c, side, shard), t in last.items()]
+    moves = [(t - 1, shard, c, "data", side, shard, cut((c, side, shard))) for (c, side, shard), t in first.items()]
+    moves += [(t + 1, c, shard, "partial", side, shard, cut((c, side, shard))) for (c, side, shard), t in last.items()]
     assert all(m[0] >= 0 for m in moves), "step 0 needs data from another rank"
-    return count, tuple(sorted(moves))
+    return count, tuple(sorted(moves, key=lambda m: m[:6]))
 
 
 @lru_cache(maxsize=256)
@@ -209,11 +221,11 @@ def work_steps(rank, size, near, returns, mask):
     count, moves = work_transfers(mask, size, near, returns)
     chunk = mask.seqlen // size
     sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]
-    for t, sender, receiver, what, side, shard in moves:
+    for t, sender, receiver, what, side, shard, rows in moves:
         if sender == rank:
-            sends[t].append(Transfer(receiver, what, side, shard))
+            sends[t].append(Transfer(receiver, what, side, shard, None, rows))
         if receiver == rank:
-            recvs[t].append(Transfer(sender, what, side, shard))
+            recvs[t].append(Transfer(sender, what, side, shard, None, rows))
     mine = list(plan[rank]) + [()] * (count - len(plan[rank]))
     return tuple(_step([Visit(i, j, None if (lo, hi) == (0, chunk) else (lo, hi)) for i, j, lo, hi in mine[t]],
                        sends[t], recvs[t]) for t in range(count))

@@ -119,11 +119,10 @@ class CountingPool(ring._Pool):
         super().__init__(xp, sides)
         self.made = {"data": 0, "partial": 0}
 
-    def take(self, kind, side):
-        spare = self.free.get((kind, side))
-        if not spare:
+    def take(self, kind, side, rows=None):
+        if not self.free.get((kind, side, ring.size_class(rows))):
             self.made[kind] += 1
-        return super().take(kind, side)
+        return super().take(kind, side, rows)
 
 
 def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
@@ -135,16 +134,18 @@ def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
     def rank_main(r):
         try:
             n = sum(length for _, length in pieces_of(r))
-            sides = {"q": ring.Side([np.full(1, r)], [np.zeros((n, seqlen))], (0,), _add),
-                     "kv": ring.Side([np.full(1, r)], [np.zeros((n, seqlen))] if "kv" in returns else [], (0,), _add)}
-            def compute(visit, q_data, kv_data, q_out, k_out):
-                assert q_data[0][0] == visit.q_shard and kv_data[0][0] == visit.kv_shard, (r, visit)
+            sides = {"q": ring.Side([np.full((n, 2), r)], [np.zeros((n, seqlen))], (0,), _add, (0,), (0,)),
+                     "kv": ring.Side([np.full((n, 2), r)], [np.zeros((n, seqlen))] if "kv" in returns else [], (0,),
+                                     _add, (0,), (0,))}
+            def compute(visit, q_data, kv_data, q_out, k_out, offset):
+                assert (q_data[0] == visit.q_shard).all() and (kv_data[0] == visit.kv_shard).all(), (r, visit)
+                assert len(q_data[0]) == len(q_out[0]) and (visit.rows is None or len(q_data[0]) >= visit.rows[1] - offset)
                 q_pos = [s + i for s, m in pieces_of(visit.q_shard) for i in range(m)]
                 k_pos = [s + i for s, m in pieces_of(visit.kv_shard) for i in range(m)]
                 for p in visit_pairs(pieces_of(visit.q_shard), pieces_of(visit.kv_shard), causal, visit.rows, mask):
                     for a, b in itertools.product(range(p.q.start, p.q.stop), range(p.k.start, p.k.stop)):
                         if not p.causal or visible(mask, causal, q_pos[a], k_pos[b]):
-                            q_out[0][a, k_pos[b]] += 1
+                            q_out[0][a - offset, k_pos[b]] += 1
                             if k_out:
                                 k_out[0][b, q_pos[a]] += 1
 
