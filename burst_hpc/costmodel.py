@@ -189,7 +189,7 @@ def fits(scheme, pr, cl, layout="zigzag"):
     if scheme == "ring":
         return None
     try:
-        check_node_layout(scheme, layout, pr.causal)
+        check_node_layout(scheme, layout, pr.causal, masked=pr.visible is not None)
         if scheme == "ulysses_ring":
             ulysses_heads(pr.heads, pr.kv_heads, cl.per_node)
     except BurstError as e:

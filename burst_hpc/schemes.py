@@ -51,7 +51,7 @@ class DoubleRing(Flat):
     name = "double_ring"
 
     def __init__(self, topo, seqlen, layout, causal, mask):
-        check_node_layout(self.name, layout, causal, mask)
+        check_node_layout(self.name, layout, causal, mask is not None)
         super().__init__(topo.ordered, seqlen, layout, causal, mask, topo)
         self.far_comm = topo.far
 
@@ -72,7 +72,7 @@ class UlyssesRing(Flat):
     name = "ulysses_ring"
 
     def __init__(self, topo, seqlen, layout, causal, mask):
-        check_node_layout(self.name, layout, causal, mask)
+        check_node_layout(self.name, layout, causal, mask is not None)
         super().__init__(topo.rail, seqlen, layout, causal, mask, topo)
         self.ranks = topo.nodes * topo.per_node
 
@@ -89,8 +89,9 @@ class UlyssesRing(Flat):
         return plain_ring_steps(self.position, nodes, near, returns, count)
 
 
-def check_node_layout(name, layout, causal, mask=None):
-    if layout == "balanced" and (causal or mask is not None):
+def check_node_layout(name, layout, causal, masked=False):
+    """Refuse the balanced layout's work-aware schedule (causal, documents, windows) off the flat ring."""
+    if layout == "balanced" and (causal or masked):
         raise LayoutError(f"scheme {name!r} works with the zigzag and contiguous layouts; the balanced layout's "
                           f"schedule (causal, documents, windows) runs on the flat ring (scheme='ring')")
 
