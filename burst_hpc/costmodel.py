@@ -9,8 +9,10 @@
 
 Each scheme is a sequence of steps; a step costs the larger of its compute and the transfer on
 each link class it uses (they run concurrently), and what cannot overlap is added: Ulysses'
-all-to-alls and the last partials going home. Work is assumed balanced over ranks (zigzag for
-causal). Exposed communication = predicted time - compute alone.
+all-to-alls and the last partials going home. The kernels' time is the critical path (the
+busiest rank of every step, Problem.imbalance from the schedule's own account, workload.py),
+not the mean. Exposed communication = predicted time - compute alone. ``step_prediction``
+follows a flat ring's schedule step by step instead (any layout, the balanced one included).
 """
 from dataclasses import dataclass, replace
 
@@ -52,6 +54,8 @@ class Problem:
     visible: float = None    # share of the S x S scores that is visible; None: 1/2 causal, 1 otherwise
     reach: int = None        # how far back (tokens) a query sees, with a window (contiguous layout):
                              # the ring runs only the steps that reach has work in
+    imbalance: float = 1.0   # critical path over mean work (workload.schedule_work): what the ring
+                             # waits for is the busiest rank of every step, not the mean
 
     @property
     def share(self):
@@ -120,7 +124,7 @@ def predict_pass(scheme, pr, cl, rates, backward=False):
     P, N, w = cl.ranks, cl.nodes, cl.per_node
     n = pr.seqlen / P
     F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
-    total = pr.flops(backward) / P / F             # one rank's kernels, balanced
+    total = pr.flops(backward) / P / F * pr.imbalance   # the critical path of the kernels
     intra, inter = _link(rates, False), _link(rates, N > 1)
     data, partial = token_bytes(pr, backward)
     shard = pr.batch * n
@@ -269,8 +273,18 @@ def pick_for_call(topo, layout, causal, mask, q_shape, kv_heads, itemsize, backw
     reach = None
     if mask is not None and mask.window is not None and mask.window[0] >= 0 and layout == "contiguous":
         reach = mask.window[0]
-    pr = Problem(b, local * cl.ranks, hq, kv_heads, d, itemsize, causal, share, reach)
+    pr = Problem(b, local * cl.ranks, hq, kv_heads, d, itemsize, causal, share, reach, imbalance(mask, cl.ranks, layout))
     return pick(pr, cl, rates_for(backend, device_name), layout, backward)
+
+
+def imbalance(mask, ranks, layout):
+    """Critical path over mean work of the flat ring's schedule of ``mask`` (1 without one)."""
+    if mask is None:
+        return 1.0
+    from .workload import work_of
+
+    work = work_of(mask.seqlen, ranks, mask.causal, mask, layout, "forward")
+    return float(work.max(axis=1).sum() * ranks / max(1, work.sum()))
 
 
 def _schedule(scheme, cl, near, returns):
