@@ -326,10 +326,11 @@ def build_parser():
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="which tokens each rank owns: contiguous (rank r: chunk r of P; S a multiple of P) or "
                    "zigzag (rank r: chunks r and 2P-1-r of 2P, balanced causal work; S a multiple of 2P) or "
-                   "balanced (contiguous ownership in natural token order, causal work balanced by ranks "
-                   "computing block pairs for each other: the pick for causal runs on data whose order matters "
-                   "elsewhere; S a multiple of P) (default: zigzag with --causal, else contiguous; with documents or --window contiguous, "
-                   "unless zigzag's busiest rank has clearly less work)")
+                   "balanced (contiguous ownership in natural token order, the visible work of causal, documents "
+                   "and windows balanced by ranks computing pieces of block pairs for each other; S a multiple "
+                   "of P) (default: zigzag with --causal, else contiguous; with documents or --window balanced "
+                   "when it shortens the critical path by 20%%, else contiguous unless zigzag's busiest rank has "
+                   "clearly less work)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
                    "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else mpi when the MPI is "
