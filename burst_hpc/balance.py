@@ -56,17 +56,26 @@ def block_work(mask, size):
     return prefix, unit
 
 
-# relative cost of starting a transfer between a rank and another: the near side's data is the
-# cheaper to move (it is the side a plain ring moves), a partial is float32
-_DATA_NEAR, _DATA_FAR, _PARTIAL = 1.0, 2.0, 2.0
+# bytes per token of what travels when a rank computes for another (bf16, GQA 8:1 at D = 128,
+# the common training shape; only their ratios matter): a query row and its float32 partial, a key
+# chunk's K/V and its float32 dK/dV; a transfer between nodes costs REMOTE times one inside a node
+_Q_ROW, _Q_PARTIAL, _KV_ROW, _KV_PARTIAL = 16.0, 33.0, 4.0, 8.0
+REMOTE = 6.0
 
 
 @lru_cache(maxsize=16)
-def assign(mask, size, near, returns):
+def assign(mask, size, near, returns, nodes=None):
     """Every rank's tasks after balancing: a tuple over ranks of tuples (i, j, b0, b1, kind), rows
     [b0, b1) (row blocks) of query chunk i against key chunk j, ``kind`` 'home', 'owner' (the
-    other owner computes it) or 'helper' (a third rank)."""
-    prefix, _ = block_work(mask, size)
+    other owner computes it) or 'helper' (a third rank). ``nodes``: the node of each rank (None:
+    one node); moves inside a node are preferred as the network is slower.
+
+    Each move takes the last rows of one of the busiest rank's own pairs, as much work as it has
+    over the mean and the receiver has under it, to the receiver where it costs the fewest bytes
+    per unit of work: the query rows and their partial, and the key chunk (and its partial) when
+    the receiver does not hold it yet."""
+    prefix, unit = block_work(mask, size)
+    chunk = mask.seqlen // size
     blocks = prefix.shape[1] - 1
     tasks = [[] for _ in range(size)]
     load = np.zeros(size, np.float64)
@@ -78,17 +87,16 @@ def assign(mask, size, near, returns):
                 tasks[home].append([i, j, int(rows[0]), int(rows[-1]) + 1, "home"])
                 load[home] += prefix[i, blocks, j]
     mean = load.sum() / size
-    held = [{("q", r), ("kv", r)} for r in range(size)]   # data and partials each rank already exchanges
+    held = [{("kv", r)} for r in range(size)]   # the key chunks each rank holds or will receive
+    node = nodes or (0,) * size
+    q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
+    kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
 
-    def cost(h, i, j):
-        c = 0.0
-        for side, shard in (("q", i), ("kv", j)):
-            if (side, shard) not in held[h]:
-                c += (_DATA_NEAR if side == near else _DATA_FAR) + (_PARTIAL if side in returns else 0.0)
-        return c
-
-    def work(i, j, b0, b1):
-        return int(prefix[i, b1, j] - prefix[i, b0, j])
+    def cut_for(i, j, b0, b1, amount):
+        """The first row block of the task's last rows worth at most ``amount`` (one block at least)."""
+        column = prefix[i, :, j]
+        cut = int(np.searchsorted(column, column[b1] - amount, side="left"))
+        return min(max(cut, b0), b1 - 1)
 
     for _ in range(64 * size * size):
         donor = int(np.argmax(load))
@@ -96,27 +104,31 @@ def assign(mask, size, near, returns):
         if excess <= max(1.0, 1e-3 * mean):
             break
         spare = mean - load
-        receivers = [int(h) for h in np.argsort(-spare, kind="stable")[:8] if spare[h] > 0 and h != donor]
+        order = np.argsort(-spare, kind="stable")
+        near_ranks = [int(h) for h in order if node[h] == node[donor]][:4]
+        receivers = {int(h) for h in order[:8]} | set(near_ranks)
         best = None
         for index, (i, j, b0, b1, kind) in enumerate(tasks[donor]):
             if kind != "home":
                 continue
-            w = work(i, j, b0, b1)
-            for h in sorted(set(receivers + [j if near == "kv" else i]) - {donor}):
+            for h in sorted((receivers | {j if near == "kv" else i}) - {donor}):
                 if spare[h] <= 0:
                     continue
-                amount = min(w, excess, spare[h])
-                score = (cost(h, i, j) / amount, i == j, h, i, j)   # the diagonal pair moves last
+                amount = min(prefix[i, b1, j] - prefix[i, b0, j], excess, spare[h])
+                cut = cut_for(i, j, b0, b1, amount)
+                moved = prefix[i, b1, j] - prefix[i, cut, j]
+                if moved <= 0:
+                    continue
+                nbytes = (q_row * (b1 - cut) * unit if h != i else 0.0) * (REMOTE if node[h] != node[i] else 1.0)
+                if ("kv", j) not in held[h]:
+                    nbytes += kv_chunk * (REMOTE if node[h] != node[j] else 1.0)
+                score = (nbytes / moved, i == j, h, i, j)   # the diagonal pair moves last
                 if best is None or score < best[0]:
-                    best = (score, index, h, amount)
+                    best = (score, index, h, cut, moved)
         if best is None:
             break
-        _, index, h, amount = best
+        _, index, h, cut, moved = best
         i, j, b0, b1, kind = tasks[donor][index]
-        cut = b1 - 1                                 # move the last rows worth ``amount``, one block at least
-        while cut > b0 and work(i, j, cut - 1, b1) <= amount:
-            cut -= 1
-        moved = work(i, j, cut, b1)
         if cut == b0:
             tasks[donor].pop(index)
         else:
@@ -124,7 +136,7 @@ def assign(mask, size, near, returns):
         tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
         load[donor] -= moved
         load[h] += moved
-        held[h].update({("q", i), ("kv", j)})
+        held[h].add(("kv", j))
     return tuple(tuple(tuple(t) for t in rank_tasks) for rank_tasks in tasks)
 
 
@@ -136,7 +148,7 @@ def row_work(mask, size, i, j, lo, hi):
 
 
 @lru_cache(maxsize=16)
-def work_plan(mask, size, near, returns, steps=None):
+def work_plan(mask, size, near, returns, steps=None, nodes=None):
     """Each rank's visits per step: a tuple over ranks of tuples over steps of tuples of
     (q_shard, kv_shard, row0, row1) (local query rows of the query shard), and the work of each
     (rank, step) as an int64 array (steps, ranks). ``steps`` defaults to ``default_steps``.
@@ -147,7 +159,7 @@ def work_plan(mask, size, near, returns, steps=None):
     equal shares: at a row block's edge when that is within 2% of a step's work, otherwise at
     the exact query row (a kernel tile cut short costs less than an uneven step)."""
     prefix, unit = block_work(mask, size)
-    assigned = assign(mask, size, near, returns)
+    assigned = assign(mask, size, near, returns, nodes)
     count = default_steps(mask, size, near, returns) if steps is None else steps
 
     def order(r, task):

@@ -367,7 +367,7 @@ def step_prediction(pr, ranks, rates, layout, mask, backward=False, per_node=8):
     from .workload import schedule_traffic, work_of
 
     direction = "backward" if backward else "forward"
-    work = work_of(pr.seqlen, ranks, pr.causal, mask, layout, direction)
+    work = work_of(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
     F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
     per_pair = attention_flops(pr.batch, pr.heads, pr.head_dim, 1.0, backward) / F
     sizes = transfer_bytes(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, backward)

@@ -143,13 +143,15 @@ def ring_visit(side, rank, shard):
 
 
 @lru_cache(maxsize=256)
-def steps(layout, causal, rank, size, near, returns, mask=None, seqlen=None):
+def steps(layout, causal, rank, size, near, returns, mask=None, seqlen=None, nodes=None):
     """This rank's steps. ``near``: the side that travels on a plain ring, and the cheaper side
     for the balanced schedule to move; ``returns``: the sides whose partials go back to their
     owners; ``mask``: a masks.Mask (documents, window) or None; ``seqlen`` the sequence length
-    (the balanced schedule of a plain causal mask needs it)."""
+    (the balanced schedule of a plain causal mask needs it); ``nodes`` the node of each rank (the
+    balanced schedule keeps its moves inside nodes where it can; None: one node)."""
     if layout == "balanced" and size > 1 and (causal or mask is not None):
-        return work_steps(rank, size, near, returns, mask if mask is not None else masks.Mask(seqlen, True, None, None))
+        return work_steps(rank, size, near, returns, mask if mask is not None else masks.Mask(seqlen, True, None, None),
+                          nodes)
     return plain_ring_steps(rank, size, near, returns, masks.ring_steps(mask, size, layout, near == "q"))
 
 
@@ -179,13 +181,13 @@ def plain_ring_steps(rank, size, side, returns, count=None):
 
 
 @lru_cache(maxsize=16)
-def work_transfers(mask, size, near, returns):
+def work_transfers(mask, size, near, returns, nodes=None):
     """The balanced schedule's transfers, for every rank: (steps, [(step, sender, receiver, what, side,
     shard, rows)]). Data goes straight from its owner to the rank that computes with it, posted the step
     before its first use; a partial goes straight to its owner the step after its last contribution
     (one step more than the plan's when a partial is made at the last). The query side moves only
     the rows the receiving rank computes with, and its partial holds only those."""
-    plan, _ = balance.work_plan(mask, size, near, returns)
+    plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
     chunk = mask.seqlen // size
     first, last = {}, {}   # (computing rank, side, shard) -> first use; the same -> last contribution
     rows = {}              # (computing rank, "q", shard) -> the query rows it needs of that shard
@@ -213,12 +215,12 @@ def work_transfers(mask, size, near, returns):
 
 
 @lru_cache(maxsize=256)
-def work_steps(rank, size, near, returns, mask):
+def work_steps(rank, size, near, returns, mask, nodes=None):
     """The balanced schedule seen by ``rank`` (balance.work_plan: any mask, contiguous shards):
     each step's visits of chunk pieces, the data they need arriving the step before from its
     owner, each partial sent straight home after the last visit adding to it."""
-    plan, _ = balance.work_plan(mask, size, near, returns)
-    count, moves = work_transfers(mask, size, near, returns)
+    plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
+    count, moves = work_transfers(mask, size, near, returns, nodes)
     chunk = mask.seqlen // size
     sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]
     for t, sender, receiver, what, side, shard, rows in moves:

@@ -44,7 +44,15 @@ class Flat:
         return tuple(pieces(self.seqlen, position, self.size, self.layout))
 
     def steps(self, near, returns):
-        return flat_steps(self.layout, self.causal, self.position, self.size, near, returns, self.mask, self.seqlen)
+        return flat_steps(self.layout, self.causal, self.position, self.size, near, returns, self.mask, self.seqlen,
+                          self.nodes())
+
+    def nodes(self):
+        """The node of each rank of ``comm`` (None: unknown, or one node)."""
+        if self.topo is None or self.topo.nodes == 1:
+            return None
+        layout = self.topo.layout
+        return tuple(layout.node_of(layout.position(r)) for r in range(self.size))
 
 
 class DoubleRing(Flat):

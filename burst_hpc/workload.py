@@ -47,10 +47,12 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
 
 
 @lru_cache(maxsize=32)
-def work_of(seqlen, size, causal, mask, layout, direction):
-    """schedule_work on checked arguments (``mask`` a masks.Mask or None), cached and read-only."""
+def work_of(seqlen, size, causal, mask, layout, direction, per_node=None):
+    """schedule_work on checked arguments (``mask`` a masks.Mask or None; ``per_node`` ranks a node,
+    rank order node by node: None, one node), cached and read-only."""
     near, returns = DIRECTIONS[direction]
-    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen) for r in range(size)]
+    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, node_list(size, per_node))
+             for r in range(size)]
     counter = mask if mask is not None else masks.Mask(seqlen, causal, None, None)
     work = np.zeros((max(len(p) for p in plans), size), np.int64)
     for r, plan in enumerate(plans):
@@ -58,6 +60,13 @@ def work_of(seqlen, size, causal, mask, layout, direction):
             work[t, r] = sum(visit_work(counter, seqlen, size, layout, v) for v in step.visits)
     work.setflags(write=False)
     return work
+
+
+def node_list(size, per_node):
+    """The node of each rank when ranks fill nodes of ``per_node`` in order (None: one node)."""
+    if per_node is None or per_node >= size:
+        return None
+    return tuple(r // per_node for r in range(size))
 
 
 def visit_work(mask, seqlen, size, layout, visit):
@@ -76,7 +85,8 @@ def schedule_traffic(seqlen, size, causal, mask, layout, direction, per_node=Non
     kind of transfer and link: {(what, side): ((sent, received) inside the node, (sent, received)
     between nodes)}, int64 arrays (steps, ranks); ``per_node`` ranks a node (None: one node)."""
     near, returns = DIRECTIONS[direction]
-    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen) for r in range(size)]
+    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, node_list(size, per_node))
+             for r in range(size)]
     count = max(len(p) for p in plans)
     out = {}
     tokens = seqlen // size
