@@ -42,7 +42,8 @@ def table(layout, size, local, near, returns, sizes, pass_):
                     nq, nk = p.q.stop - p.q.start, p.k.stop - p.k.start
                     done += visible(p.q_start, nq, p.k_start, nk) if p.causal else nq * nk
             work.append(done / local ** 2)
-            received.append(sum(local * (sizes.get((m.what, m.side)) or sizes[m.what, m.side, pass_]) for m in step.recvs))
+            received.append(sum((local if m.rows is None else m.rows[1] - m.rows[0])
+                                * (sizes.get((m.what, m.side)) or sizes[m.what, m.side, pass_]) for m in step.recvs))
         rows.append((t, work, received))
     return rows
 
