@@ -93,8 +93,8 @@ class CallPlan:
         return self.scheme.pieces(position)
 
     def steps(self, near, returns):
-        """This rank's schedule; ``near``: the side a plain ring sends around (and the balanced
-        schedule to its near chunk pairs); ``returns``: the sides whose visits return partials."""
+        """This rank's schedule; ``near``: the side a plain ring sends around (and the one the
+        balanced schedule keeps its pairs' home by); ``returns``: the sides whose partials go home."""
         return self.scheme.steps(near, returns)
 
     def transport(self):

@@ -6,7 +6,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import masks
+from . import balance, masks
 from .errors import BurstError, MaskError
 from .layout import check_layout, check_split, pieces
 from .schedule import steps as schedule_steps
@@ -51,15 +51,35 @@ def work_of(seqlen, size, causal, mask, layout, direction, per_node=None):
     """schedule_work on checked arguments (``mask`` a masks.Mask or None; ``per_node`` ranks a node,
     rank order node by node: None, one node), cached and read-only."""
     near, returns = DIRECTIONS[direction]
-    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, node_list(size, per_node))
-             for r in range(size)]
-    counter = mask if mask is not None else masks.Mask(seqlen, causal, None, None)
+    nodes = node_list(size, per_node)
+    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, nodes) for r in range(size)]
     work = np.zeros((max(len(p) for p in plans), size), np.int64)
-    for r, plan in enumerate(plans):
-        for t, step in enumerate(plan):
-            work[t, r] = sum(visit_work(counter, seqlen, size, layout, v) for v in step.visits)
+    if layout == "balanced" and size > 1 and (causal or mask is not None):   # the plan counted it exactly
+        _, planned = balance.work_plan(mask if mask is not None else masks.Mask(seqlen, True, None, None), size, near,
+                                       returns, None, nodes)
+        work[:len(planned)] = planned
+    else:
+        pairs = rank_pair_work(mask if mask is not None else masks.Mask(seqlen, causal, None, None), size, layout)
+        for r, plan in enumerate(plans):
+            for t, step in enumerate(plan):
+                work[t, r] = sum(pairs[v.q_shard, v.kv_shard] for v in step.visits)
     work.setflags(write=False)
     return work
+
+
+@lru_cache(maxsize=8)
+def rank_pair_work(mask, size, layout):
+    """(size, size) int64: the visible pairs of rank a's queries against rank b's keys."""
+    parts = size if layout != "zigzag" or size == 1 else 2 * size
+    piece = mask.seqlen // parts
+    lo, hi = mask.intervals
+    blocks = np.empty((parts, parts), np.int64)
+    for b in range(parts):
+        counts = np.clip(np.minimum(hi, (b + 1) * piece) - np.maximum(lo, b * piece), 0, None)
+        blocks[:, b] = counts.reshape(parts, piece).sum(axis=1)
+    owner = [pieces(mask.seqlen, r, size, layout) for r in range(size)]
+    index = [[start // piece for start, _ in runs] for runs in owner]
+    return np.array([[blocks[np.ix_(index[a], index[b])].sum() for b in range(size)] for a in range(size)], np.int64)
 
 
 def node_list(size, per_node):

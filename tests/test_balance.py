@@ -64,3 +64,23 @@ def test_schedule_work_refuses_bad_arguments():
         burst_hpc.schedule_work(64, 8, cu_seqlens=[0, 10])
     with pytest.raises(burst_hpc.BurstError, match="direction"):
         burst_hpc.schedule_work(64, 8, causal=True, direction="sideways")
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_schedule_work_counts_the_schedules_visits(layout, causal):
+    """schedule_work's account equals a direct count of every visit of every rank's steps."""
+    from burst_hpc import masks
+    from burst_hpc.schedule import steps
+    from burst_hpc.workload import visit_work
+
+    size, seqlen = 6, 6 * 40
+    cu = document_set("capped", seqlen, 3)
+    for window in (None, (30, 5)):
+        mask = masks.make(seqlen, causal, window, cu)
+        work = burst_hpc.schedule_work(seqlen, size, causal=causal, window=window, cu_seqlens=cu, layout=layout,
+                                       direction="backward")
+        for r in range(size):
+            plan = steps(layout, causal, r, size, "kv", ("kv", "q"), mask, seqlen)
+            assert len(plan) == len(work)
+            assert [sum(visit_work(mask, seqlen, size, layout, v) for v in s.visits) for s in plan] == list(work[:, r])
