@@ -61,6 +61,7 @@ def block_work(mask, size):
 # chunk's K/V and its float32 dK/dV; a transfer between nodes costs REMOTE times one inside a node
 _Q_ROW, _Q_PARTIAL, _KV_ROW, _KV_PARTIAL = 16.0, 33.0, 4.0, 8.0
 REMOTE = 6.0
+FRAGMENT = 8      # a new piece of query rows costs as much as this many more row blocks
 
 
 @lru_cache(maxsize=16)
@@ -72,8 +73,10 @@ def assign(mask, size, near, returns, nodes=None):
 
     Each move takes the last rows of one of the busiest rank's own pairs, as much work as it has
     over the mean and the receiver has under it, to the receiver where it costs the fewest bytes
-    per unit of work: the query rows and their partial, and the key chunk (and its partial) when
-    the receiver does not hold it yet."""
+    per unit of work: the query rows and their partial, the key chunk (and its partial) when the
+    receiver does not hold it yet, and FRAGMENT row blocks more for a new piece of query rows
+    (fewer, larger pieces: each is a transfer in some step). Diagonal pairs move last (their
+    queries and keys are one rank's: moving them starts two transfers)."""
     prefix, unit = block_work(mask, size)
     chunk = mask.seqlen // size
     blocks = prefix.shape[1] - 1
@@ -88,6 +91,7 @@ def assign(mask, size, near, returns, nodes=None):
                 load[home] += prefix[i, blocks, j]
     mean = load.sum() / size
     held = [{("kv", r)} for r in range(size)]   # the key chunks each rank holds or will receive
+    receiving = set()                            # (rank, query chunk): rows of it already go there
     node = nodes or (0,) * size
     q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
     kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
@@ -122,7 +126,9 @@ def assign(mask, size, near, returns, nodes=None):
                 nbytes = (q_row * (b1 - cut) * unit if h != i else 0.0) * (REMOTE if node[h] != node[i] else 1.0)
                 if ("kv", j) not in held[h]:
                     nbytes += kv_chunk * (REMOTE if node[h] != node[j] else 1.0)
-                score = (nbytes / moved, i == j, h, i, j)   # the diagonal pair moves last
+                if h != i and (h, i) not in receiving:   # a new piece to send: what it costs beyond its bytes
+                    nbytes += q_row * FRAGMENT * unit * (REMOTE if node[h] != node[i] else 1.0)
+                score = (i == j, nbytes / moved, h, i, j)   # the diagonal pair moves last
                 if best is None or score < best[0]:
                     best = (score, index, h, cut, moved)
         if best is None:
@@ -137,6 +143,7 @@ def assign(mask, size, near, returns, nodes=None):
         load[donor] -= moved
         load[h] += moved
         held[h].add(("kv", j))
+        receiving.add((h, i))
     return tuple(tuple(tuple(t) for t in rank_tasks) for rank_tasks in tasks)
 
 
