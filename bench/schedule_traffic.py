@@ -29,22 +29,21 @@ def visible(q_start, nq, k_start, nk):
 def table(layout, size, local, near, returns, sizes, pass_):
     """[(step, [work per rank], [bytes received per rank])]"""
     seqlen = local * size
-    plans = [steps(layout, True, r, size, near, returns) for r in range(size)]
+    plans = [steps(layout, True, r, size, near, returns, None, seqlen) for r in range(size)]
     rows = []
     for t in range(len(plans[0])):
         work, received = [], []
         for r in range(size):
             step = plans[r][t]
             done = 0
-            if step.visit is not None:
-                v = step.visit
-                mine, theirs = (tuple(pieces(seqlen, x, size, layout)) for x in (r, v.shard))
-                qp, kp = (mine, theirs) if v.side == "kv" else (theirs, mine)
-                for p in visit_pairs(qp, kp, True, v.half):
+            for v in step.visits:
+                qp, kp = (tuple(pieces(seqlen, x, size, layout)) for x in (v.q_shard, v.kv_shard))
+                for p in visit_pairs(qp, kp, True, v.rows):
                     nq, nk = p.q.stop - p.q.start, p.k.stop - p.k.start
                     done += visible(p.q_start, nq, p.k_start, nk) if p.causal else nq * nk
             work.append(done / local ** 2)
-            received.append(sum(local * (sizes.get((m.what, m.side)) or sizes[m.what, m.side, pass_]) for m in step.recvs))
+            received.append(sum((local if m.rows is None else m.rows[1] - m.rows[0])
+                                * (sizes.get((m.what, m.side)) or sizes[m.what, m.side, pass_]) for m in step.recvs))
         rows.append((t, work, received))
     return rows
 

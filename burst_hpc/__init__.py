@@ -8,7 +8,8 @@ from .errors import (BackendError, BurstError, DTypeError, LayoutError, MaskErro
                      TransportError)
 from .layout import layout_indices, shard, unshard
 from .reference import attention_backward_reference, attention_reference
+from .workload import schedule_work
 
 __all__ = ["select_device", "attention", "attention_backward", "burst_attention", "burst_attention_backward", "layout_indices",
-           "shard", "unshard", "attention_reference", "attention_backward_reference", "BurstError", "ShapeError",
+           "shard", "unshard", "schedule_work", "attention_reference", "attention_backward_reference", "BurstError", "ShapeError",
            "DTypeError", "LayoutError", "MaskError", "TransportError", "RankMismatchError", "BackendError", "__version__"]

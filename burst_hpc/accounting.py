@@ -34,3 +34,15 @@ def attention_flops(batch, heads, head_dim, pairs, backward=False):
     forward (two matmuls), BACKWARD_FLOPS times that backward."""
     flops = 4.0 * batch * heads * head_dim * pairs
     return flops * BACKWARD_FLOPS if backward else flops
+
+
+def transfer_bytes(heads, kv_heads, head_dim, itemsize, backward):
+    """Bytes per token of each kind of transfer, {(what, side): bytes}: a shard's travelling data
+    (forward: K, V or Q; backward: K, V or Q, dO, lse, delta) and a partial of its results
+    (forward: float32 o and lse; backward: float32 dQ, or dK and dV), as the ring engine sends
+    them on any schedule (step_bytes: the plain rings' pairs of these)."""
+    d, it = head_dim, itemsize
+    q_data = heads * (2 * d * it + 8) if backward else heads * d * it
+    q_partial = heads * d * 4 if backward else heads * (d + 1) * 4
+    return {("data", "kv"): 2 * kv_heads * d * it, ("data", "q"): q_data,
+            ("partial", "q"): q_partial, ("partial", "kv"): 2 * kv_heads * d * 4}

@@ -76,11 +76,12 @@ class CallPlan:
             self.scheme = make_scheme(scheme, comm, self.topo, self.seqlen, self.layout, self.causal, self.mask)
             self.passes = passes.for_plan(self)
             self.network = config.emulated_network()
-            signature = {"scheme": self.scheme.name, "emulated network": self.network,
-                         "q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype),
-                         "causal": self.causal, "layout": self.layout, "scale": self.scale,
-                         "transport": self.transport_name, "backward ring": self.ring,
-                         "window": None if self.mask is None else self.mask.window}
+            # the mask first: it decides the default layout and the scheme
+            signature = {"window": None if self.mask is None else self.mask.window, "causal": self.causal,
+                         "q shape": q.shape, "k shape": k.shape, "scheme": self.scheme.name,
+                         "emulated network": self.network, "dtype": dtype_name(q.dtype),
+                         "layout": self.layout, "scale": self.scale,
+                         "transport": self.transport_name, "backward ring": self.ring}
             offsets = None if self.mask is None else self.mask.cu_seqlens
         except Exception as e:  # shared with every rank below, so no rank is left waiting
             error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
@@ -96,8 +97,8 @@ class CallPlan:
         return self.scheme.pieces(position)
 
     def steps(self, near, returns):
-        """This rank's schedule; ``near``: the side a plain ring sends around (and the balanced
-        schedule to its near chunk pairs); ``returns``: the sides whose visits return partials."""
+        """This rank's schedule; ``near``: the side a plain ring sends around (and the one the
+        balanced schedule keeps its pairs' home by); ``returns``: the sides whose partials go home."""
         return self.scheme.steps(near, returns)
 
     def transport(self):

@@ -349,10 +349,11 @@ def build_parser():
     p.add_argument("--layout", choices=LAYOUTS, default=None,
                    help="which tokens each rank owns: contiguous (rank r: chunk r of P; S a multiple of P) or "
                    "zigzag (rank r: chunks r and 2P-1-r of 2P, balanced causal work; S a multiple of 2P) or "
-                   "balanced (contiguous ownership in natural token order, causal work balanced by ranks "
-                   "computing block pairs for each other: the pick for causal runs on data whose order matters "
-                   "elsewhere; S a multiple of P) (default: zigzag with --causal, else contiguous; with documents or --window contiguous, "
-                   "unless zigzag's busiest rank has clearly less work)")
+                   "balanced (contiguous ownership in natural token order, the visible work of causal, documents "
+                   "and windows balanced by ranks computing pieces of block pairs for each other; S a multiple "
+                   "of P) (default: zigzag with --causal, else contiguous; with documents or --window balanced "
+                   "when it shortens the critical path by 20%%, else contiguous unless zigzag's busiest rank has "
+                   "clearly less work)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
                    "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else mpi when the MPI is "
@@ -451,9 +452,16 @@ def build_parser():
     p.add_argument("--window", type=window_size, default=None, metavar="L",
                    help="causal sliding window of L keys before each query (the visible share follows; -1 none)")
     p.add_argument("--documents", type=positive_int, default=None, metavar="N",
-                   help="N packed documents of equal length")
+                   help="N packed documents (lengths: --doc-lengths)")
+    p.add_argument("--doc-lengths", choices=("equal", "uniform", "lognormal"), default="equal",
+                   help="the lengths of --documents: equal, cut at uniform random places, or lognormal "
+                   "(long-tailed), drawn from --seed (default equal)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="seed of --doc-lengths (default 0)")
+    p.add_argument("--cu-seqlens", default=None, metavar="FILE",
+                   help="real document offsets [0, ..., S]: a text or .npy file, or an HDF5 input holding cu_seqlens")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
-                   help="the layout of the call (default zigzag; contiguous with --window or --documents)")
+                   help="the layout of the call (default: the masked default, balanced where it shortens the "
+                   "critical path; zigzag for plain causal)")
     p.add_argument("--nodes", type=positive_int, default=None, help="nodes (default 1; with --measure: the job's)")
     p.add_argument("--gpus-per-node", type=positive_int, default=None, help="ranks per node (default 8; with --measure: "
                    "the job's)")
@@ -526,8 +534,11 @@ def cmd_plan(args):
     from .layout import check_split
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
+    cu_seqlens = _collective(plan.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,
+                             args.cu_seqlens)
     problem, layout = _collective(plan.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
-                                  parse_dtype(args.dtype), args.causal, args.window, args.documents, args.layout)
+                                  parse_dtype(args.dtype), args.causal, args.window, cu_seqlens, args.layout,
+                                  args.nodes or 1, args.gpus_per_node or 8)
     rank = rank_and_size()[0]
     if args.measure:
         comm = _world()
@@ -542,10 +553,14 @@ def cmd_plan(args):
     cluster = Cluster(nodes, per_node)
     _collective(check_split, args.seqlen, cluster.ranks, layout)
     text, pick = _collective(plan.table, problem, cluster, rates, layout)
+    layouts = _collective(plan.layout_table, problem, cluster.ranks, rates, problem.causal,
+                          None if args.window in (None, -1) else (args.window, 0), cu_seqlens, cluster.per_node)
     if rank == 0:
         print(plan.describe(problem, cluster, rates))
         print(text)
         print(f"auto picks: {pick}")
+        print(f"layouts (the flat ring; layout {layout} above):")
+        print(layouts)
     return 0
 
 

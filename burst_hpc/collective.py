@@ -111,8 +111,8 @@ def agree(comm, error=None, signature=None, arrays=None):
     ``arrays`` ({name: 1-D array or None}) must be equal on every rank too: they are compared by
     digest, and a mismatch names the first position where they differ."""
     mine = None if error is None else (type(error).__name__, describe(error), 0 if comm is None else comm.rank)
-    if arrays:
-        signature = dict(signature or {}, **{name: _digest(a) for name, a in arrays.items()})
+    if arrays:   # compared first: the mask's offsets decide other entries (the default layout)
+        signature = dict({name: _digest(a) for name, a in arrays.items()}, **(signature or {}))
     single = comm is None or comm.size == 1
     gathered = [(mine, signature)] if single else comm.allgather((mine, signature))
     failed = [e for e, _ in gathered if e is not None]

@@ -9,8 +9,10 @@
 
 Each scheme is a sequence of steps; a step costs the larger of its compute and the transfer on
 each link class it uses (they run concurrently), and what cannot overlap is added: Ulysses'
-all-to-alls and the last partials going home. Work is assumed balanced over ranks (zigzag for
-causal). Exposed communication = predicted time - compute alone.
+all-to-alls and the last partials going home. The kernels' time is the critical path (the
+busiest rank of every step, Problem.imbalance from the schedule's own account, workload.py),
+not the mean. Exposed communication = predicted time - compute alone. ``step_prediction``
+follows a flat ring's schedule step by step instead (any layout, the balanced one included).
 """
 from dataclasses import dataclass, replace
 
@@ -52,6 +54,8 @@ class Problem:
     visible: float = None    # share of the S x S scores that is visible; None: 1/2 causal, 1 otherwise
     reach: int = None        # how far back (tokens) a query sees, with a window (contiguous layout):
                              # the ring runs only the steps that reach has work in
+    imbalance: float = 1.0   # critical path over mean work (workload.schedule_work): what the ring
+                             # waits for is the busiest rank of every step, not the mean
 
     @property
     def share(self):
@@ -120,7 +124,7 @@ def predict_pass(scheme, pr, cl, rates, backward=False):
     P, N, w = cl.ranks, cl.nodes, cl.per_node
     n = pr.seqlen / P
     F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
-    total = pr.flops(backward) / P / F             # one rank's kernels, balanced
+    total = pr.flops(backward) / P / F * pr.imbalance   # the critical path of the kernels
     intra, inter = _link(rates, False), _link(rates, N > 1)
     data, partial = token_bytes(pr, backward)
     shard = pr.batch * n
@@ -189,7 +193,7 @@ def fits(scheme, pr, cl, layout="zigzag"):
     if scheme == "ring":
         return None
     try:
-        check_node_layout(scheme, layout, pr.causal)
+        check_node_layout(scheme, layout, pr.causal, masked=pr.visible is not None)
         if scheme == "ulysses_ring":
             ulysses_heads(pr.heads, pr.kv_heads, cl.per_node)
     except BurstError as e:
@@ -269,8 +273,18 @@ def pick_for_call(topo, layout, causal, mask, q_shape, kv_heads, itemsize, backw
     reach = None
     if mask is not None and mask.window is not None and mask.window[0] >= 0 and layout == "contiguous":
         reach = mask.window[0]
-    pr = Problem(b, local * cl.ranks, hq, kv_heads, d, itemsize, causal, share, reach)
+    pr = Problem(b, local * cl.ranks, hq, kv_heads, d, itemsize, causal, share, reach, imbalance(mask, cl.ranks, layout))
     return pick(pr, cl, rates_for(backend, device_name), layout, backward)
+
+
+def imbalance(mask, ranks, layout):
+    """Critical path over mean work of the flat ring's schedule of ``mask`` (1 without one)."""
+    if mask is None:
+        return 1.0
+    from .workload import work_of
+
+    work = work_of(mask.seqlen, ranks, mask.causal, mask, layout, "forward")
+    return float(work.max(axis=1).sum() * ranks / max(1, work.sum()))
 
 
 def _schedule(scheme, cl, near, returns):
@@ -323,3 +337,49 @@ def peak_memory(scheme, pr, cl, backward=False):
         near, returns = "kv", ("q",)
     buffers = dict(lifetimes(_schedule(scheme, cl, near, returns), 0)[2], side=near)
     return inputs + extra + _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers)
+
+
+@dataclass(frozen=True)
+class StepPrediction:
+    """A pass predicted step by step from its schedule (``step_prediction``)."""
+    time: float          # seconds: every step the larger of its busiest rank's compute and transfers
+    compute: float       # seconds of the critical path's kernels (the busiest rank of every step)
+    mean: float          # seconds of the mean rank's kernels
+    steps: int
+
+    @property
+    def exposed(self):
+        """Share of the time spent waiting for transfers."""
+        return max(0.0, self.time - self.compute) / self.time if self.time else 0.0
+
+    @property
+    def imbalance(self):
+        """Critical path over mean work."""
+        return self.compute / self.mean if self.mean else 1.0
+
+
+def step_prediction(pr, ranks, rates, layout, mask, backward=False, per_node=8):
+    """The pass over ``ranks`` GPUs (``per_node`` a node) in ``layout``, from its schedule's own
+    account (workload.py): at each step the busiest rank's kernels (the critical path, not the
+    mean) against the most bytes any rank sends or receives then, over NVLink inside a node and
+    the network between nodes."""
+    from .accounting import transfer_bytes
+    from .workload import schedule_traffic, work_of
+
+    direction = "backward" if backward else "forward"
+    work = work_of(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
+    F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
+    per_pair = attention_flops(pr.batch, pr.heads, pr.head_dim, 1.0, backward) / F
+    sizes = transfer_bytes(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, backward)
+    intra, inter = _link(rates, False), _link(rates, True)
+    remote = schedule_traffic(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
+    time = 0.0
+    for t in range(work.shape[0]):
+        comm = 0.0
+        for r in range(ranks):
+            for link, far in ((intra, False), (inter, True)):
+                for direction_ in (0, 1):
+                    nbytes = sum(sizes[key] * pr.batch * counts[far][direction_][t, r] for key, counts in remote.items())
+                    comm = max(comm, link(nbytes))
+        time += max(work[t].max() * per_pair, comm)
+    return StepPrediction(time, work.max(1).sum() * per_pair, work.sum() / ranks * per_pair, work.shape[0])

@@ -3,9 +3,9 @@
 Each rank passes its own shard (in ``layout``) of q, k, v. The forward pass sends K/V around
 the ring and merges partial results (GAO); the backward pass reuses (o, lse) from the forward
 pass and sends either the query side (q-ring) or K/V (kv-ring) around, whichever moves fewer
-bytes. With the balanced layout and a causal mask the schedule deals chunk pairs to ranks
-instead (schedule.balanced_tasks): the near pairs go where the chosen side travels, the far
-ones to the other owner, which returns its partial (o, lse), dq or dk, dv.
+bytes. With the balanced layout and a causal mask, documents or a window the schedule deals
+the visible work of every chunk pair to ranks instead (balance.py): a piece of rows runs on a
+rank the data travels to, which returns its partials (o, lse), dq or dk, dv to their owners.
 
 Each call is its plan (callplan.CallPlan: checked and agreed by every rank) and its passes
 (passes.py), run so that an error on some ranks ends every rank (collective.one_fails_all).
@@ -34,7 +34,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     layout : {'contiguous', 'zigzag', 'balanced'}, optional
         How the shards were cut (burst_hpc.shard). Default: zigzag when causal, contiguous otherwise;
         with documents or a window masks.default_layout. 'balanced' shards are contiguous ones
-        (natural token order) with causal work balanced by the schedule.
+        (natural token order) with the visible work (causal, documents, windows) balanced by the
+        schedule.
     transport : {'auto', 'host', 'mpi', 'nccl', 'staged'}
         How shards travel (auto: the fastest available, logged).
     cu_seqlens : 1-D integer array, optional

@@ -3,8 +3,8 @@
 - contiguous: S is cut into P equal chunks; rank r owns chunk r.
 - zigzag: S is cut into 2P equal chunks; rank r owns chunks r and 2P-1-r (in that order),
   which balances causal work across ranks. One rank owns the whole sequence in one run (any S).
-- balanced: the tokens of contiguous (natural order, one run per rank); causal work is
-  balanced by the schedule instead (schedule.balanced_steps, DistFlashAttn).
+- balanced: the tokens of contiguous (natural order, one run per rank); the visible work
+  (causal, documents, windows) is balanced by the schedule instead (balance.py).
 
 A rank's shard is described by its pieces: (global_start, length) runs, in local order.
 """

@@ -187,14 +187,25 @@ def rank_work(mask, size, layout):
     return tuple(work)
 
 
+BALANCED_MARGIN = 0.8   # the balanced schedule moves more data: it must shorten the critical path by 20%
+
+
 @lru_cache(maxsize=64)
 def default_layout(mask, size):
-    """The layout for a masked call (the user did not pick one). Contiguous unless zigzag's busiest
-    rank has clearly less visible work: within 2% when both run as many ring steps, 10% when
-    contiguous runs fewer (with documents or a window it often runs only the steps the masks reach,
-    while zigzag's second chunk needs every step, and those steps' transfers have little compute
-    to hide behind)."""
+    """The layout for a masked call (the user did not pick one). Balanced when its critical path
+    (the busiest rank of every step, workload.schedule_work's account) is shorter than both
+    others' by BALANCED_MARGIN; else contiguous unless zigzag's busiest rank has clearly less
+    visible work: within 2% when both run as many ring steps, 10% when contiguous runs fewer
+    (with documents or a window it often runs only the steps the masks reach, while zigzag's
+    second chunk needs every step, and those steps' transfers have little compute to hide behind)."""
     fits = [layout for layout, parts in (("contiguous", size), ("zigzag", 2 * size)) if mask.seqlen % parts == 0]
+    if size > 1 and "contiguous" in fits:
+        from .workload import work_of
+
+        critical = {layout: work_of(mask.seqlen, size, mask.causal, mask, layout, "forward").max(axis=1).sum()
+                    for layout in fits + ["balanced"]}
+        if critical["balanced"] < BALANCED_MARGIN * min(critical[layout] for layout in fits):
+            return "balanced"
     if fits != ["contiguous", "zigzag"]:
         return fits[0] if fits else "contiguous"  # check_split reports a length that fits neither
     work = {layout: max(rank_work(mask, size, layout)) for layout in fits}

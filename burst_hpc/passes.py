@@ -15,6 +15,7 @@ the timed pass (the kernels it launches loaded, the communicators created and co
 peer, the memory pool grown to the pass's buffers), for a small share of its work. Its results are
 meaningless."""
 from contextlib import contextmanager
+from dataclasses import replace
 
 from . import ulysses
 from .merge import merge_into
@@ -42,7 +43,8 @@ class RingPasses:
         o = xp.zeros(q.shape, plan.acc)
         lse = xp.full((q.shape[0], q.shape[2], q.shape[1]), -xp.inf, plan.acc)
         sides = {"kv": Side(_contiguous(xp, k, v), []),
-                 "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part))}
+                 "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part),
+                           results_axes=(1, 2))}
 
         def pair(p, q_side, kv, q_out, _k_out):
             be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
@@ -50,7 +52,7 @@ class RingPasses:
 
         steps = plan.steps("kv", ("q",))
         with _metered(meter, plan, steps):
-            run(*_lanes(plan, transport, far), steps, sides, _visits(plan, sides, pair, meter, rehearse),
+            run(*_lanes(plan, transport, far), steps, sides, _visits(plan, pair, meter, rehearse),
                 skip_compute=skip_compute, on_step=on_step)
         return o.astype(q.dtype), lse.astype(xp.float32)
 
@@ -63,7 +65,8 @@ class RingPasses:
         delta = be.delta(do, o) if delta is None else delta
         dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
         sides = {"kv": Side(_contiguous(xp, k, v), [dk, dv], (0, 0), _add),
-                 "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add)}
+                 "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add,
+                           travelling_axes=(1, 1, 2, 2))}
 
         def pair(p, q_side, kv, q_out, k_out):
             q_, do_, lse_, delta_ = q_side
@@ -73,7 +76,7 @@ class RingPasses:
 
         steps = plan.steps(ring, ("kv", "q"))
         with _metered(meter, plan, steps):
-            run(*_lanes(plan, transport, far), steps, sides, _visits(plan, sides, pair, meter, rehearse),
+            run(*_lanes(plan, transport, far), steps, sides, _visits(plan, pair, meter, rehearse),
                 skip_compute=skip_compute, on_step=on_step)
         if not cast:
             return dq, dk, dv
@@ -133,10 +136,8 @@ def _add(into, part):
 
 
 def _pairs(plan, visit):
-    """The block pairs of a visit of this rank's steps."""
-    mine, theirs = plan.pieces(plan.scheme.position), plan.pieces(visit.shard)
-    q_pieces, k_pieces = (mine, theirs) if visit.side == "kv" else (theirs, mine)
-    return visit_pairs(q_pieces, k_pieces, plan.causal, visit.half, plan.mask)
+    """The block pairs of a visit: its query rows against its keys (rows local to the query shard)."""
+    return visit_pairs(plan.pieces(visit.q_shard), plan.pieces(visit.kv_shard), plan.causal, visit.rows, plan.mask)
 
 
 @contextmanager
@@ -145,30 +146,25 @@ def _metered(meter, plan, steps):
     if meter is None:
         yield
         return
-    meter.begin(sum(p.visible(plan.mask) for step in steps if step.visit is not None
-                    for p in _pairs(plan, step.visit)))
+    meter.begin(sum(p.visible(plan.mask) for step in steps for visit in step.visits for p in _pairs(plan, visit)))
     try:
         yield
     finally:
         meter.end()
 
 
-def _visits(plan, sides, pair, meter=None, rehearse=False):
-    """The engine's compute: a kv visit meets this rank's query side with the visiting keys
-    (the partial holds key-side results), a q visit meets the visiting query side with this
-    rank's keys (the partial holds query-side results). ``pair(p, q_side, kv, q_out, k_out)``
-    runs one block pair; ``meter`` is told the work of each; ``rehearse``: the rehearsal's
-    pairs only (the module's docstring)."""
+def _visits(plan, pair, meter=None, rehearse=False):
+    """The engine's compute: every block pair of the visit's query rows against its keys.
+    ``pair(p, q_side, kv, q_out, k_out)`` runs one block pair; ``meter`` is told the work of each;
+    ``rehearse``: the rehearsal's pairs only (the module's docstring)."""
     rehearsed = set()
     numpy = meter is not None and plan.backend.name == "numpy"
     parts, tile = (PROGRESS_PARTS, plan.backend.block_q) if numpy else (1, None)
 
-    def compute(visit, data, partial):
-        if visit.side == "kv":
-            args = (sides["q"].travelling, data, sides["q"].results, partial)
-        else:
-            args = (data, sides["kv"].travelling, partial, sides["kv"].results)
+    def compute(visit, q_data, kv_data, q_out, k_out, offset):
         for p in _pairs(plan, visit):
+            if offset:   # q_data and q_out hold the rows from ``offset`` on
+                p = replace(p, q=slice(p.q.start - offset, p.q.stop - offset))
             if rehearse:
                 kind = (p.causal, p.q.stop - p.q.start, min(p.k.stop - p.k.start, REHEARSAL_KEYS))
                 if kind in rehearsed:
@@ -176,7 +172,7 @@ def _visits(plan, sides, pair, meter=None, rehearse=False):
                 rehearsed.add(kind)
                 p = p.first_keys(REHEARSAL_KEYS)
             for part in _row_parts(p, parts, tile):
-                pair(part, *args)
+                pair(part, q_data, kv_data, q_out, k_out)
                 if meter is not None:
                     meter.done(part.visible(plan.mask))
 

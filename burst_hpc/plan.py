@@ -15,26 +15,33 @@ from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 from .errors import BurstError, MaskError, ShapeError
 
 
-def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, documents=None, layout=None):
+def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, cu_seqlens=None, layout=None,
+            nodes=1, per_node=8):
     """(costmodel.Problem, layout) of a planned call (``plan``'s options), or a BurstError saying why it
     has none. ``kv_heads`` None: MHA; ``window`` a causal window of that many keys (-1 or None: none);
-    ``documents`` that many packed documents of equal length."""
+    ``cu_seqlens`` the documents' offsets (planned_documents). The layout defaults as a call's does
+    (masks.call_layout); the visible share and the imbalance (critical path over mean work of the
+    flat ring's schedule, workload.schedule_work's account) come from the mask itself."""
+    from . import masks
+    from .layout import check_split
+    from .workload import work_of
+
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
         raise ShapeError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
-    if documents is not None and documents > seqlen:
-        raise MaskError(f"--documents {documents}: more documents than the {seqlen} tokens of --seqlen")
-    window = None if window == -1 else window
-    visible = None
-    if window is not None:
-        reach = min(window + 1, seqlen)
-        visible = reach / seqlen * (1 - reach / (2 * seqlen))
-    if documents:
-        visible = (visible if visible is not None else (0.5 if causal else 1.0)) / documents
-    layout = layout or ("contiguous" if window is not None or documents else "zigzag")
+    window = None if window in (None, -1) else (window, 0)
+    causal = causal or window is not None
+    mask = masks.make(seqlen, causal, window, cu_seqlens)
+    ranks = nodes * per_node
+    layout = layout or masks.call_layout(mask, causal, ranks)
+    check_split(seqlen, ranks, layout)
+    visible = None if mask is None else visible_pairs(seqlen, causal, mask) / float(seqlen) ** 2
+    work = work_of(seqlen, ranks, causal, mask, layout, "forward")
+    imbalance = float(work.max(axis=1).sum() * ranks / max(1, work.sum()))
+    reach = window[0] if window is not None and layout == "contiguous" else None
     itemsize = np.dtype(dtype).itemsize
-    return costmodel.Problem(batch, seqlen, heads, kv_heads, head_dim, itemsize, causal or window is not None, visible,
-                             window if window is not None and layout == "contiguous" else None), layout
+    return costmodel.Problem(batch, seqlen, heads, kv_heads, head_dim, itemsize, causal, visible, reach,
+                             imbalance), layout
 
 
 def _gib(x):
@@ -148,3 +155,67 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     return costmodel.Rates("measured", fwd, bwd, *(intra or (base.intra_gbps, None))[:1],
                            *(inter or (base.inter_gbps, None))[:1],
                            (intra or (0, base.intra_latency_us))[1], (inter or (0, base.inter_latency_us))[1]), topo
+
+
+def read_cu_seqlens(path):
+    """Document offsets from a file: text (numbers separated by white space or commas), a .npy
+    array, or an HDF5 file holding a ``cu_seqlens`` dataset (a run's input)."""
+    import h5py
+
+    try:
+        if h5py.is_hdf5(path):
+            with h5py.File(path, "r") as f:
+                if "cu_seqlens" not in f:
+                    raise MaskError(f"{path} holds no 'cu_seqlens' dataset (it has: {', '.join(sorted(f)) or 'none'})")
+                return np.asarray(f["cu_seqlens"][...])
+        if str(path).endswith(".npy"):
+            return np.load(path, allow_pickle=False)
+        with open(path) as f:
+            return np.array([int(x) for x in f.read().replace(",", " ").split()], np.int64)
+    except OSError as e:
+        raise MaskError(f"cannot read cu_seqlens from {path}: {e.strerror or e}") from None
+    except ValueError as e:
+        raise MaskError(f"cannot read cu_seqlens from {path}: {e}") from None
+
+
+def planned_documents(seqlen, count=None, lengths="equal", seed=0, path=None):
+    """cu_seqlens of a planned call: read from ``path``, or ``count`` documents of ``lengths``
+    (equal, uniform, lognormal) drawn from ``seed``; None when neither is given."""
+    from .workload import documents
+
+    if path is not None:
+        return read_cu_seqlens(path)
+    if count is None:
+        return None
+    if count > seqlen:
+        raise MaskError(f"--documents {count}: more documents than the {seqlen} tokens of --seqlen")
+    return documents(np.random.default_rng(seed), seqlen, lengths, count=count)
+
+
+def layout_table(pr, ranks, rates, causal, window=None, cu_seqlens=None, per_node=8):
+    """Per layout that splits this sequence: the critical path over the mean work (the ring waits
+    for the busiest rank of every step), the steps, the visible share and, from the cost model
+    step by step (costmodel.step_prediction), the communication left exposed and the TFLOP/s per
+    GPU of the visible pairs at the slowest rank's pace, forward and backward. A Markdown table."""
+    from . import masks
+    from .layout import LAYOUTS
+
+    mask = masks.make(pr.seqlen, causal, window, cu_seqlens)
+    lines = ["| layout | critical path / mean | steps | visible share | exposed fwd / bwd | "
+             "TFLOP/s per GPU fwd / bwd |", "|---|---|---|---|---|---|"]
+    for layout in LAYOUTS:
+        parts = ranks if layout != "zigzag" or ranks == 1 else 2 * ranks
+        if pr.seqlen % parts:
+            lines.append(f"| {layout} | - | - | - | - | does not split: S must be a multiple of {parts} |")
+            continue
+        preds = [costmodel.step_prediction(pr, ranks, rates, layout, mask, b, per_node) for b in (False, True)]
+        share = accounting_share(pr.seqlen, causal, mask)
+        flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * p.mean / p.time for b, p in zip((False, True), preds)]
+        lines.append(f"| {layout} | {preds[0].imbalance:.2f} | {preds[0].steps} | {share:.3g} | "
+                     f"{preds[0].exposed:.1%} / {preds[1].exposed:.1%} | {flops[0]:.0f} / {flops[1]:.0f} |")
+    return "\n".join(lines)
+
+
+def accounting_share(seqlen, causal, mask):
+    """Share of the S x S scores that is visible."""
+    return visible_pairs(seqlen, causal, mask) / float(seqlen) ** 2

@@ -30,22 +30,45 @@ class Side:
     results: list        # this rank's accumulators that partials of this side's visits combine into
     fills: tuple = ()    # the value each partial starts from (0 for a sum, -inf for a log-sum-exp)
     combine: Callable = None  # combine(into, part): folds a partial into accumulators
+    travelling_axes: tuple = None   # the token axis of each travelling array (None: 1 for all)
+    results_axes: tuple = None      # the token axis of each result array (None: 1 for all)
+
+    def cut(self, which, rows):
+        """Views of rows (lo, hi) of the ``which`` ("travelling" or "results") arrays (all: None)."""
+        arrays = getattr(self, which)
+        if rows is None:
+            return arrays
+        axes = getattr(self, which + "_axes") or (1,) * len(arrays)
+        return [a[(slice(None),) * axis + (slice(*rows),)] for a, axis in zip(arrays, axes)]
+
+
+def size_class(rows):
+    """Buffers of one kind and side are reused among those of the same rows (None: a whole shard)."""
+    return None if rows is None else rows[1] - rows[0]
+
+
+def uses(visit, side, shard):
+    """Whether ``visit`` reads ``side`` of ``shard``."""
+    return (visit.q_shard if side == "q" else visit.kv_shard) == shard
 
 
 @lru_cache(maxsize=256)
 def lifetimes(steps, rank):
     """What the engine holds and when, read off the schedule (cached: the schedules are): ``ends``
     {step: ((kind, side, shard), ...)} the received shards whose last use (a visit, a send still
-    in flight) ends at that step; ``fresh`` the steps whose visit makes a partial that is sent on;
-    ``peak`` the most buffers of each kind ("data", "partial") alive at once. It follows ``run``:
-    an accumulator lives from the visit that makes it, or from the arrival of a partial for a
-    shard that has none here (a double ring's rail relay, which then keeps the arriving buffer),
-    until its send completes; at a step's end sends complete before receives."""
+    in flight) ends at that step; ``returned`` the (side, shard) partials this rank sends (a visit
+    adds into the one held, or starts one); ``peak`` the most buffers of each kind ("data",
+    "partial") alive at once. It follows ``run``: an accumulator lives from the first visit that
+    adds into it, or from the arrival of a partial for a shard that has none here (a double
+    ring's rail relay, which then keeps the arriving buffer), until its send completes; at a
+    step's end sends complete before receives. Buffers of a side are reused only among those of
+    the same size (``size_class``), and ``peak`` counts them so: the pool's allocations."""
     def due(t, index):
         return index if t.due is None else t.due
 
-    ends, fresh, live = {}, set(), []   # live: (kind, first step, last step) of every buffer
-    sent, completing = {}, {}           # partial key -> steps posting its sends; step -> completions
+    ends, live = {}, []                 # live: (kind, side, first step, last step) of every buffer
+    completing = {}                     # step -> completions
+    returned = {(t.side, t.shard): t.rows for step in steps for t in step.sends if t.what == "partial"}
     for index, step in enumerate(steps):
         for t in step.recvs:
             key = (t.what, t.side, t.shard)
@@ -53,7 +76,7 @@ def lifetimes(steps, rank):
             if t.what == "data":
                 for later in range(end + 1, len(steps)):
                     s = steps[later]
-                    if s.visit is not None and (s.visit.side, s.visit.shard) == (t.side, t.shard):
+                    if any(uses(v, t.side, t.shard) for v in s.visits):
                         end = later
                     for u in s.sends:
                         if (u.what, u.side, u.shard) == key:
@@ -61,26 +84,28 @@ def lifetimes(steps, rank):
                 ends.setdefault(end, []).append(key)
             else:
                 completing.setdefault(end, []).append((1, t))
-            live.append((t.what, index, end))
+            live.append(((t.what, t.side, size_class(t.rows)), index, end))
         for t in step.sends:
             if t.what == "partial":
-                sent.setdefault((t.side, t.shard), []).append(index)
                 completing.setdefault(due(t, index), []).append((0, t))
     held = {}   # partial key -> the step its accumulator was made
     for index, step in enumerate(steps):
-        visit = step.visit
-        if visit is not None and any(i > index for i in sent.get((visit.side, visit.shard), ())):
-            fresh.add(index)
-            held[(visit.side, visit.shard)] = index
+        for visit in step.visits:
+            for key in (("q", visit.q_shard), ("kv", visit.kv_shard)):
+                if key in returned and key not in held:
+                    held[key] = index
         for incoming, t in sorted(completing.get(index, ()), key=lambda c: c[0]):
             key = (t.side, t.shard)
             if not incoming:
-                live.append(("partial", held.pop(key), index))
+                live.append((("partial", t.side, size_class(returned[key])), held.pop(key), index))
             elif t.shard != rank and key not in held:
                 held[key] = index + 1   # the arriving buffer, counted as such until now, is kept
-    peak = {kind: max([sum(1 for k, a, b in live if k == kind and a <= i <= b) for i in range(len(steps))] or [0])
-            for kind in ("data", "partial")}
-    return {step: tuple(keys) for step, keys in ends.items()}, frozenset(fresh), peak
+                returned.setdefault(key, t.rows)
+    assert not held, f"partials made and never sent: {sorted(held)}"
+    classes = {c for c, _, _ in live}
+    most = {c: max(sum(1 for k, a, b in live if k == c and a <= i <= b) for i in range(len(steps))) for c in classes}
+    peak = {kind: sum(n for c, n in most.items() if c[0] == kind) for kind in ("data", "partial")}
+    return {step: tuple(keys) for step, keys in ends.items()}, returned, peak
 
 
 class _Pool:
@@ -89,36 +114,57 @@ class _Pool:
     def __init__(self, xp, sides):
         self.xp, self.sides, self.free = xp, sides, {}
 
-    def take(self, kind, side):
-        spare = self.free.get((kind, side))
+    def take(self, kind, side, rows=None):
+        spare = self.free.get((kind, side, size_class(rows)))
         if spare:
             return spare.pop()
-        like = self.sides[side].travelling if kind == "data" else self.sides[side].results
-        return [self.xp.empty_like(a) for a in like]
+        like = self.sides[side].cut("travelling" if kind == "data" else "results", rows)
+        return [self.xp.empty(a.shape, a.dtype) for a in like]
 
-    def give(self, kind, side, arrays):
-        self.free.setdefault((kind, side), []).append(arrays)
+    def give(self, kind, side, arrays, rows=None):
+        self.free.setdefault((kind, side, size_class(rows)), []).append(arrays)
 
 
 def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None):
     """Run this rank's ``steps`` (schedule.Step). ``sides``: {"kv": Side, "q": Side};
-    ``compute(visit, data, partial)`` adds the visit's block pairs into this rank's results and
-    into ``partial`` (the visiting shard's, or this rank's results when it stays here).
-    ``on_step(done, total)``, if given, is called after each step (progress reports).
+    ``compute(visit, q_data, kv_data, q_out, k_out, offset)`` adds the visit's block pairs into the
+    query-side and key-side results ``q_out``, ``k_out`` (this rank's own results, or the partial
+    of another rank's shard); ``q_data`` and ``q_out`` hold the query shard's rows from ``offset``
+    on (a transfer of some rows only: Transfer.rows). ``on_step(done, total)``, if given, is called after each step
+    (progress reports).
 
     A transfer completes at the end of its ``due`` step (the posting step when None): a plain
     ring's all do; a double ring's transfers over the network run under a whole inner round, on
     the ``far`` transport (the same as ``transport`` where nothing is due later)."""
     rank = transport.rank
     pool = _Pool(transport.xp, sides)
-    ends, fresh, _ = lifetimes(steps, rank)
-    data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard) -> arrays
+    ends, returned, _ = lifetimes(steps, rank)
+    data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard, peer) -> arrays
+    data_rows = {}                          # (side, shard) -> the rows of it received (None: all)
     waiting = {}                            # step -> [(handle, transfers completed then)]
 
     def payload(t):
         if t.what == "partial":
             return partials[(t.side, t.shard)]
-        return sides[t.side].travelling if t.shard == rank else data[(t.side, t.shard)]
+        if t.rows is None:
+            return travelling(t.side, t.shard)
+        assert t.shard == rank, "only a shard's owner sends some of its rows"
+        return [transport.xp.ascontiguousarray(a) for a in sides[t.side].cut("travelling", t.rows)]
+
+    def travelling(side, shard):
+        return sides[side].travelling if shard == rank else data[(side, shard)]
+
+    def results(side, shard):
+        """Where a visit's results for ``side`` of ``shard`` go: this rank's own, or the partial."""
+        key = (side, shard)
+        if key not in returned:   # this rank's own, or a side that is not returned (the forward's keys)
+            assert shard == rank or not sides[side].results, f"results for {key} would go nowhere"
+            return sides[side].results
+        if key not in partials:
+            partials[key] = pool.take("partial", side, returned[key])
+            for a, fill in zip(partials[key], sides[side].fills):
+                a.fill(fill)
+        return partials[key]
 
     for index, step in enumerate(steps):
         groups = {}   # due step -> (sends, recvs, [(direction, transfer)])
@@ -128,26 +174,22 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
                 if direction == "out":
                     sends.append((t.peer, payload(t)))
                 else:
-                    key = (t.what, t.side, t.shard)
+                    key = (t.what, t.side, t.shard, t.peer)
                     assert key not in arriving, f"{key} received twice at once"
-                    arriving[key] = pool.take("data" if t.what == "data" else "partial", t.side)
+                    arriving[key] = pool.take(t.what, t.side, t.rows)
                     recvs.append((t.peer, arriving[key]))
                 done.append((direction, t))
         for due in sorted(groups):
             sends, recvs, done = groups[due]
             lane = transport if due == index else far
             waiting.setdefault(due, []).append((lane.exchange(sends, recvs), done))
-        visit = step.visit
-        if visit is not None:
-            key = (visit.side, visit.shard)
-            if index in fresh:
-                partial = partials[key] = pool.take("partial", visit.side)
-                for a, fill in zip(partial, sides[visit.side].fills):
-                    a.fill(fill)
-            else:
-                partial = sides[visit.side].results
+        for visit in step.visits:
+            q_out, k_out = results("q", visit.q_shard), results("kv", visit.kv_shard)
+            rows = None if visit.q_shard == rank else data_rows[("q", visit.q_shard)]
+            assert q_out is sides["q"].results or returned.get(("q", visit.q_shard)) == rows, "query rows disagree"
             if not skip_compute:
-                compute(visit, sides[visit.side].travelling if visit.shard == rank else data[key], partial)
+                compute(visit, travelling("q", visit.q_shard), travelling("kv", visit.kv_shard), q_out, k_out,
+                        0 if rows is None else rows[0])
         done = []
         for handle, transfers in waiting.pop(index, ()):
             handle.wait()
@@ -156,17 +198,19 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
             key = (t.side, t.shard)
             if direction == "out":
                 if t.what == "partial":
-                    pool.give("partial", t.side, partials.pop(key))
-            elif t.what == "data":           # held for this rank's visits and sends
-                data[key] = arriving.pop(("data",) + key)
+                    pool.give("partial", t.side, partials.pop(key), t.rows)
+                continue
+            part = arriving.pop((t.what, t.side, t.shard, t.peer))
+            if t.what == "data":             # held for this rank's visits and sends
+                data[key], data_rows[key] = part, t.rows
             elif t.shard != rank and key not in partials:   # a relay: the arriving partial is kept
-                partials[key] = arriving.pop(("partial",) + key)
+                partials[key] = part
             else:                            # folded into this rank's results, or its partial of that shard
-                part = arriving.pop(("partial",) + key)
-                sides[t.side].combine(sides[t.side].results if t.shard == rank else partials[key], part)
-                pool.give("partial", t.side, part)
+                into = sides[t.side].cut("results", t.rows) if t.shard == rank else partials[key]
+                sides[t.side].combine(into, part)
+                pool.give("partial", t.side, part, t.rows)
         for _, side, shard in ends.get(index, ()):   # received shards whose last use was this step
-            pool.give("data", side, data.pop((side, shard)))
+            pool.give("data", side, data.pop((side, shard)), data_rows.pop((side, shard)))
         if on_step is not None:
             on_step(index + 1, len(steps))
     assert not waiting and not arriving, "transfers left in flight after the last step"

@@ -2,19 +2,20 @@
 part, mask) block pairs run when one shard meets another.
 
 Steps (what the ring engine runs, ring.py):
-- a *visit* is one shard met by this rank: side "kv" brings the keys/values of ``shard`` to
-  this rank's queries, side "q" brings the query side of ``shard`` to this rank's keys. The
-  visit also makes a *partial* for the visiting shard (key-side results after a kv visit,
-  query-side results after a q visit) unless nothing of that side is returned (the forward
-  pass returns nothing for kv visits).
-- step t posts one exchange (``sends``, ``recvs``): the data of the visit of step t+1 and the
-  partial of step t-1; a last step with no visit delivers the last partials.
-- plain ring (contiguous, zigzag, and balanced without a causal mask): one side travels to
-  rank+1 each step for P steps (fewer when documents or a window hide the later ones,
+- a *visit* meets the query side of ``q_shard`` (some of its rows, or all) with the keys and
+  values of ``kv_shard``; what is not this rank's own has arrived at an earlier step. Its
+  results for another rank's shard go into a *partial* for that shard (query side: o and lse,
+  or dq; key side: dk and dv) when that side is returned; several visits, over several steps,
+  may add into one partial before it is sent.
+- a step runs its visits in order; it posts its exchanges (``sends``, ``recvs``) first: the data
+  later visits need and the partials finished before; a last step with no visit delivers the
+  last partials.
+- plain ring (contiguous, zigzag, and balanced on full attention): one side travels to rank+1
+  each step for P steps (fewer when documents or a window hide the later ones,
   masks.ring_steps), partials ride one step behind it and go home at the end.
-- balanced (causal, DistFlashAttn): contiguous shards; chunk pairs are dealt to ranks by
-  ``balanced_tasks`` and the data travels straight from its owner to the computing rank,
-  the partial straight back.
+- balanced (any mask, balance.py): contiguous shards; the visible work of every chunk pair is
+  dealt to ranks, in row pieces, so every rank and step has the same; the data travels
+  straight from its owner to the computing rank, the partial straight back.
 
 Block pairs:
 
@@ -31,7 +32,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import masks
+from . import balance, masks
 
 
 @dataclass(frozen=True)
@@ -113,14 +114,14 @@ def block_pairs(q_pieces, k_pieces, causal, mask=None):
     return tuple(sorted(pairs, key=lambda p: (p.q.start, p.k.start)))
 
 
-def visit_pairs(q_pieces, k_pieces, causal, half=None, mask=None):
-    """The block pairs of one visit; ``half`` 0 or 1 keeps only the first or second half of the
-    query rows (a split chunk pair of the balanced schedule; contiguous shards only)."""
-    if half is None:
+def visit_pairs(q_pieces, k_pieces, causal, rows=None, mask=None):
+    """The block pairs of one visit; ``rows`` (lo, hi) keeps only those local query rows (a piece
+    of a chunk pair in the balanced schedule; a shard of one piece only)."""
+    if rows is None:
         return block_pairs(q_pieces, k_pieces, causal, mask)
     ((start, n),) = q_pieces
-    lo, hi = (0, n // 2) if half == 0 else (n // 2, n)
-    if lo == hi:
+    lo, hi = rows
+    if lo >= hi:
         return ()
     return tuple(replace(p, q=slice(p.q.start + lo, p.q.stop + lo))
                  for p in block_pairs(((start + lo, hi - lo),), k_pieces, causal, mask))
@@ -128,41 +129,50 @@ def visit_pairs(q_pieces, k_pieces, causal, half=None, mask=None):
 
 @dataclass(frozen=True)
 class Visit:
-    side: str            # "kv": this rank's queries meet shard's keys; "q": shard's queries meet this rank's keys
-    shard: int           # whose tokens visit (this rank's own on the first step)
-    half: int = None     # None: every query row; 0 / 1: the first / second half of them
+    q_shard: int         # whose queries (this rank's own: the query-side results are its own)
+    kv_shard: int        # whose keys and values
+    rows: tuple = None   # (lo, hi): only these local query rows of q_shard; None: all of them
 
 
 @dataclass(frozen=True)
 class Transfer:
     peer: int            # the rank sent to or received from
     what: str            # "data" (a shard's travelling side) or "partial" (results for a shard)
-    side: str            # the side that travels, or the side of the visit that made the partial
+    side: str            # the side that travels, or the side whose results the partial holds
     shard: int           # whose tokens
     due: int = None      # the step at whose end it completes (None: the step that posts it)
+    rows: tuple = None   # (lo, hi): only these local rows of the query side (None: the whole shard)
 
 
 @dataclass(frozen=True)
 class Step:
-    visit: Visit         # None: nothing to compute (the last step delivers partials only)
+    visits: tuple        # Visits run in order (none: the last step delivers partials only)
     sends: tuple         # Transfers posted at the start of the step: data first, then partials
     recvs: tuple
 
 
-def _step(visit, sends, recvs):
+def _step(visits, sends, recvs):
     # both ends order a peer's transfers the same way (data, then partials), so the transports
     # can match messages by their position among those exchanged with that peer
     order = lambda t: (t.what, t.side, t.shard, t.peer, -1 if t.due is None else t.due)  # noqa: E731
-    return Step(visit, tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)))
+    return Step(tuple(visits), tuple(sorted(sends, key=order)), tuple(sorted(recvs, key=order)))
+
+
+def ring_visit(side, rank, shard):
+    """The visit of a plain ring at ``rank`` when ``side`` of ``shard`` travels to it."""
+    return Visit(rank, shard) if side == "kv" else Visit(shard, rank)
 
 
 @lru_cache(maxsize=256)
-def steps(layout, causal, rank, size, near, returns, mask=None):
-    """This rank's steps. ``near``: the side that travels on a plain ring, and to the near chunk
-    pairs of the balanced schedule; ``returns``: the sides whose visits send partials back;
-    ``mask``: a masks.Mask (documents, window) or None."""
-    if layout == "balanced" and causal and size > 1:
-        return balanced_steps(rank, size, near, returns, mask)
+def steps(layout, causal, rank, size, near, returns, mask=None, seqlen=None, nodes=None):
+    """This rank's steps. ``near``: the side that travels on a plain ring, and the cheaper side
+    for the balanced schedule to move; ``returns``: the sides whose partials go back to their
+    owners; ``mask``: a masks.Mask (documents, window) or None; ``seqlen`` the sequence length
+    (the balanced schedule of a plain causal mask needs it); ``nodes`` the node of each rank (the
+    balanced schedule keeps its moves inside nodes where it can; None: one node)."""
+    if layout == "balanced" and size > 1 and (causal or mask is not None):
+        return work_steps(rank, size, near, returns, mask if mask is not None else masks.Mask(seqlen, True, None, None),
+                          nodes)
     return plain_ring_steps(rank, size, near, returns, masks.ring_steps(mask, size, layout, near == "q"))
 
 
@@ -187,61 +197,61 @@ def plain_ring_steps(rank, size, side, returns, count=None):
             sends.append(Transfer(home, "partial", side, home))
             recvs.append(Transfer(visitor, "partial", side, rank))
         if t < count or carries:
-            out.append(_step(Visit(side, (rank - t) % size) if t < count else None, sends, recvs))
+            out.append(_step([ring_visit(side, rank, (rank - t) % size)] if t < count else [], sends, recvs))
     return tuple(out)
 
 
-def balanced_tasks(i, j, size, near):
-    """Who computes the causal chunk pair (q_i, k_j), j <= i, of contiguous shards, and when:
-    a list of (step, computing rank, side that visits it, half of the query rows or None).
+@lru_cache(maxsize=16)
+def work_transfers(mask, size, near, returns, nodes=None):
+    """The balanced schedule's transfers, for every rank: (steps, [(step, sender, receiver, what, side,
+    shard, rows)]). Data goes straight from its owner to the rank that computes with it, posted the step
+    before its first use; a partial goes straight to its owner the step after its last contribution
+    (one step more than the plan's when a partial is made at the last). The query side moves only
+    the rows the receiving rank computes with, and its partial holds only those."""
+    plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
+    chunk = mask.seqlen // size
+    first, last = {}, {}   # (computing rank, side, shard) -> first use; the same -> last contribution
+    rows = {}              # (computing rank, "q", shard) -> the query rows it needs of that shard
+    for c in range(size):
+        for t, visits in enumerate(plan[c]):
+            for i, j, lo, hi in visits:
+                for side, shard in (("q", i), ("kv", j)):
+                    if shard != c:
+                        first.setdefault((c, side, shard), t)
+                        if side in returns:
+                            last[(c, side, shard)] = t
+                if i != c:
+                    a, b = rows.get((c, "q", i), (lo, hi))
+                    rows[(c, "q", i)] = (min(a, lo), max(b, hi))
 
-    DistFlashAttn: the pair at distance d = i - j runs at step min(d, P - d), so step s holds
-    the distances s and P - s and every rank computes one pair. The near distance (d < P/2) goes
-    to the rank that ``near`` travels to: the query owner i when K/V travel, the key owner j
-    when the query side does; the far one (d > P/2) to the other owner. With an even P the P/2
-    pairs are alone in their step: each is cut in two by query rows, the first half computed by
-    its query owner, the second by its key owner, so no rank idles there. The diagonal pairs
-    (d = 0) need nothing from anyone: their first half of query rows runs first, while the
-    first data arrives, their second half last, while the last partials go home."""
-    d = i - j
-    last = size // 2 + 1
-    by_query_owner = (i, "kv")
-    by_key_owner = (j, "q")
-    if d == 0:
-        return [(0, i, near, 0), (last, i, near, 1)]
-    step = min(d, size - d)
-    if 2 * d == size:
-        return [(step,) + by_query_owner + (0,), (step,) + by_key_owner + (1,)]
-    near_pair = 2 * d < size
-    return [(step,) + (by_query_owner if near_pair == (near == "kv") else by_key_owner) + (None,)]
+    def cut(key):
+        r = rows.get(key)
+        return None if r is None or r == (0, chunk) else r
+
+    count = len(plan[0]) + (1 if any(t + 1 == len(plan[0]) for t in last.values()) else 0)
+    moves = [(t - 1, shard, c, "data", side, shard, cut((c, side, shard))) for (c, side, shard), t in first.items()]
+    moves += [(t + 1, c, shard, "partial", side, shard, cut((c, side, shard))) for (c, side, shard), t in last.items()]
+    assert all(m[0] >= 0 for m in moves), "step 0 needs data from another rank"
+    return count, tuple(sorted(moves, key=lambda m: m[:6]))
 
 
-def balanced_steps(rank, size, near, returns, mask=None):
-    """The balanced schedule seen by ``rank``: floor(P/2) + 2 steps (balanced_tasks). Chunk pairs
-    that documents or a window hide entirely cost nothing: no transfer, no visit."""
-    count = size // 2 + 2
-    visits = [None] * count
-    sends = [[] for _ in range(count)]
-    recvs = [[] for _ in range(count)]
-    chunk = None if mask is None else mask.seqlen // size
-    for i in range(size):
-        for j in range(i + 1):
-            if mask is not None and mask.classify(i * chunk, chunk, j * chunk, chunk) == "hidden":
-                continue
-            for step, computer, side, half in balanced_tasks(i, j, size, near):
-                provider = j if side == "kv" else i
-                if computer == rank:
-                    visits[step] = Visit(side, provider, half)
-                if provider == computer:
-                    continue
-                for who, peer, box in ((provider, computer, sends), (computer, provider, recvs)):
-                    if who == rank:
-                        box[step - 1].append(Transfer(peer, "data", side, provider))
-                if side in returns:
-                    for who, peer, box in ((computer, provider, sends), (provider, computer, recvs)):
-                        if who == rank:
-                            box[step + 1].append(Transfer(peer, "partial", side, provider))
-    return tuple(_step(visits[t], sends[t], recvs[t]) for t in range(count))
+@lru_cache(maxsize=256)
+def work_steps(rank, size, near, returns, mask, nodes=None):
+    """The balanced schedule seen by ``rank`` (balance.work_plan: any mask, contiguous shards):
+    each step's visits of chunk pieces, the data they need arriving the step before from its
+    owner, each partial sent straight home after the last visit adding to it."""
+    plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
+    count, moves = work_transfers(mask, size, near, returns, nodes)
+    chunk = mask.seqlen // size
+    sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]
+    for t, sender, receiver, what, side, shard, rows in moves:
+        if sender == rank:
+            sends[t].append(Transfer(receiver, what, side, shard, None, rows))
+        if receiver == rank:
+            recvs[t].append(Transfer(sender, what, side, shard, None, rows))
+    mine = list(plan[rank]) + [()] * (count - len(plan[rank]))
+    return tuple(_step([Visit(i, j, None if (lo, hi) == (0, chunk) else (lo, hi)) for i, j, lo, hi in mine[t]],
+                       sends[t], recvs[t]) for t in range(count))
 
 
 @lru_cache(maxsize=256)
@@ -300,5 +310,5 @@ def double_ring_steps(position, nodes, per_node, side, returns, rounds=None):
             sends.append(Transfer(home, "partial", side, home))
             recvs.append(Transfer(at(n + rounds - 1, l), "partial", side, position))
         if in_round or sends or recvs:
-            out.append(_step(Visit(side, at(n - o, l - t)) if in_round else None, sends, recvs))
+            out.append(_step([ring_visit(side, position, at(n - o, l - t))] if in_round else [], sends, recvs))
     return tuple(out)

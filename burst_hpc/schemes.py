@@ -44,14 +44,22 @@ class Flat:
         return tuple(pieces(self.seqlen, position, self.size, self.layout))
 
     def steps(self, near, returns):
-        return flat_steps(self.layout, self.causal, self.position, self.size, near, returns, self.mask)
+        return flat_steps(self.layout, self.causal, self.position, self.size, near, returns, self.mask, self.seqlen,
+                          self.nodes())
+
+    def nodes(self):
+        """The node of each rank of ``comm`` (None: unknown, or one node)."""
+        if self.topo is None or self.topo.nodes == 1:
+            return None
+        layout = self.topo.layout
+        return tuple(layout.node_of(layout.position(r)) for r in range(self.size))
 
 
 class DoubleRing(Flat):
     name = "double_ring"
 
     def __init__(self, topo, seqlen, layout, causal, mask):
-        check_node_layout(self.name, layout, causal)
+        check_node_layout(self.name, layout, causal, mask is not None)
         super().__init__(topo.ordered, seqlen, layout, causal, mask, topo)
         self.far_comm = topo.far
 
@@ -72,7 +80,7 @@ class UlyssesRing(Flat):
     name = "ulysses_ring"
 
     def __init__(self, topo, seqlen, layout, causal, mask):
-        check_node_layout(self.name, layout, causal)
+        check_node_layout(self.name, layout, causal, mask is not None)
         super().__init__(topo.rail, seqlen, layout, causal, mask, topo)
         self.ranks = topo.nodes * topo.per_node
 
@@ -89,10 +97,11 @@ class UlyssesRing(Flat):
         return plain_ring_steps(self.position, nodes, near, returns, count)
 
 
-def check_node_layout(name, layout, causal):
-    if layout == "balanced" and causal:
+def check_node_layout(name, layout, causal, masked=False):
+    """Refuse the balanced layout's work-aware schedule (causal, documents, windows) off the flat ring."""
+    if layout == "balanced" and (causal or masked):
         raise LayoutError(f"scheme {name!r} works with the zigzag and contiguous layouts; the balanced layout's "
-                          f"causal schedule runs on the flat ring (scheme='ring')")
+                          f"schedule (causal, documents, windows) runs on the flat ring (scheme='ring')")
 
 
 def work_rounds(mask, rounds, pieces_of, queries_travel, visited, size):

@@ -33,7 +33,7 @@ GPU_HEAD_DIMS = (32, 48, 64, 80, 96, 128, 160, 256)
 
 # the only refusals a drawn case may meet: each names what does not fit and what to use instead
 LEGITIMATE = (
-    r"works with the zigzag and contiguous layouts; the balanced layout's causal schedule runs on the flat ring",
+    r"works with the zigzag and contiguous layouts; the balanced layout's schedule \(causal, documents, windows\) runs on the flat ring",
     r"splits the \d+ query heads over the \d+ ranks of a node, and \d+ does not divide \d+",
     r"gives each rank \d+ query heads, which neither holds whole GQA groups of \d+ nor divides one",
     r"does not split over \d+ ranks with the \w+ layout: it must be a multiple of \d+",

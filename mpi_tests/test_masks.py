@@ -51,10 +51,32 @@ CASES = [  # (documents, window, causal, layout); layout None: the default
 
 @pytest.mark.parametrize("docs,window,causal,layout", CASES)
 def test_forward_and_both_backward_rings(comm, docs, window, causal, layout):
-    P, r = comm.size, comm.rank
     rng, seed = shared_rng(comm)
-    seqlen = LOCAL * P
-    cu = packed(rng, seqlen, docs)
+    seqlen = LOCAL * comm.size
+    check_against_oracle(comm, rng, seed, seqlen, packed(rng, seqlen, docs), window, causal, layout)
+
+
+@pytest.mark.parametrize("local", [12, 40])
+@pytest.mark.parametrize("draw", range(6))
+def test_balanced_schedule_on_random_documents_and_windows(comm, draw, local):
+    """The work-aware schedule (pieces of rows on other ranks, partials home) on random masks."""
+    from burst_hpc.workload import documents
+
+    rng, seed = shared_rng(comm)
+    seqlen = local * comm.size
+    lengths = ("uniform", "capped", "lognormal", "uniform", "capped", "equal")[draw]
+    cu = documents(rng, seqlen, lengths, count=int(rng.integers(1, seqlen // 3 + 1)) if lengths != "capped" else None,
+                   longest=max(1, seqlen // 4))
+    window = (int(rng.integers(0, seqlen // 2)), int(rng.integers(-1, 3))) if draw in (3, 4) else None
+    causal = draw != 5 and bool(rng.integers(4))
+    check_against_oracle(comm, rng, seed, seqlen, cu, window, causal, "balanced")
+    if draw == 0:   # a window alone
+        check_against_oracle(comm, rng, seed, seqlen, None, (int(rng.integers(0, seqlen)), 0), True, "balanced")
+
+
+def check_against_oracle(comm, rng, seed, seqlen, cu, window, causal, layout):
+    """Forward and both backward rings against the float64 oracle on the whole sequence."""
+    P, r = comm.size, comm.rank
     q, k, v, do = (rng.standard_normal((1, seqlen, h, 8)) for h in (4, 2, 2, 4))
     kw = dict(causal=causal, cu_seqlens=cu, window=window)
     ref_o, ref_lse = attention_reference(q, k, v, **kw)

@@ -94,9 +94,24 @@ def test_ranks_out_of_node_order(comm, scheme, monkeypatch):
 
 def test_balanced_layout_is_refused_by_node_schemes(comm):
     nodes, w = cases(comm.size)[0]
+    docs = random_documents(np.random.default_rng(comm.bcast(np.random.SeedSequence().entropy % 2**32)), 8 * comm.size, 3)
     for scheme in ("double_ring", "ulysses_ring"):
         with pytest.raises(LayoutError, match="zigzag and contiguous"):
             run_and_check(comm, scheme, w, "balanced", True, w, w)
+        with pytest.raises(LayoutError, match="zigzag and contiguous"):   # documents, not causal: the same schedule
+            run_and_check(comm, scheme, w, "balanced", False, w, w, cu_seqlens=docs)
+
+
+@pytest.mark.parametrize("scheme", ["ring", "auto"])
+def test_balanced_schedule_across_nodes(comm, scheme):
+    """The work-aware schedule on the flat ring of simulated nodes ('auto' keeps it there)."""
+    for nodes, w in cases(comm.size):
+        rng = np.random.default_rng(comm.bcast(np.random.SeedSequence().entropy % 2**32))
+        seqlen = 16 * comm.size
+        docs = random_documents(rng, seqlen, int(rng.integers(2, 6)))
+        run_and_check(comm, scheme, w, "balanced", True, w, 1, local=16, cu_seqlens=docs)
+        run_and_check(comm, scheme, w, "balanced", False, 2 * w, w, local=16, cu_seqlens=docs, window=(9, 2),
+                      rings=("q",))
 
 
 def test_unequal_nodes_give_one_error_everywhere(comm, monkeypatch):

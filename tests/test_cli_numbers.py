@@ -73,6 +73,7 @@ BAD_PLAN_PROBLEMS = [
     (["--heads", "6", "--kv-heads", "4"], "--heads 6 must be a multiple of --kv-heads 4"),
     (["--documents", "5000"], "--documents 5000: more documents than the 4096 tokens of --seqlen"),
     (["--dtype", "int8"], "unsupported dtype 'int8'"),
+    (["--cu-seqlens", "/nonexistent/offsets.txt"], "cannot read cu_seqlens from /nonexistent/offsets.txt"),
     (["--fwd-tflops", "1e300"], "the cost model leaves the floating-point range with these sizes and rates"),
 ]
 
@@ -91,6 +92,26 @@ def test_plan_accepts_edge_values(args):
     table = r.stdout.split("| ring |")[1]
     assert "nan" not in table and "inf" not in table and float(table.split("|")[0]) > 0, r.stdout
     assert "auto picks: " in r.stdout
+
+
+def test_plan_from_real_document_lengths(tmp_path):
+    """--cu-seqlens (text, .npy, HDF5 input) and drawn --doc-lengths: the per-layout table from the
+    schedule's own account, the balanced layout's critical path near the mean."""
+    offsets = np.array([0, 3000, 3100, 3500, 4096])
+    (tmp_path / "cu.txt").write_text(" ".join(map(str, offsets)))
+    np.save(tmp_path / "cu.npy", offsets)
+    with h5py.File(tmp_path / "in.h5", "w") as f:
+        f.create_dataset("cu_seqlens", data=offsets)
+    tables = []
+    for source in ("cu.txt", "cu.npy", "in.h5"):
+        r = burst(*PLAN, "--causal", "--gpus-per-node", "4", "--cu-seqlens", tmp_path / source)
+        assert r.returncode == 0 and not r.stderr, r.stdout + r.stderr
+        tables.append(r.stdout.split("layouts (")[1])
+    assert tables[0] == tables[1] == tables[2]
+    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in tables[0].splitlines() if line.startswith("| ")}
+    assert float(rows["balanced"][0]) <= 1.10 < float(rows["contiguous"][0])
+    r = burst(*PLAN, "--causal", "--documents", "7", "--doc-lengths", "lognormal", "--seed", "3")
+    assert r.returncode == 0 and "| balanced |" in r.stdout, r.stdout + r.stderr
 
 
 BAD_GEN_ARGS = [

@@ -23,7 +23,7 @@ def all_steps(nodes, w, near, returns):
 def test_double_ring_meets_every_pair_once_and_sends_match_receives(nodes, w, near, returns):
     P = nodes * w
     steps = all_steps(nodes, w, near, returns)
-    met = sorted((p, s.visit.shard) for p in range(P) for s in steps[p] if s.visit is not None)
+    met = sorted((p, v.kv_shard if near == "kv" else v.q_shard) for p in range(P) for s in steps[p] for v in s.visits)
     assert met == [(a, b) for a in range(P) for b in range(P)]
     for p in range(P):
         for index, step in enumerate(steps[p]):

@@ -1,9 +1,15 @@
 """The schedule: which block pairs run at each ring step, and that causal work balances."""
 import itertools
+import queue
+import threading
+from unittest import mock
 
+import numpy as np
 import pytest
 
+from burst_hpc import masks, ring
 from burst_hpc.layout import layout_indices, pieces
+from burst_hpc.ring import lifetimes
 from burst_hpc.schedule import block_pairs, steps, visit_pairs
 
 
@@ -78,158 +84,161 @@ def test_contiguous_causal_is_unbalanced():
 
 
 # --- steps: who computes what, and who sends what to whom (schedule.steps) ---------------
+#
+# The real engine (ring.run) runs every rank's steps in threads over an in-process transport. A
+# shard's travelling arrays hold its number (so a visit checks it meets the right data); results
+# are (local rows, S) count matrices: a visit adds 1 for every (query, key) pair its block pairs
+# cover, partials add into their owner's. At the end every rank's query-side counts must be its
+# rows of the visible matrix exactly (each visible pair once, no hidden one), and with returned
+# key sides the same for its keys; and the buffers the engine's pool allocated are the peak
+# ring.lifetimes predicts.
 
-def visit_token_pairs(seqlen, rank, size, layout, visit):
-    """The (global query, global key) pairs a visit computes."""
-    mine, theirs = (tuple(pieces(seqlen, r, size, layout)) for r in (rank, visit.shard))
-    q_pieces, k_pieces = (mine, theirs) if visit.side == "kv" else (theirs, mine)
-    return covered_pairs(q_pieces, k_pieces, visit_pairs(q_pieces, k_pieces, True, visit.half))
+class ThreadTransport:
+    """In-process transport for ranks in threads: arrays are copied into per-(sender, receiver)
+    queues when posted, and taken in order at wait."""
+
+    def __init__(self, rank, size, queues):
+        self.rank, self.size, self.xp, self.queues = rank, size, np, queues
+
+    def exchange(self, sends, recvs):
+        for peer, arrays in sends:
+            for a in arrays:
+                self.queues[(self.rank, peer)].put(np.array(a, copy=True))
+        rank, queues = self.rank, self.queues
+
+        class Handle:
+            def wait(self):
+                for peer, arrays in recvs:
+                    for a in arrays:
+                        a[...] = queues[(peer, rank)].get(timeout=20)
+        return Handle()
 
 
-def all_steps(layout, size, near, returns):
-    plans = [steps(layout, True, r, size, near, returns) for r in range(size)]
+class CountingPool(ring._Pool):
+    def __init__(self, xp, sides):
+        super().__init__(xp, sides)
+        self.made = {"data": 0, "partial": 0}
+
+    def take(self, kind, side, rows=None):
+        if not self.free.get((kind, side, ring.size_class(rows))):
+            self.made[kind] += 1
+        return super().take(kind, side, rows)
+
+
+def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
+    """Every rank's plan through ring.run; returns each rank's (query counts, key counts, pool)."""
+    size = len(plans)
+    queues = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
+    out, errors = [None] * size, []
+
+    def rank_main(r):
+        try:
+            n = sum(length for _, length in pieces_of(r))
+            sides = {"q": ring.Side([np.full((n, 2), r)], [np.zeros((n, seqlen))], (0,), _add, (0,), (0,)),
+                     "kv": ring.Side([np.full((n, 2), r)], [np.zeros((n, seqlen))] if "kv" in returns else [], (0,),
+                                     _add, (0,), (0,))}
+            def compute(visit, q_data, kv_data, q_out, k_out, offset):
+                assert (q_data[0] == visit.q_shard).all() and (kv_data[0] == visit.kv_shard).all(), (r, visit)
+                assert len(q_data[0]) == len(q_out[0]) and (visit.rows is None or len(q_data[0]) >= visit.rows[1] - offset)
+                q_pos = [s + i for s, m in pieces_of(visit.q_shard) for i in range(m)]
+                k_pos = [s + i for s, m in pieces_of(visit.kv_shard) for i in range(m)]
+                for p in visit_pairs(pieces_of(visit.q_shard), pieces_of(visit.kv_shard), causal, visit.rows, mask):
+                    for a, b in itertools.product(range(p.q.start, p.q.stop), range(p.k.start, p.k.stop)):
+                        if not p.causal or visible(mask, causal, q_pos[a], k_pos[b]):
+                            q_out[0][a - offset, k_pos[b]] += 1
+                            if k_out:
+                                k_out[0][b, q_pos[a]] += 1
+
+            ring.run(ThreadTransport(r, size, queues), None, plans[r], sides, compute)
+            out[r] = (sides["q"].results[0], sides["kv"].results[0] if "kv" in returns else None,
+                      pools[threading.get_ident()])
+        except BaseException as e:  # reported by the main thread
+            errors.append((r, e))
+
+    pools = {}
+
+    def pool(xp, sides_):
+        pools[threading.get_ident()] = CountingPool(xp, sides_)
+        return pools[threading.get_ident()]
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(size)]
+    with mock.patch.object(ring, "_Pool", pool):
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not errors, errors
+    return out
+
+
+def _add(into, part):
+    for a, b in zip(into, part):
+        a += b
+
+
+def visible(mask, causal, i, j):
+    if mask is None:
+        return not causal or j <= i
+    lo, hi = mask.intervals
+    return lo[i] <= j < hi[i]
+
+
+def check_schedule(layout, size, near, returns, seqlen, causal=True, mask=None):
+    """Runs every rank's steps and checks the results, the messages and the buffers."""
+    plans = [steps(layout, causal, r, size, near, returns, mask, seqlen) for r in range(size)]
     assert len({len(p) for p in plans}) == 1, "every rank runs the same number of steps"
+
+    def pieces_of(r):
+        return tuple(pieces(seqlen, r, size, layout))
+
+    results = run_ranks(plans, seqlen, pieces_of, causal, mask, returns)
+    truth = np.array([[visible(mask, causal, i, j) for j in range(seqlen)] for i in range(seqlen)], float)
+    for r, (q_counts, k_counts, pool) in enumerate(results):
+        tokens = layout_indices(seqlen, r, size, layout)
+        np.testing.assert_array_equal(q_counts, truth[tokens], err_msg=f"rank {r} query side")
+        if k_counts is not None:
+            np.testing.assert_array_equal(k_counts, truth[:, tokens].T, err_msg=f"rank {r} key side")
+        assert pool.made == lifetimes(plans[r], r)[2], (r, pool.made)
     return plans
 
 
-@pytest.mark.parametrize("near", ["kv", "q"])
-@pytest.mark.parametrize("size", range(1, 10))
-def test_balanced_computes_each_causal_pair_once_with_equal_work_per_step(size, near):
-    local = 6
-    seqlen = local * size
-    plans = all_steps("balanced", size, near, ("kv", "q"))
-    seen = []
-    for t in range(len(plans[0])):
-        work = []
-        for r in range(size):
-            visit = plans[r][t].visit
-            assert visit is not None, f"rank {r} idles at step {t}"
-            pairs = visit_token_pairs(seqlen, r, size, "balanced", visit)
-            work.append(len(pairs))
-            seen += pairs
-        assert len(set(work)) == 1, f"P={size} step {t}: block entries per rank {work}"
-    assert len(seen) == len(set(seen)), "a causal pair computed twice"
-    assert set(seen) == {(a, b) for a in range(seqlen) for b in range(a + 1)}
-    if size == 1:  # nothing to balance: the plain ring's one step
-        return
-    # the diagonal's query rows split between the first and the last step, P//2 steps between
-    assert len(plans[0]) == size // 2 + 2
-    for r in range(size):
-        first, last = plans[r][0].visit, plans[r][-1].visit
-        assert (first.shard, first.half, last.shard, last.half) == (r, 0, r, 1)
-        assert all(m.what == "data" for m in plans[r][0].recvs)
-        assert all(m.what == "partial" for m in plans[r][-1].sends + plans[r][-1].recvs)
-
-
-@pytest.mark.parametrize("size", [2, 4, 6, 8])
-def test_even_ranks_split_the_half_distance_pairs_by_query_rows(size):
-    """DistFlashAttn leaves half the ranks idle at step P/2; here each P/2 pair is cut in two."""
-    t = size // 2
-    for r in range(size):
-        visit = steps("balanced", True, r, size, "kv", ("q",))[t].visit
-        if r >= size // 2:
-            assert (visit.side, visit.shard, visit.half) == ("kv", r - size // 2, 0)
-        else:
-            assert (visit.side, visit.shard, visit.half) == ("q", r + size // 2, 1)
-
-
-@pytest.mark.parametrize("size", [3, 5, 7])
-def test_odd_ranks_near_pairs_go_to_the_side_that_travels(size):
-    """Step s: distance s on the rank ``near`` travels to, distance P - s on the other owner."""
-    for near, far in (("kv", "q"), ("q", "kv")):
-        for s in range(1, size // 2 + 1):
-            for r in range(size):
-                visit = steps("balanced", True, r, size, near, ("q",))[s].visit
-                near_source = (r - s) % size if near == "kv" else (r + s) % size
-                expected = near if (r - s >= 0 if near == "kv" else r + s < size) else far
-                assert visit.side == expected and visit.shard == near_source
-
-
-def simulate(layout, size, near, returns, local=4):
-    """Run every rank's steps in lockstep with token-pair sets for arrays; checks that each
-    message is received as sent and that data is where the schedule says. Returns each rank's
-    query-side and key-side results."""
-    seqlen = local * size
-    plans = all_steps(layout, size, near, returns)
-    query_side = [set() for _ in range(size)]
-    key_side = [set() for _ in range(size)]
-    holds = [dict() for _ in range(size)]   # side -> shard whose data this rank holds now
-    outgoing = [dict() for _ in range(size)]
-    for t in range(len(plans[0])):
-        sent = {}
-        for r in range(size):
-            for m in plans[r][t].sends:
-                if m.what == "data":
-                    assert m.shard == r or holds[r].get(m.side) == m.shard, (r, t, m)
-                    payload = m.shard
-                else:
-                    payload = outgoing[r].pop(m.side)
-                    assert payload[0] == m.shard
-                key = (r, m.peer, m.what, m.side, m.shard)
-                assert key not in sent, f"two identical messages {key}"
-                sent[key] = payload
-        partial_now = [None] * size
-        for r in range(size):
-            step = plans[r][t]
-            kinds = [(m.what, m.side) for m in step.recvs]
-            assert len(kinds) == len(set(kinds)), f"rank {r} step {t} receives twice into one buffer"
-            if step.visit is None:
-                continue
-            v = step.visit
-            assert v.shard == r or holds[r].get(v.side) == v.shard, (r, t, v)
-            done = set(visit_token_pairs(seqlen, r, size, layout, v))
-            (query_side if v.side == "kv" else key_side)[r].update(done)
-            partial_now[r] = [v.shard, set(done)]
-        for r in range(size):
-            step = plans[r][t]
-            for m in step.recvs:
-                payload = sent.pop((m.peer, r, m.what, m.side, m.shard))
-                if m.what == "data":
-                    holds[r][m.side] = payload
-                    continue
-                shard, pairs = payload
-                if shard == r:
-                    (key_side if m.side == "kv" else query_side)[r].update(pairs)
-                else:
-                    assert step.visit and (step.visit.side, step.visit.shard) == (m.side, shard)
-                    partial_now[r][1].update(pairs)
-            v = step.visit
-            if v is None:
-                continue
-            later = plans[r][t + 1].sends if t + 1 < len(plans[r]) else ()
-            if any((m.what, m.side, m.shard) == ("partial", v.side, v.shard) for m in later):
-                outgoing[r][v.side] = partial_now[r]
-            elif v.side in returns:
-                assert v.shard == r, f"rank {r} drops the partial of {v}"
-                (key_side if v.side == "kv" else query_side)[r].update(partial_now[r][1])
-        assert not sent, f"sent but never received: {list(sent)}"
-    return query_side, key_side, seqlen
+PASSES = [("kv", ("q",)), ("kv", ("kv", "q")), ("q", ("kv", "q"))]   # forward, kv-ring, q-ring
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
-@pytest.mark.parametrize("near,returns", [("kv", ("q",)), ("kv", ("kv", "q")), ("q", ("kv", "q"))])
-@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8, 9])
-def test_every_message_is_matched_and_every_result_comes_home(layout, size, near, returns):
-    query_side, key_side, seqlen = simulate(layout, size, near, returns)
-    for r in range(size):
-        tokens = set(layout_indices(seqlen, r, size, layout).tolist())
-        visible = {(a, b) for a in range(seqlen) for b in range(a + 1)}
-        assert query_side[r] == {p for p in visible if p[0] in tokens}
-        if "kv" in returns:
-            assert key_side[r] == {p for p in visible if p[1] in tokens}
+@pytest.mark.parametrize("near,returns", PASSES)
+@pytest.mark.parametrize("size", [1, 2, 3, 4, 5, 8])
+def test_every_visible_pair_once_and_every_result_home_causal(layout, size, near, returns):
+    check_schedule(layout, size, near, returns, 4 * size)
 
 
-def test_balanced_sends_one_shard_per_rank_and_step():
-    """Odd P: at every exchange but the last two each rank sends its own data once and receives
-    one shard; partials move one step later."""
-    size = 5
-    for r in range(size):
-        plan = steps("balanced", True, r, size, "kv", ("kv", "q"))
-        for t, step in enumerate(plan[:-2]):
-            data = [m for m in step.sends if m.what == "data"]
-            assert len(data) == 1 and data[0].shard == r
-            assert len([m for m in step.recvs if m.what == "data"]) == 1
-        assert all(m.what == "partial" for m in plan[-1].sends + plan[-1].recvs)
+@pytest.mark.parametrize("near,returns", PASSES)
+@pytest.mark.parametrize("size", [2, 3, 5, 8])
+@pytest.mark.parametrize("seed", range(3))
+def test_balanced_schedule_for_random_masks(size, near, returns, seed):
+    """Random documents, windows and their compositions, causal or not."""
+    rng = np.random.default_rng(1000 * size + seed)
+    seqlen = size * int(rng.choice([4, 8, 12]))
+    causal = bool(rng.integers(2))
+    docs = masks.random_documents(rng, seqlen, int(rng.integers(1, seqlen // 2 + 1))) if rng.integers(3) else None
+    window = (int(rng.integers(0, seqlen)), int(rng.integers(-1, 3))) if docs is None or rng.integers(2) else None
+    mask = masks.make(seqlen, causal, window, docs)
+    if mask is None:
+        mask = masks.make(seqlen, causal, None, np.array([0, seqlen]))
+    plans = check_schedule("balanced", size, near, returns, seqlen, causal, mask)
+    assert all(not s.recvs or all(t.what == "data" for t in s.recvs) for s in (p[0] for p in plans))
+    for r, plan in enumerate(plans):   # step 0 needs nothing from anyone
+        assert all(v.q_shard == v.kv_shard == r for v in plan[0].visits)
+
+
+def test_balanced_plain_causal_is_even_at_every_step():
+    """The plain causal mask on contiguous shards: every rank and step within a few % of the mean."""
+    from burst_hpc.balance import work_plan
+
+    for size in (4, 8, 16):
+        mask = masks.Mask(1024 * size, True, None, None)
+        _, work = work_plan(mask, size, "kv", ("q",))
+        assert work.max(axis=1).sum() <= 1.05 * work.sum() / size
 
 
 @pytest.mark.parametrize("size", [2, 3, 5])
@@ -241,7 +250,7 @@ def test_a_shortened_ring_sends_each_partial_straight_home(size):
     for count in range(1, size + 1):
         plans = [plain_ring_steps(r, size, "kv", ("kv", "q"), count) for r in range(size)]
         for r, plan in enumerate(plans):
-            assert [s.visit.shard for s in plan[:count]] == [(r - t) % size for t in range(count)]
+            assert [s.visits[0].kv_shard for s in plan[:count]] == [(r - t) % size for t in range(count)]
             if count == 1:  # nothing travels: the partial of its own shard stays
                 assert len(plan) == 1 and not plan[0].sends and not plan[0].recvs
                 continue

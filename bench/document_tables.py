@@ -1,0 +1,84 @@
+"""The tables of docs/RING.md, "Packed documents": each layout's balance from the schedule's own
+account (burst_hpc.schedule_work) for documents up to S/4 (MagiAttention's benchmark) and for
+long-tailed (lognormal, median 2k tokens) lengths, three seeds each, 8k tokens per rank; and the
+cost model's prediction step by step (costmodel.step_prediction, H100 rates, 8 GPUs a node) in
+MagiAttention's setting (bf16, D = 128, Hq = 64, Hkv = 8). No GPU needed.
+
+    python bench/document_tables.py [--ranks 8,16,32,64] [--seeds 3]
+"""
+import argparse
+
+import numpy as np
+
+import burst_hpc
+from burst_hpc import costmodel, masks
+from burst_hpc.workload import documents
+
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+
+
+def document_set(kind, seqlen, seed):
+    rng = np.random.default_rng(seed)
+    if kind == "up to S/4":
+        return documents(rng, seqlen, "capped", longest=seqlen // 4)
+    return documents(rng, seqlen, "lognormal", median=2048)
+
+
+def balance_table(kind, ranks_list, seeds, causal, tokens):
+    lines = [f"\n{kind}, {'causal' if causal else 'not causal'} (mean of {seeds} seeds; busiest: the busiest rank's "
+             f"work over the mean; critical path: the busiest rank of every step, summed, over the mean)\n",
+             "| ranks | " + " | ".join(f"{layout}: busiest / critical path" for layout in LAYOUTS) + " |",
+             "|---|" + "---|" * len(LAYOUTS)]
+    for ranks in ranks_list:
+        seqlen = tokens * ranks
+        cells = []
+        for layout in LAYOUTS:
+            busiest, critical = [], []
+            for seed in range(seeds):
+                work = burst_hpc.schedule_work(seqlen, ranks, causal=causal, layout=layout,
+                                               cu_seqlens=document_set(kind, seqlen, seed))
+                mean = work.sum() / ranks
+                busiest.append(work.sum(axis=0).max() / mean)
+                critical.append(work.max(axis=1).sum() / mean)
+            cells.append(f"{np.mean(busiest):.2f} / {np.mean(critical):.2f}")
+        lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def prediction_table(ranks_list, tokens, per_node=8):
+    rates = costmodel.GPU_RATES["H100"]
+    lines = [f"\nPredicted, documents up to S/4 (seed 0), causal, bf16, D = 128, Hq = 64, Hkv = 8, {tokens} tokens "
+             f"per GPU, {per_node} GPUs a node, H100 rates ({rates.fwd_tflops:g} / {rates.bwd_tflops:g} TFLOP/s, "
+             f"{rates.intra_gbps:g} GB/s NVLink, {rates.inter_gbps:g} GB/s network): TFLOP/s per GPU over the "
+             f"visible pairs at the slowest rank's pace, forward / backward, and the share of the time spent "
+             f"waiting for transfers\n",
+             "| GPUs | " + " | ".join(f"{layout}: TFLOP/s fwd / bwd (exposed fwd / bwd)" for layout in LAYOUTS) + " |",
+             "|---|" + "---|" * len(LAYOUTS)]
+    for ranks in ranks_list:
+        seqlen = tokens * ranks
+        mask = masks.make(seqlen, True, None, document_set("up to S/4", seqlen, 0))
+        problem = costmodel.Problem(1, seqlen, 64, 8, 128, 2, True)
+        cells = []
+        for layout in LAYOUTS:
+            preds = [costmodel.step_prediction(problem, ranks, rates, layout, mask, b, per_node) for b in (False, True)]
+            flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * p.mean / p.time for b, p in zip((False, True), preds)]
+            cells.append(f"{flops[0]:.0f} / {flops[1]:.0f} ({preds[0].exposed:.0%} / {preds[1].exposed:.0%})")
+        lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", default="8,16,32,64")
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--tokens-per-rank", type=int, default=8192)
+    args = ap.parse_args(argv)
+    ranks = [int(x) for x in args.ranks.split(",")]
+    for kind in ("up to S/4", "lognormal"):
+        for causal in (True, False):
+            print(balance_table(kind, ranks, args.seeds, causal, args.tokens_per_rank))
+    print(prediction_table(ranks, args.tokens_per_rank))
+
+
+if __name__ == "__main__":
+    main()

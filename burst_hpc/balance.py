@@ -1,0 +1,241 @@
+"""The work-aware schedule of the balanced layout: which rank computes which query rows of which
+(query chunk, key chunk) pair, and at which step, for any mask (causal, documents, windows and
+their compositions), decided on the host from the mask alone.
+
+Contiguous ownership (rank r owns chunk r, natural token order) leaves the work of a chunk pair
+where its tokens are: with packed documents the ranks inside a long document hold ~m/2 chunk
+pairs each while those inside short ones hold ~1/2, and no choice between the two owners can
+move work between documents. So a pair's rows may also run on a third rank: both sides travel
+there and the partials go back to their owners (DistFlashAttn's idea, generalised from the causal
+distance to the visible work of each block pair).
+
+1. Work: ``block_work`` counts the visible (query, key) pairs of every row block (``row_unit``
+   query rows: the kernels' tile height, 128, where the chunk allows) against every key chunk.
+2. Assignment (``assign``): every pair with visible work starts on its *home* rank, the owner
+   of the side that does not travel on a plain ring (the query owner when K/V travel). While a
+   rank holds more than the mean, it hands a run of its last rows to the rank where that costs
+   the fewest new transfers per unit of work moved (the other owner: one side travels and one
+   partial returns; any rank: both sides travel and both partials return), never more than the
+   receiver's spare work, so every rank ends within one row block of the mean.
+3. Steps (``work_plan``): each rank's tasks in order (its local pair first, then the work it
+   does for others, then its own pairs) are cut into ``steps`` pieces of equal work; step 0
+   holds only local work (nothing has arrived yet), as much as every rank has.
+
+Everything is a pure function of (mask, ranks, near side, returned sides), cached, so every rank
+computes the same plan.
+"""
+from functools import lru_cache
+
+import numpy as np
+
+ROW_TILE = 128          # the kernels' tile height: row cuts at its multiples where the chunk allows
+
+
+def row_unit(chunk):
+    """Query rows per row block: ROW_TILE for chunks of at least 8 tiles that it divides, else the
+    largest divisor of the chunk up to chunk / 8 (small test shapes still get split)."""
+    if chunk % ROW_TILE == 0 and chunk >= 8 * ROW_TILE:
+        return ROW_TILE
+    return next(d for d in range(max(1, chunk // 8), 0, -1) if chunk % d == 0)
+
+
+@lru_cache(maxsize=8)
+def block_work(mask, size):
+    """(prefix, unit): prefix[i, b, j] = visible pairs of the first b row blocks of chunk i against
+    key chunk j (int64, shape (size, blocks + 1, size)); ``unit`` rows per block."""
+    chunk = mask.seqlen // size
+    unit = row_unit(chunk)
+    lo, hi = mask.intervals
+    work = np.empty((mask.seqlen // unit, size), np.int64)
+    for j in range(size):
+        k0, k1 = j * chunk, (j + 1) * chunk
+        work[:, j] = np.clip(np.minimum(hi, k1) - np.maximum(lo, k0), 0, None).reshape(-1, unit).sum(1)
+    blocks = chunk // unit
+    prefix = np.zeros((size, blocks + 1, size), np.int64)
+    prefix[:, 1:, :] = np.cumsum(work.reshape(size, blocks, size), axis=1)
+    return prefix, unit
+
+
+# bytes per token of what travels when a rank computes for another (bf16, GQA 8:1 at D = 128,
+# the common training shape; only their ratios matter): a query row and its float32 partial, a key
+# chunk's K/V and its float32 dK/dV; a transfer between nodes costs REMOTE times one inside a node
+_Q_ROW, _Q_PARTIAL, _KV_ROW, _KV_PARTIAL = 16.0, 33.0, 4.0, 8.0
+REMOTE = 6.0
+FRAGMENT = 8      # a new piece of query rows costs as much as this many more row blocks
+
+
+@lru_cache(maxsize=16)
+def assign(mask, size, near, returns, nodes=None):
+    """Every rank's tasks after balancing: a tuple over ranks of tuples (i, j, b0, b1, kind), rows
+    [b0, b1) (row blocks) of query chunk i against key chunk j, ``kind`` 'home', 'owner' (the
+    other owner computes it) or 'helper' (a third rank). ``nodes``: the node of each rank (None:
+    one node); moves inside a node are preferred as the network is slower.
+
+    Each move takes the last rows of one of the busiest rank's own pairs, as much work as it has
+    over the mean and the receiver has under it, to the receiver where it costs the fewest bytes
+    per unit of work: the query rows and their partial, the key chunk (and its partial) when the
+    receiver does not hold it yet, and FRAGMENT row blocks more for a new piece of query rows
+    (fewer, larger pieces: each is a transfer in some step). Diagonal pairs move last (their
+    queries and keys are one rank's: moving them starts two transfers)."""
+    prefix, unit = block_work(mask, size)
+    chunk = mask.seqlen // size
+    blocks = prefix.shape[1] - 1
+    tasks = [[] for _ in range(size)]
+    load = np.zeros(size, np.float64)
+    for i in range(size):
+        for j in range(size):
+            rows = np.flatnonzero(np.diff(prefix[i, :, j]))
+            if rows.size:
+                home = i if near == "kv" else j
+                tasks[home].append([i, j, int(rows[0]), int(rows[-1]) + 1, "home"])
+                load[home] += prefix[i, blocks, j]
+    mean = load.sum() / size
+    held = [{("kv", r)} for r in range(size)]   # the key chunks each rank holds or will receive
+    receiving = set()                            # (rank, query chunk): rows of it already go there
+    node = nodes or (0,) * size
+    q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
+    kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
+
+    def cut_for(i, j, b0, b1, amount):
+        """The first row block of the task's last rows worth at most ``amount`` (one block at least)."""
+        column = prefix[i, :, j]
+        cut = int(np.searchsorted(column, column[b1] - amount, side="left"))
+        return min(max(cut, b0), b1 - 1)
+
+    for _ in range(64 * size * size):
+        donor = int(np.argmax(load))
+        excess = load[donor] - mean
+        if excess <= max(1.0, 1e-3 * mean):
+            break
+        spare = mean - load
+        order = np.argsort(-spare, kind="stable")
+        near_ranks = [int(h) for h in order if node[h] == node[donor]][:4]
+        receivers = {int(h) for h in order[:8]} | set(near_ranks)
+        best = None
+        for index, (i, j, b0, b1, kind) in enumerate(tasks[donor]):
+            if kind != "home":
+                continue
+            for h in sorted((receivers | {j if near == "kv" else i}) - {donor}):
+                if spare[h] <= 0:
+                    continue
+                amount = min(prefix[i, b1, j] - prefix[i, b0, j], excess, spare[h])
+                cut = cut_for(i, j, b0, b1, amount)
+                moved = prefix[i, b1, j] - prefix[i, cut, j]
+                if moved <= 0:
+                    continue
+                nbytes = (q_row * (b1 - cut) * unit if h != i else 0.0) * (REMOTE if node[h] != node[i] else 1.0)
+                if ("kv", j) not in held[h]:
+                    nbytes += kv_chunk * (REMOTE if node[h] != node[j] else 1.0)
+                if h != i and (h, i) not in receiving:   # a new piece to send: what it costs beyond its bytes
+                    nbytes += q_row * FRAGMENT * unit * (REMOTE if node[h] != node[i] else 1.0)
+                score = (i == j, nbytes / moved, h, i, j)   # the diagonal pair moves last
+                if best is None or score < best[0]:
+                    best = (score, index, h, cut, moved)
+        if best is None:
+            break
+        _, index, h, cut, moved = best
+        i, j, b0, b1, kind = tasks[donor][index]
+        if cut == b0:
+            tasks[donor].pop(index)
+        else:
+            tasks[donor][index][3] = cut
+        tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
+        load[donor] -= moved
+        load[h] += moved
+        held[h].add(("kv", j))
+        receiving.add((h, i))
+    return tuple(tuple(tuple(t) for t in rank_tasks) for rank_tasks in tasks)
+
+
+def row_work(mask, size, i, j, lo, hi):
+    """Visible pairs of each query row lo..hi-1 of chunk i against key chunk j (int64 array)."""
+    chunk = mask.seqlen // size
+    first, last = mask.rows(i * chunk + lo, hi - lo)
+    return np.clip(np.minimum(last, (j + 1) * chunk) - np.maximum(first, j * chunk), 0, None)
+
+
+@lru_cache(maxsize=16)
+def work_plan(mask, size, near, returns, steps=None, nodes=None):
+    """Each rank's visits per step: a tuple over ranks of tuples over steps of tuples of
+    (q_shard, kv_shard, row0, row1) (local query rows of the query shard), and the work of each
+    (rank, step) as an int64 array (steps, ranks). ``steps`` defaults to ``default_steps``.
+
+    A rank's tasks run in order: the first rows of its local pair (step 0: nothing has arrived
+    yet), the work it does for other ranks (their partials go home early), its own pairs, the
+    rest of its local pair (while the last partials go home). The step boundaries sit where the work reaches
+    equal shares: at a row block's edge when that is within 2% of a step's work, otherwise at
+    the exact query row (a kernel tile cut short costs less than an uneven step)."""
+    prefix, unit = block_work(mask, size)
+    assigned = assign(mask, size, near, returns, nodes)
+    count = default_steps(mask, size, near, returns) if steps is None else steps
+
+    def order(r, task):
+        i, j, b0, b1, kind = task
+        return (kind == "home", i, j, b0)
+
+    runs = []   # per rank: (i, j, block) units in order, their cumulative work, the units of step 0
+    for r in range(size):
+        local = [(r, r, b) for i, j, b0, b1, _ in assigned[r] if i == j == r for b in range(b0, b1)]
+        others = [(i, j, b) for i, j, b0, b1, _ in sorted(assigned[r], key=lambda t: order(r, t))
+                  if not i == j == r for b in range(b0, b1)]
+        runs.append((local, others))
+    weight = lambda units: np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)  # noqa: E731
+    totals = [int(weight(local).sum() + weight(others).sum()) for local, others in runs]
+    first = min(min(int(weight(local).sum()) for local, _ in runs), min(totals) // count) if count > 1 else 0
+    for r, (local, others) in enumerate(runs):   # the local pair: step 0's work first, the rest last
+        cum = np.cumsum(weight(local))
+        split = int(np.searchsorted(cum, first, side="left")) + 1 if first else 0
+        units = local[:split] + others + local[split:]
+        runs[r] = (units, np.concatenate([[0], np.cumsum(weight(units))]), min(split, len(local)))
+    plan, work = [], np.zeros((count, size), np.int64)
+    for r, (units, cum, locals_end) in enumerate(runs):
+        share = (totals[r] - first) / max(1, count - 1)
+        cuts = [(0, 0, 0)]   # (unit index, rows into it, work before the cut)
+        for t in range(count - 1):
+            target = first + share * t
+            if t == 0:
+                target = min(target, cum[locals_end])
+            u = min(int(np.searchsorted(cum, target, side="right")) - 1, len(units) - 1)
+            if u < 0 or not units:
+                cuts.append((0, 0, 0))
+                continue
+            tolerance = 0.02 * max(share, 1.0)
+            if target - cum[u] <= tolerance or cum[u + 1] - target <= tolerance:
+                u += 1 if cum[u + 1] - target < target - cum[u] else 0
+                cut = (u, 0, int(cum[u]))
+            else:
+                i, j, b = units[u]
+                rows = np.concatenate([[0], np.cumsum(row_work(mask, size, i, j, b * unit, (b + 1) * unit))])
+                x = int(np.argmin(np.abs(cum[u] + rows - target)))
+                cut = (u, x, int(cum[u] + rows[x]))
+            cuts.append(max(cuts[-1], cut))
+        cuts.append((len(units), 0, totals[r]))
+        per_step = []
+        for t in range(count):
+            (u0, x0, w0), (u1, x1, w1) = cuts[t], cuts[t + 1]
+            visits = []
+            for u in range(u0, min(u1 + 1, len(units))):
+                i, j, b = units[u]
+                lo = b * unit + (x0 if u == u0 else 0)
+                hi = b * unit + (x1 if u == u1 else unit)
+                if lo >= hi:
+                    continue
+                if visits and visits[-1][:2] == (i, j) and visits[-1][3] == lo:
+                    visits[-1] = (i, j, visits[-1][2], hi)
+                else:
+                    visits.append((i, j, lo, hi))
+            per_step.append(tuple(visits))
+            work[t, r] = w1 - w0
+        plan.append(tuple(per_step))
+    work.setflags(write=False)
+    return tuple(plan), work
+
+
+def default_steps(mask, size, near, returns):
+    """The number of steps: each about half a full chunk pair's work (a plain causal ring's step:
+    P steps), at least 4 (a step to receive, steps to compute, a step for partials to go home)
+    and at most P."""
+    prefix, _ = block_work(mask, size)
+    chunk = mask.seqlen // size
+    mean = prefix[:, -1, :].sum() / size
+    return int(min(size, max(4, round(mean / (chunk * chunk / 2)))))
