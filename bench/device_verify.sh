@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# --verify on the GPU (BURST_HPC_VERIFY_ON_GPU=1) against the passes at the README's job shape on one GPU
+# --verify on the GPU (the default for a cuda run) against the passes at the README's job shape on one GPU
 # (issue 25: at most 10% of the passes at S >= 128k), then `burst-hpc verify` of the same output later on
 # the GPU (256 sampled tokens). Two runs: the first fills CuPy's kernel cache (CUPY_CACHE_DIR, fresh
 # here), the second is the measurement; the summary lines give fwd, bwd and verify seconds.
@@ -10,7 +10,7 @@ export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RU
 S=${1:-131072}
 LOG=${OUT:-out}; mkdir -p "$LOG"
 DATA=$(mktemp -d)
-export CUPY_CACHE_DIR=$DATA/cupy-cache BURST_HPC_VERIFY_ON_GPU=1
+export CUPY_CACHE_DIR=$DATA/cupy-cache
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$LOG/verify_gpu.txt"
 python3 -m burst_hpc gen "$DATA/in.h5" --seqlen "$S" --heads 32 --kv-heads 8 --head-dim 128 --dtype bf16 --with-grad --quiet
 for pass in cold warm; do

@@ -375,7 +375,7 @@ def build_parser():
     p.add_argument("--scale", type=positive_float, default=None, help="softmax scale, a finite number > 0 (default head_dim**-0.5)")
     p.add_argument("--verify", action="store_true",
                    help="check every output against the float64 oracle on the shards the job holds (a cuda run's "
-                   "on its GPUs with BURST_HPC_VERIFY_ON_GPU=1, else on host copies): max error <= 2x (o, lse) / 3x "
+                   "on its GPUs, or on host copies with BURST_HPC_VERIFY_ON_GPU=0): max error <= 2x (o, lse) / 3x "
                    "(dq, dk, dv) the error of a plain "
                    "same-precision computation plus a small floor; NaN or Inf where the oracle has none fails. "
                    "OUT.h5 is published first; the outcome goes into its attributes (verify = pass, fail, or 'not "

@@ -14,7 +14,7 @@ so a job or a test may set it before any call). docs/USAGE.md lists them for use
 | BURST_HPC_HDF5_MPIO=0 | write outputs by rank-ordered token passing even with parallel HDF5 |
 | BURST_HPC_SPACE_CHECK=0 | skip the free-space check before writing (quotas can misreport it) |
 | BURST_HPC_PROGRESS_SECONDS=S | seconds between the progress lines inside a pass (default 5) |
-| BURST_HPC_VERIFY_ON_GPU=1 | a cuda run's --verify checks on its GPUs (off until measured there: on the host) |
+| BURST_HPC_VERIFY_ON_GPU=0 | a cuda run's --verify checks on host copies of its shards (NumPy) instead of on its GPUs |
 | BURST_HPC_TEST_HOOK_VERIFY_PAUSE=S | tests only: every rank sleeps S seconds as verification starts |
 """
 import os
@@ -22,6 +22,7 @@ import os
 from .errors import BurstError, TopologyError, TransportError
 
 ON = ("1", "yes", "true", "on")
+OFF = ("0", "no", "false", "off")
 
 
 def _value(name):
@@ -94,9 +95,9 @@ def progress_seconds():
 
 
 def verify_on_gpu():
-    """True when BURST_HPC_VERIFY_ON_GPU is on: a cuda run's --verify runs on the GPU (CuPy, float64);
-    otherwise on host copies of the shards (NumPy)."""
-    return _value("BURST_HPC_VERIFY_ON_GPU").lower() in ON
+    """False when BURST_HPC_VERIFY_ON_GPU is off (0, no, false, off): a cuda run's --verify then runs on
+    host copies of its shards (NumPy); by default on its GPUs (CuPy, float64)."""
+    return _value("BURST_HPC_VERIFY_ON_GPU").lower() not in OFF
 
 
 def kernel_family():

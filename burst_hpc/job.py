@@ -305,8 +305,8 @@ def _summary(spec, plan, options, backend, transport, flops, seconds):
 
 
 def _verify_published(options, comm, spec, inputs, results, layout, scale, seconds, progress):
-    """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs with
-    BURST_HPC_VERIFY_ON_GPU=1, else on host copies):
+    """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs, on host
+    copies with BURST_HPC_VERIFY_ON_GPU=0):
     the output's attributes say verify = 'not finished' until rank 0 records the outcome (a job stopped
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
     cost at most verify.BUDGET of the passes' time (``seconds``). Returns (verify's report, the

@@ -399,7 +399,7 @@ def seconds_per_pair(spec, scale, backward, xp, comm):
     ``backward``), timed on a small block of random data after one untimed go (the largest over ranks)."""
     from types import SimpleNamespace
 
-    samples, tokens = (256, 8192) if xp is not np else (64, 512)
+    samples, tokens = (64, 2048) if xp is not np else (64, 512)
     rng = np.random.default_rng(0)
     b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
     draw = lambda t, h: rng.standard_normal((b, t, h, d), np.float32)
