@@ -66,6 +66,11 @@ for tool in racecheck synccheck; do
 done
 compile_check > "$LOG/compile_check.txt" 2>&1; compiled_ok=$?
 grep -E "^first_call|^  |NO_JIT" "$LOG/compile_check.txt"
+echo "== the job at S = 131072: honest timings (bench/device_timing.sh), --verify's cost (bench/device_verify.sh)"
+timeout 400 bash bench/device_timing.sh > "$LOG/timing.txt" 2>&1; timing_ok=$?
+grep -E "^\||of the --warmup|timing check" "$LOG/timing.txt"
+timeout 300 bash bench/device_verify.sh > "$LOG/verify.txt" 2>&1
+grep -oE "^(cold|warm): exit [0-9]+|verify=[A-Z]+\([^)]*\) [0-9.]+s|seconds: .*total [0-9.]+|burst-hpc verify: [A-Z]+" "$LOG/verify.txt"
 echo "== bench"
 timeout 260 python3 bench/bench_kernels.py --md "$LOG/bench.md" ${1:-} 2>&1 | tee "$LOG/bench.txt" | grep -v '^|'
 timeout 60 python3 bench/bench_kernels.py --dims 256 --seqs 4096 --reps 3 --md "$LOG/bench_wide.md" > "$LOG/bench_wide.txt" 2>&1
@@ -76,4 +81,4 @@ grep -ahE "^randomized:" "$LOG"/random_*.txt
 grep -hE "SUMMARY" "$LOG/racecheck.txt" "$LOG/synccheck.txt"
 cat "$LOG/bench.md" "$LOG/bench_wide.md" 2>/dev/null
 tests_ok=$(grep -cE "[0-9]+ failed|[0-9]+ error" "$LOG/pytest.txt" "$LOG/ring.txt" | awk -F: '{n += $2} END {print n == 0}')
-[ "$sanitized" = 0 ] && [ "$tests_ok" = 1 ] && [ "$random_ok" = 1 ] && [ "$compiled_ok" = 0 ]
+[ "$sanitized" = 0 ] && [ "$tests_ok" = 1 ] && [ "$random_ok" = 1 ] && [ "$compiled_ok" = 0 ] && [ "$timing_ok" = 0 ]
