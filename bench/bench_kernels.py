@@ -44,6 +44,7 @@ sys.path.insert(0, str(ROOT))
 from burst_hpc import masks  # noqa: E402
 from burst_hpc.accounting import attention_flops, visible_pairs  # noqa: E402
 from burst_hpc.backends import cuda  # noqa: E402
+from timing import cupy_sample, torch_sample  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 PHASES = (("f", "fwd", 1.0), ("fb", "fwd+bwd", 3.5), ("b", "bwd", 2.5))  # key, label, FLOPs / forward FLOPs
@@ -51,37 +52,18 @@ FLOP_FACTOR = {key: factor for key, _, factor in PHASES}
 TORCH = (("flash", "flash"), ("cudnn", "cuDNN"))
 
 
-BATCH = 5  # calls queued back to back per timing sample, as ring steps queue them: host overhead hidden
 
 
 def time_cupy(fn, warm, reps):
     for _ in range(warm):
         fn()
-    ts = []
-    for _ in range(reps):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        for _ in range(BATCH):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(cupy.cuda.get_elapsed_time(a, b) / BATCH)
-    return statistics.median(ts)
+    return statistics.median(cupy_sample(fn) for _ in range(reps))
 
 
 def time_torch(torch, fn, warm, reps):
     for _ in range(warm):
         fn()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(BATCH):
-            fn()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) / BATCH)
-    return statistics.median(ts)
+    return statistics.median(torch_sample(torch, fn) for _ in range(reps))
 
 
 def parse_args():

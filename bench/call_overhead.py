@@ -21,6 +21,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burst_hpc.backends.cuda import CudaBackend, default_family  # noqa: E402
+from timing import cupy_sample  # noqa: E402
 
 
 def main():
@@ -52,17 +53,8 @@ def main():
     host_us = (time.perf_counter() - t0) / args.calls * 1e6
     cupy.cuda.Device().synchronize()
 
-    def events(n):
-        a, b = cupy.cuda.Event(), cupy.cuda.Event()
-        a.record()
-        for _ in range(n):
-            call()
-        b.record()
-        b.synchronize()
-        return cupy.cuda.get_elapsed_time(a, b) / n
-
-    alone = statistics.median(events(1) for _ in range(20))
-    queued = statistics.median(events(20) for _ in range(5))
+    alone = statistics.median(cupy_sample(call, 1) for _ in range(20))
+    queued = statistics.median(cupy_sample(call, 20) for _ in range(5))
 
     prof = cProfile.Profile()
     prof.enable()

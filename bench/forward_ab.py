@@ -11,10 +11,11 @@ import statistics
 import cupy
 import numpy as np
 
+from timing import cupy_sample, torch_sample
 from burst_hpc.backends.cuda import CudaBackend
 
 BF16 = np.dtype("bfloat16")
-HEADS, BATCH = 32, 5
+HEADS = 32
 
 
 def median_ms(record, fn, reps):
@@ -22,16 +23,6 @@ def median_ms(record, fn, reps):
     for _ in range(3):
         fn()
     return statistics.median(record(fn) for _ in range(reps))
-
-
-def cupy_sample(fn):
-    a, b = cupy.cuda.Event(), cupy.cuda.Event()
-    a.record()
-    for _ in range(BATCH):
-        fn()
-    b.record()
-    b.synchronize()
-    return cupy.cuda.get_elapsed_time(a, b) / BATCH
 
 
 def main():
@@ -47,14 +38,8 @@ def main():
         import torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
 
-        def torch_sample(fn):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(BATCH):
-                fn()
-            b.record()
-            b.synchronize()
-            return a.elapsed_time(b) / BATCH
+        def torch_record(fn):
+            return torch_sample(torch, fn)
     for d in map(int, args.dims.split(",")):
         for s in map(int, args.seqs.split(",")):
             q, k, v = (cupy.random.standard_normal((1, s, HEADS, d), dtype=cupy.float32).astype(BF16) for _ in range(3))
@@ -73,7 +58,7 @@ def main():
                         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                             torch.nn.functional.scaled_dot_product_attention(tq, tk, tv, is_causal=causal)
 
-                    print(f"cudnn {d} {s} {int(causal)} {flops / median_ms(torch_sample, cudnn, args.reps) / 1e9:.1f}",
+                    print(f"cudnn {d} {s} {int(causal)} {flops / median_ms(torch_record, cudnn, args.reps) / 1e9:.1f}",
                           flush=True)
 
 

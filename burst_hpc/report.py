@@ -9,13 +9,13 @@ import json
 import os
 import platform
 import sys
-import time
 
 import numpy as np
 
 from . import __version__
 from .dtypes import dtype_name
 from .errors import FileError
+from .io.format import fixed_text, modify_attrs
 
 PHASES = ("read", "setup", "forward", "backward", "write", "verify")
 SECONDS = PHASES + ("total",)
@@ -50,7 +50,7 @@ def pending_attrs():
     stopped before leaves them so: not measured)."""
     attrs = {f"seconds_{name}": np.float64(np.nan) for name in SECONDS}
     attrs.update({f"tflops_{name}": np.float64(np.nan) for name in PASSES})
-    attrs["run_scheme"] = _fixed("", SCHEME_BYTES)
+    attrs["run_scheme"] = fixed_text("", SCHEME_BYTES)
     return attrs
 
 
@@ -60,25 +60,13 @@ def fixed_attrs(report):
             "run_warmup": bool(report["warmup"])}
 
 
-def record(path, report, tries=5):
+def record(path, report):
     """Write the seconds, rates and scheme of ``report`` into the attributes of the published output
-    ``path`` (one process; made by :func:`pending_attrs`, only their values change). Tried a few
-    times: a reader that has the file open holds HDF5's lock on it for a moment."""
-    import h5py
-
-    for attempt in range(tries):
-        try:
-            with h5py.File(path, "r+") as f:
-                for name in SECONDS:
-                    f.attrs.modify(f"seconds_{name}", _number(report["seconds"][name]))
-                for name in PASSES:
-                    f.attrs.modify(f"tflops_{name}", _number(report["tflops"][name]))
-                f.attrs.modify("run_scheme", _fixed(report["scheme"][:SCHEME_BYTES], SCHEME_BYTES))
-            return
-        except OSError:
-            if attempt == tries - 1:
-                raise
-            time.sleep(0.5)
+    ``path`` (one process; made by :func:`pending_attrs`, only their values change)."""
+    values = {f"seconds_{name}": _number(report["seconds"][name]) for name in SECONDS}
+    values.update({f"tflops_{name}": _number(report["tflops"][name]) for name in PASSES})
+    values["run_scheme"] = fixed_text(report["scheme"], SCHEME_BYTES)
+    modify_attrs(path, values)
 
 
 def seconds_text(seconds):
@@ -160,10 +148,6 @@ def versions(xp=np):
 
 def _number(value):
     return np.float64(np.nan if value is None else value)
-
-
-def _fixed(text, size):
-    return np.array(text.encode("ascii"), dtype=f"S{size}")
 
 
 def _temporary(full):

@@ -22,6 +22,7 @@ import numpy as np
 from .collective import agree, describe
 from .dtypes import dtype_name, nonfinite
 from .errors import BurstError
+from .io.format import fixed_text, modify_attrs
 from .merge import array_module
 from .reference import visible
 
@@ -679,42 +680,29 @@ def verify_output(input_path, output_path, comm, causal=None, window=None, backw
 STATUS_BYTES, MODE_BYTES = 12, 40
 
 
-def _fixed(text, size):
-    return np.array(text.encode("ascii"), dtype=f"S{size}")
-
-
 def pending_attrs(outputs, requested):
     """The verification attributes a ``run`` output is created with: ``verify = "not finished"`` and
     room for the outcome when ``requested`` (a job stopped before :func:`record` leaves them so, which
     is the truth), else ``verify = "not run"``. ``outputs``: the names of the output datasets."""
     if not requested:
-        return {"verify": _fixed("not run", STATUS_BYTES)}
-    attrs = {"verify": _fixed("not finished", STATUS_BYTES), "verify_mode": _fixed("", MODE_BYTES)}
+        return {"verify": fixed_text("not run", STATUS_BYTES)}
+    attrs = {"verify": fixed_text("not finished", STATUS_BYTES), "verify_mode": fixed_text("", MODE_BYTES)}
     for name in outputs:
         attrs[f"verify_max_err_{name}"] = np.float64(np.nan)
         attrs[f"verify_tol_{name}"] = np.float64(np.nan)
     return attrs
 
 
-def record(path, report, tries=5):
+def record(path, report):
     """Write ``report`` (from :func:`verify`) into the attributes of the published output ``path``
-    (one process). The attributes were made by :func:`pending_attrs`; only their values change.
-    Tried a few times: a reader that has the file open holds HDF5's lock on it for a moment."""
-    import h5py
-
-    for attempt in range(tries):
-        try:
-            with h5py.File(path, "r+") as f:
-                f.attrs.modify("verify_mode", _fixed(report["mode"][:MODE_BYTES], MODE_BYTES))
-                for name in report["err"]:
-                    f.attrs.modify(f"verify_max_err_{name}", np.float64(report["err"][name]))
-                    f.attrs.modify(f"verify_tol_{name}", np.float64(report["tol"][name]))
-                f.attrs.modify("verify", _fixed("pass" if report["ok"] else "fail", STATUS_BYTES))  # last
-            return
-        except OSError:
-            if attempt == tries - 1:
-                raise
-            time.sleep(0.5)
+    (one process). The attributes were made by :func:`pending_attrs`; only their values change,
+    ``verify`` last."""
+    values = {"verify_mode": fixed_text(report["mode"], MODE_BYTES)}
+    for name in report["err"]:
+        values[f"verify_max_err_{name}"] = np.float64(report["err"][name])
+        values[f"verify_tol_{name}"] = np.float64(report["tol"][name])
+    values["verify"] = fixed_text("pass" if report["ok"] else "fail", STATUS_BYTES)
+    modify_attrs(path, values)
 
 
 def recorded(path):

@@ -10,7 +10,7 @@
 The names below are the package's API: ``from burst_hpc import io; io.read_shards(...)``.
 """
 from .format import (CHUNK_BYTES, FORMAT, GRADS, INPUTS, TOKEN_AXIS, chunk_shape, create_dataset, dataset_dtype,
-                     from_stored, read_slab, stamp, stored_dtype, to_stored, write_slab)
+                     fixed_text, from_stored, modify_attrs, read_slab, stamp, stored_dtype, to_stored, write_slab)
 from .generate import GEN_BLOCK_TOKENS, generate
 from .output import (WRITE_OPTS, OutputFile, bytes_needed, check_output_path, check_space, output_datasets,
                      write_global, write_new, write_path)
@@ -18,7 +18,7 @@ from .read import (RANGE_HEADROOM, InputSpec, check_finite, check_range, inspect
                    open_input, read_global, read_shards, read_tokens)
 
 __all__ = ["CHUNK_BYTES", "FORMAT", "GRADS", "INPUTS", "TOKEN_AXIS", "chunk_shape", "create_dataset", "dataset_dtype",
-           "from_stored", "read_slab", "stamp", "stored_dtype", "to_stored", "write_slab",
+           "fixed_text", "from_stored", "modify_attrs", "read_slab", "stamp", "stored_dtype", "to_stored", "write_slab",
            "GEN_BLOCK_TOKENS", "generate",
            "WRITE_OPTS", "OutputFile", "bytes_needed", "check_output_path", "check_space", "output_datasets",
            "write_global", "write_new", "write_path",

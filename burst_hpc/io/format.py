@@ -10,6 +10,8 @@ back, chunking, slabs, and the stamp every file carries.
 - every dataset is chunked along the token axis; file attributes record the format, the library
   version (:func:`stamp`), shapes, dtype and (for outputs) causal, scale and how the run was made.
 """
+import time
+
 import numpy as np
 
 from .. import __version__
@@ -104,3 +106,27 @@ def write_slab(ds, index, array):
 def read_slab(ds, index, dtype):
     """``ds[index]`` read back as ``dtype``."""
     return from_stored(np.asarray(ds[index]), dtype)
+
+
+def fixed_text(text, size):
+    """An ASCII attribute value of exactly ``size`` bytes (``text`` cut to fit), so that it can be
+    rewritten in place later (:func:`modify_attrs`)."""
+    return np.array(text[:size].encode("ascii"), dtype=f"S{size}")
+
+
+def modify_attrs(path, values, tries=5):
+    """Rewrite attributes of the published file ``path`` in place, in the order of ``values``
+    ({name: value}; each made with its final size when the file was created), from one process.
+    Tried a few times: a reader that has the file open holds HDF5's lock on it for a moment."""
+    import h5py
+
+    for attempt in range(tries):
+        try:
+            with h5py.File(path, "r+") as f:
+                for name, value in values.items():
+                    f.attrs.modify(name, value)
+            return
+        except OSError:
+            if attempt == tries - 1:
+                raise
+            time.sleep(0.5)
