@@ -14,6 +14,7 @@ The outcome is recorded in the output file's attributes (see :func:`pending_attr
 ``verify`` ("not run", "not finished", "pass" or "fail"), ``verify_mode`` and, per output X,
 ``verify_max_err_X`` and ``verify_tol_X`` (NaN where X was not checked).
 """
+import functools
 import math
 import time
 
@@ -165,17 +166,28 @@ PROGRESS_S = 5.0
 
 
 def as_float64(x, xp):
-    """``x`` (NumPy or CuPy, any supported dtype; uint16 or bfloat16 holds bfloat16 bits) as a float64
-    array of ``xp``, exact."""
-    x = xp.asarray(x) if array_module(x) is xp else xp.asarray(_host_float(x))
+    """``x`` (NumPy or CuPy, any supported dtype, any strides; uint16 or bfloat16 holds bfloat16 bits)
+    as a C-contiguous float64 array of ``xp``, exact (``x`` itself when it is one). On a GPU in one
+    pass, also from a strided view (a transposition to the heads-major layout costs no extra copy)."""
+    if array_module(x) is not xp:
+        x = xp.asarray(_host_float(x))
     if x.dtype == xp.uint16 or str(x.dtype) == "bfloat16":
+        if xp is not np:
+            return bfloat16_to_float64(xp)(x.view(xp.uint16), xp.empty(x.shape, xp.float64))
         x = (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
-    return x.astype(xp.float64)
+    return xp.ascontiguousarray(x, dtype=xp.float64)
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_to_float64(cupy):
+    """CuPy's elementwise kernel (x uint16 bfloat16 bits, y float64 out) -> y = x, exact."""
+    return cupy.ElementwiseKernel("uint16 x", "float64 y", "y = (double)__uint_as_float(((unsigned int)x) << 16)",
+                                  "burst_hpc_bfloat16_to_float64")
 
 
 def _host_float(x):
     x = _host(x)
-    return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
+    return np.ascontiguousarray(x if x.dtype in (np.float32, np.float64) else x.astype(np.float32))
 
 
 def rounder(lowp, xp):
@@ -291,10 +303,10 @@ class Samples:
         self.plain_type, self.rnd = rounder(spec.dtype, xp)
         self.positions = xp.asarray(gathered["positions"])
         b, g, hk, d, t = self.batch, self.group, self.hkv, self.dim, len(self.positions)
-        heads = lambda x: as_float64(x, xp).reshape(b, t, hk, g, -1).transpose(0, 2, 3, 1, 4).copy()  # (B, Hk, g, T, D)
+        heads = lambda x: as_float64(x.reshape(b, t, hk, g, -1).transpose(0, 2, 3, 1, 4), xp)  # (B, Hk, g, T, D)
         self.q, self.do = heads(gathered["q"]), None if gathered.get("do") is None else heads(gathered["do"])
-        self.k = as_float64(gathered["k"], xp).transpose(0, 2, 1, 3).copy()  # (B, Hk, T, D)
-        self.v = as_float64(gathered["v"], xp).transpose(0, 2, 1, 3).copy()
+        self.k = as_float64(gathered["k"].transpose(0, 2, 1, 3), xp)  # (B, Hk, T, D)
+        self.v = as_float64(gathered["v"].transpose(0, 2, 1, 3), xp)
         self.lse = as_float64(gathered["lse"], xp).reshape(b, hk, g, t)           # the output's, for the plain rows
         self.delta = None if self.do is None else as_float64(gathered["delta"], xp).reshape(b, hk, g, t)
         f64, low = xp.float64, self.plain_type
@@ -318,8 +330,8 @@ class Samples:
         sel = slice(None) if rows is None else rows
         ta = len(self.positions) if rows is None else len(rows)
         seen_f = xp.tile(self.seen(self.positions[sel], pos), (g, 1))            # (g Ta, c)
-        kc = as_float64(k, xp).transpose(0, 2, 1, 3).copy()                       # (B, Hk, c, D)
-        vc = as_float64(v, xp).transpose(0, 2, 1, 3).copy()
+        kc = as_float64(k.transpose(0, 2, 1, 3), xp)                              # (B, Hk, c, D)
+        vc = as_float64(v.transpose(0, 2, 1, 3), xp)
         flat = lambda x: x[:, :, :, sel].reshape(b, hk, g * ta, *x.shape[4:])
         s = xp.where(seen_f, (flat(self.q) @ kc.swapaxes(-1, -2)) * self.scale, -np.inf)
         m_old = flat(self.m)
@@ -358,8 +370,8 @@ class Samples:
         c = len(pos)
         sel = slice(None) if cols is None else cols
         seen_f = xp.tile(self.seen(pos, self.positions[sel]).T, (1, g))           # (Tb, g c)
-        heads = lambda x: x.reshape(b, c, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * c, d)
-        qc, doc, oc = (heads(as_float64(x, xp)) for x in (q, do, o))
+        heads = lambda x: as_float64(x.reshape(b, c, hk, g, d).transpose(0, 2, 3, 1, 4), xp).reshape(b, hk, g * c, d)
+        qc, doc, oc = (heads(x) for x in (q, do, o))
         self.lse_rounding = float(np.finfo(lse.dtype).eps) / 2 if lse.dtype in (np.float32, np.float64) else 0.0
         lse = as_float64(lse, xp).reshape(b, hk, 1, g * c)
         self.lse_max = xp.maximum(self.lse_max, xp.where(xp.isfinite(lse), xp.abs(lse), 0).max())
@@ -437,10 +449,10 @@ class Cost:
         return self.fixed * len(busy) + self.per_token * sum(c for c, _, _ in busy) + self.per_pair * pairs
 
 
-def cost_model(spec, scale, backward, xp, comm):
-    """Collective: :class:`Cost` on this machine, timed on random blocks after one untimed go (which
-    loads, or on a cold cache compiles, the kernels the check uses): a few samples against a small and
-    a large block of tokens, and more samples against the large one."""
+def cost_model(spec, scale, backward, xp, comm, causal=False, window=None):
+    """Collective: :class:`Cost` on this machine, timed on random blocks after one untimed go under the
+    job's mask (which loads, or on a cold cache compiles, the kernels the check uses): a few samples
+    against a small and a large block of tokens, and more samples against the large one."""
     from types import SimpleNamespace
 
     from mpi4py import MPI
@@ -449,30 +461,33 @@ def cost_model(spec, scale, backward, xp, comm):
     rng = np.random.default_rng(0)
     b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
     draw = lambda t, h: rng.standard_normal((b, t, h, d), np.float32)
-    # the block is large on a GPU: drawn there (NumPy's generator would take a while)
+    # the block is large on a GPU: drawn there (NumPy's generator would take a while), held as the job
+    # holds its inputs (bfloat16 as its bits) so that their conversion is timed too
     draw_block = draw if xp is np else lambda t, h: xp.random.standard_normal((b, t, h, d), np.float32)
+    held = (lambda x: (x.view(xp.uint32) >> 16).astype(xp.uint16)) if dtype_name(spec.dtype) == "bfloat16" else \
+        (lambda x: x.astype(spec.dtype))
     gathered = {"positions": np.arange(many), "q": draw(many, hq), "k": draw(many, hk), "v": draw(many, hk),
                 "lse": np.full((b, hq, many), 5.0), "do": draw(many, hq) if backward else None,
                 "delta": np.zeros((b, hq, many))}
-    shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=None)
-    block = {n: xp.asarray(draw_block(large, hk if n in ("k", "v") else hq)) for n in ("q", "k", "v", "do", "o")}
-    lse = xp.full((b, hq, large), 5.0)
+    shape = lambda cu: SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=cu)
+    block = {n: held(xp.asarray(draw_block(large, hk if n in ("k", "v") else hq))) for n in ("q", "k", "v", "do", "o")}
+    lse = xp.full((b, hq, large), 5.0, xp.float64 if dtype_name(spec.dtype) == "float64" else xp.float32)
     pos = xp.arange(large)
 
-    def timed(samples, tokens):
+    def timed(samples, tokens, mask=(False, None, None), some=None):
         part = {n: None if x is None else x[:samples] if n == "positions" else
                 x[:, :, :samples] if n in ("lse", "delta") else x[:, :samples] for n, x in gathered.items()}
-        check = Samples(part, shape, False, scale, None, xp)
+        check = Samples(part, shape(mask[2]), mask[0], scale, mask[1], xp)
         cut = {n: x[:, :tokens] for n, x in block.items()}
         _sync(xp)
         begin = time.perf_counter()
-        check.add_keys(pos[:tokens], cut["k"], cut["v"])
+        check.add_keys(pos[:tokens], cut["k"], cut["v"], some)
         if backward:
-            check.add_queries(pos[:tokens], cut["q"], cut["do"], lse[:, :, :tokens], cut["o"])
+            check.add_queries(pos[:tokens], cut["q"], cut["do"], lse[:, :, :tokens], cut["o"], some)
         _sync(xp)
         return time.perf_counter() - begin
 
-    timed(few, small)
+    timed(few, small, (causal, window, spec.cu_seqlens), xp.arange(few // 2, few))
     t_small, t_large, t_many = timed(few, small), timed(few, large), timed(many, large)
     per_pair = max(t_many - t_large, 0.1 * t_many) / ((many - few) * large)
     per_token = max(t_large - t_small - per_pair * few * (large - small), 0.0) / (large - small)
@@ -578,7 +593,7 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     names = ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])
     n_local = len(tokens.positions)
     full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
-    cost = cost_model(spec, scale, backward, xp, comm)
+    cost = cost_model(spec, scale, backward, xp, comm, causal, window)
     cap = max(1, SAMPLE_ELEMENTS // (spec.batch * spec.heads * spec.head_dim * size))
     count = min(rows, cap)
     if budget_s is not None and not full:
