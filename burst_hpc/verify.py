@@ -161,6 +161,7 @@ LEAST_ROWS = 16     # the job's budget never takes the sample below this
 BUDGET = {"numpy": 0.5, "cuda": 0.08}      # the job's verification: at most this share of its passes' time
 BLOCK_ELEMENTS = {"numpy": 1 << 22, "cuda": 1 << 28}   # B * Hq * samples * tokens of one score block at most
 BLOCK_MEMORY = 0.5  # a GPU block's arrays take at most this share of the device's free memory (its pool's included)
+PLAN_ELEMENTS = 1 << 24     # samples * tokens of one host mask while planning
 SAMPLE_ELEMENTS = 1 << 24   # B * Hq * D * samples of all ranks at most (each row sum is that big)
 PROGRESS_S = 5.0
 
@@ -530,7 +531,7 @@ def plan(local, samples, block, causal, window, cu_seqlens, backward):
     block of local tokens lo..hi (``local``: their global positions) with ``rows`` the samples (indices
     into ``samples``, their global positions) that see a key of the block, and, when ``backward``,
     ``cols`` the samples seen by a query of the block (empty: that side of the block is skipped)."""
-    chunk = max(1, (1 << 24) // max(len(samples), 1))  # tokens of one host mask
+    chunk = max(1, PLAN_ELEMENTS // max(len(samples), 1))  # tokens of one host mask
     blocks = []
     for lo in range(0, len(local), block):
         pos = local[lo:lo + block]
