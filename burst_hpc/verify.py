@@ -197,6 +197,23 @@ def round_to_bfloat16(cupy):
         "burst_hpc_round_to_bfloat16")
 
 
+def row_dot(a, b, xp):
+    """sum(a * b, axis=-1) in float64 as an array of ``xp`` (a, b as :func:`as_float64` reads them); on a GPU
+    in one pass when both are bfloat16 there."""
+    bits = lambda x: array_module(x) is xp and (x.dtype == xp.uint16 or str(x.dtype) == "bfloat16")
+    if xp is not np and bits(a) and bits(b):
+        return bfloat16_dot(xp)(a.view(xp.uint16), b.view(xp.uint16), axis=-1)
+    return (as_float64(a, xp) * as_float64(b, xp)).sum(-1)
+
+
+@functools.lru_cache(maxsize=None)
+def bfloat16_dot(cupy):
+    """CuPy's reduction kernel (x, y uint16 bfloat16 bits, z float64 out): z = sum(x * y) in float64."""
+    load = "(double)__uint_as_float(((unsigned int){}) << 16)"
+    return cupy.ReductionKernel("uint16 x, uint16 y", "float64 z", f"{load.format('x')} * {load.format('y')}",
+                                "a + b", "z = a", "0", "burst_hpc_bfloat16_dot")
+
+
 def _host_float(x):
     x = _host(x)
     return np.ascontiguousarray(x if x.dtype in (np.float32, np.float64) else x.astype(np.float32))
@@ -385,12 +402,11 @@ class Samples:
         sel = slice(None) if cols is None else cols
         seen_f = xp.tile(self.seen(pos, self.positions[sel]).T, (1, g))           # (Tb, g c)
         heads = lambda x: as_float64(x.reshape(b, c, hk, g, d).transpose(0, 2, 3, 1, 4), xp).reshape(b, hk, g * c, d)
-        qc, doc, oc = (heads(x) for x in (q, do, o))
+        qc, doc = heads(q), heads(do)
+        delta = row_dot(do, o, xp).reshape(b, c, hk, g).transpose(0, 2, 3, 1).reshape(b, hk, 1, g * c)
         self.lse_rounding = float(np.finfo(lse.dtype).eps) / 2 if lse.dtype in (np.float32, np.float64) else 0.0
         lse = as_float64(lse, xp).reshape(b, hk, 1, g * c)
         self.lse_max = xp.maximum(self.lse_max, xp.where(xp.isfinite(lse), xp.abs(lse), 0).max())
-        delta = (doc * oc).sum(-1)[:, :, None, :]
-        del oc
         st = (self.k[:, :, sel] @ qc.swapaxes(-1, -2)) * self.scale                # (B, Hk, Tb, g c)
         p = xp.where(seen_f, xp.exp(st - lse), 0)
         p_plain = self.rnd(xp.where(seen_f, xp.exp(self.rnd(st) - lse), 0))
@@ -471,7 +487,7 @@ def cost_model(spec, scale, backward, xp, comm, causal=False, window=None):
 
     from mpi4py import MPI
 
-    few, small, large, many = (8, 64, 512, 64) if xp is np else (8, 256, 8192, 64)
+    few, small, large, many = (8, 64, 512, 64) if xp is np else (8, 256, 8192, 32)
     rng = np.random.default_rng(0)
     b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
     draw = lambda t, h: rng.standard_normal((b, t, h, d), np.float32)

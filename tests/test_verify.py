@@ -251,7 +251,8 @@ def test_finite_reads_bfloat16_bits():
 
 def test_the_gpu_kernels_match_numpy():
     """The one-pass kernels: bfloat16 rounding bit for bit as NumPy's path, bfloat16 bits and float16
-    from strided views to C-contiguous float64 exactly, the mask on the device as on the host."""
+    from strided views to C-contiguous float64 exactly, do.o of bfloat16 views, the mask on the device
+    as on the host."""
     cupy = _gpu()
     x = np.random.default_rng(3).standard_normal(100000) * np.logspace(-40, 38, 100000)
     x = np.concatenate([x, [np.inf, -np.inf, np.nan, 0.0, -0.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 65504.0, 1e-39]])
@@ -264,6 +265,10 @@ def test_the_gpu_kernels_match_numpy():
         view = cupy.asarray(held).transpose(0, 2, 1, 3)
         got = verify.as_float64(view, cupy)
         assert got.flags.c_contiguous and np.array_equal(got.get(), verify.as_float64(held.transpose(0, 2, 1, 3), np))
+    a, b = (np.random.default_rng(seed).standard_normal((2, 9, 4, 8)).astype(bfloat16) for seed in (5, 6))
+    on_device = cupy.asarray(a.view(np.uint16))[:, 2:7], cupy.asarray(b.view(np.uint16)).view(np.dtype(bfloat16))[:, 2:7]
+    got = verify.row_dot(*on_device, cupy)
+    assert got.shape == (2, 5, 4) and np.allclose(got.get(), verify.row_dot(a[:, 2:7], b[:, 2:7], np), rtol=1e-14, atol=0)
     for causal, window, cu in MASKS.values():
         q, k = np.array([0, 5, 17, 39]), np.arange(3, 40, 2)
         on_device = visible(cupy.asarray(q), cupy.asarray(k), causal, window, None if cu is None else cupy.asarray(cu))
