@@ -536,8 +536,8 @@ def block_tokens(spec, total, xp):
     tokens = BLOCK_ELEMENTS["numpy" if xp is np else "cuda"] // (b * hq * total)
     if xp is not np:
         free = xp.cuda.runtime.memGetInfo()[0] + xp.get_default_memory_pool().free_bytes()
-        # a token's q, do, o in float64 and q, do in float32 (with their conversion's temporaries), and
-        # its share of the float64 score-sized arrays alive at once
+        # a token's q and do in float64 and float32 (and, off bfloat16, o and the conversions' temporaries),
+        # and its share of the float64 score-sized arrays alive at once
         tokens = min(tokens, int(BLOCK_MEMORY * free) // (b * hq * (48 * d + 64 * total)))
     return max(16, tokens)
 
