@@ -528,9 +528,10 @@ def cost_model(spec, scale, backward, xp, comm, causal=False, window=None):
     return Cost(*costs.tolist())
 
 
-def block_tokens(spec, total, xp):
+def block_tokens(spec, total, xp, sharing=1):
     """Tokens of one block of the check with ``total`` samples in all: a score block (B Hq total
-    tokens) of at most BLOCK_ELEMENTS, and on a GPU at most BLOCK_MEMORY of its free memory."""
+    tokens) of at most BLOCK_ELEMENTS, and on a GPU at most BLOCK_MEMORY of its free memory, shared
+    by the ``sharing`` ranks that check on the same GPU at once."""
     b, hq, d = spec.batch, spec.heads, spec.head_dim
     total = max(total, 1)
     tokens = BLOCK_ELEMENTS["numpy" if xp is np else "cuda"] // (b * hq * total)
@@ -538,8 +539,16 @@ def block_tokens(spec, total, xp):
         free = xp.cuda.runtime.memGetInfo()[0] + xp.get_default_memory_pool().free_bytes()
         # a token's q and do in float64 and float32 (and, off bfloat16, o and the conversions' temporaries),
         # and its share of the float64 score-sized arrays alive at once
-        tokens = min(tokens, int(BLOCK_MEMORY * free) // (b * hq * (48 * d + 64 * total)))
+        tokens = min(tokens, int(BLOCK_MEMORY * free / sharing) // (b * hq * (48 * d + 64 * total)))
     return max(16, tokens)
+
+
+def sharing_device(cupy, comm):
+    """Collective: how many ranks of ``comm`` use this rank's GPU (the same device of the same host)."""
+    from mpi4py import MPI
+
+    mine = (MPI.Get_processor_name(), cupy.cuda.Device().pci_bus_id)
+    return comm.allgather(mine).count(mine) if comm.size > 1 else 1
 
 
 def plan(local, samples, block, causal, window, cu_seqlens, backward):
@@ -561,14 +570,14 @@ def plan(local, samples, block, causal, window, cu_seqlens, backward):
     return blocks
 
 
-def affordable(count, budget_s, cost, spec, local, size, causal, window, backward, xp):
+def affordable(count, budget_s, cost, spec, local, size, causal, window, backward, xp, sharing=1):
     """The most samples per rank (at most ``count``, at least LEAST_ROWS) whose predicted check on this
     rank fits in ``budget_s`` seconds; the samples stand in as evenly spread positions."""
     most = count
     for _ in range(2):  # the block size follows the count
         stand_in = np.linspace(0, spec.seqlen - 1, min(count * size, 64)).astype(np.int64)
-        blocks = plan(local, stand_in, block_tokens(spec, count * size, xp), causal, window, spec.cu_seqlens,
-                      backward)
+        blocks = plan(local, stand_in, block_tokens(spec, count * size, xp, sharing), causal, window,
+                      spec.cu_seqlens, backward)
         fixed = Cost(cost.fixed, cost.per_token, 0.0).seconds(blocks, backward)
         per_sample = Cost(0.0, 0.0, cost.per_pair).seconds(blocks, backward) / len(stand_in) * size
         count = min(most, max(LEAST_ROWS, int((budget_s - fixed) / max(per_sample, 1e-30))))
@@ -624,11 +633,12 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     n_local = len(tokens.positions)
     full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
     cost = cost_model(spec, scale, backward, xp, comm, causal, window)
+    sharing = 1 if xp is np else sharing_device(xp, comm)
     cap = max(1, SAMPLE_ELEMENTS // (spec.batch * spec.heads * spec.head_dim * size))
     count = min(rows, cap)
     if budget_s is not None and not full:
         left = budget_s - (time.perf_counter() - start)
-        count = affordable(count, left, cost, spec, tokens.positions, size, causal, window, backward, xp)
+        count = affordable(count, left, cost, spec, tokens.positions, size, causal, window, backward, xp, sharing)
         count = comm.allreduce(count, op=MPI.MIN) if size > 1 else count
     mine = n_local if full else min(count, n_local)
     every = full or comm.allreduce(int(mine == n_local), op=MPI.MIN) == 1
@@ -658,7 +668,7 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     for n in [n for n in ("q", "k", "v", "do", "lse", "delta") if parts and n in parts[0][1]]:
         gathered[n] = np.concatenate([arrays[n] for _, arrays in parts], axis=axis.get(n, 1))
     total = len(gathered["positions"])
-    blocks = plan(tokens.positions, gathered["positions"], block_tokens(spec, total, xp), causal, window,
+    blocks = plan(tokens.positions, gathered["positions"], block_tokens(spec, total, xp, sharing), causal, window,
                   spec.cu_seqlens, backward) if total else []
     predicted = time.perf_counter() - start + cost.seconds(blocks, backward)  # the calibration spent, and the rest
     predicted = comm.allreduce(predicted, op=MPI.MAX) if size > 1 else predicted

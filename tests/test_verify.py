@@ -266,9 +266,10 @@ def test_the_gpu_kernels_match_numpy():
         got = verify.as_float64(view, cupy)
         assert got.flags.c_contiguous and np.array_equal(got.get(), verify.as_float64(held.transpose(0, 2, 1, 3), np))
     a, b = (np.random.default_rng(seed).standard_normal((2, 9, 4, 8)).astype(bfloat16) for seed in (5, 6))
-    on_device = cupy.asarray(a.view(np.uint16))[:, 2:7], cupy.asarray(b.view(np.uint16)).view(np.dtype(bfloat16))[:, 2:7]
-    got = verify.row_dot(*on_device, cupy)
-    assert got.shape == (2, 5, 4) and np.allclose(got.get(), verify.row_dot(a[:, 2:7], b[:, 2:7], np), rtol=1e-14, atol=0)
+    bits, typed = cupy.asarray(a.view(np.uint16)), cupy.asarray(b.view(np.uint16)).view(np.dtype(bfloat16))
+    got = verify.row_dot(bits[:, 2:7], typed[:, 2:7], cupy)
+    want = verify.row_dot(a[:, 2:7], b[:, 2:7], np)
+    assert got.shape == (2, 5, 4) and np.allclose(got.get(), want, rtol=1e-14, atol=0)
     for causal, window, cu in MASKS.values():
         q, k = np.array([0, 5, 17, 39]), np.arange(3, 40, 2)
         on_device = visible(cupy.asarray(q), cupy.asarray(k), causal, window, None if cu is None else cupy.asarray(cu))
