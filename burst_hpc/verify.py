@@ -547,7 +547,7 @@ def sharing_device(cupy, comm):
     """Collective: how many ranks of ``comm`` use this rank's GPU (the same device of the same host)."""
     from mpi4py import MPI
 
-    mine = (MPI.Get_processor_name(), cupy.cuda.Device().pci_bus_id)
+    mine = (MPI.Get_processor_name(), cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id))
     return comm.allgather(mine).count(mine) if comm.size > 1 else 1
 
 
