@@ -20,8 +20,6 @@ for pass in cold warm; do
   echo "$pass: exit $?"
   grep -E "^\[burst-hpc.*verify:|^burst-hpc run:" "$LOG/verify_run_$pass.txt"
 done
-echo "== where verify's time goes (bench/verify_phases.py: calibrated costs, blocks, each call timed)"
-python3 bench/verify_phases.py "$S" 2>&1 | tee "$LOG/verify_phases.txt" | grep -v "^verify:"
 echo "== burst-hpc verify of the published output, on the GPU (256 rows+cols)"
 mpirun -np 1 python3 -m burst_hpc verify "$DATA/in.h5" "$DATA/out.h5" --backend cuda 2>&1 | tee "$LOG/verify_later.txt" | tail -2
 rm -rf "$DATA"

@@ -15,8 +15,6 @@ has; a row whose visible scores are all -inf has o = 0, lse = -inf, like a row t
 """
 import numpy as np
 
-from .merge import array_module
-
 
 def _quiet(*arrays):
     """Inputs holding NaN or Inf: numpy's 'invalid value' warnings off (inf - inf is NaN, as it should be);
@@ -33,11 +31,9 @@ def _inputs(q, k, v, scale):
 
 
 def visible(q_pos, k_pos, causal=False, window=None, cu_seqlens=None):
-    """Dense boolean (len(q_pos), len(k_pos)): key j visible from query i, from the definitions. On the
-    device of ``q_pos`` (NumPy or CuPy positions; ``k_pos`` and ``cu_seqlens`` on the same one)."""
-    xp = array_module(q_pos)
-    i, j = xp.asarray(q_pos)[:, None], xp.asarray(k_pos)[None, :]
-    seen = xp.ones((i.shape[0], j.shape[1]), bool)
+    """Dense boolean (len(q_pos), len(k_pos)): key j visible from query i, from the definitions."""
+    i, j = np.asarray(q_pos)[:, None], np.asarray(k_pos)[None, :]
+    seen = np.ones((i.shape[0], j.shape[1]), bool)
     if causal:
         seen &= j <= i
     if window is not None:
@@ -47,8 +43,8 @@ def visible(q_pos, k_pos, causal=False, window=None, cu_seqlens=None):
         if right != -1:
             seen &= j <= i + right
     if cu_seqlens is not None:
-        cu = xp.asarray(cu_seqlens)
-        document = lambda pos: xp.searchsorted(cu, pos, side="right")  # the document holding each position
+        cu = np.asarray(cu_seqlens)
+        document = lambda pos: np.searchsorted(cu, pos, side="right")  # the document holding each position
         seen &= document(i) == document(j)
     return seen
 

@@ -14,7 +14,6 @@ The outcome is recorded in the output file's attributes (see :func:`pending_attr
 ``verify`` ("not run", "not finished", "pass" or "fail"), ``verify_mode`` and, per output X,
 ``verify_max_err_X`` and ``verify_tol_X`` (NaN where X was not checked).
 """
-import functools
 import math
 import time
 
@@ -32,6 +31,7 @@ ATOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
 LSE_ATOL = 5e-7  # lse is stored as float32 whatever the inputs
 LSE_SPREAD = 4.0  # dk, dv: the stored lse's rounding reaches them summed over rows with random signs
 FULL_LIMIT = 1 << 22  # B * Hq * S * S at most this: every row, every output, checked in full
+KEY_CHUNK = 1 << 21  # elements of one (B, Hq, rows, keys) score block in the sampled check
 
 
 def _compute_type(lowp):
@@ -152,78 +152,33 @@ def nonfinite_summary(outputs, comm):
 # The plain same-precision computation that sets the tolerance runs alongside on the same blocks:
 # scores, probabilities (normalized by the output's lse), dp and dS rounded to the input dtype,
 # float32 sums. Hidden pairs add nothing, also where a hidden key, value or query is NaN or Inf.
-# Which samples each block touches is planned on the host from positions alone (:func:`plan`), before
-# the loop; the loop itself never waits for the device (masks are built there from positions, and
-# whether an input holds NaN or Inf is decided once per array), and a block on a GPU is as large as
-# its free memory allows, so the fixed cost of a block (its kernel launches) is paid a few times.
 
 ROWS = 256          # samples per rank unless told (the run job picks fewer when they would cost too much)
 LEAST_ROWS = 16     # the job's budget never takes the sample below this
 BUDGET = {"numpy": 0.5, "cuda": 0.08}      # the job's verification: at most this share of its passes' time
-BLOCK_ELEMENTS = {"numpy": 1 << 22, "cuda": 1 << 28}   # B * Hq * samples * tokens of one score block at most
-BLOCK_MEMORY = 0.5  # a GPU block's arrays take at most this share of the device's free memory (its pool's included)
-PLAN_ELEMENTS = 1 << 24     # samples * tokens of one host mask while planning
+BLOCK_ELEMENTS = {"numpy": 1 << 22, "cuda": 1 << 25}   # B * Hq * samples * tokens of one score block
 SAMPLE_ELEMENTS = 1 << 24   # B * Hq * D * samples of all ranks at most (each row sum is that big)
 PROGRESS_S = 5.0
 
 
 def as_float64(x, xp):
-    """``x`` (NumPy or CuPy, any supported dtype, any strides; uint16 or bfloat16 holds bfloat16 bits)
-    as a C-contiguous float64 array of ``xp``, exact (``x`` itself when it is one). On a GPU in one
-    pass, also from a strided view (a transposition to the heads-major layout costs no extra copy)."""
-    if array_module(x) is not xp:
-        x = xp.asarray(_host_float(x))
+    """``x`` (NumPy or CuPy, any supported dtype; uint16 or bfloat16 holds bfloat16 bits) as a float64
+    array of ``xp``, exact."""
+    x = xp.asarray(x) if array_module(x) is xp else xp.asarray(_host_float(x))
     if x.dtype == xp.uint16 or str(x.dtype) == "bfloat16":
-        if xp is not np:
-            return bfloat16_to_float64(xp)(x.view(xp.uint16), xp.empty(x.shape, xp.float64))
         x = (x.view(xp.uint16).astype(xp.uint32) << 16).view(xp.float32)
-    return xp.ascontiguousarray(x, dtype=xp.float64)
-
-
-@functools.lru_cache(maxsize=None)
-def bfloat16_to_float64(cupy):
-    """CuPy's elementwise kernel (x uint16 bfloat16 bits, y float64 out) -> y = x, exact."""
-    return cupy.ElementwiseKernel("uint16 x", "float64 y", "y = (double)__uint_as_float(((unsigned int)x) << 16)",
-                                  "burst_hpc_bfloat16_to_float64")
-
-
-@functools.lru_cache(maxsize=None)
-def round_to_bfloat16(cupy):
-    """CuPy's elementwise kernel (x any float, y float32 out): x rounded to float32, then to bfloat16 (to
-    nearest, ties to even, NaN kept), as float32; what :func:`rounder` does with NumPy, in one pass."""
-    return cupy.ElementwiseKernel(
-        "T x", "float32 y",
-        "float f = (float)x; unsigned int b = __float_as_uint(f);"
-        " y = isnan(f) ? f : __uint_as_float((b + 0x7FFFu + ((b >> 16) & 1u)) & 0xFFFF0000u);",
-        "burst_hpc_round_to_bfloat16")
-
-
-def row_dot(a, b, xp):
-    """sum(a * b, axis=-1) in float64 as an array of ``xp`` (a, b as :func:`as_float64` reads them); on a GPU
-    in one pass when both are bfloat16 there."""
-    bits = lambda x: array_module(x) is xp and (x.dtype == xp.uint16 or str(x.dtype) == "bfloat16")
-    if xp is not np and bits(a) and bits(b):
-        return bfloat16_dot(xp)(a.view(xp.uint16), b.view(xp.uint16), axis=-1)
-    return (as_float64(a, xp) * as_float64(b, xp)).sum(-1)
-
-
-@functools.lru_cache(maxsize=None)
-def bfloat16_dot(cupy):
-    """CuPy's reduction kernel (x, y uint16 bfloat16 bits, z float64 out): z = sum(x * y) in float64."""
-    load = "(double)__uint_as_float(((unsigned int){}) << 16)"
-    return cupy.ReductionKernel("uint16 x, uint16 y", "float64 z", f"{load.format('x')} * {load.format('y')}",
-                                "a + b", "z = a", "0", "burst_hpc_bfloat16_dot")
+    return x.astype(xp.float64)
 
 
 def _host_float(x):
     x = _host(x)
-    return np.ascontiguousarray(x if x.dtype in (np.float32, np.float64) else x.astype(np.float32))
+    return x if x.dtype in (np.float32, np.float64) else x.astype(np.float32)
 
 
 def rounder(lowp, xp):
     """(plain compute type, rounding to ``lowp``): x -> x rounded to the input dtype, as the compute type
     (float64 and no rounding for float64 inputs; bfloat16 by round-to-nearest-even on float32 bits, so
-    it needs no bfloat16 support from ``xp``; on a GPU in one pass)."""
+    it needs no bfloat16 support from ``xp``)."""
     name = dtype_name(lowp)
     if name == "float64":
         return xp.float64, lambda x: x
@@ -231,8 +186,6 @@ def rounder(lowp, xp):
         return xp.float32, lambda x: x.astype(xp.float32)
     if name == "float16":
         return xp.float32, lambda x: x.astype(xp.float32).astype(xp.float16).astype(xp.float32)
-    if xp is not np:
-        return xp.float32, round_to_bfloat16(xp)
 
     def bf16(x):
         x = x.astype(xp.float32)
@@ -263,26 +216,14 @@ def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def finite(x):
-    """``x`` (NumPy or CuPy, read as :func:`as_float64` reads it: uint16 holds bfloat16 bits) holds no NaN
-    or Inf; decided where it lies (one wait for a device array)."""
-    xp = array_module(x)
-    if x.dtype == xp.uint16 or str(x.dtype) == "bfloat16":
-        return not bool(((x.view(xp.uint16) & xp.uint16(0x7FFF)) >= xp.uint16(0x7F80)).any())
-    return bool(xp.isfinite(x).all())
-
-
 class Tokens:
     """One rank's tokens, which the check streams over: ``positions`` (global token indices in local
     order) and ``read(names, lo, hi)``, {name: array} of local tokens lo..hi of input datasets ('q',
     'k', 'v', 'do') and output datasets ('o', 'lse', 'dq', 'dk', 'dv'; lse's tokens on axis 2), NumPy
-    or CuPy. ``take(names, index)``: the same at sorted local indices. ``finite(name, block)``: the
-    input ``name`` holds no NaN or Inf in ``block`` (what ``read`` gave), decided once per array where
-    the whole array is at hand."""
+    or CuPy. ``take(names, index)``: the same at sorted local indices."""
 
-    def __init__(self, positions, read, take, is_finite=None):
+    def __init__(self, positions, read, take):
         self.positions, self.read, self.take = np.asarray(positions, np.int64), read, take
-        self.finite = is_finite or (lambda name, block: finite(block))
 
     @classmethod
     def resident(cls, arrays, positions):
@@ -296,14 +237,7 @@ class Tokens:
         def take(names, idx):
             return {n: arrays[n][index(n, array_module(arrays[n]).asarray(idx))] for n in names}
 
-        known = {}
-
-        def whole(name, block):
-            if name not in known:
-                known[name] = finite(arrays[name])
-            return known[name]
-
-        return cls(positions, read, take, whole)
+        return cls(positions, read, take)
 
     @classmethod
     def stored(cls, files, start, stop):
@@ -328,17 +262,16 @@ class Samples:
     """The sums of every rank's sampled tokens against this rank's tokens, block by block (see above)."""
 
     def __init__(self, gathered, spec, causal, scale, window, xp):
-        self.xp, self.causal, self.scale, self.window = xp, causal, scale, window
-        self.cu = None if spec.cu_seqlens is None else xp.asarray(spec.cu_seqlens)
+        self.xp, self.causal, self.scale, self.window, self.cu = xp, causal, scale, window, spec.cu_seqlens
         self.batch, self.hkv, self.dim = spec.batch, spec.kv_heads, spec.head_dim
         self.group = spec.heads // spec.kv_heads
         self.plain_type, self.rnd = rounder(spec.dtype, xp)
-        self.positions = xp.asarray(gathered["positions"])
+        self.positions = gathered["positions"]
         b, g, hk, d, t = self.batch, self.group, self.hkv, self.dim, len(self.positions)
-        heads = lambda x: as_float64(x.reshape(b, t, hk, g, -1).transpose(0, 2, 3, 1, 4), xp)  # (B, Hk, g, T, D)
+        heads = lambda x: as_float64(x, xp).reshape(b, t, hk, g, -1).transpose(0, 2, 3, 1, 4).copy()  # (B, Hk, g, T, D)
         self.q, self.do = heads(gathered["q"]), None if gathered.get("do") is None else heads(gathered["do"])
-        self.k = as_float64(gathered["k"].transpose(0, 2, 1, 3), xp)  # (B, Hk, T, D)
-        self.v = as_float64(gathered["v"].transpose(0, 2, 1, 3), xp)
+        self.k = as_float64(gathered["k"], xp).transpose(0, 2, 1, 3).copy()  # (B, Hk, T, D)
+        self.v = as_float64(gathered["v"], xp).transpose(0, 2, 1, 3).copy()
         self.lse = as_float64(gathered["lse"], xp).reshape(b, hk, g, t)           # the output's, for the plain rows
         self.delta = None if self.do is None else as_float64(gathered["delta"], xp).reshape(b, hk, g, t)
         f64, low = xp.float64, self.plain_type
@@ -346,24 +279,26 @@ class Samples:
         self.sums = {n: xp.zeros((b, hk, g, t), f64) for n in ("l", "l_plain")}
         self.sums.update({n: xp.zeros((b, hk, g, t, d), f64) for n in ("A", "Bk", "C")})
         self.sums.update({n: xp.zeros((b, hk, g, t, d), low) for n in ("o_plain", "dq_plain")})
-        # the largest finite |lse| the columns took P from (on the device), its dtype's eps / 2
-        self.lse_max, self.lse_rounding = xp.zeros((), f64), 0.0
+        self.lse_max, self.lse_rounding = 0.0, 0.0  # the largest finite |lse| the columns took P from, its eps/2
         self.cols = None if self.do is None else {
             n: xp.zeros((b, hk, t, d), f64 if n in ("dk", "dv") else low) for n in ("dk", "dv", "dk_plain", "dv_plain")}
 
     def seen(self, q_pos, k_pos):
         return visible(q_pos, k_pos, self.causal, self.window, self.cu)
 
-    def add_keys(self, pos, k, v, rows=None, k_finite=True, v_finite=True):
-        """The sums of the sampled rows ``rows`` (indices on the device, sorted; None: every sample) over
-        keys ``pos`` (positions on the device). k, v (B, c, Hkv, D) of any dtype; ``k_finite``,
-        ``v_finite``: they hold no NaN or Inf. Waits for nothing on the device when they are finite."""
+    def add_keys(self, pos, k, v):
+        """The rows' sums over keys ``pos`` (k, v (B, c, Hkv, D) of any dtype)."""
         xp, b, hk, g = self.xp, self.batch, self.hkv, self.group
-        sel = slice(None) if rows is None else rows
-        ta = len(self.positions) if rows is None else len(rows)
-        seen_f = xp.tile(self.seen(self.positions[sel], pos), (g, 1))            # (g Ta, c)
-        kc = as_float64(k.transpose(0, 2, 1, 3), xp)                              # (B, Hk, c, D)
-        vc = as_float64(v.transpose(0, 2, 1, 3), xp)
+        seen = self.seen(self.positions, pos)
+        active = np.flatnonzero(seen.any(1))
+        if active.size == 0:
+            return
+        ta = active.size
+        sel = slice(None) if ta == len(self.positions) else xp.asarray(active)
+        seen_f = xp.asarray(np.tile(seen[active], (g, 1)))                       # (g Ta, c)
+        kc = as_float64(k, xp).transpose(0, 2, 1, 3).copy()                       # (B, Hk, c, D)
+        vc = as_float64(v, xp).transpose(0, 2, 1, 3).copy()
+        k_ok, v_ok = bool(xp.isfinite(kc).all()), bool(xp.isfinite(vc).all())
         flat = lambda x: x[:, :, :, sel].reshape(b, hk, g * ta, *x.shape[4:])
         s = xp.where(seen_f, (flat(self.q) @ kc.swapaxes(-1, -2)) * self.scale, -np.inf)
         m_old = flat(self.m)
@@ -371,19 +306,18 @@ class Samples:
         safe = xp.where(xp.isneginf(m_new), 0, m_new)
         alpha = xp.exp(m_old - safe)
         e = xp.exp(s - safe[..., None])
-        upd = {"l": e.sum(-1), "A": visible_product(e, vc, seen_f, v_finite),
-               "Bk": visible_product(e, kc, seen_f, k_finite)}
+        upd = {"l": e.sum(-1), "A": visible_product(e, vc, seen_f, v_ok), "Bk": visible_product(e, kc, seen_f, k_ok)}
         s_plain = self.rnd(s)
         upd["l_plain"] = xp.exp(s_plain - safe[..., None]).sum(-1)
         lse = flat(self.lse)
         p_plain = self.rnd(xp.exp(s_plain - xp.where(xp.isneginf(lse), 0, lse)[..., None]))
         del s, s_plain
-        upd["o_plain"] = visible_product(p_plain, vc.astype(self.plain_type), seen_f, v_finite)
+        upd["o_plain"] = visible_product(p_plain, vc.astype(self.plain_type), seen_f, v_ok)
         if self.do is not None:
             dp = flat(self.do) @ vc.swapaxes(-1, -2)
-            upd["C"] = visible_product(xp.where(seen_f, e * dp, 0), kc, seen_f, k_finite)
+            upd["C"] = visible_product(xp.where(seen_f, e * dp, 0), kc, seen_f, k_ok)
             ds_plain = self.rnd(xp.where(seen_f, p_plain * (self.rnd(dp) - flat(self.delta)[..., None]), 0))
-            upd["dq_plain"] = visible_product(ds_plain, kc.astype(self.plain_type), seen_f, k_finite)
+            upd["dq_plain"] = visible_product(ds_plain, kc.astype(self.plain_type), seen_f, k_ok)
         del e, p_plain
         self.m[:, :, :, sel] = m_new.reshape(b, hk, g, ta)
         for name, add in upd.items():
@@ -392,22 +326,26 @@ class Samples:
                 old = old * (alpha if old.ndim == 3 else alpha[..., None])
             self.sums[name][:, :, :, sel] = (old + add).reshape(b, hk, g, ta, *add.shape[3:])
 
-    def add_queries(self, pos, q, do, lse, o, cols=None, q_finite=True, do_finite=True):
-        """The sums of the sampled columns ``cols`` (indices on the device, sorted; None: every sample)
-        over queries ``pos`` (positions on the device). q, do, o (B, c, Hq, D), lse (B, Hq, c): the
-        output's; ``q_finite``, ``do_finite``: q, do hold no NaN or Inf."""
+    def add_queries(self, pos, q, do, lse, o):
+        """The columns' sums over queries ``pos`` (q, do, o (B, c, Hq, D), lse (B, Hq, c): the output's)."""
         if self.cols is None:
             return
         xp, b, hk, g, d = self.xp, self.batch, self.hkv, self.group, self.dim
-        c = len(pos)
-        sel = slice(None) if cols is None else cols
-        seen_f = xp.tile(self.seen(pos, self.positions[sel]).T, (1, g))           # (Tb, g c)
-        heads = lambda x: as_float64(x.reshape(b, c, hk, g, d).transpose(0, 2, 3, 1, 4), xp).reshape(b, hk, g * c, d)
-        qc, doc = heads(q), heads(do)
-        delta = row_dot(do, o, xp).reshape(b, c, hk, g).transpose(0, 2, 3, 1).reshape(b, hk, 1, g * c)
+        seen = self.seen(pos, self.positions).T                                    # (T, c)
+        active = np.flatnonzero(seen.any(1))
+        if active.size == 0:
+            return
+        c, tb = len(pos), active.size
+        sel = slice(None) if tb == len(self.positions) else xp.asarray(active)
+        seen_f = xp.asarray(np.tile(seen[active], (1, g)))                        # (Tb, g c)
+        heads = lambda x: x.reshape(b, c, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * c, d)
+        qc, doc, oc = (heads(as_float64(x, xp)) for x in (q, do, o))
+        q_ok, do_ok = bool(xp.isfinite(qc).all()), bool(xp.isfinite(doc).all())
         self.lse_rounding = float(np.finfo(lse.dtype).eps) / 2 if lse.dtype in (np.float32, np.float64) else 0.0
         lse = as_float64(lse, xp).reshape(b, hk, 1, g * c)
-        self.lse_max = xp.maximum(self.lse_max, xp.where(xp.isfinite(lse), xp.abs(lse), 0).max())
+        finite = xp.abs(lse[xp.isfinite(lse)])
+        self.lse_max = max(self.lse_max, float(finite.max()) if finite.size else 0.0)
+        delta = (doc * oc).sum(-1)[:, :, None, :]
         st = (self.k[:, :, sel] @ qc.swapaxes(-1, -2)) * self.scale                # (B, Hk, Tb, g c)
         p = xp.where(seen_f, xp.exp(st - lse), 0)
         p_plain = self.rnd(xp.where(seen_f, xp.exp(self.rnd(st) - lse), 0))
@@ -417,9 +355,9 @@ class Samples:
         ds_plain = self.rnd(xp.where(seen_f, p_plain * (self.rnd(dp) - delta), 0))
         del dp
         low = self.plain_type
-        upd = {"dv": visible_product(p, doc, seen_f, do_finite), "dk": visible_product(ds, qc, seen_f, q_finite),
-               "dv_plain": visible_product(p_plain, doc.astype(low), seen_f, do_finite),
-               "dk_plain": visible_product(ds_plain, qc.astype(low), seen_f, q_finite)}
+        upd = {"dv": visible_product(p, doc, seen_f, do_ok), "dk": visible_product(ds, qc, seen_f, q_ok),
+               "dv_plain": visible_product(p_plain, doc.astype(low), seen_f, do_ok),
+               "dk_plain": visible_product(ds_plain, qc.astype(low), seen_f, q_ok)}
         for name, add in upd.items():
             self.cols[name][:, :, sel] += add
 
@@ -452,137 +390,57 @@ class Samples:
         return out
 
 
-def on_device(arrays, xp):
-    """Host index arrays as arrays of ``xp``, in one copy."""
-    flat = xp.asarray(np.concatenate([np.asarray(a, np.int64) for a in arrays] + [np.empty(0, np.int64)]))
-    bounds = np.cumsum([0] + [len(a) for a in arrays])
-    return [flat[lo:hi] for lo, hi in zip(bounds[:-1], bounds[1:])]
-
-
 def _sync(xp):
     if xp is not np:
         xp.cuda.Device().synchronize()
 
 
-class Cost:
-    """This machine's cost of the check: ``fixed`` seconds per block (kernel launches, Python),
-    ``per_token`` per local token of a block (its inputs read and converted to float64) and
-    ``per_pair`` per (sample, token) pair (a row's sums over a key, or a column's and a row's when
-    ``backward``); the largest over the ranks."""
-
-    def __init__(self, fixed, per_token, per_pair):
-        self.fixed, self.per_token, self.per_pair = fixed, per_token, per_pair
-
-    def seconds(self, blocks, backward):
-        """The predicted seconds of the blocks of :func:`plan`."""
-        busy = [(hi - lo, len(rows), len(cols)) for lo, hi, rows, cols in blocks if len(rows) or len(cols)]
-        pairs = sum(c * (r + k) for c, r, k in busy) / (2 if backward else 1)
-        return self.fixed * len(busy) + self.per_token * sum(c for c, _, _ in busy) + self.per_pair * pairs
-
-
-def cost_model(spec, scale, backward, xp, comm, causal=False, window=None):
-    """Collective: :class:`Cost` on this machine, timed on random blocks after one untimed go under the
-    job's mask (which loads, or on a cold cache compiles, the kernels the check uses): a few samples
-    against a small and a large block of tokens, and more samples against the large one."""
+def seconds_per_pair(spec, scale, backward, xp, comm):
+    """Collective: seconds this machine's check takes per (sample, token) pair (rows, and columns when
+    ``backward``), timed on a small block of random data after one untimed go (the largest over ranks)."""
     from types import SimpleNamespace
 
-    from mpi4py import MPI
-
-    few, small, large, many = (8, 64, 512, 64) if xp is np else (8, 256, 8192, 32)
+    samples, tokens = (64, 2048) if xp is not np else (64, 512)
     rng = np.random.default_rng(0)
     b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
     draw = lambda t, h: rng.standard_normal((b, t, h, d), np.float32)
-    # the block is large on a GPU: drawn there (NumPy's generator would take a while), held as the job
-    # holds its inputs (bfloat16 as its bits) so that their conversion is timed too
+    # the block is large on a GPU: drawn there (NumPy's generator would take seconds)
     draw_block = draw if xp is np else lambda t, h: xp.random.standard_normal((b, t, h, d), np.float32)
-    held = (lambda x: (x.view(xp.uint32) >> 16).astype(xp.uint16)) if dtype_name(spec.dtype) == "bfloat16" else \
-        (lambda x: x.astype(spec.dtype))
-    gathered = {"positions": np.arange(many), "q": draw(many, hq), "k": draw(many, hk), "v": draw(many, hk),
-                "lse": np.full((b, hq, many), 5.0), "do": draw(many, hq) if backward else None,
-                "delta": np.zeros((b, hq, many))}
-    shape = lambda cu: SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=cu)
-    block = {n: held(xp.asarray(draw_block(large, hk if n in ("k", "v") else hq))) for n in ("q", "k", "v", "do", "o")}
-    lse = xp.full((b, hq, large), 5.0, xp.float64 if dtype_name(spec.dtype) == "float64" else xp.float32)
-    pos = xp.arange(large)
-
-    def timed(samples, tokens, mask=(False, None, None), some=None):
-        part = {n: None if x is None else x[:samples] if n == "positions" else
-                x[:, :, :samples] if n in ("lse", "delta") else x[:, :samples] for n, x in gathered.items()}
-        check = Samples(part, shape(mask[2]), mask[0], scale, mask[1], xp)
-        cut = {n: x[:, :tokens] for n, x in block.items()}
+    gathered = {"positions": np.arange(samples), "q": draw(samples, hq), "k": draw(samples, hk),
+                "v": draw(samples, hk), "lse": np.full((b, hq, samples), 5.0),
+                "do": draw(samples, hq) if backward else None,
+                "delta": np.zeros((b, hq, samples))}
+    shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=None)
+    block = {n: xp.asarray(draw_block(tokens, hk if n in ("k", "v") else hq)) for n in ("q", "k", "v", "do", "o")}
+    lse = xp.full((b, hq, tokens), 5.0)
+    pos = np.arange(tokens)
+    elapsed = []
+    for _ in range(2):
+        check = Samples(gathered, shape, False, scale, None, xp)
         _sync(xp)
-        begin = time.perf_counter()
-        check.add_keys(pos[:tokens], cut["k"], cut["v"], some)
+        start = time.perf_counter()
+        check.add_keys(pos, block["k"], block["v"])
         if backward:
-            check.add_queries(pos[:tokens], cut["q"], cut["do"], lse[:, :, :tokens], cut["o"], some)
+            check.add_queries(pos, block["q"], block["do"], lse, block["o"])
         _sync(xp)
-        return time.perf_counter() - begin
-
-    timed(few, small, (causal, window, spec.cu_seqlens), xp.arange(few // 2, few))
-    t_small, t_large, t_many = timed(few, small), timed(few, large), timed(many, large)
-    per_pair = max(t_many - t_large, 0.1 * t_many) / ((many - few) * large)
-    per_token = max(t_large - t_small - per_pair * few * (large - small), 0.0) / (large - small)
-    fixed = max(t_small - (per_token + per_pair * few) * small, 0.0)
-    costs = np.array([fixed, per_token, per_pair])
-    if comm.size > 1:
-        comm.Allreduce(MPI.IN_PLACE, costs, op=MPI.MAX)
-    return Cost(*costs.tolist())
+        elapsed.append(time.perf_counter() - start)
+    per_pair = elapsed[-1] / (samples * tokens)
+    return per_pair if comm.size == 1 else comm.allreduce(per_pair, op=_mpi_max())
 
 
-def block_tokens(spec, total, xp, sharing=1):
-    """Tokens of one block of the check with ``total`` samples in all: a score block (B Hq total
-    tokens) of at most BLOCK_ELEMENTS, and on a GPU at most BLOCK_MEMORY of its free memory, shared
-    by the ``sharing`` ranks that check on the same GPU at once."""
-    b, hq, d = spec.batch, spec.heads, spec.head_dim
-    total = max(total, 1)
-    tokens = BLOCK_ELEMENTS["numpy" if xp is np else "cuda"] // (b * hq * total)
-    if xp is not np:
-        free = xp.cuda.runtime.memGetInfo()[0] + xp.get_default_memory_pool().free_bytes()
-        # a token's q and do in float64 and float32 (and, off bfloat16, o and the conversions' temporaries),
-        # and its share of the float64 score-sized arrays alive at once
-        tokens = min(tokens, int(BLOCK_MEMORY * free / sharing) // (b * hq * (48 * d + 64 * total)))
-    return max(16, tokens)
-
-
-def sharing_device(cupy, comm):
-    """Collective: how many ranks of ``comm`` use this rank's GPU (the same device of the same host)."""
+def _mpi_max():
     from mpi4py import MPI
 
-    mine = (MPI.Get_processor_name(), cupy.cuda.runtime.deviceGetPCIBusId(cupy.cuda.Device().id))
-    return comm.allgather(mine).count(mine) if comm.size > 1 else 1
+    return MPI.MAX
 
 
-def plan(local, samples, block, causal, window, cu_seqlens, backward):
-    """The check's blocks on one rank, from positions alone (host work): (lo, hi, rows, cols) for each
-    block of local tokens lo..hi (``local``: their global positions) with ``rows`` the samples (indices
-    into ``samples``, their global positions) that see a key of the block, and, when ``backward``,
-    ``cols`` the samples seen by a query of the block (empty: that side of the block is skipped)."""
-    chunk = max(1, PLAN_ELEMENTS // max(len(samples), 1))  # tokens of one host mask
-    blocks = []
-    for lo in range(0, len(local), block):
-        pos = local[lo:lo + block]
-        rows, cols = np.zeros(len(samples), bool), np.zeros(len(samples), bool)
-        for at in range(0, len(pos), chunk):
-            part = pos[at:at + chunk]
-            rows |= visible(samples, part, causal, window, cu_seqlens).any(1)
-            if backward:
-                cols |= visible(part, samples, causal, window, cu_seqlens).any(0)
-        blocks.append((lo, lo + len(pos), np.flatnonzero(rows), np.flatnonzero(cols)))
-    return blocks
+def visible_share(spec, causal, window):
+    """The share of (query, key) pairs the mask leaves visible (accounting.visible_pairs / S^2)."""
+    from . import masks
+    from .accounting import visible_pairs
 
-
-def affordable(count, budget_s, cost, spec, local, size, causal, window, backward, xp, sharing=1):
-    """The most samples per rank (at most ``count``, at least LEAST_ROWS) whose predicted check on this
-    rank fits in ``budget_s`` seconds; the samples stand in as evenly spread positions."""
-    most = count
-    for _ in range(2):  # the block size follows the count
-        stand_in = np.linspace(0, spec.seqlen - 1, min(count * size, 64)).astype(np.int64)
-        blocks = plan(local, stand_in, block_tokens(spec, count * size, xp, sharing), causal, window,
-                      spec.cu_seqlens, backward)
-        fixed = Cost(cost.fixed, cost.per_token, 0.0).seconds(blocks, backward)
-        per_sample = Cost(0.0, 0.0, cost.per_pair).seconds(blocks, backward) / len(stand_in) * size
-        count = min(most, max(LEAST_ROWS, int((budget_s - fixed) / max(per_sample, 1e-30))))
-    return count
+    mask = masks.make(spec.seqlen, causal, window, spec.cu_seqlens)
+    return visible_pairs(spec.seqlen, causal, mask) / float(spec.seqlen) ** 2
 
 
 def failures(report):
@@ -633,14 +491,12 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     names = ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])
     n_local = len(tokens.positions)
     full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
-    cost = cost_model(spec, scale, backward, xp, comm, causal, window)
-    sharing = 1 if xp is np else sharing_device(xp, comm)
+    share = visible_share(spec, causal, window)
+    per_pair = seconds_per_pair(spec, scale, backward, xp, comm)
     cap = max(1, SAMPLE_ELEMENTS // (spec.batch * spec.heads * spec.head_dim * size))
     count = min(rows, cap)
     if budget_s is not None and not full:
-        left = budget_s - (time.perf_counter() - start)
-        count = affordable(count, left, cost, spec, tokens.positions, size, causal, window, backward, xp, sharing)
-        count = comm.allreduce(count, op=MPI.MIN) if size > 1 else count
+        count = min(count, max(LEAST_ROWS, int(budget_s / (per_pair * spec.seqlen * share))))
     mine = n_local if full else min(count, n_local)
     every = full or comm.allreduce(int(mine == n_local), op=MPI.MIN) == 1
     mode = "full" if every else f"sampled {count} {'rows+cols' if backward else 'rows'}/rank"
@@ -669,9 +525,8 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     for n in [n for n in ("q", "k", "v", "do", "lse", "delta") if parts and n in parts[0][1]]:
         gathered[n] = np.concatenate([arrays[n] for _, arrays in parts], axis=axis.get(n, 1))
     total = len(gathered["positions"])
-    blocks = plan(tokens.positions, gathered["positions"], block_tokens(spec, total, xp, sharing), causal, window,
-                  spec.cu_seqlens, backward) if total else []
-    predicted = time.perf_counter() - start + cost.seconds(blocks, backward)  # the calibration spent, and the rest
+    block = max(16, BLOCK_ELEMENTS["numpy" if xp is np else "cuda"] // (spec.batch * spec.heads * max(total, 1)))
+    predicted = per_pair * total * n_local * share
     predicted = comm.allreduce(predicted, op=MPI.MAX) if size > 1 else predicted
     if announce is not None:
         what = f"{mine} rows and {mine} key columns" if backward else f"{mine} rows"
@@ -683,24 +538,15 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     try:
         if total:
             samples = Samples(gathered, spec, causal, scale, window, xp)
-            local = xp.asarray(tokens.positions)
-            # the samples each block touches, on the device in one copy (a copy per block would wait for
-            # the work queued before it); None where a block touches every sample
-            touched = on_device([x for _, _, rows, cols in blocks for x in (rows, cols)], xp)
-            touched = [None if len(x) == total else x for x in touched]
             shown = time.perf_counter()
             with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-                for (lo, hi, rows, cols), rows_at, cols_at in zip(blocks, touched[0::2], touched[1::2]):
-                    wanted = (["k", "v"] if len(rows) else []) + (["q", "do", "o", "lse"] if len(cols) else [])
-                    if not wanted:
-                        continue
-                    got = tokens.read(wanted, lo, hi)
-                    ok = {n: tokens.finite(n, got[n]) for n in ("q", "k", "v", "do") if n in got}
-                    if len(rows):
-                        samples.add_keys(local[lo:hi], got["k"], got["v"], rows_at, ok["k"], ok["v"])
-                    if len(cols):
-                        samples.add_queries(local[lo:hi], got["q"], got["do"], got["lse"], got["o"], cols_at,
-                                            ok["q"], ok["do"])
+                for lo in range(0, n_local, block):
+                    hi = min(n_local, lo + block)
+                    pos = tokens.positions[lo:hi]
+                    blocks = tokens.read(["k", "v"] + (["q", "do", "o", "lse"] if backward else []), lo, hi)
+                    samples.add_keys(pos, blocks["k"], blocks["v"])
+                    if backward:
+                        samples.add_queries(pos, blocks["q"], blocks["do"], blocks["lse"], blocks["o"])
                     if progress is not None and time.perf_counter() - shown > PROGRESS_S:
                         _sync(xp)
                         shown, done = time.perf_counter(), hi / n_local
@@ -729,7 +575,7 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     if size > 1:
         err, err_plain, ref_max = ({n: comm.allreduce(x[n], op=MPI.MAX) for n in names}
                                    for x in (err, err_plain, ref_max))
-    rounding = 0.0 if samples is None else samples.lse_rounding * float(samples.lse_max)
+    rounding = 0.0 if samples is None else samples.lse_rounding * samples.lse_max
     rounding = comm.allreduce(rounding, op=MPI.MAX) if size > 1 else rounding
     tol = {n: tolerance(n, err_plain[n], ref_max[n], spec.dtype, rounding) for n in names}
     failed = [n for n in names if not passes(err[n], tol[n])]
