@@ -28,6 +28,7 @@ from . import config, io, jobsafety, masks, report, verify
 from .accounting import attention_flops, visible_pairs
 from .callplan import CallPlan
 from .collective import agree, describe, one_fails_all, world
+from .costmodel import CallShape
 from .device import array_device, gpu_count, gpus_shared, select_device
 from .dtypes import dtype_name
 from .errors import BackendError, BurstError, say
@@ -131,7 +132,9 @@ def run(options, comm=None):
         spec = io.inspect_input(options.input, names)
         mask = masks.make(spec.seqlen, options.causal, options.window, spec.cu_seqlens)
         if layout is None:
-            layout = masks.call_layout(mask, options.causal, size)
+            shape = CallShape.of_call((spec.batch, spec.seqlen // size, spec.heads, spec.head_dim), spec.kv_heads,
+                                      spec.dtype.itemsize, backend, options.ranks_per_node, options.backward)
+            layout = masks.call_layout(mask, options.causal, size, shape)
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     agree(comm, error)
