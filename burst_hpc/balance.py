@@ -64,19 +64,26 @@ REMOTE = 6.0
 FRAGMENT = 8      # a new piece of query rows costs as much as this many more row blocks
 
 
+SETTLED = 0.02    # a rank (a node) within this share of the mean work is balanced: smaller moves cost more than they save
+
+
 @lru_cache(maxsize=16)
 def assign(mask, size, near, returns, nodes=None):
     """Every rank's tasks after balancing: a tuple over ranks of tuples (i, j, b0, b1, kind), rows
     [b0, b1) (row blocks) of query chunk i against key chunk j, ``kind`` 'home', 'owner' (the
     other owner computes it) or 'helper' (a third rank). ``nodes``: the node of each rank (None:
-    one node); moves inside a node are preferred as the network is slower.
+    one node).
 
-    Each move takes the last rows of one of the busiest rank's own pairs, as much work as it has
-    over the mean and the receiver has under it, to the receiver where it costs the fewest bytes
-    per unit of work: the query rows and their partial, the key chunk (and its partial) when the
-    receiver does not hold it yet, and FRAGMENT row blocks more for a new piece of query rows
-    (fewer, larger pieces: each is a transfer in some step). Diagonal pairs move last (their
-    queries and keys are one rank's: moving them starts two transfers)."""
+    Nodes first: while a node holds more than the mean node's work (by SETTLED), its busiest rank
+    hands work to a rank of a node under the mean; then inside each node, while a rank holds more
+    than the mean, to a rank of its own node. So only each node's excess crosses the network. Each
+    move takes the last rows of one of the donor's own pairs, as much work as the donor has over
+    the mean and the receiver has under it, to the receiver where it costs the fewest bytes per
+    unit of work: the query rows and their partial (rows of that chunk already going there cost
+    nothing more: the same rows against another key chunk is more work per byte), the key chunk
+    (and its partial) when the receiver does not hold it yet, and FRAGMENT row blocks more for a
+    new piece of query rows (fewer, larger pieces: each is a transfer in some step). Diagonal
+    pairs move last (their queries and keys are one rank's: moving them starts two transfers)."""
     prefix, unit = block_work(mask, size)
     chunk = mask.seqlen // size
     blocks = prefix.shape[1] - 1
@@ -91,8 +98,9 @@ def assign(mask, size, near, returns, nodes=None):
                 load[home] += prefix[i, blocks, j]
     mean = load.sum() / size
     held = [{("kv", r)} for r in range(size)]   # the key chunks each rank holds or will receive
-    receiving = set()                            # (rank, query chunk): rows of it already go there
-    node = nodes or (0,) * size
+    sent = {}                                    # (rank, query chunk) -> the row blocks of it going there
+    node = np.asarray(nodes or (0,) * size)
+    count = int(node.max()) + 1
     q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
     kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
 
@@ -102,37 +110,31 @@ def assign(mask, size, near, returns, nodes=None):
         cut = int(np.searchsorted(column, column[b1] - amount, side="left"))
         return min(max(cut, b0), b1 - 1)
 
-    for _ in range(64 * size * size):
-        donor = int(np.argmax(load))
-        excess = load[donor] - mean
-        if excess <= max(1.0, 1e-3 * mean):
-            break
-        spare = mean - load
-        order = np.argsort(-spare, kind="stable")
-        near_ranks = [int(h) for h in order if node[h] == node[donor]][:4]
-        receivers = {int(h) for h in order[:8]} | set(near_ranks)
+    def best_move(donor, excess, spare, receivers):
         best = None
         for index, (i, j, b0, b1, kind) in enumerate(tasks[donor]):
             if kind != "home":
                 continue
-            for h in sorted((receivers | {j if near == "kv" else i}) - {donor}):
-                if spare[h] <= 0:
-                    continue
+            for h in receivers:
                 amount = min(prefix[i, b1, j] - prefix[i, b0, j], excess, spare[h])
                 cut = cut_for(i, j, b0, b1, amount)
                 moved = prefix[i, b1, j] - prefix[i, cut, j]
                 if moved <= 0:
                     continue
-                nbytes = (q_row * (b1 - cut) * unit if h != i else 0.0) * (REMOTE if node[h] != node[i] else 1.0)
+                nbytes = 0.0
+                if h != i:
+                    lo, hi = sent.get((h, i), (cut, cut))
+                    new_rows = max(hi, b1) - min(lo, cut) - (hi - lo)
+                    nbytes = q_row * (new_rows + (0 if (h, i) in sent else FRAGMENT)) * unit
+                    nbytes *= REMOTE if node[h] != node[i] else 1.0
                 if ("kv", j) not in held[h]:
                     nbytes += kv_chunk * (REMOTE if node[h] != node[j] else 1.0)
-                if h != i and (h, i) not in receiving:   # a new piece to send: what it costs beyond its bytes
-                    nbytes += q_row * FRAGMENT * unit * (REMOTE if node[h] != node[i] else 1.0)
                 score = (i == j, nbytes / moved, h, i, j)   # the diagonal pair moves last
                 if best is None or score < best[0]:
                     best = (score, index, h, cut, moved)
-        if best is None:
-            break
+        return best
+
+    def move(donor, best):
         _, index, h, cut, moved = best
         i, j, b0, b1, kind = tasks[donor][index]
         if cut == b0:
@@ -143,7 +145,56 @@ def assign(mask, size, near, returns, nodes=None):
         load[donor] -= moved
         load[h] += moved
         held[h].add(("kv", j))
-        receiving.add((h, i))
+        if h != i:
+            lo, hi = sent.get((h, i), (cut, b1))
+            sent[(h, i)] = (min(lo, cut), max(hi, b1))
+
+    def ship(donor, receivers, amount, spare):
+        """Moves from ``donor`` to ``receivers`` until ``amount`` of work has gone; the work moved."""
+        gone = 0.0
+        while amount - gone > max(1.0, 1e-3 * mean):
+            best = best_move(donor, amount - gone, spare, receivers)
+            if best is None:
+                break
+            move(donor, best)
+            gone += best[-1]
+            spare[best[2]] -= best[-1]
+        return gone
+
+    # across nodes: only each node's excess, an equal share from every rank of a heavy node to the
+    # rank of the same place in a light node (its rail), so every network link carries as much
+    node_load = np.bincount(node, load, count)
+    node_mean = node_load.sum() / count
+    excess, room = np.maximum(0.0, node_load - node_mean), np.maximum(0.0, node_mean - node_load)
+    if count > 1 and excess.max() > SETTLED * node_mean:
+        members = [np.flatnonzero(node == n) for n in range(count)]
+        for heavy in np.argsort(-excess, kind="stable"):
+            for light in np.argsort(-room, kind="stable"):
+                flow = min(excess[heavy], room[light])
+                if flow <= SETTLED * mean:
+                    continue
+                excess[heavy] -= flow
+                room[light] -= flow
+                share = flow / len(members[heavy])
+                for place, donor in enumerate(members[heavy]):
+                    rail = int(members[light][place % len(members[light])])
+                    ship(int(donor), [rail], share, np.full(size, share))
+    stuck = set()   # ranks left with no own rows to hand out
+    for _ in range(64 * size * size):   # inside each node
+        candidates = [r for r in range(size) if r not in stuck]
+        if not candidates:
+            break
+        donor = max(candidates, key=lambda r: load[r])
+        excess = load[donor] - mean
+        if excess <= max(1.0, SETTLED * mean):
+            break
+        spare = np.where(node == node[donor], mean - load, 0.0)
+        receivers = [int(h) for h in np.argsort(-spare, kind="stable")[:8] if spare[h] > 0]
+        best = best_move(donor, excess, spare, receivers)
+        if best is None:
+            stuck.add(donor)
+            continue
+        move(donor, best)
     return tuple(tuple(tuple(t) for t in rank_tasks) for rank_tasks in tasks)
 
 
