@@ -104,50 +104,69 @@ def assign(mask, size, near, returns, nodes=None):
     q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
     kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
 
-    def cut_for(i, j, b0, b1, amount):
-        """The first row block of the task's last rows worth at most ``amount`` (one block at least)."""
-        column = prefix[i, :, j]
-        cut = int(np.searchsorted(column, column[b1] - amount, side="left"))
-        return min(max(cut, b0), b1 - 1)
+    def price(h, i, cut, b1, keys):
+        """Bytes of moving rows [cut, b1) of query chunk i against key chunks ``keys`` to rank h."""
+        nbytes = 0.0
+        if h != i:
+            lo, hi = sent.get((h, i), (cut, cut))
+            new_rows = max(hi, b1) - min(lo, cut) - (hi - lo)
+            nbytes = q_row * (new_rows + (0 if (h, i) in sent else FRAGMENT)) * unit
+            nbytes *= REMOTE if node[h] != node[i] else 1.0
+        return nbytes + sum(kv_chunk * (REMOTE if node[h] != node[j] else 1.0) for j in keys if ("kv", j) not in held[h])
 
     def best_move(donor, excess, spare, receivers):
+        """The cheapest move per unit of work from ``donor``: (score, h, [(task index, cut)], work).
+        A move is the last rows of one own pair, or whole rows: the same last rows of every own pair
+        of one query chunk (more work for the same query rows and partial)."""
         best = None
-        for index, (i, j, b0, b1, kind) in enumerate(tasks[donor]):
-            if kind != "home":
+        own = [(index, t) for index, t in enumerate(tasks[donor]) if t[4] == "home"]
+        options = [[(index, t)] for index, t in own]
+        for i in {t[0] for _, t in own}:
+            group = [(index, t) for index, t in own if t[0] == i]
+            if len(group) > 1:
+                options.append(group)
+        for option in options:
+            i = option[0][1][0]
+            # a local pair keeps its first half of rows: the first and the last steps' work
+            lo = min(t[2] for _, t in option)
+            if len(option) > 1:
+                lo = max([lo] + [(t[2] + t[3] + 1) // 2 for _, t in option if t[0] == t[1]])
+            hi = max(t[3] for _, t in option)
+            if lo >= hi:
                 continue
+            cuts = np.arange(lo, hi)
+            work = sum(prefix[i, t[3], t[1]] - prefix[i, np.clip(cuts, t[2], t[3]), t[1]] for _, t in option)
             for h in receivers:
-                amount = min(prefix[i, b1, j] - prefix[i, b0, j], excess, spare[h])
-                cut = cut_for(i, j, b0, b1, amount)
-                moved = prefix[i, b1, j] - prefix[i, cut, j]
-                if moved <= 0:
+                if spare[h] <= 0:
                     continue
-                nbytes = 0.0
-                if h != i:
-                    lo, hi = sent.get((h, i), (cut, cut))
-                    new_rows = max(hi, b1) - min(lo, cut) - (hi - lo)
-                    nbytes = q_row * (new_rows + (0 if (h, i) in sent else FRAGMENT)) * unit
-                    nbytes *= REMOTE if node[h] != node[i] else 1.0
-                if ("kv", j) not in held[h]:
-                    nbytes += kv_chunk * (REMOTE if node[h] != node[j] else 1.0)
-                score = (i == j, nbytes / moved, h, i, j)   # the diagonal pair moves last
-                if best is None or score < best[0]:
-                    best = (score, index, h, cut, moved)
+                amount = min(work[0], excess, spare[h])
+                c = int(cuts[min(int(np.argmax(work <= amount)) if (work <= amount).any() else len(cuts) - 1,
+                                 len(cuts) - 1)])
+                moved = sum(prefix[i, t[3], t[1]] - prefix[i, max(c, t[2]), t[1]] for _, t in option if t[3] > c)
+                if moved <= 0 or moved > spare[h] + SETTLED * mean / 2:   # no receiver is filled past the mean
+                    continue
+                keys = [t[1] for _, t in option if t[3] > c]
+                score = (len(option) == 1 and i == option[0][1][1], price(h, i, c, hi, keys) / moved, h, i, len(option))
+                if best is None or score < best[0]:   # a diagonal pair alone moves last
+                    best = (score, h, [(index, c) for index, t in option if t[3] > c], moved)
         return best
 
     def move(donor, best):
-        _, index, h, cut, moved = best
-        i, j, b0, b1, kind = tasks[donor][index]
-        if cut == b0:
-            tasks[donor].pop(index)
-        else:
-            tasks[donor][index][3] = cut
-        tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
+        _, h, parts, moved = best
+        for index, cut in sorted(parts, reverse=True):
+            i, j, b0, b1, kind = tasks[donor][index]
+            cut = max(cut, b0)
+            if cut == b0:
+                tasks[donor].pop(index)
+            else:
+                tasks[donor][index][3] = cut
+            tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
+            held[h].add(("kv", j))
+            if h != i:
+                lo, hi = sent.get((h, i), (cut, b1))
+                sent[(h, i)] = (min(lo, cut), max(hi, b1))
         load[donor] -= moved
         load[h] += moved
-        held[h].add(("kv", j))
-        if h != i:
-            lo, hi = sent.get((h, i), (cut, b1))
-            sent[(h, i)] = (min(lo, cut), max(hi, b1))
 
     def ship(donor, receivers, amount, spare):
         """Moves from ``donor`` to ``receivers`` until ``amount`` of work has gone; the work moved."""
@@ -158,7 +177,7 @@ def assign(mask, size, near, returns, nodes=None):
                 break
             move(donor, best)
             gone += best[-1]
-            spare[best[2]] -= best[-1]
+            spare[best[1]] -= best[-1]
         return gone
 
     # across nodes: only each node's excess, an equal share from every rank of a heavy node to the
@@ -179,6 +198,19 @@ def assign(mask, size, near, returns, nodes=None):
                 for place, donor in enumerate(members[heavy]):
                     rail = int(members[light][place % len(members[light])])
                     ship(int(donor), [rail], share, np.full(size, share))
+        stuck = set()   # what the rails left (a rank short of rows to move): any rank to any light node
+        for _ in range(64 * size * size):
+            node_load = np.bincount(node, load, count)
+            heavy = int(np.argmax(node_load))
+            donors = [int(r) for r in np.flatnonzero(node == heavy) if r not in stuck]
+            if node_load[heavy] - node_mean <= SETTLED * node_mean or not donors:
+                break
+            donor = max(donors, key=lambda r: load[r])
+            spare = np.where(node_load[node] < node_mean, np.maximum(0.0, node_mean - node_load[node]), 0.0)
+            spare = np.minimum(spare, np.maximum(0.0, mean - load) + SETTLED * mean)
+            receivers = [int(h) for h in np.argsort(-spare, kind="stable")[:8] if spare[h] > 0]
+            if not receivers or not ship(donor, receivers, node_load[heavy] - node_mean, spare):
+                stuck.add(donor)
     stuck = set()   # ranks left with no own rows to hand out
     for _ in range(64 * size * size):   # inside each node
         candidates = [r for r in range(size) if r not in stuck]
