@@ -250,7 +250,7 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
     the exact query row (a kernel tile cut short costs less than an uneven step)."""
     prefix, unit = block_work(mask, size)
     assigned = assign(mask, size, near, returns, nodes)
-    count = default_steps(mask, size, near, returns) if steps is None else steps
+    count = default_steps(mask, size, near, returns, nodes) if steps is None else steps
 
     def order(r, task):
         i, j, b0, b1, kind = task
@@ -314,11 +314,12 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
     return tuple(plan), work
 
 
-def default_steps(mask, size, near, returns):
+def default_steps(mask, size, near, returns, nodes=None):
     """The number of steps: each about half a full chunk pair's work (a plain causal ring's step:
-    P steps), at least 4 (a step to receive, steps to compute, a step for partials to go home)
-    and at most P."""
+    P steps), at least 4 (a step to receive, steps to compute, a step for partials to go home), 8
+    on one node (smaller steps: the first pieces arrive and the last partials go home behind less
+    idle time, and NVLink carries a step's pieces in time), and at most P."""
     prefix, _ = block_work(mask, size)
     chunk = mask.seqlen // size
     mean = prefix[:, -1, :].sum() / size
-    return int(min(size, max(4, round(mean / (chunk * chunk / 2)))))
+    return int(min(size, max(4 if nodes is not None else 8, round(mean / (chunk * chunk / 2)))))
