@@ -12,17 +12,21 @@ distance to the visible work of each block pair).
 1. Work: ``block_work`` counts the visible (query, key) pairs of every row block (``row_unit``
    query rows: the kernels' tile height, 128, where the chunk allows) against every key chunk.
 2. Assignment (``assign``): every pair with visible work starts on its *home* rank, the owner
-   of the side that does not travel on a plain ring (the query owner when K/V travel). While a
-   rank holds more than the mean, it hands a run of its last rows to the rank where that costs
-   the fewest new transfers per unit of work moved (the other owner: one side travels and one
-   partial returns; any rank: both sides travel and both partials return), never more than the
-   receiver's spare work, so every rank ends within one row block of the mean.
-3. Steps (``work_plan``): each rank's tasks in order (its local pair first, then the work it
-   does for others, then its own pairs) are cut into ``steps`` pieces of equal work; step 0
-   holds only local work (nothing has arrived yet), as much as every rank has.
+   of the side that does not travel on a plain ring (the query owner when K/V travel). Across
+   nodes first: each heavy node's excess over the mean node goes, an equal share from each of its
+   ranks, to the rank of the same place in a light node (its rail), so only that excess crosses
+   the network and every NIC carries as much. Then inside each node, while a rank holds more than
+   the mean (by SETTLED), it hands its last rows to the rank of its node where that costs the
+   fewest bytes per unit of work: the last rows of one pair, or whole rows (the same last rows of
+   every own pair of one query chunk: its query rows and partial travel once for all their key
+   chunks), never filling the receiver past the mean. The local pair keeps its first half of rows.
+3. Steps (``work_plan``): each rank's tasks in order (the first rows of its local pair, the work
+   it does for others, its own pairs, the rest of the local pair) are cut into ``steps`` pieces
+   of equal work; step 0 holds only local work (nothing has arrived yet), as much as every rank
+   has, up to two steps' work.
 
-Everything is a pure function of (mask, ranks, near side, returned sides), cached, so every rank
-computes the same plan.
+Everything is a pure function of (mask, ranks, near side, returned sides, nodes), cached, so
+every rank computes the same plan.
 """
 from functools import lru_cache
 
@@ -264,7 +268,9 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
         runs.append((local, others))
     weight = lambda units: np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)  # noqa: E731
     totals = [int(weight(local).sum() + weight(others).sum()) for local, others in runs]
-    first = min(min(int(weight(local).sum()) for local, _ in runs), min(totals) // count) if count > 1 else 0
+    # step 0: as much of the local pair as every rank has, up to two steps' work (the first pieces
+    # arrive meanwhile; a larger step 0 where any rank lacks the local work would idle the others)
+    first = min(min(int(weight(local).sum()) for local, _ in runs), 2 * min(totals) // count) if count > 1 else 0
     for r, (local, others) in enumerate(runs):   # the local pair: step 0's work first, the rest last
         cum = np.cumsum(weight(local))
         split = int(np.searchsorted(cum, first, side="left")) + 1 if first else 0
