@@ -101,6 +101,8 @@ def assign(mask, size, near, returns, nodes=None):
                 tasks[home].append([i, j, int(rows[0]), int(rows[-1]) + 1, "home"])
                 load[home] += prefix[i, blocks, j]
     mean = load.sum() / size
+    # the local pair keeps its first half of rows: the first and the last steps' work
+    keep = {i: (b0 + b1 + 1) // 2 for r in range(size) for i, j, b0, b1, _ in tasks[r] if i == j}
     held = [{("kv", r)} for r in range(size)]   # the key chunks each rank holds or will receive
     sent = {}                                    # (rank, query chunk) -> the row blocks of it going there
     node = np.asarray(nodes or (0,) * size)
@@ -131,10 +133,7 @@ def assign(mask, size, near, returns, nodes=None):
                 options.append(group)
         for option in options:
             i = option[0][1][0]
-            # a local pair keeps its first half of rows: the first and the last steps' work
-            lo = min(t[2] for _, t in option)
-            if len(option) > 1:
-                lo = max([lo] + [(t[2] + t[3] + 1) // 2 for _, t in option if t[0] == t[1]])
+            lo = max([min(t[2] for _, t in option)] + [keep[t[0]] for _, t in option if t[0] == t[1]])
             hi = max(t[3] for _, t in option)
             if lo >= hi:
                 continue
@@ -147,7 +146,8 @@ def assign(mask, size, near, returns, nodes=None):
                 c = int(cuts[min(int(np.argmax(work <= amount)) if (work <= amount).any() else len(cuts) - 1,
                                  len(cuts) - 1)])
                 moved = sum(prefix[i, t[3], t[1]] - prefix[i, max(c, t[2]), t[1]] for _, t in option if t[3] > c)
-                if moved <= 0 or moved > spare[h] + SETTLED * mean / 2:   # no receiver is filled past the mean
+                # a receiver is filled past the mean only to where the donor is left
+                if moved <= 0 or (moved > spare[h] + SETTLED * mean / 2 and load[h] + moved > load[donor] - moved):
                     continue
                 keys = [t[1] for _, t in option if t[3] > c]
                 score = (len(option) == 1 and i == option[0][1][1], price(h, i, c, hi, keys) / moved, h, i, len(option))
