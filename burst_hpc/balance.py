@@ -257,8 +257,11 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
     count = default_steps(mask, size, near, returns, nodes) if steps is None else steps
 
     def order(r, task):
+        """Work for others first (its partials go home early), then own pairs: the nearest key
+        chunk first where no key-side partial returns (each rank starts on different key chunks,
+        which mostly live on its own node), else in chunk order (a far pair's partial has time)."""
         i, j, b0, b1, kind = task
-        return (kind == "home", i, j, b0)
+        return (kind == "home", (i - j) % size if "kv" not in returns else 0, i, j, b0)
 
     runs = []   # per rank: (i, j, block) units in order, their cumulative work, the units of step 0
     for r in range(size):
