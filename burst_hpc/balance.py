@@ -12,17 +12,21 @@ distance to the visible work of each block pair).
 1. Work: ``block_work`` counts the visible (query, key) pairs of every row block (``row_unit``
    query rows: the kernels' tile height, 128, where the chunk allows) against every key chunk.
 2. Assignment (``assign``): every pair with visible work starts on its *home* rank, the owner
-   of the side that does not travel on a plain ring (the query owner when K/V travel). While a
-   rank holds more than the mean, it hands a run of its last rows to the rank where that costs
-   the fewest new transfers per unit of work moved (the other owner: one side travels and one
-   partial returns; any rank: both sides travel and both partials return), never more than the
-   receiver's spare work, so every rank ends within one row block of the mean.
-3. Steps (``work_plan``): each rank's tasks in order (its local pair first, then the work it
-   does for others, then its own pairs) are cut into ``steps`` pieces of equal work; step 0
-   holds only local work (nothing has arrived yet), as much as every rank has.
+   of the side that does not travel on a plain ring (the query owner when K/V travel). Across
+   nodes first: each heavy node's excess over the mean node goes, an equal share from each of its
+   ranks, to the rank of the same place in a light node (its rail), so only that excess crosses
+   the network and every NIC carries as much. Then inside each node, while a rank holds more than
+   the mean (by SETTLED), it hands its last rows to the rank of its node where that costs the
+   fewest bytes per unit of work: the last rows of one pair, or whole rows (the same last rows of
+   every own pair of one query chunk: its query rows and partial travel once for all their key
+   chunks), never filling the receiver past the mean. The local pair keeps its first half of rows.
+3. Steps (``work_plan``): each rank's tasks in order (the first rows of its local pair, the work
+   it does for others, its own pairs, the rest of the local pair) are cut into ``steps`` pieces
+   of equal work; step 0 holds only local work (nothing has arrived yet), as much as every rank
+   has, up to two steps' work.
 
-Everything is a pure function of (mask, ranks, near side, returned sides), cached, so every rank
-computes the same plan.
+Everything is a pure function of (mask, ranks, near side, returned sides, nodes), cached, so
+every rank computes the same plan.
 """
 from functools import lru_cache
 
@@ -64,19 +68,26 @@ REMOTE = 6.0
 FRAGMENT = 8      # a new piece of query rows costs as much as this many more row blocks
 
 
+SETTLED = 0.02    # a rank (a node) within this share of the mean work is balanced: smaller moves cost more than they save
+
+
 @lru_cache(maxsize=16)
 def assign(mask, size, near, returns, nodes=None):
     """Every rank's tasks after balancing: a tuple over ranks of tuples (i, j, b0, b1, kind), rows
     [b0, b1) (row blocks) of query chunk i against key chunk j, ``kind`` 'home', 'owner' (the
     other owner computes it) or 'helper' (a third rank). ``nodes``: the node of each rank (None:
-    one node); moves inside a node are preferred as the network is slower.
+    one node).
 
-    Each move takes the last rows of one of the busiest rank's own pairs, as much work as it has
-    over the mean and the receiver has under it, to the receiver where it costs the fewest bytes
-    per unit of work: the query rows and their partial, the key chunk (and its partial) when the
-    receiver does not hold it yet, and FRAGMENT row blocks more for a new piece of query rows
-    (fewer, larger pieces: each is a transfer in some step). Diagonal pairs move last (their
-    queries and keys are one rank's: moving them starts two transfers)."""
+    Nodes first: while a node holds more than the mean node's work (by SETTLED), its busiest rank
+    hands work to a rank of a node under the mean; then inside each node, while a rank holds more
+    than the mean, to a rank of its own node. So only each node's excess crosses the network. Each
+    move takes the last rows of one of the donor's own pairs, as much work as the donor has over
+    the mean and the receiver has under it, to the receiver where it costs the fewest bytes per
+    unit of work: the query rows and their partial (rows of that chunk already going there cost
+    nothing more: the same rows against another key chunk is more work per byte), the key chunk
+    (and its partial) when the receiver does not hold it yet, and FRAGMENT row blocks more for a
+    new piece of query rows (fewer, larger pieces: each is a transfer in some step). Diagonal
+    pairs move last (their queries and keys are one rank's: moving them starts two transfers)."""
     prefix, unit = block_work(mask, size)
     chunk = mask.seqlen // size
     blocks = prefix.shape[1] - 1
@@ -90,60 +101,136 @@ def assign(mask, size, near, returns, nodes=None):
                 tasks[home].append([i, j, int(rows[0]), int(rows[-1]) + 1, "home"])
                 load[home] += prefix[i, blocks, j]
     mean = load.sum() / size
+    # the local pair keeps its first half of rows: the first and the last steps' work
+    keep = {i: (b0 + b1 + 1) // 2 for r in range(size) for i, j, b0, b1, _ in tasks[r] if i == j}
     held = [{("kv", r)} for r in range(size)]   # the key chunks each rank holds or will receive
-    receiving = set()                            # (rank, query chunk): rows of it already go there
-    node = nodes or (0,) * size
+    sent = {}                                    # (rank, query chunk) -> the row blocks of it going there
+    node = np.asarray(nodes or (0,) * size)
+    count = int(node.max()) + 1
     q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
     kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
 
-    def cut_for(i, j, b0, b1, amount):
-        """The first row block of the task's last rows worth at most ``amount`` (one block at least)."""
-        column = prefix[i, :, j]
-        cut = int(np.searchsorted(column, column[b1] - amount, side="left"))
-        return min(max(cut, b0), b1 - 1)
+    def price(h, i, cut, b1, keys):
+        """Bytes of moving rows [cut, b1) of query chunk i against key chunks ``keys`` to rank h."""
+        nbytes = 0.0
+        if h != i:
+            lo, hi = sent.get((h, i), (cut, cut))
+            new_rows = max(hi, b1) - min(lo, cut) - (hi - lo)
+            nbytes = q_row * (new_rows + (0 if (h, i) in sent else FRAGMENT)) * unit
+            nbytes *= REMOTE if node[h] != node[i] else 1.0
+        return nbytes + sum(kv_chunk * (REMOTE if node[h] != node[j] else 1.0) for j in keys if ("kv", j) not in held[h])
 
-    for _ in range(64 * size * size):
-        donor = int(np.argmax(load))
-        excess = load[donor] - mean
-        if excess <= max(1.0, 1e-3 * mean):
-            break
-        spare = mean - load
-        order = np.argsort(-spare, kind="stable")
-        near_ranks = [int(h) for h in order if node[h] == node[donor]][:4]
-        receivers = {int(h) for h in order[:8]} | set(near_ranks)
+    def best_move(donor, excess, spare, receivers):
+        """The cheapest move per unit of work from ``donor``: (score, h, [(task index, cut)], work).
+        A move is the last rows of one own pair, or whole rows: the same last rows of every own pair
+        of one query chunk (more work for the same query rows and partial)."""
         best = None
-        for index, (i, j, b0, b1, kind) in enumerate(tasks[donor]):
-            if kind != "home":
+        own = [(index, t) for index, t in enumerate(tasks[donor]) if t[4] == "home"]
+        options = [[(index, t)] for index, t in own]
+        for i in {t[0] for _, t in own}:
+            group = [(index, t) for index, t in own if t[0] == i]
+            if len(group) > 1:
+                options.append(group)
+        for option in options:
+            i = option[0][1][0]
+            lo = max([min(t[2] for _, t in option)] + [keep[t[0]] for _, t in option if t[0] == t[1]])
+            hi = max(t[3] for _, t in option)
+            if lo >= hi:
                 continue
-            for h in sorted((receivers | {j if near == "kv" else i}) - {donor}):
+            cuts = np.arange(lo, hi)
+            work = sum(prefix[i, t[3], t[1]] - prefix[i, np.clip(cuts, t[2], t[3]), t[1]] for _, t in option)
+            for h in receivers:
                 if spare[h] <= 0:
                     continue
-                amount = min(prefix[i, b1, j] - prefix[i, b0, j], excess, spare[h])
-                cut = cut_for(i, j, b0, b1, amount)
-                moved = prefix[i, b1, j] - prefix[i, cut, j]
-                if moved <= 0:
+                amount = min(work[0], excess, spare[h])
+                c = int(cuts[min(int(np.argmax(work <= amount)) if (work <= amount).any() else len(cuts) - 1,
+                                 len(cuts) - 1)])
+                moved = sum(prefix[i, t[3], t[1]] - prefix[i, max(c, t[2]), t[1]] for _, t in option if t[3] > c)
+                # a receiver is filled past the mean only to where the donor is left
+                if moved <= 0 or (moved > spare[h] + SETTLED * mean / 2 and load[h] + moved > load[donor] - moved):
                     continue
-                nbytes = (q_row * (b1 - cut) * unit if h != i else 0.0) * (REMOTE if node[h] != node[i] else 1.0)
-                if ("kv", j) not in held[h]:
-                    nbytes += kv_chunk * (REMOTE if node[h] != node[j] else 1.0)
-                if h != i and (h, i) not in receiving:   # a new piece to send: what it costs beyond its bytes
-                    nbytes += q_row * FRAGMENT * unit * (REMOTE if node[h] != node[i] else 1.0)
-                score = (i == j, nbytes / moved, h, i, j)   # the diagonal pair moves last
-                if best is None or score < best[0]:
-                    best = (score, index, h, cut, moved)
-        if best is None:
-            break
-        _, index, h, cut, moved = best
-        i, j, b0, b1, kind = tasks[donor][index]
-        if cut == b0:
-            tasks[donor].pop(index)
-        else:
-            tasks[donor][index][3] = cut
-        tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
+                keys = [t[1] for _, t in option if t[3] > c]
+                score = (len(option) == 1 and i == option[0][1][1], price(h, i, c, hi, keys) / moved, h, i, len(option))
+                if best is None or score < best[0]:   # a diagonal pair alone moves last
+                    best = (score, h, [(index, c) for index, t in option if t[3] > c], moved)
+        return best
+
+    def move(donor, best):
+        _, h, parts, moved = best
+        for index, cut in sorted(parts, reverse=True):
+            i, j, b0, b1, kind = tasks[donor][index]
+            cut = max(cut, b0)
+            if cut == b0:
+                tasks[donor].pop(index)
+            else:
+                tasks[donor][index][3] = cut
+            tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
+            held[h].add(("kv", j))
+            if h != i:
+                lo, hi = sent.get((h, i), (cut, b1))
+                sent[(h, i)] = (min(lo, cut), max(hi, b1))
         load[donor] -= moved
         load[h] += moved
-        held[h].add(("kv", j))
-        receiving.add((h, i))
+
+    def ship(donor, receivers, amount, spare):
+        """Moves from ``donor`` to ``receivers`` until ``amount`` of work has gone; the work moved."""
+        gone = 0.0
+        while amount - gone > max(1.0, 1e-3 * mean):
+            best = best_move(donor, amount - gone, spare, receivers)
+            if best is None:
+                break
+            move(donor, best)
+            gone += best[-1]
+            spare[best[1]] -= best[-1]
+        return gone
+
+    # across nodes: only each node's excess, an equal share from every rank of a heavy node to the
+    # rank of the same place in a light node (its rail), so every network link carries as much
+    node_load = np.bincount(node, load, count)
+    node_mean = node_load.sum() / count
+    excess, room = np.maximum(0.0, node_load - node_mean), np.maximum(0.0, node_mean - node_load)
+    if count > 1 and excess.max() > SETTLED * node_mean:
+        members = [np.flatnonzero(node == n) for n in range(count)]
+        for heavy in np.argsort(-excess, kind="stable"):
+            for light in np.argsort(-room, kind="stable"):
+                flow = min(excess[heavy], room[light])
+                if flow <= SETTLED * mean:
+                    continue
+                excess[heavy] -= flow
+                room[light] -= flow
+                share = flow / len(members[heavy])
+                for place, donor in enumerate(members[heavy]):
+                    rail = int(members[light][place % len(members[light])])
+                    ship(int(donor), [rail], share, np.full(size, share))
+        stuck = set()   # what the rails left (a rank short of rows to move): any rank to any light node
+        for _ in range(64 * size * size):
+            node_load = np.bincount(node, load, count)
+            heavy = int(np.argmax(node_load))
+            donors = [int(r) for r in np.flatnonzero(node == heavy) if r not in stuck]
+            if node_load[heavy] - node_mean <= SETTLED * node_mean or not donors:
+                break
+            donor = max(donors, key=lambda r: load[r])
+            spare = np.where(node_load[node] < node_mean, np.maximum(0.0, node_mean - node_load[node]), 0.0)
+            spare = np.minimum(spare, np.maximum(0.0, mean - load) + SETTLED * mean)
+            receivers = [int(h) for h in np.argsort(-spare, kind="stable")[:8] if spare[h] > 0]
+            if not receivers or not ship(donor, receivers, node_load[heavy] - node_mean, spare):
+                stuck.add(donor)
+    stuck = set()   # ranks left with no own rows to hand out
+    for _ in range(64 * size * size):   # inside each node
+        candidates = [r for r in range(size) if r not in stuck]
+        if not candidates:
+            break
+        donor = max(candidates, key=lambda r: load[r])
+        excess = load[donor] - mean
+        if excess <= max(1.0, SETTLED * mean):
+            break
+        spare = np.where(node == node[donor], mean - load, 0.0)
+        receivers = [int(h) for h in np.argsort(-spare, kind="stable")[:8] if spare[h] > 0]
+        best = best_move(donor, excess, spare, receivers)
+        if best is None:
+            stuck.add(donor)
+            continue
+        move(donor, best)
     return tuple(tuple(tuple(t) for t in rank_tasks) for rank_tasks in tasks)
 
 
@@ -167,11 +254,14 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
     the exact query row (a kernel tile cut short costs less than an uneven step)."""
     prefix, unit = block_work(mask, size)
     assigned = assign(mask, size, near, returns, nodes)
-    count = default_steps(mask, size, near, returns) if steps is None else steps
+    count = default_steps(mask, size, near, returns, nodes) if steps is None else steps
 
     def order(r, task):
+        """Work for others first (its partials go home early), then own pairs: the nearest key
+        chunk first where no key-side partial returns (each rank starts on different key chunks,
+        which mostly live on its own node), else in chunk order (a far pair's partial has time)."""
         i, j, b0, b1, kind = task
-        return (kind == "home", i, j, b0)
+        return (kind == "home", (i - j) % size if "kv" not in returns else 0, i, j, b0)
 
     runs = []   # per rank: (i, j, block) units in order, their cumulative work, the units of step 0
     for r in range(size):
@@ -181,7 +271,9 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
         runs.append((local, others))
     weight = lambda units: np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)  # noqa: E731
     totals = [int(weight(local).sum() + weight(others).sum()) for local, others in runs]
-    first = min(min(int(weight(local).sum()) for local, _ in runs), min(totals) // count) if count > 1 else 0
+    # step 0: as much of the local pair as every rank has, up to two steps' work (the first pieces
+    # arrive meanwhile; a larger step 0 where any rank lacks the local work would idle the others)
+    first = min(min(int(weight(local).sum()) for local, _ in runs), 2 * min(totals) // count) if count > 1 else 0
     for r, (local, others) in enumerate(runs):   # the local pair: step 0's work first, the rest last
         cum = np.cumsum(weight(local))
         split = int(np.searchsorted(cum, first, side="left")) + 1 if first else 0
@@ -231,11 +323,12 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
     return tuple(plan), work
 
 
-def default_steps(mask, size, near, returns):
+def default_steps(mask, size, near, returns, nodes=None):
     """The number of steps: each about half a full chunk pair's work (a plain causal ring's step:
-    P steps), at least 4 (a step to receive, steps to compute, a step for partials to go home)
-    and at most P."""
+    P steps), at least 4 (a step to receive, steps to compute, a step for partials to go home), 8
+    on one node (smaller steps: the first pieces arrive and the last partials go home behind less
+    idle time, and NVLink carries a step's pieces in time), and at most P."""
     prefix, _ = block_work(mask, size)
     chunk = mask.seqlen // size
     mean = prefix[:, -1, :].sum() / size
-    return int(min(size, max(4, round(mean / (chunk * chunk / 2)))))
+    return int(min(size, max(4 if nodes is not None else 8, round(mean / (chunk * chunk / 2)))))

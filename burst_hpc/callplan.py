@@ -54,7 +54,13 @@ class CallPlan:
             if sq != sk:
                 raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
             self.mask = masks.make(sq * self.size, causal, window, cu_seqlens)
-            self.layout = check_layout(masks.call_layout(self.mask, causal, self.size) if layout is None else layout)
+            if layout is None:
+                from .costmodel import CallShape
+
+                per_node = self.topo.per_node if self.topo is not None and self.topo.nodes > 1 else None
+                shape = CallShape.of_call(q.shape, hkv, q.dtype.itemsize, "cuda" if on_device else "numpy", per_node)
+                layout = masks.call_layout(self.mask, causal, self.size, shape)
+            self.layout = check_layout(layout)
             self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
             self.ring = None
             if backward is not None:

@@ -539,7 +539,7 @@ def cmd_plan(args):
                              args.cu_seqlens)
     problem, layout = _collective(plan.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
                                   parse_dtype(args.dtype), args.causal, args.window, cu_seqlens, args.layout,
-                                  args.nodes or 1, args.gpus_per_node or 8)
+                                  args.nodes or 1, args.gpus_per_node or 8, GPU_RATES[args.gpu])
     rank = rank_and_size()[0]
     if args.measure:
         comm = _world()

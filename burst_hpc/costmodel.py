@@ -383,3 +383,34 @@ def step_prediction(pr, ranks, rates, layout, mask, backward=False, per_node=8):
                     comm = max(comm, link(nbytes))
         time += max(work[t].max() * per_pair, comm)
     return StepPrediction(time, work.max(1).sum() * per_pair, work.sum() / ranks * per_pair, work.shape[0])
+
+
+@dataclass(frozen=True)
+class CallShape:
+    """What a call's layout is priced by (masks.default_layout): its shard's batch and heads, the
+    bytes per element, whether a backward pass is priced too, the ranks a node (None: one node)
+    and the rates. Hashable: the layout decision is cached on it."""
+    batch: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    itemsize: int
+    backward: bool = True
+    per_node: int = None
+    rates: Rates = GPU_RATES["H100"]
+
+    @classmethod
+    def of_call(cls, q_shape, kv_heads, itemsize, backend="numpy", per_node=None, backward=True):
+        """The shape of a call on a (batch, tokens, heads, head_dim) query shard, priced with the
+        backend's rates (rates_for). A library call prices the forward and the backward pass
+        (``backward``): a forward call and the backward call of the same training step must pick
+        the same layout, their shards are cut alike; a run job prices the passes it runs."""
+        batch, _, heads, head_dim = q_shape
+        return cls(batch, heads, kv_heads, head_dim, itemsize, backward, per_node, rates_for(backend))
+
+    def seconds(self, mask, ranks, layout):
+        """Predicted seconds of the call's passes over ``ranks`` in ``layout`` (step_prediction)."""
+        pr = Problem(self.batch, mask.seqlen, self.heads, self.kv_heads, self.head_dim, self.itemsize, mask.causal)
+        per_node = ranks if self.per_node is None else self.per_node
+        return sum(step_prediction(pr, ranks, self.rates, layout, mask, backward, per_node).time
+                   for backward in ((False, True) if self.backward else (False,)))

@@ -33,7 +33,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         Score scale (default D ** -0.5).
     layout : {'contiguous', 'zigzag', 'balanced'}, optional
         How the shards were cut (burst_hpc.shard). Default: zigzag when causal, contiguous otherwise;
-        with documents or a window masks.default_layout. 'balanced' shards are contiguous ones
+        with documents or a window masks.call_layout's pick for this call's shape
+        (costmodel.CallShape.of_call: the cost model's faster of balanced and the plain pick). 'balanced' shards are contiguous ones
         (natural token order) with the visible work (causal, documents, windows) balanced by the
         schedule.
     transport : {'auto', 'host', 'mpi', 'nccl', 'staged'}

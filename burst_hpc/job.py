@@ -28,10 +28,12 @@ from . import config, io, jobsafety, masks, report, verify
 from .accounting import attention_flops, visible_pairs
 from .callplan import CallPlan
 from .collective import agree, describe, one_fails_all, world
+from .costmodel import CallShape
 from .device import array_device, gpu_count, gpus_shared, select_device
 from .dtypes import dtype_name
 from .errors import BackendError, BurstError, say
 from .progress import Progress
+from .topology import topology
 from .transport import choose_transport
 
 
@@ -130,16 +132,27 @@ def run(options, comm=None):
         device, versions = report.device_name(xp), report.versions(xp)
         spec = io.inspect_input(options.input, names)
         mask = masks.make(spec.seqlen, options.causal, options.window, spec.cu_seqlens)
-        if layout is None:
-            layout = masks.call_layout(mask, options.causal, size)
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     agree(comm, error)
     clock.xp = xp
     clock.add("setup", time.perf_counter() - clock.start)  # the backend's start; agree() met every rank
     shared = gpus_shared(comm, xp.cuda.Device() if backend == "cuda" else None)  # collective: NCCL refuses that
+    topo = None
     try:
+        if layout is None and mask is not None and size > 1:   # collective (every rank is here): the nodes to price for
+            topo = topology(comm, options.ranks_per_node)
+    except Exception as e:  # noqa: BLE001 - the same on every rank
+        error = e
+    try:
+        if error is not None:
+            raise error
         transport = choose_transport(options.transport, backend == "cuda", shared)
+        if layout is None:
+            per_node = topo.per_node if topo is not None and topo.nodes > 1 else None
+            shape = CallShape.of_call((spec.batch, spec.seqlen // size, spec.heads, spec.head_dim), spec.kv_heads,
+                                      spec.dtype.itemsize, backend, per_node, options.backward)
+            layout = masks.call_layout(mask, options.causal, size, shape)
     except Exception as e:  # noqa: BLE001
         error = e
     agree(comm, error)

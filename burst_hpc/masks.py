@@ -187,36 +187,44 @@ def rank_work(mask, size, layout):
     return tuple(work)
 
 
-BALANCED_MARGIN = 0.8   # the balanced schedule moves more data: it must shorten the critical path by 20%
+BALANCED_MARGIN = 0.8   # without the call's shape: balanced must shorten the critical path by 20% (it moves more data)
 
 
 @lru_cache(maxsize=64)
-def default_layout(mask, size):
-    """The layout for a masked call (the user did not pick one). Balanced when its critical path
+def default_layout(mask, size, shape=None):
+    """The layout for a masked call (the user did not pick one).
+
+    With the call's shape (``shape``: a costmodel.CallShape) balanced when the cost model predicts
+    the call faster with it than with the plain pick below (costmodel.CallShape.seconds: the
+    schedule step by step, its transfers included); without one, balanced when its critical path
     (the busiest rank of every step, workload.schedule_work's account) is shorter than both
-    others' by BALANCED_MARGIN; else contiguous unless zigzag's busiest rank has clearly less
-    visible work: within 2% when both run as many ring steps, 10% when contiguous runs fewer
+    others' by BALANCED_MARGIN. The plain pick: contiguous unless zigzag's busiest rank has clearly
+    less visible work: within 2% when both run as many ring steps, 10% when contiguous runs fewer
     (with documents or a window it often runs only the steps the masks reach, while zigzag's
     second chunk needs every step, and those steps' transfers have little compute to hide behind)."""
     fits = [layout for layout, parts in (("contiguous", size), ("zigzag", 2 * size)) if mask.seqlen % parts == 0]
-    if size > 1 and "contiguous" in fits:
-        from .workload import work_of
+    if fits == ["contiguous", "zigzag"]:
+        work = {layout: max(rank_work(mask, size, layout)) for layout in fits}
+        fewer_steps = ring_steps(mask, size, "contiguous") < ring_steps(mask, size, "zigzag")
+        plain = "zigzag" if work["zigzag"] < (0.9 if fewer_steps else 0.98) * work["contiguous"] else "contiguous"
+    else:
+        plain = fits[0] if fits else "contiguous"  # check_split reports a length that fits neither
+    if size == 1 or "contiguous" not in fits:
+        return plain
+    if shape is not None:
+        return "balanced" if shape.seconds(mask, size, "balanced") < shape.seconds(mask, size, plain) else plain
+    from .workload import work_of
 
-        critical = {layout: work_of(mask.seqlen, size, mask.causal, mask, layout, "forward").max(axis=1).sum()
-                    for layout in fits + ["balanced"]}
-        if critical["balanced"] < BALANCED_MARGIN * min(critical[layout] for layout in fits):
-            return "balanced"
-    if fits != ["contiguous", "zigzag"]:
-        return fits[0] if fits else "contiguous"  # check_split reports a length that fits neither
-    work = {layout: max(rank_work(mask, size, layout)) for layout in fits}
-    fewer_steps = ring_steps(mask, size, "contiguous") < ring_steps(mask, size, "zigzag")
-    return "zigzag" if work["zigzag"] < (0.9 if fewer_steps else 0.98) * work["contiguous"] else "contiguous"
+    critical = {layout: work_of(mask.seqlen, size, mask.causal, mask, layout, "forward").max(axis=1).sum()
+                for layout in fits + ["balanced"]}
+    return "balanced" if critical["balanced"] < BALANCED_MARGIN * min(critical[layout] for layout in fits) else plain
 
 
-def call_layout(mask, causal, size):
-    """The layout of a call that names none: the plain default for causal or full attention (no Mask),
-    default_layout's pick with documents or a window. The one rule the call's plan and the run job use."""
-    return plain_default_layout(causal) if mask is None else default_layout(mask, size)
+def call_layout(mask, causal, size, shape=None):
+    """The layout of a call that names none: the plain default for causal or full attention (no
+    Mask), default_layout's pick with documents or a window (``shape``: the call's
+    costmodel.CallShape where it is known). The one rule the call's plan and the run job use."""
+    return plain_default_layout(causal) if mask is None else default_layout(mask, size, shape)
 
 
 def random_documents(rng, seqlen, count):

@@ -16,12 +16,13 @@ from .errors import BurstError, MaskError, ShapeError
 
 
 def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, cu_seqlens=None, layout=None,
-            nodes=1, per_node=8):
+            nodes=1, per_node=8, rates=None):
     """(costmodel.Problem, layout) of a planned call (``plan``'s options), or a BurstError saying why it
     has none. ``kv_heads`` None: MHA; ``window`` a causal window of that many keys (-1 or None: none);
     ``cu_seqlens`` the documents' offsets (planned_documents). The layout defaults as a call's does
-    (masks.call_layout); the visible share and the imbalance (critical path over mean work of the
-    flat ring's schedule, workload.schedule_work's account) come from the mask itself."""
+    (masks.call_layout, priced with ``rates``, H100's by default); the visible share and the
+    imbalance (critical path over mean work of the flat ring's schedule, workload.schedule_work's
+    account) come from the mask itself."""
     from . import masks
     from .layout import check_split
     from .workload import work_of
@@ -33,13 +34,15 @@ def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None
     causal = causal or window is not None
     mask = masks.make(seqlen, causal, window, cu_seqlens)
     ranks = nodes * per_node
-    layout = layout or masks.call_layout(mask, causal, ranks)
+    itemsize = np.dtype(dtype).itemsize
+    shape = costmodel.CallShape(batch, heads, kv_heads, head_dim, itemsize, True, per_node if nodes > 1 else None,
+                                rates or costmodel.GPU_RATES["H100"])
+    layout = layout or masks.call_layout(mask, causal, ranks, shape)
     check_split(seqlen, ranks, layout)
     visible = None if mask is None else visible_pairs(seqlen, causal, mask) / float(seqlen) ** 2
     work = work_of(seqlen, ranks, causal, mask, layout, "forward")
     imbalance = float(work.max(axis=1).sum() * ranks / max(1, work.sum()))
     reach = window[0] if window is not None and layout == "contiguous" else None
-    itemsize = np.dtype(dtype).itemsize
     return costmodel.Problem(batch, seqlen, heads, kv_heads, head_dim, itemsize, causal, visible, reach,
                              imbalance), layout
 

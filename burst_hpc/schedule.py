@@ -204,8 +204,9 @@ def plain_ring_steps(rank, size, side, returns, count=None):
 @lru_cache(maxsize=16)
 def work_transfers(mask, size, near, returns, nodes=None):
     """The balanced schedule's transfers, for every rank: (steps, [(step, sender, receiver, what, side,
-    shard, rows)]). Data goes straight from its owner to the rank that computes with it, posted the step
-    before its first use; a partial goes straight to its owner the step after its last contribution
+    shard, rows)]). Data goes to the rank that computes with it, posted the step before its first
+    use, from its owner (a whole shard: or from the rank of the receiver's node that got it first,
+    ``relays``); a partial goes straight to its owner the step after its last contribution
     (one step more than the plan's when a partial is made at the last). The query side moves only
     the rows the receiving rank computes with, and its partial holds only those."""
     plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
@@ -229,10 +230,29 @@ def work_transfers(mask, size, near, returns, nodes=None):
         return None if r is None or r == (0, chunk) else r
 
     count = len(plan[0]) + (1 if any(t + 1 == len(plan[0]) for t in last.values()) else 0)
-    moves = [(t - 1, shard, c, "data", side, shard, cut((c, side, shard))) for (c, side, shard), t in first.items()]
+    moves = [(t - 1, source, c, "data", side, shard, cut((c, side, shard)))
+             for (c, side, shard), t, source in relays(first, nodes)]
     moves += [(t + 1, c, shard, "partial", side, shard, cut((c, side, shard))) for (c, side, shard), t in last.items()]
     assert all(m[0] >= 0 for m in moves), "step 0 needs data from another rank"
     return count, tuple(sorted(moves, key=lambda m: m[:6]))
+
+
+def relays(first, nodes):
+    """(receiver key, first use, sender) of every data transfer of ``first`` ({(rank, side, shard):
+    first use}). A whole shard (the key side) crosses the network once per node: the rank of a node
+    that uses it first gets it from its owner and passes it on over the node's links to the ranks
+    there that use it at least one step later (it has arrived by then); the rest get it from the
+    owner. Query rows always come from their owner (each receiver needs its own rows)."""
+    out = []
+    entry = {}   # (side, shard, node) -> (first use, rank) of the node's first receiver
+    for (c, side, shard), t in sorted(first.items(), key=lambda item: (item[1], item[0])):
+        source = shard
+        if side == "kv" and nodes is not None and nodes[c] != nodes[shard]:
+            got = entry.setdefault((side, shard, nodes[c]), (t, c))
+            if got[0] < t:
+                source = got[1]
+        out.append(((c, side, shard), t, source))
+    return out
 
 
 @lru_cache(maxsize=256)

@@ -6,6 +6,7 @@ import pytest
 import burst_hpc
 from burst_hpc import masks
 from burst_hpc.callplan import CallPlan
+from burst_hpc.costmodel import CallShape
 from burst_hpc.errors import MaskError, RankMismatchError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -81,7 +82,8 @@ def check_against_oracle(comm, rng, seed, seqlen, cu, window, causal, layout):
     kw = dict(causal=causal, cu_seqlens=cu, window=window)
     ref_o, ref_lse = attention_reference(q, k, v, **kw)
     ref_grads = attention_backward_reference(do, q, k, v, **kw)
-    used = layout or masks.default_layout(masks.make(seqlen, causal, window, cu), P)
+    shape = CallShape.of_call((1, seqlen // P, 4, 8), 2, 8)   # the call's own pick: priced on its shard
+    used = layout or masks.call_layout(masks.make(seqlen, causal, window, cu), causal, P, shape)
     ctx = f"seed {seed} {kw} layout {used}"
 
     def mine(x, axis=1):

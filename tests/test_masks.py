@@ -247,3 +247,28 @@ def test_default_layout():
     assert masks.ring_steps(short, size, "contiguous") == 2 and masks.ring_steps(short, size, "zigzag") == size
     assert masks.default_layout(short, size) == "contiguous"
     assert masks.default_layout(masks.make(60, True, (5, 0)), 4) == "contiguous"  # 60 does not split in 8
+
+
+def test_default_layout_follows_the_predicted_time():
+    """With the call's shape the default takes balanced only where the cost model predicts the call
+    faster with it: documents up to S/4 on 8 ranks shorten the critical path 2.2x with it, but
+    at 1k tokens per rank over two nodes its moves cost more than they save; at 8k tokens on one
+    node it is faster. Without a shape the critical path decides (balanced in both)."""
+    from burst_hpc.costmodel import CallShape
+    from burst_hpc.workload import documents, work_of
+
+    def critical(mask, layout):
+        return work_of(mask.seqlen, 8, True, mask, layout, "forward").max(axis=1).sum()
+
+    for tokens, per_node, backward, want in ((1024, 4, True, "contiguous"), (1024, 4, False, "contiguous"),
+                                             (8192, None, True, "balanced"), (8192, None, False, "balanced")):
+        seqlen = 8 * tokens
+        mask = masks.make(seqlen, True, None, documents(np.random.default_rng(0), seqlen, "capped", longest=seqlen // 4))
+        assert critical(mask, "balanced") < masks.BALANCED_MARGIN * min(critical(mask, x) for x in ("contiguous", "zigzag"))
+        assert masks.default_layout(mask, 8) == "balanced"
+        shape = CallShape(1, 64, 8, 128, 2, backward, per_node)
+        seconds = {layout: shape.seconds(mask, 8, layout) for layout in ("contiguous", "zigzag", "balanced")}
+        faster = seconds["balanced"] < min(seconds["contiguous"], seconds["zigzag"])
+        assert faster == (want == "balanced"), seconds
+        assert masks.default_layout(mask, 8, shape) == want
+        assert masks.call_layout(mask, True, 8, shape) == want

@@ -183,9 +183,10 @@ def visible(mask, causal, i, j):
     return lo[i] <= j < hi[i]
 
 
-def check_schedule(layout, size, near, returns, seqlen, causal=True, mask=None):
-    """Runs every rank's steps and checks the results, the messages and the buffers."""
-    plans = [steps(layout, causal, r, size, near, returns, mask, seqlen) for r in range(size)]
+def check_schedule(layout, size, near, returns, seqlen, causal=True, mask=None, nodes=None):
+    """Runs every rank's steps and checks the results, the messages and the buffers (``nodes``: the
+    node of each rank, for the balanced schedule)."""
+    plans = [steps(layout, causal, r, size, near, returns, mask, seqlen, nodes) for r in range(size)]
     assert len({len(p) for p in plans}) == 1, "every rank runs the same number of steps"
 
     def pieces_of(r):
@@ -213,10 +214,11 @@ def test_every_visible_pair_once_and_every_result_home_causal(layout, size, near
 
 
 @pytest.mark.parametrize("near,returns", PASSES)
-@pytest.mark.parametrize("size", [2, 3, 5, 8])
+@pytest.mark.parametrize("size,per_node", [(2, None), (3, None), (5, None), (8, None), (4, 2), (6, 2), (8, 4)])
 @pytest.mark.parametrize("seed", range(3))
-def test_balanced_schedule_for_random_masks(size, near, returns, seed):
-    """Random documents, windows and their compositions, causal or not."""
+def test_balanced_schedule_for_random_masks(size, per_node, near, returns, seed):
+    """Random documents, windows and their compositions, causal or not; on one node or several
+    (key chunks relayed inside a node, schedule.relays)."""
     rng = np.random.default_rng(1000 * size + seed)
     seqlen = size * int(rng.choice([4, 8, 12]))
     causal = bool(rng.integers(2))
@@ -225,7 +227,8 @@ def test_balanced_schedule_for_random_masks(size, near, returns, seed):
     mask = masks.make(seqlen, causal, window, docs)
     if mask is None:
         mask = masks.make(seqlen, causal, None, np.array([0, seqlen]))
-    plans = check_schedule("balanced", size, near, returns, seqlen, causal, mask)
+    nodes = None if per_node is None else tuple(r // per_node for r in range(size))
+    plans = check_schedule("balanced", size, near, returns, seqlen, causal, mask, nodes)
     assert all(not s.recvs or all(t.what == "data" for t in s.recvs) for s in (p[0] for p in plans))
     for r, plan in enumerate(plans):   # step 0 needs nothing from anyone
         assert all(v.q_shard == v.kv_shard == r for v in plan[0].visits)
@@ -258,3 +261,25 @@ def test_a_shortened_ring_sends_each_partial_straight_home(size):
             assert send.peer == send.shard == (r - count + 1) % size  # to the owner of what it visited last
             assert recv.shard == r and recv.peer == (r + count - 1) % size
             assert Transfer(r, "partial", "kv", send.peer) in plans[send.peer][-1].recvs
+
+
+def test_key_chunks_cross_the_network_once_per_node():
+    """Across nodes a key chunk goes from its owner to one rank of each other node; the ranks there
+    that need it a step later get it from that rank (schedule.relays), and the schedule still
+    computes every visible pair once with every partial home."""
+    from burst_hpc.schedule import work_transfers
+
+    size, per_node = 8, 2
+    nodes = tuple(r // per_node for r in range(size))
+    mask = masks.make(size * 16, True, None, masks.random_documents(np.random.default_rng(3), size * 16, 2))
+    for near, returns in PASSES:
+        check_schedule("balanced", size, near, returns, size * 16, True, mask, nodes)
+        _, moves = work_transfers(mask, size, near, returns, nodes)
+        data = [(t, sender, receiver, shard) for t, sender, receiver, what, side, shard, _ in moves
+                if what == "data" and side == "kv"]
+        relayed = [m for m in data if m[1] != m[3]]
+        assert relayed or near == "q", near   # the q-ring moves key chunks only to helpers
+        for t, sender, receiver, shard in relayed:
+            assert nodes[sender] == nodes[receiver] != nodes[shard]
+            # the relay received it from the owner before it passes it on
+            assert any(s == shard and r == sender and u < t for u, s, r, j in data if j == shard)
