@@ -59,7 +59,7 @@ class CallPlan:
 
                 per_node = self.topo.per_node if self.topo is not None and self.topo.nodes > 1 else None
                 shape = CallShape.of_call(q.shape, hkv, q.dtype.itemsize, "cuda" if on_device else "numpy", per_node)
-                layout = masks.call_layout(self.mask, causal, self.size, shape)
+                layout = masks.call_layout(self.mask, causal, self.size, shape, scheme)
             self.layout = check_layout(layout)
             self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
             self.ring = None

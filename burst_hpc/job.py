@@ -152,7 +152,7 @@ def run(options, comm=None):
             per_node = topo.per_node if topo is not None and topo.nodes > 1 else None
             shape = CallShape.of_call((spec.batch, spec.seqlen // size, spec.heads, spec.head_dim), spec.kv_heads,
                                       spec.dtype.itemsize, backend, per_node, options.backward)
-            layout = masks.call_layout(mask, options.causal, size, shape)
+            layout = masks.call_layout(mask, options.causal, size, shape, options.scheme)
     except Exception as e:  # noqa: BLE001
         error = e
     agree(comm, error)

@@ -191,8 +191,9 @@ BALANCED_MARGIN = 0.8   # without the call's shape: balanced must shorten the cr
 
 
 @lru_cache(maxsize=64)
-def default_layout(mask, size, shape=None):
-    """The layout for a masked call (the user did not pick one).
+def default_layout(mask, size, shape=None, flat_ring=True):
+    """The layout for a masked call (the user did not pick one); balanced only on the flat ring
+    (``flat_ring``: the call's scheme is 'ring' or 'auto'; the node schemes refuse its schedule).
 
     With the call's shape (``shape``: a costmodel.CallShape) balanced when the cost model predicts
     the call faster with it than with the plain pick below (costmodel.CallShape.seconds: the
@@ -209,7 +210,7 @@ def default_layout(mask, size, shape=None):
         plain = "zigzag" if work["zigzag"] < (0.9 if fewer_steps else 0.98) * work["contiguous"] else "contiguous"
     else:
         plain = fits[0] if fits else "contiguous"  # check_split reports a length that fits neither
-    if size == 1 or "contiguous" not in fits:
+    if size == 1 or "contiguous" not in fits or not flat_ring:
         return plain
     if shape is not None:
         return "balanced" if shape.seconds(mask, size, "balanced") < shape.seconds(mask, size, plain) else plain
@@ -220,11 +221,14 @@ def default_layout(mask, size, shape=None):
     return "balanced" if critical["balanced"] < BALANCED_MARGIN * min(critical[layout] for layout in fits) else plain
 
 
-def call_layout(mask, causal, size, shape=None):
+def call_layout(mask, causal, size, shape=None, scheme="auto"):
     """The layout of a call that names none: the plain default for causal or full attention (no
     Mask), default_layout's pick with documents or a window (``shape``: the call's
-    costmodel.CallShape where it is known). The one rule the call's plan and the run job use."""
-    return plain_default_layout(causal) if mask is None else default_layout(mask, size, shape)
+    costmodel.CallShape where it is known; ``scheme``: the one the call names, balanced only where
+    it runs). The one rule the call's plan and the run job use."""
+    if mask is None:
+        return plain_default_layout(causal)
+    return default_layout(mask, size, shape, flat_ring=scheme in ("auto", "ring"))
 
 
 def random_documents(rng, seqlen, count):

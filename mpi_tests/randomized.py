@@ -146,7 +146,7 @@ def shard_layout(case):
     per_node = case.ranks_per_node if case.ranks_per_node and case.ranks_per_node < case.ranks else None
     shape = CallShape.of_call((case.batch, case.seqlen // case.ranks, case.heads, case.head_dim), case.kv_heads,
                               parse_dtype(case.dtype).itemsize, case.backend, per_node)
-    return masks.call_layout(mask, case.causal, case.ranks, shape)
+    return masks.call_layout(mask, case.causal, case.ranks, shape, case.scheme)
 
 
 def inputs(case):

@@ -272,3 +272,15 @@ def test_default_layout_follows_the_predicted_time():
         assert faster == (want == "balanced"), seconds
         assert masks.default_layout(mask, 8, shape) == want
         assert masks.call_layout(mask, True, 8, shape) == want
+
+
+@pytest.mark.parametrize("scheme", ["double_ring", "ulysses_ring"])
+def test_default_layout_is_one_the_named_scheme_takes(scheme):
+    """The node schemes refuse the balanced schedule, so a call naming one gets the plain pick where
+    balanced would otherwise be the default (not a refusal of a layout the user never chose)."""
+    from burst_hpc.workload import documents
+
+    seqlen = 8 * 1024
+    mask = masks.make(seqlen, True, None, documents(np.random.default_rng(0), seqlen, "capped", longest=seqlen // 4))
+    assert masks.call_layout(mask, True, 8) == masks.call_layout(mask, True, 8, scheme="ring") == "balanced"
+    assert masks.call_layout(mask, True, 8, scheme=scheme) in ("contiguous", "zigzag")
