@@ -6,7 +6,8 @@ modules define the kernels and the constant tables the PTX defines, a launch is 
 shared memory) instead of run, and asking for a kernel the PTX does not define fails as CuPy would. TMA tensor
 maps are not encoded (no driver). Output: {"tables": the kernel tables as the backend decoded them,
 "entries": each source's kernels with their launch bounds, "calls": [{"call", "error", "launches"}],
-"prepared": {family: what CudaBackend.prepare did for a causal bf16 D = 128 call}}.
+"prepared": {family: what CudaBackend.prepare did for a causal bf16 D = 128 call},
+"prepared_again": {family: what it did for the same call again (nothing: it is made ready once)}}.
 
     python3 tests/record_launches.py
 """
@@ -153,11 +154,12 @@ def main():
         x = rng.standard_normal(shape).astype(np.dtype("bfloat16") if dtype == "uint16" else dtype)
         return sys.modules["cupy"].asarray(x.view(np.uint16) if dtype == "uint16" else x)
 
-    calls, prepared = [], {}
+    calls, prepared, again = [], {}, {}
     for family in FAMILIES:
         backend = CudaBackend.instance(family)
         # a causal bf16 D = 128 call's builds, compiled before its launches (which then load them)
         prepared[family] = backend.prepare(None, np.dtype("bfloat16"), 128, True, False, ("fwd", "bwd"))
+        again[family] = backend.prepare(None, np.dtype("bfloat16"), 128, True, False, ("fwd", "bwd"))
         for d in HEAD_DIMS:
             for dtype in DTYPES:
                 for mode in MODES:
@@ -190,7 +192,7 @@ def main():
               for (family, _), source in contract.SOURCES.items()}
     tables[contract.DELTA_SOURCE] = [list(k) for k in CudaBackend.instance("sm80").modules.table(
         contract.DELTA_SOURCE).kernels]
-    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls, "prepared": prepared}, sys.stdout)
+    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls, "prepared": prepared, "prepared_again": again}, sys.stdout)
 
 
 if __name__ == "__main__":

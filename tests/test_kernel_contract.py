@@ -151,6 +151,7 @@ def test_a_call_prepares_its_builds_which_its_launches_then_load(recorded):
         wanted = kernel_builds(family, {"bf16"}, [128], ("full", "causal"), ("fwd", "bwd"))
         assert len(wanted) == 7  # two tables, two instances per pass, the delta pre-pass
         assert recorded["prepared"][family] == {b.name(): "cached" if b in done else "compiled" for b in wanted}
+        assert recorded["prepared_again"][family] == {}  # the next call of the kind looks nothing up
         done |= set(wanted)
 
 

@@ -16,6 +16,7 @@ float16 need no MPI datatype.
 The protocol they share is transport.base.Transport.
 """
 import ctypes
+import functools
 import logging
 import os
 
@@ -46,6 +47,12 @@ def cuda_aware_mpi():
     forced = config.cuda_aware()
     if forced is not None:
         return forced
+    return _reported_cuda_support()
+
+
+@functools.lru_cache(maxsize=1)
+def _reported_cuda_support():
+    # asked once per process (every call plan chooses a transport; reading /proc/self/maps cost ms)
     from mpi4py import MPI  # noqa: F401  (loads libmpi)
 
     path = _libmpi_path()

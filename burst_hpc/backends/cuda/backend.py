@@ -170,6 +170,7 @@ class CudaBackend:
         self._widths = {direction: contract.native_widths(family, direction) for direction in ("fwd", "bwd")}
         self._dtype_codes = contract.header().dtypes
         self._wide = None
+        self._prepared = set()   # the calls' kernel sets prepare() has made ready in this process
 
     def native_widths(self, direction="fwd"):
         """The head dims this family runs natively (``direction``: 'fwd' or 'bwd'), as its source lists them;
@@ -199,8 +200,12 @@ class CudaBackend:
         except BackendError:  # the call's first launch says so, as it would without this step
             return {}
         masks = ("full", "interval" if masked else "causal") if causal else ("full",)
-        builds = kernel_builds(self.family, (kind,), (head_dim,), masks, directions)
-        return self.modules.prepare(builds, comm)
+        key = (kind, head_dim, masks, tuple(directions))
+        if key in self._prepared:   # every rank's calls come in the same order, so all skip together
+            return {}
+        result = self.modules.prepare(kernel_builds(self.family, (kind,), (head_dim,), masks, directions), comm)
+        self._prepared.add(key)
+        return result
 
     # ---- the three block calls ---------------------------------------------------------------------
     def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
