@@ -352,8 +352,9 @@ def build_parser():
                    "balanced (contiguous ownership in natural token order, the visible work of causal, documents "
                    "and windows balanced by ranks computing pieces of block pairs for each other; S a multiple "
                    "of P) (default: zigzag with --causal, else contiguous; with documents or --window balanced "
-                   "when it shortens the critical path by 20%%, else contiguous unless zigzag's busiest rank has "
-                   "clearly less work)")
+                   "when the cost model predicts the job faster with it (never with --scheme double_ring or "
+                   "ulysses_ring, which refuse it), else contiguous unless zigzag's busiest rank has clearly less "
+                   "work)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
                    "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else mpi when the MPI is "
@@ -461,8 +462,8 @@ def build_parser():
     p.add_argument("--cu-seqlens", default=None, metavar="FILE",
                    help="real document offsets [0, ..., S]: a text or .npy file, or an HDF5 input holding cu_seqlens")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
-                   help="the layout of the call (default: the masked default, balanced where it shortens the "
-                   "critical path; zigzag for plain causal)")
+                   help="the layout of the call (default: the masked default, balanced where the cost model "
+                   "predicts the call faster with it; zigzag for plain causal)")
     p.add_argument("--nodes", type=positive_int, default=None, help="nodes (default 1; with --measure: the job's)")
     p.add_argument("--gpus-per-node", type=positive_int, default=None, help="ranks per node (default 8; with --measure: "
                    "the job's)")
