@@ -44,6 +44,10 @@ class _Parser(argparse.ArgumentParser):
         _say_once(write)
         sys.exit(EXIT_USAGE)
 
+    def print_help(self, file=None):
+        if rank_and_size()[0] == 0:   # under a launcher: once, from rank 0 (the launcher's rank, no MPI call)
+            super().print_help(file)
+
 
 # how long a rank waits at the end of a job that failed for rank 0 to say why (see _say_once)
 SAY_WAIT_S = 30.0

@@ -57,3 +57,11 @@ def test_plan_under_mpiexec_prints_one_table():
     r = mpirun(2, "plan", "--seqlen", 4096, "--nodes", 2, "--gpus-per-node", 4)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count("auto picks:") == 1 and r.stdout.count("| ring |") == 1, r.stdout
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("args", [("--help",), ("run", "--help"), ("verify", "-h")])
+def test_help_under_mpiexec_prints_once(args):
+    r = mpirun(3, *args)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert (r.stdout + r.stderr).count("usage: burst-hpc") == 1, r.stdout + r.stderr
