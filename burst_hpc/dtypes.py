@@ -67,7 +67,7 @@ def nonfinite(x):
 
 
 def largest_magnitude(x):
-    """max |x| of a finite array (NumPy or CuPy) as a float, 0.0 when empty."""
+    """max |x| of an array (NumPy or CuPy) as a float, 0.0 when empty; NaN or Inf when x holds one."""
     if not x.size:
         return 0.0
     bits = magnitude_bits(x)

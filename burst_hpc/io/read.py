@@ -190,18 +190,18 @@ def check_finite(path, shards, comm, layout, seqlen, scale=None):
     file's order (datasets q, k, v, do; then batch, token, head, dim with global token positions)."""
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     runs = pieces(seqlen, rank, size, layout)
+    largest = largest_magnitudes(shards)   # one pass over the data; NaN or Inf when a shard holds one
     mine = None
     for order, name in enumerate(INPUTS):
-        found = _first_nonfinite(shards[name]) if name in shards else None
-        if found is not None:
-            (b, t, *rest), value = found
+        if name in shards and not math.isfinite(largest[name]):
+            (b, t, *rest), value = _first_nonfinite(shards[name])
             for start, n in runs:  # local token t -> its position in the file
                 if t < n:
                     break
                 t -= n
             mine = (order, b, start + t, *rest, name, value)
+            largest = None
             break
-    largest = largest_magnitudes(shards) if mine is None else None
     everyone = [(mine, largest)] if size == 1 else comm.allgather((mine, largest))
     found = [f for f, _ in everyone if f is not None]
     if found:
@@ -217,7 +217,8 @@ def check_finite(path, shards, comm, layout, seqlen, scale=None):
 
 
 def largest_magnitudes(shards):
-    """{dataset: max |value|} of this rank's finite shards (0.0 for an empty one), as floats."""
+    """{dataset: max |value|} of this rank's shards (0.0 for an empty one), as floats: NaN or Inf
+    for a shard that holds one."""
     return {name: largest_magnitude(x) for name, x in shards.items()}
 
 
