@@ -28,6 +28,7 @@ from . import jobsafety
 from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, launched, live_world, mpi_problem,
                          rank_and_size, world as _world)
 from .errors import BurstError, FileError, say
+from .masks import LARGEST_WINDOW
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
 
@@ -142,7 +143,6 @@ def cmd_gen(args):
 # The command line's numbers: one type function per kind, each a clear "argument --x: expected ..."
 # line and exit status 2 for anything else (zero, negative, NaN, infinite, too large).
 LARGEST_INT = 2 ** 63 - 1    # sizes, counts and seeds become int64 (NumPy, HDF5)
-LARGEST_WINDOW = 2 ** 62     # masks add window sizes to token positions in int64
 
 
 def _whole(text, least, what, largest=LARGEST_INT):

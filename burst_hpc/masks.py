@@ -24,8 +24,12 @@ from .errors import MaskError
 from .layout import default_layout as plain_default_layout, pieces
 
 
+LARGEST_WINDOW = 2 ** 62     # masks add window sizes to token positions in int64
+
+
 def check_window(window):
-    """None, or the window as a (left, right) pair of ints >= -1 (-1: unbounded on that side)."""
+    """None, or the window as a (left, right) pair of ints >= -1 (-1: unbounded on that side), each at
+    most LARGEST_WINDOW."""
     if window is None:
         return None
     try:
@@ -35,6 +39,8 @@ def check_window(window):
         raise MaskError(f"window must be a (left, right) pair of integers (-1: unbounded); got {window!r}") from None
     if left < -1 or right < -1:
         raise MaskError(f"window sizes must be >= 0, or -1 for unbounded; got ({left}, {right})")
+    if max(left, right) > LARGEST_WINDOW:
+        raise MaskError(f"window sizes must be at most {LARGEST_WINDOW} (-1: unbounded); got ({left}, {right})")
     return None if (left, right) == (-1, -1) else (left, right)
 
 

@@ -176,11 +176,19 @@ def test_bad_documents(cu_seqlens, message, rng):
     ((1, 2, 3), r"pair of integers"),
     ((1.5, 0), r"pair of integers"),
     ((True, 0), r"pair of integers"),
+    ((2 ** 63 - 1, 0), r"window sizes must be at most 4611686018427387904 \(-1: unbounded\); got \(9223372036854775807, 0\)"),
+    ((0, 2 ** 62 + 1), r"at most 4611686018427387904"),
 ])
 def test_bad_windows(window, message, rng):
     q, k, v = qkv(rng, 1, 8, 8, 2, 1, 8)
     with pytest.raises(MaskError, match=message):
         attention(q, k, v, window=window)
+
+
+def test_the_largest_window_is_no_window(rng):
+    q, k, v = qkv(rng, 2, 37, 37, 2, 1, 8)
+    for got, want in zip(attention(q, k, v, window=(2 ** 62, 2 ** 62)), attention(q, k, v)):
+        np.testing.assert_array_equal(got, want)
 
 
 def test_masks_need_one_sequence(rng):
