@@ -520,7 +520,30 @@ def cmd_compile(args):
     line = compile_ahead(args.family, args.head_dim, args.dtype, tuple(args.passes or ("fwd", "bwd")), comm)
     if comm.rank == 0:
         print(line, flush=True)
+    line = _collective(warm_verification, args.dtype, comm)
+    if comm.rank == 0 and line:
+        print(line, flush=True)
     return 0
+
+
+def warm_verification(dtypes, comm):
+    """Collective: run --verify's CuPy kernels once on every rank's GPU (verify.warm) so that a job's
+    verification compiles nothing; '' where there is no GPU."""
+    from . import verify
+    from .device import gpu_count
+
+    error, seconds = None, None
+    try:
+        if gpu_count():
+            names = [{"f16": "float16", "f32": "float32"}.get(t, "bfloat16") for t in dtypes or ("bf16", "f16")]
+            seconds = verify.warm([parse_dtype(n) for n in dict.fromkeys(names)])
+    except Exception as e:  # noqa: BLE001
+        error = e if isinstance(e, BurstError) else BurstError(f"warming the verification's kernels failed: {describe(e)}")
+    agree(comm, error)
+    every = comm.allgather(seconds) if comm.size > 1 else [seconds]
+    if any(s is None for s in every):
+        return ""
+    return f"verification kernels (CuPy's cache, CUPY_CACHE_DIR): ready on every rank's GPU; {max(every):.1f} s"
 
 
 def _collective(fn, *args, **kwargs):

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .collective import agree, describe
+from .collective import Alone, agree, describe
 from .dtypes import dtype_name, nonfinite
 from .errors import BurstError
 from .io.format import fixed_text, modify_attrs
@@ -621,6 +621,35 @@ def verify_resident(inputs, outputs, positions, spec, comm, causal, scale, windo
     xp = array_module(arrays["q"])
     return check(Tokens.resident(arrays, positions), spec, comm, causal, scale, window, "dq" in outputs, rows, seed,
                  xp, budget_s, announce, progress)
+
+
+def warm(dtypes):
+    """Check one small random problem per dtype (causal, with gradients) on this process's GPU, so that
+    CuPy compiles the kernels a job's --verify runs into its own cache (CUPY_CACHE_DIR) now, not in the
+    job (``burst-hpc compile``). Returns the seconds it took; raises BurstError if the check fails."""
+    from types import SimpleNamespace
+
+    import cupy
+
+    from .reference import attention_backward_reference, attention_reference
+
+    start = time.perf_counter()
+    b, s, hq, hk, d = 1, 2048, 4, 2, 64          # B Hq S^2 above FULL_LIMIT: the sampled check a job runs
+    rng = np.random.default_rng(0)
+    for dtype in dtypes:
+        host = {n: rng.standard_normal((b, s, hk if n in ("k", "v") else hq, d)).astype(dtype) for n in ("q", "k", "v", "do")}
+        exact = {n: host[n].astype(np.float64) for n in host}
+        o, lse = attention_reference(exact["q"], exact["k"], exact["v"], causal=True)
+        dq, dk, dv = attention_backward_reference(exact["do"], exact["q"], exact["k"], exact["v"], causal=True)
+        outputs = {"o": o.astype(dtype), "lse": lse.astype(np.float32), "dq": dq.astype(dtype), "dk": dk.astype(dtype),
+                   "dv": dv.astype(dtype)}
+        spec = SimpleNamespace(batch=b, seqlen=s, heads=hq, kv_heads=hk, head_dim=d, dtype=np.dtype(dtype), cu_seqlens=None)
+        arrays = {n: cupy.asarray(x) for n, x in dict(host, **outputs).items()}
+        report = check(Tokens.resident(arrays, np.arange(s)), spec, Alone(), True, d ** -0.5, None, True, 16, xp=cupy)
+        if not report["ok"]:
+            raise BurstError(f"the verification's own check failed on this GPU ({dtype_name(dtype)}): {failures(report)}")
+    cupy.cuda.Device().synchronize()
+    return time.perf_counter() - start
 
 
 def verify_output(input_path, output_path, comm, causal=None, window=None, backward=None, rows=ROWS, seed=0,

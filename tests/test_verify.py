@@ -174,3 +174,53 @@ def test_on_the_gpu_as_on_the_cpu(mask, monkeypatch):
             for name in cpu["err"]:
                 assert gpu["err"][name] == pytest.approx(cpu["err"][name], rel=1e-6, abs=1e-12), name
                 assert gpu["tol"][name] == pytest.approx(cpu["tol"][name], rel=0.25), name  # float32 sums differ
+
+
+def test_alone_runs_the_sampled_check(monkeypatch):
+    """The check on the one-process communicator (burst-hpc compile's warming, no MPI library)."""
+    from burst_hpc.collective import Alone
+
+    monkeypatch.setattr(verify, "FULL_LIMIT", 10)
+    inputs, outputs, (causal, window, cu) = _problem(bfloat16, "documents+window")
+    report = verify.verify_resident(inputs, outputs, np.arange(S), _spec(bfloat16, cu), Alone(), causal, SCALE,
+                                    window, rows=9)
+    assert report["ok"] and report["mode"] == "sampled 9 rows+cols/rank", report
+
+
+WARMED = """
+import os, sys
+import numpy as np
+sys.path.insert(0, {tests!r})
+import test_verify as t
+from burst_hpc import verify
+from burst_hpc.dtypes import bfloat16
+import cupy
+
+def compiled():
+    return {{os.path.join(d, f) for d, _, fs in os.walk(os.environ["CUPY_CACHE_DIR"]) for f in fs}}
+
+verify.warm([bfloat16])
+before = compiled()
+verify.FULL_LIMIT = 10
+inputs, outputs, mask_args = t._problem(bfloat16, "documents+window", seed=3)
+report = t._check({{n: cupy.asarray(x) for n, x in inputs.items()}}, {{n: cupy.asarray(x) for n, x in outputs.items()}},
+                  mask_args, bfloat16, rows=11)
+assert report["ok"], report
+print("warmed", len(before), "new", sorted(compiled() - before))
+"""
+
+
+def test_after_warming_a_verification_compiles_nothing(tmp_path):
+    """burst-hpc compile warms --verify's CuPy kernels: a job's check at another shape, with a mask and
+    gradients, then compiles nothing new into CUPY_CACHE_DIR."""
+    import os
+    import subprocess
+    import sys
+
+    _gpu()
+    env = dict(os.environ, CUPY_CACHE_DIR=str(tmp_path / "cupy"))
+    script = WARMED.format(tests=os.path.dirname(__file__))
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    line = out.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"warmed [1-9]\d* new \[\]", line), line
