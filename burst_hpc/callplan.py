@@ -106,7 +106,6 @@ class CallPlan:
             self.backend.prepare(comm, q.dtype, self.head_dim, self.causal, self.mask is not None, directions)
         self.xp = self.backend.xp
         self.acc = accum_dtype(q.dtype)
-        self.lanes = None   # (near, far) transports, made on first use (transports)
 
     def pieces(self, position):
         """The tokens of the shard at ``position`` of the scheme's ring."""
@@ -125,15 +124,10 @@ class CallPlan:
         """(near, far): the scheme's ring transport, and the one for transfers that complete steps
         after they are posted (the double ring's network lane): over a duplicate communicator, so
         they never queue behind (NCCL) or share staging buffers with (staged) the inner ring's.
-        With BURST_HPC_EMULATE_NETWORK both are held to one emulated NIC between nodes, a new one each
-        call. The transports themselves are made once per plan (a reused plan reuses its streams and
-        staging buffers)."""
-        if self.lanes is None:
-            near = make_transport(self.transport_name, self.scheme.comm, self.xp)
-            far = near if self.scheme.far_comm is None else make_transport(self.transport_name,
-                                                                           self.scheme.far_comm, self.xp)
-            self.lanes = near, far
-        near, far = self.lanes
+        With BURST_HPC_EMULATE_NETWORK both are held to one emulated NIC between nodes."""
+        near = make_transport(self.transport_name, self.scheme.comm, self.xp)
+        far = near if self.scheme.far_comm is None else make_transport(self.transport_name, self.scheme.far_comm,
+                                                                       self.xp)
         if self.network is None:
             return near, far
         nic = Nic(*self.network)
