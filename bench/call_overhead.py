@@ -143,7 +143,8 @@ def library_call(args):
                 comm.Barrier()
                 one_call(plan_of, times)
             gpu = kernel_ms(lambda: one_call(plan_of, {n: [] for n in times})) if cuda and not args.host_only else None
-            profile = profiled(args.profile, lambda: [one_call(plan_of, {n: [] for n in times}) for _ in range(10)])
+            profile = profiled(args.profile, lambda: [one_call(plan_of, {n: [] for n in times}) for _ in range(10)],
+                               ("tottime", "cumulative"))
             medians = {name: statistics.median(t) * 1e3 for name, t in times.items() if t}
             slowest = {name: max(comm.allgather(ms)) for name, ms in medians.items()}
             host = sum(ms for name, ms in slowest.items() if name != "wall")
@@ -220,8 +221,9 @@ def kernel_ms(fn, samples=5):
     return statistics.median(totals)
 
 
-def profiled(lines, fn):
-    """cProfile's ``lines`` costliest functions (own time) while ``fn`` runs, as text ('' for 0)."""
+def profiled(lines, fn, orders=("tottime",)):
+    """cProfile's ``lines`` costliest functions while ``fn`` runs, by each of ``orders`` (own time,
+    cumulative time), as text ('' for 0 lines)."""
     if not lines:
         return ""
     prof = cProfile.Profile()
@@ -229,7 +231,8 @@ def profiled(lines, fn):
     fn()
     prof.disable()
     text = io.StringIO()
-    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(lines)
+    for order in orders:
+        pstats.Stats(prof, stream=text).sort_stats(order).print_stats(lines)
     return text.getvalue()
 
 

@@ -192,8 +192,9 @@ class CallKey:
 def call_key(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
              scheme="auto", ranks_per_node=None):
     """The CallKey of a call to CallPlan with these arguments, or None where one cannot be made
-    exactly (an argument of another type than plain numbers, strings, tuples, lists and arrays):
-    such a call is planned anew."""
+    exactly (an argument of another type than plain numbers, strings, tuples, lists and arrays, or
+    one that fails to read): such a call is planned anew. Never raises, so no rank leaves the
+    collective that follows."""
     arrays = (q, k, v) if backward is None else (q, k, v, *backward[:3])
     try:
         options = plain((causal, scale, layout, transport, window, scheme, ranks_per_node,
@@ -201,7 +202,7 @@ def call_key(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_
         shared = (comm.size, tuple(array_facts(x) for x in arrays), offsets_facts(cu_seqlens), options)
         device = q.device.id if type(q).__module__.startswith("cupy") else None
         local = (id(comm), device, config.plan_settings())
-    except (AttributeError, TypeError, ValueError):
+    except Exception:   # noqa: BLE001  no key, whatever the argument: CallPlan says what is wrong, on every rank
         return None
     return CallKey(shared, local)
 

@@ -215,3 +215,13 @@ def test_keys_tell_argument_types_apart():
     assert key(cu_seqlens=CU) == key(cu_seqlens=CU.copy()) != key(cu_seqlens=CU.astype(np.int32))
     assert key(cu_seqlens=CU).digest() == key(cu_seqlens=CU.copy()).digest()
     assert key(window=object()) is None   # not a plain argument: planned anew every call
+    assert key(cu_seqlens=[0, 2 ** 70]) is None   # unreadable as an integer array
+
+
+def test_an_argument_without_a_key_is_planned_and_refused_as_before():
+    q, k, v, _ = inputs()
+    with pytest.raises(MaskError, match="1-D integer array"):
+        forward(q, k, v, cu_seqlens=[0, 2 ** 70])
+    forward(q, k, v, window=np.array([3, 0]))   # a window as an array: no key, planned every call
+    forward(q, k, v, window=np.array([3, 0]))
+    assert (callplan.PLANS.hits, callplan.PLANS.misses, len(callplan.PLANS)) == (0, 3, 0)
