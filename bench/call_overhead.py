@@ -98,12 +98,17 @@ def library_call(args):
     S, H, Hkv, D = args.tokens_per_rank * P, args.heads, args.kv_heads or args.heads, args.head_dim
     cu = documents(np.random.default_rng(args.seed), S, "capped", longest=max(1, int(S * args.longest)))
     layout = None if args.layout == "default" else args.layout
-    rng = np.random.default_rng([args.seed, 7])
-    shard = layout or "contiguous"
-    mine = {name: xp.asarray(burst_hpc.shard(rng.standard_normal((1, S, h, D)).astype(np.float32), r, P, shard))
-            .astype(dtype) for name, h in (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
-    q, k, v, do = (mine[n] for n in ("q", "k", "v", "do"))
     options = dict(cu_seqlens=cu, window=None, scheme="auto", ranks_per_node=None)
+    rng = np.random.default_rng([args.seed, 7])
+    full = {name: rng.standard_normal((1, S, h, D)).astype(np.float32)
+            for name, h in (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
+    if layout is None:   # shard as the library's pick for this call (the plan on these shapes says which)
+        shard = callplan.CallPlan(comm, *(xp.asarray(x[:, :S // P]).astype(dtype) for x in (full["q"], full["k"],
+                                                                                          full["v"])),
+                                  True, None, None, "auto", **options).layout
+    else:
+        shard = layout
+    q, k, v, do = (xp.asarray(burst_hpc.shard(full[name], r, P, shard)).astype(dtype) for name in ("q", "k", "v", "do"))
 
     def sync():
         if cuda:
@@ -148,7 +153,7 @@ def library_call(args):
             medians = {name: statistics.median(t) * 1e3 for name, t in times.items() if t}
             slowest = {name: max(comm.allgather(ms)) for name, ms in medians.items()}
             host = sum(ms for name, ms in slowest.items() if name != "wall")
-            rows.append(dict(way=way, ranks=P, backend=args.backend, host_only=args.host_only, layout=args.layout,
+            rows.append(dict(way=way, ranks=P, backend=args.backend, host_only=args.host_only, layout=shard,
                              tokens_per_rank=args.tokens_per_rank, heads=H, kv_heads=Hkv, head_dim=D,
                              documents=len(cu) - 1, backward=args.backward, calls=args.calls,
                              host_ms=host, gpu_ms=gpu, hits=cache.hits, misses=cache.misses,
@@ -163,7 +168,7 @@ def library_call(args):
             phases = ", ".join(f"{name} {row[name.replace(' ', '_') + '_ms']:.3f} ms" for name in
                                ("plan", "forward", "backward plan", "backward") if name.replace(" ", "_") + "_ms" in row)
             gpu = "" if row["gpu_ms"] is None else f"; kernels {row['gpu_ms']:.3f} ms of GPU time"
-            print(f"call_overhead: P={P} {args.backend}{' host-only' if args.host_only else ''} layout={args.layout} "
+            print(f"call_overhead: P={P} {args.backend}{' host-only' if args.host_only else ''} layout={args.layout}->{shard} "
                   f"{args.tokens_per_rank} tokens/rank H={H}/{Hkv} D={D} {row['documents']} documents, "
                   f"{row['way']}: host {row['host_ms']:.3f} ms per step ({phases}); wall {row['wall_ms']:.3f} ms"
                   f"{gpu} (median of {args.calls}, slowest rank; plan cache {row['hits']} hits, "
