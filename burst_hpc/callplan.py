@@ -4,7 +4,7 @@ same error on every rank), then handed to the passes (passes.py) as one value.
 
 A training loop makes the same call (shapes, mask, options) thousands of times: ``plan_call`` keeps
 the plans of recent calls (PlanCache, by CallKey: everything a plan depends on) and reuses one when
-every rank finds it, agreed by one collective over a digest of the arguments. Any other call (a miss
+every rank finds it, agreed by one allreduce over a digest of the arguments. Any other call (a miss
 on some rank, ranks whose arguments differ) is planned anew by every rank, with every check and the
 agreement that names what differs."""
 import hashlib
@@ -17,7 +17,7 @@ import numpy as np
 from . import config, masks, passes
 from .accounting import backward_ring_bytes
 from .backends import get_backend
-from .collective import agree
+from .collective import agree, same_everywhere
 from .device import gpus_shared
 from .dtypes import accum_dtype, dtype_name
 from .errors import BurstError, ShapeError
@@ -184,9 +184,9 @@ class CallKey:
     local: tuple
 
     def digest(self):
-        """A digest of ``shared``, the same on every rank that passes the same arguments: what the
+        """16 bytes from ``shared``, the same on every rank that passes the same arguments: what the
         ranks compare."""
-        return hashlib.blake2b(repr(self.shared).encode(), digest_size=16).hexdigest()
+        return hashlib.blake2b(repr(self.shared).encode(), digest_size=16).digest()
 
 
 def call_key(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
@@ -244,17 +244,15 @@ def offsets_facts(cu_seqlens):
 def plan_call(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
               scheme="auto", ranks_per_node=None, cache=PLANS):
     """Collective: the CallPlan of this call (CallPlan's arguments): the one ``cache`` kept for an
-    earlier call with the same CallKey when every rank has one for the same digest (one allgather),
+    earlier call with the same CallKey when every rank has one for the same digest (one allreduce),
     else a new CallPlan (kept in ``cache`` once every rank agreed on it). A reused plan skips the
     layout decision, the schedule and the agreement: the earlier call made and agreed them on
     arguments equal to these, and the digests show every rank passes the same ones again."""
     key = call_key(comm, q, k, v, causal, scale, layout, transport, backward, cu_seqlens, window, scheme,
                    ranks_per_node)
     plan = None if key is None else cache.get(key)
-    if comm.size > 1:   # every rank reuses its plan, or every rank plans anew (and checks, and agrees)
-        digests = comm.allgather(None if plan is None else key.digest())
-        if None in digests or len(set(digests)) > 1:
-            plan = None
+    if comm.size > 1 and not same_everywhere(comm, None if plan is None else key.digest()):
+        plan = None   # every rank reuses its plan, or every rank plans anew (and checks, and agrees)
     if plan is not None:
         cache.hits += 1
         return plan

@@ -113,3 +113,17 @@ def test_a_rank_without_the_plan_makes_every_rank_plan_anew(comm):
     np.testing.assert_allclose(o, burst_hpc.shard(ref_o, r, P, "contiguous"), atol=1e-10, err_msg=f"seed {seed}")
     call()
     assert callplan.PLANS.hits == 1
+
+
+def test_same_everywhere_is_the_same_verdict_on_every_rank(comm):
+    from burst_hpc.collective import same_everywhere
+
+    digest = bytes(range(16))
+    other = bytes(range(1, 17))
+    last = comm.rank == comm.size - 1
+    assert same_everywhere(comm, digest)
+    assert same_everywhere(comm, b"\xff" * 16)   # the top bits are dropped, never negated out of range
+    assert same_everywhere(comm, other if last else digest) == (comm.size == 1)
+    assert not same_everywhere(comm, None if last else digest)
+    high = bytes(8) + b"\x80" + bytes(7)   # differs in the second half only
+    assert same_everywhere(comm, high if last else bytes(16)) == (comm.size == 1)
