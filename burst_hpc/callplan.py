@@ -195,8 +195,8 @@ def call_key(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_
     exactly (an argument of another type than plain numbers, strings, tuples, lists and arrays, or
     one that fails to read): such a call is planned anew. Never raises, so no rank leaves the
     collective that follows."""
-    arrays = (q, k, v) if backward is None else (q, k, v, *backward[:3])
     try:
+        arrays = (q, k, v) if backward is None else (q, k, v, *backward[:3])
         options = plain((causal, scale, layout, transport, window, scheme, ranks_per_node,
                          None if backward is None else backward[3]))
         shared = (comm.size, tuple(array_facts(x) for x in arrays), offsets_facts(cu_seqlens), options)
@@ -211,9 +211,9 @@ def plain(value):
     """``value`` (None, a bool, number or string, or a tuple or list of them) with the type of each
     part, as a hashable tuple whose repr is the same on every rank; TypeError for anything else."""
     if value is None or isinstance(value, (bool, int, float, str, np.bool_, np.number)):
-        return type(value).__name__, value
+        return type(value), value   # the class: True and numpy.True_ are told apart too
     if isinstance(value, (tuple, list)):
-        return type(value).__name__, tuple(plain(part) for part in value)
+        return type(value), tuple(plain(part) for part in value)
     raise TypeError(f"{type(value).__name__} is not a plain argument")
 
 

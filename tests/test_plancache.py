@@ -211,7 +211,8 @@ def test_keys_tell_argument_types_apart():
 
     assert key(scale=1) != key(scale=1.0) != key(scale=True)
     assert key(window=(1, 0)) != key(window=(True, 0))
-    assert key(causal=1) != key(causal=True)
+    assert key(causal=1) != key(causal=True) != key(causal=np.True_)
+    assert key(window=(1, 0)) != key(window=[1, 0]) != key(window=(np.int64(1), 0))
     assert key(cu_seqlens=CU) == key(cu_seqlens=CU.copy()) != key(cu_seqlens=CU.astype(np.int32))
     assert key(cu_seqlens=CU).digest() == key(cu_seqlens=CU.copy()).digest()
     assert key(window=object()) is None   # not a plain argument: planned anew every call
