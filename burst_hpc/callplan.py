@@ -1,14 +1,23 @@
 """The plan of one call: validated shapes, the mask, the layout, the backward ring, the transport and
 the scheme, decided once and agreed by every rank before the first exchange (bad input gives the
-same error on every rank), then handed to the passes (passes.py) as one value."""
+same error on every rank), then handed to the passes (passes.py) as one value.
+
+A training loop makes the same call (shapes, mask, options) thousands of times: ``plan_call`` keeps
+the plans of recent calls (PlanCache, by CallKey: everything a plan depends on) and reuses one when
+every rank finds it, agreed by one allreduce over a digest of the arguments. Any other call (a miss
+on some rank, ranks whose arguments differ) is planned anew by every rank, with every check and the
+agreement that names what differs."""
+import hashlib
 import logging
+from collections import OrderedDict
+from dataclasses import dataclass
 
 import numpy as np
 
 from . import config, masks, passes
 from .accounting import backward_ring_bytes
 from .backends import get_backend
-from .collective import agree
+from .collective import agree, same_everywhere
 from .device import gpus_shared
 from .dtypes import accum_dtype, dtype_name
 from .errors import BurstError, ShapeError
@@ -124,6 +133,135 @@ class CallPlan:
         nic = Nic(*self.network)
         held = EmulatedNetwork(near, self.scheme.remote, nic)
         return held, held if far is near else EmulatedNetwork(far, self.scheme.remote, nic)
+
+
+PLAN_CACHE_SIZE = 32   # distinct calls whose plans are kept (a training step makes a few: forward, backward)
+
+
+class PlanCache:
+    """The plans of recent calls by their CallKey, the least recently used dropped beyond ``maxsize``
+    (0: keep none). ``hits`` and ``misses`` count plan_call's outcomes on this rank."""
+
+    def __init__(self, maxsize=PLAN_CACHE_SIZE):
+        self.maxsize = maxsize
+        self.plans = OrderedDict()
+        self.hits = self.misses = 0
+
+    def get(self, key):
+        """The plan kept for ``key`` (now the most recently used), or None."""
+        plan = self.plans.get(key)
+        if plan is not None:
+            self.plans.move_to_end(key)
+        return plan
+
+    def put(self, key, plan):
+        """Keep ``plan`` for ``key``, dropping the least recently used beyond ``maxsize``."""
+        self.plans[key] = plan
+        self.plans.move_to_end(key)
+        while len(self.plans) > self.maxsize:
+            self.plans.popitem(last=False)
+
+    def clear(self):
+        """Forget every plan and reset the counts."""
+        self.plans.clear()
+        self.hits = self.misses = 0
+
+    def __len__(self):
+        return len(self.plans)
+
+
+PLANS = PlanCache()   # the library calls' plans in this process (burst_attention, burst_attention_backward)
+
+
+@dataclass(frozen=True)
+class CallKey:
+    """Everything a call's plan depends on. ``shared``: the arguments every rank must pass alike
+    (ranks, array kinds, shapes and dtypes, document offsets by content, the options, each with its
+    type: 1, 1.0 and True are different arguments); ``local``: this rank's communicator (the
+    object, which the kept plan holds alive, so its id is never reused while the key is), device
+    and BURST_HPC_* settings."""
+    shared: tuple
+    local: tuple
+
+    def digest(self):
+        """16 bytes from ``shared``, the same on every rank that passes the same arguments: what the
+        ranks compare."""
+        return hashlib.blake2b(repr(self.shared).encode(), digest_size=16).digest()
+
+
+def call_key(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
+             scheme="auto", ranks_per_node=None):
+    """The CallKey of a call to CallPlan with these arguments, or None where one cannot be made
+    exactly (an argument of another type than plain numbers, strings, tuples, lists and arrays, or
+    one that fails to read): such a call is planned anew. Never raises, so no rank leaves the
+    collective that follows."""
+    try:
+        arrays = (q, k, v) if backward is None else (q, k, v, *backward[:3])
+        options = plain((causal, scale, layout, transport, window, scheme, ranks_per_node,
+                         None if backward is None else backward[3]))
+        shared = (comm.size, tuple(array_facts(x) for x in arrays), offsets_facts(cu_seqlens), options)
+        device = q.device.id if type(q).__module__.startswith("cupy") else None
+        local = (id(comm), device, config.plan_settings())
+    except Exception:   # noqa: BLE001  no key, whatever the argument: CallPlan says what is wrong, on every rank
+        return None
+    return CallKey(shared, local)
+
+
+def plain(value):
+    """``value`` (None, a bool, number or string, or a tuple or list of them) with the type of each
+    part, as a hashable tuple whose repr is the same on every rank; TypeError for anything else."""
+    if value is None or isinstance(value, (bool, int, float, str, np.bool_, np.number)):
+        return type(value), value   # the class: True and numpy.True_ are told apart too
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(plain(part) for part in value)
+    raise TypeError(f"{type(value).__name__} is not a plain argument")
+
+
+def array_facts(x):
+    """What a plan reads of an array argument: its kind, shape and dtype (None for None)."""
+    if x is None:
+        return None
+    dtype = x.dtype   # its str and char tell the numeric types apart (bfloat16: '<V2', 'E'); name: any other
+    return (type(x).__module__, type(x).__name__, tuple(x.shape), dtype.str, dtype.char,
+            dtype.name if dtype.kind == "V" else "")
+
+
+def offsets_facts(cu_seqlens):
+    """Document offsets by kind, dtype, shape and a digest of their content (None for None); an
+    offsets array changed in place has another key. TypeError for non-integer offsets (refused by
+    every plan, so never kept)."""
+    if cu_seqlens is None:
+        return None
+    kind = type(cu_seqlens).__name__
+    if type(cu_seqlens).__module__.startswith("cupy"):
+        cu_seqlens = cu_seqlens.get()
+    offsets = np.ascontiguousarray(cu_seqlens)
+    if offsets.dtype.kind not in "iu":
+        raise TypeError("document offsets of a non-integer dtype")
+    return kind, offsets.dtype.str, offsets.shape, hashlib.blake2b(offsets.tobytes(), digest_size=16).hexdigest()
+
+
+def plan_call(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
+              scheme="auto", ranks_per_node=None, cache=PLANS):
+    """Collective: the CallPlan of this call (CallPlan's arguments): the one ``cache`` kept for an
+    earlier call with the same CallKey when every rank has one for the same digest (one allreduce),
+    else a new CallPlan (kept in ``cache`` once every rank agreed on it). A reused plan skips the
+    layout decision, the schedule and the agreement: the earlier call made and agreed them on
+    arguments equal to these, and the digests show every rank passes the same ones again."""
+    key = call_key(comm, q, k, v, causal, scale, layout, transport, backward, cu_seqlens, window, scheme,
+                   ranks_per_node)
+    plan = None if key is None else cache.get(key)
+    if comm.size > 1 and not same_everywhere(comm, None if plan is None else key.digest()):
+        plan = None   # every rank reuses its plan, or every rank plans anew (and checks, and agrees)
+    if plan is not None:
+        cache.hits += 1
+        return plan
+    cache.misses += 1
+    plan = CallPlan(comm, q, k, v, causal, scale, layout, transport, backward, cu_seqlens, window, scheme,
+                    ranks_per_node)
+    if key is not None:
+        cache.put(key, plan)
+    return plan
 
 
 def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, kv_steps=1, size=1):

@@ -144,6 +144,23 @@ def agree(comm, error=None, signature=None, arrays=None):
                     raise mismatch
 
 
+def same_everywhere(comm, digest):
+    """Collective, one allreduce of five integers: True on every rank when every rank passes the same
+    ``digest`` (16 bytes), False on every rank when they differ or some rank passes None."""
+    if comm.size == 1:
+        return digest is not None
+    from mpi4py import MPI
+
+    words = np.zeros(5, np.int64)   # the digest's two halves, their negatives, a rank without one
+    if digest is None:
+        words[4] = 1
+    else:
+        halves = np.frombuffer(digest, np.int64, 2) & ((1 << 62) - 1)   # negatable
+        words[:2], words[2:4] = halves, -halves
+    comm.Allreduce(MPI.IN_PLACE, words, op=MPI.MAX)   # max == -max(-x): every rank's half is the same
+    return bool(words[4] == 0 and words[0] == -words[2] and words[1] == -words[3])
+
+
 @contextlib.contextmanager
 def one_fails_all(comm, what):
     """Inside a pass the ranks wait for each other's transfers, so an error on some ranks (a bug, a

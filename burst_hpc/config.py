@@ -79,6 +79,16 @@ def space_check():
 PROGRESS_SECONDS = 5.0
 
 
+PLAN_SETTINGS = ("BURST_HPC_RANKS_PER_NODE", "BURST_HPC_NODE_ID", "BURST_HPC_EMULATE_NETWORK", "BURST_HPC_CUDA_AWARE",
+                 "BURST_HPC_KERNELS")
+
+
+def plan_settings():
+    """The raw text of every setting a call's plan reads (nodes, network, transport, kernel family),
+    as a tuple: part of the key its plan is kept under (callplan.CallKey)."""
+    return tuple(_value(name) for name in PLAN_SETTINGS)
+
+
 def progress_seconds():
     """BURST_HPC_PROGRESS_SECONDS: seconds between the progress lines inside a pass, a number > 0
     (default PROGRESS_SECONDS)."""

@@ -7,10 +7,11 @@ bytes. With the balanced layout and a causal mask, documents or a window the sch
 the visible work of every chunk pair to ranks instead (balance.py): a piece of rows runs on a
 rank the data travels to, which returns its partials (o, lse), dq or dk, dv to their owners.
 
-Each call is its plan (callplan.CallPlan: checked and agreed by every rank) and its passes
-(passes.py), run so that an error on some ranks ends every rank (collective.one_fails_all).
+Each call is its plan (callplan.CallPlan: checked and agreed by every rank; callplan.plan_call reuses
+a repeated call's) and its passes (passes.py), run so that an error on some ranks ends every rank
+(collective.one_fails_all).
 """
-from .callplan import CallPlan
+from .callplan import plan_call
 from .collective import one_fails_all, world
 from .device import array_device
 
@@ -78,8 +79,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, layout="zigzag")
     """
     comm = world() if comm is None else comm
-    plan = CallPlan(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
-                    scheme=scheme, ranks_per_node=ranks_per_node)
+    plan = plan_call(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
+                     scheme=scheme, ranks_per_node=ranks_per_node)
     with array_device(q), one_fails_all(comm, "burst_attention"):
         return plan.passes.forward(q, k, v, on_step=on_step)
 
@@ -120,8 +121,8 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
         dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
     """
     comm = world() if comm is None else comm
-    plan = CallPlan(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
-                    cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node)
+    plan = plan_call(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
+                     cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node)
     with array_device(q), one_fails_all(comm, "burst_attention_backward"):
         return plan.passes.backward(plan.ring, do, q, k, v, o, lse, on_step=on_step)
 
