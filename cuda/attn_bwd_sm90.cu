@@ -190,6 +190,50 @@ extern "C" __global__ void attn_bwd_sm90_ranges(const int* mlo, const int* mhi, 
   ranges[2 * kb + 1] = r_end > r_first ? (r_end + BM_ - 1) / BM_ : r_first / BM_;
 }
 
+// Interval masks, longest first: order[rank] = the key block with the rank-th most query tiles (ranges of
+// attn_bwd_sm90_ranges; ties in key block order). A rank by counting over every key block (nkb^2 compares through
+// shared memory: microseconds at the key blocks of a shard), so no host sync and no sort library.
+constexpr int kOrderThreads = 128;
+extern "C" __global__ void __launch_bounds__(kOrderThreads) attn_bwd_sm90_order(const int* ranges, int nkb,
+                                                                                int* order) {
+  __shared__ int s_tiles[kOrderThreads];
+  const int kb = blockIdx.x * kOrderThreads + threadIdx.x;
+  const int mine = kb < nkb ? ranges[2 * kb + 1] - ranges[2 * kb] : 0;
+  int rank = 0;
+  for (int j0 = 0; j0 < nkb; j0 += kOrderThreads) {
+    const int j = j0 + threadIdx.x;
+    __syncthreads();
+    s_tiles[threadIdx.x] = j < nkb ? ranges[2 * j + 1] - ranges[2 * j] : -1;
+    __syncthreads();
+    const int n = min(kOrderThreads, nkb - j0);
+    for (int i = 0; i < n; ++i) {
+      const int other = s_tiles[i];
+      rank += other > mine || (other == mine && j0 + i < kb);
+    }
+  }
+  if (kb < nkb) order[rank] = kb;
+}
+
+// The backward's tile order: which key block of which head slot (batch, kv head, split of the GQA group) a CTA
+// takes. The 1-D grid walks chunks of `chunk` head slots; inside a chunk the key blocks go slowest, by rank:
+// order[rank] (interval masks: attn_bwd_sm90_order, most query tiles first) or the rank itself (null order: key
+// block order, which is longest first under a causal mask: key block n sees the query tiles from n on). So the
+// heaviest key blocks of every slot of a chunk start first, and the last wave holds the light ones.
+// chunk = 1 and no order: head slot after head slot, key blocks in order.
+struct KeyBlockTile {
+  int kb, b, hk, split;
+
+  __device__ static KeyBlockTile at(int lin, int nkb, int chunk, const int* order, int nsplit, int Hkv) {
+    const int slots = static_cast<int>(gridDim.x) / nkb;
+    const int first = lin / (chunk * nkb) * chunk;  // the chunk's first slot
+    const int rem = lin - first * nkb;
+    const int width = min(chunk, slots - first);
+    const int rank = rem / width, slot = first + rem % width;
+    const int bz = slot / nsplit;
+    return {order != nullptr ? order[rank] : rank, bz / Hkv, bz % Hkv, slot % nsplit};
+  }
+};
+
 // 64 x N (this consumer's keys x its queries of the tile) = A rows (K or V, K-major: [D/64][BN][64]) . B rows
 // (Q or dO, K-major: [D/64][BM][64]); 16 head-dim columns per step: 32 bytes on inside a 64-column block,
 // then the next block
@@ -703,33 +747,49 @@ __device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const uns
   store_dkdv<D>(w, cw, acc_dk, acc_dv, tdk, tdv, scale);
 }
 
-template <int D, bool BF16, bool CAUSAL, bool IV>
-__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad,
-                                              int Sk, int Hq, int Hkv, int group, int hpb, float scale, float sl2,
-                                              i64 off, const int* ranges) {
+// The block index, read afresh (the compiler cannot reuse an earlier read's derived values).
+__device__ __forceinline__ int block_index_x() {
+  int x;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+  return x;
+}
+
+// CTA lin's walk (its tile from KeyBlockTile, then the query tiles it sees); steps <= 0: nothing visible.
+template <int D, bool CAUSAL, bool IV>
+__device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char* smem_raw, int Sq_pad, int Sk,
+                                               int Hkv, int group, int hpb, i64 off, const int* ranges, int chunk,
+                                               const int* order) {
   using namespace bwd90;
   using L = Smem<D>;
   constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
-  extern __shared__ unsigned char smem_raw[];
-  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const float* const s_lse = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kLse);
-  const float* const s_delta = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kDelta);
-  const int* const s_klo = reinterpret_cast<const int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kKlo);
-  const int* const s_khi = reinterpret_cast<const int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kKhi);
-
-  // grid: (key blocks, splits of the GQA group, batch x kv heads)
-  const int n0 = blockIdx.x * BN;
-  const int b = blockIdx.z / Hkv, hk = blockIdx.z % Hkv;
-  const int h_first = hk * group + blockIdx.y * hpb;
+  unsigned char* const at = smem_raw + (base - smem_u32(smem_raw));
+  const int nkb = (Sk + BN - 1) / BN, nsplit = group / hpb;
+  const KeyBlockTile tile = KeyBlockTile::at(lin, nkb, chunk, order, nsplit, Hkv);
+  const int n0 = tile.kb * BN;
   int t_lo = 0, t_end = Sq_pad / BM;  // the query tiles this CTA walks
   if (CAUSAL) {  // query tiles in which no row sees key n0 or later are skipped
     const i64 first_q = static_cast<i64>(n0) - off;  // the first query that sees key n0
     t_lo = first_q <= 0 ? 0 : static_cast<int>(min(static_cast<i64>(t_end), first_q / BM));
   }
-  if (IV) t_lo = ranges[2 * blockIdx.x], t_end = ranges[2 * blockIdx.x + 1];
-  const int tiles = t_end - t_lo;
-  if (tiles <= 0 || n0 >= Sk) return;  // nothing visible: dq, dk, dv stay as they are
-  const int steps = tiles * hpb;        // step order: query tiles t_lo.. of head h_first, then the next head
+  if (IV) t_lo = ranges[2 * tile.kb], t_end = ranges[2 * tile.kb + 1];
+  // step order: query tiles t_lo.. of head h_first, then the next head
+  const int steps = n0 < Sk ? (t_end - t_lo) * hpb : 0;
+  return {base, reinterpret_cast<const float*>(at + L::kLse), reinterpret_cast<const float*>(at + L::kDelta),
+          reinterpret_cast<const int*>(at + L::kKlo), reinterpret_cast<const int*>(at + L::kKhi), n0, tile.b,
+          tile.hk, tile.hk * group + tile.split * hpb, t_lo, t_end, steps};
+}
+
+template <int D, bool BF16, bool CAUSAL, bool IV>
+__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad,
+                                              int Sk, int B, int Hq, int Hkv, int group, int hpb, float scale,
+                                              float sl2, i64 off, const int* ranges, int chunk, const int* order) {
+  using namespace bwd90;
+  using L = Smem<D>;
+  extern __shared__ unsigned char smem_raw[];
+  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const Walk walk = walk_of<D, CAUSAL, IV>(blockIdx.x, base, smem_raw, Sq_pad, Sk, Hkv, group, hpb, off, ranges, chunk,
+                                           order);
+  if (walk.steps <= 0) return;  // nothing visible: dq, dk, dv stay as they are
 
   if (threadIdx.x == 0) {
     mbar_init(L::kv_full(base), 1);
@@ -748,13 +808,16 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   const int wg = warpgroup_index(), lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
   const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256, *tdo = tmaps + 384, *tdq = tmaps + 512,
                       *tdk = tmaps + 640, *tdv = tmaps + 768;
-  const Walk walk{base, s_lse, s_delta, s_klo, s_khi, n0, b, hk, h_first, t_lo, t_end, steps};
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     warpgroup_reg_dealloc<Cfg<D>::kProducerRegs>();
-    if (warp == 0 && lane == 0) load_walk<D, IV>(walk, tq, tk, tv, tdo, rows, gridDim.z / Hkv, Hq, Sq_pad);
+    // the walk again, from a fresh read of the block index: cheaper for the 24-register producer than holding
+    // the prologue's values across the role split
+    const Walk pw = walk_of<D, CAUSAL, IV>(block_index_x(), base, smem_raw, Sq_pad, Sk, Hkv, group, hpb, off,
+                                           ranges, chunk, order);
+    if (warp == 0 && lane == 0) load_walk<D, IV>(pw, tq, tk, tv, tdo, rows, B, Hq, Sq_pad);
     else if (warp == 1) {
-      if constexpr (Cfg<D>::kWide) dq_writer_wide(walk, tdq, lane);
-      else dq_writer<D>(walk, tdq, lane);
+      if constexpr (Cfg<D>::kWide) dq_writer_wide(pw, tdq, lane);
+      else dq_writer<D>(pw, tdq, lane);
     }
     return;
   }
@@ -767,10 +830,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 #define BH_BWD90_NAME(DT, MASK, D) attn_bwd_sm90_##DT##_d##D##_##MASK
 #define BH_BWD90_KERNEL(DT, MASK, D)                                                                              \
   extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1) BH_BWD90_NAME(DT, MASK, D)(                     \
-      const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int Hq, int Hkv, int group,      \
-      int hpb, float scale, float sl2, i64 off, const int* ranges) {                                             \
-    attn_bwd_sm90<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(tmaps, rows, Sq, Sq_pad, Sk, Hq, Hkv, \
-                                                                               group, hpb, scale, sl2, off, ranges); \
+      const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int B, int Hq, int Hkv,          \
+      int group, int hpb, float scale, float sl2, i64 off, const int* ranges, int chunk, const int* order) {      \
+    attn_bwd_sm90<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                    \
+        tmaps, rows, Sq, Sq_pad, Sk, B, Hq, Hkv, group, hpb, scale, sl2, off, ranges, chunk, order);                \
   }
 #define BH_BWD90_ROW(DT, MASK, D)                                                                      \
   {BH_STR(BH_BWD90_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, bwd90::Cfg<D>::BM,          \
@@ -782,7 +845,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 // named attn_bwd_sm90_<dtype>_d<D>_<mask>; the kernel table attn_bwd_sm90_kernels lists them with their
 // geometry. tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32) tensor maps, 128 bytes each; rows: the
 // table of attn_bwd_sm90_rows; ranges (interval only): the query tiles of each key block from
-// attn_bwd_sm90_ranges
+// attn_bwd_sm90_ranges; chunk, order: the tile order (KeyBlockTile) over the 1-D grid of key blocks x head slots
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
 BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)
 BH_KERNEL_TABLE(attn_bwd_sm90, BH_TABLE_ROWS(BH_BWD90_SHAPES, BH_BWD90_ROWS))
