@@ -3,7 +3,8 @@ causal and interval masks, bf16 and fp16) once on small shapes, for compute-sani
 
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_sm90.py
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 bench/sanitize_sm90.py
-    (--forward-only: the forward kernels alone)
+    (--forward-only: the forward kernels alone; --backward-only: the backward instances, each once, after
+    the forward at one tile height)
 
 Shapes: lengths that are not multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA
 group (dK/dV atomics) and a causal offset. The backward runs in both tile orders (in order; longest first in
@@ -23,13 +24,14 @@ from burst_hpc.backends.cuda import CudaBackend  # noqa: E402
 
 
 def main():
-    forward_only = "--forward-only" in sys.argv[1:]
+    forward_only, backward_only = "--forward-only" in sys.argv[1:], "--backward-only" in sys.argv[1:]
     be = CudaBackend.instance(family="sm90")
     default_order = be.kernels.longest_first, be.kernels.forced_order_heads
     rng = np.random.default_rng()
     worst = 0.0
     for dtype in (np.dtype("bfloat16"), np.dtype(np.float16)):
-        for d, rows in ((d, rows) for d in be.native_widths("fwd") for rows in be.kernels.tile_heights(d)):
+        for d, rows in ((d, rows) for d in be.native_widths("fwd")
+                        for rows in be.kernels.tile_heights(d)[:1 if backward_only else None]):
             be.kernels.forced_tile_height = rows
             for mode in ("full", "causal", "interval"):
                 causal = mode != "full"
