@@ -28,8 +28,9 @@ memory-efficient kernel; the column says which ran).
 one the backend picks: the numbers behind D64_TWO_CONSUMER_RATE in burst_hpc/backends/cuda/sm90.py.
 
 --bwd-order: the sm90 backward in each tile order, in one process (Sm90Kernels.longest_first off, on, and on
-with each --order-heads chunk forced), non-causal and causal, with torch cuDNN's backward beside it; then the
-masked rows (D = 128, S = 16k) in each order, TFLOP/s over visible pairs and the ratio to causal of the same order.
+with each --order-heads chunk forced; their samples interleaved), non-causal and causal, with torch cuDNN's
+backward beside it; then the masked rows (D = 128, S = 16k) in each order, TFLOP/s over visible pairs and the
+ratio to causal of the same order.
 
 --write-docs replaces the "## Kernels (single GPU)" latest-table block of docs/BENCHMARKS.md.
 """
@@ -248,16 +249,23 @@ def forward_shapes(args, B=1, H=32):
 def backward_orders(args, torch, B=1, H=32):
     """TFLOP/s of the sm90 backward (zeroing, delta, backward_block) in each tile order, torch cuDNN's beside."""
     be = cuda.CudaBackend.instance(family="sm90")
-    orders = [("in order", False, None), ("longest first", True, None)]
+    orders = [("in order", False, None), ("longest first", True, None)]  # (name, longest_first, heads forced)
     orders += [(f"longest first, {n} heads", True, int(n)) for n in args.order_heads.split(",") if n]
 
+    default = be.kernels.longest_first, be.kernels.forced_order_heads
+
     def run_orders(flops, bwd):
-        cells = {}
-        for name, on, heads in orders:
-            be.kernels.longest_first, be.kernels.forced_order_heads = on, heads
-            cells[name] = 2.5 * flops / time_cupy(bwd, 2, args.reps) / 1e9
-        be.kernels.longest_first, be.kernels.forced_order_heads = False, None
-        return cells
+        """{order: TFLOP/s}: the orders' samples interleaved (one of each per round), so clock and power drift
+        over the run reach every order alike; the median of --reps rounds."""
+        samples = {name: [] for name, _, _ in orders}
+        for rnd in range(args.reps + 2):
+            for name, on, heads in orders:
+                be.kernels.longest_first, be.kernels.forced_order_heads = on, heads
+                t = cupy_sample(bwd)
+                if rnd >= 2:  # two warm-up rounds
+                    samples[name].append(t)
+        be.kernels.longest_first, be.kernels.forced_order_heads = default
+        return {name: 2.5 * flops / statistics.median(ts) / 1e9 for name, ts in samples.items()}
 
     for d in tuple(int(x) for x in (args.dims or "128").split(",")):
         for s in tuple(int(x) for x in (args.seqs or "16384").split(",")):
