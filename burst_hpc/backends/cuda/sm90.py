@@ -27,16 +27,16 @@ class Sm90Kernels:
     ``forced_tile_height``: None, or the forward tile height (query rows) to run instead of the one the
     schedule picks (bench_kernels.py --fwd-shapes, the tests of every tile height).
 
-    ``longest_first``: the backward's tile order under causal and interval masks. True (the default): the key
-    blocks that see the most query tiles start first, over chunks of ``launch.heavy_first_heads`` head slots
-    (interval masks: ranked on the device by attn_bwd_sm90_order); False: head slot after head slot, key
-    blocks in order.
+    ``longest_first``: the backward's tile order under causal and interval masks. True: the key blocks that see
+    the most query tiles start first, over chunks of ``launch.heavy_first_heads`` head slots (interval masks:
+    ranked on the device by attn_bwd_sm90_order); False (the default: measured no faster, docs/KERNELS.md):
+    head slot after head slot, key blocks in order.
     ``forced_order_heads``: None, or the head slots per chunk to use instead (bench_kernels.py --bwd-order)."""
 
     def __init__(self, modules):
         self.modules = modules
         self.forced_tile_height = None
-        self.longest_first = True
+        self.longest_first = False
         self.forced_order_heads = None
         self._counters = {}
 
