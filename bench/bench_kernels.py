@@ -17,6 +17,7 @@ Ratios are to cuDNN, for the first family of --families (the default family of t
                                    [--no-torch] [--reps N] [--md out.md] [--write-docs]
     python3 bench/bench_kernels.py --masks [--families ...] [--md out.md]
     python3 bench/bench_kernels.py --fwd-shapes [--dims 64] [--seqs 4096,16384]
+    python3 bench/bench_kernels.py --bwd-order [--dims 128,64,256] [--seqs 16384] [--order-heads 1,32]
 
 --masks: the masked rows instead (D = 128, S = 16k, causal): packed documents of 2k-8k tokens and a 4k
 sliding window against plain causal, TFLOP/s counted over the visible (query, key) pairs only; torch
@@ -25,6 +26,11 @@ memory-efficient kernel; the column says which ran).
 
 --fwd-shapes: the sm90 forward at each of its instantiated tile heights for D (default 64), forced, and the
 one the backend picks: the numbers behind D64_TWO_CONSUMER_RATE in burst_hpc/backends/cuda/sm90.py.
+
+--bwd-order: the sm90 backward in each tile order, in one process (Sm90Kernels.longest_first off, on, and on
+with each --order-heads chunk forced; their samples interleaved), non-causal and causal, with torch cuDNN's
+backward beside it; then the masked rows (D = 128, S = 16k) in each order, TFLOP/s over visible pairs and the
+ratio to causal of the same order.
 
 --write-docs replaces the "## Kernels (single GPU)" latest-table block of docs/BENCHMARKS.md.
 """
@@ -75,6 +81,8 @@ def parse_args():
     ap.add_argument("--no-torch", action="store_true")
     ap.add_argument("--masks", action="store_true", help="the masked rows (documents, window) instead")
     ap.add_argument("--fwd-shapes", action="store_true", help="the sm90 forward at each tile height")
+    ap.add_argument("--bwd-order", action="store_true", help="the sm90 backward in each tile order")
+    ap.add_argument("--order-heads", default="", help="--bwd-order: head slots per chunk to force, comma-separated")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (default 128,64)")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 4096,16384,32768)")
     ap.add_argument("--families", default=None,
@@ -101,6 +109,8 @@ def main():
         return mask_rows(families, torch, args.reps, dev, args.md)
     if args.fwd_shapes:
         return forward_shapes(args)
+    if args.bwd_order:
+        return backward_orders(args, torch)
     B, H = 1, 32
     dims = (128,) if args.quick else (128, 64)
     seqs = (16384,) if args.quick else (4096, 16384, 32768)
@@ -234,6 +244,87 @@ def forward_shapes(args, B=1, H=32):
                 picked = be.kernels.tile_height(d, B * H, s)
                 print(f"D={d} S={s} causal={causal}: " + ", ".join(cells) + f" TFLOP/s; picked BM={picked}",
                       flush=True)
+
+
+def backward_orders(args, torch, B=1, H=32):
+    """TFLOP/s of the sm90 backward (zeroing, delta, backward_block) in each tile order, torch cuDNN's beside."""
+    be = cuda.CudaBackend.instance(family="sm90")
+    orders = [("in order", False, None), ("longest first", True, None)]  # (name, longest_first, heads forced)
+    orders += [(f"longest first, {n} heads", True, int(n)) for n in args.order_heads.split(",") if n]
+
+    default = be.kernels.longest_first, be.kernels.forced_order_heads
+
+    def run_orders(flops, bwd):
+        """{order: TFLOP/s}: the orders' samples interleaved (one of each per round), so clock and power drift
+        over the run reach every order alike; the median of --reps rounds."""
+        samples = {name: [] for name, _, _ in orders}
+        for rnd in range(args.reps + 2):
+            for name, on, heads in orders:
+                be.kernels.longest_first, be.kernels.forced_order_heads = on, heads
+                t = cupy_sample(bwd)
+                if rnd >= 2:  # two warm-up rounds
+                    samples[name].append(t)
+        be.kernels.longest_first, be.kernels.forced_order_heads = default
+        return {name: 2.5 * flops / statistics.median(ts) / 1e9 for name, ts in samples.items()}
+
+    for d in tuple(int(x) for x in (args.dims or "128").split(",")):
+        for s in tuple(int(x) for x in (args.seqs or "16384").split(",")):
+            q, k, v, do = (cupy.random.standard_normal((B, s, H, d), dtype=cupy.float32).astype(BF16)
+                           for _ in range(4))
+            o = cupy.zeros((B, s, H, d), cupy.float32)
+            lse = cupy.full((B, H, s), -cupy.inf, cupy.float32)
+            dq, dk, dv = (cupy.zeros((B, s, H, d), cupy.float32) for _ in range(3))
+            for causal in (False, True):
+                flops = attention_flops(1, H, d, visible_pairs(s, causal))
+                o.fill(0)
+                lse.fill(-cupy.inf)
+                be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=causal)
+
+                def bwd():
+                    dq.fill(0)
+                    dk.fill(0)
+                    dv.fill(0)
+                    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=causal)
+
+                cells = run_orders(flops, bwd)
+                line = f"D={d} S={s} causal={causal}: " + ", ".join(f"{n} {t:.0f}" for n, t in cells.items())
+                if torch is not None:
+                    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+                    def tt(x):
+                        return torch.as_tensor(x.view(cupy.int16), device="cuda").view(torch.bfloat16).transpose(1, 2)
+
+                    tq, tk, tv, tdo = (tt(x).contiguous() for x in (q, k, v, do))
+                    cudnn = time_torch_sdpa(torch, sdpa_kernel, SDPBackend.CUDNN_ATTENTION, "cudnn", tq, tk, tv, tdo,
+                                            causal, args.reps)[("cudnn", "b")]
+                    ref = 2.5 * flops / cudnn / 1e9
+                    line += f"; cuDNN {ref:.0f}; ratio " + ", ".join(f"{t / ref:.2f}x" for t in cells.values())
+                    del tq, tk, tv, tdo
+                    torch.cuda.empty_cache()
+                print(line + " TFLOP/s", flush=True)
+            del q, k, v, do, o, lse, dq, dk, dv
+            cupy.get_default_memory_pool().free_all_blocks()
+
+    s, d, heads = 16384, 128, 32  # the masked rows, over visible pairs, against causal in the same order
+    q, k, v, do = (cupy.random.standard_normal((1, s, heads, d), dtype=cupy.float32).astype(BF16) for _ in range(4))
+    o = cupy.zeros((1, s, heads, d), cupy.float32)
+    lse = cupy.full((1, heads, s), -cupy.inf, cupy.float32)
+    dq, dk, dv = (cupy.zeros((1, s, heads, d), cupy.float32) for _ in range(3))
+    causal_rate = None
+    for name, mask in mask_cases(s):
+        visible = mask.visible_count(0, s, 0, s) if mask is not None else s * (s + 1) // 2
+        flops = attention_flops(1, heads, d, visible)
+        o.fill(0)
+        lse.fill(-cupy.inf)
+        be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=True, mask=mask)
+
+        def bwd():
+            be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=True, mask=mask)
+
+        cells = run_orders(flops, bwd)
+        causal_rate = causal_rate or cells
+        print(f"D={d} S={s} {name}: " + ", ".join(
+            f"{n} {t:.0f} ({t / causal_rate[n]:.2f}x causal)" for n, t in cells.items()) + " TFLOP/s", flush=True)
 
 
 def mask_rows(families, torch, reps, dev, md_path, s=16384, d=128, heads=32):

@@ -3,10 +3,12 @@ causal and interval masks, bf16 and fp16) once on small shapes, for compute-sani
 
     compute-sanitizer --tool racecheck --error-exitcode 1 python3 bench/sanitize_sm90.py
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 bench/sanitize_sm90.py
-    (--forward-only: the forward kernels alone)
+    (--forward-only: the forward kernels alone; --backward-only: the backward instances, each once, after
+    the forward at one tile height)
 
 Shapes: lengths that are not multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA
-group (dK/dV atomics) and a causal offset. The results are checked loosely against a float64 oracle
+group (dK/dV atomics) and a causal offset. The backward runs in both tile orders (in order; longest first in
+chunks of 3 of its 4 head slots, so the last chunk is partial). The results are checked loosely against a float64 oracle
 (the GPU tests check them tightly), so a kernel that the sanitizer slows down or perturbs still has to
 compute the right thing.
 """
@@ -22,12 +24,14 @@ from burst_hpc.backends.cuda import CudaBackend  # noqa: E402
 
 
 def main():
-    forward_only = "--forward-only" in sys.argv[1:]
+    forward_only, backward_only = "--forward-only" in sys.argv[1:], "--backward-only" in sys.argv[1:]
     be = CudaBackend.instance(family="sm90")
+    default_order = be.kernels.longest_first, be.kernels.forced_order_heads
     rng = np.random.default_rng()
     worst = 0.0
     for dtype in (np.dtype("bfloat16"), np.dtype(np.float16)):
-        for d, rows in ((d, rows) for d in be.native_widths("fwd") for rows in be.kernels.tile_heights(d)):
+        for d, rows in ((d, rows) for d in be.native_widths("fwd")
+                        for rows in be.kernels.tile_heights(d)[:1 if backward_only else None]):
             be.kernels.forced_tile_height = rows
             for mode in ("full", "causal", "interval"):
                 causal = mode != "full"
@@ -47,21 +51,26 @@ def main():
                 if forward_only:
                     continue
                 delta = be.delta(dev[3], o)
-                be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, causal=causal, q_start=q_start,
-                                  mask=mask)
-                cupy.cuda.Device().synchronize()
                 host = [cupy.asnumpy(x.astype(np.float32)).astype(np.float64) for x in dev]
                 kw = dict(causal=causal, scale=scale, q_start=q_start, window=window, cu_seqlens=cu)
                 ref_o, _ = reference.attention_reference(*host[:3], **kw)
                 grads = reference.attention_backward_reference(host[3], *host[:3], **kw)
-                for name, got, want in zip(("o", "dq", "dk", "dv"), (o, dq_, dk_, dv_), (ref_o, *grads)):
-                    err = float(np.abs(cupy.asnumpy(got) - want).max() / max(np.abs(want).max(), 1e-6))
-                    worst = max(worst, err)
-                    tag = f"{dtype.name} d{d} BM{rows} {mode} {name}"
-                    print(f"{tag:28s} rel max err {err:.2e}")
-                    if not np.isfinite(err) or err > 5e-2:
-                        print(f"FAIL {tag}")
-                        return 1
+                for order, heads in ((False, None), (True, 3)):
+                    be.kernels.longest_first, be.kernels.forced_order_heads = order, heads
+                    for x in (dq_, dk_, dv_):
+                        x.fill(0)
+                    be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, causal=causal, q_start=q_start,
+                                      mask=mask)
+                    cupy.cuda.Device().synchronize()
+                    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, dq_, dk_, dv_), (ref_o, *grads)):
+                        err = float(np.abs(cupy.asnumpy(got) - want).max() / max(np.abs(want).max(), 1e-6))
+                        worst = max(worst, err)
+                        tag = f"{dtype.name} d{d} BM{rows} {mode} {'longest first' if order else 'in order'} {name}"
+                        print(f"{tag:42s} rel max err {err:.2e}")
+                        if not np.isfinite(err) or err > 5e-2:
+                            print(f"FAIL {tag}")
+                            return 1
+                be.kernels.longest_first, be.kernels.forced_order_heads = default_order
     print(f"sanitize_sm90: every instance ran; worst relative error {worst:.2e}")
     return 0
 

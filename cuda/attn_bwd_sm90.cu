@@ -120,7 +120,7 @@ struct Smem {
   __device__ static u32 do_empty(u32 base, int s) { return q_full(base, s) + 24; }
 };
 
-// What every role of a D = 256 CTA knows about its walk (consumer_wide, dq_writer_wide).
+// What every role of a CTA knows about its walk: the loader, the dQ writer, the consumers and their epilogue.
 struct Walk {
   u32 base;                      // shared memory, 1024-byte aligned (Smem offsets)
   const float *s_lse, *s_delta;  // the row stages (generic pointers to base + kLse, kDelta)
@@ -190,6 +190,50 @@ extern "C" __global__ void attn_bwd_sm90_ranges(const int* mlo, const int* mhi, 
   ranges[2 * kb + 1] = r_end > r_first ? (r_end + BM_ - 1) / BM_ : r_first / BM_;
 }
 
+// Interval masks, longest first: order[rank] = the key block with the rank-th most query tiles (ranges of
+// attn_bwd_sm90_ranges; ties in key block order). A rank by counting over every key block (nkb^2 compares through
+// shared memory: microseconds at the key blocks of a shard), so no host sync and no sort library.
+constexpr int kOrderThreads = 128;
+extern "C" __global__ void __launch_bounds__(kOrderThreads) attn_bwd_sm90_order(const int* ranges, int nkb,
+                                                                                int* order) {
+  __shared__ int s_tiles[kOrderThreads];
+  const int kb = blockIdx.x * kOrderThreads + threadIdx.x;
+  const int mine = kb < nkb ? ranges[2 * kb + 1] - ranges[2 * kb] : 0;
+  int rank = 0;
+  for (int j0 = 0; j0 < nkb; j0 += kOrderThreads) {
+    const int j = j0 + threadIdx.x;
+    __syncthreads();
+    s_tiles[threadIdx.x] = j < nkb ? ranges[2 * j + 1] - ranges[2 * j] : -1;
+    __syncthreads();
+    const int n = min(kOrderThreads, nkb - j0);
+    for (int i = 0; i < n; ++i) {
+      const int other = s_tiles[i];
+      rank += other > mine || (other == mine && j0 + i < kb);
+    }
+  }
+  if (kb < nkb) order[rank] = kb;
+}
+
+// The backward's tile order: which key block of which head slot (batch, kv head, split of the GQA group) a CTA
+// takes. The 1-D grid walks chunks of `chunk` head slots; inside a chunk the key blocks go slowest, by rank:
+// order[rank] (interval masks: attn_bwd_sm90_order, most query tiles first) or the rank itself (null order: key
+// block order, which is longest first under a causal mask: key block n sees the query tiles from n on). So the
+// heaviest key blocks of every slot of a chunk start first, and the last wave holds the light ones.
+// chunk = 1 and no order: head slot after head slot, key blocks in order.
+struct KeyBlockTile {
+  int kb, b, hk, split;
+
+  __device__ static KeyBlockTile at(int lin, int nkb, int chunk, const int* order, int nsplit, int Hkv) {
+    const int slots = static_cast<int>(gridDim.x) / nkb;
+    const int first = lin / (chunk * nkb) * chunk;  // the chunk's first slot
+    const int rem = lin - first * nkb;
+    const int width = min(chunk, slots - first);
+    const int rank = rem / width, slot = first + rem % width;
+    const int bz = slot / nsplit;
+    return {order != nullptr ? order[rank] : rank, bz / Hkv, bz % Hkv, slot % nsplit};
+  }
+};
+
 // 64 x N (this consumer's keys x its queries of the tile) = A rows (K or V, K-major: [D/64][BN][64]) . B rows
 // (Q or dO, K-major: [D/64][BM][64]); 16 head-dim columns per step: 32 bytes on inside a 64-column block,
 // then the next block
@@ -200,6 +244,23 @@ __device__ __forceinline__ void keys_by_queries(float* acc, u32 a_lo, u32 b_lo) 
   for (int kk = 0; kk < D / 16; ++kk)
     wgmma_ss<N, BF16, 0, 0>(acc, desc_at(a_lo, (kk / 4) * BN * 128 + (kk % 4) * 32),
                             desc_at(b_lo, (kk / 4) * BM * 128 + (kk % 4) * 32), kk > 0);
+}
+
+// S^T = K Q^T and dP^T = V dO^T of one step, issued together as soon as each stage's tile has landed (NQ query
+// columns; a, b: the K / V and Q / dO operands); returns with S^T done (dP^T may still run: wgmma_wait<0> and
+// fence_operands(dpt) before reading it)
+template <int D, int NQ, bool BF16>
+__device__ __forceinline__ void issue_st_dpt(float* st, float* dpt, u32 k_lo, u32 q_lo, u32 v_lo, u32 do_lo,
+                                             u32 q_full, u32 do_full, u32 phase) {
+  mbar_wait(q_full, phase);
+  wgmma_fence();
+  keys_by_queries<D, NQ, BF16>(st, k_lo, q_lo);
+  wgmma_commit();
+  mbar_wait(do_full, phase);
+  keys_by_queries<D, NQ, BF16>(dpt, v_lo, do_lo);
+  wgmma_commit();
+  wgmma_wait<1>();
+  fence_operands<NQ / 2>(st);
 }
 
 // acc (64 keys x D) += A (registers, 64 keys x BM queries) * B (Q or dO tile, read MN-major)
@@ -301,6 +362,33 @@ __device__ __forceinline__ void dq_writer_wide(const bwd90::Walk& w, const unsig
   if (lane == 0) bulk_wait_all();
 }
 
+// D = 256, consumer warpgroup c's epilogue: dk += scale * dK_c, dv += dV_c (keys n0.., head-dim columns HD c..) by
+// TMA tensor reductions, staged in Q tile c and dO tile c (32 KB each), free once both consumers are past their
+// last step and the writer's last reductions have read them
+__device__ __forceinline__ void store_dkdv_wide(const bwd90::Walk& w, int c, const float* acc_dk, const float* acc_dv,
+                                                const unsigned char* tdk, const unsigned char* tdv, float scale) {
+  using namespace bwd90;
+  constexpr int D = 256, HD = D / CONSUMERS;
+  using L = Smem<D>;
+  const u32 base = w.base;
+  const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
+  named_barrier_sync(kWalkDone, Cfg<D>::kWalkDoneThreads);
+  const u32 dk_staging = base + L::kQ + c * L::kTile, dv_staging = base + L::kDO + c * L::kTile;
+  stage_f32_rows<HD>(dk_staging, acc_dk, scale, warp, lane);
+  stage_f32_rows<HD>(dv_staging, acc_dv, 1.f, warp, lane);
+  fence_async_shared();
+  named_barrier_sync(kStaged + c, 128);
+  if (tid == 0) {
+#pragma unroll
+    for (int box = 0; box < HD / 32; ++box) {
+      tma_reduce_add_4d(tdk, dk_staging + box * 8192, HD * c + 32 * box, w.hk, w.n0, w.b);
+      tma_reduce_add_4d(tdv, dv_staging + box * 8192, HD * c + 32 * box, w.hk, w.n0, w.b);
+    }
+    bulk_commit();
+    bulk_wait_all();
+  }
+}
+
 // D = 256, consumer warpgroup c (see the header). Shared-memory operands, all with the 128-byte swizzle:
 //   K, V        [4][64 keys][64]      rows are keys, head dim contiguous
 //   Q, dO tile  [4][64 queries][64]   rows are queries, head dim contiguous
@@ -357,15 +445,7 @@ __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsign
 
     // S^T_c = K Q_c^T, dP^T_c = V dO_c^T: 64 keys x NQ queries, over D
     float st[NQ / 2], dpt[NQ / 2];
-    mbar_wait(L::q_full(base, s), pipe.phase);
-    wgmma_fence();
-    keys_by_queries<D, NQ, BF16>(st, k_lo, q_lo);
-    wgmma_commit();
-    mbar_wait(L::do_full(base, s), pipe.phase);
-    keys_by_queries<D, NQ, BF16>(dpt, v_lo, do_lo);
-    wgmma_commit();
-    wgmma_wait<1>();
-    fence_operands<NQ / 2>(st);
+    issue_st_dpt<D, NQ, BF16>(st, dpt, k_lo, q_lo, v_lo, do_lo, L::q_full(base, s), L::do_full(base, s), pipe.phase);
 
     // P^T: element (j, e) is key key0 + 8 (e >> 1), query q0 + 8 j + qc + (e & 1)
     const int q0 = m0 + NQ * c;
@@ -441,53 +521,275 @@ __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsign
     pipe.advance();
   }
 
-  // ---- epilogue: dk += scale * dK_c, dv += dV_c (keys n0.., head-dim columns HD c..) by TMA tensor reductions,
-  // staged in Q tile c and dO tile c (32 KB each), free once both consumers are past their last step and the
-  // writer's last reductions have read them
-  named_barrier_sync(kWalkDone, Cfg<D>::kWalkDoneThreads);
-  const u32 dk_staging = base + L::kQ + c * L::kTile, dv_staging = base + L::kDO + c * L::kTile;
-  stage_f32_rows<HD>(dk_staging, acc_dk, scale, warp, lane);
-  stage_f32_rows<HD>(dv_staging, acc_dv, 1.f, warp, lane);
-  fence_async_shared();
-  named_barrier_sync(kStaged + c, 128);
-  if (tid == 0) {
-#pragma unroll
-    for (int box = 0; box < HD / 32; ++box) {
-      tma_reduce_add_4d(tdk, dk_staging + box * 8192, HD * c + 32 * box, w.hk, w.n0, w.b);
-      tma_reduce_add_4d(tdv, dv_staging + box * 8192, HD * c + 32 * box, w.hk, w.n0, w.b);
-    }
-    bulk_commit();
-    bulk_wait_all();
-  }
+  store_dkdv_wide(w, c, acc_dk, acc_dv, tdk, tdv, scale);
 }
 
-template <int D, bool BF16, bool CAUSAL, bool IV>
-__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad,
-                                              int Sk, int Hq, int Hkv, int group, int hpb, float scale, float sl2,
-                                              i64 off, const int* ranges) {
+// The producer's loader (warp 0, one thread): K and V once, then the Q and dO tiles of every step through their
+// STAGES-deep pipelines, each with its rows (lse * log2(e); delta; IV: each row's key bounds). rows: the table of
+// attn_bwd_sm90_rows (B * Hq * Sq_pad each of lse and delta, then IV bounds).
+template <int D, bool IV>
+__device__ __forceinline__ void load_walk(const bwd90::Walk& w, const unsigned char* tq, const unsigned char* tk,
+                                          const unsigned char* tv, const unsigned char* tdo, const float* rows, int B,
+                                          int Hq, int Sq_pad) {
   using namespace bwd90;
   using L = Smem<D>;
   constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
-  extern __shared__ unsigned char smem_raw[];
-  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const float* const s_lse = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kLse);
-  const float* const s_delta = reinterpret_cast<const float*>(smem_raw + (base - smem_u32(smem_raw)) + L::kDelta);
-  const int* const s_klo = reinterpret_cast<const int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kKlo);
-  const int* const s_khi = reinterpret_cast<const int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kKhi);
+  const u32 base = w.base;
+  tensormap_acquire(tq);
+  tensormap_acquire(tk);
+  tensormap_acquire(tv);
+  tensormap_acquire(tdo);
+  mbar_arrive_expect_tx(L::kv_full(base), 2 * BN * D * 2);
+#pragma unroll
+  for (int db = 0; db < D / 64; ++db) {
+    tma_load_4d(base + L::kK + db * BN * 128, tk, L::kv_full(base), db * 64, w.hk, w.n0, w.b);
+    tma_load_4d(base + L::kV + db * BN * 128, tv, L::kv_full(base), db * 64, w.hk, w.n0, w.b);
+  }
+  const i64 delta_rows = static_cast<i64>(B) * Hq * Sq_pad;
+  const int* const bounds = reinterpret_cast<const int*>(rows + 2 * delta_rows);
+  int h = w.h_first, t = w.t_lo;
+  PipeState<STAGES> pipe;
+  for (int n = 0; n < w.steps; ++n) {
+    const int m0 = t * BM, s = pipe.stage;
+    const float* row_lse = rows + (static_cast<i64>(w.b) * Hq + h) * Sq_pad + m0;
+    mbar_wait(L::q_empty(base, s), pipe.phase ^ 1);
+    mbar_arrive_expect_tx(L::q_full(base, s), L::kTile + (IV ? 3 : 1) * BM * 4);
+#pragma unroll
+    for (int db = 0; db < D / 64; ++db)
+      tma_load_4d(base + L::kQ + s * L::kTile + db * BM * 128, tq, L::q_full(base, s), db * 64, h, m0, w.b);
+    bulk_load(base + L::kLse + s * BM * 4, row_lse, BM * 4, L::q_full(base, s));
+    if (IV) {
+      bulk_load(base + L::kKlo + s * BM * 4, bounds + m0, BM * 4, L::q_full(base, s));
+      bulk_load(base + L::kKhi + s * BM * 4, bounds + Sq_pad + m0, BM * 4, L::q_full(base, s));
+    }
+    mbar_wait(L::do_empty(base, s), pipe.phase ^ 1);
+    mbar_arrive_expect_tx(L::do_full(base, s), L::kTile + BM * 4);
+#pragma unroll
+    for (int db = 0; db < D / 64; ++db)
+      tma_load_4d(base + L::kDO + s * L::kTile + db * BM * 128, tdo, L::do_full(base, s), db * 64, h, m0, w.b);
+    bulk_load(base + L::kDelta + s * BM * 4, row_lse + delta_rows, BM * 4, L::do_full(base, s));
+    if (++t == w.t_end) t = w.t_lo, ++h;
+    pipe.advance();
+  }
+}
 
-  // grid: (key blocks, splits of the GQA group, batch x kv heads)
-  const int n0 = blockIdx.x * BN;
-  const int b = blockIdx.z / Hkv, hk = blockIdx.z % Hkv;
-  const int h_first = hk * group + blockIdx.y * hpb;
+// D = 64, 128, the dQ writer (producer warp 1): consumer c's dQ part (64 x 64 float32, two 64 x 32 boxes) waits
+// in its own staging buffer; the writer adds it into dq and frees the buffer (kDqEmpty + c) once the copy engine
+// has read it.
+template <int D>
+__device__ __forceinline__ void dq_writer(const bwd90::Walk& w, const unsigned char* tdq, int lane) {
+  using namespace bwd90;
+  using L = Smem<D>;
+  constexpr int BM = Cfg<D>::BM;
+  if (lane == 0) tensormap_acquire(tdq);
+#pragma unroll
+  for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+  int h = w.h_first, t = w.t_lo;
+  for (int n = 0; n < w.steps; ++n) {
+#pragma unroll
+    for (int c = 0; c < CONSUMERS; ++c) {
+      named_barrier_sync(kDqFull + c, kWriterSync);
+      if (lane == 0) {
+        const int col = D == 128 ? 64 * c : 0, row = t * BM + (D == 128 ? 0 : 64 * c);
+        const u32 part = w.base + L::kDQ + c * L::kDqPart;
+        tma_reduce_add_4d(tdq, part, col, h, row, w.b);
+        tma_reduce_add_4d(tdq, part + L::kDqPart / 2, col + 32, h, row, w.b);
+        bulk_commit();
+      }
+    }
+    if (lane == 0) bulk_wait_read();
+    __syncwarp();
+    if (n + 1 < w.steps) {
+#pragma unroll
+      for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
+    }
+    if (++t == w.t_end) t = w.t_lo, ++h;
+  }
+  if (lane == 0) bulk_wait_all();
+}
+
+// D = 64, 128, consumer warpgroup cw's epilogue: dk += scale * dK, dv += dV (its 64 keys) by TMA tensor
+// reductions (adds in L2, so CTAs that share a kv head through a split GQA group need no atomics; keys past Sk
+// are not written). Staged in the Q / dO stages, free once both consumers are past their last step; dK first,
+// then dV in the same buffer.
+template <int D>
+__device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const float* acc_dk, const float* acc_dv,
+                                           const unsigned char* tdk, const unsigned char* tdv, float scale) {
+  using namespace bwd90;
+  using L = Smem<D>;
+  const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
+  named_barrier_sync(kWalkDone, 128 * CONSUMERS);
+  const u32 staging = w.base + L::kQ + cw * 64 * D * 4;
+#pragma unroll
+  for (int which = 0; which < 2; ++which) {
+    if (which == 1) {  // the dK reductions have read the buffer
+      if (tid == 0) bulk_wait_read();
+      named_barrier_sync(kStaged + cw, 128);
+    }
+    stage_f32_rows<D>(staging, which == 0 ? acc_dk : acc_dv, which == 0 ? scale : 1.f, warp, lane);
+    fence_async_shared();
+    named_barrier_sync(kStaged + cw, 128);
+    if (tid == 0) {
+      const unsigned char* map = which == 0 ? tdk : tdv;
+#pragma unroll
+      for (int box = 0; box < D / 32; ++box)
+        tma_reduce_add_4d(map, staging + box * 8192, 32 * box, w.hk, w.n0 + 64 * cw, w.b);
+      bulk_commit();
+    }
+  }
+  if (tid == 0) bulk_wait_all();
+}
+
+// D = 64, 128, consumer warpgroup cw (see the header): its 64 keys are the M of every product; dK and dV stay in
+// registers for the walk.
+template <int D, bool BF16, bool CAUSAL, bool IV>
+__device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const unsigned char* tdk,
+                                         const unsigned char* tdv, int Sk, i64 off, float scale, float sl2) {
+  using namespace bwd90;
+  using L = Smem<D>;
+  constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
+  const u32 base = w.base;
+  const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
+  const int key_lo = w.n0 + 64 * cw;               // first key of this warpgroup
+  const int key0 = key_lo + 16 * warp + lane / 4;  // this thread's keys: key0, key0 + 8
+  const int qc = 2 * (lane % 4);                   // this thread's first query column in a tile
+  const u32 k_lo = desc_lo(base + L::kK + cw * 64 * 128, 16), v_lo = desc_lo(base + L::kV + cw * 64 * 128, 16);
+  // dQ part: B = K column block cw (D = 128) or 0; A = dS^T column block cw (D = 64) or 0
+  const u32 kdq_lo = desc_lo(base + L::kK + (D == 128 ? cw * BN * 128 : 0), 16);
+  const u32 dsdq_off = D == 64 ? cw * BN * 128 : 0;
+  // stmatrix address of dS^T rows (keys) 64 cw + 16 warp + (lane % 16) / 8 * 8 + lane % 8, before the
+  // chunk of the 16 columns: swizzled chunk (2 kk) ^ (lane / 16) ^ (row % 8) = (2 kk) ^ ds_xor
+  const int ds_row = 64 * cw + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
+  const u32 ds_thread = ds_row * 128 + (((lane / 16) ^ (lane % 8)) << 4);
+
+  if (tid == 0) {  // the epilogue's tensor maps
+    tensormap_acquire(tdk);
+    tensormap_acquire(tdv);
+  }
+  float acc_dk[D / 2], acc_dv[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
+
+  mbar_wait(L::kv_full(base), 0);
+  int t = w.t_lo;
+  PipeState<STAGES> pipe;
+  for (int n = 0; n < w.steps; ++n) {
+    const int m0 = t * BM, s = pipe.stage;
+    const u32 q_lo = desc_lo(base + L::kQ + s * L::kTile, 16), do_lo = desc_lo(base + L::kDO + s * L::kTile, 16);
+    const u32 qmn_lo = desc_lo(base + L::kQ + s * L::kTile, BM * 128);
+    const u32 domn_lo = desc_lo(base + L::kDO + s * L::kTile, BM * 128);
+    const u32 ds_tile = base + L::kDS + (n & 1) * BN * BM * 2;
+
+    float st[BM / 2], dpt[BM / 2];
+    issue_st_dpt<D, BM, BF16>(st, dpt, k_lo, q_lo, v_lo, do_lo, L::q_full(base, s), L::do_full(base, s), pipe.phase);
+
+    // P^T (keys x queries), masked on global positions: element (j, e) is key key0 + 8 (e >> 1), query
+    // m0 + 8 j + qc + (e & 1)
+    const float* l2 = w.s_lse + s * BM + qc;
+    const int* klo = w.s_klo + s * BM + qc;
+    const int* khi = w.s_khi + s * BM + qc;
+    // IV: every key of this consumer visible from every row of the tile when the last row's band starts
+    // at or before key_lo and the first row's band ends at or after key_lo + 64
+    const bool need_mask = (w.n0 + BN > Sk) ||
+                           (CAUSAL && static_cast<i64>(key_lo + 63) > static_cast<i64>(m0) + off) ||
+                           (IV && !(klo[BM - 1 - qc] <= key_lo && khi[-qc] >= key_lo + 64));
+    probs_t<BM, CAUSAL, IV>(st, l2, klo, khi, need_mask, key0, m0, qc, Sk, off, sl2);
+    u32 pa[BM / 16][4];
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<BF16>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
+
+    wgmma_wait<0>();
+    fence_operands<BM / 2>(dpt);
+    // dS^T = P^T (dP^T - delta)
+    const float* dl = w.s_delta + s * BM + qc;
+    u32 dsa[BM / 16][4];
+#pragma unroll
+    for (int j = 0; j < BM / 8; ++j) {
+      const float2 dj = *reinterpret_cast<const float2*>(dl + 8 * j);
+      dsa[j / 2][2 * (j & 1) + 0] = pack2<BF16>(st[4 * j + 0] * (dpt[4 * j + 0] - dj.x), st[4 * j + 1] * (dpt[4 * j + 1] - dj.y));
+      dsa[j / 2][2 * (j & 1) + 1] = pack2<BF16>(st[4 * j + 2] * (dpt[4 * j + 2] - dj.x), st[4 * j + 3] * (dpt[4 * j + 3] - dj.y));
+    }
+
+    wgmma_fence();
+    keys_by_dim<D, BM, BF16>(acc_dv, pa, domn_lo);
+    wgmma_commit();
+    // dS^T to shared memory for the dQ product: 16 keys x 16 queries per stmatrix
+#pragma unroll
+    for (int kk = 0; kk < BM / 16; ++kk)
+      stmatrix_x4(((ds_tile + ds_thread) ^ (((2 * kk) % 8) << 4)) + (kk / 4) * BN * 128, dsa[kk]);
+    fence_async_shared();
+    named_barrier_sync(kDsReady, 128 * CONSUMERS);
+    float acc_dq[32];
+    wgmma_fence();
+    dq_part<D, BF16>(acc_dq, desc_lo(ds_tile + dsdq_off, 16), kdq_lo);
+    wgmma_commit();
+    keys_by_dim<D, BM, BF16>(acc_dk, dsa, qmn_lo);
+    wgmma_commit();
+    wgmma_wait<1>();  // dV and dQ are done; dK may still run
+    fence_operands<D / 2>(acc_dv);
+    fence_operands<32>(acc_dq);
+    mbar_arrive(L::do_empty(base, s));
+
+    // stage scale * dQ for the writer once it has read the previous part
+    named_barrier_sync(kDqEmpty + cw, kWriterSync);
+    stage_f32_rows<64>(base + L::kDQ + cw * L::kDqPart, acc_dq, scale, warp, lane);
+    fence_async_shared();
+    named_barrier_arrive(kDqFull + cw, kWriterSync);
+
+    wgmma_wait<0>();
+    fence_operands<D / 2>(acc_dk);
+    mbar_arrive(L::q_empty(base, s));
+    if (++t == w.t_end) t = w.t_lo;
+    pipe.advance();
+  }
+  store_dkdv<D>(w, cw, acc_dk, acc_dv, tdk, tdv, scale);
+}
+
+// The block index, read afresh (the compiler cannot reuse an earlier read's derived values).
+__device__ __forceinline__ int block_index_x() {
+  int x;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(x));
+  return x;
+}
+
+// CTA lin's walk (its tile from KeyBlockTile, then the query tiles it sees); steps <= 0: nothing visible.
+template <int D, bool CAUSAL, bool IV>
+__device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char* smem_raw, int Sq_pad, int Sk,
+                                               int Hkv, int group, int hpb, i64 off, const int* ranges, int chunk,
+                                               const int* order) {
+  using namespace bwd90;
+  using L = Smem<D>;
+  constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
+  unsigned char* const at = smem_raw + (base - smem_u32(smem_raw));
+  const int nkb = (Sk + BN - 1) / BN, nsplit = group / hpb;
+  const KeyBlockTile tile = KeyBlockTile::at(lin, nkb, chunk, order, nsplit, Hkv);
+  const int n0 = tile.kb * BN;
   int t_lo = 0, t_end = Sq_pad / BM;  // the query tiles this CTA walks
   if (CAUSAL) {  // query tiles in which no row sees key n0 or later are skipped
     const i64 first_q = static_cast<i64>(n0) - off;  // the first query that sees key n0
     t_lo = first_q <= 0 ? 0 : static_cast<int>(min(static_cast<i64>(t_end), first_q / BM));
   }
-  if (IV) t_lo = ranges[2 * blockIdx.x], t_end = ranges[2 * blockIdx.x + 1];
-  const int tiles = t_end - t_lo;
-  if (tiles <= 0 || n0 >= Sk) return;  // nothing visible: dq, dk, dv stay as they are
-  const int steps = tiles * hpb;        // step order: query tiles t_lo.. of head h_first, then the next head
+  if (IV) t_lo = ranges[2 * tile.kb], t_end = ranges[2 * tile.kb + 1];
+  // step order: query tiles t_lo.. of head h_first, then the next head
+  const int steps = n0 < Sk ? (t_end - t_lo) * hpb : 0;
+  return {base, reinterpret_cast<const float*>(at + L::kLse), reinterpret_cast<const float*>(at + L::kDelta),
+          reinterpret_cast<const int*>(at + L::kKlo), reinterpret_cast<const int*>(at + L::kKhi), n0, tile.b,
+          tile.hk, tile.hk * group + tile.split * hpb, t_lo, t_end, steps};
+}
+
+template <int D, bool BF16, bool CAUSAL, bool IV>
+__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad,
+                                              int Sk, int B, int Hq, int Hkv, int group, int hpb, float scale,
+                                              float sl2, i64 off, const int* ranges, int chunk, const int* order) {
+  using namespace bwd90;
+  using L = Smem<D>;
+  extern __shared__ unsigned char smem_raw[];
+  const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
+  const Walk walk = walk_of<D, CAUSAL, IV>(blockIdx.x, base, smem_raw, Sq_pad, Sk, Hkv, group, hpb, off, ranges, chunk,
+                                           order);
+  if (walk.steps <= 0) return;  // nothing visible: dq, dk, dv stay as they are
 
   if (threadIdx.x == 0) {
     mbar_init(L::kv_full(base), 1);
@@ -503,224 +805,35 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   }
   __syncthreads();
 
-  const int wg = warpgroup_index(), tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
+  const int wg = warpgroup_index(), lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
   const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256, *tdo = tmaps + 384, *tdq = tmaps + 512,
                       *tdk = tmaps + 640, *tdv = tmaps + 768;
-  const Walk walk{base, s_lse, s_delta, s_klo, s_khi, n0, b, hk, h_first, t_lo, t_end, steps};  // D = 256 roles
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     warpgroup_reg_dealloc<Cfg<D>::kProducerRegs>();
-    if (warp == 0 && lane == 0) {  // loads
-      tensormap_acquire(tq);
-      tensormap_acquire(tk);
-      tensormap_acquire(tv);
-      tensormap_acquire(tdo);
-      mbar_arrive_expect_tx(L::kv_full(base), 2 * BN * D * 2);
-#pragma unroll
-      for (int db = 0; db < D / 64; ++db) {
-        tma_load_4d(base + L::kK + db * BN * 128, tk, L::kv_full(base), db * 64, hk, n0, b);
-        tma_load_4d(base + L::kV + db * BN * 128, tv, L::kv_full(base), db * 64, hk, n0, b);
-      }
-      const i64 delta_rows = static_cast<i64>(gridDim.z / Hkv) * Hq * Sq_pad;  // B * Hq * Sq_pad
-      const int* const bounds = reinterpret_cast<const int*>(rows + 2 * delta_rows);
-      int h = h_first, t = t_lo;
-      PipeState<STAGES> pipe;
-      for (int n = 0; n < steps; ++n) {
-        const int m0 = t * BM, s = pipe.stage;
-        const float* row_lse = rows + (static_cast<i64>(b) * Hq + h) * Sq_pad + m0;
-        mbar_wait(L::q_empty(base, s), pipe.phase ^ 1);
-        mbar_arrive_expect_tx(L::q_full(base, s), L::kTile + (IV ? 3 : 1) * BM * 4);
-#pragma unroll
-        for (int db = 0; db < D / 64; ++db)
-          tma_load_4d(base + L::kQ + s * L::kTile + db * BM * 128, tq, L::q_full(base, s), db * 64, h, m0, b);
-        bulk_load(base + L::kLse + s * BM * 4, row_lse, BM * 4, L::q_full(base, s));
-        if (IV) {
-          bulk_load(base + L::kKlo + s * BM * 4, bounds + m0, BM * 4, L::q_full(base, s));
-          bulk_load(base + L::kKhi + s * BM * 4, bounds + Sq_pad + m0, BM * 4, L::q_full(base, s));
-        }
-        mbar_wait(L::do_empty(base, s), pipe.phase ^ 1);
-        mbar_arrive_expect_tx(L::do_full(base, s), L::kTile + BM * 4);
-#pragma unroll
-        for (int db = 0; db < D / 64; ++db)
-          tma_load_4d(base + L::kDO + s * L::kTile + db * BM * 128, tdo, L::do_full(base, s), db * 64, h, m0, b);
-        bulk_load(base + L::kDelta + s * BM * 4, row_lse + delta_rows, BM * 4, L::do_full(base, s));
-        if (++t == t_end) t = t_lo, ++h;
-        pipe.advance();
-      }
-    } else if (warp == 1) {  // the dQ writer
-      if constexpr (Cfg<D>::kWide) {
-        dq_writer_wide(walk, tdq, lane);
-      } else {
-        if (lane == 0) tensormap_acquire(tdq);
-#pragma unroll
-        for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
-        int h = h_first, t = t_lo;
-        for (int n = 0; n < steps; ++n) {
-#pragma unroll
-          for (int c = 0; c < CONSUMERS; ++c) {
-            named_barrier_sync(kDqFull + c, kWriterSync);
-            if (lane == 0) {
-              const int col = D == 128 ? 64 * c : 0, row = t * BM + (D == 128 ? 0 : 64 * c);
-              const u32 part = base + L::kDQ + c * L::kDqPart;
-              tma_reduce_add_4d(tdq, part, col, h, row, b);
-              tma_reduce_add_4d(tdq, part + L::kDqPart / 2, col + 32, h, row, b);
-              bulk_commit();
-            }
-          }
-          if (lane == 0) bulk_wait_read();
-          __syncwarp();
-          if (n + 1 < steps) {
-#pragma unroll
-            for (int c = 0; c < CONSUMERS; ++c) named_barrier_arrive(kDqEmpty + c, kWriterSync);
-          }
-          if (++t == t_end) t = t_lo, ++h;
-        }
-        if (lane == 0) bulk_wait_all();
-      }
+    // the walk again, from a fresh read of the block index: cheaper for the 24-register producer than holding
+    // the prologue's values across the role split
+    const Walk pw = walk_of<D, CAUSAL, IV>(block_index_x(), base, smem_raw, Sq_pad, Sk, Hkv, group, hpb, off,
+                                           ranges, chunk, order);
+    if (warp == 0 && lane == 0) load_walk<D, IV>(pw, tq, tk, tv, tdo, rows, B, Hq, Sq_pad);
+    else if (warp == 1) {
+      if constexpr (Cfg<D>::kWide) dq_writer_wide(pw, tdq, lane);
+      else dq_writer<D>(pw, tdq, lane);
     }
     return;
   }
-
   // ------------------------------------------------------------------------------------ consumers
   warpgroup_reg_alloc<Cfg<D>::kConsumerRegs>();
-  if constexpr (Cfg<D>::kWide) {
-    consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, Sk, off, scale, sl2);
-  } else {
-    const int cw = wg - 1;
-    const int key_lo = n0 + 64 * cw;                 // first key of this warpgroup
-    const int key0 = key_lo + 16 * warp + lane / 4;  // this thread's keys: key0, key0 + 8
-    const int qc = 2 * (lane % 4);                   // this thread's first query column in a tile
-    const u32 k_lo = desc_lo(base + L::kK + cw * 64 * 128, 16), v_lo = desc_lo(base + L::kV + cw * 64 * 128, 16);
-    // dQ part: B = K column block cw (D = 128) or 0; A = dS^T column block cw (D = 64) or 0
-    const u32 kdq_lo = desc_lo(base + L::kK + (D == 128 ? cw * BN * 128 : 0), 16);
-    const u32 dsdq_off = D == 64 ? cw * BN * 128 : 0;
-    // stmatrix address of dS^T rows (keys) 64 cw + 16 warp + (lane % 16) / 8 * 8 + lane % 8, before the
-    // chunk of the 16 columns: swizzled chunk (2 kk) ^ (lane / 16) ^ (row % 8) = (2 kk) ^ ds_xor
-    const int ds_row = 64 * cw + 16 * warp + 8 * ((lane / 8) % 2) + lane % 8;
-    const u32 ds_thread = ds_row * 128 + (((lane / 16) ^ (lane % 8)) << 4);
-
-    if (tid == 0) {  // the epilogue's tensor maps
-      tensormap_acquire(tdk);
-      tensormap_acquire(tdv);
-    }
-    float acc_dk[D / 2], acc_dv[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc_dk[i] = acc_dv[i] = 0.f;
-
-    mbar_wait(L::kv_full(base), 0);
-    int t = t_lo;
-    PipeState<STAGES> pipe;
-    for (int n = 0; n < steps; ++n) {
-      const int m0 = t * BM, s = pipe.stage;
-      const u32 q_lo = desc_lo(base + L::kQ + s * L::kTile, 16), do_lo = desc_lo(base + L::kDO + s * L::kTile, 16);
-      const u32 qmn_lo = desc_lo(base + L::kQ + s * L::kTile, BM * 128);
-      const u32 domn_lo = desc_lo(base + L::kDO + s * L::kTile, BM * 128);
-      const u32 ds_tile = base + L::kDS + (n & 1) * BN * BM * 2;
-
-      float st[BM / 2], dpt[BM / 2];
-      mbar_wait(L::q_full(base, s), pipe.phase);
-      wgmma_fence();
-      keys_by_queries<D, BM, BF16>(st, k_lo, q_lo);
-      wgmma_commit();
-      mbar_wait(L::do_full(base, s), pipe.phase);
-      keys_by_queries<D, BM, BF16>(dpt, v_lo, do_lo);
-      wgmma_commit();
-      wgmma_wait<1>();
-      fence_operands<BM / 2>(st);
-
-      // P^T (keys x queries), masked on global positions: element (j, e) is key key0 + 8 (e >> 1), query
-      // m0 + 8 j + qc + (e & 1)
-      const float* l2 = s_lse + s * BM + qc;
-      const int* klo = s_klo + s * BM + qc;
-      const int* khi = s_khi + s * BM + qc;
-      // IV: every key of this consumer visible from every row of the tile when the last row's band starts
-      // at or before key_lo and the first row's band ends at or after key_lo + 64
-      const bool need_mask = (n0 + BN > Sk) ||
-                             (CAUSAL && static_cast<i64>(key_lo + 63) > static_cast<i64>(m0) + off) ||
-                             (IV && !(klo[BM - 1 - qc] <= key_lo && khi[-qc] >= key_lo + 64));
-      probs_t<BM, CAUSAL, IV>(st, l2, klo, khi, need_mask, key0, m0, qc, Sk, off, sl2);
-      u32 pa[BM / 16][4];
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pa[kk][i] = pack2<BF16>(st[8 * kk + 2 * i], st[8 * kk + 2 * i + 1]);
-
-      wgmma_wait<0>();
-      fence_operands<BM / 2>(dpt);
-      // dS^T = P^T (dP^T - delta)
-      const float* dl = s_delta + s * BM + qc;
-      u32 dsa[BM / 16][4];
-#pragma unroll
-      for (int j = 0; j < BM / 8; ++j) {
-        const float2 dj = *reinterpret_cast<const float2*>(dl + 8 * j);
-        dsa[j / 2][2 * (j & 1) + 0] = pack2<BF16>(st[4 * j + 0] * (dpt[4 * j + 0] - dj.x), st[4 * j + 1] * (dpt[4 * j + 1] - dj.y));
-        dsa[j / 2][2 * (j & 1) + 1] = pack2<BF16>(st[4 * j + 2] * (dpt[4 * j + 2] - dj.x), st[4 * j + 3] * (dpt[4 * j + 3] - dj.y));
-      }
-
-      wgmma_fence();
-      keys_by_dim<D, BM, BF16>(acc_dv, pa, domn_lo);
-      wgmma_commit();
-      // dS^T to shared memory for the dQ product: 16 keys x 16 queries per stmatrix
-#pragma unroll
-      for (int kk = 0; kk < BM / 16; ++kk)
-        stmatrix_x4(((ds_tile + ds_thread) ^ (((2 * kk) % 8) << 4)) + (kk / 4) * BN * 128, dsa[kk]);
-      fence_async_shared();
-      named_barrier_sync(kDsReady, 128 * CONSUMERS);
-      float acc_dq[32];
-      wgmma_fence();
-      dq_part<D, BF16>(acc_dq, desc_lo(ds_tile + dsdq_off, 16), kdq_lo);
-      wgmma_commit();
-      keys_by_dim<D, BM, BF16>(acc_dk, dsa, qmn_lo);
-      wgmma_commit();
-      wgmma_wait<1>();  // dV and dQ are done; dK may still run
-      fence_operands<D / 2>(acc_dv);
-      fence_operands<32>(acc_dq);
-      mbar_arrive(L::do_empty(base, s));
-
-      // stage scale * dQ for the writer once it has read the previous part
-      named_barrier_sync(kDqEmpty + cw, kWriterSync);
-      stage_f32_rows<64>(base + L::kDQ + cw * L::kDqPart, acc_dq, scale, warp, lane);
-      fence_async_shared();
-      named_barrier_arrive(kDqFull + cw, kWriterSync);
-
-      wgmma_wait<0>();
-      fence_operands<D / 2>(acc_dk);
-      mbar_arrive(L::q_empty(base, s));
-      if (++t == t_end) t = t_lo;
-      pipe.advance();
-    }
-
-    // ---- epilogue: dk += scale * dK, dv += dV by TMA tensor reductions (adds in L2, so CTAs that share a kv
-    // head through a split GQA group need no atomics; keys past Sk are not written). Staged in the Q / dO
-    // stages, free once both consumers are past their last step; dK first, then dV in the same buffer.
-    named_barrier_sync(kWalkDone, 128 * CONSUMERS);
-    const u32 staging = base + L::kQ + cw * 64 * D * 4;
-#pragma unroll
-    for (int which = 0; which < 2; ++which) {
-      if (which == 1) {  // the dK reductions have read the buffer
-        if (tid == 0) bulk_wait_read();
-        named_barrier_sync(kStaged + cw, 128);
-      }
-      stage_f32_rows<D>(staging, which == 0 ? acc_dk : acc_dv, which == 0 ? scale : 1.f, warp, lane);
-      fence_async_shared();
-      named_barrier_sync(kStaged + cw, 128);
-      if (tid == 0) {
-        const unsigned char* map = which == 0 ? tdk : tdv;
-#pragma unroll
-        for (int box = 0; box < D / 32; ++box) tma_reduce_add_4d(map, staging + box * 8192, 32 * box, hk, key_lo, b);
-        bulk_commit();
-      }
-    }
-    if (tid == 0) bulk_wait_all();
-  }
+  if constexpr (Cfg<D>::kWide) consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, Sk, off, scale, sl2);
+  else consumer<D, BF16, CAUSAL, IV>(walk, wg - 1, tdk, tdv, Sk, off, scale, sl2);
 }
 
 #define BH_BWD90_NAME(DT, MASK, D) attn_bwd_sm90_##DT##_d##D##_##MASK
 #define BH_BWD90_KERNEL(DT, MASK, D)                                                                              \
   extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1) BH_BWD90_NAME(DT, MASK, D)(                     \
-      const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int Hq, int Hkv, int group,      \
-      int hpb, float scale, float sl2, i64 off, const int* ranges) {                                             \
-    attn_bwd_sm90<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(tmaps, rows, Sq, Sq_pad, Sk, Hq, Hkv, \
-                                                                               group, hpb, scale, sl2, off, ranges); \
+      const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int B, int Hq, int Hkv,          \
+      int group, int hpb, float scale, float sl2, i64 off, const int* ranges, int chunk, const int* order) {      \
+    attn_bwd_sm90<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                    \
+        tmaps, rows, Sq, Sq_pad, Sk, B, Hq, Hkv, group, hpb, scale, sl2, off, ranges, chunk, order);                \
   }
 #define BH_BWD90_ROW(DT, MASK, D)                                                                      \
   {BH_STR(BH_BWD90_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, bwd90::Cfg<D>::BM,          \
@@ -732,7 +845,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 // named attn_bwd_sm90_<dtype>_d<D>_<mask>; the kernel table attn_bwd_sm90_kernels lists them with their
 // geometry. tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32) tensor maps, 128 bytes each; rows: the
 // table of attn_bwd_sm90_rows; ranges (interval only): the query tiles of each key block from
-// attn_bwd_sm90_ranges
+// attn_bwd_sm90_ranges; chunk, order: the tile order (KeyBlockTile) over the 1-D grid of key blocks x head slots
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
 BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)
 BH_KERNEL_TABLE(attn_bwd_sm90, BH_TABLE_ROWS(BH_BWD90_SHAPES, BH_BWD90_ROWS))

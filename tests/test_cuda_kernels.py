@@ -258,10 +258,13 @@ def test_backward_d256(family, s, causal, hq, hkv):
 def test_backward_d256_interval(family, dtype):
     """The interval kernels at D = 256: documents (two of one token) under a sliding window, against the
     float64 oracle with the rule of tests/test_cuda_masks.py."""
-    dt = np.dtype(dtype)
+    _check_interval_backward(np.dtype(dtype), 256, 4, 2)
+
+
+def _check_interval_backward(dt, d, hq, hkv):
     seed = int(np.random.SeedSequence().entropy % 2**63)
     rng = np.random.default_rng(seed)
-    seqlen, hq, hkv, d = 700, 4, 2, 256
+    seqlen = 700
     cu, window = np.array([0, 1, 2, 130, 451, 700]), (150, 0)
     mask = masks.make(seqlen, True, window, cu)
     q, k, v, do = (rng.standard_normal((2, seqlen, h, d)).astype(dt) for h in (hq, hkv, hkv, hq))
@@ -280,6 +283,27 @@ def test_backward_d256_interval(family, dtype):
         err = float(np.abs(cupy.asnumpy(got).astype(np.float64) - want).max())
         floor = 3e-3 * max(1.0, float(np.abs(want).max()))
         assert err <= 3 * float(np.abs(base - want).max()) + floor, f"seed={seed} {name}"
+
+
+# ---------------------------------------------------------------- the sm90 backward's tile orders
+@pytest.mark.parametrize("family", _NATIVE_D256, indirect=True)  # the sm90 family
+@pytest.mark.parametrize("longest_first,heads", [(False, None), (True, None), (True, 3)])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("mode", ["causal", "interval"])
+def test_sm90_backward_tile_orders(family, longest_first, heads, d, mode):
+    """Each backward tile order (Sm90Kernels.longest_first; heads: head slots per chunk, 3 of 16 leaves a
+    partial chunk) against the float64 oracle: causal with a GQA group split over CTAs, and interval masks
+    whose key blocks see very different numbers of query tiles (the device ranking)."""
+    kernels = _be().kernels
+    default = kernels.longest_first, kernels.forced_order_heads
+    kernels.longest_first, kernels.forced_order_heads = longest_first, heads
+    try:
+        if mode == "causal":
+            _check_backward(1000, d, True, 8, 2)
+        else:
+            _check_interval_backward(BF16, d, 8, 2)
+    finally:
+        kernels.longest_first, kernels.forced_order_heads = default
 
 
 # ---------------------------------------------------------------- strided views, offsets, merging

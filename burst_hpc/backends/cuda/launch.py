@@ -131,3 +131,10 @@ def split_group(group, key_blocks, kv_heads):
         while group % hpb:
             hpb -= 1
     return hpb, group // hpb
+
+
+def heavy_first_heads(key_blocks, head_slots):
+    """Head slots per chunk of a backward's longest-first tile order: key blocks go slowest inside a chunk, so
+    its heaviest blocks start first; about two waves of the GPU per chunk, so a chunk's Q, dO and dq stay few
+    enough to share L2 while the light blocks of one chunk overlap the heavy ones of the next."""
+    return min(head_slots, max(1, -(-2 * sm_count() // key_blocks)))

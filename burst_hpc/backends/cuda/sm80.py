@@ -38,7 +38,7 @@ class Sm80Kernels:
         s = strides
         # 1-D grid; causal: heavy key blocks first inside chunks of order_g head slots (see attn_bwd.cu)
         slots = nsplit * b * hkv
-        order_g = min(slots, max(1, -(-2 * launch.sm_count() // nkb))) if mode == "causal" else 1
+        order_g = launch.heavy_first_heads(nkb, slots) if mode == "causal" else 1
         args = (q, k, v, do, lse, delta, dq, dk, dv, *s(q)[:3], *s(k)[:3], *s(v)[:3], *s(do)[:3], *s(lse), *s(delta),
                 *s(dq)[:3], *s(dk)[:3], *s(dv)[:3], np.int32(sq), np.int32(sk), np.int32(hkv), np.int32(group),
                 np.int32(hpb), np.float32(scale), np.float32(scale * LOG2E), np.int64(int(q_start) - int(k_start)),

@@ -15,6 +15,7 @@ FORWARD, BACKWARD = SOURCES["sm90", "fwd"], SOURCES["sm90", "bwd"]
 L2_CHUNK_BYTES = 24 << 20
 D64_TWO_CONSUMER_RATE = 0.85
 _PREPASS_THREADS = 256  # the backward's row-table pre-pass (a grid-stride loop: any block size)
+_ORDER_THREADS = 128  # attn_bwd_sm90_order's block (its kOrderThreads)
 # the backward adds into dq, dk, dv in parts of 64 rows (a dQ part of 64 queries; a consumer's 64 keys of dK,
 # dV, at D = 256 its 128 head-dim columns of all 64): float32 boxes of 32 columns (128 bytes) x 64 rows
 _ACCUMULATOR_BOX_ROWS = 64
@@ -24,11 +25,19 @@ class Sm90Kernels:
     """Forward and backward launches of the sm90 family (inputs already marshalled by the backend).
 
     ``forced_tile_height``: None, or the forward tile height (query rows) to run instead of the one the
-    schedule picks (bench_kernels.py --fwd-shapes, the tests of every tile height)."""
+    schedule picks (bench_kernels.py --fwd-shapes, the tests of every tile height).
+
+    ``longest_first``: the backward's tile order under causal and interval masks. True: the key blocks that see
+    the most query tiles start first, over chunks of ``launch.heavy_first_heads`` head slots (interval masks:
+    ranked on the device by attn_bwd_sm90_order); False (the default: measured no faster, docs/KERNELS.md):
+    head slot after head slot, key blocks in order.
+    ``forced_order_heads``: None, or the head slots per chunk to use instead (bench_kernels.py --bwd-order)."""
 
     def __init__(self, modules):
         self.modules = modules
         self.forced_tile_height = None
+        self.longest_first = False
+        self.forced_order_heads = None
         self._counters = {}
 
     def tile_heights(self, d):
@@ -131,14 +140,34 @@ class Sm90Kernels:
             find = self.modules.kernel(BACKWARD, "attn_bwd_sm90_ranges", 0)
             find((-(-nkb // 128),), (128,), (mlo, mhi, kofs, np.int32(sq), np.int32(sk), np.int32(bn), np.int32(bm),
                                              np.int32(nkb), ranges))
+        slots = nsplit * b * hkv
+        chunk, order = self.backward_order(mask, causal, nkb, slots, ranges)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
-        args = (maps, rows, np.int32(sq), np.int32(sq_pad), np.int32(sk), np.int32(hq), np.int32(hkv),
+        args = (maps, rows, np.int32(sq), np.int32(sq_pad), np.int32(sk), np.int32(b), np.int32(hq), np.int32(hkv),
                 np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * LOG2E),
-                np.int64(int(q_start) - int(k_start)), ranges)
-        kern((nkb, nsplit, b * hkv), (kernel.threads,), args, shared_mem=kernel.smem_bytes)
+                np.int64(int(q_start) - int(k_start)), ranges, np.int32(chunk), order)
+        kern((nkb * slots,), (kernel.threads,), args, shared_mem=kernel.smem_bytes)
         for w, x in ((dq_w, dq), (dk_w, dk), (dv_w, dv)):
             if w is not x:
                 x += w
+
+
+    def backward_order(self, mask, causal, nkb, slots, ranges):
+        """(head slots per chunk, key block order: a device array or a null pointer) of the backward's tile
+        order (attn_bwd_sm90.cu, KeyBlockTile). Longest first under a causal mask needs no table (key block n
+        sees the query tiles from n on); under interval masks the pre-pass attn_bwd_sm90_order ranks the key
+        blocks by their query tiles, on the device."""
+        import cupy
+
+        if not self.longest_first or (mask is None and not causal):
+            return 1, np.uint64(0)
+        chunk = self.forced_order_heads or launch.heavy_first_heads(nkb, slots)
+        if mask is None:
+            return min(chunk, slots), np.uint64(0)
+        order = cupy.empty(nkb, np.int32)
+        rank = self.modules.kernel(BACKWARD, "attn_bwd_sm90_order", 0)
+        rank((-(-nkb // _ORDER_THREADS),), (_ORDER_THREADS,), (ranges, np.int32(nkb), order))
+        return min(chunk, slots), order
 
 
 _ORDERS = OrderedDict()
