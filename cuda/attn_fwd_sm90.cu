@@ -84,30 +84,57 @@ struct Smem {
 struct Tile {
   int mb, h, b, t_begin, ntiles;
 };
+
+// The tile order of one launch (the schedule above): a CTA's first tile index is blockIdx.x, each next one
+// comes from the global counter; an index >= count() is the end mark. The counter is two ints, 0 at launch
+// and 0 again when the last CTA retires.
 template <int BM, int BN, bool CAUSAL, bool IV>
-__device__ __forceinline__ Tile tile_at(int idx, int nmb, int Hq, int BH, int hchunk, const int* order, int Sq,
-                                        int Sk, i64 off, const int* mlo, const int* mhi, i64 kofs) {
-  const int chunk = idx / (hchunk * nmb), in_chunk = idx - chunk * hchunk * nmb;
-  const int heads = min(hchunk, BH - chunk * hchunk);  // the last chunk may hold fewer
-  const int rank = in_chunk / heads, bh = chunk * hchunk + in_chunk % heads;
-  Tile t;
-  t.mb = CAUSAL ? nmb - 1 - rank : IV ? order[rank] : rank;
-  t.b = bh / Hq;
-  t.h = bh - t.b * Hq;
-  const int m0 = t.mb * BM;
-  int n_begin = 0, n_end = Sk;
-  if (CAUSAL) {
-    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
-    n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
+struct TileScheduler {
+  int nmb, Hq, BH, hchunk, Sq, Sk;
+  const int *order, *mlo, *mhi;
+  i64 off, kofs;
+  int* counter;
+
+  __device__ __forceinline__ int count() const { return nmb * BH; }
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next() const { return gridDim.x + atomicAdd(counter, 1); }
+  // the first index from idx on whose tile has a visible key tile (its tile in *t), or an end mark
+  __device__ __forceinline__ int first_visible(int idx, Tile* t) const {
+    while (idx < count() && (*t = tile(idx)).ntiles <= 0) idx = next();
+    return idx;
   }
-  if (IV) {
-    n_begin = max(0, local_key(mlo[m0], kofs, Sk));
-    n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
+  // a CTA that drew the end mark counts itself out; the last one zeroes the counter for the next launch
+  // (every other CTA has drawn its last index before it counted itself out), so the host needs no memset
+  __device__ __forceinline__ void retire() const {
+    __threadfence();
+    if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(counter, 0);
+      atomicExch(counter + 1, 0);
+    }
   }
-  t.t_begin = n_begin / BN;
-  t.ntiles = n_end > n_begin ? (n_end + BN - 1) / BN - t.t_begin : 0;
-  return t;
-}
+  __device__ __forceinline__ Tile tile(int idx) const {
+    const int chunk = idx / (hchunk * nmb), in_chunk = idx - chunk * hchunk * nmb;
+    const int heads = min(hchunk, BH - chunk * hchunk);  // the last chunk may hold fewer
+    const int rank = in_chunk / heads, bh = chunk * hchunk + in_chunk % heads;
+    Tile t;
+    t.mb = CAUSAL ? nmb - 1 - rank : IV ? order[rank] : rank;
+    t.b = bh / Hq;
+    t.h = bh - t.b * Hq;
+    const int m0 = t.mb * BM;
+    int n_begin = 0, n_end = Sk;
+    if (CAUSAL) {
+      const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
+      n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
+    }
+    if (IV) {
+      n_begin = max(0, local_key(mlo[m0], kofs, Sk));
+      n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
+    }
+    t.t_begin = n_begin / BN;
+    t.ntiles = n_end > n_begin ? (n_end + BN - 1) / BN - t.t_begin : 0;
+    return t;
+  }
+};
 }  // namespace fwd90
 
 // S (this warpgroup's 64 query rows x BN keys) = Q rows . K tile, over D
@@ -227,10 +254,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   volatile int* const slot = reinterpret_cast<volatile int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kSlot);
-  const int nmb = (Sq + BM - 1) / BM, BH = B * Hq, ntotal = nmb * BH;
-  auto tile = [&](int idx) {
-    return tile_at<BM, BN, CAUSAL, IV>(idx, nmb, Hq, BH, hchunk, order, Sq, Sk, off, mlo, mhi, kofs);
-  };
+  const TileScheduler<BM, BN, CAUSAL, IV> sched{(Sq + BM - 1) / BM, Hq, B * Hq, hchunk, Sq, Sk, order, mlo, mhi,
+                                                off, kofs, next_tile};
 
   if (threadIdx.x == 0) {
     mbar_init(L::q_full(base), 1);
@@ -255,21 +280,15 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       tensormap_acquire(tv);
       PipeState<1> q_pipe;
       PipeState<STAGES> pipe;
-      int idx = blockIdx.x;
+      int idx = sched.first();
       for (;;) {
         Tile tl;
-        while (idx < ntotal && (tl = tile(idx)).ntiles <= 0) idx = gridDim.x + atomicAdd(next_tile, 1);
+        idx = sched.first_visible(idx, &tl);
         mbar_wait(L::q_empty(base), q_pipe.phase ^ 1);
         *slot = idx;
-        if (idx >= ntotal) {  // no tile left: the consumers read the end mark and stop
+        if (idx >= sched.count()) {  // no tile left: the consumers read the end mark and stop
           mbar_arrive(L::q_full(base));
-          // the last CTA to run out zeroes the counters for the next launch (every other CTA has drawn its
-          // last index before it counted itself out), so the host needs no memset per call
-          __threadfence();
-          if (atomicAdd(next_tile + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-            atomicExch(next_tile, 0);
-            atomicExch(next_tile + 1, 0);
-          }
+          sched.retire();
           break;
         }
         const int hk = tl.h / group;
@@ -278,7 +297,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
         for (int db = 0; db < D / 64; ++db)
           tma_load_4d(base + L::kQ + db * BM * 128, tq, L::q_full(base), db * 64, tl.h, tl.mb * BM, tl.b);
         q_pipe.advance();
-        idx = gridDim.x + atomicAdd(next_tile, 1);  // the next tile, drawn while this one loads
+        idx = sched.next();  // the next tile, drawn while this one loads
         for (int t = 0; t < tl.ntiles; ++t, pipe.advance()) {
           const int s = pipe.stage, n0 = (tl.t_begin + t) * BN;
           const u32 empty_parity = pipe.phase ^ 1;
@@ -318,8 +337,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   for (;;) {
     mbar_wait(L::q_full(base), q_pipe.phase);
     const int idx = *slot;
-    if (idx >= ntotal) break;
-    const Tile tl = tile(idx);
+    if (idx >= sched.count()) break;
+    const Tile tl = sched.tile(idx);
     const int ntiles = tl.ntiles;
     const int mw0 = tl.mb * BM + 64 * cw;                // first query row of this warpgroup
     const int row0 = mw0 + 16 * (tid / 32) + lane / 4;  // this thread's rows: row0, row0 + 8
