@@ -5,7 +5,8 @@ causal and interval masks, bf16 and fp16) once on small shapes, for compute-sani
     compute-sanitizer --tool synccheck --error-exitcode 1 python3 bench/sanitize_sm90.py
     (--forward-only: the forward kernels alone)
 
-Shapes: lengths that are not multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA
+Each forward runs twice: whole, and with its key range cut in two (key splits). Shapes: lengths that are not
+multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA
 group (dK/dV atomics) and a causal offset. The results are checked loosely against a float64 oracle
 (the GPU tests check them tightly), so a kernel that the sanitizer slows down or perturbs still has to
 compute the right thing.
@@ -44,6 +45,18 @@ def main():
                 scale = d ** -0.5
                 q_start = sk - sq if causal else 0  # the last queries see every key
                 be.forward_block(*dev[:3], o, lse, scale=scale, causal=causal, q_start=q_start, mask=mask)
+                # the same with each query tile's keys cut in two parts (the forward's key splits)
+                o2, lse2 = cupy.zeros_like(o), cupy.full_like(lse, -np.inf)
+                be.kernels.forced_key_splits = 2
+                try:
+                    be.forward_block(*dev[:3], o2, lse2, scale=scale, causal=causal, q_start=q_start, mask=mask)
+                finally:
+                    be.kernels.forced_key_splits = None
+                err = float(cupy.abs(o2 - o).max() / max(float(cupy.abs(o).max()), 1e-6))
+                worst = max(worst, err)
+                if not np.isfinite(err) or err > 1e-3:
+                    print(f"FAIL {dtype.name} d{d} BM{rows} {mode}: key splits differ by {err:.2e}")
+                    return 1
                 if forward_only:
                     continue
                 delta = be.delta(dev[3], o)

@@ -39,8 +39,9 @@ namespace fwd90 {
 constexpr int STAGES = 2;
 // the cross-tile step and its second Q buffer (Cfg::CROSS_TILE), on once the GPU tests and sanitizers pass
 constexpr bool kCrossTile = false;
-// named barrier ids (0 is __syncthreads): kTurn + c, consumer c's turn to issue its products
-constexpr int kTurn = 1;
+// named barrier ids (0 is __syncthreads): kTurn + c, consumer c's turn to issue its products; kMerge + c,
+// consumer c's threads around a locked merge (key splits)
+constexpr int kTurn = 1, kMerge = 4;
 // CONSUMERS warpgroups of 64 query rows; keys per tile and register split per head dim
 template <int D, int CONSUMERS>
 struct Cfg {
@@ -58,11 +59,12 @@ struct Cfg {
   // the tensor cores while the others do their softmax. D = 256 runs without (as FlashAttention-3 does
   // with intra-warpgroup overlap at that width).
   static constexpr bool PINGPONG = D <= 128;
-  // Q buffers: two where the shared memory holds them (D <= 128), so the next tile's Q lands while this
-  // tile runs; then the step at a tile's end (CROSS_TILE) issues the next tile's first Q K^T with this
-  // tile's last P V, and the merge runs while the other consumers' products do. D = 256 (one Q buffer)
-  // keeps the plain order: last P V, merge, then the next tile's first Q K^T.
-  static constexpr int QSTAGES = kCrossTile && D <= 128 ? 2 : 1;
+  // Q buffers: two with kCrossTile where the shared memory holds them (D <= 128) and the registers hold two
+  // tiles' state (two consumers: three at 160 registers spill), so the next tile's Q lands while this tile
+  // runs; then the step at a tile's end (CROSS_TILE) issues the next tile's first Q K^T with this tile's
+  // last P V, and the merge runs while the other consumers' products do. Otherwise one Q buffer and the
+  // plain order: last P V, merge, then the next tile's first Q K^T.
+  static constexpr int QSTAGES = kCrossTile && D <= 128 && CONSUMERS == 2 ? 2 : 1;
   static constexpr bool CROSS_TILE = QSTAGES == 2;
   static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= (65536 / THREADS) / 8 * 8 * THREADS,
                 "register split exceeds the launch allocation");
@@ -90,22 +92,25 @@ struct Smem {
 };
 
 // One tile of the schedule: query block mb of (batch b, query head h), its key tiles
-// [t_begin, t_begin + ntiles) (ntiles <= 0: nothing visible, the tile is skipped).
+// [t_begin, t_begin + ntiles) (ntiles <= 0: nothing visible, the tile is skipped); with key splits, part
+// `split` of the key tiles of query tile `id`.
 struct Tile {
-  int mb, h, b, t_begin, ntiles;
+  int mb, h, b, t_begin, ntiles, id, split;
 };
 
 // The tile order of one launch (the schedule above): a CTA's first tile index is blockIdx.x, each next one
 // comes from the global counter; an index >= count() is the end mark. The counter is two ints, 0 at launch
-// and 0 again when the last CTA retires.
+// and 0 again when the last CTA retires. Key splits (nsplit > 1, the host's choice when the query tiles
+// leave SMs idle): each query tile's key tiles are cut into nsplit parts of equal count, the parts of one
+// query tile next to each other in the order; each part merges its result into (o, lse) on its own.
 template <int BM, int BN, bool CAUSAL, bool IV>
 struct TileScheduler {
-  int nmb, Hq, BH, hchunk, Sq, Sk;
+  int nmb, Hq, BH, hchunk, nsplit, Sq, Sk;
   const int *order, *mlo, *mhi;
   i64 off, kofs;
   int* counter;
 
-  __device__ __forceinline__ int count() const { return nmb * BH; }
+  __device__ __forceinline__ int count() const { return nmb * BH * nsplit; }
   __device__ __forceinline__ int first() const { return blockIdx.x; }
   __device__ __forceinline__ int next() const { return gridDim.x + atomicAdd(counter, 1); }
   // the first index from idx on whose tile has a visible key tile (its tile in *t), or an end mark
@@ -122,7 +127,8 @@ struct TileScheduler {
       atomicExch(counter + 1, 0);
     }
   }
-  __device__ __forceinline__ Tile tile(int idx) const {
+  __device__ __forceinline__ Tile tile(int split_idx) const {
+    const int idx = split_idx / nsplit;
     const int chunk = idx / (hchunk * nmb), in_chunk = idx - chunk * hchunk * nmb;
     const int heads = min(hchunk, BH - chunk * hchunk);  // the last chunk may hold fewer
     const int rank = in_chunk / heads, bh = chunk * hchunk + in_chunk % heads;
@@ -142,6 +148,13 @@ struct TileScheduler {
     }
     t.t_begin = n_begin / BN;
     t.ntiles = n_end > n_begin ? (n_end + BN - 1) / BN - t.t_begin : 0;
+    t.id = idx;
+    t.split = split_idx - idx * nsplit;
+    if (nsplit > 1) {
+      const int part = (t.ntiles + nsplit - 1) / nsplit;
+      t.t_begin += t.split * part;
+      t.ntiles = min(part, t.ntiles - t.split * part);
+    }
     return t;
   }
 };
@@ -295,8 +308,9 @@ struct ConsumerTile {
 template <int D, int CONSUMERS, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss,
                                               i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int B, int Hq,
-                                              int group, float sl2, i64 off, int hchunk, const int* order,
-                                              const int* mlo, const int* mhi, i64 kofs, int* next_tile) {
+                                              int group, float sl2, i64 off, int hchunk, int nsplit,
+                                              const int* order, const int* mlo, const int* mhi, i64 kofs,
+                                              int* next_tile, int* locks) {
   using namespace fwd90;
   using C = Cfg<D, CONSUMERS>;
   using L = Smem<D, CONSUMERS>;
@@ -304,8 +318,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   volatile int* const slot = reinterpret_cast<volatile int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kSlot);
-  const TileScheduler<BM, BN, CAUSAL, IV> sched{(Sq + BM - 1) / BM, Hq, B * Hq, hchunk, Sq, Sk, order, mlo, mhi,
-                                                off, kofs, next_tile};
+  const TileScheduler<BM, BN, CAUSAL, IV> sched{(Sq + BM - 1) / BM, Hq, B * Hq, hchunk, nsplit, Sq, Sk, order,
+                                                mlo, mhi, off, kofs, next_tile};
 
   if (threadIdx.x == 0) {
     for (int q = 0; q < QSTAGES; ++q) {
@@ -405,6 +419,23 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   float m[2], l[2], alpha[2];
   float s[BN / 2];
   u32 p[BN / 16][4];
+  // the epilogue: GAO merge of acc into the running (o, lse); rows with nothing visible stay untouched. With
+  // key splits, the parts of a query tile merge the same rows: one warpgroup at a time holds its rows' lock.
+  auto merge = [&](const CT& ct, const float* mm, float* ll) {
+    int* const lock = locks + ct.tl.id * CONSUMERS + cw;
+    if (nsplit > 1) {
+      if (leader)
+        while (atomicCAS(lock, 0, 1) != 0) __nanosleep(100);
+      __threadfence();
+      named_barrier_sync(kMerge + cw, 128);
+    }
+    merge_rows<D>(o_rows_of(ct.tl) + 2 * (lane % 4), oss, lse_rows_of(ct.tl), lss, acc, mm, ll, ct.row0, Sq, lane);
+    if (nsplit > 1) {
+      __threadfence();
+      named_barrier_sync(kMerge + cw, 128);
+      if (leader) atomicExch(lock, 0);
+    }
+  };
   // a tile's first step: S_0 = Q K_0^T alone, then its softmax (nothing to rescale yet)
   auto first_step = [&](const CT& ct) {
     m[0] = m[1] = -BH_INF;
@@ -468,8 +499,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       }
       pack_p<BN, BF16>(s, p);
     }
-    // ---- the tile's end: its last P V, then the epilogue (GAO merge into the running (o, lse); rows with
-    // nothing visible stay untouched)
+    // ---- the tile's end: its last P V, then the epilogue
     const int sp = v_pipe.stage;
     const int nidx = C::CROSS_TILE ? next_index() : 0;
     if (C::CROSS_TILE && nidx < sched.count()) {
@@ -503,8 +533,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       if (leader) mbar_arrive(L::v_empty(base, sp));
       v_pipe.advance();
       pack_p<BN, BF16>(s, p);
-      merge_rows<D>(o_rows_of(cur.tl) + 2 * (lane % 4), oss, lse_rows_of(cur.tl), lss, acc, m_end, l_end, cur.row0,
-                    Sq, lane);
+      merge(cur, m_end, l_end);
       zero_acc();
       cur = nxt;
       continue;
@@ -517,7 +546,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     fence_operands<D / 2>(acc);
     if (leader) mbar_arrive(L::v_empty(base, sp));
     v_pipe.advance();
-    merge_rows<D>(o_rows_of(cur.tl) + 2 * (lane % 4), oss, lse_rows_of(cur.tl), lss, acc, m, l, cur.row0, Sq, lane);
+    merge(cur, m, l);
     if (C::CROSS_TILE) break;  // the end mark was read above
     idx = next_index();
     if (idx >= sched.count()) break;
@@ -532,11 +561,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 #define BH_FWD90_KERNEL(DT, MASK, D, C)                                                                            \
   extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1) BH_FWD90_NAME(DT, MASK, D, C)(        \
       const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,      \
-      int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, const int* order, const int* mlo,  \
-      const int* mhi, i64 kofs, int* next_tile) {                                                                  \
+      int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, int nsplit, const int* order,      \
+      const int* mlo, const int* mhi, i64 kofs, int* next_tile, int* locks) {                                      \
     attn_fwd_sm90<D, C, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                 \
-        tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, order, mlo, mhi, kofs, \
-        next_tile);                                                                                                \
+        tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, nsplit, order, mlo,    \
+        mhi, kofs, next_tile, locks);                                                                              \
   }
 #define BH_FWD90_ROW(DT, MASK, D, C)                                                                         \
   {BH_STR(BH_FWD90_NAME(DT, MASK, D, C)), BH_DTYPE_##DT, D, BH_MASK_##MASK, fwd90::Cfg<D, C>::BM,          \
@@ -548,9 +577,10 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 // interval masks, named attn_fwd_sm90_<dtype>_d<D>_m<consumer warpgroups>_<mask>; the kernel table
 // attn_fwd_sm90_kernels lists them with their geometry (the host picks among a head dim's tile heights).
 // tmaps: the q, k, v tensor maps (128 bytes each, global memory); grid: one CTA per SM at most;
-// hchunk, order: the schedule (order: interval only, the query blocks longest first); mlo, mhi, kofs: the
-// interval bounds (null for full and causal); next_tile: the tile counter and the count of CTAs done, two
-// ints that are 0 at launch and 0 again when the kernel ends
+// hchunk, order: the schedule (order: interval only, the query blocks longest first); nsplit: the parts of
+// each query tile's key range (1: none); mlo, mhi, kofs: the interval bounds (null for full and causal);
+// next_tile: the tile counter and the count of CTAs done, two ints that are 0 at launch and 0 again when the
+// kernel ends; locks (nsplit > 1): (query tiles) x (consumer warpgroups) ints, 0 at launch and at the end
 #define BH_FWD90_SHAPES(X) X(64, 2) X(64, 3) X(128, 2) X(256, 2)
 BH_INSTANCES(BH_FWD90_SHAPES, BH_FWD90_KERNELS)
 BH_KERNEL_TABLE(attn_fwd_sm90, BH_TABLE_ROWS(BH_FWD90_SHAPES, BH_FWD90_ROWS))

@@ -3,6 +3,18 @@
 #pragma once
 #include "sm90_primitives.cuh"
 
+// global loads that bypass L1: the forward's key splits merge the same rows from different SMs in turn
+__device__ __forceinline__ float load_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float2 load_cg2(const float* p) {
+  float2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+
 // Forward: GAO merge of this thread's two rows (scores already in base-2 units: running max m, row sums
 // l, unnormalised output acc) into the running (o, lse). `o_rows` points at row 0, column 2 (lane % 4) of
 // this (batch, head); `lse_rows` at its lse entry of row 0. Rows with nothing visible (l = 0) and rows
@@ -21,7 +33,7 @@ __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_ro
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
-    l_old[r] = (row < Sq) ? lse_rows[row * lss] : -BH_INF;
+    l_old[r] = (row < Sq) ? load_cg(lse_rows + row * lss) : -BH_INF;
   }
   __syncwarp();  // every lane of a quad has read lse before its first lane writes it
 #pragma unroll
@@ -39,7 +51,7 @@ __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_ro
       for (int j = 0; j < D / 8; ++j) {
         float2 val = make_float2(acc[4 * j + 2 * r] * wb, acc[4 * j + 2 * r + 1] * wb);
         if (!fresh) {
-          const float2 old = *reinterpret_cast<const float2*>(op + 8 * j);
+          const float2 old = load_cg2(op + 8 * j);
           val.x += old.x * wo;
           val.y += old.y * wo;
         }

@@ -232,6 +232,34 @@ def test_sm90_tile_counter_resets_on_every_stream(causal):
         _check("o", o, pl_o, ref_o, 2)
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_forward_key_splits(d, causal):
+    """The sm90 forward with each query tile's key range cut across CTAs (forced: 2 and 3 parts, more parts
+    than some causal tiles have key tiles), merged into a running (o, lse) with a causal offset; every tile
+    height; the parts' locks are back at zero after each call."""
+    if _family != "sm90":
+        pytest.skip("key splits belong to the persistent sm90 forward")
+    be = _be()
+    b, sq, sk, hq, hkv = 1, 333, 1100, 4, 2
+    q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    scale, q_start = d ** -0.5, 700
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    for rows in be.kernels.tile_heights(d):
+        for parts in (2, 3):
+            be.kernels.forced_tile_height, be.kernels.forced_key_splits = rows, parts
+            try:  # two halves of the keys merged, as two ring steps would
+                o, lse = _run_forward(q, k[:, :600], v[:, :600], scale, causal, q_start=q_start)
+                _run_forward(q, k[:, 600:], v[:, 600:], scale, causal, q_start=q_start, k_start=600, o=o, lse=lse)
+                cupy.cuda.get_current_stream().synchronize()
+                assert not cupy.asnumpy(be.kernels.tile_locks(1)).any(), "a lock was left taken"
+            finally:
+                be.kernels.forced_tile_height = be.kernels.forced_key_splits = None
+            _check(f"o (BM={rows}, {parts} parts)", o, pl_o, ref_o, 2)
+            assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max())), f"lse (BM={rows})"
+
+
 # ---------------------------------------------------------------- D = 256: the sm90 backward's wide kernels
 # The families with a native D = 256 backward kernel (backward_block routes D = 256 there): the tests below
 # run on these (parametrized, not skipped).
