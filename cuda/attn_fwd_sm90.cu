@@ -37,8 +37,6 @@
 
 namespace fwd90 {
 constexpr int STAGES = 2;
-// the cross-tile step and its second Q buffer (Cfg::CROSS_TILE), on once the GPU tests and sanitizers pass
-constexpr bool kCrossTile = false;
 // named barrier ids (0 is __syncthreads): kTurn + c, consumer c's turn to issue its products; kMerge + c,
 // consumer c's threads around a locked merge (key splits)
 constexpr int kTurn = 1, kMerge = 4;
@@ -59,13 +57,13 @@ struct Cfg {
   // the tensor cores while the others do their softmax. D = 256 runs without (as FlashAttention-3 does
   // with intra-warpgroup overlap at that width).
   static constexpr bool PINGPONG = D <= 128;
-  // Q buffers: two with kCrossTile where the shared memory holds them (D <= 128) and the registers hold two
-  // tiles' state (two consumers: three at 160 registers spill), so the next tile's Q lands while this tile
-  // runs; then the step at a tile's end (CROSS_TILE) issues the next tile's first Q K^T with this tile's
-  // last P V, and the merge runs while the other consumers' products do. Otherwise one Q buffer and the
-  // plain order: last P V, merge, then the next tile's first Q K^T.
-  static constexpr int QSTAGES = kCrossTile && D <= 128 && CONSUMERS == 2 ? 2 : 1;
-  static constexpr bool CROSS_TILE = QSTAGES == 2;
+  // Q buffers: two where the shared memory holds them (D <= 128) and the registers hold two tiles' state
+  // (two consumers: three at 160 registers spill with the cross-tile step), so the next tile's Q lands
+  // while this tile runs. With two, the host may ask for the cross-tile step (argument cross_tile): the
+  // step at a tile's end issues the next tile's first Q K^T with this tile's last P V, and the merge runs
+  // while the other consumers' products do. Otherwise the plain order: last P V, merge, then the next
+  // tile's first Q K^T.
+  static constexpr int QSTAGES = D <= 128 && CONSUMERS == 2 ? 2 : 1;
   static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= (65536 / THREADS) / 8 * 8 * THREADS,
                 "register split exceeds the launch allocation");
 };
@@ -309,7 +307,7 @@ template <int D, int CONSUMERS, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss,
                                               i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int B, int Hq,
                                               int group, float sl2, i64 off, int hchunk, int nsplit,
-                                              const int* order, const int* mlo, const int* mhi, i64 kofs,
+                                              int cross_tile, const int* order, const int* mlo, const int* mhi, i64 kofs,
                                               int* next_tile, int* locks) {
   using namespace fwd90;
   using C = Cfg<D, CONSUMERS>;
@@ -501,8 +499,9 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     }
     // ---- the tile's end: its last P V, then the epilogue
     const int sp = v_pipe.stage;
-    const int nidx = C::CROSS_TILE ? next_index() : 0;
-    if (C::CROSS_TILE && nidx < sched.count()) {
+    const bool cross = QSTAGES == 2 && cross_tile != 0;
+    const int nidx = cross ? next_index() : 0;
+    if (cross && nidx < sched.count()) {
       // the next tile's S_0 = Q K_0^T with this tile's last P V in one turn; the next tile's softmax runs
       // while the P V does, and this tile's merge while the other consumers' products do
       const CT nxt = consumer_tile(nidx);
@@ -547,7 +546,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     if (leader) mbar_arrive(L::v_empty(base, sp));
     v_pipe.advance();
     merge(cur, m, l);
-    if (C::CROSS_TILE) break;  // the end mark was read above
+    if (cross) break;  // the end mark was read above
     idx = next_index();
     if (idx >= sched.count()) break;
     cur = consumer_tile(idx);
@@ -561,11 +560,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 #define BH_FWD90_KERNEL(DT, MASK, D, C)                                                                            \
   extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1) BH_FWD90_NAME(DT, MASK, D, C)(        \
       const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,      \
-      int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, int nsplit, const int* order,      \
-      const int* mlo, const int* mhi, i64 kofs, int* next_tile, int* locks) {                                      \
+      int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, int nsplit, int cross_tile,        \
+      const int* order, const int* mlo, const int* mhi, i64 kofs, int* next_tile, int* locks) {                    \
     attn_fwd_sm90<D, C, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                 \
-        tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, nsplit, order, mlo,    \
-        mhi, kofs, next_tile, locks);                                                                              \
+        tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, nsplit, cross_tile,    \
+        order, mlo, mhi, kofs, next_tile, locks);                                                                  \
   }
 #define BH_FWD90_ROW(DT, MASK, D, C)                                                                         \
   {BH_STR(BH_FWD90_NAME(DT, MASK, D, C)), BH_DTYPE_##DT, D, BH_MASK_##MASK, fwd90::Cfg<D, C>::BM,          \
@@ -578,7 +577,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 // attn_fwd_sm90_kernels lists them with their geometry (the host picks among a head dim's tile heights).
 // tmaps: the q, k, v tensor maps (128 bytes each, global memory); grid: one CTA per SM at most;
 // hchunk, order: the schedule (order: interval only, the query blocks longest first); nsplit: the parts of
-// each query tile's key range (1: none); mlo, mhi, kofs: the interval bounds (null for full and causal);
+// each query tile's key range (1: none); cross_tile: 1 for the cross-tile step (shapes with two Q buffers);
+// mlo, mhi, kofs: the interval bounds (null for full and causal);
 // next_tile: the tile counter and the count of CTAs done, two ints that are 0 at launch and 0 again when the
 // kernel ends; locks (nsplit > 1): (query tiles) x (consumer warpgroups) ints, 0 at launch and at the end
 #define BH_FWD90_SHAPES(X) X(64, 2) X(64, 3) X(128, 2) X(256, 2)

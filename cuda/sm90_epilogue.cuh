@@ -47,15 +47,26 @@ __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_ro
       const float wo = fresh ? 0.f : __expf(lo - ln);
       const float wb = __expf(lb - ln) / l[r];
       float* op = o_rows + row * oss;
+      // the old o in batches of loads issued together (the loads are volatile: the compiler keeps their
+      // order, so a load written after a store would wait for the store's row to go out first)
+      constexpr int BATCH = 4;
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        float2 val = make_float2(acc[4 * j + 2 * r] * wb, acc[4 * j + 2 * r + 1] * wb);
+      for (int j0 = 0; j0 < D / 8; j0 += BATCH) {
+        float2 old[BATCH];
         if (!fresh) {
-          const float2 old = load_cg2(op + 8 * j);
-          val.x += old.x * wo;
-          val.y += old.y * wo;
+#pragma unroll
+          for (int j = 0; j < BATCH; ++j) old[j] = load_cg2(op + 8 * (j0 + j));
         }
-        *reinterpret_cast<float2*>(op + 8 * j) = val;
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+          const int c = j0 + j;
+          float2 val = make_float2(acc[4 * c + 2 * r] * wb, acc[4 * c + 2 * r + 1] * wb);
+          if (!fresh) {
+            val.x += old[j].x * wo;
+            val.y += old[j].y * wo;
+          }
+          *reinterpret_cast<float2*>(op + 8 * c) = val;
+        }
       }
       if (lane % 4 == 0) lse_rows[row * lss] = ln;
     }

@@ -260,6 +260,33 @@ def test_sm90_forward_key_splits(d, causal):
             assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max())), f"lse (BM={rows})"
 
 
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ctas", [None, 2])
+def test_sm90_forward_cross_tile(d, causal, ctas):
+    """The sm90 forward's cross-tile step (a tile's last P V with the next tile's first Q K^T), every tile
+    height, merged halves with a causal offset, on all SMs (256+ tiles) and on 2 CTAs (many tiles each)."""
+    if _family != "sm90":
+        pytest.skip("the cross-tile step belongs to the persistent sm90 forward")
+    be = _be()
+    b, sq, sk, hq, hkv = 1, 1000, 700, 32, 8
+    q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    scale, q_start = d ** -0.5, -300  # causal: the first 300 queries see nothing
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    visible = _visible_rows(sq, sk, causal, q_start, 0)
+    for rows in be.kernels.tile_heights(d):
+        be.kernels.forced_tile_height, be.kernels.cross_tile, be.kernels.max_ctas = rows, True, ctas
+        try:
+            o, lse = _run_forward(q, k[:, :300], v[:, :300], scale, causal, q_start=q_start)
+            _run_forward(q, k[:, 300:], v[:, 300:], scale, causal, q_start=q_start, k_start=300, o=o, lse=lse)
+        finally:
+            be.kernels.forced_tile_height, be.kernels.cross_tile, be.kernels.max_ctas = None, False, None
+        _check(f"o (BM={rows})", o[:, visible], pl_o[:, visible], ref_o[:, visible], 2)
+        assert bool(cupy.isnan(o[:, ~visible]).all()), "rows that see nothing were written"
+        assert _maxerr(lse[..., visible], ref_lse[..., visible]) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max()))
+
+
 # ---------------------------------------------------------------- D = 256: the sm90 backward's wide kernels
 # The families with a native D = 256 backward kernel (backward_block routes D = 256 there): the tests below
 # run on these (parametrized, not skipped).

@@ -30,13 +30,19 @@ class Sm90Kernels:
     ``forced_tile_height``: None, or the forward tile height (query rows) to run instead of the one the
     schedule picks (bench_kernels.py --fwd-shapes, the tests of every tile height).
     ``key_splits``: let the forward cut each query tile's key range across CTAs when its query tiles leave
-    SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count."""
+    SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count.
+    ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
+    shapes with two Q buffers, D <= 128 with two consumer warpgroups). ``max_ctas``: None, or at most this many
+    CTAs for the persistent forward (tests and the sanitizer: many tiles per CTA on small shapes)."""
 
     def __init__(self, modules):
         self.modules = modules
         self.forced_tile_height = None
         self.key_splits = False
         self.forced_key_splits = None
+        self.cross_tile = False
+        self.max_ctas = None
+        self._splits = {}
         self._counters = {}
         self._locks = {}
 
@@ -67,6 +73,16 @@ class Sm90Kernels:
         nmb, sms = -(-sq // bm), launch.sm_count()
         if not self.key_splits or mask is not None or nmb * heads >= sms:
             return 1
+        key = (bm, bn, heads, sq, sk, causal, off, sms)
+        n = self._splits.get(key)
+        if n is None:
+            n = self._splits[key] = self._least_time_split(nmb, bm, bn, heads, sq, sk, causal, off, sms)
+            if len(self._splits) > 256:
+                self._splits.clear()
+        return n
+
+    @staticmethod
+    def _least_time_split(nmb, bm, bn, heads, sq, sk, causal, off, sms):
         ends = np.full(nmb, sk, np.int64)
         if causal:
             ends = np.clip(np.minimum(np.arange(1, nmb + 1) * bm, sq) + off, 0, sk)
@@ -125,10 +141,10 @@ class Sm90Kernels:
         off = int(q_start) - int(k_start)
         nsplit = self.key_split(bm, bn, b * hq, sq, sk, causal, off, mask)
         locks = self.tile_locks(nmb * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else np.uint64(0)
-        grid = (min(nmb * b * hq * nsplit, launch.sm_count()),)
+        grid = (min(nmb * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
         args = (maps, o, lse, *strides(o)[:3], *strides(lse), np.int32(sq), np.int32(sk), np.int32(b), np.int32(hq),
                 np.int32(hq // hkv), np.float32(scale * LOG2E), np.int64(off), np.int32(hchunk), np.int32(nsplit),
-                order, *mask_args(mask, q_start, sq, k_start), self.tile_counter(), locks)
+                np.int32(self.cross_tile), order, *mask_args(mask, q_start, sq, k_start), self.tile_counter(), locks)
         kern(grid, (kernel.threads,), args, shared_mem=kernel.smem_bytes)
 
     # ---- backward --------------------------------------------------------------------------------------
