@@ -427,7 +427,12 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       __threadfence();
       named_barrier_sync(kMerge + cw, 128);
     }
-    merge_rows<D>(o_rows_of(ct.tl) + 2 * (lane % 4), oss, lse_rows_of(ct.tl), lss, acc, mm, ll, ct.row0, Sq, lane);
+    if (nsplit > 1)
+      merge_rows<D, true>(o_rows_of(ct.tl) + 2 * (lane % 4), oss, lse_rows_of(ct.tl), lss, acc, mm, ll, ct.row0, Sq,
+                          lane);
+    else
+      merge_rows<D, false>(o_rows_of(ct.tl) + 2 * (lane % 4), oss, lse_rows_of(ct.tl), lss, acc, mm, ll, ct.row0,
+                           Sq, lane);
     if (nsplit > 1) {
       __threadfence();
       named_barrier_sync(kMerge + cw, 128);
