@@ -271,15 +271,15 @@ def test_sm90_forward_cross_tile(d, causal, ctas):
     be = _be()
     b, sq, sk, hq, hkv = 1, 1000, 700, 32, 8
     q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
-    scale, q_start = d ** -0.5, -300  # causal: the first 300 queries see nothing
-    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
-    pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
-    visible = _visible_rows(sq, sk, causal, q_start, 0)
+    scale, k_start = d ** -0.5, 300  # causal: the first 300 queries see nothing
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, k_start=k_start)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, k_start=k_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    visible = _visible_rows(sq, sk, causal, 0, k_start)
     for rows in be.kernels.tile_heights(d):
         be.kernels.forced_tile_height, be.kernels.cross_tile, be.kernels.max_ctas = rows, True, ctas
         try:
-            o, lse = _run_forward(q, k[:, :300], v[:, :300], scale, causal, q_start=q_start)
-            _run_forward(q, k[:, 300:], v[:, 300:], scale, causal, q_start=q_start, k_start=300, o=o, lse=lse)
+            o, lse = _run_forward(q, k[:, :300], v[:, :300], scale, causal, k_start=k_start)
+            _run_forward(q, k[:, 300:], v[:, 300:], scale, causal, k_start=k_start + 300, o=o, lse=lse)
         finally:
             be.kernels.forced_tile_height, be.kernels.cross_tile, be.kernels.max_ctas = None, False, None
         _check(f"o (BM={rows})", o[:, visible], pl_o[:, visible], ref_o[:, visible], 2)
