@@ -6,9 +6,11 @@ causal and interval masks, bf16 and fp16) once on small shapes, for compute-sani
     (--forward-only: the forward kernels alone; --backward-only: the backward instances, each once, after
     the forward at one tile height)
 
-Shapes: lengths that are not multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA
-group (dK/dV atomics) and a causal offset. The backward runs in both tile orders (in order; longest first in
-chunks of 3 of its 4 head slots, so the last chunk is partial). The results are checked loosely against a float64 oracle
+The forward runs on 3 CTAs, so each takes several tiles, and runs three times: plain, with its key range
+cut in two (key splits), with the cross-tile step switched from its default. The backward runs in both tile orders (in order; longest
+first in chunks of 3 of its 4 head slots, so the last chunk is partial). Shapes: lengths that are not
+multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA group (dK/dV atomics) and a causal
+offset. The results are checked loosely against a float64 oracle
 (the GPU tests check them tightly), so a kernel that the sanitizer slows down or perturbs still has to
 compute the right thing.
 """
@@ -27,6 +29,7 @@ def main():
     forward_only, backward_only = "--forward-only" in sys.argv[1:], "--backward-only" in sys.argv[1:]
     be = CudaBackend.instance(family="sm90")
     default_order = be.kernels.longest_first, be.kernels.forced_order_heads
+    be.kernels.max_ctas = 3  # the forward's CTAs take several tiles each: tile boundaries, counter, locks
     rng = np.random.default_rng()
     worst = 0.0
     for dtype in (np.dtype("bfloat16"), np.dtype(np.float16)):
@@ -48,6 +51,21 @@ def main():
                 scale = d ** -0.5
                 q_start = sk - sq if causal else 0  # the last queries see every key
                 be.forward_block(*dev[:3], o, lse, scale=scale, causal=causal, q_start=q_start, mask=mask)
+                # the same with each query tile's keys cut in two parts (key splits), and with the cross-tile
+                # step (16-bit probabilities round differently per part: the results agree to about 1e-3)
+                for name, value in (("forced_key_splits", 2), ("cross_tile", not be.kernels.cross_tile)):
+                    o2, lse2 = cupy.zeros_like(o), cupy.full_like(lse, -np.inf)
+                    default = getattr(be.kernels, name)
+                    setattr(be.kernels, name, value)
+                    try:
+                        be.forward_block(*dev[:3], o2, lse2, scale=scale, causal=causal, q_start=q_start, mask=mask)
+                    finally:
+                        setattr(be.kernels, name, default)
+                    err = float(cupy.abs(o2 - o).max() / max(float(cupy.abs(o).max()), 1e-6))
+                    worst = max(worst, err)
+                    if not np.isfinite(err) or err > 1e-2:
+                        print(f"FAIL {dtype.name} d{d} BM{rows} {mode}: {name} differs by {err:.2e}")
+                        return 1
                 if forward_only:
                     continue
                 delta = be.delta(dev[3], o)

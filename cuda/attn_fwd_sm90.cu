@@ -37,8 +37,9 @@
 
 namespace fwd90 {
 constexpr int STAGES = 2;
-// named barrier ids (0 is __syncthreads): kTurn + c, consumer c's turn to issue its products
-constexpr int kTurn = 1;
+// named barrier ids (0 is __syncthreads): kTurn + c, consumer c's turn to issue its products; kMerge + c,
+// consumer c's threads around a locked merge (key splits)
+constexpr int kTurn = 1, kMerge = 4;
 // CONSUMERS warpgroups of 64 query rows; keys per tile and register split per head dim
 template <int D, int CONSUMERS>
 struct Cfg {
@@ -56,58 +57,105 @@ struct Cfg {
   // the tensor cores while the others do their softmax. D = 256 runs without (as FlashAttention-3 does
   // with intra-warpgroup overlap at that width).
   static constexpr bool PINGPONG = D <= 128;
+  // Q buffers: two where the shared memory holds them (D <= 128) and the registers hold two tiles' state
+  // (two consumers: three at 160 registers spill with the cross-tile step), so the next tile's Q lands
+  // while this tile runs. With two, the host may ask for the cross-tile step (argument cross_tile): the
+  // step at a tile's end issues the next tile's first Q K^T with this tile's last P V, and the merge runs
+  // while the other consumers' products do. Otherwise the plain order: last P V, merge, then the next
+  // tile's first Q K^T.
+  static constexpr int QSTAGES = D <= 128 && CONSUMERS == 2 ? 2 : 1;
   static_assert(128 * (PRODUCER_REGS + CONSUMERS * CONSUMER_REGS) <= (65536 / THREADS) / 8 * 8 * THREADS,
                 "register split exceeds the launch allocation");
 };
 
-// shared memory, byte offsets from a 1024-aligned base: Q | K stages | V stages | barriers
+// shared memory, byte offsets from a 1024-aligned base: Q stages | K stages | V stages | barriers | slots
 template <int D, int CONSUMERS>
 struct Smem {
-  static constexpr int BM = Cfg<D, CONSUMERS>::BM, BN = Cfg<D, CONSUMERS>::BN;
+  static constexpr int BM = Cfg<D, CONSUMERS>::BM, BN = Cfg<D, CONSUMERS>::BN, QSTAGES = Cfg<D, CONSUMERS>::QSTAGES;
   static constexpr u32 kTile = BN * D * 2;  // one K or V tile
+  static constexpr u32 kQTile = BM * D * 2;
   static constexpr u32 kQ = 0;
-  static constexpr u32 kK = kQ + BM * D * 2;
+  static constexpr u32 kK = kQ + QSTAGES * kQTile;
   static constexpr u32 kV = kK + STAGES * kTile;
-  static constexpr u32 kBar = kV + STAGES * kTile;  // q_full, q_empty, then per stage k_full, v_full, k_empty, v_empty
-  static constexpr u32 kSlot = kBar + 8 * (2 + 4 * STAGES);  // the index of the tile in the Q buffer
-  static constexpr u32 kBytes = kSlot + 16 + 1024;  // + alignment slack
-  __device__ static u32 q_full(u32 base) { return base + kBar; }
-  __device__ static u32 q_empty(u32 base) { return base + kBar + 8; }
-  __device__ static u32 k_full(u32 base, int s) { return base + kBar + 8 * (2 + 4 * s); }
+  // per Q stage q_full, q_empty, then per K/V stage k_full, v_full, k_empty, v_empty
+  static constexpr u32 kBar = kV + STAGES * kTile;
+  static constexpr u32 kSlot = kBar + 8 * (2 * QSTAGES + 4 * STAGES);  // per Q stage, the index of its tile
+  static constexpr u32 kBytes = kSlot + 4 * QSTAGES + 1024;  // + alignment slack
+  __device__ static u32 q_full(u32 base, int q) { return base + kBar + 16 * q; }
+  __device__ static u32 q_empty(u32 base, int q) { return q_full(base, q) + 8; }
+  __device__ static u32 k_full(u32 base, int s) { return base + kBar + 8 * (2 * QSTAGES + 4 * s); }
   __device__ static u32 v_full(u32 base, int s) { return k_full(base, s) + 8; }
   __device__ static u32 k_empty(u32 base, int s) { return k_full(base, s) + 16; }
   __device__ static u32 v_empty(u32 base, int s) { return k_full(base, s) + 24; }
 };
 
 // One tile of the schedule: query block mb of (batch b, query head h), its key tiles
-// [t_begin, t_begin + ntiles) (ntiles <= 0: nothing visible, the tile is skipped).
+// [t_begin, t_begin + ntiles) (ntiles <= 0: nothing visible, the tile is skipped); with key splits, part
+// `split` of the key tiles of query tile `id`.
 struct Tile {
-  int mb, h, b, t_begin, ntiles;
+  int mb, h, b, t_begin, ntiles, id, split;
 };
+
+// The tile order of one launch (the schedule above): a CTA's first tile index is blockIdx.x, each next one
+// comes from the global counter; an index >= count() is the end mark. The counter is two ints, 0 at launch
+// and 0 again when the last CTA retires. Key splits (nsplit > 1, the host's choice when the query tiles
+// leave SMs idle): each query tile's key tiles are cut into nsplit parts of equal count, the parts of one
+// query tile next to each other in the order; each part merges its result into (o, lse) on its own.
 template <int BM, int BN, bool CAUSAL, bool IV>
-__device__ __forceinline__ Tile tile_at(int idx, int nmb, int Hq, int BH, int hchunk, const int* order, int Sq,
-                                        int Sk, i64 off, const int* mlo, const int* mhi, i64 kofs) {
-  const int chunk = idx / (hchunk * nmb), in_chunk = idx - chunk * hchunk * nmb;
-  const int heads = min(hchunk, BH - chunk * hchunk);  // the last chunk may hold fewer
-  const int rank = in_chunk / heads, bh = chunk * hchunk + in_chunk % heads;
-  Tile t;
-  t.mb = CAUSAL ? nmb - 1 - rank : IV ? order[rank] : rank;
-  t.b = bh / Hq;
-  t.h = bh - t.b * Hq;
-  const int m0 = t.mb * BM;
-  int n_begin = 0, n_end = Sk;
-  if (CAUSAL) {
-    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
-    n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
+struct TileScheduler {
+  int nmb, Hq, BH, hchunk, nsplit, Sq, Sk;
+  const int *order, *mlo, *mhi;
+  i64 off, kofs;
+  int* counter;
+
+  __device__ __forceinline__ int count() const { return nmb * BH * nsplit; }
+  __device__ __forceinline__ int first() const { return blockIdx.x; }
+  __device__ __forceinline__ int next() const { return gridDim.x + atomicAdd(counter, 1); }
+  // the first index from idx on whose tile has a visible key tile (its tile in *t), or an end mark
+  __device__ __forceinline__ int first_visible(int idx, Tile* t) const {
+    while (idx < count() && (*t = tile(idx)).ntiles <= 0) idx = next();
+    return idx;
   }
-  if (IV) {
-    n_begin = max(0, local_key(mlo[m0], kofs, Sk));
-    n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
+  // a CTA that drew the end mark counts itself out; the last one zeroes the counter for the next launch
+  // (every other CTA has drawn its last index before it counted itself out), so the host needs no memset
+  __device__ __forceinline__ void retire() const {
+    __threadfence();
+    if (atomicAdd(counter + 1, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(counter, 0);
+      atomicExch(counter + 1, 0);
+    }
   }
-  t.t_begin = n_begin / BN;
-  t.ntiles = n_end > n_begin ? (n_end + BN - 1) / BN - t.t_begin : 0;
-  return t;
-}
+  __device__ __forceinline__ Tile tile(int split_idx) const {
+    const int idx = split_idx / nsplit;
+    const int chunk = idx / (hchunk * nmb), in_chunk = idx - chunk * hchunk * nmb;
+    const int heads = min(hchunk, BH - chunk * hchunk);  // the last chunk may hold fewer
+    const int rank = in_chunk / heads, bh = chunk * hchunk + in_chunk % heads;
+    Tile t;
+    t.mb = CAUSAL ? nmb - 1 - rank : IV ? order[rank] : rank;
+    t.b = bh / Hq;
+    t.h = bh - t.b * Hq;
+    const int m0 = t.mb * BM;
+    int n_begin = 0, n_end = Sk;
+    if (CAUSAL) {
+      const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
+      n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
+    }
+    if (IV) {
+      n_begin = max(0, local_key(mlo[m0], kofs, Sk));
+      n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
+    }
+    t.t_begin = n_begin / BN;
+    t.ntiles = n_end > n_begin ? (n_end + BN - 1) / BN - t.t_begin : 0;
+    t.id = idx;
+    t.split = split_idx - idx * nsplit;
+    if (nsplit > 1) {
+      const int part = (t.ntiles + nsplit - 1) / nsplit;
+      t.t_begin += t.split * part;
+      t.ntiles = min(part, t.ntiles - t.split * part);
+    }
+    return t;
+  }
+};
 }  // namespace fwd90
 
 // S (this warpgroup's 64 query rows x BN keys) = Q rows . K tile, over D
@@ -215,26 +263,67 @@ __device__ __forceinline__ void prefetch_rows(const float* o_rows, i64 oss, cons
   }
 }
 
+// What a consumer warpgroup needs of its tile: the tile, its Q buffer, its rows and (IV) their key ranges
+template <int BM, int BN, bool IV>
+struct ConsumerTile {
+  fwd90::Tile tl;
+  int qs;     // the Q stage holding the tile's queries
+  u32 q_lo;   // descriptor low word of this warpgroup's 64 rows of Q
+  int mw0;    // first query row of this warpgroup
+  int row0;   // this thread's rows: row0, row0 + 8
+  // IV: the key range [klo, khi) (local) of this thread's rows, and of the warpgroup's first and last rows
+  int klo[2], khi[2], wg_lo_last, wg_hi_first;
+
+  __device__ __forceinline__ ConsumerTile(const fwd90::Tile& t, int q_stage, u32 q_addr, int cw, int tid, int Sq, int Sk,
+                                          const int* mlo, const int* mhi, i64 kofs)
+      : tl(t), qs(q_stage), q_lo(desc_lo(q_addr + cw * 64 * 128, 16)) {
+    mw0 = tl.mb * BM + 64 * cw;
+    row0 = mw0 + 16 * (tid / 32) + (tid % 32) / 4;
+    klo[0] = klo[1] = 0;
+    khi[0] = khi[1] = Sk;
+    wg_lo_last = 0;
+    wg_hi_first = Sk;
+    if (IV) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const int row = min(row0 + 8 * r, Sq - 1);
+        klo[r] = local_key(mlo[row], kofs, Sk);
+        khi[r] = local_key(mhi[row], kofs, Sk);
+      }
+      wg_lo_last = local_key(mlo[min(mw0 + 63, Sq - 1)], kofs, Sk);
+      wg_hi_first = local_key(mhi[min(mw0, Sq - 1)], kofs, Sk);
+    }
+  }
+  template <bool CAUSAL>
+  __device__ __forceinline__ bool needs_mask(int t, int Sk, i64 off) const {
+    const int n0 = (tl.t_begin + t) * BN;
+    return (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(mw0) + off) ||
+           (IV && !(wg_lo_last <= n0 && wg_hi_first >= n0 + BN));
+  }
+  __device__ __forceinline__ int col0(int t, int lane) const { return (tl.t_begin + t) * BN + 2 * (lane % 4); }
+};
+
 template <int D, int CONSUMERS, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss,
                                               i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int B, int Hq,
-                                              int group, float sl2, i64 off, int hchunk, const int* order,
-                                              const int* mlo, const int* mhi, i64 kofs, int* next_tile) {
+                                              int group, float sl2, i64 off, int hchunk, int nsplit,
+                                              int cross_tile, const int* order, const int* mlo, const int* mhi, i64 kofs,
+                                              int* next_tile, int* locks) {
   using namespace fwd90;
   using C = Cfg<D, CONSUMERS>;
   using L = Smem<D, CONSUMERS>;
-  constexpr int BM = C::BM, BN = C::BN;
+  constexpr int BM = C::BM, BN = C::BN, QSTAGES = C::QSTAGES;
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   volatile int* const slot = reinterpret_cast<volatile int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kSlot);
-  const int nmb = (Sq + BM - 1) / BM, BH = B * Hq, ntotal = nmb * BH;
-  auto tile = [&](int idx) {
-    return tile_at<BM, BN, CAUSAL, IV>(idx, nmb, Hq, BH, hchunk, order, Sq, Sk, off, mlo, mhi, kofs);
-  };
+  const TileScheduler<BM, BN, CAUSAL, IV> sched{(Sq + BM - 1) / BM, Hq, B * Hq, hchunk, nsplit, Sq, Sk, order,
+                                                mlo, mhi, off, kofs, next_tile};
 
   if (threadIdx.x == 0) {
-    mbar_init(L::q_full(base), 1);
-    mbar_init(L::q_empty(base), 128 * CONSUMERS);  // every consumer thread has read the slot and issued its Q K^T
+    for (int q = 0; q < QSTAGES; ++q) {
+      mbar_init(L::q_full(base, q), 1);
+      mbar_init(L::q_empty(base, q), 128 * CONSUMERS);  // every consumer thread has read the slot and issued its Q K^T
+    }
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(L::k_full(base, s), 1);
       mbar_init(L::v_full(base, s), 1);
@@ -253,32 +342,28 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       tensormap_acquire(tq);
       tensormap_acquire(tk);
       tensormap_acquire(tv);
-      PipeState<1> q_pipe;
+      PipeState<QSTAGES> q_pipe;
       PipeState<STAGES> pipe;
-      int idx = blockIdx.x;
+      int idx = sched.first();
       for (;;) {
         Tile tl;
-        while (idx < ntotal && (tl = tile(idx)).ntiles <= 0) idx = gridDim.x + atomicAdd(next_tile, 1);
-        mbar_wait(L::q_empty(base), q_pipe.phase ^ 1);
-        *slot = idx;
-        if (idx >= ntotal) {  // no tile left: the consumers read the end mark and stop
-          mbar_arrive(L::q_full(base));
-          // the last CTA to run out zeroes the counters for the next launch (every other CTA has drawn its
-          // last index before it counted itself out), so the host needs no memset per call
-          __threadfence();
-          if (atomicAdd(next_tile + 1, 1) == static_cast<int>(gridDim.x) - 1) {
-            atomicExch(next_tile, 0);
-            atomicExch(next_tile + 1, 0);
-          }
+        idx = sched.first_visible(idx, &tl);
+        const int qs = q_pipe.stage;
+        mbar_wait(L::q_empty(base, qs), q_pipe.phase ^ 1);
+        slot[qs] = idx;
+        if (idx >= sched.count()) {  // no tile left: the consumers read the end mark and stop
+          mbar_arrive(L::q_full(base, qs));
+          sched.retire();
           break;
         }
         const int hk = tl.h / group;
-        mbar_arrive_expect_tx(L::q_full(base), BM * D * 2);
+        mbar_arrive_expect_tx(L::q_full(base, qs), BM * D * 2);
 #pragma unroll
         for (int db = 0; db < D / 64; ++db)
-          tma_load_4d(base + L::kQ + db * BM * 128, tq, L::q_full(base), db * 64, tl.h, tl.mb * BM, tl.b);
+          tma_load_4d(base + L::kQ + qs * L::kQTile + db * BM * 128, tq, L::q_full(base, qs), db * 64, tl.h,
+                      tl.mb * BM, tl.b);
         q_pipe.advance();
-        idx = gridDim.x + atomicAdd(next_tile, 1);  // the next tile, drawn while this one loads
+        idx = sched.next();  // the next tile, drawn while this one loads
         for (int t = 0; t < tl.ntiles; ++t, pipe.advance()) {
           const int s = pipe.stage, n0 = (tl.t_begin + t) * BN;
           const u32 empty_parity = pipe.phase ^ 1;
@@ -301,10 +386,10 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   warpgroup_reg_alloc<C::CONSUMER_REGS>();
   const int cw = wg - 1, tid = threadIdx.x % 128, lane = tid % 32;
   const bool leader = tid == 0;  // arrives on the "empty" barriers for its warpgroup
-  const u32 q_lo = desc_lo(base + L::kQ + cw * 64 * 128, 16);
+  using CT = ConsumerTile<BM, BN, IV>;
   // ping-pong: consumer cw waits for its turn (barrier kTurn + cw, 256 threads: its own 128 and the 128 of
   // the consumer before it that arrive) and passes the turn on; consumer 0 takes the first turn. Every
-  // consumer takes the same number of turns per tile (ntiles - 1), so the turns stay in step across tiles.
+  // consumer takes the same turns (one per step that issues two products), so the turns stay in step.
   auto take_turn = [&] {
     if (C::PINGPONG) named_barrier_sync(kTurn + cw, 256);
   };
@@ -312,68 +397,89 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     if (C::PINGPONG) named_barrier_arrive(kTurn + (cw + 1) % CONSUMERS, 256);
   };
   if (C::PINGPONG && cw == 0) named_barrier_arrive(kTurn, 256);
-  PipeState<1> q_pipe;
+  PipeState<QSTAGES> q_pipe;
   PipeState<STAGES> k_pipe, v_pipe;  // the K tile of step t, the V tile of step t - 1
+  // the tile in the next Q stage (its index, or the end mark), waited for
+  auto next_index = [&] {
+    mbar_wait(L::q_full(base, q_pipe.stage), q_pipe.phase);
+    return slot[q_pipe.stage];
+  };
+  auto consumer_tile = [&](int idx) {
+    const CT ct(sched.tile(idx), q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, Sq, Sk, mlo, mhi,
+                kofs);
+    q_pipe.advance();
+    return ct;
+  };
+  auto o_rows_of = [&](const Tile& tl) { return o + tl.b * osb + tl.h * osh; };
+  auto lse_rows_of = [&](const Tile& tl) { return lse + tl.b * lsb + tl.h * lsh; };
 
-  for (;;) {
-    mbar_wait(L::q_full(base), q_pipe.phase);
-    const int idx = *slot;
-    if (idx >= ntotal) break;
-    const Tile tl = tile(idx);
-    const int ntiles = tl.ntiles;
-    const int mw0 = tl.mb * BM + 64 * cw;                // first query row of this warpgroup
-    const int row0 = mw0 + 16 * (tid / 32) + lane / 4;  // this thread's rows: row0, row0 + 8
-    float* const o_rows = o + tl.b * osb + tl.h * osh;
-    float* const lse_rows = lse + tl.b * lsb + tl.h * lsh;
-
-    float acc[D / 2];
-#pragma unroll
-    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
-    float m[2] = {-BH_INF, -BH_INF}, l[2] = {0.f, 0.f}, alpha[2];
-    float s[BN / 2];
-    u32 p[BN / 16][4];
-
-    // IV: the key range [klo, khi) (local) of this thread's rows, and of the warpgroup's first and last rows
-    int klo[2] = {0, 0}, khi[2] = {Sk, Sk}, wg_lo_last = 0, wg_hi_first = Sk;
-    if (IV) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int row = min(row0 + 8 * r, Sq - 1);
-        klo[r] = local_key(mlo[row], kofs, Sk);
-        khi[r] = local_key(mhi[row], kofs, Sk);
-      }
-      wg_lo_last = local_key(mlo[min(mw0 + 63, Sq - 1)], kofs, Sk);
-      wg_hi_first = local_key(mhi[min(mw0, Sq - 1)], kofs, Sk);
+  float acc[D / 2];
+  float m[2], l[2], alpha[2];
+  float s[BN / 2];
+  u32 p[BN / 16][4];
+  // the epilogue: GAO merge of acc into the running (o, lse); rows with nothing visible stay untouched. With
+  // key splits, the parts of a query tile merge the same rows: one warpgroup at a time holds its rows' lock.
+  auto merge = [&](const CT& ct, const float* mm, float* ll) {
+    int* const lock = locks + ct.tl.id * CONSUMERS + cw;
+    if (nsplit > 1) {
+      if (leader)
+        while (atomicCAS(lock, 0, 1) != 0) __nanosleep(100);
+      __threadfence();
+      named_barrier_sync(kMerge + cw, 128);
     }
-    auto tile_needs_mask = [&](int t) {
-      const int n0 = (tl.t_begin + t) * BN;
-      return (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(mw0) + off) ||
-             (IV && !(wg_lo_last <= n0 && wg_hi_first >= n0 + BN));
-    };
-    auto col0 = [&](int t) { return (tl.t_begin + t) * BN + 2 * (lane % 4); };
-
-    if (ntiles <= 2) prefetch_rows<D>(o_rows, oss, lse_rows, lss, row0, Sq, lane);
-    // tile 0: S_0, softmax (nothing to rescale yet)
+    if (nsplit > 1)
+      merge_rows<D, true>(o_rows_of(ct.tl) + 2 * (lane % 4), oss, lse_rows_of(ct.tl), lss, acc, mm, ll, ct.row0, Sq,
+                          lane);
+    else
+      merge_rows<D, false>(o_rows_of(ct.tl) + 2 * (lane % 4), oss, lse_rows_of(ct.tl), lss, acc, mm, ll, ct.row0,
+                           Sq, lane);
+    if (nsplit > 1) {
+      __threadfence();
+      named_barrier_sync(kMerge + cw, 128);
+      if (leader) atomicExch(lock, 0);
+    }
+  };
+  // a tile's first step: S_0 = Q K_0^T alone, then its softmax (nothing to rescale yet)
+  auto first_step = [&](const CT& ct) {
+    m[0] = m[1] = -BH_INF;
+    l[0] = l[1] = 0.f;
     mbar_wait(L::k_full(base, k_pipe.stage), k_pipe.phase);
     wgmma_fence();
-    qk_issue<D, BM, BN, BF16>(s, q_lo, desc_lo(base + L::kK + k_pipe.stage * L::kTile, 16));
+    qk_issue<D, BM, BN, BF16>(s, ct.q_lo, desc_lo(base + L::kK + k_pipe.stage * L::kTile, 16));
     wgmma_commit();
     wgmma_wait<0>();
     fence_operands<BN / 2>(s);
     if (leader) mbar_arrive(L::k_empty(base, k_pipe.stage));
-    if (ntiles == 1) mbar_arrive(L::q_empty(base));  // Q is read: the producer may load the next tile's
+    if (ct.tl.ntiles == 1) mbar_arrive(L::q_empty(base, ct.qs));  // Q is read: the producer may refill it
     k_pipe.advance();
-    softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, tile_needs_mask(0), col0(0), row0, Sk, off, klo, khi);
+    softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, ct.template needs_mask<CAUSAL>(0, Sk, off), ct.col0(0, lane),
+                                 ct.row0, Sk, off, ct.klo, ct.khi);
     pack_p<BN, BF16>(s, p);
+  };
+  auto zero_acc = [&] {
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
+  };
+  auto prefetch = [&](const CT& ct) {
+    prefetch_rows<D>(o_rows_of(ct.tl), oss, lse_rows_of(ct.tl), lss, ct.row0, Sq, lane);
+  };
 
+  int idx = next_index();
+  if (idx >= sched.count()) return;
+  CT cur = consumer_tile(idx);
+  zero_acc();
+  if (cur.tl.ntiles <= 2) prefetch(cur);
+  first_step(cur);
+  for (;;) {
+    const int ntiles = cur.tl.ntiles;
     for (int t = 1; t < ntiles; ++t, k_pipe.advance(), v_pipe.advance()) {
       const int st = k_pipe.stage, sp = v_pipe.stage;
-      if (t + 2 == ntiles) prefetch_rows<D>(o_rows, oss, lse_rows, lss, row0, Sq, lane);
+      if (t + 2 == ntiles) prefetch(cur);
       mbar_wait(L::k_full(base, st), k_pipe.phase);
       mbar_wait(L::v_full(base, sp), v_pipe.phase);
       take_turn();
       wgmma_fence();
-      qk_issue<D, BM, BN, BF16>(s, q_lo, desc_lo(base + L::kK + st * L::kTile, 16));
+      qk_issue<D, BM, BN, BF16>(s, cur.q_lo, desc_lo(base + L::kK + st * L::kTile, 16));
       wgmma_commit();
       pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
       wgmma_commit();
@@ -381,8 +487,9 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       wgmma_wait<1>();  // S_t is ready; P_{t-1} V_{t-1} may still run
       fence_operands<BN / 2>(s);
       if (leader) mbar_arrive(L::k_empty(base, st));
-      if (t + 1 == ntiles) mbar_arrive(L::q_empty(base));
-      softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, tile_needs_mask(t), col0(t), row0, Sk, off, klo, khi);
+      if (t + 1 == ntiles) mbar_arrive(L::q_empty(base, cur.qs));
+      softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, cur.template needs_mask<CAUSAL>(t, Sk, off),
+                                   cur.col0(t, lane), cur.row0, Sk, off, cur.klo, cur.khi);
       wgmma_wait<0>();
       fence_operands<D / 2>(acc);
       if (leader) mbar_arrive(L::v_empty(base, sp));
@@ -395,21 +502,62 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       }
       pack_p<BN, BF16>(s, p);
     }
-    {  // the last tile's P V
-      const int sp = v_pipe.stage;
+    // ---- the tile's end: its last P V, then the epilogue
+    const int sp = v_pipe.stage;
+    const bool cross = QSTAGES == 2 && cross_tile != 0;
+    const int nidx = cross ? next_index() : 0;
+    if (cross && nidx < sched.count()) {
+      // the next tile's S_0 = Q K_0^T with this tile's last P V in one turn; the next tile's softmax runs
+      // while the P V does, and this tile's merge while the other consumers' products do
+      const CT nxt = consumer_tile(nidx);
+      const int st = k_pipe.stage;
+      if (nxt.tl.ntiles <= 2) prefetch(nxt);
+      mbar_wait(L::k_full(base, st), k_pipe.phase);
       mbar_wait(L::v_full(base, sp), v_pipe.phase);
+      take_turn();
       wgmma_fence();
+      qk_issue<D, BM, BN, BF16>(s, nxt.q_lo, desc_lo(base + L::kK + st * L::kTile, 16));
+      wgmma_commit();
       pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
       wgmma_commit();
+      pass_turn();
+      wgmma_wait<1>();
+      fence_operands<BN / 2>(s);
+      if (leader) mbar_arrive(L::k_empty(base, st));
+      if (nxt.tl.ntiles == 1) mbar_arrive(L::q_empty(base, nxt.qs));
+      k_pipe.advance();
+      const float m_end[2] = {m[0], m[1]};
+      float l_end[2] = {l[0], l[1]};
+      m[0] = m[1] = -BH_INF;
+      l[0] = l[1] = 0.f;
+      softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, nxt.template needs_mask<CAUSAL>(0, Sk, off),
+                                   nxt.col0(0, lane), nxt.row0, Sk, off, nxt.klo, nxt.khi);
       wgmma_wait<0>();
       fence_operands<D / 2>(acc);
       if (leader) mbar_arrive(L::v_empty(base, sp));
       v_pipe.advance();
+      pack_p<BN, BF16>(s, p);
+      merge(cur, m_end, l_end);
+      zero_acc();
+      cur = nxt;
+      continue;
     }
-    q_pipe.advance();
-
-    // ---- epilogue: GAO merge into the running (o, lse); rows with nothing visible stay untouched
-    merge_rows<D>(o_rows + 2 * (lane % 4), oss, lse_rows, lss, acc, m, l, row0, Sq, lane);
+    mbar_wait(L::v_full(base, sp), v_pipe.phase);
+    wgmma_fence();
+    pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
+    wgmma_commit();
+    wgmma_wait<0>();
+    fence_operands<D / 2>(acc);
+    if (leader) mbar_arrive(L::v_empty(base, sp));
+    v_pipe.advance();
+    merge(cur, m, l);
+    if (cross) break;  // the end mark was read above
+    idx = next_index();
+    if (idx >= sched.count()) break;
+    cur = consumer_tile(idx);
+    zero_acc();
+    if (cur.tl.ntiles <= 2) prefetch(cur);
+    first_step(cur);
   }
 }
 
@@ -417,11 +565,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 #define BH_FWD90_KERNEL(DT, MASK, D, C)                                                                            \
   extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1) BH_FWD90_NAME(DT, MASK, D, C)(        \
       const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,      \
-      int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, const int* order, const int* mlo,  \
-      const int* mhi, i64 kofs, int* next_tile) {                                                                  \
+      int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, int nsplit, int cross_tile,        \
+      const int* order, const int* mlo, const int* mhi, i64 kofs, int* next_tile, int* locks) {                    \
     attn_fwd_sm90<D, C, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                 \
-        tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, order, mlo, mhi, kofs, \
-        next_tile);                                                                                                \
+        tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, nsplit, cross_tile,    \
+        order, mlo, mhi, kofs, next_tile, locks);                                                                  \
   }
 #define BH_FWD90_ROW(DT, MASK, D, C)                                                                         \
   {BH_STR(BH_FWD90_NAME(DT, MASK, D, C)), BH_DTYPE_##DT, D, BH_MASK_##MASK, fwd90::Cfg<D, C>::BM,          \
@@ -433,9 +581,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 // interval masks, named attn_fwd_sm90_<dtype>_d<D>_m<consumer warpgroups>_<mask>; the kernel table
 // attn_fwd_sm90_kernels lists them with their geometry (the host picks among a head dim's tile heights).
 // tmaps: the q, k, v tensor maps (128 bytes each, global memory); grid: one CTA per SM at most;
-// hchunk, order: the schedule (order: interval only, the query blocks longest first); mlo, mhi, kofs: the
-// interval bounds (null for full and causal); next_tile: the tile counter and the count of CTAs done, two
-// ints that are 0 at launch and 0 again when the kernel ends
+// hchunk, order: the schedule (order: interval only, the query blocks longest first); nsplit: the parts of
+// each query tile's key range (1: none); cross_tile: 1 for the cross-tile step (shapes with two Q buffers);
+// mlo, mhi, kofs: the interval bounds (null for full and causal);
+// next_tile: the tile counter and the count of CTAs done, two ints that are 0 at launch and 0 again when the
+// kernel ends; locks (nsplit > 1): (query tiles) x (consumer warpgroups) ints, 0 at launch and at the end
 #define BH_FWD90_SHAPES(X) X(64, 2) X(64, 3) X(128, 2) X(256, 2)
 BH_INSTANCES(BH_FWD90_SHAPES, BH_FWD90_KERNELS)
 BH_KERNEL_TABLE(attn_fwd_sm90, BH_TABLE_ROWS(BH_FWD90_SHAPES, BH_FWD90_ROWS))

@@ -3,13 +3,36 @@
 #pragma once
 #include "sm90_primitives.cuh"
 
+// global loads that bypass L1 (L2 = true; the forward's key splits merge the same rows from different SMs in
+// turn) or plain ones (L2 = false: the compiler may schedule them freely)
+__device__ __forceinline__ float load_cg(const float* p) {
+  float v;
+  asm volatile("ld.global.cg.f32 %0, [%1];\n" : "=f"(v) : "l"(p));
+  return v;
+}
+__device__ __forceinline__ float2 load_cg2(const float* p) {
+  float2 v;
+  asm volatile("ld.global.cg.v2.f32 {%0, %1}, [%2];\n" : "=f"(v.x), "=f"(v.y) : "l"(p));
+  return v;
+}
+
+template <bool L2>
+__device__ __forceinline__ float load_f32(const float* p) {
+  return L2 ? load_cg(p) : *p;
+}
+template <bool L2>
+__device__ __forceinline__ float2 load_f32x2(const float* p) {
+  return L2 ? load_cg2(p) : *reinterpret_cast<const float2*>(p);
+}
+
 // Forward: GAO merge of this thread's two rows (scores already in base-2 units: running max m, row sums
 // l, unnormalised output acc) into the running (o, lse). `o_rows` points at row 0, column 2 (lane % 4) of
 // this (batch, head); `lse_rows` at its lse entry of row 0. Rows with nothing visible (l = 0) and rows
 // past Sq stay untouched; a running lse of -inf means nothing was merged yet, so the old o is ignored.
 // Only those exact values mean "nothing": a NaN l or running lse (a NaN or Inf input reached the row,
 // and exp2 of a NaN score made its sum NaN even where fmaxf dropped it from the max) makes the row NaN.
-template <int D>
+// L2: read the running (o, lse) from L2, not L1 (rows another SM merged into since this one last read them).
+template <int D, bool L2>
 __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_rows, i64 lss, const float* acc,
                                            const float* m, float* l, int row0, int Sq, int lane) {
 #pragma unroll
@@ -21,7 +44,7 @@ __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_ro
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
-    l_old[r] = (row < Sq) ? lse_rows[row * lss] : -BH_INF;
+    l_old[r] = (row < Sq) ? load_f32<L2>(lse_rows + row * lss) : -BH_INF;
   }
   __syncwarp();  // every lane of a quad has read lse before its first lane writes it
 #pragma unroll
@@ -35,15 +58,26 @@ __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_ro
       const float wo = fresh ? 0.f : __expf(lo - ln);
       const float wb = __expf(lb - ln) / l[r];
       float* op = o_rows + row * oss;
+      // the old o in batches of loads issued together (L2 loads are volatile: the compiler keeps their
+      // order, so a load written after a store would wait for the store's row to go out first)
+      constexpr int BATCH = 4;
 #pragma unroll
-      for (int j = 0; j < D / 8; ++j) {
-        float2 val = make_float2(acc[4 * j + 2 * r] * wb, acc[4 * j + 2 * r + 1] * wb);
+      for (int j0 = 0; j0 < D / 8; j0 += BATCH) {
+        float2 old[BATCH];
         if (!fresh) {
-          const float2 old = *reinterpret_cast<const float2*>(op + 8 * j);
-          val.x += old.x * wo;
-          val.y += old.y * wo;
+#pragma unroll
+          for (int j = 0; j < BATCH; ++j) old[j] = load_f32x2<L2>(op + 8 * (j0 + j));
         }
-        *reinterpret_cast<float2*>(op + 8 * j) = val;
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) {
+          const int c = j0 + j;
+          float2 val = make_float2(acc[4 * c + 2 * r] * wb, acc[4 * c + 2 * r + 1] * wb);
+          if (!fresh) {
+            val.x += old[j].x * wo;
+            val.y += old[j].y * wo;
+          }
+          *reinterpret_cast<float2*>(op + 8 * c) = val;
+        }
       }
       if (lane % 4 == 0) lse_rows[row * lss] = ln;
     }

@@ -13,7 +13,7 @@ below ties the two together on a small case) because the NumPy einsum oracle is 
 Every test runs once per kernel family this GPU runs (``kernel_families()``: sm90 then sm80 on Hopper);
 the family leads the test id, e.g. ``test_forward[sm90-17-64-True-32-8]``.
 """
-import math
+import itertools
 import sys
 
 import numpy as np
@@ -230,6 +230,62 @@ def test_sm90_tile_counter_resets_on_every_stream(causal):
             stream.synchronize()
             assert cupy.asnumpy(be.kernels.tile_counter()).tolist() == [0, 0], "the counter was left non-zero"
         _check("o", o, pl_o, ref_o, 2)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_sm90_forward_key_splits(d, causal):
+    """The sm90 forward with each query tile's key range cut across CTAs (forced: 2 and 3 parts, more parts
+    than some causal tiles have key tiles), merged into a running (o, lse) with a causal offset; every tile
+    height; the parts' locks are back at zero after each call."""
+    if _family != "sm90":
+        pytest.skip("key splits belong to the persistent sm90 forward")
+    be = _be()
+    b, sq, sk, hq, hkv = 1, 333, 1100, 4, 2
+    q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    scale, q_start = d ** -0.5, 700
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    for rows in be.kernels.tile_heights(d):
+        for parts in (2, 3):
+            be.kernels.forced_tile_height, be.kernels.forced_key_splits = rows, parts
+            try:  # two halves of the keys merged, as two ring steps would
+                o, lse = _run_forward(q, k[:, :600], v[:, :600], scale, causal, q_start=q_start)
+                _run_forward(q, k[:, 600:], v[:, 600:], scale, causal, q_start=q_start, k_start=600, o=o, lse=lse)
+                cupy.cuda.get_current_stream().synchronize()
+                assert not cupy.asnumpy(be.kernels.tile_locks(1)).any(), "a lock was left taken"
+            finally:
+                be.kernels.forced_tile_height = be.kernels.forced_key_splits = None
+            _check(f"o (BM={rows}, {parts} parts)", o, pl_o, ref_o, 2)
+            assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max())), f"lse (BM={rows})"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("ctas", [None, 2])
+def test_sm90_forward_cross_tile(d, causal, ctas):
+    """The sm90 forward with and without its cross-tile step (a tile's last P V with the next tile's first
+    Q K^T), every tile height, merged halves with a causal offset, on all SMs (256+ tiles) and on 2 CTAs (many tiles each)."""
+    if _family != "sm90":
+        pytest.skip("the cross-tile step belongs to the persistent sm90 forward")
+    be = _be()
+    b, sq, sk, hq, hkv = 1, 1000, 700, 32, 8
+    q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    scale, k_start = d ** -0.5, 300  # causal: the first 300 queries see nothing
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, k_start=k_start)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, k_start=k_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    visible = _visible_rows(sq, sk, causal, 0, k_start)
+    default = be.kernels.cross_tile
+    for rows, cross in itertools.product(be.kernels.tile_heights(d), (False, True)):
+        be.kernels.forced_tile_height, be.kernels.cross_tile, be.kernels.max_ctas = rows, cross, ctas
+        try:
+            o, lse = _run_forward(q, k[:, :300], v[:, :300], scale, causal, k_start=k_start)
+            _run_forward(q, k[:, 300:], v[:, 300:], scale, causal, k_start=k_start + 300, o=o, lse=lse)
+        finally:
+            be.kernels.forced_tile_height, be.kernels.cross_tile, be.kernels.max_ctas = None, default, None
+        _check(f"o (BM={rows}, cross-tile {cross})", o[:, visible], pl_o[:, visible], ref_o[:, visible], 2)
+        assert bool(cupy.isnan(o[:, ~visible]).all()), "rows that see nothing were written"
+        assert _maxerr(lse[..., visible], ref_lse[..., visible]) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max()))
 
 
 # ---------------------------------------------------------------- D = 256: the sm90 backward's wide kernels

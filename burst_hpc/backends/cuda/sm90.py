@@ -14,6 +14,10 @@ FORWARD, BACKWARD = SOURCES["sm90", "fwd"], SOURCES["sm90", "bwd"]
 # D = 64 with two consumer warpgroups relative to three (bench_kernels.py --fwd-shapes)
 L2_CHUNK_BYTES = 24 << 20
 D64_TWO_CONSUMER_RATE = 0.85
+# key splits: what a part of a query tile costs beyond its key tiles (its start and its merge), in key tiles,
+# and the most parts a query tile is cut into
+SPLIT_PART_COST = 2
+MAX_KEY_SPLITS = 8
 _PREPASS_THREADS = 256  # the backward's row-table pre-pass (a grid-stride loop: any block size)
 _ORDER_THREADS = 128  # attn_bwd_sm90_order's block (its kOrderThreads)
 # the backward adds into dq, dk, dv in parts of 64 rows (a dQ part of 64 queries; a consumer's 64 keys of dK,
@@ -31,14 +35,25 @@ class Sm90Kernels:
     the most query tiles start first, over chunks of ``launch.heavy_first_heads`` head slots (interval masks:
     ranked on the device by attn_bwd_sm90_order); False (the default: measured no faster, docs/KERNELS.md):
     head slot after head slot, key blocks in order.
-    ``forced_order_heads``: None, or the head slots per chunk to use instead (bench_kernels.py --bwd-order)."""
+    ``forced_order_heads``: None, or the head slots per chunk to use instead (bench_kernels.py --bwd-order).
+    ``key_splits``: let the forward cut each query tile's key range across CTAs when its query tiles leave
+    SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count.
+    ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
+    shapes with two Q buffers, D <= 128 with two consumer warpgroups; on by default: 3-6% at 16k, docs/KERNELS.md). ``max_ctas``: None, or at most this many
+    CTAs for the persistent forward (tests and the sanitizer: many tiles per CTA on small shapes)."""
 
     def __init__(self, modules):
         self.modules = modules
         self.forced_tile_height = None
         self.longest_first = False
         self.forced_order_heads = None
+        self.key_splits = False
+        self.forced_key_splits = None
+        self.cross_tile = True
+        self.max_ctas = None
+        self._splits = {}
         self._counters = {}
+        self._locks = {}
 
     def tile_heights(self, d):
         """The forward's tile heights (query rows per tile) for head dim d, as its source instantiates them."""
@@ -57,7 +72,51 @@ class Sm90Kernels:
 
         return min(self.tile_heights(d), key=cost)
 
+    def key_split(self, bm, bn, heads, sq, sk, causal, off, mask):
+        """The parts each forward query tile's key range is cut into (1: none). With ``key_splits`` on, for full
+        and causal attention whose query tiles (``heads`` x query blocks of bm rows) are fewer than the SMs:
+        the count whose estimated time is least, in key tiles of bn: the longest part plus its cost
+        (SPLIT_PART_COST), or all parts and their costs spread over the SMs, whichever is more."""
+        if self.forced_key_splits is not None:
+            return self.forced_key_splits
+        nmb, sms = -(-sq // bm), launch.sm_count()
+        if not self.key_splits or mask is not None or nmb * heads >= sms:
+            return 1
+        key = (bm, bn, heads, sq, sk, causal, off, sms)
+        n = self._splits.get(key)
+        if n is None:
+            n = self._splits[key] = self._least_time_split(nmb, bm, bn, heads, sq, sk, causal, off, sms)
+            if len(self._splits) > 256:
+                self._splits.clear()
+        return n
+
+    @staticmethod
+    def _least_time_split(nmb, bm, bn, heads, sq, sk, causal, off, sms):
+        ends = np.full(nmb, sk, np.int64)
+        if causal:
+            ends = np.clip(np.minimum(np.arange(1, nmb + 1) * bm, sq) + off, 0, sk)
+        key_tiles = -(-ends // bn)
+        longest, work = int(key_tiles.max()), int(key_tiles.sum()) * heads
+        if longest == 0:
+            return 1
+
+        def cost(n):
+            return max(-(-longest // n) + SPLIT_PART_COST, (work + SPLIT_PART_COST * nmb * heads * n) / sms)
+
+        return min(range(1, min(MAX_KEY_SPLITS, longest) + 1), key=cost)
+
     # ---- forward ---------------------------------------------------------------------------------------
+    def tile_locks(self, n):
+        """At least n int32 locks for the forward's key splits on the current device and stream, zero between
+        launches (each is taken and given back inside the kernel); grown, never cleared, per call."""
+        import cupy
+
+        key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+        locks = self._locks.get(key)
+        if locks is None or locks.size < n:
+            locks = self._locks[key] = cupy.zeros(max(n, 1024), np.int32)
+        return locks
+
     def tile_counter(self):
         """The forward's tile counter for the current device and stream: two int32 that are zero between
         launches (the kernel's last CTA zeroes them), made once, so a call allocates and clears nothing.
@@ -88,10 +147,13 @@ class Sm90Kernels:
         kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
         hchunk = max(1, min(b * hq, L2_CHUNK_BYTES // max(1, kv_bytes_per_head)))
         order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn) if mask is not None else np.uint64(0)
-        grid = (min(nmb * b * hq, launch.sm_count()),)
+        off = int(q_start) - int(k_start)
+        nsplit = self.key_split(bm, bn, b * hq, sq, sk, causal, off, mask)
+        locks = self.tile_locks(nmb * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else np.uint64(0)
+        grid = (min(nmb * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
         args = (maps, o, lse, *strides(o)[:3], *strides(lse), np.int32(sq), np.int32(sk), np.int32(b), np.int32(hq),
-                np.int32(hq // hkv), np.float32(scale * LOG2E), np.int64(int(q_start) - int(k_start)),
-                np.int32(hchunk), order, *mask_args(mask, q_start, sq, k_start), self.tile_counter())
+                np.int32(hq // hkv), np.float32(scale * LOG2E), np.int64(off), np.int32(hchunk), np.int32(nsplit),
+                np.int32(self.cross_tile), order, *mask_args(mask, q_start, sq, k_start), self.tile_counter(), locks)
         kern(grid, (kernel.threads,), args, shared_mem=kernel.smem_bytes)
 
     # ---- backward --------------------------------------------------------------------------------------
