@@ -325,10 +325,10 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
 
 def default_steps(mask, size, near, returns, nodes=None):
     """The number of steps: each about half a full chunk pair's work (a plain causal ring's step:
-    P steps), at least 4 (a step to receive, steps to compute, a step for partials to go home), 8
-    on one node (smaller steps: the first pieces arrive and the last partials go home behind less
-    idle time, and NVLink carries a step's pieces in time), and at most P."""
+    P steps), at least 8 (smaller steps: the first pieces arrive and the last partials go home
+    behind less idle time; across nodes the network's transfers, posted steps ahead, overlap
+    several of them), and at most P."""
     prefix, _ = block_work(mask, size)
     chunk = mask.seqlen // size
     mean = prefix[:, -1, :].sum() / size
-    return int(min(size, max(4 if nodes is not None else 8, round(mean / (chunk * chunk / 2)))))
+    return int(min(size, max(8, round(mean / (chunk * chunk / 2)))))
