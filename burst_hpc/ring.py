@@ -182,7 +182,8 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
         for due in sorted(groups):
             sends, recvs, done = groups[due]
             lane = transport if due == index else far
-            waiting.setdefault(due, []).append((lane.exchange(sends, recvs), done))
+            # the sends stay referenced until they complete: a row cut is a copy made for the send
+            waiting.setdefault(due, []).append((lane.exchange(sends, recvs), done, sends))
         for visit in step.visits:
             q_out, k_out = results("q", visit.q_shard), results("kv", visit.kv_shard)
             rows = None if visit.q_shard == rank else data_rows[("q", visit.q_shard)]
@@ -191,7 +192,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
                 compute(visit, travelling("q", visit.q_shard), travelling("kv", visit.kv_shard), q_out, k_out,
                         0 if rows is None else rows[0])
         done = []
-        for handle, transfers in waiting.pop(index, ()):
+        for handle, transfers, _ in waiting.pop(index, ()):
             handle.wait()
             done += transfers
         for direction, t in sorted(done, key=lambda d: d[0] == "in"):   # sends first: their buffers are free

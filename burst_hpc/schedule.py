@@ -201,7 +201,7 @@ def plain_ring_steps(rank, size, side, returns, count=None):
     return tuple(out)
 
 
-LEAD = 3   # steps ahead of its due step that a transfer between nodes is posted (schedule.work_transfers)
+LEAD = 8   # steps ahead of its due step that a transfer between nodes is posted (schedule.work_transfers)
 
 
 @lru_cache(maxsize=16)
