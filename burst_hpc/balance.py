@@ -143,6 +143,9 @@ def assign(mask, size, near, returns, nodes=None):
         A move is the last rows of one own pair, or whole rows: the same last rows of every own pair
         of one query chunk (more work for the same query rows and partial)."""
         best = None
+        receivers = [h for h in receivers if node[h] == node[donor] or max(nic[donor], nic[h]) < nic_budget]
+        if not receivers:
+            return None
         own = [(index, t) for index, t in enumerate(tasks[donor]) if t[4] == "home"]
         options = [[(index, t)] for index, t in own]
         for i in {t[0] for _, t in own}:

@@ -270,16 +270,27 @@ def relays(first, nodes):
     return out
 
 
+@lru_cache(maxsize=16)
+def transfers_of(mask, size, near, returns, nodes=None):
+    """work_transfers' moves by rank: a tuple over ranks of the moves it sends or receives."""
+    out = [[] for _ in range(size)]
+    for m in work_transfers(mask, size, near, returns, nodes)[1]:
+        out[m[1]].append(m)
+        if m[2] != m[1]:
+            out[m[2]].append(m)
+    return tuple(tuple(m) for m in out)
+
+
 @lru_cache(maxsize=256)
 def work_steps(rank, size, near, returns, mask, nodes=None):
     """The balanced schedule seen by ``rank`` (balance.work_plan: any mask, contiguous shards):
     each step's visits of chunk pieces, the data they need arriving the step before from its
     owner, each partial sent straight home after the last visit adding to it."""
     plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
-    count, moves = work_transfers(mask, size, near, returns, nodes)
+    count, _ = work_transfers(mask, size, near, returns, nodes)
     chunk = mask.seqlen // size
     sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]
-    for t, sender, receiver, what, side, shard, rows, due in moves:
+    for t, sender, receiver, what, side, shard, rows, due in transfers_of(mask, size, near, returns, nodes)[rank]:
         due = None if due == t else due
         if sender == rank:
             sends[t].append(Transfer(receiver, what, side, shard, due, rows))

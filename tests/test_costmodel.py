@@ -114,7 +114,7 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
     assert got.time >= got.compute >= got.mean > 0
 
     def without_lead():
-        caches = (schedule.work_transfers, schedule.work_steps, schedule.steps, workload.work_of,
+        caches = (schedule.work_transfers, schedule.transfers_of, schedule.work_steps, schedule.steps, workload.work_of,
                   workload.schedule_transfers)
         lead = schedule.LEAD
         try:

@@ -229,7 +229,8 @@ def network(request, monkeypatch):
     if request.param == "free":
         monkeypatch.setattr(balance, "WORTH", float("inf"))
         monkeypatch.setattr(balance, "NIC_SHARE", float("inf"))
-    caches = (balance.assign, balance.work_plan, schedule.work_transfers, schedule.work_steps, schedule.steps)
+    caches = (balance.assign, balance.work_plan, schedule.work_transfers, schedule.transfers_of, schedule.work_steps,
+              schedule.steps)
     for f in caches:
         f.cache_clear()
     yield request.param
