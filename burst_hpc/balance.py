@@ -17,8 +17,8 @@ distance to the visible work of each block pair).
    piece from a rank of the heavy node to one of the light node whose network links carry the
    least so far (no NIC carries much more than another); a move whose bytes would take the
    network longer than its work (WORTH), or fill a NIC past NIC_SHARE of the mean work's time,
-   stays home, and that node then levels to its own mean. Then inside each node, while a rank holds more than
-   the mean (by SETTLED), it hands its last rows to the rank of its node where that costs the
+   stays home, and that node then levels to its own mean. Then inside each node, while a rank
+   holds more than the mean (by SETTLED), it hands its last rows to the rank of its node where that costs the
    fewest bytes per unit of work: the last rows of one pair, or whole rows (the same last rows of
    every own pair of one query chunk: its query rows and partial travel once for all their key
    chunks), never filling the receiver past the mean. The local pair keeps its first half of rows.
@@ -136,7 +136,8 @@ def assign(mask, size, near, returns, nodes=None):
             nbytes = q_row * (new_rows + (0 if (h, i) in sent else FRAGMENT)) * unit
             nbytes *= REMOTE if node[h] != node[i] else 1.0
         # a key chunk crosses the network once per node (schedule.relays), then NVLink
-        return nbytes + sum(kv_chunk * (REMOTE if j not in reached[node[h]] else 1.0) for j in keys if ("kv", j) not in held[h])
+        return nbytes + sum(kv_chunk * (REMOTE if j not in reached[node[h]] else 1.0)
+                            for j in keys if ("kv", j) not in held[h])
 
     def best_move(donor, excess, spare, receivers):
         """The cheapest move per unit of work from ``donor``: (score, h, [(task index, cut)], work).
@@ -337,7 +338,8 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
         others = [(i, j, b) for i, j, b0, b1, _ in sorted(assigned[r], key=lambda t: order(r, t))
                   if not i == j == r for b in range(b0, b1)]
         turn = 0 if nodes is None else sum(1 for x in range(r) if nodes[x] == nodes[r])   # its place in its node
-        runs.append((local, middle(others, lambda i, j: nodes is not None and not nodes[i] == nodes[j] == nodes[r], turn, r)))
+        far = lambda i, j: nodes is not None and not nodes[i] == nodes[j] == nodes[r]  # noqa: E731
+        runs.append((local, middle(others, far, turn, r)))
     totals = [int(weight(local).sum() + weight(others).sum()) for local, others in runs]
     # step 0: as much of the local pair as every rank has, up to two steps' work (the first pieces
     # arrive meanwhile; a larger step 0 where any rank lacks the local work would idle the others)
@@ -393,9 +395,9 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
 
 def default_steps(mask, size, near, returns, nodes=None):
     """The number of steps: each about half a full chunk pair's work (a plain causal ring's step:
-    P steps), at least 8 (smaller steps: the first pieces arrive and the last partials go home
-    behind less idle time; across nodes the network's transfers, posted steps ahead, overlap
-    several of them), and at most P."""
+    P steps), at least 8 on one node and 16 across nodes (smaller steps: the first pieces arrive
+    and the last partials go home behind less idle time; across nodes the network's transfers,
+    posted steps ahead, overlap several of them), and at most P."""
     prefix, _ = block_work(mask, size)
     chunk = mask.seqlen // size
     mean = prefix[:, -1, :].sum() / size
