@@ -6,7 +6,8 @@ Step t
 1. posts its nonblocking exchanges (the step's (peer, buffers) sends and receives, one exchange
    per due step): on a plain ring the data the visit of step t+1 needs goes into a spare buffer
    (double buffering) while the partial finished at step t-1 goes on; a double ring also posts
-   one transfer over the network that completes at the end of the inner round (its ``due``);
+   one transfer over the network that completes at the end of the inner round (its ``due``), and
+   the balanced schedule across nodes its transfers between nodes steps before they are due;
 2. runs the local block kernels of this step's visit (the caller's ``compute``);
 3. waits for the exchanges due at step t (on the GPU: while the queued kernels still run), then
    combines each partial received: one for this rank's own shard into its results, a carried
