@@ -13,15 +13,18 @@ distance to the visible work of each block pair).
    query rows: the kernels' tile height, 128, where the chunk allows) against every key chunk.
 2. Assignment (``assign``): every pair with visible work starts on its *home* rank, the owner
    of the side that does not travel on a plain ring (the query owner when K/V travel). Across
-   nodes first: each heavy node's excess over the mean node goes, an equal share from each of its
-   ranks, to the rank of the same place in a light node (its rail), so only that excess crosses
-   the network and every NIC carries as much. Then inside each node, while a rank holds more than
-   the mean (by SETTLED), it hands its last rows to the rank of its node where that costs the
+   nodes first: each heavy node's excess over the mean node goes to light nodes in pieces, each
+   piece from a rank of the heavy node to one of the light node whose network links carry the
+   least so far (no NIC carries much more than another); a move whose bytes would take the
+   network longer than its work (WORTH), or fill a NIC past NIC_SHARE of the mean work's time,
+   stays home, and that node then levels to its own mean. Then inside each node, while a rank
+   holds more than the mean (by SETTLED), it hands its last rows to the rank of its node where that costs the
    fewest bytes per unit of work: the last rows of one pair, or whole rows (the same last rows of
    every own pair of one query chunk: its query rows and partial travel once for all their key
    chunks), never filling the receiver past the mean. The local pair keeps its first half of rows.
 3. Steps (``work_plan``): each rank's tasks in order (the first rows of its local pair, the work
-   it does for others, its own pairs, the rest of the local pair) are cut into ``steps`` pieces
+   it does for others, its own pairs, the rest of the local pair; across nodes the work whose data
+   or partial crosses the network in the middle of the rest) are cut into ``steps`` pieces
    of equal work; step 0 holds only local work (nothing has arrived yet), as much as every rank
    has, up to two steps' work.
 
@@ -68,6 +71,13 @@ REMOTE = 6.0
 FRAGMENT = 8      # a new piece of query rows costs as much as this many more row blocks
 
 
+# a KB over the network (50 GB/s a GPU) takes as long as this many (query, key) pairs of kernel work
+# (H100, 600 / 520 TFLOP/s forward / backward, Hq = 64, D = 128: the shape the byte ratios above are for)
+NETWORK_KB_PAIRS = {"forward": 375.0, "backward": 130.0}
+NIC_SHARE = 0.8   # moves between nodes fill no rank's network link past this share of the mean work's time
+BEFORE = 0.5      # the share of its work inside the node a rank runs before its work across nodes
+WORTH = 1.0       # a move between nodes whose bytes take longer than WORTH times its work stays home
+
 SETTLED = 0.02    # a rank (a node) within this share of the mean work is balanced: smaller moves cost more than they save
 
 
@@ -78,9 +88,12 @@ def assign(mask, size, near, returns, nodes=None):
     other owner computes it) or 'helper' (a third rank). ``nodes``: the node of each rank (None:
     one node).
 
-    Nodes first: while a node holds more than the mean node's work (by SETTLED), its busiest rank
-    hands work to a rank of a node under the mean; then inside each node, while a rank holds more
-    than the mean, to a rank of its own node. So only each node's excess crosses the network. Each
+    Nodes first: each node's work over the mean node's (by SETTLED) goes to nodes under it, in
+    pieces, each from a rank over the mean to the rank of the light node whose network links then
+    carry the least, as long as the move's bytes take the network no longer than WORTH times its
+    work and fill no link past NIC_SHARE of the mean work's time; then inside each node, while a
+    rank holds more than the mean (its node's, where excess stayed home), to a rank of its own
+    node. So only each node's excess crosses the network, where that pays. Each
     move takes the last rows of one of the donor's own pairs, as much work as the donor has over
     the mean and the receiver has under it, to the receiver where it costs the fewest bytes per
     unit of work: the query rows and their partial (rows of that chunk already going there cost
@@ -107,6 +120,10 @@ def assign(mask, size, near, returns, nodes=None):
     sent = {}                                    # (rank, query chunk) -> the row blocks of it going there
     node = np.asarray(nodes or (0,) * size)
     count = int(node.max()) + 1
+    pairs_per_kb = NETWORK_KB_PAIRS["backward" if "kv" in returns else "forward"]
+    nic = np.zeros(size)   # bytes (REMOTE-weighted) that moves send across each rank's network link
+    nic_budget = NIC_SHARE * mean / pairs_per_kb * REMOTE
+    reached = [set(np.flatnonzero(node == n).tolist()) for n in range(count)]   # key chunks each node holds
     q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
     kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
 
@@ -118,13 +135,18 @@ def assign(mask, size, near, returns, nodes=None):
             new_rows = max(hi, b1) - min(lo, cut) - (hi - lo)
             nbytes = q_row * (new_rows + (0 if (h, i) in sent else FRAGMENT)) * unit
             nbytes *= REMOTE if node[h] != node[i] else 1.0
-        return nbytes + sum(kv_chunk * (REMOTE if node[h] != node[j] else 1.0) for j in keys if ("kv", j) not in held[h])
+        # a key chunk crosses the network once per node (schedule.relays), then NVLink
+        return nbytes + sum(kv_chunk * (REMOTE if j not in reached[node[h]] else 1.0)
+                            for j in keys if ("kv", j) not in held[h])
 
     def best_move(donor, excess, spare, receivers):
         """The cheapest move per unit of work from ``donor``: (score, h, [(task index, cut)], work).
         A move is the last rows of one own pair, or whole rows: the same last rows of every own pair
         of one query chunk (more work for the same query rows and partial)."""
         best = None
+        receivers = [h for h in receivers if node[h] == node[donor] or max(nic[donor], nic[h]) < nic_budget]
+        if not receivers:
+            return None
         own = [(index, t) for index, t in enumerate(tasks[donor]) if t[4] == "home"]
         options = [[(index, t)] for index, t in own]
         for i in {t[0] for _, t in own}:
@@ -150,13 +172,23 @@ def assign(mask, size, near, returns, nodes=None):
                 if moved <= 0 or (moved > spare[h] + SETTLED * mean / 2 and load[h] + moved > load[donor] - moved):
                     continue
                 keys = [t[1] for _, t in option if t[3] > c]
-                score = (len(option) == 1 and i == option[0][1][1], price(h, i, c, hi, keys) / moved, h, i, len(option))
+                nbytes = price(h, i, c, hi, keys)
+                if node[h] != node[donor] and (nbytes / REMOTE * pairs_per_kb > WORTH * moved
+                                               or max(nic[donor], nic[h]) + nbytes > nic_budget):
+                    continue   # the network would take longer than the work it moves, or fill a NIC
+                score = (len(option) == 1 and i == option[0][1][1], nbytes / moved, h, i, len(option))
                 if best is None or score < best[0]:   # a diagonal pair alone moves last
-                    best = (score, h, [(index, c) for index, t in option if t[3] > c], moved)
+                    best = (score, h, [(index, c) for index, t in option if t[3] > c], moved, nbytes)
         return best
 
     def move(donor, best):
-        _, h, parts, moved = best
+        _, h, parts, moved, nbytes = best
+        if node[h] != node[donor]:
+            nic[donor] += nbytes
+            nic[h] += nbytes
+        for j in {tasks[donor][index][1] for index, _ in parts} - reached[node[h]]:
+            nic[j] += kv_chunk * REMOTE
+            reached[node[h]].add(j)
         for index, cut in sorted(parts, reverse=True):
             i, j, b0, b1, kind = tasks[donor][index]
             cut = max(cut, b0)
@@ -180,17 +212,18 @@ def assign(mask, size, near, returns, nodes=None):
             if best is None:
                 break
             move(donor, best)
-            gone += best[-1]
-            spare[best[1]] -= best[-1]
+            gone += best[3]
+            spare[best[1]] -= best[3]
         return gone
 
-    # across nodes: only each node's excess, an equal share from every rank of a heavy node to the
-    # rank of the same place in a light node (its rail), so every network link carries as much
+    # across nodes: only each node's excess, in pieces of an equal share per rank of the heavy node,
+    # each from the rank of the heavy node to the rank of the light node whose network links then
+    # carry the least (a move's bytes cross both): no NIC carries much more than another
     node_load = np.bincount(node, load, count)
     node_mean = node_load.sum() / count
     excess, room = np.maximum(0.0, node_load - node_mean), np.maximum(0.0, node_mean - node_load)
     if count > 1 and excess.max() > SETTLED * node_mean:
-        members = [np.flatnonzero(node == n) for n in range(count)]
+        members = [[int(r) for r in np.flatnonzero(node == n)] for n in range(count)]
         for heavy in np.argsort(-excess, kind="stable"):
             for light in np.argsort(-room, kind="stable"):
                 flow = min(excess[heavy], room[light])
@@ -198,33 +231,48 @@ def assign(mask, size, near, returns, nodes=None):
                     continue
                 excess[heavy] -= flow
                 room[light] -= flow
-                share = flow / len(members[heavy])
-                for place, donor in enumerate(members[heavy]):
-                    rail = int(members[light][place % len(members[light])])
-                    ship(int(donor), [rail], share, np.full(size, share))
-        stuck = set()   # what the rails left (a rank short of rows to move): any rank to any light node
-        for _ in range(64 * size * size):
-            node_load = np.bincount(node, load, count)
-            heavy = int(np.argmax(node_load))
-            donors = [int(r) for r in np.flatnonzero(node == heavy) if r not in stuck]
-            if node_load[heavy] - node_mean <= SETTLED * node_mean or not donors:
-                break
-            donor = max(donors, key=lambda r: load[r])
-            spare = np.where(node_load[node] < node_mean, np.maximum(0.0, node_mean - node_load[node]), 0.0)
-            spare = np.minimum(spare, np.maximum(0.0, mean - load) + SETTLED * mean)
-            receivers = [int(h) for h in np.argsort(-spare, kind="stable")[:8] if spare[h] > 0]
-            if not receivers or not ship(donor, receivers, node_load[heavy] - node_mean, spare):
-                stuck.add(donor)
+                piece, gone, stuck = flow / len(members[heavy]), 0.0, set()
+                for _ in range(8 * len(members[heavy])):
+                    if flow - gone <= max(1.0, 1e-3 * mean):
+                        break
+                    amount, best, best_key = min(piece, flow - gone), None, None
+                    # no rank of the light node filled past the mean: it could not hand helper work on
+                    spare = np.minimum(amount, np.maximum(0.0, mean - load) + SETTLED * mean / 2)
+                    # the ranks over the mean give first (what they keep, the rest cannot take inside the
+                    # node), the two whose links carry least, to the two of the light node likewise
+                    over = [r for r in members[heavy] if r not in stuck and load[r] - mean > SETTLED * mean / 2]
+                    donors = sorted(over or [r for r in members[heavy] if r not in stuck], key=lambda r: nic[r])[:2]
+                    receivers = sorted([h for h in members[light] if spare[h] > 0], key=lambda h: nic[h])[:2]
+                    for donor in donors:
+                        option = best_move(donor, min(amount, load[donor] - mean) if over else amount, spare, receivers)
+                        if option is None:
+                            stuck.add(donor)
+                            continue
+                        h = option[1]
+                        if load[h] + option[3] > (1 + SETTLED) * mean:
+                            continue
+                        # key chunks the light node gets for the first time: their owners send them
+                        owners = {tasks[donor][index][1] for index, _ in option[2]} - reached[light]
+                        key = max([nic[donor], nic[h]] + [nic[j] + kv_chunk * REMOTE for j in owners])
+                        key += option[0][1] * amount
+                        if best_key is None or key < best_key:
+                            best, best_key = (donor, option), key
+                    if best is None:
+                        break
+                    move(*best)
+                    gone += best[1][3]
+    # inside each node, to the mean (a node whose excess stays home: to its own mean)
+    target = np.maximum(mean, (np.bincount(node, load, count) / np.bincount(node, minlength=count))[node])
     stuck = set()   # ranks left with no own rows to hand out
-    for _ in range(64 * size * size):   # inside each node
+    for _ in range(64 * size * size):
         candidates = [r for r in range(size) if r not in stuck]
         if not candidates:
             break
-        donor = max(candidates, key=lambda r: load[r])
-        excess = load[donor] - mean
+        donor = max(candidates, key=lambda r: load[r] - target[r])
+        excess = load[donor] - target[donor]
         if excess <= max(1.0, SETTLED * mean):
             break
-        spare = np.where(node == node[donor], mean - load, 0.0)
+        spare = np.where(node == node[donor], target - load, 0.0)
         receivers = [int(h) for h in np.argsort(-spare, kind="stable")[:8] if spare[h] > 0]
         best = best_move(donor, excess, spare, receivers)
         if best is None:
@@ -256,6 +304,26 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
     assigned = assign(mask, size, near, returns, nodes)
     count = default_steps(mask, size, near, returns, nodes) if steps is None else steps
 
+    def middle(units, far, turn, r):
+        """``units`` with those whose data or partial crosses the network (``far(i, j)``) moved to
+        the middle of the near ones, by work: their data has steps to arrive in, their partials
+        steps to go home in: first those for others (one owner after another), then its own
+        (``r``'s side stays); each start ``turn`` shards later in their order of shards (the moving
+        side's): the ranks of a node fetch different shards first and pass them on to each other
+        (schedule.relays), so no owner's link sends one shard to all of them at once."""
+        close = [u for u in units if not far(u[0], u[1])]
+        away = [u for u in units if far(u[0], u[1])]
+        side = 1 if near == "kv" else 0
+        shards = list(dict.fromkeys(u[side] for u in away))
+        place = {s: (n - turn) % len(shards) for n, s in enumerate(shards)}
+        # the work for others first, one owner at a time (its rows arrive one after another)
+        away.sort(key=lambda u: (u[1 - side] == r, u[1 - side] if u[1 - side] != r else 0, place[u[side]]))
+        if not away or not close:
+            return close + away
+        cum = np.cumsum(weight(close))
+        split = int(np.searchsorted(cum, cum[-1] * BEFORE))
+        return close[:split] + away + close[split:]
+
     def order(r, task):
         """Work for others first (its partials go home early), then own pairs: the nearest key
         chunk first where no key-side partial returns (each rank starts on different key chunks,
@@ -263,13 +331,15 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
         i, j, b0, b1, kind = task
         return (kind == "home", (i - j) % size if "kv" not in returns else 0, i, j, b0)
 
+    weight = lambda units: np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)  # noqa: E731
     runs = []   # per rank: (i, j, block) units in order, their cumulative work, the units of step 0
     for r in range(size):
         local = [(r, r, b) for i, j, b0, b1, _ in assigned[r] if i == j == r for b in range(b0, b1)]
         others = [(i, j, b) for i, j, b0, b1, _ in sorted(assigned[r], key=lambda t: order(r, t))
                   if not i == j == r for b in range(b0, b1)]
-        runs.append((local, others))
-    weight = lambda units: np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)  # noqa: E731
+        turn = 0 if nodes is None else sum(1 for x in range(r) if nodes[x] == nodes[r])   # its place in its node
+        far = lambda i, j: nodes is not None and not nodes[i] == nodes[j] == nodes[r]  # noqa: E731
+        runs.append((local, middle(others, far, turn, r)))
     totals = [int(weight(local).sum() + weight(others).sum()) for local, others in runs]
     # step 0: as much of the local pair as every rank has, up to two steps' work (the first pieces
     # arrive meanwhile; a larger step 0 where any rank lacks the local work would idle the others)
@@ -325,10 +395,10 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
 
 def default_steps(mask, size, near, returns, nodes=None):
     """The number of steps: each about half a full chunk pair's work (a plain causal ring's step:
-    P steps), at least 4 (a step to receive, steps to compute, a step for partials to go home), 8
-    on one node (smaller steps: the first pieces arrive and the last partials go home behind less
-    idle time, and NVLink carries a step's pieces in time), and at most P."""
+    P steps), at least 8 on one node and 16 across nodes (smaller steps: the first pieces arrive
+    and the last partials go home behind less idle time; across nodes the network's transfers,
+    posted steps ahead, overlap several of them), and at most P."""
     prefix, _ = block_work(mask, size)
     chunk = mask.seqlen // size
     mean = prefix[:, -1, :].sum() / size
-    return int(min(size, max(4 if nodes is not None else 8, round(mean / (chunk * chunk / 2)))))
+    return int(min(size, max(8 if nodes is None else 16, round(mean / (chunk * chunk / 2)))))

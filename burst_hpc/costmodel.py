@@ -360,28 +360,41 @@ class StepPrediction:
 
 def step_prediction(pr, ranks, rates, layout, mask, backward=False, per_node=8):
     """The pass over ``ranks`` GPUs (``per_node`` a node) in ``layout``, from its schedule's own
-    account (workload.py): at each step the busiest rank's kernels (the critical path, not the
-    mean) against the most bytes any rank sends or receives then, over NVLink inside a node and
-    the network between nodes."""
+    account (workload.py), step by step as the engine runs it: every rank starts a step's kernels
+    when the step before has ended everywhere, and a step ends when its busiest rank's kernels (the
+    critical path, not the mean) are done and every transfer due then has arrived. A transfer
+    is posted at the start of its step (between nodes the balanced schedule posts some steps before
+    they are due) and has arrived when both its sender's outgoing and its receiver's incoming link of
+    its class (NVLink inside a node, the network between nodes) have carried it: each link carries
+    its transfers one after another in the order they are posted, none before it is posted, a
+    latency once per step and link. (Within a step this is the most bytes any rank sends or
+    receives; across steps a link's backlog carries over.)"""
     from .accounting import transfer_bytes
-    from .workload import schedule_traffic, work_of
+    from .workload import schedule_transfers, work_of
 
     direction = "backward" if backward else "forward"
     work = work_of(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
     F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
     per_pair = attention_flops(pr.batch, pr.heads, pr.head_dim, 1.0, backward) / F
     sizes = transfer_bytes(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, backward)
-    intra, inter = _link(rates, False), _link(rates, True)
-    remote = schedule_traffic(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
-    time = 0.0
+    links = {False: (rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6),
+             True: (rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6)}
+    transfers = schedule_transfers(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
+    posted = {}
+    for m in transfers:
+        posted.setdefault(m[0], []).append(m)
+    free, arrived, time = {}, {}, 0.0   # (rank, far, "out"/"in") -> when that link is next free
     for t in range(work.shape[0]):
-        comm = 0.0
-        for r in range(ranks):
-            for link, far in ((intra, False), (inter, True)):
-                for direction_ in (0, 1):
-                    nbytes = sum(sizes[key] * pr.batch * counts[far][direction_][t, r] for key, counts in remote.items())
-                    comm = max(comm, link(nbytes))
-        time += max(work[t].max() * per_pair, comm)
+        start, paid = time, set()
+        for _, due, sender, receiver, what, side, tokens in posted.get(t, ()):
+            far = sender // per_node != receiver // per_node
+            bandwidth, latency = links[far]
+            seconds = sizes[(what, side)] * pr.batch * tokens / bandwidth
+            for e in ((sender, far, "out"), (receiver, far, "in")):
+                free[e] = max(start, free.get(e, 0.0)) + seconds + (latency if e not in paid else 0.0)
+                paid.add(e)
+                arrived[due] = max(arrived.get(due, 0.0), free[e])
+        time = max(start + work[t].max() * per_pair, arrived.get(t, 0.0))
     return StepPrediction(time, work.max(1).sum() * per_pair, work.sum() / ranks * per_pair, work.shape[0])
 
 

@@ -6,7 +6,8 @@ Step t
 1. posts its nonblocking exchanges (the step's (peer, buffers) sends and receives, one exchange
    per due step): on a plain ring the data the visit of step t+1 needs goes into a spare buffer
    (double buffering) while the partial finished at step t-1 goes on; a double ring also posts
-   one transfer over the network that completes at the end of the inner round (its ``due``);
+   one transfer over the network that completes at the end of the inner round (its ``due``), and
+   the balanced schedule across nodes its transfers between nodes steps before they are due;
 2. runs the local block kernels of this step's visit (the caller's ``compute``);
 3. waits for the exchanges due at step t (on the GPU: while the queued kernels still run), then
    combines each partial received: one for this rank's own shard into its results, a carried
@@ -182,7 +183,8 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
         for due in sorted(groups):
             sends, recvs, done = groups[due]
             lane = transport if due == index else far
-            waiting.setdefault(due, []).append((lane.exchange(sends, recvs), done))
+            # the sends stay referenced until they complete: a row cut is a copy made for the send
+            waiting.setdefault(due, []).append((lane.exchange(sends, recvs), done, sends))
         for visit in step.visits:
             q_out, k_out = results("q", visit.q_shard), results("kv", visit.kv_shard)
             rows = None if visit.q_shard == rank else data_rows[("q", visit.q_shard)]
@@ -191,7 +193,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
                 compute(visit, travelling("q", visit.q_shard), travelling("kv", visit.kv_shard), q_out, k_out,
                         0 if rows is None else rows[0])
         done = []
-        for handle, transfers in waiting.pop(index, ()):
+        for handle, transfers, _ in waiting.pop(index, ()):
             handle.wait()
             done += transfers
         for direction, t in sorted(done, key=lambda d: d[0] == "in"):   # sends first: their buffers are free

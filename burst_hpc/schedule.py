@@ -201,14 +201,21 @@ def plain_ring_steps(rank, size, side, returns, count=None):
     return tuple(out)
 
 
+LEAD = 8   # steps ahead of its due step that a transfer between nodes is posted (schedule.work_transfers)
+
+
 @lru_cache(maxsize=16)
 def work_transfers(mask, size, near, returns, nodes=None):
     """The balanced schedule's transfers, for every rank: (steps, [(step, sender, receiver, what, side,
-    shard, rows)]). Data goes to the rank that computes with it, posted the step before its first
-    use, from its owner (a whole shard: or from the rank of the receiver's node that got it first,
-    ``relays``); a partial goes straight to its owner the step after its last contribution
-    (one step more than the plan's when a partial is made at the last). The query side moves only
-    the rows the receiving rank computes with, and its partial holds only those."""
+    shard, rows, due)]). Data goes to the rank that computes with it, due at the end of the step
+    before its first use, from its owner (a whole shard: or from the rank of the receiver's node
+    that got it first, ``relays``); a partial goes straight to its owner, posted the step after its
+    last contribution (one step more than the plan's when a partial is made at the last). The query
+    side moves only the rows the receiving rank computes with, and its partial holds only those.
+
+    Between nodes a transfer is posted up to LEAD steps before it is due (data: as early as step 0;
+    a partial: due LEAD steps after it is posted, at most at the last step), on the far lane: the
+    network then carries it under several steps of compute, not one."""
     plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
     chunk = mask.seqlen // size
     first, last = {}, {}   # (computing rank, side, shard) -> first use; the same -> last contribution
@@ -229,12 +236,20 @@ def work_transfers(mask, size, near, returns, nodes=None):
         r = rows.get(key)
         return None if r is None or r == (0, chunk) else r
 
+    def far(a, b):
+        return nodes is not None and nodes[a] != nodes[b]
+
     count = len(plan[0]) + (1 if any(t + 1 == len(plan[0]) for t in last.values()) else 0)
-    moves = [(t - 1, source, c, "data", side, shard, cut((c, side, shard)))
-             for (c, side, shard), t, source in relays(first, nodes)]
-    moves += [(t + 1, c, shard, "partial", side, shard, cut((c, side, shard))) for (c, side, shard), t in last.items()]
-    assert all(m[0] >= 0 for m in moves), "step 0 needs data from another rank"
-    return count, tuple(sorted(moves, key=lambda m: m[:6]))
+    moves = []
+    for (c, side, shard), t, source in relays(first, nodes):
+        due = t - 1
+        moves.append((max(0, due - LEAD) if far(source, c) else due, source, c, "data", side, shard,
+                      cut((c, side, shard)), due))
+    for (c, side, shard), t in last.items():
+        moves.append((t + 1, c, shard, "partial", side, shard, cut((c, side, shard)),
+                      min(count - 1, t + 1 + LEAD) if far(c, shard) else t + 1))
+    assert all(m[-1] >= 0 for m in moves), "step 0 needs data from another rank"
+    return count, tuple(sorted(moves, key=lambda m: m[:6] + (m[7],)))
 
 
 def relays(first, nodes):
@@ -255,20 +270,32 @@ def relays(first, nodes):
     return out
 
 
+@lru_cache(maxsize=16)
+def transfers_of(mask, size, near, returns, nodes=None):
+    """work_transfers' moves by rank: a tuple over ranks of the moves it sends or receives."""
+    out = [[] for _ in range(size)]
+    for m in work_transfers(mask, size, near, returns, nodes)[1]:
+        out[m[1]].append(m)
+        if m[2] != m[1]:
+            out[m[2]].append(m)
+    return tuple(tuple(m) for m in out)
+
+
 @lru_cache(maxsize=256)
 def work_steps(rank, size, near, returns, mask, nodes=None):
     """The balanced schedule seen by ``rank`` (balance.work_plan: any mask, contiguous shards):
     each step's visits of chunk pieces, the data they need arriving the step before from its
     owner, each partial sent straight home after the last visit adding to it."""
     plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
-    count, moves = work_transfers(mask, size, near, returns, nodes)
+    count, _ = work_transfers(mask, size, near, returns, nodes)
     chunk = mask.seqlen // size
     sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]
-    for t, sender, receiver, what, side, shard, rows in moves:
+    for t, sender, receiver, what, side, shard, rows, due in transfers_of(mask, size, near, returns, nodes)[rank]:
+        due = None if due == t else due
         if sender == rank:
-            sends[t].append(Transfer(receiver, what, side, shard, None, rows))
+            sends[t].append(Transfer(receiver, what, side, shard, due, rows))
         if receiver == rank:
-            recvs[t].append(Transfer(sender, what, side, shard, None, rows))
+            recvs[t].append(Transfer(sender, what, side, shard, due, rows))
     mine = list(plan[rank]) + [()] * (count - len(plan[rank]))
     return tuple(_step([Visit(i, j, None if (lo, hi) == (0, chunk) else (lo, hi)) for i, j, lo, hi in mine[t]],
                        sends[t], recvs[t]) for t in range(count))

@@ -27,11 +27,18 @@ def check_scheme(name):
 
 class Flat:
     name = "ring"
-    far_comm = None   # the communicator of transfers due steps later (none on a flat ring)
 
     def __init__(self, comm, seqlen, layout, causal, mask, topo=None):
         self.comm, self.position, self.size = comm, comm.rank, comm.size
         self.seqlen, self.layout, self.causal, self.mask, self.topo = seqlen, layout, causal, mask, topo
+
+    @property
+    def far_comm(self):
+        """Across nodes the balanced schedule posts transfers steps before they are due: on their
+        own lane, so they never queue behind (NCCL) the transfers of the steps in between."""
+        if self.name != "ring" or self.topo is None or self.topo.nodes == 1 or self.layout != "balanced":
+            return None
+        return self.topo.lane
 
     def remote(self, peer):
         """Whether ``peer`` (a rank of ``comm``) is on another node than this rank."""
@@ -61,7 +68,10 @@ class DoubleRing(Flat):
     def __init__(self, topo, seqlen, layout, causal, mask):
         check_node_layout(self.name, layout, causal, mask is not None)
         super().__init__(topo.ordered, seqlen, layout, causal, mask, topo)
-        self.far_comm = topo.far
+
+    @property
+    def far_comm(self):   # the network lane: one transfer per rank and inner round
+        return self.topo.far
 
     def remote(self, peer):
         return peer // self.topo.per_node != self.topo.node

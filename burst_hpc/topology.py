@@ -11,7 +11,8 @@ memory share a node). Two overrides, for emulation and tests:
 Every node must hold the same number of ranks (a clear error on every rank otherwise). Ranks
 need not be placed node by node: *positions* number the ranks node by node (position
 ``node * per_node + local``, nodes ordered by their lowest rank, ranks inside a node by rank),
-and ``ordered`` is the communicator whose rank is the position (``far``: a duplicate of it). ``rails[local]`` is the same
+and ``ordered`` is the communicator whose rank is the position (``far``: a duplicate of it; ``lane``:
+one of the caller's). ``rails[local]`` is the same
 local rank on every node (one NIC rail); ``node_comm`` this rank's node.
 """
 from dataclasses import dataclass
@@ -95,6 +96,7 @@ class Topology:
         self.node, self.local = self.layout.node_of(self.position), self.layout.local_of(self.position)
         self.ordered = comm.Split(0, key=self.position)
         self.far = self.ordered.Dup()   # the double ring's network lane (its own NCCL communicator)
+        self.lane = comm.Dup()          # the flat ring's (the balanced schedule's transfers due steps later)
         self.node_comm = self.ordered.Split(self.node, key=self.local)
         self.rail = self.ordered.Split(self.local, key=self.node)
 

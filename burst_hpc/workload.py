@@ -121,6 +121,23 @@ def schedule_traffic(seqlen, size, causal, mask, layout, direction, per_node=Non
     return out
 
 
+@lru_cache(maxsize=32)
+def schedule_transfers(seqlen, size, causal, mask, layout, direction, per_node=None):
+    """Every transfer of the schedule, once (from its sender's steps), in the order the engine posts
+    them: a tuple of (posted, due, sender, receiver, what, side, tokens), ``due`` the step at whose
+    end it completes, ``per_node`` ranks a node (None: one node)."""
+    near, returns = DIRECTIONS[direction]
+    nodes = node_list(size, per_node)
+    tokens = seqlen // size
+    out = []
+    for r in range(size):
+        for t, step in enumerate(schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, nodes)):
+            for m in step.sends:
+                out.append((t, t if m.due is None else m.due, r, m.peer, m.what, m.side,
+                            tokens if m.rows is None else m.rows[1] - m.rows[0]))
+    return tuple(sorted(out, key=lambda m: m[:2]))
+
+
 def documents(rng, seqlen, lengths, count=None, longest=None, median=None):
     """cu_seqlens of packed documents filling ``seqlen`` tokens, of ``lengths``:
 

@@ -84,3 +84,68 @@ def test_peak_memory_matches_the_gpu_figures_of_benchmarks(tokens, fwd_gib, fwdb
     bench_extra = tokens * 32 * 128 * (2 + 4)
     assert abs((costmodel.peak_memory("ring", pr, cl) + bench_extra) / gib - fwd_gib) <= 0.05 * fwd_gib
     assert abs(costmodel.peak_memory("ring", pr, cl, True) / gib - fwdbwd_gib) <= 0.06 * fwdbwd_gib
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_step_prediction_charges_every_byte_and_every_pair(backward):
+    """The balanced schedule across nodes (transfers posted steps before they are due): the predicted
+    time is never less than the critical path's kernels, nor than the bytes any rank's network link
+    carries at its rate, nor than its total with every data transfer due the step before its first
+    use (posting earlier does not lose time here), which is the step-by-step charge: every step the
+    larger of its busiest rank's kernels and the most bytes any link carries then."""
+    import numpy as np
+
+    from burst_hpc import masks, schedule, workload
+    from burst_hpc.accounting import transfer_bytes
+
+    ranks, per_node, seqlen = 16, 4, 16 * 256
+    rates = costmodel.GPU_RATES["H100"]
+    pr = costmodel.Problem(1, seqlen, 64, 8, 128, 2, True)
+    mask = masks.make(seqlen, True, None, masks.random_documents(np.random.default_rng(2), seqlen, 4))
+    direction = "backward" if backward else "forward"
+    got = costmodel.step_prediction(pr, ranks, rates, "balanced", mask, backward, per_node)
+    sizes = transfer_bytes(64, 8, 128, 2, backward)
+    load = {}
+    for _, _, sender, receiver, what, side, tokens in workload.schedule_transfers(seqlen, ranks, True, mask, "balanced",
+                                                                                direction, per_node):
+        if sender // per_node != receiver // per_node:
+            for end in ((sender, "out"), (receiver, "in")):
+                load[end] = load.get(end, 0.0) + sizes[(what, side)] * tokens / (rates.inter_gbps * 1e9)
+    assert load and got.time >= max(load.values())
+    assert any(due > posted for posted, due, *_ in workload.schedule_transfers(seqlen, ranks, True, mask, "balanced",
+                                                                              direction, per_node))
+    assert got.time >= got.compute >= got.mean > 0
+
+    def without_lead():
+        caches = (schedule.work_transfers, schedule.transfers_of, schedule.work_steps, schedule.steps, workload.work_of,
+                  workload.schedule_transfers, workload.schedule_traffic)
+        lead = schedule.LEAD
+        try:
+            schedule.LEAD = 0
+            for f in caches:
+                f.cache_clear()
+            late = costmodel.step_prediction(pr, ranks, rates, "balanced", mask, backward, per_node)
+            # every transfer due in the step that posts it: each step costs the larger of its busiest
+            # rank's kernels and the most any link carries then (a latency once per link and step)
+            work = workload.work_of(seqlen, ranks, True, mask, "balanced", direction, per_node)
+            traffic = workload.schedule_traffic(seqlen, ranks, True, mask, "balanced", direction, per_node)
+            per_pair = costmodel.attention_flops(1, 64, 128, 1.0, backward) / (
+                (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12)
+            charged = 0.0
+            for t in range(work.shape[0]):
+                links = [0.0]
+                for far, (gbps, us) in ((0, (rates.intra_gbps, rates.intra_latency_us)),
+                                        (1, (rates.inter_gbps, rates.inter_latency_us))):
+                    for end in (0, 1):
+                        nbytes = sum(sizes[key] * counts[far][end][t] for key, counts in traffic.items())
+                        links += [us * 1e-6 + b / (gbps * 1e9) for b in nbytes if b]
+                charged += max(work[t].max() * per_pair, max(links))
+            return late, charged
+        finally:
+            schedule.LEAD = lead
+            for f in caches:
+                f.cache_clear()
+
+    late, charged = without_lead()
+    assert got.time <= late.time and late.compute == got.compute
+    assert late.time == pytest.approx(charged, rel=1e-9)

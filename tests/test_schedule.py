@@ -7,7 +7,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from burst_hpc import masks, ring
+from burst_hpc import balance, masks, ring, schedule
 from burst_hpc.layout import layout_indices, pieces
 from burst_hpc.ring import lifetimes
 from burst_hpc.schedule import block_pairs, steps, visit_pairs
@@ -94,23 +94,31 @@ def test_contiguous_causal_is_unbalanced():
 # ring.lifetimes predicts.
 
 class ThreadTransport:
-    """In-process transport for ranks in threads: arrays are copied into per-(sender, receiver)
-    queues when posted, and taken in order at wait."""
+    """In-process transport for ranks in threads: arrays are copied when posted, each into the slot
+    of its place among those sent from one rank to another on this lane; a receive takes the slot
+    of its place among those posted (both ends post in the same order, as MPI matches messages),
+    so exchanges may complete in any order (a transfer due steps later)."""
 
-    def __init__(self, rank, size, queues):
-        self.rank, self.size, self.xp, self.queues = rank, size, np, queues
+    def __init__(self, rank, size, queues, lane=0):
+        self.rank, self.size, self.xp, self.queues, self.lane = rank, size, np, queues, lane
+        self.sent, self.posted = {}, {}
+
+    def slot(self, counts, a, b):
+        n = counts.get((a, b), 0)
+        counts[(a, b)] = n + 1
+        with self.queues["lock"]:
+            return self.queues.setdefault((a, b, self.lane, n), queue.Queue())
 
     def exchange(self, sends, recvs):
         for peer, arrays in sends:
             for a in arrays:
-                self.queues[(self.rank, peer)].put(np.array(a, copy=True))
-        rank, queues = self.rank, self.queues
+                self.slot(self.sent, self.rank, peer).put(np.array(a, copy=True))
+        slots = [(self.slot(self.posted, peer, self.rank), a) for peer, arrays in recvs for a in arrays]
 
         class Handle:
             def wait(self):
-                for peer, arrays in recvs:
-                    for a in arrays:
-                        a[...] = queues[(peer, rank)].get(timeout=20)
+                for q, a in slots:
+                    a[...] = q.get(timeout=20)
         return Handle()
 
 
@@ -128,7 +136,7 @@ class CountingPool(ring._Pool):
 def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
     """Every rank's plan through ring.run; returns each rank's (query counts, key counts, pool)."""
     size = len(plans)
-    queues = {(a, b): queue.Queue() for a in range(size) for b in range(size)}
+    queues = {"lock": threading.Lock()}
     out, errors = [None] * size, []
 
     def rank_main(r):
@@ -149,7 +157,7 @@ def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
                             if k_out:
                                 k_out[0][b, q_pos[a]] += 1
 
-            ring.run(ThreadTransport(r, size, queues), None, plans[r], sides, compute)
+            ring.run(ThreadTransport(r, size, queues), ThreadTransport(r, size, queues, 1), plans[r], sides, compute)
             out[r] = (sides["q"].results[0], sides["kv"].results[0] if "kv" in returns else None,
                       pools[threading.get_ident()])
         except BaseException as e:  # reported by the main thread
@@ -213,12 +221,41 @@ def test_every_visible_pair_once_and_every_result_home_causal(layout, size, near
     check_schedule(layout, size, near, returns, 4 * size)
 
 
+@pytest.fixture(params=["priced", "free"])
+def network(request, monkeypatch):
+    """The balanced schedule as priced (at these small shapes moves between nodes rarely pay), and
+    with a free network (every move between nodes pays: helpers across nodes, relays, transfers
+    posted steps ahead all run)."""
+    if request.param == "free":
+        monkeypatch.setattr(balance, "WORTH", float("inf"))
+        monkeypatch.setattr(balance, "NIC_SHARE", float("inf"))
+    caches = (balance.assign, balance.work_plan, schedule.work_transfers, schedule.transfers_of, schedule.work_steps,
+              schedule.steps)
+    for f in caches:
+        f.cache_clear()
+    yield request.param
+    for f in caches:
+        f.cache_clear()
+
+
 @pytest.mark.parametrize("near,returns", PASSES)
-@pytest.mark.parametrize("size,per_node", [(2, None), (3, None), (5, None), (8, None), (4, 2), (6, 2), (8, 4)])
+@pytest.mark.parametrize("size,per_node", [(2, None), (3, None), (5, None), (8, None)])
 @pytest.mark.parametrize("seed", range(3))
 def test_balanced_schedule_for_random_masks(size, per_node, near, returns, seed):
-    """Random documents, windows and their compositions, causal or not; on one node or several
-    (key chunks relayed inside a node, schedule.relays)."""
+    """Random documents, windows and their compositions, causal or not, on one node."""
+    check_random_mask(size, per_node, near, returns, seed)
+
+
+@pytest.mark.parametrize("near,returns", PASSES)
+@pytest.mark.parametrize("size,per_node", [(4, 2), (6, 2), (8, 4)])
+@pytest.mark.parametrize("seed", range(3))
+def test_balanced_schedule_for_random_masks_across_nodes(size, per_node, near, returns, seed, network):
+    """The same on several nodes (key chunks relayed inside a node, schedule.relays; transfers
+    between nodes posted steps before they are due)."""
+    check_random_mask(size, per_node, near, returns, seed)
+
+
+def check_random_mask(size, per_node, near, returns, seed):
     rng = np.random.default_rng(1000 * size + seed)
     seqlen = size * int(rng.choice([4, 8, 12]))
     causal = bool(rng.integers(2))
@@ -263,7 +300,7 @@ def test_a_shortened_ring_sends_each_partial_straight_home(size):
             assert Transfer(r, "partial", "kv", send.peer) in plans[send.peer][-1].recvs
 
 
-def test_key_chunks_cross_the_network_once_per_node():
+def test_key_chunks_cross_the_network_once_per_node(network):
     """Across nodes a key chunk goes from its owner to one rank of each other node; the ranks there
     that need it a step later get it from that rank (schedule.relays), and the schedule still
     computes every visible pair once with every partial home."""
@@ -275,11 +312,36 @@ def test_key_chunks_cross_the_network_once_per_node():
     for near, returns in PASSES:
         check_schedule("balanced", size, near, returns, size * 16, True, mask, nodes)
         _, moves = work_transfers(mask, size, near, returns, nodes)
-        data = [(t, sender, receiver, shard) for t, sender, receiver, what, side, shard, _ in moves
+        data = [(t, sender, receiver, shard, due) for t, sender, receiver, what, side, shard, _, due in moves
                 if what == "data" and side == "kv"]
         relayed = [m for m in data if m[1] != m[3]]
         assert relayed or near == "q", near   # the q-ring moves key chunks only to helpers
-        for t, sender, receiver, shard in relayed:
+        for t, sender, receiver, shard, _ in relayed:
             assert nodes[sender] == nodes[receiver] != nodes[shard]
-            # the relay received it from the owner before it passes it on
-            assert any(s == shard and r == sender and u < t for u, s, r, j in data if j == shard)
+            # the relay has received it from the owner before it passes it on
+            assert any(s == shard and r == sender and due < t for _, s, r, j, due in data if j == shard)
+
+
+def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
+    """Between nodes data is posted up to LEAD steps before the step it is due at (the step before
+    its first use), as early as step 0, and a partial is due up to LEAD steps after it is posted:
+    the network carries them under several steps of compute. Inside a node every transfer
+    completes in the step that posts it."""
+    from burst_hpc.schedule import LEAD, work_transfers
+
+    size, per_node = 16, 4
+    nodes = tuple(r // per_node for r in range(size))
+    seqlen = size * 64
+    mask = masks.make(seqlen, True, None, masks.random_documents(np.random.default_rng(5), seqlen, 3))
+    for near, returns in PASSES:
+        count, moves = work_transfers(mask, size, near, returns, nodes)
+        early = 0
+        for t, sender, receiver, what, side, shard, _, due in moves:
+            if nodes[sender] == nodes[receiver]:
+                assert due == t
+            elif what == "data":
+                assert due == t + LEAD or (t == 0 and due < LEAD)
+                early += due > t
+            else:
+                assert due == min(count - 1, t + LEAD)
+        assert early, (near, returns)
