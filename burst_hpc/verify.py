@@ -14,6 +14,7 @@ The outcome is recorded in the output file's attributes (see :func:`pending_attr
 ``verify`` ("not run", "not finished", "pass" or "fail"), ``verify_mode`` and, per output X,
 ``verify_max_err_X`` and ``verify_tol_X`` (NaN where X was not checked).
 """
+import itertools
 import math
 import time
 
@@ -623,32 +624,41 @@ def verify_resident(inputs, outputs, positions, spec, comm, causal, scale, windo
                  xp, budget_s, announce, progress)
 
 
-def warm(dtypes):
-    """Check one small random problem per dtype (causal, with gradients) on this process's GPU, so that
-    CuPy compiles the kernels a job's --verify runs into its own cache (CUPY_CACHE_DIR) now, not in the
-    job (``burst-hpc compile``). Returns the seconds it took; raises BurstError if the check fails."""
-    from types import SimpleNamespace
+# warm's problems: CuPy compiles a kernel per operation, dtypes and dimensions left once it merges
+# contiguous ones and drops those of size 1, so batch 1 and 2, GQA and MHA, with and without documents
+WARM_SHAPES = ((1, 4, 1), (2, 4, 2), (1, 2, 2))          # (batch, query heads, key/value heads)
+WARM_MASKS = ((True, None, None), (False, (100, 30), np.array([0, 600, 1400, 2048])))   # (causal, window, cu_seqlens)
 
-    import cupy
+
+def warm(dtypes, xp=None):
+    """Check small random problems per dtype (WARM_SHAPES x WARM_MASKS, with gradients) on this
+    process's GPU (``xp`` None: CuPy), so that CuPy compiles the kernels a job's --verify runs into its
+    own cache (CUPY_CACHE_DIR) now, not in the job (``burst-hpc compile``). Returns the seconds it
+    took; raises BurstError if a check fails."""
+    from types import SimpleNamespace
 
     from .reference import attention_backward_reference, attention_reference
 
+    if xp is None:
+        import cupy as xp
     start = time.perf_counter()
-    b, s, hq, hk, d = 1, 2048, 4, 2, 64          # B Hq S^2 above FULL_LIMIT: the sampled check a job runs
+    s, d = 2048, 16           # B Hq S^2 above FULL_LIMIT: the sampled check a job runs
     rng = np.random.default_rng(0)
-    for dtype in dtypes:
+    for dtype, (b, hq, hk), (causal, window, cu) in itertools.product(dtypes, WARM_SHAPES, WARM_MASKS):
         host = {n: rng.standard_normal((b, s, hk if n in ("k", "v") else hq, d)).astype(dtype) for n in ("q", "k", "v", "do")}
         exact = {n: host[n].astype(np.float64) for n in host}
-        o, lse = attention_reference(exact["q"], exact["k"], exact["v"], causal=True)
-        dq, dk, dv = attention_backward_reference(exact["do"], exact["q"], exact["k"], exact["v"], causal=True)
+        kw = dict(causal=causal, window=window, cu_seqlens=cu)
+        o, lse = attention_reference(exact["q"], exact["k"], exact["v"], **kw)
+        dq, dk, dv = attention_backward_reference(exact["do"], exact["q"], exact["k"], exact["v"], **kw)
         outputs = {"o": o.astype(dtype), "lse": lse.astype(np.float32), "dq": dq.astype(dtype), "dk": dk.astype(dtype),
                    "dv": dv.astype(dtype)}
-        spec = SimpleNamespace(batch=b, seqlen=s, heads=hq, kv_heads=hk, head_dim=d, dtype=np.dtype(dtype), cu_seqlens=None)
-        arrays = {n: cupy.asarray(x) for n, x in dict(host, **outputs).items()}
-        report = check(Tokens.resident(arrays, np.arange(s)), spec, Alone(), True, d ** -0.5, None, True, 16, xp=cupy)
+        spec = SimpleNamespace(batch=b, seqlen=s, heads=hq, kv_heads=hk, head_dim=d, dtype=np.dtype(dtype), cu_seqlens=cu)
+        arrays = {n: xp.asarray(x) for n, x in dict(host, **outputs).items()}
+        report = check(Tokens.resident(arrays, np.arange(s)), spec, Alone(), causal, d ** -0.5, window, True, 16,
+                       xp=xp)
         if not report["ok"]:
             raise BurstError(f"the verification's own check failed on this GPU ({dtype_name(dtype)}): {failures(report)}")
-    cupy.cuda.Device().synchronize()
+    _sync(xp)
     return time.perf_counter() - start
 
 

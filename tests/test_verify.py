@@ -187,6 +187,13 @@ def test_alone_runs_the_sampled_check(monkeypatch):
     assert report["ok"] and report["mode"] == "sampled 9 rows+cols/rank", report
 
 
+def test_warming_checks_its_problems(monkeypatch):
+    """verify.warm's problems pass their own check (here on the host, one shape; burst-hpc compile runs
+    every one on the GPU)."""
+    monkeypatch.setattr(verify, "WARM_SHAPES", verify.WARM_SHAPES[1:2])
+    assert verify.warm([bfloat16], xp=np) > 0
+
+
 WARMED = """
 import os, sys
 import numpy as np
