@@ -155,7 +155,11 @@ class PlanCache:
         return plan
 
     def put(self, key, plan):
-        """Keep ``plan`` for ``key``, dropping the least recently used beyond ``maxsize``."""
+        """Keep ``plan`` for ``key`` in place of any plan kept for the same shared arguments (a plan
+        also depends on the other ranks' state when it was made: only the one every rank made
+        together last may be reused), dropping the least recently used beyond ``maxsize``."""
+        for old in [k for k in self.plans if k.shared == key.shared]:
+            del self.plans[old]
         self.plans[key] = plan
         self.plans.move_to_end(key)
         while len(self.plans) > self.maxsize:

@@ -543,7 +543,7 @@ def warm_verification(dtypes, comm):
     every = comm.allgather(seconds) if comm.size > 1 else [seconds]
     if any(s is None for s in every):
         return ""
-    return f"verification kernels (CuPy's cache, CUPY_CACHE_DIR): ready on every rank's GPU; {max(every):.1f} s"
+    return f"verification kernels: compiled into CuPy's cache (CUPY_CACHE_DIR); {max(every):.1f} s"
 
 
 def _collective(fn, *args, **kwargs):

@@ -115,6 +115,29 @@ def test_a_rank_without_the_plan_makes_every_rank_plan_anew(comm):
     assert callplan.PLANS.hits == 1
 
 
+def test_only_the_plan_every_rank_made_together_last_is_reused(comm, monkeypatch):
+    """A plan also depends on the other ranks' state when it was made (here their node ids): after a
+    call where the ranks' settings changed, a rank whose settings went back must not reuse its older
+    plan while the others reuse the newer one."""
+    P, r, S = comm.size, comm.rank, LOCAL * comm.size
+    rng, seed = shared_rng(comm)
+    q, k, v = (rng.standard_normal((1, S, h, 8)) for h in (2, 1, 1))
+
+    def call():
+        plan = callplan.plan_call(comm, *(burst_hpc.shard(x, r, P, "balanced") for x in (q, k, v)), True, None,
+                                  "balanced", "auto")
+        return comm.allgather(plan.topo.nodes)
+
+    monkeypatch.delenv("BURST_HPC_NODE_ID", raising=False)
+    monkeypatch.delenv("BURST_HPC_RANKS_PER_NODE", raising=False)
+    call()                                           # one node
+    monkeypatch.setenv("BURST_HPC_NODE_ID", str(3 + 4 * r))
+    assert len(set(call())) == 1                     # every rank a node: planned anew together
+    if r == P - 1:
+        monkeypatch.delenv("BURST_HPC_NODE_ID")      # this rank's settings as in the first call
+    assert len(set(call())) == 1, "ranks run different plans"
+
+
 def test_same_everywhere_is_the_same_verdict_on_every_rank(comm):
     from burst_hpc.collective import same_everywhere
 

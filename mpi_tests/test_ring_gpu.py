@@ -58,6 +58,26 @@ def test_exchange_moves_every_byte(comm, transport):
 
 
 @pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
+def test_exchanges_in_flight_at_once(comm, transport):
+    """The flat ring's far lane keeps several exchanges in flight: four posted one after another (one
+    crossing a staging chunk boundary) and waited in the opposite order each arrive whole."""
+    if transport not in device_transports(comm):
+        pytest.skip(f"{transport} not usable here")
+    t = make_transport(transport, comm, cupy)
+    rng = np.random.default_rng()
+    sizes = [(1000, 3), ((17 << 20) + 5,), (7,), (64, 64)]
+    mine = [cupy.asarray(rng.integers(0, 255, n, dtype=np.uint8)) for n in sizes]
+    recv = [cupy.zeros(x.shape, x.dtype) for x in mine]
+    pending = [t.exchange([((comm.rank + 1) % comm.size, [x])], [((comm.rank - 1) % comm.size, [y])])
+               for x, y in zip(mine, recv)]
+    for handle in reversed(pending):
+        handle.wait()
+    everyone = comm.allgather([cupy.asnumpy(x) for x in mine])
+    for got, want in zip(recv, everyone[(comm.rank - 1) % comm.size]):
+        np.testing.assert_array_equal(cupy.asnumpy(got), want)
+
+
+@pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
 def test_exchange_with_several_peers(comm, transport):
     """A balanced step: sends to rank+1 and rank+2 at once, two entries for one peer (data and a
     partial), the receives listed in the same order at the other end."""
@@ -185,10 +205,13 @@ def test_gpu_alltoall_around_zigzag(comm, alltoall_zigzag):
 
 
 @pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
-@pytest.mark.parametrize("layout,window,documents", [("zigzag", None, 7), ("contiguous", (150, 0), None),
-                                                     ("contiguous", (100, 0), 5), (None, (40, 40), 3)])
-def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, documents):
-    """Interval-masked kernels through the ring (shortened by the window where it can be)."""
+@pytest.mark.parametrize("layout,window,documents,per_node", [
+    ("zigzag", None, 7, None), ("contiguous", (150, 0), None, None), ("contiguous", (100, 0), 5, None),
+    (None, (40, 40), 3, None), ("balanced", None, 5, 1), ("balanced", (100, 0), 3, 1)])
+def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, documents, per_node):
+    """Interval-masked kernels through the ring (shortened by the window where it can be); the
+    balanced layout with every rank a node: transfers between nodes posted steps ahead on the far
+    lane, several in flight at once."""
     from burst_hpc import masks
 
     if transport not in device_transports(comm):
@@ -204,13 +227,14 @@ def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, do
     q, k, v, do = (rng.standard_normal((1, S, h, dim)).astype(dtype) for h in (4, 2, 2, 4))
     ref_o, _ = attention_reference(q, k, v, **kw)
     ref_grads = attention_backward_reference(do, q, k, v, **kw)
-    shape = CallShape.of_call((1, local, 4, dim), 2, 2, "cuda")   # the call's own pick: priced on its shard
+    shape = CallShape.of_call((1, local, 4, dim), 2, 2, "cuda", per_node)   # the call's own pick: priced on its shard
     used = layout or masks.call_layout(masks.make(S, causal, window, cu), causal, P, shape)
 
     def mine(x):
         return burst_hpc.shard(x, r, P, used)
 
     dq_, dk_, dv_, ddo = (to_device(mine(x)) for x in (q, k, v, do))
+    kw["ranks_per_node"] = per_node
     o, lse = burst_hpc.burst_attention(dq_, dk_, dv_, comm=comm, layout=layout, transport=transport, **kw)
     err = np.abs(to_host(o, dtype) - mine(ref_o)).max()
     base = np.abs(ref_o.astype(dtype).astype(np.float64) - ref_o).max()

@@ -37,19 +37,41 @@ def _slots(transfers, host):
         offset += buf.nbytes
 
 
+class Staging:
+    """One exchange's pinned host buffers; ``uploaded``: the event after which the device no longer
+    reads ``recv`` (None: free now)."""
+
+    def __init__(self):
+        self.send = self.recv = np.empty(0, np.uint8)
+        self.uploaded = None
+
+    def reserve(self, send_bytes, recv_bytes):
+        if self.uploaded is not None:
+            self.uploaded.synchronize()  # the last uploads from recv are done
+            self.uploaded = None
+        if self.send.size < send_bytes:
+            self.send = _pinned(send_bytes)
+        if self.recv.size < recv_bytes:
+            self.recv = _pinned(recv_bytes)
+
+
 class Pending:
-    def __init__(self, thread, transport):
-        self.thread, self.transport = thread, transport
+    def __init__(self, transport, staging):
+        self.transport, self.staging = transport, staging
+        self.thread, self.error = None, None
 
     def wait(self):
         self.thread.join()
-        if self.transport.error is not None:
-            error, self.transport.error = self.transport.error, None
-            raise error
-        cupy.cuda.get_current_stream().wait_event(self.transport.uploaded)
+        self.transport.free.append(self.staging)
+        if self.error is not None:
+            raise self.error
+        cupy.cuda.get_current_stream().wait_event(self.staging.uploaded)
 
 
 class StagedTransport:
+    """Exchanges may overlap (the flat ring's far lane keeps several in flight): each has its own
+    pinned buffers, and each one's MPI transfers start after the one before it has finished, so
+    they match on both ends in the order the exchanges were made."""
     xp = cupy
 
     def __init__(self, comm):
@@ -57,36 +79,33 @@ class StagedTransport:
         self.rank, self.size = comm.rank, comm.size
         self.down = cupy.cuda.Stream(non_blocking=True)
         self.up = cupy.cuda.Stream(non_blocking=True)
-        self.host_send = self.host_recv = np.empty(0, np.uint8)
         self.device = cupy.cuda.Device()
-        self.error = None
-        self.uploaded = None
-
-    def _reserve(self, send_bytes, recv_bytes):
-        if self.host_send.size < send_bytes:
-            self.host_send = _pinned(send_bytes)
-        if self.host_recv.size < recv_bytes:
-            self.host_recv = _pinned(recv_bytes)
+        self.free = []      # Staging buffers of finished exchanges, reused
+        self.last = None    # the thread of the latest exchange
 
     def exchange(self, sends, recvs):
-        self._reserve(*(sum(b.nbytes for _, bufs in side for b in bufs) for side in (sends, recvs)))
+        staging = self.free.pop() if self.free else Staging()
+        staging.reserve(*(sum(b.nbytes for _, bufs in side for b in bufs) for side in (sends, recvs)))
         ready = cupy.cuda.get_current_stream().record()
         self.down.wait_event(ready)
         self.up.wait_event(ready)  # the kernels still reading the receive buffers come first
         downloads = []
-        for peer, tag, device, host in _slots(sends, self.host_send):
+        for peer, tag, device, host in _slots(sends, staging.send):
             device.get(stream=self.down, out=host, blocking=False)
             downloads.append((peer, tag, host, self.down.record()))
-        thread = threading.Thread(target=self._transfer, args=(downloads, recvs), daemon=True)
-        thread.start()
-        return Pending(thread, self)
+        pending = Pending(self, staging)
+        pending.thread = threading.Thread(target=self._transfer, args=(pending, self.last, downloads, recvs),
+                                          daemon=True)
+        pending.thread.start()
+        self.last = pending.thread
+        return pending
 
-    def _transfer(self, downloads, recvs):
+    def _transfer(self, pending, before, downloads, recvs):
         try:
+            if before is not None:
+                before.join()
             self.device.use()  # a new thread starts on device 0
-            if self.uploaded is not None:
-                self.uploaded.synchronize()  # the last uploads still read host_recv
-            uploads = list(_slots(recvs, self.host_recv))
+            uploads = list(_slots(recvs, pending.staging.recv))
             requests = [self.comm.Irecv(host, source=peer, tag=tag) for peer, tag, _, host in uploads]
             sends = []
             for peer, tag, host, done in downloads:
@@ -96,10 +115,9 @@ class StagedTransport:
                 request.Wait()
                 device.set(host, stream=self.up)
             MPI.Request.Waitall(sends)
-            self.uploaded = self.up.record()
+            pending.staging.uploaded = self.up.record()
         except BaseException as error:  # surfaced by wait() on the calling thread
-            self.error = error
-            self.uploaded = None
+            pending.error = error
 
     def close(self):
         pass
