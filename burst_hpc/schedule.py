@@ -243,8 +243,8 @@ def work_transfers(mask, size, near, returns, nodes=None):
     moves = []
     for (c, side, shard), t, source in relays(first, nodes):
         due = t - 1
-        moves.append((max(0, due - LEAD) if far(source, c) else due, source, c, "data", side, shard,
-                      cut((c, side, shard)), due))
+        lead = LEAD if far(source, c) else 1 if nodes is None else 0
+        moves.append((max(0, due - lead), source, c, "data", side, shard, cut((c, side, shard)), due))
     for (c, side, shard), t in last.items():
         moves.append((t + 1, c, shard, "partial", side, shard, cut((c, side, shard)),
                       min(count - 1, t + 1 + LEAD) if far(c, shard) else t + 1))
