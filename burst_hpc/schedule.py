@@ -245,9 +245,32 @@ def work_transfers(mask, size, near, returns, nodes=None):
         due = t - 1
         lead = LEAD if far(source, c) else 1 if nodes is None else 0
         moves.append((max(0, due - lead), source, c, "data", side, shard, cut((c, side, shard)), due))
+    def home(c, side, shard, t, to=None):
+        """The partial of rank c, its last contribution at step t, straight home (or to ``to``)."""
+        to = shard if to is None else to
+        moves.append((t + 1, c, to, "partial", side, shard, cut((c, side, shard)),
+                      min(count - 1, t + 1 + LEAD) if far(c, to) else t + 1))
+
+    summed = {}   # (shard, node) -> [(last contribution, rank)] of the key-side partials bound across nodes
     for (c, side, shard), t in last.items():
-        moves.append((t + 1, c, shard, "partial", side, shard, cut((c, side, shard)),
-                      min(count - 1, t + 1 + LEAD) if far(c, shard) else t + 1))
+        if side == "kv" and far(c, shard):
+            summed.setdefault((shard, nodes[c]), []).append((t, c))
+        else:
+            home(c, side, shard, t)
+    for (shard, _), members in summed.items():
+        # a node's dK/dV partials of one key chunk cross the network once, as the key chunk does: the
+        # rank that contributes last receives the others' over the node's links, adds them, sends the
+        # sum (one made at the last step has no step left to reach it: it goes straight home)
+        members.sort()
+        (t_sum, summer), others = members[-1], members[:-1]
+        send = t_sum + 1
+        for t, c in others:
+            if t + 2 <= count - 1:
+                home(c, "kv", shard, t, summer)
+                send = max(send, t + 2)
+            else:
+                home(c, "kv", shard, t)
+        moves.append((send, summer, shard, "partial", "kv", shard, None, min(count - 1, send + LEAD)))
     assert all(m[-1] >= 0 for m in moves), "step 0 needs data from another rank"
     return count, tuple(sorted(moves, key=lambda m: m[:6] + (m[7],)))
 
