@@ -26,7 +26,8 @@ distance to the visible work of each block pair).
    it does for others, its own pairs, the rest of the local pair; across nodes the work whose data
    or partial crosses the network in the middle of the rest) are cut into ``steps`` pieces
    of equal work; step 0 holds only local work (nothing has arrived yet), as much as every rank
-   has, up to two steps' work.
+   has, up to two steps' work. Across nodes the forward then works NEAR_STEPS steps inside its
+   node (the first on its local pair) before work whose data crosses the network.
 
 Everything is a pure function of (mask, ranks, near side, returned sides, nodes), cached, so
 every rank computes the same plan.
