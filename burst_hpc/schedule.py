@@ -15,7 +15,8 @@ Steps (what the ring engine runs, ring.py):
   masks.ring_steps), partials ride one step behind it and go home at the end.
 - balanced (any mask, balance.py): contiguous shards; the visible work of every chunk pair is
   dealt to ranks, in row pieces, so every rank and step has the same; the data travels
-  straight from its owner to the computing rank, the partial straight back.
+  straight from its owner to the computing rank, the partial straight back (across nodes a
+  node's dK/dV partials of one key chunk are summed inside the node first).
 
 Block pairs:
 
@@ -210,8 +211,10 @@ def work_transfers(mask, size, near, returns, nodes=None):
     shard, rows, due)]). Data goes to the rank that computes with it, due at the end of the step
     before its first use, from its owner (a whole shard: or from the rank of the receiver's node
     that got it first, ``relays``); a partial goes straight to its owner, posted the step after its
-    last contribution (one step more than the plan's when a partial is made at the last). The query
-    side moves only the rows the receiving rank computes with, and its partial holds only those.
+    last contribution (one step more than the plan's when a partial is made at the last), but for a
+    node's dK/dV partials of one key chunk bound for another node: those go to the node's rank that
+    contributes last, which adds them and sends the sum. The query side moves only the rows the
+    receiving rank computes with, and its partial holds only those.
 
     Between nodes a transfer is posted up to LEAD steps before it is due (data: as early as step 0;
     a partial: due LEAD steps after it is posted, at most at the last step), on the far lane: the
@@ -245,9 +248,33 @@ def work_transfers(mask, size, near, returns, nodes=None):
         due = t - 1
         moves.append((max(0, due - LEAD) if far(source, c) else due, source, c, "data", side, shard,
                       cut((c, side, shard)), due))
+
+    def home(c, side, shard, t, to=None):
+        """The partial of rank c, its last contribution at step t, straight home (or to ``to``)."""
+        to = shard if to is None else to
+        moves.append((t + 1, c, to, "partial", side, shard, cut((c, side, shard)),
+                      min(count - 1, t + 1 + LEAD) if far(c, to) else t + 1))
+
+    summed = {}   # (shard, node) -> [(last contribution, rank)] of the key-side partials bound across nodes
     for (c, side, shard), t in last.items():
-        moves.append((t + 1, c, shard, "partial", side, shard, cut((c, side, shard)),
-                      min(count - 1, t + 1 + LEAD) if far(c, shard) else t + 1))
+        if side == "kv" and far(c, shard):
+            summed.setdefault((shard, nodes[c]), []).append((t, c))
+        else:
+            home(c, side, shard, t)
+    for (shard, _), members in summed.items():
+        # a node's dK/dV partials of one key chunk cross the network once, as the key chunk does: the
+        # rank that contributes last receives the others' over the node's links, adds them, sends the
+        # sum (one made at the last step has no step left to reach it: it goes straight home)
+        members.sort()
+        (t_sum, summer), others = members[-1], members[:-1]
+        send = t_sum + 1
+        for t, c in others:
+            if t + 2 <= count - 1:
+                home(c, "kv", shard, t, summer)
+                send = max(send, t + 2)
+            else:
+                home(c, "kv", shard, t)
+        moves.append((send, summer, shard, "partial", "kv", shard, None, min(count - 1, send + LEAD)))
     assert all(m[-1] >= 0 for m in moves), "step 0 needs data from another rank"
     return count, tuple(sorted(moves, key=lambda m: m[:6] + (m[7],)))
 
@@ -285,7 +312,7 @@ def transfers_of(mask, size, near, returns, nodes=None):
 def work_steps(rank, size, near, returns, mask, nodes=None):
     """The balanced schedule seen by ``rank`` (balance.work_plan: any mask, contiguous shards):
     each step's visits of chunk pieces, the data they need arriving the step before from its
-    owner, each partial sent straight home after the last visit adding to it."""
+    owner, each partial sent home after the last visit adding to it (work_transfers)."""
     plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
     count, _ = work_transfers(mask, size, near, returns, nodes)
     chunk = mask.seqlen // size

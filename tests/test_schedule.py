@@ -345,3 +345,31 @@ def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
             else:
                 assert due == min(count - 1, t + LEAD)
         assert early, (near, returns)
+
+
+def test_key_partials_are_summed_inside_a_node_before_they_cross(network):
+    """Across nodes the dK/dV partials of one key chunk leave a node once: the node's other
+    contributors send theirs over the node's links to the one that contributes last, which has them
+    before it sends the sum home (the engine adds them, check_schedule counts every pair home)."""
+    from burst_hpc.schedule import work_transfers
+
+    size, per_node = 8, 2
+    nodes = tuple(r // per_node for r in range(size))
+    mask = masks.make(size * 16, True, None, masks.random_documents(np.random.default_rng(3), size * 16, 2))
+    summed = 0
+    for near, returns in PASSES[1:]:
+        check_schedule("balanced", size, near, returns, size * 16, True, mask, nodes)
+        count, moves = work_transfers(mask, size, near, returns, nodes)
+        partials = [(t, sender, receiver, shard, due) for t, sender, receiver, what, side, shard, _, due in moves
+                    if what == "partial" and side == "kv"]
+        # more than once only for a partial made at the last step (no step left to reach the summing rank)
+        crossing = [(nodes[s], shard) for t, s, r, shard, _ in partials if nodes[s] != nodes[r] and t < count - 1]
+        assert len(crossing) == len(set(crossing))
+        for t, sender, receiver, shard, _ in partials:
+            if receiver != shard:   # to the node's summing rank, which sends the sum afterwards
+                summed += 1
+                assert nodes[sender] == nodes[receiver] != nodes[shard]
+                assert [due for t2, s, r, j, due in partials if s == receiver and j == shard and t2 > t]
+    if network == "free":
+        assert summed
+
