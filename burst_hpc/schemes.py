@@ -36,7 +36,7 @@ class Flat:
     def far_comm(self):
         """Across nodes the balanced schedule posts transfers steps before they are due: on their
         own lane, so they never queue behind (NCCL) the transfers of the steps in between."""
-        if self.name != "ring" or self.topo is None or self.topo.nodes == 1 or self.layout != "balanced":
+        if self.topo is None or self.topo.nodes == 1 or self.layout != "balanced":
             return None
         return self.topo.lane
 
@@ -93,6 +93,8 @@ class UlyssesRing(Flat):
         check_node_layout(self.name, layout, causal, mask is not None)
         super().__init__(topo.rail, seqlen, layout, causal, mask, topo)
         self.ranks = topo.nodes * topo.per_node
+
+    far_comm = None   # every transfer is due the step it is posted
 
     def pieces(self, node):  # a node's tokens: its ranks' shards in local order
         order, w = self.topo.layout.order, self.topo.per_node

@@ -11,8 +11,9 @@ memory share a node). Two overrides, for emulation and tests:
 Every node must hold the same number of ranks (a clear error on every rank otherwise). Ranks
 need not be placed node by node: *positions* number the ranks node by node (position
 ``node * per_node + local``, nodes ordered by their lowest rank, ranks inside a node by rank),
-and ``ordered`` is the communicator whose rank is the position (``far``: a duplicate of it; ``lane``:
-one of the caller's). ``rails[local]`` is the same
+and ``ordered`` is the communicator whose rank is the position (``far``: a duplicate of it, the double
+ring's network lane; ``lane``: a duplicate of the caller's communicator, the flat ring's far lane).
+``rails[local]`` is the same
 local rank on every node (one NIC rail); ``node_comm`` this rank's node.
 """
 from dataclasses import dataclass
