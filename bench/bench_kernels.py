@@ -106,7 +106,9 @@ def main():
             torch = None
     dev = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
     if args.masks:
-        return mask_rows(families, torch, args.reps, dev, args.md)
+        for d in tuple(int(x) for x in (args.dims or "128").split(",")):
+            mask_rows(families, torch, args.reps, dev, args.md, d=d)
+        return 0
     if args.fwd_shapes:
         return forward_shapes(args)
     if args.bwd_order:
