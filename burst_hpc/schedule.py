@@ -246,9 +246,8 @@ def work_transfers(mask, size, near, returns, nodes=None):
     moves = []
     for (c, side, shard), t, source in relays(first, nodes):
         due = t - 1
-        moves.append((max(0, due - LEAD) if far(source, c) else due, source, c, "data", side, shard,
-                      cut((c, side, shard)), due))
-
+        lead = LEAD if far(source, c) else 1 if nodes is None else 0
+        moves.append((max(0, due - lead), source, c, "data", side, shard, cut((c, side, shard)), due))
     def home(c, side, shard, t, to=None):
         """The partial of rank c, its last contribution at step t, straight home (or to ``to``)."""
         to = shard if to is None else to

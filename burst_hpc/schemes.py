@@ -14,6 +14,7 @@ loop of ring.py.
 from .errors import LayoutError, TopologyError
 from .layout import pieces
 from .schedule import double_ring_steps, plain_ring_steps, steps as flat_steps
+from .topology import lane
 
 SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
 NODE_SCHEMES = ("double_ring", "ulysses_ring")
@@ -34,11 +35,12 @@ class Flat:
 
     @property
     def far_comm(self):
-        """Across nodes the balanced schedule posts transfers steps before they are due: on their
-        own lane, so they never queue behind (NCCL) the transfers of the steps in between."""
-        if self.name != "ring" or self.topo is None or self.topo.nodes == 1 or self.layout != "balanced":
+        """The balanced schedule posts transfers steps before they are due (across nodes up to
+        schedule.LEAD, inside one node one): on their own lane, so they never queue behind (NCCL)
+        the transfers of the steps in between."""
+        if self.name != "ring" or self.layout != "balanced" or self.size == 1 or not (self.causal or self.mask is not None):
             return None
-        return self.topo.lane
+        return self.topo.lane if self.topo is not None else lane(self.comm)
 
     def remote(self, peer):
         """Whether ``peer`` (a rank of ``comm``) is on another node than this rank."""

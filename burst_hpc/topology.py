@@ -96,12 +96,22 @@ class Topology:
         self.node, self.local = self.layout.node_of(self.position), self.layout.local_of(self.position)
         self.ordered = comm.Split(0, key=self.position)
         self.far = self.ordered.Dup()   # the double ring's network lane (its own NCCL communicator)
-        self.lane = comm.Dup()          # the flat ring's (the balanced schedule's transfers due steps later)
+        self.lane = lane(comm)          # the flat ring's (the balanced schedule's transfers due steps later)
         self.node_comm = self.ordered.Split(self.node, key=self.local)
         self.rail = self.ordered.Split(self.local, key=self.node)
 
 
 _cache = {}
+_lanes = {}
+
+
+def lane(comm):
+    """Collective on first use: a duplicate of ``comm``, made once per communicator, for the balanced
+    schedule's transfers posted steps before they are due: on their own lane they never queue
+    behind (NCCL) or share staging buffers with (staged) the transfers of the steps in between."""
+    if id(comm) not in _lanes:
+        _lanes[id(comm)] = comm.Dup()
+    return _lanes[id(comm)]
 
 
 def topology(comm, ranks_per_node=None):

@@ -373,3 +373,17 @@ def test_key_partials_are_summed_inside_a_node_before_they_cross(network):
     if network == "free":
         assert summed
 
+
+def test_one_node_data_is_posted_a_step_before_it_is_due():
+    """On one node data leaves its owner one step before the step it is due at (the first pieces
+    arrive under two steps of compute, not one); partials complete in the step that posts them."""
+    from burst_hpc.schedule import work_transfers
+
+    size = 8
+    mask = masks.make(size * 64, True, None, masks.random_documents(np.random.default_rng(7), size * 64, 3))
+    for near, returns in PASSES:
+        check_schedule("balanced", size, near, returns, size * 64, True, mask, None)
+        _, moves = work_transfers(mask, size, near, returns, None)
+        for t, sender, receiver, what, side, shard, _, due in moves:
+            assert t == (max(0, due - 1) if what == "data" else due)
+        assert any(due > t for t, *_, due in moves)
