@@ -256,15 +256,14 @@ def work_transfers(mask, size, near, returns, nodes=None):
         lead = LEAD if far(source, c) else INNER_LEAD
         ready = 0 if source == shard else first[(source, side, shard)]   # a relay has it from its first use
         moves.append((max(ready, due - lead), source, c, "data", side, shard, cut((c, side, shard)), due))
+
     def home(c, side, shard, t, to=None):
-        """The partial of rank c, its last contribution at step t, straight home (or to ``to``)."""
+        """The partial of rank c, its last contribution at step t, straight home (due INNER_LAG
+        steps later inside a node), or to ``to``, its node's summing rank (due when posted)."""
         lag = INNER_LAG if to is None else 0
         to = shard if to is None else to
-        moves.append((t + 1, c, to, "partial", side, shard, cut((c, side, shard)), arrives(c, to, t, lag)))
-
-    def arrives(c, to, t, lag):
-        """The step a partial last added to at step t, from rank c to ``to``, is due at."""
-        return min(count - 1, t + 1 + (LEAD if far(c, to) else lag))
+        moves.append((t + 1, c, to, "partial", side, shard, cut((c, side, shard)),
+                      min(count - 1, t + 1 + (LEAD if far(c, to) else lag))))
 
     summed = {}   # (shard, node) -> [(last contribution, rank)] of the key-side partials bound across nodes
     for (c, side, shard), t in last.items():
@@ -280,9 +279,9 @@ def work_transfers(mask, size, near, returns, nodes=None):
         (t_sum, summer), others = members[-1], members[:-1]
         send = t_sum + 1
         for t, c in others:
-            if arrives(c, summer, t, 0) + 1 <= count - 1:
+            if t + 2 <= count - 1:
                 home(c, "kv", shard, t, summer)
-                send = max(send, arrives(c, summer, t, 0) + 1)
+                send = max(send, t + 2)
             else:
                 home(c, "kv", shard, t)
         moves.append((send, summer, shard, "partial", "kv", shard, None, min(count - 1, send + LEAD)))
