@@ -80,9 +80,11 @@ class RingBenchmark:
         self.transport_name, self.layout = self._plan.transport_name, self._plan.layout
         self.backward_ring = choose_backward_ring(backward_ring, self._plan.heads, self._plan.kv_heads,
                                                   self._plan.head_dim, q.dtype.itemsize)
-        near, far = self._plan.transports()
-        self._lanes = (_Counted(near),) + ((_Counted(far),) if far is not near else ())
-        self._no_exchange = NoExchange(self._lanes[0])
+        counted = {}   # id of a transport -> its _Counted (near and far may be one)
+        self._near, self._far, self._inner = (None if t is None else counted.setdefault(id(t), _Counted(t))
+                                              for t in self._plan.transports())
+        self._lanes = tuple(counted.values())
+        self._no_exchange = NoExchange(self._near)
 
     @property
     def bytes_sent(self):
@@ -105,7 +107,7 @@ class RingBenchmark:
             raise BurstError(f"unknown benchmark mode {mode!r}; use one of {', '.join(self.MODES)}")
         if mode == "compute":
             return dict(transport=self._no_exchange)
-        return dict(skip_compute=mode == "comm", transport=self._lanes[0], far=self._lanes[-1])
+        return dict(skip_compute=mode == "comm", transport=self._near, far=self._far, inner=self._inner)
 
     def forward(self, mode="full"):
         """(o, lse) of this rank, as burst_attention returns them (in the "full" mode)."""

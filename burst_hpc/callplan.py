@@ -121,18 +121,21 @@ class CallPlan:
         return self.transports()[0]
 
     def transports(self):
-        """(near, far): the scheme's ring transport, and the one for transfers that complete steps
-        after they are posted (the double ring's network lane): over a duplicate communicator, so
-        they never queue behind (NCCL) or share staging buffers with (staged) the inner ring's.
-        With BURST_HPC_EMULATE_NETWORK both are held to one emulated NIC between nodes."""
+        """(near, far, inner): the scheme's ring transport; the one for transfers between nodes that
+        complete steps after they are posted (the double ring's network lane, the balanced
+        schedule's far transfers); the one for the balanced schedule's transfers inside a node due
+        steps later (None: none). Each over a duplicate communicator, so none queues behind (NCCL)
+        another's. With BURST_HPC_EMULATE_NETWORK all are held to one emulated NIC between nodes."""
         near = make_transport(self.transport_name, self.scheme.comm, self.xp)
-        far = near if self.scheme.far_comm is None else make_transport(self.transport_name, self.scheme.far_comm,
-                                                                       self.xp)
+        far, inner = (None if comm is None else make_transport(self.transport_name, comm, self.xp)
+                      for comm in (self.scheme.far_comm, self.scheme.inner_comm))
+        far = near if far is None else far
         if self.network is None:
-            return near, far
+            return near, far, inner
         nic = Nic(*self.network)
         held = EmulatedNetwork(near, self.scheme.remote, nic)
-        return held, held if far is near else EmulatedNetwork(far, self.scheme.remote, nic)
+        return (held, held if far is near else EmulatedNetwork(far, self.scheme.remote, nic),
+                None if inner is None else EmulatedNetwork(inner, self.scheme.remote, nic))
 
 
 PLAN_CACHE_SIZE = 32   # distinct calls whose plans are kept (a training step makes a few: forward, backward)

@@ -36,7 +36,7 @@ class RingPasses:
         self.plan = plan
 
     def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None, meter=None,
-                rehearse=False):
+                rehearse=False, inner=None):
         """(o, lse) of this rank's queries."""
         plan = self.plan
         xp, be = plan.xp, plan.backend
@@ -52,12 +52,13 @@ class RingPasses:
 
         steps = plan.steps("kv", ("q",))
         with _metered(meter, plan, steps):
-            run(*_lanes(plan, transport, far), steps, sides, _visits(plan, pair, meter, rehearse),
-                skip_compute=skip_compute, on_step=on_step)
+            near, far, inner = _lanes(plan, transport, far, inner)
+            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse), skip_compute=skip_compute,
+                on_step=on_step, inner=inner)
         return o.astype(q.dtype), lse.astype(xp.float32)
 
     def backward(self, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, far=None, delta=None,
-                 cast=True, on_step=None, meter=None, rehearse=False):
+                 cast=True, on_step=None, meter=None, rehearse=False, inner=None):
         """(dq, dk, dv) of this rank's shards by the ``ring`` ('q' or 'kv') backward; ``delta``
         (rowsum(do * o)) when already known, then ``o`` is not read; ``cast`` False keeps float32."""
         plan = self.plan
@@ -76,8 +77,9 @@ class RingPasses:
 
         steps = plan.steps(ring, ("kv", "q"))
         with _metered(meter, plan, steps):
-            run(*_lanes(plan, transport, far), steps, sides, _visits(plan, pair, meter, rehearse),
-                skip_compute=skip_compute, on_step=on_step)
+            near, far, inner = _lanes(plan, transport, far, inner)
+            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse), skip_compute=skip_compute,
+                on_step=on_step, inner=inner)
         if not cast:
             return dq, dk, dv
         return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
@@ -119,11 +121,12 @@ def for_plan(plan):
     return UlyssesPasses(plan) if plan.scheme.name == "ulysses_ring" else RingPasses(plan)
 
 
-def _lanes(plan, transport, far):
-    """(near, far) transports: the plan's, or the caller's (``far`` defaults to ``transport``)."""
+def _lanes(plan, transport, far, inner=None):
+    """(near, far, inner) transports: the plan's, or the caller's (``far`` defaults to
+    ``transport``, ``inner`` to ``far``)."""
     if transport is None:
         return plan.transports()
-    return transport, transport if far is None else far
+    return transport, transport if far is None else far, inner
 
 
 def _contiguous(xp, *arrays):

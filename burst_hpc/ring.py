@@ -126,7 +126,7 @@ class _Pool:
         self.free.setdefault((kind, side, size_class(rows)), []).append(arrays)
 
 
-def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None):
+def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None, inner=None):
     """Run this rank's ``steps`` (schedule.Step). ``sides``: {"kv": Side, "q": Side};
     ``compute(visit, q_data, kv_data, q_out, k_out, offset)`` adds the visit's block pairs into the
     query-side and key-side results ``q_out``, ``k_out`` (this rank's own results, or the partial
@@ -136,7 +136,9 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
 
     A transfer completes at the end of its ``due`` step (the posting step when None): a plain
     ring's all do; a double ring's transfers over the network run under a whole inner round, on
-    the ``far`` transport (the same as ``transport`` where nothing is due later)."""
+    the ``far`` transport (the same as ``transport`` where nothing is due later); the balanced
+    schedule's transfers inside a node due steps later (Transfer.inner) on the ``inner`` transport
+    (None: ``far``), so they never queue behind (NCCL) the network's."""
     rank = transport.rank
     pool = _Pool(transport.xp, sides)
     ends, returned, _ = lifetimes(steps, rank)
@@ -168,10 +170,12 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
         return partials[key]
 
     for index, step in enumerate(steps):
-        groups = {}   # due step -> (sends, recvs, [(direction, transfer)])
+        groups = {}   # (due step, lane: 0 transport, 1 far, 2 inner) -> (sends, recvs, [(direction, transfer)])
         for direction, transfers in (("out", step.sends), ("in", step.recvs)):
             for t in transfers:
-                sends, recvs, done = groups.setdefault(index if t.due is None else t.due, ([], [], []))
+                due = index if t.due is None else t.due
+                lane = 0 if due == index else 2 if t.inner and inner is not None else 1
+                sends, recvs, done = groups.setdefault((due, lane), ([], [], []))
                 if direction == "out":
                     sends.append((t.peer, payload(t)))
                 else:
@@ -180,11 +184,9 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None)
                     arriving[key] = pool.take(t.what, t.side, t.rows)
                     recvs.append((t.peer, arriving[key]))
                 done.append((direction, t))
-        for due in sorted(groups):
-            sends, recvs, done = groups[due]
-            lane = transport if due == index else far
+        for (due, lane), (sends, recvs, done) in sorted(groups.items()):
             # the sends stay referenced until they complete: a row cut is a copy made for the send
-            waiting.setdefault(due, []).append((lane.exchange(sends, recvs), done, sends))
+            waiting.setdefault(due, []).append(((transport, far, inner)[lane].exchange(sends, recvs), done, sends))
         for visit in step.visits:
             q_out, k_out = results("q", visit.q_shard), results("kv", visit.kv_shard)
             rows = None if visit.q_shard == rank else data_rows[("q", visit.q_shard)]

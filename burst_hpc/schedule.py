@@ -143,6 +143,7 @@ class Transfer:
     shard: int           # whose tokens
     due: int = None      # the step at whose end it completes (None: the step that posts it)
     rows: tuple = None   # (lo, hi): only these local rows of the query side (None: the whole shard)
+    inner: bool = False  # due steps later, inside a node: on the inner lane (ring.run), not the far one
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,8 @@ def plain_ring_steps(rank, size, side, returns, count=None):
     return tuple(out)
 
 
+INNER_LEAD = 1   # steps ahead of its due step that data inside a node is posted (schedule.work_transfers)
+INNER_LAG = 1    # steps after it is posted that a partial going home inside a node is due
 LEAD = 8   # steps ahead of its due step that a transfer between nodes is posted (schedule.work_transfers)
 
 
@@ -218,7 +221,11 @@ def work_transfers(mask, size, near, returns, nodes=None):
 
     Between nodes a transfer is posted up to LEAD steps before it is due (data: as early as step 0;
     a partial: due LEAD steps after it is posted, at most at the last step), on the far lane: the
-    network then carries it under several steps of compute, not one."""
+    network then carries it under several steps of compute, not one. Inside a node data is posted
+    INNER_LEAD steps before it is due and a partial going home is due INNER_LAG steps after it is
+    posted (one bound for its node's summer completes when posted: the sum leaves sooner), on the
+    inner lane (Transfer.inner): a rank that many others send to (a busy owner) then takes them in
+    under two steps of compute, and never behind the network's transfers."""
     plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
     chunk = mask.seqlen // size
     first, last = {}, {}   # (computing rank, side, shard) -> first use; the same -> last contribution
@@ -246,14 +253,17 @@ def work_transfers(mask, size, near, returns, nodes=None):
     moves = []
     for (c, side, shard), t, source in relays(first, nodes):
         due = t - 1
-        moves.append((max(0, due - LEAD) if far(source, c) else due, source, c, "data", side, shard,
-                      cut((c, side, shard)), due))
+        lead = LEAD if far(source, c) else INNER_LEAD
+        ready = 0 if source == shard else first[(source, side, shard)]   # a relay has it from its first use
+        moves.append((max(ready, due - lead), source, c, "data", side, shard, cut((c, side, shard)), due))
 
     def home(c, side, shard, t, to=None):
-        """The partial of rank c, its last contribution at step t, straight home (or to ``to``)."""
+        """The partial of rank c, its last contribution at step t, straight home (due INNER_LAG
+        steps later inside a node), or to ``to``, its node's summing rank (due when posted)."""
+        lag = INNER_LAG if to is None else 0
         to = shard if to is None else to
         moves.append((t + 1, c, to, "partial", side, shard, cut((c, side, shard)),
-                      min(count - 1, t + 1 + LEAD) if far(c, to) else t + 1))
+                      min(count - 1, t + 1 + (LEAD if far(c, to) else lag))))
 
     summed = {}   # (shard, node) -> [(last contribution, rank)] of the key-side partials bound across nodes
     for (c, side, shard), t in last.items():
@@ -318,11 +328,12 @@ def work_steps(rank, size, near, returns, mask, nodes=None):
     chunk = mask.seqlen // size
     sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]
     for t, sender, receiver, what, side, shard, rows, due in transfers_of(mask, size, near, returns, nodes)[rank]:
+        inner = due != t and (nodes is None or nodes[sender] == nodes[receiver])
         due = None if due == t else due
         if sender == rank:
-            sends[t].append(Transfer(receiver, what, side, shard, due, rows))
+            sends[t].append(Transfer(receiver, what, side, shard, due, rows, inner))
         if receiver == rank:
-            recvs[t].append(Transfer(sender, what, side, shard, due, rows))
+            recvs[t].append(Transfer(sender, what, side, shard, due, rows, inner))
     mine = list(plan[rank]) + [()] * (count - len(plan[rank]))
     return tuple(_step([Visit(i, j, None if (lo, hi) == (0, chunk) else (lo, hi)) for i, j, lo, hi in mine[t]],
                        sends[t], recvs[t]) for t in range(count))

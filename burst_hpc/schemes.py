@@ -14,6 +14,7 @@ loop of ring.py.
 from .errors import LayoutError, TopologyError
 from .layout import pieces
 from .schedule import double_ring_steps, plain_ring_steps, steps as flat_steps
+from .topology import inner_lane
 
 SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
 NODE_SCHEMES = ("double_ring", "ulysses_ring")
@@ -33,12 +34,25 @@ class Flat:
         self.seqlen, self.layout, self.causal, self.mask, self.topo = seqlen, layout, causal, mask, topo
 
     @property
+    def balanced(self):
+        """Whether the ring runs the balanced layout's work-aware schedule (schedule.work_steps)."""
+        return self.name == "ring" and self.layout == "balanced" and self.size > 1 and (self.causal or self.mask is not None)
+
+    @property
     def far_comm(self):
-        """Across nodes the balanced schedule posts transfers steps before they are due: on their
-        own lane, so they never queue behind (NCCL) the transfers of the steps in between."""
-        if self.topo is None or self.topo.nodes == 1 or self.layout != "balanced":
+        """Across nodes the balanced schedule posts transfers between nodes steps before they are
+        due (schedule.LEAD): on their own lane, so they never queue behind (NCCL) the transfers of
+        the steps in between."""
+        if not self.balanced or self.topo is None or self.topo.nodes == 1:
             return None
         return self.topo.lane
+
+    @property
+    def inner_comm(self):
+        """The balanced schedule posts transfers inside a node a step before they are due, and lets
+        partials complete a step after they are posted (schedule.INNER_LEAD, INNER_LAG): on a lane
+        of their own, behind neither the network's transfers nor those due at each step."""
+        return inner_lane(self.comm) if self.balanced else None
 
     def remote(self, peer):
         """Whether ``peer`` (a rank of ``comm``) is on another node than this rank."""

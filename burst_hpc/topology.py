@@ -12,8 +12,8 @@ Every node must hold the same number of ranks (a clear error on every rank other
 need not be placed node by node: *positions* number the ranks node by node (position
 ``node * per_node + local``, nodes ordered by their lowest rank, ranks inside a node by rank),
 and ``ordered`` is the communicator whose rank is the position (``far``: a duplicate of it, the double
-ring's network lane; ``lane``: a duplicate of the caller's communicator, the flat ring's far lane).
-``rails[local]`` is the same
+ring's network lane; ``lane``: a duplicate of the caller's communicator, the flat ring's far lane;
+``inner_lane(comm)``: another, its inner lane). ``rails[local]`` is the same
 local rank on every node (one NIC rail); ``node_comm`` this rank's node.
 """
 from dataclasses import dataclass
@@ -97,12 +97,22 @@ class Topology:
         self.node, self.local = self.layout.node_of(self.position), self.layout.local_of(self.position)
         self.ordered = comm.Split(0, key=self.position)
         self.far = self.ordered.Dup()   # the double ring's network lane (its own NCCL communicator)
-        self.lane = comm.Dup()          # the flat ring's (the balanced schedule's transfers due steps later)
+        self.lane = comm.Dup()          # the flat ring's network lane (the balanced schedule's far transfers)
         self.node_comm = self.ordered.Split(self.node, key=self.local)
         self.rail = self.ordered.Split(self.local, key=self.node)
 
 
 _cache = {}
+_lanes = {}
+
+
+def inner_lane(comm):
+    """Collective on first use: a duplicate of ``comm``, made once per communicator, for the balanced
+    schedule's transfers inside a node posted steps before they are due (schedule.Transfer.inner):
+    on their own lane they never queue behind (NCCL) the network's or the steps' in between."""
+    if id(comm) not in _lanes:
+        _lanes[id(comm)] = comm.Dup()
+    return _lanes[id(comm)]
 
 
 def topology(comm, ranks_per_node=None):

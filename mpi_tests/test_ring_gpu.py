@@ -207,11 +207,13 @@ def test_gpu_alltoall_around_zigzag(comm, alltoall_zigzag):
 @pytest.mark.parametrize("transport", ["nccl", "staged", "mpi"])
 @pytest.mark.parametrize("layout,window,documents,per_node", [
     ("zigzag", None, 7, None), ("contiguous", (150, 0), None, None), ("contiguous", (100, 0), 5, None),
-    (None, (40, 40), 3, None), ("balanced", None, 5, 1), ("balanced", (100, 0), 3, 1)])
+    (None, (40, 40), 3, None), ("balanced", None, 5, 1), ("balanced", (100, 0), 3, 1), ("balanced", None, 5, None),
+    ("balanced", None, 4, 2)])
 def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, documents, per_node):
     """Interval-masked kernels through the ring (shortened by the window where it can be); the
     balanced layout with every rank a node: transfers between nodes posted steps ahead on the far
-    lane, several in flight at once."""
+    lane, several in flight at once; on one node (None) and two ranks a node: transfers inside a
+    node a step ahead (data) or a step late (partials) on the inner lane, beside the far lane's."""
     from burst_hpc import masks
 
     if transport not in device_transports(comm):

@@ -119,9 +119,9 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
     def without_lead():
         caches = (schedule.work_transfers, schedule.transfers_of, schedule.work_steps, schedule.steps, workload.work_of,
                   workload.schedule_transfers, workload.schedule_traffic)
-        lead = schedule.LEAD
+        leads = schedule.LEAD, schedule.INNER_LEAD, schedule.INNER_LAG
         try:
-            schedule.LEAD = 0
+            schedule.LEAD = schedule.INNER_LEAD = schedule.INNER_LAG = 0
             for f in caches:
                 f.cache_clear()
             late = costmodel.step_prediction(pr, ranks, rates, "balanced", mask, backward, per_node)
@@ -142,7 +142,7 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
                 charged += max(work[t].max() * per_pair, max(links))
             return late, charged
         finally:
-            schedule.LEAD = lead
+            schedule.LEAD, schedule.INNER_LEAD, schedule.INNER_LAG = leads
             for f in caches:
                 f.cache_clear()
 

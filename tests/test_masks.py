@@ -260,7 +260,7 @@ def test_default_layout():
 def test_default_layout_follows_the_predicted_time():
     """With the call's shape the default takes balanced only where the cost model predicts the call
     faster with it: documents up to S/4 on 8 ranks shorten the critical path 2.2x with it, but
-    at 256 tokens per rank over two nodes its moves cost more than they save; at 8k tokens on one
+    at 64 tokens per rank over two nodes its moves cost more than they save; at 8k tokens on one
     node it is faster. Without a shape the critical path decides (balanced in both)."""
     from burst_hpc.costmodel import CallShape
     from burst_hpc.workload import documents, work_of
@@ -268,7 +268,7 @@ def test_default_layout_follows_the_predicted_time():
     def critical(mask, layout):
         return work_of(mask.seqlen, 8, True, mask, layout, "forward").max(axis=1).sum()
 
-    for tokens, per_node, backward, want in ((256, 4, True, "contiguous"), (256, 4, False, "contiguous"),
+    for tokens, per_node, backward, want in ((64, 4, True, "contiguous"), (64, 4, False, "contiguous"),
                                              (8192, None, True, "balanced"), (8192, None, False, "balanced")):
         seqlen = 8 * tokens
         mask = masks.make(seqlen, True, None, documents(np.random.default_rng(0), seqlen, "capped", longest=seqlen // 4))

@@ -157,7 +157,8 @@ def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
                             if k_out:
                                 k_out[0][b, q_pos[a]] += 1
 
-            ring.run(ThreadTransport(r, size, queues), ThreadTransport(r, size, queues, 1), plans[r], sides, compute)
+            ring.run(ThreadTransport(r, size, queues), ThreadTransport(r, size, queues, 1), plans[r], sides, compute,
+                     inner=ThreadTransport(r, size, queues, 2))
             out[r] = (sides["q"].results[0], sides["kv"].results[0] if "kv" in returns else None,
                       pools[threading.get_ident()])
         except BaseException as e:  # reported by the main thread
@@ -325,9 +326,11 @@ def test_key_chunks_cross_the_network_once_per_node(network):
 def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
     """Between nodes data is posted up to LEAD steps before the step it is due at (the step before
     its first use), as early as step 0, and a partial is due up to LEAD steps after it is posted:
-    the network carries them under several steps of compute. Inside a node every transfer
-    completes in the step that posts it."""
-    from burst_hpc.schedule import LEAD, work_transfers
+    the network carries them under several steps of compute. Inside a node data is posted
+    INNER_LEAD steps early (a relay: once it has it) and a partial going home is due INNER_LAG steps
+    late, on the inner lane
+    (Transfer.inner); one bound for its node's summer completes in the step that posts it."""
+    from burst_hpc.schedule import INNER_LAG, INNER_LEAD, LEAD, work_transfers
 
     size, per_node = 16, 4
     nodes = tuple(r // per_node for r in range(size))
@@ -335,16 +338,24 @@ def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
     mask = masks.make(seqlen, True, None, masks.random_documents(np.random.default_rng(5), seqlen, 3))
     for near, returns in PASSES:
         count, moves = work_transfers(mask, size, near, returns, nodes)
-        early = 0
+        early = inner_early = 0
         for t, sender, receiver, what, side, shard, _, due in moves:
             if nodes[sender] == nodes[receiver]:
-                assert due == t
+                if what == "data":   # a relay posts no sooner than the step it has the data from
+                    assert t == max(0, due - INNER_LEAD) or (sender != shard and due - INNER_LEAD < t <= due)
+                else:
+                    assert due == (t if receiver != shard else min(count - 1, t + INNER_LAG))
+                inner_early += due > t
             elif what == "data":
                 assert due == t + LEAD or (t == 0 and due < LEAD)
                 early += due > t
             else:
                 assert due == min(count - 1, t + LEAD)
-        assert early, (near, returns)
+        assert early and inner_early, (near, returns)
+        for r in range(size):
+            for step in steps("balanced", True, r, size, near, returns, mask, seqlen, nodes):
+                for x in step.sends + step.recvs:
+                    assert x.inner == (x.due is not None and nodes[x.peer] == nodes[r])
 
 
 def test_key_partials_are_summed_inside_a_node_before_they_cross(network):
@@ -373,3 +384,21 @@ def test_key_partials_are_summed_inside_a_node_before_they_cross(network):
     if network == "free":
         assert summed
 
+
+def test_one_node_data_is_posted_a_step_before_it_is_due():
+    """On one node data leaves its owner INNER_LEAD steps before the step it is due at (the first
+    pieces arrive under two steps of compute, not one) and partials are due INNER_LAG steps after
+    they are posted, all of those on the inner lane; the engine still computes every pair once."""
+    from burst_hpc.schedule import INNER_LAG, INNER_LEAD, work_transfers
+
+    size = 8
+    mask = masks.make(size * 64, True, None, masks.random_documents(np.random.default_rng(7), size * 64, 3))
+    for near, returns in PASSES:
+        check_schedule("balanced", size, near, returns, size * 64, True, mask, None)
+        count, moves = work_transfers(mask, size, near, returns, None)
+        for t, sender, receiver, what, side, shard, _, due in moves:
+            assert t == (max(0, due - INNER_LEAD) if what == "data" else due - min(INNER_LAG, count - 1 - t))
+        assert any(due > t for t, *_, due in moves)
+        for r in range(size):
+            for step in steps("balanced", True, r, size, near, returns, mask, size * 64):
+                assert all(x.inner == (x.due is not None) for x in step.sends + step.recvs)
