@@ -54,15 +54,8 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
   const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
   const int m0 = mb * BM;
 
-  int n_begin = 0, n_end = Sk;
-  if (CAUSAL) {
-    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
-    n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
-  }
-  if (IV) {
-    n_begin = max(0, local_key(mlo[m0], kofs, Sk));
-    n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
-  }
+  int n_begin, n_end;
+  tile_keys<CAUSAL, IV>(m0, BM, Sq, Sk, off, mlo, mhi, kofs, &n_begin, &n_end);
   if (n_end <= n_begin) return;  // nothing visible: (o, lse) stay as they are
   const int t_begin = n_begin / BN;
   const int ntiles = (n_end + BN - 1) / BN;

@@ -112,3 +112,19 @@ __device__ __forceinline__ int local_key(int bound, i64 kofs, int Sk) {
   const i64 c = static_cast<i64>(bound) - kofs;
   return static_cast<int>(c < -1 ? -1 : (c > Sk + 1 ? Sk + 1 : c));
 }
+
+// The keys [*n_begin, *n_end) some row of the query tile m0 .. m0 + BM - 1 sees (causal with the key offset
+// ``off``; interval masks by the tile's first and last rows' bounds, which never decrease with the row)
+template <bool CAUSAL, bool IV>
+__device__ __forceinline__ void tile_keys(int m0, int BM, int Sq, int Sk, i64 off, const int* mlo, const int* mhi,
+                                          i64 kofs, int* n_begin, int* n_end) {
+  *n_begin = 0, *n_end = Sk;
+  if (CAUSAL) {
+    const i64 lim = static_cast<i64>(min(m0 + BM, Sq)) + off;  // keys j < lim are visible to some row
+    *n_end = static_cast<int>(max(static_cast<i64>(0), min(static_cast<i64>(Sk), lim)));
+  }
+  if (IV) {
+    *n_begin = max(0, local_key(mlo[m0], kofs, Sk));
+    *n_end = min(Sk, local_key(mhi[min(m0 + BM, Sq) - 1], kofs, Sk));
+  }
+}
