@@ -15,6 +15,7 @@ from ...errors import BackendError
 from .. import padding
 from ..numpy_backend import NumpyBackend
 from ...collective import agree
+from ...device import HOW_TO_GET_CUPY
 from . import compile as compiling, contract, launch
 from .compile import Modules, call_builds
 from .sm80 import Sm80Kernels
@@ -119,7 +120,7 @@ def _require_gpu():
     try:
         import cupy
     except ImportError:
-        raise BackendError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from None
+        raise BackendError(f"the cuda backend needs CuPy; {HOW_TO_GET_CUPY}") from None
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - any runtime failure means no usable GPU
