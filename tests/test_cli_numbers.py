@@ -71,6 +71,10 @@ BAD_PLAN_PROBLEMS = [
      "sequence length 1000 does not split over 24 ranks with the balanced layout: it must be a multiple of 24"),
     (["--seqlen", "21", "--gpus-per-node", "3", "--causal"],
      "sequence length 21 does not split over 3 ranks with the zigzag layout: it must be a multiple of 6"),
+    (["--gpus-per-node", "3", "--causal", "--layout", "zigzag"],   # S = 4096 on 3 ranks: what fits, what to pad to
+     "sequence length 4096 does not split over 3 ranks with the zigzag layout: it must be a multiple of 6 (two chunks "
+     "a rank); the balanced and contiguous layouts need only a multiple of 3: pad the sequence to 4098, which splits "
+     "with every layout"),
     (["--heads", "6", "--kv-heads", "4"], "--heads 6 must be a multiple of --kv-heads 4"),
     (["--documents", "5000"], "--documents 5000: more documents than the 4096 tokens of --seqlen"),
     (["--cu-seqlens", "/nonexistent/offsets.txt"], "cannot read cu_seqlens from /nonexistent/offsets.txt"),
