@@ -267,9 +267,9 @@ HDF5 files (gen writes them; any tool can):
   heads (Hq a multiple of Hkv: GQA/MQA), D head dim. Query head h reads key/value head h // (Hq/Hkv).
   dtypes: float16, float32, float64 stored natively; bfloat16 stored as uint16 bits with the dataset
   attribute dtype = "bfloat16" (from NumPy: x.astype(ml_dtypes.bfloat16).view(numpy.uint16)).
-  Head dims: any. On the cuda backend 64 and 128 run natively, other D <= 128 zero-padded to the
-  next of those (exact), wider heads (160, 192, 256, ...) on tiled float32 cuBLAS products (exact,
-  slower than the fused kernels).
+  Head dims: any. On the cuda backend 64 and 128 run natively, and on Hopper (sm90) 256 as well;
+  any other D is zero-padded to the next of those (exact), wider heads (above 256 on Hopper, above
+  128 on other GPUs) run on tiled float32 cuBLAS products (exact, slower than the fused kernels).
 """
 
 EXIT_CODES = """\
