@@ -23,11 +23,11 @@ import time
 import numpy as np
 
 from . import __version__
-from .dtypes import SUPPORTED_NAMES, dtype_name, parse_dtype
+from .dtypes import SPELLINGS, dtype_name, parse_dtype
 from . import jobsafety
 from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, launched, live_world, mpi_problem,
                          rank_and_size, world as _world)
-from .errors import BurstError, FileError, say
+from .errors import BackendError, BurstError, DTypeError, FileError, say
 from .masks import LARGEST_WINDOW
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
@@ -192,6 +192,26 @@ def window_size(text):
     return _whole(text, -1, "a window size: a whole number >= 0, or -1 for unbounded", LARGEST_WINDOW)
 
 
+def dtype_argument(text):
+    """An element type, by any spelling dtypes.parse_dtype takes; its canonical name ('bfloat16', ...)."""
+    try:
+        return dtype_name(parse_dtype(text))
+    except DTypeError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def kernel_dtype_argument(text):
+    """An input element type the CUDA kernels run (launch.dtype_kind says which); its canonical name."""
+    from .backends.cuda.launch import dtype_kind
+
+    name = dtype_argument(text)
+    try:
+        dtype_kind(parse_dtype(name))
+    except BackendError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return name
+
+
 def parse_window(text):
     """'L' -> (L, 0) (the L tokens before each query and itself); 'L,R' -> (L, R); -1 unbounded."""
     parts = text.split(",")
@@ -247,9 +267,9 @@ HDF5 files (gen writes them; any tool can):
   heads (Hq a multiple of Hkv: GQA/MQA), D head dim. Query head h reads key/value head h // (Hq/Hkv).
   dtypes: float16, float32, float64 stored natively; bfloat16 stored as uint16 bits with the dataset
   attribute dtype = "bfloat16" (from NumPy: x.astype(ml_dtypes.bfloat16).view(numpy.uint16)).
-  Head dims: any. On the cuda backend 64 and 128 run natively, other D <= 128 zero-padded to the
-  next of those (exact), wider heads (160, 192, 256, ...) on tiled float32 cuBLAS products (exact,
-  slower than the fused kernels).
+  Head dims: any. On the cuda backend 64 and 128 run natively, and on Hopper (sm90) 256 as well;
+  any other D is zero-padded to the next of those (exact), wider heads (above 256 on Hopper, above
+  128 on other GPUs) run on tiled float32 cuBLAS products (exact, slower than the fused kernels).
 """
 
 EXIT_CODES = """\
@@ -313,9 +333,8 @@ def build_parser():
     p.add_argument("--kv-heads", type=positive_int, default=None,
                    help="Hkv, key/value heads; Hq must be a multiple (GQA/MQA) (default: --heads)")
     p.add_argument("--head-dim", type=positive_int, default=64, help="D, the head dimension (default 64)")
-    p.add_argument("--dtype", default="bfloat16",
-                   help=f"element type of every dataset: one of {', '.join(SUPPORTED_NAMES)} "
-                   "(aliases bf16, fp16, fp32, fp64; any case) (default bfloat16)")
+    p.add_argument("--dtype", type=dtype_argument, default="bfloat16",
+                   help=f"element type of every dataset: {SPELLINGS} (default bfloat16)")
     p.add_argument("--seed", type=nonnegative_int, default=0,
                    help="random seed, >= 0; each block of 1024 tokens of one batch entry of one tensor draws from its "
                    "own generator seeded by (seed, tensor, batch, block), so the data never depends on chunk "
@@ -453,7 +472,8 @@ def build_parser():
     p.add_argument("--heads", type=positive_int, default=32, help="Hq (default 32)")
     p.add_argument("--kv-heads", type=positive_int, default=None, help="Hkv (default: --heads)")
     p.add_argument("--head-dim", type=positive_int, default=128, help="D (default 128)")
-    p.add_argument("--dtype", default="bfloat16", help="element type (default bfloat16)")
+    p.add_argument("--dtype", type=dtype_argument, default="bfloat16",
+                   help=f"element type: {SPELLINGS} (default bfloat16)")
     p.add_argument("--causal", action="store_true", help="causal mask")
     p.add_argument("--window", type=window_size, default=None, metavar="L",
                    help="causal sliding window of L keys before each query (the visible share follows; -1 none)")
@@ -505,8 +525,9 @@ def build_parser():
                    help="a kernel family, repeatable (default: those this GPU runs)")
     p.add_argument("--head-dim", action="append", type=positive_int, metavar="D",
                    help="a head dim, repeatable (default: every one the kernels run natively)")
-    p.add_argument("--dtype", action="append", choices=("bf16", "f16", "f32"),
-                   help="an input dtype, repeatable; f32 runs the bf16 kernels (default: bf16 and f16)")
+    p.add_argument("--dtype", action="append", type=kernel_dtype_argument,
+                   help=f"an input dtype the kernels run, repeatable: {SPELLINGS}, but float64; float32 runs the "
+                   "bfloat16 kernels (default: bfloat16 and float16)")
     p.add_argument("--pass", dest="passes", action="append", choices=("fwd", "bwd"),
                    help="forward or backward kernels only (default: both)")
     _add_clean(sub)
@@ -535,8 +556,7 @@ def warm_verification(dtypes, comm):
     error, seconds = None, None
     try:
         if gpu_count():
-            names = [{"f16": "float16", "f32": "float32"}.get(t, "bfloat16") for t in dtypes or ("bf16", "f16")]
-            seconds = verify.warm([parse_dtype(n) for n in dict.fromkeys(names)])
+            seconds = verify.warm([parse_dtype(n) for n in dict.fromkeys(dtypes or ("bfloat16", "float16"))])
     except Exception as e:  # noqa: BLE001
         error = e if isinstance(e, BurstError) else BurstError(f"warming the verification's kernels failed: {describe(e)}")
     agree(comm, error)

@@ -1,4 +1,8 @@
-"""GPU selection: one rank per GPU, by node-local rank."""
+"""GPU selection: one rank per GPU, by node-local rank; and how to get CuPy, the GPU path's one extra."""
+
+# the packages of pyproject.toml's extras cuda12 and cuda13 (burst-hpc itself is not on the public index)
+HOW_TO_GET_CUPY = ("install the CuPy wheel for the driver's CUDA major version (nvidia-smi shows it): "
+                   "pip install 'cupy-cuda12x>=13' (CUDA 12) or 'cupy-cuda13x>=13' (CUDA 13)")
 
 
 def select_device(comm=None):

@@ -12,6 +12,10 @@ from .merge import array_module
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 SUPPORTED = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))
 SUPPORTED_NAMES = {"float16": SUPPORTED[0], "bfloat16": bfloat16, "float32": SUPPORTED[2], "float64": SUPPORTED[3]}
+# the other spellings every name-taking place (the API, each verb's --dtype) accepts, in any case
+ALIASES = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "half": "float16", "f32": "float32",
+           "fp32": "float32", "f64": "float64", "fp64": "float64"}
+SPELLINGS = f"{', '.join(SUPPORTED_NAMES)} (or {', '.join(ALIASES)}; any case)"
 
 
 def dtype_name(dtype):
@@ -20,12 +24,12 @@ def dtype_name(dtype):
 
 
 def parse_dtype(name_or_dtype):
-    """A supported dtype from a name ('bf16', 'bfloat16', 'fp16', ..., in any case) or a dtype."""
-    aliases = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "fp64": "float64"}
+    """A supported dtype from a name (any of SPELLINGS: 'bfloat16', 'bf16', 'f16', 'fp16', ..., in any
+    case) or a dtype."""
     if isinstance(name_or_dtype, str):
-        name = aliases.get(name_or_dtype.lower(), name_or_dtype.lower())
+        name = ALIASES.get(name_or_dtype.lower(), name_or_dtype.lower())
         if name not in SUPPORTED_NAMES:
-            raise DTypeError(f"unsupported dtype {name_or_dtype!r}; use one of {sorted(SUPPORTED_NAMES)}")
+            raise DTypeError(f"unsupported dtype {name_or_dtype!r}; use one of {SPELLINGS}")
         return SUPPORTED_NAMES[name]
     return check_supported(name_or_dtype)
 

@@ -29,7 +29,7 @@ from .accounting import attention_flops, visible_pairs
 from .callplan import CallPlan
 from .collective import agree, describe, one_fails_all, world
 from .costmodel import CallShape
-from .device import array_device, gpu_count, gpus_shared, select_device
+from .device import HOW_TO_GET_CUPY, array_device, gpu_count, gpus_shared, select_device
 from .dtypes import dtype_name
 from .errors import BackendError, BurstError, say
 from .progress import Progress
@@ -373,8 +373,8 @@ def setup_backend(name, comm):
     try:
         import cupy
     except Exception as e:  # noqa: BLE001
-        raise BackendError(f"--backend cuda needs CuPy ({type(e).__name__}: {e}); install it with "
-                           "pip install cupy-cuda12x (or cupy-cuda13x), or use --backend numpy") from None
+        raise BackendError(f"--backend cuda needs CuPy ({type(e).__name__}: {e}); {HOW_TO_GET_CUPY}, "
+                           "or use --backend numpy") from None
     if gpu_count() == 0:
         raise BackendError("--backend cuda: no GPU visible to this rank; use --backend numpy")
     select_device(comm)

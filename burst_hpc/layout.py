@@ -26,16 +26,37 @@ def check_layout(layout):
     return layout
 
 
+def _parts(size, layout):
+    """The equal chunks ``layout`` cuts a sequence into over ``size`` ranks (one rank owns all: no split)."""
+    return size if layout in CONTIGUOUS_OWNERSHIP or size == 1 else 2 * size
+
+
 def check_split(seqlen, size, layout):
-    """Raise LayoutError unless ``seqlen`` tokens split evenly over ``size`` ranks."""
+    """Tokens per rank; LayoutError unless ``seqlen`` tokens split evenly over ``size`` ranks in
+    ``layout``, saying which layouts the length fits and what to pad it to."""
     check_layout(layout)
     if size < 1:
         raise LayoutError(f"need at least one rank; got {size}")
-    parts = size if layout in CONTIGUOUS_OWNERSHIP or size == 1 else 2 * size  # one rank owns all: no split
+    parts = _parts(size, layout)
     if seqlen % parts:
-        raise LayoutError(
-            f"sequence length {seqlen} does not split over {size} ranks with the {layout} layout: "
-            f"it must be a multiple of {parts}")
+        def padded(multiple):
+            return -(-seqlen // multiple) * multiple
+
+        zigzag, contiguous = _parts(size, "zigzag"), _parts(size, "contiguous")
+        if layout == "zigzag":
+            what = (f"it must be a multiple of {zigzag} (two chunks a rank); the balanced and contiguous layouts "
+                    f"need only a multiple of {contiguous}")
+            if seqlen % contiguous == 0:
+                what += f", which it is: use one of them, or pad the sequence to {padded(zigzag)}"
+            elif padded(zigzag) == padded(contiguous):
+                what += f": pad the sequence to {padded(zigzag)}, which splits with every layout"
+            else:
+                what += f": pad the sequence to {padded(contiguous)} with one of them, or to {padded(zigzag)}"
+        else:
+            what = f"it must be a multiple of {contiguous} (zigzag: of {zigzag}); pad the sequence to {padded(contiguous)}"
+            what += (", which splits with every layout" if padded(zigzag) == padded(contiguous) else
+                     f", or to {padded(zigzag)} for zigzag too")
+        raise LayoutError(f"sequence length {seqlen} does not split over {size} ranks with the {layout} layout: {what}")
     return seqlen // size
 
 

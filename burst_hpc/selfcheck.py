@@ -13,6 +13,7 @@ import time
 import numpy as np
 
 from .api import attention, attention_backward
+from .device import HOW_TO_GET_CUPY
 from .dtypes import bfloat16, dtype_name
 from .reference import attention_backward_reference, attention_reference
 from .verify import max_abs, max_err, passes, plain_attention, tolerance
@@ -175,7 +176,7 @@ def main(comm, out=print, seed=None):
         backends = [("numpy", NumpyBackend())]
         xp = np
         where = ("no GPU visible: checked the NumPy backend (the CPU path) only; run on a GPU node with CuPy "
-                 "installed (pip install 'burst-hpc[cuda12]') to check the CUDA kernels")
+                 f"to check the CUDA kernels ({HOW_TO_GET_CUPY})")
     rows = kernel_rows(backends, np.random.default_rng([seed, comm.rank]))
     if comm.size > 1:
         rows += ring_rows(comm, xp, available_transports(comm, on_device), seed)
@@ -264,7 +265,7 @@ def _gpu_summary():
     try:
         import cupy
     except Exception:  # noqa: BLE001
-        return "none visible (cupy not installed; pip install cupy-cuda12x, or cupy-cuda13x for CUDA 13 drivers)"
+        return f"none visible (cupy not installed; {HOW_TO_GET_CUPY})"
     try:
         n = cupy.cuda.runtime.getDeviceCount()
         names = []

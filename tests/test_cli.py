@@ -78,7 +78,7 @@ def test_gen_is_chunk_independent_and_tagged(tmp_path):
 
 def test_gen_rejects_bad_arguments(tmp_path):
     r = burst("gen", tmp_path / "x.h5", "--seqlen", 64, "--dtype", "int8")
-    assert r.returncode == 1 and r.stderr.count("burst-hpc: error:") == 1 and "unsupported dtype" in r.stderr
+    assert r.returncode == 2 and r.stderr.count("burst-hpc: error:") == 1 and "unsupported dtype" in r.stderr
     r = burst("gen", tmp_path / "x.h5", "--seqlen", 64, "--heads", 6, "--kv-heads", 4)
     assert r.returncode == 1 and "multiple of key/value heads" in r.stderr
     assert not os.listdir(tmp_path)

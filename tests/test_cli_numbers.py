@@ -54,6 +54,7 @@ BAD_PLAN_ARGS = [
     (["--inter-latency-us", "-1"], "argument --inter-latency-us: expected a finite number >= 0"),
     (["--intra-latency-us", "nan"], "argument --intra-latency-us: expected a finite number >= 0"),
     (["--window", "-2"], "argument --window: expected a window size: a whole number >= 0, or -1 for unbounded"),
+    (["--dtype", "int8"], "argument --dtype: unsupported dtype 'int8'; use one of float16, bfloat16, float32, float64"),
     (["--window", HUGE], f"argument --window: expected a window size: a whole number >= 0, or -1 for unbounded; "
                          f"got '{HUGE}', more than the largest"),
 ]
@@ -70,9 +71,12 @@ BAD_PLAN_PROBLEMS = [
      "sequence length 1000 does not split over 24 ranks with the balanced layout: it must be a multiple of 24"),
     (["--seqlen", "21", "--gpus-per-node", "3", "--causal"],
      "sequence length 21 does not split over 3 ranks with the zigzag layout: it must be a multiple of 6"),
+    (["--gpus-per-node", "3", "--causal", "--layout", "zigzag"],   # S = 4096 on 3 ranks: what fits, what to pad to
+     "sequence length 4096 does not split over 3 ranks with the zigzag layout: it must be a multiple of 6 (two chunks "
+     "a rank); the balanced and contiguous layouts need only a multiple of 3: pad the sequence to 4098, which splits "
+     "with every layout"),
     (["--heads", "6", "--kv-heads", "4"], "--heads 6 must be a multiple of --kv-heads 4"),
     (["--documents", "5000"], "--documents 5000: more documents than the 4096 tokens of --seqlen"),
-    (["--dtype", "int8"], "unsupported dtype 'int8'"),
     (["--cu-seqlens", "/nonexistent/offsets.txt"], "cannot read cu_seqlens from /nonexistent/offsets.txt"),
     (["--fwd-tflops", "1e300"], "the cost model leaves the floating-point range with these sizes and rates"),
 ]
@@ -232,3 +236,27 @@ def test_nonfinite_finds_nan_and_both_infinities(dtype):
     for value in (np.nan, np.inf, -np.inf):
         x.flat[rng.integers(x.size)] = value
     assert np.array_equal(nonfinite(x), ~np.isfinite(x.astype(np.float64)))
+
+
+SPELLINGS = {"bfloat16": ["bfloat16", "BF16", "bf16"], "float16": ["float16", "f16", "fp16", "half", "Float16"],
+             "float32": ["float32", "f32", "FP32"], "float64": ["float64", "f64", "fp64"]}
+
+
+@pytest.mark.parametrize("name", list(SPELLINGS))
+def test_every_verb_takes_the_same_dtype_spellings(name):
+    """gen, plan and compile parse --dtype in one place (dtypes.parse_dtype's names and aliases); compile
+    refuses only what the kernels do not run (float64), naming the dtypes they take."""
+    from burst_hpc import cli
+    from burst_hpc.dtypes import ALIASES, SUPPORTED_NAMES
+
+    assert set(SPELLINGS) == set(SUPPORTED_NAMES)
+    assert set(ALIASES) <= {spelling.lower() for spellings in SPELLINGS.values() for spelling in spellings}
+    parser = cli.build_parser()
+    for spelling in SPELLINGS[name]:
+        assert parser.parse_args(["gen", "x.h5", "--seqlen", "8", "--dtype", spelling]).dtype == name
+        assert parser.parse_args([*PLAN, "--dtype", spelling]).dtype == name
+        if name != "float64":
+            assert parser.parse_args(["compile", "--dtype", spelling, "--dtype", "bf16"]).dtype == [name, "bfloat16"]
+    if name == "float64":
+        r = burst("compile", "--dtype", SPELLINGS[name][1])
+        _refused(r, "argument --dtype: the cuda backend takes bfloat16, float16 or float32 inputs; got float64", 2)

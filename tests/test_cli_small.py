@@ -124,3 +124,34 @@ def test_progress_lines_come_from_rank_0_by_time_with_an_eta(tmp_path, ranks, fl
     assert r.stderr.count("] set-up done in ") == 1 and r.stderr.count("] writing ") == 1, r.stderr  # rank 0 only
     r = mpirun(ranks, "run", src, dst, "--backward", "--backend", "numpy", "--quiet", "--overwrite", *flags)
     assert r.returncode == 0 and "[burst-hpc" not in r.stderr, r.stderr
+
+
+def test_one_cupy_install_hint_the_extras_agree_with(tmp_path):
+    """Without CuPy, info, check, compile and run --backend cuda all say the same way to get it: the
+    wheels pyproject.toml's extras cuda12 and cuda13 name (burst-hpc itself is not on the index)."""
+    import re
+    from pathlib import Path
+
+    from burst_hpc.device import HOW_TO_GET_CUPY
+
+    repo = Path(__file__).resolve().parents[1]
+    extras = dict(re.findall(r'^(cuda\d+) = \["([^"]+)"\]', (repo / "pyproject.toml").read_text(), re.M))
+    assert set(extras) == {"cuda12", "cuda13"}, extras
+    for wheel in extras.values():
+        assert f"'{wheel}'" in HOW_TO_GET_CUPY, (wheel, HOW_TO_GET_CUPY)
+    poison = tmp_path / "poison" / "cupy"   # CuPy that fails to import, as on a machine without it
+    poison.mkdir(parents=True)
+    (poison / "__init__.py").write_text("raise ImportError(\"No module named 'cupy'\")\n")
+    env = {"PYTHONPATH": str(poison.parent)}
+    assert _no_mpi({}, "gen", tmp_path / "in.h5", "--seqlen", 8, "--head-dim", 8).returncode == 0
+    said = {verb: _no_mpi(env, *args) for verb, args in {
+        "info": ["info"], "check": ["check"], "compile": ["compile", "--head-dim", "64", "--dtype", "bf16"],
+        "run": ["run", tmp_path / "in.h5", tmp_path / "out.h5", "--backend", "cuda"]}.items()}
+    for verb, r in said.items():
+        assert HOW_TO_GET_CUPY in r.stdout + r.stderr, (verb, r.stdout + r.stderr)
+    # nowhere else a wheel name of its own, nor burst-hpc from the index
+    for path in [*repo.glob("burst_hpc/**/*.py"), *repo.glob("examples/*"), repo / "README.md", *repo.glob("docs/*.md")]:
+        text = path.read_text()
+        assert not re.search(r"burst[-_]hpc\[cuda", text), path
+        if path.suffix == ".py" and path.name != "device.py":
+            assert "cupy-cuda" not in text, path

@@ -1,4 +1,6 @@
 """Layouts: which global tokens each rank owns, and shard/unshard round trips."""
+import re
+
 import numpy as np
 import pytest
 
@@ -93,6 +95,32 @@ def test_length_that_does_not_split():
         shard(np.zeros((1, 6, 1, 1)), 0, 2, "zigzag")
     with pytest.raises(LayoutError):  # a zigzag shard must have an even length
         unshard([np.zeros((1, 3, 1, 1))] * 2, "zigzag")
+
+
+SPLIT_ERRORS = [  # (S, P, layout): what the error says after "sequence length S does not split over P ranks with
+    # the L layout: "; zigzag needs a multiple of 2P, balanced and contiguous of P (issue 37: S = 4096 on 3 ranks)
+    ((4096, 3, "zigzag"), "it must be a multiple of 6 (two chunks a rank); the balanced and contiguous layouts need "
+                          "only a multiple of 3: pad the sequence to 4098, which splits with every layout"),
+    ((4095, 3, "zigzag"), "it must be a multiple of 6 (two chunks a rank); the balanced and contiguous layouts need "
+                          "only a multiple of 3, which it is: use one of them, or pad the sequence to 4098"),
+    ((7, 3, "zigzag"), "it must be a multiple of 6 (two chunks a rank); the balanced and contiguous layouts need only "
+                       "a multiple of 3: pad the sequence to 9 with one of them, or to 12"),
+    ((1000, 24, "balanced"), "it must be a multiple of 24 (zigzag: of 48); pad the sequence to 1008, which splits with "
+                             "every layout"),
+    ((10, 4, "contiguous"), "it must be a multiple of 4 (zigzag: of 8); pad the sequence to 12, or to 16 for zigzag too"),
+]
+
+
+@pytest.mark.parametrize("args,what", SPLIT_ERRORS, ids=[f"S{s}-P{p}-{layout}" for (s, p, layout), _ in SPLIT_ERRORS])
+def test_length_error_names_the_layouts_that_fit_and_the_padding(args, what):
+    seqlen, size, layout = args
+    with pytest.raises(LayoutError) as error:
+        check_split(seqlen, size, layout)
+    assert str(error.value) == f"sequence length {seqlen} does not split over {size} ranks with the {layout} layout: {what}"
+    padded = [int(n) for n in re.findall(r"pad the sequence to (\d+)(?:[^,]*, or to (\d+))?", what)[0] if n]
+    for length in padded:   # the advice holds: the padded lengths split with the layouts said
+        assert check_split(length, size, "balanced") and check_split(length, size, "contiguous")
+    assert check_split(padded[-1], size, "zigzag")
 
 
 def test_bad_arguments_raise_layout_error():

@@ -70,3 +70,46 @@ def test_readme_python_block_runs(tmp_path, index):
     else:
         r = _run([sys.executable, "example.py"], tmp_path)
         assert r.returncode == 0, r.stdout + r.stderr
+
+
+@needs_mpiexec
+def test_readme_mpiexec_line_for_a_laptop_runs_as_written(tmp_path):
+    """Open MPI refuses root and more ranks than cores unless told; the README's Install section says
+    how, on a line a laptop or container user copies, and that line runs here without the Makefile's
+    environment (as root, and with more ranks than cores on a machine of 2)."""
+    version = subprocess.run([MPIEXEC, "--version"], capture_output=True, text=True, timeout=60).stdout
+    (line,) = [line.strip() for line in README.read_text().split("\n## Install\n")[1].split("\n## ")[0].splitlines()
+               if line.startswith("    mpiexec --allow-run-as-root --oversubscribe ")]
+    if "Open MPI" not in version:
+        pytest.skip("the flags are Open MPI's; this mpiexec is another MPI's")
+    env = {k: v for k, v in ENV.items() if not k.startswith(("OMPI_ALLOW_RUN_AS_ROOT", "OMPI_MCA_rmaps", "PRTE_MCA"))}
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    r = subprocess.run(["bash", "-c", line.replace("mpiexec", MPIEXEC, 1)], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0 and "0 failed" in r.stdout, r.stdout + r.stderr
+
+
+def test_readme_make_test_line_names_the_ranks_the_makefile_runs():
+    makefile = (README.parent / "Makefile").read_text()
+    mpi_ranks, node_ranks = (re.search(rf"^{name} \?= (.*)$", makefile, re.M).group(1).split()
+                             for name in ("MPI_RANKS", "NODE_RANKS"))
+    said = " ".join(line.strip().lstrip("#").strip() for line in README.read_text().splitlines()
+                    if line.startswith(("    make test", "                  #")))
+    assert f"mpi_tests/ on {mpi_ranks[0]}-{mpi_ranks[-1]} ranks" in said, said
+    assert f"on {', '.join(node_ranks[:-1])} and {node_ranks[-1]} ranks as simulated nodes" in said, said
+
+
+def test_head_dims_the_docs_say_run_natively_are_the_kernels():
+    """README and 'run --help' say which head dims the kernels run natively as the kernel sources list them."""
+    from burst_hpc.backends.cuda.contract import native_widths
+    from burst_hpc.cli import FILE_FORMAT
+
+    everywhere, hopper = native_widths("sm80", "fwd"), native_widths("sm90", "fwd")
+    assert native_widths("sm80", "bwd") == everywhere and native_widths("sm90", "bwd") == hopper
+    extra = [d for d in hopper if d not in everywhere]
+    said = (f"{' and '.join(map(str, everywhere))} run natively, and on Hopper (sm90) {' and '.join(map(str, extra))} "
+            "as well")
+    wide = f"above {hopper[-1]} on Hopper, above {everywhere[-1]} on other GPUs"
+    for text in (README.read_text(), FILE_FORMAT):
+        flat = " ".join(text.split())
+        assert said in flat and wide in flat, flat[flat.find("Head dims"):][:400]

@@ -11,10 +11,12 @@ from typing import Protocol
 import numpy as np
 
 from ... import config
-from ...errors import BackendError
+from ...dtypes import parse_dtype
+from ...errors import BackendError, DTypeError
 from .. import padding
 from ..numpy_backend import NumpyBackend
 from ...collective import agree
+from ...device import HOW_TO_GET_CUPY
 from . import compile as compiling, contract, launch
 from .compile import Modules, call_builds
 from .sm80 import Sm80Kernels
@@ -79,22 +81,23 @@ def kernel_builds(family, dtypes, head_dims, masks, directions=("fwd", "bwd")):
 def compile_ahead(families=None, head_dims=None, dtypes=None, directions=("fwd", "bwd"), comm=None):
     """Collective on ``comm`` (None: this process alone): fill the kernel cache ahead of jobs (``burst-hpc
     compile``) with the kernels of every mask for ``families`` (default: those this GPU runs), ``head_dims``
-    (default: every native width; others are routed as a call routes them) and ``dtypes`` ('bf16', 'f16',
-    'f32', which runs the bf16 kernels; default: both 16-bit ones) in ``directions``. The node's ranks share
+    (default: every native width; others are routed as a call routes them) and input ``dtypes`` (names
+    as dtypes.parse_dtype takes them, or dtypes: bfloat16, float16, float32, which runs the bfloat16 kernels;
+    default: both 16-bit ones) in ``directions``. The node's ranks share
     the compiles out (compile.prepare). Returns a summary line (the same on every rank)."""
     error, builds, cache = None, [], None
     try:
         cache = compiling.default_cache()
         families = list(families or kernel_families())
-        unknown = [f for f in families if f not in FAMILIES] + [t for t in dtypes or () if t not in ("bf16", "f16", "f32")]
+        unknown = [f for f in families if f not in FAMILIES]
         if unknown or any(d < 1 for d in head_dims or ()):
-            raise BackendError(f"compile takes families {', '.join(FAMILIES)}, dtypes bf16, f16, f32 and positive head "
-                               f"dims; got {', '.join(map(str, unknown or head_dims))}")
-        kinds = {"f16" if name == "f16" else "bf16" for name in dtypes or ("bf16", "f16")}
+            raise BackendError(f"compile takes families {', '.join(FAMILIES)} and positive head dims; got "
+                               f"{', '.join(map(str, unknown or head_dims))}")
+        kinds = {launch.kernel_dtype(parse_dtype(t)) for t in dtypes or ("bfloat16", "float16")}
         for family in families:
             dims = head_dims or {d for direction in directions for d in contract.native_widths(family, direction)}
             builds += kernel_builds(family, kinds, dims, ("full", "causal", "interval"), directions)
-    except BackendError as e:
+    except (BackendError, DTypeError) as e:
         error = e
     agree(comm, error)
     t0 = time.perf_counter()
@@ -119,7 +122,7 @@ def _require_gpu():
     try:
         import cupy
     except ImportError:
-        raise BackendError("the cuda backend needs CuPy (pip install cupy-cuda13x)") from None
+        raise BackendError(f"the cuda backend needs CuPy; {HOW_TO_GET_CUPY}") from None
     try:
         n = cupy.cuda.runtime.getDeviceCount()
     except Exception as exc:  # noqa: BLE001 - any runtime failure means no usable GPU

@@ -35,6 +35,7 @@ from typing import NamedTuple, Protocol
 import numpy as np
 
 from ... import config
+from ...device import HOW_TO_GET_CUPY
 from ...errors import BackendError, BurstError
 from .contract import DELTA_SOURCE, SOURCES, KernelTable, cuda_dir, header, instances, table_symbols
 
@@ -156,8 +157,7 @@ class CupyCompiler:
         try:
             import cupy  # noqa: F401
         except ImportError:
-            raise BackendError("compiling the CUDA kernels needs CuPy and a GPU (pip install cupy-cuda13x, or "
-                               "cupy-cuda12x)") from None
+            raise BackendError(f"compiling the CUDA kernels needs CuPy and a GPU; {HOW_TO_GET_CUPY}") from None
 
     def options(self, source):
         return ("-std=c++17", "-arch=sm_90a") if "sm90" in source else ("-std=c++17",)
