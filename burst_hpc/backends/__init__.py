@@ -50,10 +50,12 @@ def _accumulator(xp, acc, out, first, name):
     return xp.empty(out.shape, accum_dtype(out.dtype))
 
 
-def forward_ends(xp, run, o, lse, *, first=False, out=None):
+def forward_ends(xp, run, o, lse, *, first=False, out=None, spend=False):
     """The block contract's ``first`` and ``out`` around ``run(o, lse)``, a forward that merges into a
     running (o, lse): at the first pair (o, lse) start empty (0, -inf: rows that see nothing keep them), at
-    the last the final output is converted into ``out``."""
+    the last the final output is converted into ``out``. ``spend``: then fill the caller's o with NaN, as
+    the contract allows (the NumPy backend: a pass that reads it again fails its tests)."""
+    given = o is not None
     o = _accumulator(xp, o, out, first, "o")
     if first:
         o.fill(0)
@@ -61,13 +63,16 @@ def forward_ends(xp, run, o, lse, *, first=False, out=None):
     run(o, lse)
     if out is not None:
         out[...] = o
+        if spend and given:
+            o.fill(xp.nan)
 
 
 def backward_ends(xp, run, delta_of, do, o, delta, dq, dk, dv, *, first_q=False, first_kv=False, dq_out=None,
-                  dk_out=None, dv_out=None):
+                  dk_out=None, dv_out=None, spend=False):
     """The block contract's ``o``, ``first_q``, ``first_kv`` and outputs around ``run(delta, dq, dk, dv)``, a
     backward that adds into float accumulators: delta from ``delta_of(do, o)`` when not given, the
-    accumulators of a first pair zeroed, those of a last pair converted into their outputs."""
+    accumulators of a first pair zeroed, those of a last pair converted into their outputs (``spend``: then
+    the caller's accumulators filled with NaN, as forward_ends)."""
     if delta is None:
         if o is None:
             raise BackendError("backward_block needs delta or o")
@@ -82,9 +87,11 @@ def backward_ends(xp, run, delta_of, do, o, delta, dq, dk, dv, *, first_q=False,
             acc.fill(0)
         grads.append(acc)
     run(delta, *grads)
-    for acc, out in zip(grads, (dq_out, dk_out, dv_out)):
+    for acc, out, given in zip(grads, (dq_out, dk_out, dv_out), (dq, dk, dv)):
         if out is not None:
             out[...] = acc
+            if spend and given is not None:
+                acc.fill(xp.nan)
 
 def get_backend(array, name=None):
     """The backend for ``array``'s kind: NumPy arrays -> numpy, CuPy arrays -> cuda. ``name`` may also

@@ -97,7 +97,7 @@ class NumpyBackend:
             with np.errstate(invalid="ignore"):
                 self._forward(q, k, v, o, lse, scale, causal, q_start, k_start, mask)
 
-        forward_ends(self.xp, run, o, lse, first=first, out=out)
+        forward_ends(self.xp, run, o, lse, first=first, out=out, spend=True)
 
     def _forward(self, q, k, v, o, lse, scale, causal, q_start, k_start, mask):
         xp = self.xp
@@ -137,7 +137,7 @@ class NumpyBackend:
             with np.errstate(invalid="ignore"):
                 self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask)
 
-        backward_ends(self.xp, run, self.delta, do, o, delta, dq, dk, dv, **ends)
+        backward_ends(self.xp, run, self.delta, do, o, delta, dq, dk, dv, spend=True, **ends)
 
     def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask):
         xp = self.xp
