@@ -210,21 +210,8 @@ extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* del
     const bool seen = x != -BH_INF;
     float dl = 0.f;
     if (dout != nullptr) {
-      if (seen) {
-        const uint4 g = *reinterpret_cast<const uint4*>(dout + b * gsb + i * gss + h * gsh + 8 * part);
-        const uint4 y = *reinterpret_cast<const uint4*>(o + b * osb + i * oss + h * osh + 8 * part);
-        const u32 gw[4] = {g.x, g.y, g.z, g.w}, yw[4] = {y.x, y.y, y.z, y.w};
-#pragma unroll
-        for (int w = 0; w < 4; ++w) {
-          if (bf16) {
-            dl += bf16_bits_to_float(gw[w] & 0xffffu) * bf16_bits_to_float(yw[w] & 0xffffu) +
-                  bf16_bits_to_float(gw[w] >> 16) * bf16_bits_to_float(yw[w] >> 16);
-          } else {
-            dl += half_bits_to_float(gw[w] & 0xffffu) * half_bits_to_float(yw[w] & 0xffffu) +
-                  half_bits_to_float(gw[w] >> 16) * half_bits_to_float(yw[w] >> 16);
-          }
-        }
-      }
+      if (seen) dl = dot8(dout + b * gsb + i * gss + h * gsh + 8 * part, o + b * osb + i * oss + h * osh + 8 * part,
+                          bf16 != 0);
       for (int m = G / 2; m > 0; m >>= 1) dl += __shfl_xor_sync(0xffffffffu, dl, m, G);
     } else if (seen && part == 0) {
       dl = delta[b * dsb + h * dsh + i * dss];

@@ -662,3 +662,19 @@ def test_backward_one_pair_keys_no_query_sees():
     for name, got, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain):
         _check(name, got, p, r, 3)
     assert bool((dk[:, sq - k_start:].astype(cupy.float32) == 0).all())
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("vector", [False, True])
+def test_delta_paths(d, vector):
+    """attn_delta element by element and with 16-byte loads (vector_delta), on strided views too."""
+    be = _be()
+    do, o = (_rand((2, 300, 6, d), BF16) for _ in range(2))
+    views = (do, o), (do[:, 1:], o[:, 1:]), (do[:, :, ::2], o[:, :, ::2])
+    old, be.vector_delta = be.vector_delta, vector
+    try:
+        for a, b in views:
+            want = cupy.einsum("bshd,bshd->bhs", a.astype(cupy.float64), b.astype(cupy.float64))
+            assert _maxerr(be.delta(a, b), want) < 1e-4 * max(1.0, float(cupy.abs(want).max()))
+    finally:
+        be.vector_delta = old

@@ -180,6 +180,8 @@ class CudaBackend:
         self._dtype_codes = contract.header().dtypes
         self._wide = None
         self._prepared = set()   # the calls' kernel sets prepare() has made ready in this process
+        # attn_delta's 16-byte path (delta): off until it has run on a GPU (compiled and tested on the host only)
+        self.vector_delta = False
 
     def native_widths(self, direction="fwd"):
         """The head dims this family runs natively (``direction``: 'fwd' or 'bwd'), as its source lists them;
@@ -294,7 +296,8 @@ class CudaBackend:
 
     def delta(self, do, o):
         """rowsum(do * o) as a float32 (B, H, S) array (attn_delta.cu, any head dim; do and o each bf16,
-        fp16 or float32)."""
+        fp16 or float32; with ``vector_delta``, 16-byte loads where both are 16-bit of one dtype with aligned
+        rows)."""
         cupy = self.xp
         b, s, h, d = do.shape
         out = cupy.empty((b, h, s), np.float32)
@@ -308,9 +311,16 @@ class CudaBackend:
         kernel = self.modules.table(contract.DELTA_SOURCE).find()
         kern = self.modules.kernel(contract.DELTA_SOURCE, kernel.name, kernel.smem_bytes)
         strides = launch.strides
-        kern((-(-b * s * h // kernel.query_rows),), (kernel.threads,),
+        kind = launch.dtype_kind(do.dtype)
+        # 16-byte loads, `lanes` per row, where do and o share a 16-bit dtype and their rows are 16-byte aligned
+        lanes = 0
+        if (self.vector_delta and kind != "f32" and d % 8 == 0 and launch.aligned_rows(do, kind)
+                and launch.aligned_rows(o, kind)):
+            lanes = min(32, (d // 8) & -(d // 8))   # the largest power of two dividing d / 8, at most a warp
+        grid = -(-b * s * h // kernel.query_rows) if not lanes else min(-(-b * s * h * lanes // kernel.threads), 16384)
+        kern((grid,), (kernel.threads,),
              (do, o, out, *strides(do)[:3], *strides(o)[:3], np.int32(b), np.int32(s), np.int32(h), np.int32(d),
-              np.int32(codes[launch.dtype_kind(do.dtype)]), np.int32(codes[launch.dtype_kind(o.dtype)])))
+              np.int32(codes[kind]), np.int32(codes[launch.dtype_kind(o.dtype)]), np.int32(lanes)))
         return out
 
 
