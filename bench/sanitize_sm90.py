@@ -6,8 +6,10 @@ causal and interval masks, bf16 and fp16) once on small shapes, for compute-sani
     (--forward-only: the forward kernels alone; --backward-only: the backward instances, each once, after
     the forward at one tile height)
 
-The forward runs on 3 CTAs, so each takes several tiles, and runs three times: plain, with its key range
-cut in two (key splits), with the cross-tile step switched from its default. The backward runs in both tile orders (in order; longest
+The forward runs on 3 CTAs, so each takes several tiles, and runs four times: plain, with its key range
+cut in two (key splits), with the cross-tile step switched from its default, and as the block contract's
+first and last pair (its 16-bit output from the epilogue). The backward also runs as a first and last pair
+(delta and dq's zeros in the pre-pass; dK, dV straight from the registers where one CTA holds the group). The backward runs in both tile orders (in order; longest
 first in chunks of 3 of its 4 head slots, so the last chunk is partial). Shapes: lengths that are not
 multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA group (dK/dV atomics) and a causal
 offset. The results are checked loosely against a float64 oracle
@@ -66,6 +68,15 @@ def main():
                     if not np.isfinite(err) or err > 1e-2:
                         print(f"FAIL {dtype.name} d{d} BM{rows} {mode}: {name} differs by {err:.2e}")
                         return 1
+                # the block contract's first and last pair at once: the 16-bit output from the epilogue
+                out, lse3 = cupy.empty(q.shape, dtype), cupy.empty_like(lse)
+                be.forward_block(*dev[:3], None, lse3, scale=scale, causal=causal, q_start=q_start, mask=mask,
+                                 first=True, out=out)
+                err = float(cupy.abs(out.astype(np.float32) - o).max() / max(float(cupy.abs(o).max()), 1e-6))
+                worst = max(worst, err)
+                if not np.isfinite(err) or err > 1e-2:
+                    print(f"FAIL {dtype.name} d{d} BM{rows} {mode}: first + out differs by {err:.2e}")
+                    return 1
                 if forward_only:
                     continue
                 delta = be.delta(dev[3], o)
@@ -89,6 +100,27 @@ def main():
                             print(f"FAIL {tag}")
                             return 1
                 be.kernels.longest_first, be.kernels.forced_order_heads = default_order
+                # the first and last pair: delta and dq's zeros in the pre-pass, dK / dV in 16 bits from the
+                # registers (one query head per kv head: one CTA holds the group) or converted, dQ converted
+                for hq_, hkv_ in ((hq, hkv), (hkv, hkv)):
+                    qh, doh = dev[0][:, :, :hq_], dev[3][:, :, :hq_]
+                    oh, lseh = out[:, :, :hq_].copy(), lse3[:, :hq_].copy()
+                    outs = [cupy.empty(x.shape, dtype) for x in (qh, dev[1], dev[2])]
+                    be.backward_block(qh, dev[1], dev[2], doh, lseh, None, None, None, None, scale=scale,
+                                      causal=causal, q_start=q_start, mask=mask, o=oh, first_q=True, first_kv=True,
+                                      dq_out=outs[0], dk_out=outs[1], dv_out=outs[2])
+                    cupy.cuda.Device().synchronize()
+                    if hq_ == hq:
+                        for name, got, want in zip(("dq", "dk", "dv"), outs, grads):
+                            err = float(np.abs(cupy.asnumpy(got.astype(np.float32)) - want).max()
+                                        / max(np.abs(want).max(), 1e-6))
+                            worst = max(worst, err)
+                            if not np.isfinite(err) or err > 5e-2:
+                                print(f"FAIL {dtype.name} d{d} {mode} first + last {name}: {err:.2e}")
+                                return 1
+                    elif not all(bool(cupy.isfinite(x).all()) for x in outs):
+                        print(f"FAIL {dtype.name} d{d} {mode} first + last, one head per group: not finite")
+                        return 1
     print(f"sanitize_sm90: every instance ran; worst relative error {worst:.2e}")
     return 0
 

@@ -56,12 +56,12 @@ def attention(q, k, v, causal=False, scale=None, backend=None, cu_seqlens=None, 
     check_same_kind(q=q, k=k, v=v)
     (b, sq, _, hq, _, d), mask = _mask(q, k, v, causal, window, cu_seqlens)
     be = get_backend(q, backend)
-    acc = accum_dtype(q.dtype)
-    o = be.xp.zeros(q.shape, acc)
-    lse = be.xp.full((b, hq, sq), -be.xp.inf, acc)
-    be.forward_block(q, k, v, o, lse, scale=resolve_scale(scale, d), causal=causal or mask is not None,
-                     q_start=0, k_start=0, mask=mask)
-    return o.astype(q.dtype), lse.astype(be.xp.float32)
+    # one block pair, the first and the last: the output is written in q's dtype where it is computed
+    o = be.xp.empty(q.shape, q.dtype)
+    lse = be.xp.empty((b, hq, sq), accum_dtype(q.dtype))
+    be.forward_block(q, k, v, None, lse, scale=resolve_scale(scale, d), causal=causal or mask is not None,
+                     q_start=0, k_start=0, mask=mask, first=True, out=o)
+    return o, lse.astype(be.xp.float32, copy=False)
 
 
 def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, backend=None, cu_seqlens=None, window=None):
@@ -94,11 +94,10 @@ def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, backend=No
     check_like("o", o, q.shape, q.dtype)
     check_like("lse", lse, (b, hq, sq), None)
     be = get_backend(q, backend)
-    acc = accum_dtype(q.dtype)
-    dq = be.xp.zeros(q.shape, acc)
-    dk = be.xp.zeros(k.shape, acc)
-    dv = be.xp.zeros(v.shape, acc)
-    delta = be.delta(do, o)
-    be.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=resolve_scale(scale, d),
-                      causal=causal or mask is not None, q_start=0, k_start=0, mask=mask)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+    # one block pair, the first and the last for every row: delta in the backend's pre-pass, the gradients
+    # written in their inputs' dtypes where they are last written
+    dq, dk, dv = (be.xp.empty(x.shape, x.dtype) for x in (q, k, v))
+    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=resolve_scale(scale, d),
+                      causal=causal or mask is not None, q_start=0, k_start=0, mask=mask, o=o, first_q=True,
+                      first_kv=True, dq_out=dq, dk_out=dk, dv_out=dv)
+    return dq, dk, dv

@@ -16,6 +16,7 @@ so a job or a test may set it before any call). docs/USAGE.md lists them for use
 | BURST_HPC_PROGRESS_SECONDS=S | seconds between the progress lines inside a pass (default 5) |
 | BURST_HPC_VERIFY_ON_GPU=0 | a cuda run's --verify checks on host copies of its shards (NumPy) instead of on its GPUs |
 | BURST_HPC_TEST_HOOK_VERIFY_PAUSE=S | tests only: every rank sleeps S seconds as verification starts |
+| BURST_HPC_RING_LAST_PAIRS=1 | the ring's passes let each row's last block pair write the output in the inputs' dtype (off until it has run on GPUs) |
 """
 import os
 
@@ -123,6 +124,11 @@ def cuda_dir():
 def no_jit():
     """True when BURST_HPC_NO_JIT is on (1, yes, true, on): kernels come from the cache only."""
     return _value("BURST_HPC_NO_JIT").lower() in ON
+
+
+def ring_last_pairs():
+    """True when BURST_HPC_RING_LAST_PAIRS is on: the ring passes flag each row's last block pair (passes.py)."""
+    return _value("BURST_HPC_RING_LAST_PAIRS").lower() in ON
 
 
 def kernel_cache_dir():

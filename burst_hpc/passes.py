@@ -17,7 +17,9 @@ meaningless."""
 from contextlib import contextmanager
 from dataclasses import replace
 
-from . import ulysses
+import numpy as np
+
+from . import config, ulysses
 from .merge import merge_into
 from .ring import Side, run
 from .schedule import visit_pairs
@@ -46,16 +48,25 @@ class RingPasses:
                  "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part),
                            results_axes=(1, 2))}
 
-        def pair(p, q_side, kv, q_out, _k_out):
-            be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
-                             scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
-
         steps = plan.steps("kv", ("q",))
+        # the last pair of a row writes the output in q's dtype (nothing to convert where it is the accumulator's)
+        enabled = config.ring_last_pairs() and not (rehearse or skip_compute or q.dtype == plan.acc)
+        final = _Finals(plan, steps, "q", q.shape[1], enabled)
+        out = _Output(xp, q)
+
+        def pair(p, q_side, kv, q_out, _k_out, last):
+            be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
+                             scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask,
+                             out=out.rows(p.q) if last["q"] else None)
+
         with _metered(meter, plan, steps):
             near, far, inner = _lanes(plan, transport, far, inner)
-            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse), skip_compute=skip_compute,
+            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse, {"q": final}), skip_compute=skip_compute,
                 on_step=on_step, inner=inner)
-        return o.astype(q.dtype), lse.astype(xp.float32)
+        if q.dtype == plan.acc:
+            return o, lse.astype(xp.float32, copy=False)
+        final.convert_rest(out.array(), o)
+        return out.array(), lse.astype(xp.float32, copy=False)
 
     def backward(self, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, far=None, delta=None,
                  cast=True, on_step=None, meter=None, rehearse=False, inner=None):
@@ -69,20 +80,31 @@ class RingPasses:
                  "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add,
                            travelling_axes=(1, 1, 2, 2))}
 
-        def pair(p, q_side, kv, q_out, k_out):
+        steps = plan.steps(ring, ("kv", "q"))
+        # the last pair of a row writes its gradient in the input's dtype (unless float32 is kept, or is the dtype)
+        convert = cast and q.dtype != acc
+        enabled = config.ring_last_pairs() and convert and not (rehearse or skip_compute)
+        finals = {side: _Finals(plan, steps, side, x.shape[1], enabled) for side, x in (("q", q), ("kv", k))}
+        outs = [_Output(xp, x) for x in (q, k, v)]
+
+        def pair(p, q_side, kv, q_out, k_out, last):
             q_, do_, lse_, delta_ = q_side
             be.backward_block(q_[:, p.q], kv[0][:, p.k], kv[1][:, p.k], do_[:, p.q], lse_[:, :, p.q], delta_[:, :, p.q],
                               q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
-                              causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask)
+                              causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask,
+                              dq_out=outs[0].rows(p.q) if last["q"] else None,
+                              dk_out=outs[1].rows(p.k) if last["kv"] else None,
+                              dv_out=outs[2].rows(p.k) if last["kv"] else None)
 
-        steps = plan.steps(ring, ("kv", "q"))
         with _metered(meter, plan, steps):
             near, far, inner = _lanes(plan, transport, far, inner)
-            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse), skip_compute=skip_compute,
+            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse, finals), skip_compute=skip_compute,
                 on_step=on_step, inner=inner)
-        if not cast:
+        if not convert:
             return dq, dk, dv
-        return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype)
+        for out, grad, side in zip(outs, (dq, dk, dv), ("q", "kv", "kv")):
+            finals[side].convert_rest(out.array(), grad)
+        return tuple(out.array() for out in outs)
 
 
 class UlyssesPasses(RingPasses):
@@ -156,16 +178,21 @@ def _metered(meter, plan, steps):
         meter.end()
 
 
-def _visits(plan, pair, meter=None, rehearse=False):
+def _visits(plan, pair, meter=None, rehearse=False, finals=None):
     """The engine's compute: every block pair of the visit's query rows against its keys.
-    ``pair(p, q_side, kv, q_out, k_out)`` runs one block pair; ``meter`` is told the work of each;
-    ``rehearse``: the rehearsal's pairs only (the module's docstring)."""
+    ``pair(p, q_side, kv, q_out, k_out, last)`` runs one block pair, ``last`` {side: whether it is the last to
+    write its rows of this rank's own results on that side} (``finals``: {side: _Finals}); ``meter`` is told
+    the work of each; ``rehearse``: the rehearsal's pairs only (the module's docstring)."""
     rehearsed = set()
     numpy = meter is not None and plan.backend.name == "numpy"
     parts, tile = (PROGRESS_PARTS, plan.backend.block_q) if numpy else (1, None)
+    finals = finals or {}
+    calls = iter(range(1 << 62))
 
     def compute(visit, q_data, kv_data, q_out, k_out, offset):
-        for p in _pairs(plan, visit):
+        call = next(calls)
+        for index, p in enumerate(_pairs(plan, visit)):
+            last = {side: final.last(call, index) for side, final in finals.items()}
             if offset:   # q_data and q_out hold the rows from ``offset`` on
                 p = replace(p, q=slice(p.q.start - offset, p.q.stop - offset))
             if rehearse:
@@ -175,7 +202,7 @@ def _visits(plan, pair, meter=None, rehearse=False):
                 rehearsed.add(kind)
                 p = p.first_keys(REHEARSAL_KEYS)
             for part in _row_parts(p, parts, tile):
-                pair(part, q_data, kv_data, q_out, k_out)
+                pair(part, q_data, kv_data, q_out, k_out, last)
                 if meter is not None:
                     meter.done(part.visible(plan.mask))
 
@@ -189,3 +216,71 @@ def _row_parts(p, parts, tile):
         return (p,)
     step = tile * -(-rows // (parts * tile))
     return tuple(p.rows(lo, min(rows, lo + step)) for lo in range(0, rows, step))
+
+
+class _Output:
+    """A pass's output like ``like`` (its shape and dtype), made when first written: at the last pair of some
+    rows, or at the end, so it does not add to the ring's peak before."""
+
+    def __init__(self, xp, like):
+        self.xp, self.like, self._array = xp, like, None
+
+    def array(self):
+        if self._array is None:
+            self._array = self.xp.empty(self.like.shape, self.like.dtype)
+        return self._array
+
+    def rows(self, rows):
+        return self.array()[:, rows]
+
+
+class _Finals:
+    """Which block pairs of a pass are the last to write rows of this rank's own results on one ``side`` ('q':
+    o, lse or dq; 'kv': dk, dv), read off the schedule: replaying ``steps`` in the engine's order (each step's
+    visits, pair by pair, then the partials of this rank's own shard combined at its end), the last write of
+    every row. A pair is the last (the block contract's ``out``) when it is the last write of all its rows;
+    rows last written by a combine (the balanced schedule's partials coming home), or by a pair that another
+    overwrites in part, are converted at the end (``convert_rest``). ``enabled`` False (the default,
+    BURST_HPC_RING_LAST_PAIRS: not yet run on GPUs; the outputs then exist beside the ring's last buffers, a
+    shard of them more at the peak): no pair is the last, every row is converted at the end."""
+
+    def __init__(self, plan, steps, side, n_rows, enabled=True):
+        self.finals = set()
+        self.rest = np.ones(n_rows, bool)
+        if not enabled:
+            return
+        rank = plan.scheme.comm.rank
+        combines = {}   # step -> the rows of this rank's own partials folded in at its end (None: all)
+        for index, step in enumerate(steps):
+            for t in step.recvs:
+                if t.what == "partial" and t.side == side and t.shard == rank:
+                    combines.setdefault(index if t.due is None else t.due, []).append(t.rows)
+        last = np.full(n_rows, -1)   # the event that writes each row last
+        pairs = []                   # event -> (visit call, pair index, rows) of a pair, None for a combine
+        call = 0
+        for index, step in enumerate(steps):
+            for visit in step.visits:
+                if (visit.q_shard if side == "q" else visit.kv_shard) == rank:
+                    for i, p in enumerate(_pairs(plan, visit)):
+                        rows = p.q if side == "q" else p.k
+                        last[rows] = len(pairs)
+                        pairs.append((call, i, rows.stop - rows.start))
+                call += 1
+            for rows in combines.get(index, ()):
+                last[slice(*rows) if rows else slice(None)] = len(pairs)
+                pairs.append(None)
+        counts = np.bincount(last[last >= 0], minlength=len(pairs))
+        for event, where in enumerate(pairs):
+            if where is not None and where[2] > 0 and counts[event] == where[2]:
+                self.finals.add(where[:2])
+                self.rest[last == event] = False
+
+    def last(self, call, index):
+        """Whether pair ``index`` of the engine's visit call number ``call`` is the last for its rows."""
+        return (call, index) in self.finals
+
+    def convert_rest(self, out, acc):
+        """The rows no pair finished: ``out[rows] = acc[rows]`` over runs of rows (token axis 1)."""
+        edges = np.flatnonzero(np.diff(np.concatenate(([0], self.rest.astype(np.int8), [0]))))
+        for lo, hi in zip(edges[::2], edges[1::2]):
+            out[:, lo:hi] = acc[:, lo:hi]

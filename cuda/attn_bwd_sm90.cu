@@ -128,7 +128,46 @@ struct Walk {
   int n0, b, hk, h_first;        // first key; batch, kv head, first query head
   int t_lo, t_end, steps;        // the query tiles of each head, and tiles x heads
 };
+
+// The block contract's dk_out, dv_out (the last pair of these keys; the host passes them only when this CTA
+// holds the whole GQA group of its keys and the pair is the first too): scale * dK and dV go there in the
+// kernels' 16-bit type, straight from the registers, instead of being added into the float32 dk, dv. Null dk:
+// the float32 reductions. Rows 16-byte aligned; dk_out and dv_out share strides (elements).
+struct KvOut {
+  u16 *dk, *dv;
+  i64 sb, ss, sh;
+};
 }  // namespace bwd90
+
+// NCOL columns of a consumer's dK or dV (64 keys, accumulator layout: this thread's keys key0 and key0 + 8,
+// columns 8 j + 2 (lane % 4) + {0, 1}) times `scale` into `at` (row of key 0, column 0 of these columns);
+// keys past Sk are not written
+template <int NCOL, bool BF16>
+__device__ __forceinline__ void store_rows16(u16* at, i64 ss, const float* acc, float scale, int key0, int Sk) {
+  const int lane = threadIdx.x % 32;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int key = key0 + 8 * r;
+    if (key >= Sk) continue;
+    u16* const p = at + key * ss + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < NCOL / 8; ++j)
+      *reinterpret_cast<u32*>(p + 8 * j) = pack2<BF16>(acc[4 * j + 2 * r] * scale, acc[4 * j + 2 * r + 1] * scale);
+  }
+}
+
+// A CTA whose keys no query tile sees, at the pair that writes dk_out, dv_out: zeros there (every thread)
+template <int D>
+__device__ __forceinline__ void zero_kv_out(const bwd90::KvOut& kv, int b, int hk, int n0, int Sk) {
+  constexpr int BN = bwd90::Cfg<D>::BN, G = D / 8;
+  for (int i = threadIdx.x; i < BN * G; i += blockDim.x) {
+    const int key = n0 + i / G;
+    if (key >= Sk) continue;
+    const i64 at = b * kv.sb + key * kv.ss + hk * kv.sh + 8 * (i % G);
+    *reinterpret_cast<uint4*>(kv.dk + at) = make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(kv.dv + at) = make_uint4(0u, 0u, 0u, 0u);
+  }
+}
 
 static_assert(bwd90::Smem<256>::kBytes <= 227 * 1024, "D = 256 shared memory");
 
@@ -136,11 +175,17 @@ static_assert(bwd90::Smem<256>::kBytes <= 227 * 1024, "D = 256 shared memory");
 // past Sq and rows that saw nothing, so their P is 0), rows[1][b][h][i] = delta (0 there); i < Sq_pad.
 // Only lse = -inf is "saw nothing": a NaN lse (the row saw a NaN or Inf) stays NaN, so its P, dS and the
 // gradients it feeds are NaN.
+// delta is read from `delta`, or with `dout` set computed here as rowsum(do * o) (do, o: the kernels' 16-bit
+// type, rows of D contiguous and 16-byte aligned): one pass over do and o at memory bandwidth, D / 8 lanes
+// per row and 16 bytes per lane. With `dq` set, the rows of the float32 dq accumulator are zeroed in the same
+// pass (the block contract's first pair of these query rows; dq's rows 16-byte aligned).
 // With interval bounds (mlo != null) the table goes on with two int rows of Sq_pad: each query row's
 // visible keys [klo, khi) as local key indices (empty past Sq, kept nondecreasing there).
 extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* delta, float* rows, i64 lsb, i64 lsh,
                                               i64 lss, i64 dsb, i64 dsh, i64 dss, int B, int H, int Sq, int Sq_pad,
-                                              const int* mlo, const int* mhi, i64 kofs, int Sk) {
+                                              const int* mlo, const int* mhi, i64 kofs, int Sk, int D,
+                                              const u16* dout, const u16* o, i64 gsb, i64 gss, i64 gsh, i64 osb,
+                                              i64 oss, i64 osh, int bf16, float* dq, i64 qsb, i64 qss, i64 qsh) {
   if (mlo != nullptr) {
     int* const bounds = reinterpret_cast<int*>(rows + 2 * static_cast<i64>(B) * H * Sq_pad);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < Sq_pad; i += gridDim.x * blockDim.x) {
@@ -148,22 +193,57 @@ extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* del
       bounds[Sq_pad + i] = i < Sq ? local_key(mhi[i], kofs, Sk) : Sk + 1;  // bounds stay nondecreasing
     }
   }
-  const i64 n = static_cast<i64>(B) * H * Sq_pad;
-  for (i64 idx = blockIdx.x * static_cast<i64>(blockDim.x) + threadIdx.x; idx < n;
-       idx += static_cast<i64>(gridDim.x) * blockDim.x) {
+  // G lanes per (batch, head, row), rows in table order; a warp's lanes run each round together (shuffles)
+  const int G = D / 8;
+  const i64 n = static_cast<i64>(B) * H * Sq_pad, lanes = n * G;
+  const int lane = threadIdx.x % 32;
+  for (i64 first = static_cast<i64>(blockIdx.x) * blockDim.x + (threadIdx.x - lane); first < lanes;
+       first += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const i64 t = first + lane;
+    const i64 idx = t / G;
+    const int part = static_cast<int>(t - idx * G);
     const int i = static_cast<int>(idx % Sq_pad);
     const i64 bh = idx / Sq_pad;
     const int h = static_cast<int>(bh % H), b = static_cast<int>(bh / H);
-    float l2 = BH_INF, dl = 0.f;
-    if (i < Sq) {
-      const float x = lse[b * lsb + h * lsh + i * lss];
-      if (x != -BH_INF) {
-        l2 = x * BH_LOG2E;
-        dl = delta[b * dsb + h * dsh + i * dss];
-      }
+    const bool row = t < lanes && i < Sq;
+    const float x = row ? lse[b * lsb + h * lsh + i * lss] : -BH_INF;
+    const bool seen = x != -BH_INF;
+    float dl = 0.f;
+    if (dout != nullptr) {
+      if (seen) dl = dot8(dout + b * gsb + i * gss + h * gsh + 8 * part, o + b * osb + i * oss + h * osh + 8 * part,
+                          bf16 != 0);
+      for (int m = G / 2; m > 0; m >>= 1) dl += __shfl_xor_sync(0xffffffffu, dl, m, G);
+    } else if (seen && part == 0) {
+      dl = delta[b * dsb + h * dsh + i * dss];
     }
-    rows[idx] = l2;
-    rows[n + idx] = dl;
+    if (dq != nullptr && row) {
+      float4* const z = reinterpret_cast<float4*>(dq + b * qsb + i * qss + h * qsh + 8 * part);
+      z[0] = z[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+    if (t < lanes && part == 0) {
+      rows[idx] = seen ? x * BH_LOG2E : BH_INF;
+      rows[n + idx] = dl;
+    }
+  }
+}
+
+// A float32 accumulator (B, S, H, D: rows of D contiguous and 16-byte aligned) converted once into the block
+// contract's output in the kernels' 16-bit type (rows 16-byte aligned): 8 elements per thread.
+extern "C" __global__ void attn_bwd_sm90_to16(const float* x, i64 xsb, i64 xss, i64 xsh, u16* y, i64 ysb, i64 yss,
+                                              i64 ysh, int B, int S, int H, int D, int bf16) {
+  const int G = D / 8;
+  const i64 n = static_cast<i64>(B) * S * H * G;
+  for (i64 t = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
+       t += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const i64 r = t / G;
+    const int part = static_cast<int>(t - r * G);
+    const int h = static_cast<int>(r % H), s = static_cast<int>((r / H) % S), b = static_cast<int>(r / (static_cast<i64>(H) * S));
+    const float4* const src = reinterpret_cast<const float4*>(x + b * xsb + s * xss + h * xsh + 8 * part);
+    const float4 a = src[0], c = src[1];
+    uint4 w;
+    if (bf16) w = make_uint4(pack2<true>(a.x, a.y), pack2<true>(a.z, a.w), pack2<true>(c.x, c.y), pack2<true>(c.z, c.w));
+    else w = make_uint4(pack2<false>(a.x, a.y), pack2<false>(a.z, a.w), pack2<false>(c.x, c.y), pack2<false>(c.z, c.w));
+    *reinterpret_cast<uint4*>(y + b * ysb + s * yss + h * ysh + 8 * part) = w;
   }
 }
 
@@ -365,14 +445,23 @@ __device__ __forceinline__ void dq_writer_wide(const bwd90::Walk& w, const unsig
 // D = 256, consumer warpgroup c's epilogue: dk += scale * dK_c, dv += dV_c (keys n0.., head-dim columns HD c..) by
 // TMA tensor reductions, staged in Q tile c and dO tile c (32 KB each), free once both consumers are past their
 // last step and the writer's last reductions have read them
+template <bool BF16>
 __device__ __forceinline__ void store_dkdv_wide(const bwd90::Walk& w, int c, const float* acc_dk, const float* acc_dv,
-                                                const unsigned char* tdk, const unsigned char* tdv, float scale) {
+                                                const unsigned char* tdk, const unsigned char* tdv, float scale,
+                                                const bwd90::KvOut& kv, int Sk) {
   using namespace bwd90;
   constexpr int D = 256, HD = D / CONSUMERS;
   using L = Smem<D>;
   const u32 base = w.base;
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
   named_barrier_sync(kWalkDone, Cfg<D>::kWalkDoneThreads);
+  if (kv.dk != nullptr) {  // the 16-bit outputs, from the registers
+    const i64 at = w.b * kv.sb + w.hk * kv.sh + HD * c;
+    const int key0 = w.n0 + 16 * warp + lane / 4;
+    store_rows16<HD, BF16>(kv.dk + at, kv.ss, acc_dk, scale, key0, Sk);
+    store_rows16<HD, BF16>(kv.dv + at, kv.ss, acc_dv, 1.f, key0, Sk);
+    return;
+  }
   const u32 dk_staging = base + L::kQ + c * L::kTile, dv_staging = base + L::kDO + c * L::kTile;
   stage_f32_rows<HD>(dk_staging, acc_dk, scale, warp, lane);
   stage_f32_rows<HD>(dv_staging, acc_dv, 1.f, warp, lane);
@@ -398,7 +487,7 @@ __device__ __forceinline__ void store_dkdv_wide(const bwd90::Walk& w, int c, con
 // blocks when its M or N spans two of them.
 template <bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsigned char* tdk, const unsigned char* tdv,
-                                              int Sk, i64 off, float scale, float sl2) {
+                                              int Sk, i64 off, float scale, float sl2, const bwd90::KvOut& kv) {
   using namespace bwd90;
   constexpr int D = 256, BN = Cfg<D>::BN, BM = Cfg<D>::BM;
   constexpr int NQ = BM / CONSUMERS;  // queries of S^T, dP^T per consumer
@@ -521,7 +610,7 @@ __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsign
     pipe.advance();
   }
 
-  store_dkdv_wide(w, c, acc_dk, acc_dv, tdk, tdv, scale);
+  store_dkdv_wide<BF16>(w, c, acc_dk, acc_dv, tdk, tdv, scale, kv, Sk);
 }
 
 // The producer's loader (warp 0, one thread): K and V once, then the Q and dO tiles of every step through their
@@ -612,13 +701,21 @@ __device__ __forceinline__ void dq_writer(const bwd90::Walk& w, const unsigned c
 // reductions (adds in L2, so CTAs that share a kv head through a split GQA group need no atomics; keys past Sk
 // are not written). Staged in the Q / dO stages, free once both consumers are past their last step; dK first,
 // then dV in the same buffer.
-template <int D>
+template <int D, bool BF16>
 __device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const float* acc_dk, const float* acc_dv,
-                                           const unsigned char* tdk, const unsigned char* tdv, float scale) {
+                                           const unsigned char* tdk, const unsigned char* tdv, float scale,
+                                           const bwd90::KvOut& kv, int Sk) {
   using namespace bwd90;
   using L = Smem<D>;
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
   named_barrier_sync(kWalkDone, 128 * CONSUMERS);
+  if (kv.dk != nullptr) {  // the 16-bit outputs, from the registers
+    const i64 at = w.b * kv.sb + w.hk * kv.sh;
+    const int key0 = w.n0 + 64 * cw + 16 * warp + lane / 4;
+    store_rows16<D, BF16>(kv.dk + at, kv.ss, acc_dk, scale, key0, Sk);
+    store_rows16<D, BF16>(kv.dv + at, kv.ss, acc_dv, 1.f, key0, Sk);
+    return;
+  }
   const u32 staging = w.base + L::kQ + cw * 64 * D * 4;
 #pragma unroll
   for (int which = 0; which < 2; ++which) {
@@ -644,7 +741,8 @@ __device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const f
 // registers for the walk.
 template <int D, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const unsigned char* tdk,
-                                         const unsigned char* tdv, int Sk, i64 off, float scale, float sl2) {
+                                         const unsigned char* tdv, int Sk, i64 off, float scale, float sl2,
+                                         const bwd90::KvOut& kv) {
   using namespace bwd90;
   using L = Smem<D>;
   constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
@@ -744,7 +842,7 @@ __device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const uns
     if (++t == w.t_end) t = w.t_lo;
     pipe.advance();
   }
-  store_dkdv<D>(w, cw, acc_dk, acc_dv, tdk, tdv, scale);
+  store_dkdv<D, BF16>(w, cw, acc_dk, acc_dv, tdk, tdv, scale, kv, Sk);
 }
 
 // The block index, read afresh (the compiler cannot reuse an earlier read's derived values).
@@ -782,14 +880,18 @@ __device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char*
 template <int D, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad,
                                               int Sk, int B, int Hq, int Hkv, int group, int hpb, float scale,
-                                              float sl2, i64 off, const int* ranges, int chunk, const int* order) {
+                                              float sl2, i64 off, const int* ranges, int chunk, const int* order,
+                                              const bwd90::KvOut& kv) {
   using namespace bwd90;
   using L = Smem<D>;
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const Walk walk = walk_of<D, CAUSAL, IV>(blockIdx.x, base, smem_raw, Sq_pad, Sk, Hkv, group, hpb, off, ranges, chunk,
                                            order);
-  if (walk.steps <= 0) return;  // nothing visible: dq, dk, dv stay as they are
+  if (walk.steps <= 0) {  // nothing visible: dq, dk, dv stay as they are; dk_out, dv_out get zeros
+    if (kv.dk != nullptr) zero_kv_out<D>(kv, walk.b, walk.hk, walk.n0, Sk);
+    return;
+  }
 
   if (threadIdx.x == 0) {
     mbar_init(L::kv_full(base), 1);
@@ -823,17 +925,19 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   }
   // ------------------------------------------------------------------------------------ consumers
   warpgroup_reg_alloc<Cfg<D>::kConsumerRegs>();
-  if constexpr (Cfg<D>::kWide) consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, Sk, off, scale, sl2);
-  else consumer<D, BF16, CAUSAL, IV>(walk, wg - 1, tdk, tdv, Sk, off, scale, sl2);
+  if constexpr (Cfg<D>::kWide) consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, Sk, off, scale, sl2, kv);
+  else consumer<D, BF16, CAUSAL, IV>(walk, wg - 1, tdk, tdv, Sk, off, scale, sl2, kv);
 }
 
 #define BH_BWD90_NAME(DT, MASK, D) attn_bwd_sm90_##DT##_d##D##_##MASK
 #define BH_BWD90_KERNEL(DT, MASK, D)                                                                              \
   extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1) BH_BWD90_NAME(DT, MASK, D)(                     \
       const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int B, int Hq, int Hkv,          \
-      int group, int hpb, float scale, float sl2, i64 off, const int* ranges, int chunk, const int* order) {      \
+      int group, int hpb, float scale, float sl2, i64 off, const int* ranges, int chunk, const int* order,        \
+      u16* dk_out, u16* dv_out, i64 ksb, i64 kss, i64 ksh) {                                                      \
     attn_bwd_sm90<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                    \
-        tmaps, rows, Sq, Sq_pad, Sk, B, Hq, Hkv, group, hpb, scale, sl2, off, ranges, chunk, order);                \
+        tmaps, rows, Sq, Sq_pad, Sk, B, Hq, Hkv, group, hpb, scale, sl2, off, ranges, chunk, order,                 \
+        bwd90::KvOut{dk_out, dv_out, ksb, kss, ksh});                                                              \
   }
 #define BH_BWD90_ROW(DT, MASK, D)                                                                      \
   {BH_STR(BH_BWD90_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, bwd90::Cfg<D>::BM,          \
@@ -845,7 +949,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 // named attn_bwd_sm90_<dtype>_d<D>_<mask>; the kernel table attn_bwd_sm90_kernels lists them with their
 // geometry. tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32) tensor maps, 128 bytes each; rows: the
 // table of attn_bwd_sm90_rows; ranges (interval only): the query tiles of each key block from
-// attn_bwd_sm90_ranges; chunk, order: the tile order (KeyBlockTile) over the 1-D grid of key blocks x head slots
+// attn_bwd_sm90_ranges; chunk, order: the tile order (KeyBlockTile) over the 1-D grid of key blocks x head slots;
+// dk_out, dv_out (null: add into the float32 dk, dv), ksb, kss, ksh: bwd90::KvOut
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
 BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)
 BH_KERNEL_TABLE(attn_bwd_sm90, BH_TABLE_ROWS(BH_BWD90_SHAPES, BH_BWD90_ROWS))

@@ -30,7 +30,9 @@
 // decrease with r, so a tile loads only the key tiles in [mlo[first row], mhi[last row]) and a warpgroup's
 // key tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
 // The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel; the old o
-// rows are prefetched to L2 two key tiles before it.
+// rows are prefetched to L2 two key tiles before it. At the first pair of a query shard's rows (argument
+// `first`) the running (o, lse) are not read; at the last (`out`) the final output goes to `out` in the
+// input's 16-bit type and o is not written: one pair alone (one GPU) never touches a float32 o.
 #include "contract.cuh"
 #include "sm90_epilogue.cuh"
 #include "sm90_pipeline.cuh"
@@ -301,7 +303,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
                                               i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int B, int Hq,
                                               int group, float sl2, i64 off, int hchunk, int nsplit,
                                               int cross_tile, const int* order, const int* mlo, const int* mhi, i64 kofs,
-                                              int* next_tile, int* locks) {
+                                              int* next_tile, int* locks, int first, u16* out, i64 tsb, i64 tss,
+                                              i64 tsh) {
   using namespace fwd90;
   using C = Cfg<D, CONSUMERS>;
   using L = Smem<D, CONSUMERS>;
@@ -405,13 +408,19 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   };
   auto o_rows_of = [&](const Tile& tl) { return o + tl.b * osb + tl.h * osh; };
   auto lse_rows_of = [&](const Tile& tl) { return lse + tl.b * lsb + tl.h * lsh; };
+  // where the epilogue writes a tile's rows (out: this thread's first column as well)
+  auto rows_of = [&](const Tile& tl) {
+    u16* const out_rows = out == nullptr ? nullptr : out + tl.b * tsb + tl.h * tsh + 2 * (lane % 4);
+    return FwdRows{o_rows_of(tl) + 2 * (lane % 4), oss, out_rows, tss, lse_rows_of(tl), lss, first != 0};
+  };
 
   float acc[D / 2];
   float m[2], l[2], alpha[2];
   float s[BN / 2];
   u32 p[BN / 16][4];
-  // the epilogue: GAO merge of acc into the running (o, lse); rows with nothing visible stay untouched. With
-  // key splits, the parts of a query tile merge the same rows: one warpgroup at a time holds its rows' lock.
+  // the epilogue: GAO merge of acc into the running (o, lse) or the final output (merge_rows). With key splits
+  // (never with `first` or `out`: the host's rule), the parts of a query tile merge the same rows: one warpgroup
+  // at a time holds its rows' lock.
   auto merge = [&](const CT& ct, const float* mm, float* ll) {
     int* const lock = locks + ct.tl.id * CONSUMERS + cw;
     if (nsplit > 1) {
@@ -421,11 +430,9 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       named_barrier_sync(kMerge + cw, 128);
     }
     if (nsplit > 1)
-      merge_rows<D, true>(o_rows_of(ct.tl) + 2 * (lane % 4), oss, lse_rows_of(ct.tl), lss, acc, mm, ll, ct.row0, Sq,
-                          lane);
+      merge_rows<D, true, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, Sq);
     else
-      merge_rows<D, false>(o_rows_of(ct.tl) + 2 * (lane % 4), oss, lse_rows_of(ct.tl), lss, acc, mm, ll, ct.row0,
-                           Sq, lane);
+      merge_rows<D, false, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, Sq);
     if (nsplit > 1) {
       __threadfence();
       named_barrier_sync(kMerge + cw, 128);
@@ -453,8 +460,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
   };
-  auto prefetch = [&](const CT& ct) {
-    prefetch_rows<D>(o_rows_of(ct.tl), oss, lse_rows_of(ct.tl), lss, ct.row0, Sq, lane);
+  auto prefetch = [&](const CT& ct) {  // the running (o, lse), unless the pair is the first to write them
+    if (!first) prefetch_rows<D>(o_rows_of(ct.tl), oss, lse_rows_of(ct.tl), lss, ct.row0, Sq, lane);
   };
 
   int idx = next_index();
@@ -559,10 +566,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1) BH_FWD90_NAME(DT, MASK, D, C)(        \
       const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,      \
       int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, int nsplit, int cross_tile,        \
-      const int* order, const int* mlo, const int* mhi, i64 kofs, int* next_tile, int* locks) {                    \
+      const int* order, const int* mlo, const int* mhi, i64 kofs, int* next_tile, int* locks, int first,           \
+      u16* out, i64 tsb, i64 tss, i64 tsh) {                                                                       \
     attn_fwd_sm90<D, C, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                 \
         tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, nsplit, cross_tile,    \
-        order, mlo, mhi, kofs, next_tile, locks);                                                                  \
+        order, mlo, mhi, kofs, next_tile, locks, first, out, tsb, tss, tsh);                                       \
   }
 #define BH_FWD90_ROW(DT, MASK, D, C)                                                                         \
   {BH_STR(BH_FWD90_NAME(DT, MASK, D, C)), BH_DTYPE_##DT, D, BH_MASK_##MASK, fwd90::Cfg<D, C>::BM,          \
@@ -578,7 +586,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 // each query tile's key range (1: none); cross_tile: 1 for the cross-tile step (shapes with two Q buffers);
 // mlo, mhi, kofs: the interval bounds (null for full and causal);
 // next_tile: the tile counter and the count of CTAs done, two ints that are 0 at launch and 0 again when the
-// kernel ends; locks (nsplit > 1): (query tiles) x (consumer warpgroups) ints, 0 at launch and at the end
+// kernel ends; locks (nsplit > 1): (query tiles) x (consumer warpgroups) ints, 0 at launch and at the end;
+// first (the block contract's `first`): the running (o, lse) hold nothing yet and are written, never read (every
+// query tile must see a key tile: the host fills the rows of tiles that see none); out (the contract's `out`),
+// null or the final output in the kernel's dtype with strides tsb, tss, tsh (elements), written instead of o.
+// Neither with key splits.
 #define BH_FWD90_SHAPES(X) X(64, 2) X(64, 3) X(128, 2) X(256, 2)
 BH_INSTANCES(BH_FWD90_SHAPES, BH_FWD90_KERNELS)
 BH_KERNEL_TABLE(attn_fwd_sm90, BH_TABLE_ROWS(BH_FWD90_SHAPES, BH_FWD90_ROWS))

@@ -83,6 +83,20 @@ __device__ __forceinline__ float half_bits_to_float(u16 h) {
 }
 __device__ __forceinline__ float bf16_bits_to_float(u16 h) { return __int_as_float(static_cast<int>(h) << 16); }
 
+// 8 elements of a 16-bit row at p (16-byte aligned) dotted with 8 of q, in float32
+__device__ __forceinline__ float dot8(const u16* p, const u16* q, bool bf16) {
+  const uint4 g = *reinterpret_cast<const uint4*>(p), y = *reinterpret_cast<const uint4*>(q);
+  const u32 gw[4] = {g.x, g.y, g.z, g.w}, yw[4] = {y.x, y.y, y.z, y.w};
+  float acc = 0.f;
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const u16 g0 = gw[w] & 0xffffu, g1 = gw[w] >> 16, y0 = yw[w] & 0xffffu, y1 = yw[w] >> 16;
+    acc += bf16 ? bf16_bits_to_float(g0) * bf16_bits_to_float(y0) + bf16_bits_to_float(g1) * bf16_bits_to_float(y1)
+                : half_bits_to_float(g0) * half_bits_to_float(y0) + half_bits_to_float(g1) * half_bits_to_float(y1);
+  }
+  return acc;
+}
+
 // Shared-memory tiles are ROWS x D 16-bit elements, row-major, in 16-byte chunks; chunk c of row r
 // lives at chunk (c ^ (r & 7)) of that row, so ldmatrix over 8 rows of one logical chunk hits 8
 // different bank groups (conflict-free), and so do the cp.async writes.

@@ -25,16 +25,30 @@ __device__ __forceinline__ float2 load_f32x2(const float* p) {
   return L2 ? load_cg2(p) : *reinterpret_cast<const float2*>(p);
 }
 
+// Where the forward's epilogue writes one (batch, head): the running float32 (o, lse), or at the last pair
+// of these query rows (the block contract's ``out``) the final output in the kernels' 16-bit type. `first`:
+// the pair is the first to write these rows, so the running (o, lse) hold nothing and are not read.
+struct FwdRows {
+  float* o;       // row 0, column 2 (lane % 4) of the running o (unused when out is set)
+  i64 oss;
+  u16* out;       // row 0, column 2 (lane % 4) of the final output, or null
+  i64 tss;
+  float* lse;     // the lse entry of row 0
+  i64 lss;
+  bool first;
+};
+
 // Forward: GAO merge of this thread's two rows (scores already in base-2 units: running max m, row sums
-// l, unnormalised output acc) into the running (o, lse). `o_rows` points at row 0, column 2 (lane % 4) of
-// this (batch, head); `lse_rows` at its lse entry of row 0. Rows with nothing visible (l = 0) and rows
-// past Sq stay untouched; a running lse of -inf means nothing was merged yet, so the old o is ignored.
-// Only those exact values mean "nothing": a NaN l or running lse (a NaN or Inf input reached the row,
-// and exp2 of a NaN score made its sum NaN even where fmaxf dropped it from the max) makes the row NaN.
+// l, unnormalised output acc) into the running (o, lse), or into the final output (FwdRows). Rows with
+// nothing visible (l = 0) keep the running (o, lse): untouched, or written when the pair is the first (o = 0,
+// lse = -inf) or the last (out = o); rows past Sq are never written. A running lse of -inf means nothing was
+// merged yet, so the old o is ignored. Only those exact values mean "nothing": a NaN l or running lse (a NaN
+// or Inf input reached the row, and exp2 of a NaN score made its sum NaN even where fmaxf dropped it from
+// the max) makes the row NaN.
 // L2: read the running (o, lse) from L2, not L1 (rows another SM merged into since this one last read them).
-template <int D, bool L2>
-__device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_rows, i64 lss, const float* acc,
-                                           const float* m, float* l, int row0, int Sq, int lane) {
+template <int D, bool L2, bool BF16>
+__device__ __forceinline__ void merge_rows(const FwdRows& to, const float* acc, const float* m, float* l, int row0,
+                                           int Sq) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -44,43 +58,50 @@ __device__ __forceinline__ void merge_rows(float* o_rows, i64 oss, float* lse_ro
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
-    l_old[r] = (row < Sq) ? load_f32<L2>(lse_rows + row * lss) : -BH_INF;
+    l_old[r] = (row < Sq && !to.first) ? load_f32<L2>(to.lse + row * to.lss) : -BH_INF;
   }
   __syncwarp();  // every lane of a quad has read lse before its first lane writes it
+  const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int row = row0 + 8 * r;
-    if (row < Sq && l[r] != 0.f) {  // a NaN l (the row saw a NaN or Inf) is merged: lb, ln and o are NaN
+    const bool seen = l[r] != 0.f;  // a NaN l (the row saw a NaN or Inf) is merged: lb, ln and o are NaN
+    if (row >= Sq || !(seen || to.first || to.out != nullptr)) continue;
+    const float lo = l_old[r];
+    const bool fresh = lo == -BH_INF;  // nothing merged yet (a NaN lse is merged: the row stays NaN)
+    float ln = lo, wo = fresh ? 0.f : 1.f, wb = 0.f;
+    if (seen) {
       const float lb = (m[r] + __log2f(l[r])) * BH_LN2;
-      const float lo = l_old[r];
-      const bool fresh = lo == -BH_INF;  // nothing merged yet (a NaN lse is merged: the row stays NaN)
-      const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
-      const float wo = fresh ? 0.f : __expf(lo - ln);
-      const float wb = __expf(lb - ln) / l[r];
-      float* op = o_rows + row * oss;
-      // the old o in batches of loads issued together (L2 loads are volatile: the compiler keeps their
-      // order, so a load written after a store would wait for the store's row to go out first)
-      constexpr int BATCH = 4;
-#pragma unroll
-      for (int j0 = 0; j0 < D / 8; j0 += BATCH) {
-        float2 old[BATCH];
-        if (!fresh) {
-#pragma unroll
-          for (int j = 0; j < BATCH; ++j) old[j] = load_f32x2<L2>(op + 8 * (j0 + j));
-        }
-#pragma unroll
-        for (int j = 0; j < BATCH; ++j) {
-          const int c = j0 + j;
-          float2 val = make_float2(acc[4 * c + 2 * r] * wb, acc[4 * c + 2 * r + 1] * wb);
-          if (!fresh) {
-            val.x += old[j].x * wo;
-            val.y += old[j].y * wo;
-          }
-          *reinterpret_cast<float2*>(op + 8 * c) = val;
-        }
-      }
-      if (lane % 4 == 0) lse_rows[row * lss] = ln;
+      ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
+      wo = fresh ? 0.f : __expf(lo - ln);
+      wb = __expf(lb - ln) / l[r];
     }
+    const float* op = to.o + row * to.oss;
+    // the old o in batches of loads issued together (L2 loads are volatile: the compiler keeps their
+    // order, so a load written after a store would wait for the store's row to go out first)
+    constexpr int BATCH = 4;
+#pragma unroll
+    for (int j0 = 0; j0 < D / 8; j0 += BATCH) {
+      float2 old[BATCH];
+      if (!fresh) {
+#pragma unroll
+        for (int j = 0; j < BATCH; ++j) old[j] = load_f32x2<L2>(op + 8 * (j0 + j));
+      }
+#pragma unroll
+      for (int j = 0; j < BATCH; ++j) {
+        const int c = j0 + j;
+        float2 val = seen ? make_float2(acc[4 * c + 2 * r] * wb, acc[4 * c + 2 * r + 1] * wb) : make_float2(0.f, 0.f);
+        if (!fresh) {
+          val.x += old[j].x * wo;
+          val.y += old[j].y * wo;
+        }
+        if (to.out != nullptr)
+          *reinterpret_cast<u32*>(to.out + row * to.tss + 8 * c) = pack2<BF16>(val.x, val.y);
+        else
+          *reinterpret_cast<float2*>(to.o + row * to.oss + 8 * c) = val;
+      }
+    }
+    if (lane % 4 == 0) to.lse[row * to.lss] = ln;
   }
 }
 

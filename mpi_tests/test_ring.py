@@ -251,3 +251,34 @@ def test_alltoall_around_zigzag_matches_oracle(comm, alltoall_zigzag):
             exchange, lambda *args: burst_hpc.burst_attention_backward(*args, backward_ring=ring, **kw), mine(do), saved)
         for name, got, want in zip("dq dk dv".split(), grads, ref_grads):
             np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")
+
+
+@pytest.mark.parametrize("layout,scheme,per_node", [("zigzag", "ring", None), ("contiguous", "ring", None),
+                                                    ("balanced", "ring", None), ("balanced", "ring", 1),
+                                                    ("zigzag", "double_ring", 1)])
+@pytest.mark.parametrize("docs", [False, True])
+def test_last_pairs_write_the_outputs_exactly(comm, layout, scheme, per_node, docs, monkeypatch):
+    """The passes' last-pair flags (the block contract's out, dq_out, dk_out, dv_out) on every layout and
+    schedule, the balanced one's partials coming home included: bf16 inputs, whose outputs the last pair of
+    each row writes (the rest converted at the end), equal bit for bit the float32 run on the same values
+    converted at the end (the NumPy backend computes both in float32). A pair flagged last too early, or
+    not at all where it is, changes some rows."""
+    monkeypatch.setenv("BURST_HPC_RING_LAST_PAIRS", "1")
+    P, r = comm.size, comm.rank
+    q, k, v, do, seed = problem(comm, 1, 24, 4, 2, 16, bfloat16)
+    cu = np.array([0, 5, 6, 30, 24 * P]) if docs and 24 * P > 30 else None
+    kw = dict(comm=comm, causal=True, layout=layout, scheme=scheme, ranks_per_node=per_node, cu_seqlens=cu)
+
+    def mine(x):
+        return burst_hpc.shard(x, r, P, layout)
+
+    runs, first = [], None
+    for dtype in (bfloat16, np.float32):
+        inputs = [mine(x).astype(dtype) for x in (q, k, v, do)]
+        o, lse = burst_hpc.burst_attention(*inputs[:3], **kw)
+        first = first or (o, lse)   # both backwards from the same (o, lse)
+        grads = burst_hpc.burst_attention_backward(inputs[3], *inputs[:3], first[0].astype(dtype), first[1], **kw)
+        runs.append([x.astype(bfloat16) for x in (o, *grads)])
+    for name, got, want in zip(("o", "dq", "dk", "dv"), *runs):
+        assert got.dtype == bfloat16 and np.array_equal(got.view(np.uint16), want.view(np.uint16)), \
+            f"{name} (seed {seed})"

@@ -527,3 +527,154 @@ def test_against_torch_sdpa(d, causal):
     ref = ref_backward(do, q, k, v, d ** -0.5, causal)
     for name, g, tg, r in zip(("dq", "dk", "dv"), (dq, dk, dv), (tq.grad, tk.grad, tv.grad), ref):
         _check(name + " vs torch", g, c(tg), r, 3)
+
+
+# ---------------------------------------------------------------- the block contract's first / last flags
+def _poison(shape, dtype):
+    return cupy.full(shape, cupy.nan, dtype)
+
+
+@pytest.mark.parametrize("s,d,hq,hkv", [(17, 64, 4, 2), (300, 128, 8, 2), (1000, 256, 4, 1), (1000, 128, 4, 4)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_forward_one_pair_writes_its_output(s, d, hq, hkv, causal):
+    """first and out together (one pair, as on one GPU): no float32 o at all, o and lse written over poison."""
+    b = 2
+    q, k, v = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv))
+    scale = d ** -0.5
+    out, lse = _poison(q.shape, BF16), _poison((b, hq, s), cupy.float32)
+    _be().forward_block(q, k, v, None, lse, scale=scale, causal=causal, first=True, out=out)
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
+    _check("o", out, pl_o, ref_o, 2)
+    assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max()))
+
+
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_first_then_last_pair(d):
+    """Two key blocks of one query block: the first pair writes the float32 (o, lse) over poison without
+    reading them, the last merges into them and writes only the 16-bit output; rows the first pair does not
+    see (causal, keys after them) start empty, and a query tile that sees no key of the first block at all is
+    written too."""
+    b, s, hq, hkv = 1, 700, 4, 2
+    q, k, v = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv))
+    scale, half = d ** -0.5, 400  # the first key block, keys 300.. (rows 0..299 see none of it)
+    o, lse, out = _poison(q.shape, cupy.float32), _poison((b, hq, s), cupy.float32), _poison(q.shape, BF16)
+    be = _be()
+    be.forward_block(q, k[:, 300:half], v[:, 300:half], o, lse, scale=scale, causal=True, k_start=300, first=True)
+    assert bool(cupy.isneginf(lse[:, :, :300]).all())  # nothing yet: o is ignored there
+    pieces = ((0, 300), (half, s))
+    for i, (k0, k1) in enumerate(pieces):
+        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=scale, causal=True, k_start=k0,
+                         out=out if i == len(pieces) - 1 else None)
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, True)
+    pl_o, _, _ = ref_forward(q, k, v, scale, True, dtype=cupy.float32, rnd=_rounder(BF16))
+    _check("o", out, pl_o, ref_o, 2)
+    assert _maxerr(lse, ref_lse) < 1e-3 * max(1.0, float(cupy.abs(ref_lse).max()))
+
+
+def test_forward_first_pair_rows_that_see_nothing():
+    """first with a query block wholly before the keys: every row written (o = 0, lse = -inf), none read."""
+    b, h, d = 1, 2, 64
+    q, k, v = (_rand((b, n, h, d), BF16) for n in (300, 64, 64))
+    out, lse = _poison(q.shape, BF16), _poison((b, h, 300), cupy.float32)
+    _be().forward_block(q, k, v, None, lse, scale=0.125, causal=True, k_start=200, first=True, out=out)
+    vis = cupy.arange(300) >= 200
+    assert bool((out[:, ~vis].astype(cupy.float32) == 0).all()) and bool(cupy.isneginf(lse[:, :, ~vis]).all())
+    ref_o, ref_lse, _ = ref_forward(q, k, v, 0.125, True, 0, 200)
+    assert _maxerr(out[:, vis], ref_o[:, vis]) < 2e-2 and bool(cupy.isfinite(lse[:, :, vis]).all())
+
+
+@pytest.mark.parametrize("s,d,hq,hkv", [(300, 128, 8, 2), (1000, 64, 4, 4), (1000, 128, 4, 4), (500, 256, 2, 2),
+                                        (4097, 128, 8, 8)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_backward_one_pair_writes_its_gradients(s, d, hq, hkv, causal):
+    """first and last together with o for delta (one pair, as on one GPU): no float32 accumulator passed, the
+    16-bit gradients written over poison (hq == hkv: dK, dV straight from the kernel; GQA at small sizes:
+    added across CTAs, then converted)."""
+    b = 1
+    q, k, v, do = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv, hq))
+    scale = d ** -0.5
+    be = _be()
+    o, lse = _poison(q.shape, BF16), _poison((b, hq, s), cupy.float32)
+    be.forward_block(q, k, v, None, lse, scale=scale, causal=causal, first=True, out=o)
+    dq, dk, dv = (_poison(x.shape, BF16) for x in (q, k, v))
+    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=scale, causal=causal, o=o, first_q=True,
+                      first_kv=True, dq_out=dq, dk_out=dk, dv_out=dv)
+    ref = ref_backward(do, q, k, v, scale, causal)
+    plain = ref_backward(do, q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
+    for name, got, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain):
+        _check(name, got, p, r, 3)
+
+
+def test_backward_first_and_last_pairs_of_a_ring():
+    """Pairs of a 2 x 2 grid of blocks, as a ring visits them: each accumulator's first pair writes over
+    poison, its last converts into the 16-bit output (the keys' second pair adds, then converts; the queries'
+    first pair leaves float32)."""
+    b, s, hq, hkv, d = 1, 600, 4, 2, 128
+    q, k, v, do = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv, hq))
+    scale, half = d ** -0.5, 256
+    be = _be()
+    o, lse = burst_hpc.attention(q, k, v)
+    delta = be.delta(do, o)
+    dq = _poison(q.shape, cupy.float32)
+    dk, dv = _poison(k.shape, cupy.float32), _poison(v.shape, cupy.float32)
+    outs = [_poison(x.shape, BF16) for x in (q, k, v)]
+    blocks = (slice(0, half), slice(half, s))
+    for i, qb in enumerate(blocks):
+        for j, kb in enumerate(blocks):
+            be.backward_block(q[:, qb], k[:, kb], v[:, kb], do[:, qb], lse[:, :, qb], delta[:, :, qb], dq[:, qb],
+                              dk[:, kb], dv[:, kb], scale=scale, q_start=qb.start, k_start=kb.start,
+                              first_q=j == 0, first_kv=i == 0, dq_out=outs[0][:, qb] if j == 1 else None,
+                              dk_out=outs[1][:, kb] if i == 1 else None, dv_out=outs[2][:, kb] if i == 1 else None)
+    ref = ref_backward(do, q, k, v, scale, False)
+    plain = ref_backward(do, q, k, v, scale, False, dtype=cupy.float32, rnd=_rounder(BF16))
+    for name, got, r, p in zip(("dq", "dk", "dv"), outs, ref, plain):
+        _check(name, got, p, r, 3)
+
+
+def test_api_float32_inputs_write_float32_outputs(family):
+    """float32 inputs: the outputs are the kernels' float32 accumulators themselves."""
+    b, s, hq, hkv, d = 1, 300, 4, 2, 64
+    q, k, v, do = (_rand((b, s, h, d), cupy.float32) for h in (hq, hkv, hkv, hq))
+    o, lse = burst_hpc.attention(q, k, v, causal=True)
+    dq, dk, dv = burst_hpc.attention_backward(do, q, k, v, o, lse, causal=True)
+    assert o.dtype == dq.dtype == dk.dtype == np.float32
+    ref_o, _, _ = ref_forward(q, k, v, d ** -0.5, True)
+    assert _maxerr(o, ref_o) < 2e-2
+    for g, r in zip((dq, dk, dv), ref_backward(do, q, k, v, d ** -0.5, True)):
+        assert _maxerr(g, r) < 3e-2 * max(1.0, float(cupy.abs(r).max()))
+
+
+def test_backward_one_pair_keys_no_query_sees():
+    """A first and last pair whose last key block no query sees: its dK, dV outputs are written as zeros."""
+    b, sq, sk, h, d = 1, 300, 300, 2, 128
+    q, do = (_rand((b, sq, h, d), BF16) for _ in range(2))
+    k, v = (_rand((b, sk, h, d), BF16) for _ in range(2))
+    scale, k_start = d ** -0.5, 200
+    be = _be()
+    o, lse = _poison(q.shape, BF16), _poison((b, h, sq), cupy.float32)
+    be.forward_block(q, k, v, None, lse, scale=scale, causal=True, k_start=k_start, first=True, out=o)
+    dq, dk, dv = (_poison(x.shape, BF16) for x in (q, k, v))
+    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=scale, causal=True, k_start=k_start, o=o,
+                      first_q=True, first_kv=True, dq_out=dq, dk_out=dk, dv_out=dv)
+    ref = ref_backward(do, q, k, v, scale, True, 0, k_start)
+    plain = ref_backward(do, q, k, v, scale, True, 0, k_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    for name, got, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain):
+        _check(name, got, p, r, 3)
+    assert bool((dk[:, sq - k_start:].astype(cupy.float32) == 0).all())
+
+
+@pytest.mark.parametrize("d", [64, 96, 128, 256])
+@pytest.mark.parametrize("vector", [False, True])
+def test_delta_paths(d, vector):
+    """attn_delta element by element and with 16-byte loads (vector_delta), on strided views too."""
+    be = _be()
+    do, o = (_rand((2, 300, 6, d), BF16) for _ in range(2))
+    views = (do, o), (do[:, 1:], o[:, 1:]), (do[:, :, ::2], o[:, :, ::2])
+    old, be.vector_delta = be.vector_delta, vector
+    try:
+        for a, b in views:
+            want = cupy.einsum("bshd,bshd->bhs", a.astype(cupy.float64), b.astype(cupy.float64))
+            assert _maxerr(be.delta(a, b), want) < 1e-4 * max(1.0, float(cupy.abs(want).max()))
+    finally:
+        be.vector_delta = old

@@ -281,3 +281,61 @@ def test_empty_key_block(rng, seed):
 def test_get_backend_defaults_to_numpy():
     be = get_backend(np.zeros(1))
     assert isinstance(be, NumpyBackend) and be.xp is np
+
+
+# ---- the block contract's first / last flags (backends/__init__.py) ---------------------------------------
+def test_first_and_last_pairs_of_a_block_grid(rng, seed):
+    """Key blocks in turn over two query blocks, as a pass visits them: each accumulator's first pair ignores
+    what it held (NaN poison), its last writes the output in the inputs' dtype; the result is the oracle's."""
+    b, s, hq, hkv, d = 1, 90, 4, 2, 16
+    q, k, v, do = (randn(rng, (b, s, h, d), FP32) for h in (hq, hkv, hkv, hq))
+    be = NumpyBackend(16, 32)
+    cuts = (0, 37, s)
+    blocks = [slice(a, z) for a, z in zip(cuts, cuts[1:])]
+    o, lse = np.full(q.shape, np.nan, FP32), np.full((b, hq, s), np.nan, FP32)
+    out = np.full(q.shape, np.nan, FP32)
+    for qb in blocks:
+        for j, kb in enumerate(blocks):
+            be.forward_block(q[:, qb], k[:, kb], v[:, kb], o[:, qb], lse[:, :, qb], scale=d ** -0.5, causal=True,
+                             q_start=qb.start, k_start=kb.start, first=j == 0,
+                             out=out[:, qb] if j == len(blocks) - 1 else None)
+    ref_o, ref_lse = attention_reference(*(f64(x) for x in (q, k, v)), causal=True)
+    assert max_err(out, ref_o) < 1e-5 and max_err(lse, ref_lse) < 1e-5, f"seed {seed}"
+    grads = [np.full(x.shape, np.nan, FP32) for x in (q, k, v)]
+    outs = [np.full(x.shape, np.nan, FP32) for x in (q, k, v)]
+    last = len(blocks) - 1
+    for i, qb in enumerate(blocks):
+        for j, kb in enumerate(blocks):
+            be.backward_block(q[:, qb], k[:, kb], v[:, kb], do[:, qb], lse[:, :, qb], None, grads[0][:, qb],
+                              grads[1][:, kb], grads[2][:, kb], scale=d ** -0.5, causal=True, q_start=qb.start,
+                              k_start=kb.start, o=out[:, qb], first_q=j == 0, first_kv=i == 0,
+                              dq_out=outs[0][:, qb] if j == last else None,
+                              dk_out=outs[1][:, kb] if i == last else None,
+                              dv_out=outs[2][:, kb] if i == last else None)
+    ref = attention_backward_reference(*(f64(x) for x in (do, q, k, v)), causal=True)
+    for got, want in zip(outs, ref):
+        assert max_err(got, want) < 1e-4 * max(1.0, np.abs(want).max()), f"seed {seed}"
+
+
+def test_one_pair_needs_no_accumulators(rng):
+    """A pair that is the first and the last takes None accumulators and writes its outputs in their dtype;
+    a None accumulator anywhere else is refused."""
+    from burst_hpc.errors import BackendError
+
+    b, s, h, d = 1, 40, 2, 8
+    q, k, v, do = (randn(rng, (b, s, h, d), BF16) for _ in range(4))
+    be = NumpyBackend(16, 16)
+    o, lse = np.empty(q.shape, BF16), np.empty((b, h, s), FP32)
+    be.forward_block(q, k, v, None, lse, scale=0.3, causal=True, first=True, out=o)
+    ref_o, _ = attention_reference(*(f64(x) for x in (q, k, v)), causal=True, scale=0.3)
+    assert o.dtype == BF16 and max_err(o, ref_o) < 2e-2
+    outs = [np.empty(x.shape, BF16) for x in (q, k, v)]
+    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=0.3, causal=True, o=o, first_q=True,
+                      first_kv=True, dq_out=outs[0], dk_out=outs[1], dv_out=outs[2])
+    ref = attention_backward_reference(*(f64(x) for x in (do, q, k, v)), causal=True, scale=0.3)
+    for got, want in zip(outs, ref):
+        assert max_err(got, want) < 5e-2 * max(1.0, np.abs(want).max())
+    with pytest.raises(BackendError, match="first and the last"):
+        be.forward_block(q, k, v, None, lse, scale=0.3, causal=True, out=o)
+    with pytest.raises(BackendError, match="delta or o"):
+        be.backward_block(q, k, v, do, lse, None, *outs, scale=0.3, causal=True)

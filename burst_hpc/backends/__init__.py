@@ -4,7 +4,7 @@ Every backend implements the same three calls over one (query block, key block) 
 Shapes follow BSHD: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D) with Hq % Hkv == 0, query head h
 reading key/value head h // (Hq // Hkv). Inputs may be strided views along S (a zigzag half).
 
-    forward_block(q, k, v, o, lse, *, scale, causal, q_start, k_start, mask=None)
+    forward_block(q, k, v, o, lse, *, scale, causal, q_start, k_start, mask=None, first=False, out=None)
         o   float accumulator (B, Sq, Hq, D), the running *normalised* output
         lse float accumulator (B, Hq, Sq), the running natural-log sum-exp (-inf: nothing yet)
         Attends q to this key block and merges the result into (o, lse) in place (GAO merge).
@@ -13,15 +13,85 @@ reading key/value head h // (Hq // Hkv). Inputs may be strided views along S (a 
         mask.intervals[1][.], documents and windows) when given, else plain causal: key position
         k_start + j > query position q_start + i is hidden (global positions).
 
-    backward_block(q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask=None)
-        lse, delta (B, Hq, Sq): the final forward lse and rowsum(do * o).
+    backward_block(q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask=None,
+                   o=None, first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None)
+        lse, delta (B, Hq, Sq): the final forward lse and rowsum(do * o); delta None: the backend
+        computes it from ``o`` (the forward's output, like do) in its own pre-pass.
         Adds this block pair's gradients into dq (B, Sq, Hq, D) and dk, dv (B, Sk, Hkv, D).
 
     delta(do, o) -> (B, Hq, S) accumulator-type rowsum(do * o)
 
-Accumulators are float32 (float64 when the inputs are float64, NumPy only).
-"""
+A pass tells a block call where the pair stands among the pairs that write the same rows (its query
+rows for o, lse and dq; its keys for dk, dv), so that nothing outside the kernels fills or converts:
+    first (forward), first_q, first_kv: the pair is the first to write these rows: the accumulators hold
+        nothing yet; their contents are ignored (the caller need not fill them) and overwritten.
+    out (forward), dq_out, dk_out and dv_out (together): the pair is the last to write these rows: the
+        final result goes to ``out`` (an array like q, or like k, in the inputs' dtype or any the backend
+        takes), converted once where it is last written, and the accumulator's contents are undefined
+        afterwards. The forward's lse is written at every pair.
+    An accumulator may be None when its pair is both the first and the last (one pair alone, as on one
+    device): then nothing float32 need exist outside the kernels.
 
+Accumulators are float32 (float64 when the inputs are float64, NumPy only). ``forward_ends`` and
+``backward_ends`` run these flags around a block call that only merges or adds (the NumPy backend, and
+the CUDA paths whose kernels do not take them).
+"""
+from ..dtypes import accum_dtype
+from ..errors import BackendError
+
+
+def _accumulator(xp, acc, out, first, name):
+    """The accumulator a merging / adding block call writes: ``acc`` (None: a new one for ``out``'s rows,
+    allowed only when the pair is the first and the last)."""
+    if acc is not None:
+        return acc
+    if out is None or not first:
+        raise BackendError(f"{name} may be None only for a pair that is the first and the last (first and out given)")
+    return xp.empty(out.shape, accum_dtype(out.dtype))
+
+
+def forward_ends(xp, run, o, lse, *, first=False, out=None, spend=False):
+    """The block contract's ``first`` and ``out`` around ``run(o, lse)``, a forward that merges into a
+    running (o, lse): at the first pair (o, lse) start empty (0, -inf: rows that see nothing keep them), at
+    the last the final output is converted into ``out``. ``spend``: then fill the caller's o with NaN, as
+    the contract allows (the NumPy backend: a pass that reads it again fails its tests)."""
+    given = o is not None
+    o = _accumulator(xp, o, out, first, "o")
+    if first:
+        o.fill(0)
+        lse.fill(-xp.inf)
+    run(o, lse)
+    if out is not None:
+        out[...] = o
+        if spend and given:
+            o.fill(xp.nan)
+
+
+def backward_ends(xp, run, delta_of, do, o, delta, dq, dk, dv, *, first_q=False, first_kv=False, dq_out=None,
+                  dk_out=None, dv_out=None, spend=False):
+    """The block contract's ``o``, ``first_q``, ``first_kv`` and outputs around ``run(delta, dq, dk, dv)``, a
+    backward that adds into float accumulators: delta from ``delta_of(do, o)`` when not given, the
+    accumulators of a first pair zeroed, those of a last pair converted into their outputs (``spend``: then
+    the caller's accumulators filled with NaN, as forward_ends)."""
+    if delta is None:
+        if o is None:
+            raise BackendError("backward_block needs delta or o")
+        delta = delta_of(do, o)
+    if (dk_out is None) != (dv_out is None):
+        raise BackendError("dk_out and dv_out go together")
+    grads = []
+    for acc, out, first, name in ((dq, dq_out, first_q, "dq"), (dk, dk_out, first_kv, "dk"),
+                                  (dv, dv_out, first_kv, "dv")):
+        acc = _accumulator(xp, acc, out, first, name)
+        if first:
+            acc.fill(0)
+        grads.append(acc)
+    run(delta, *grads)
+    for acc, out, given in zip(grads, (dq_out, dk_out, dv_out), (dq, dk, dv)):
+        if out is not None:
+            out[...] = acc
+            if spend and given is not None:
+                acc.fill(xp.nan)
 
 def get_backend(array, name=None):
     """The backend for ``array``'s kind: NumPy arrays -> numpy, CuPy arrays -> cuda. ``name`` may also

@@ -15,6 +15,7 @@ masked tile whose inputs hold NaN or Inf, the products skip the hidden pairs (``
 
 import numpy as np
 
+from . import backward_ends, forward_ends
 from ..dtypes import accum_dtype
 from ..merge import merge_into
 
@@ -89,10 +90,14 @@ class NumpyBackend:
             else:
                 yield k0, k1, None
 
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
-        # inf - inf is NaN where the inputs hold Inf, as it should be: no 'invalid value' warnings
-        with np.errstate(invalid="ignore"):
-            self._forward(q, k, v, o, lse, scale, causal, q_start, k_start, mask)
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None, first=False,
+                      out=None):
+        def run(o, lse):
+            # inf - inf is NaN where the inputs hold Inf, as it should be: no 'invalid value' warnings
+            with np.errstate(invalid="ignore"):
+                self._forward(q, k, v, o, lse, scale, causal, q_start, k_start, mask)
+
+        forward_ends(self.xp, run, o, lse, first=first, out=out, spend=True)
 
     def _forward(self, q, k, v, o, lse, scale, causal, q_start, k_start, mask):
         xp = self.xp
@@ -127,9 +132,12 @@ class NumpyBackend:
             merge_into(o[:, q0:q1], lse[:, :, q0:q1], _ungroup(block_o), block_lse.reshape(b, hk * g, n))
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
-                       mask=None):
-        with np.errstate(invalid="ignore"):
-            self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask)
+                       mask=None, o=None, **ends):
+        def run(delta, dq, dk, dv):
+            with np.errstate(invalid="ignore"):
+                self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask)
+
+        backward_ends(self.xp, run, self.delta, do, o, delta, dq, dk, dv, spend=True, **ends)
 
     def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask):
         xp = self.xp

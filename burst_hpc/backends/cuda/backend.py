@@ -13,7 +13,7 @@ import numpy as np
 from ... import config
 from ...dtypes import parse_dtype
 from ...errors import BackendError, DTypeError
-from .. import padding
+from .. import backward_ends, forward_ends, padding
 from ..numpy_backend import NumpyBackend
 from ...collective import agree
 from ...device import HOW_TO_GET_CUPY
@@ -133,11 +133,20 @@ def _require_gpu():
 
 class FamilyKernels(Protocol):
     """The launches of one kernel family, on inputs the backend has marshalled: 16-bit q, k, v, do of the
-    kernels' type ``kind``, float32 accumulators the kernels can write; ``mask`` only for masked pairs."""
+    kernels' type ``kind``, float32 accumulators the kernels can write; ``mask`` only for masked pairs.
 
-    def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask): ...
+    ``ends``: whether the launches take the block contract's first / last flags themselves (keyword
+    arguments ``first``, ``out`` of the forward; ``o``, ``first_q``, ``first_kv``, ``dq_out``, ``dk_out``,
+    ``dv_out`` of the backward, with outputs of the kernels' type ``kind``, rows 16-byte aligned
+    (``launch.aligned_rows``), ``o`` likewise; accumulators None where the contract allows). Otherwise the
+    backend runs them around plain launches (``forward_ends``, ``backward_ends``)."""
 
-    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask): ...
+    ends: bool
+
+    def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask, **ends): ...
+
+    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask,
+                 **ends): ...
 
 
 class CudaBackend:
@@ -174,6 +183,8 @@ class CudaBackend:
         self._dtype_codes = contract.header().dtypes
         self._wide = None
         self._prepared = set()   # the calls' kernel sets prepare() has made ready in this process
+        # attn_delta's 16-byte path (delta): off until it has run on a GPU (compiled and tested on the host only)
+        self.vector_delta = False
 
     def native_widths(self, direction="fwd"):
         """The head dims this family runs natively (``direction``: 'fwd' or 'bwd'), as its source lists them;
@@ -211,49 +222,85 @@ class CudaBackend:
         return result
 
     # ---- the three block calls ---------------------------------------------------------------------
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None, first=False,
+                      out=None):
         where = dict(scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+        ends = dict(first=first, out=out)
         other = self._elsewhere("fwd", q.shape[-1])
         if other is not None:
-            return other.forward_block(q, k, v, o, lse, mask=mask, **where)
+            return forward_ends(self.xp, lambda o_, lse_: other.forward_block(q, k, v, o_, lse_, mask=mask, **where),
+                                o, lse, **ends)
         launch.check_dims(q, k, self.native_widths("fwd"))
         if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
-            return
+            return forward_ends(self.xp, lambda *_: None, o, lse, **ends)
         kind = launch.kernel_dtype(q.dtype)
         q, k, v = (launch.half_input(x, kind) for x in (q, k, v))
-        o_w, o_back = launch.accumulator(o, "o")
+        if first and o is None and out is not None and out.dtype == np.float32:
+            o, ends["out"] = out, None  # a float32 output is the accumulator itself
+        if not self.kernels.ends or not launch.aligned_rows(ends["out"], kind):
+            return forward_ends(self.xp, lambda o_, lse_: self._forward(kind, q, k, v, o_, lse_, mask, where), o, lse,
+                                **ends)
+        self._forward(kind, q, k, v, o, lse, mask, where, **ends)
+
+    def _forward(self, kind, q, k, v, o, lse, mask, where, **ends):
+        o_w, o_back = launch.accumulator(o, "o") if o is not None else (None, None)
         lse_w, lse_back = launch.f32_rows(lse, "lse")
         # an unmasked pair runs the full kernel
-        self.kernels.forward(kind, q, k, v, o_w, lse_w, mask=mask if causal else None, **where)
+        self.kernels.forward(kind, q, k, v, o_w, lse_w, mask=mask if where["causal"] else None, **where, **ends)
         if o_back is not None:
             o_back[...] = o_w
         if lse_back is not None:
             lse_back[...] = lse_w
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
-                       mask=None):
+                       mask=None, o=None, first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None):
         where = dict(scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+        ends = dict(first_q=first_q, first_kv=first_kv, dq_out=dq_out, dk_out=dk_out, dv_out=dv_out)
+        if delta is None and o is None:
+            raise BackendError("backward_block needs delta or o")
+        if (dk_out is None) != (dv_out is None):
+            raise BackendError("dk_out and dv_out go together")
         other = self._elsewhere("bwd", q.shape[-1])
         if other is not None:
-            return other.backward_block(q, k, v, do, lse, delta, dq, dk, dv, mask=mask, **where)
+            def run(delta_, *grads):
+                other.backward_block(q, k, v, do, lse, delta_, *grads, mask=mask, **where)
+
+            return backward_ends(self.xp, run, self.delta, do, o, delta, dq, dk, dv, **ends)
         launch.check_dims(q, k, self.native_widths("bwd"))
         if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
-            return
+            return backward_ends(self.xp, lambda *_: None, self.delta, do, o, delta, dq, dk, dv, **ends)
         kind = launch.kernel_dtype(q.dtype)
         q, k, v, do = (launch.half_input(x, kind) for x in (q, k, v, do))
+        for acc, out, first, name in ((dq, dq_out, first_q, "dq"), (dk, dk_out, first_kv, "dk"),
+                                      (dv, dv_out, first_kv, "dv")):
+            if first and acc is None and out is not None and out.dtype == np.float32:
+                ends[name + "_out"] = None  # a float32 output is the accumulator itself
+                dq, dk, dv = (out if n == name else x for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
+        writable = all(launch.aligned_rows(x, kind) for x in (ends["dq_out"], ends["dk_out"], ends["dv_out"]))
+        if not (self.kernels.ends and writable):
+            return backward_ends(self.xp, lambda *args: self._backward(kind, q, k, v, do, lse, *args, mask, where),
+                                 self.delta, do, o, delta, dq, dk, dv, **ends)
+        if delta is None and not launch.aligned_rows(o, kind):  # the kernels' pre-pass reads o as it reads do
+            delta = self.delta(do, o)
+        self._backward(kind, q, k, v, do, lse, delta, dq, dk, dv, mask, where, o=o if delta is None else None,
+                       **ends)
+
+    def _backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, mask, where, **ends):
         lse_r, _ = launch.f32_rows(lse, "lse")
-        delta_r, _ = launch.f32_rows(delta, "delta")
-        grads = [launch.accumulator(g, name) for g, name in ((dq, "dq"), (dk, "dk"), (dv, "dv"))]
+        delta_r = launch.f32_rows(delta, "delta")[0] if delta is not None else None
+        grads = [launch.accumulator(g, name) if g is not None else (None, None)
+                 for g, name in ((dq, "dq"), (dk, "dk"), (dv, "dv"))]
         # an unmasked pair runs the full kernel
-        self.kernels.backward(kind, q, k, v, do, lse_r, delta_r, *(w for w, _ in grads), mask=mask if causal else None,
-                              **where)
+        self.kernels.backward(kind, q, k, v, do, lse_r, delta_r, *(w for w, _ in grads),
+                              mask=mask if where["causal"] else None, **where, **ends)
         for w, back in grads:
             if back is not None:
                 back[...] = w
 
     def delta(self, do, o):
         """rowsum(do * o) as a float32 (B, H, S) array (attn_delta.cu, any head dim; do and o each bf16,
-        fp16 or float32)."""
+        fp16 or float32; with ``vector_delta``, 16-byte loads where both are 16-bit of one dtype with aligned
+        rows)."""
         cupy = self.xp
         b, s, h, d = do.shape
         out = cupy.empty((b, h, s), np.float32)
@@ -267,9 +314,16 @@ class CudaBackend:
         kernel = self.modules.table(contract.DELTA_SOURCE).find()
         kern = self.modules.kernel(contract.DELTA_SOURCE, kernel.name, kernel.smem_bytes)
         strides = launch.strides
-        kern((-(-b * s * h // kernel.query_rows),), (kernel.threads,),
+        kind = launch.dtype_kind(do.dtype)
+        # 16-byte loads, `lanes` per row, where do and o share a 16-bit dtype and their rows are 16-byte aligned
+        lanes = 0
+        if (self.vector_delta and kind != "f32" and d % 8 == 0 and launch.aligned_rows(do, kind)
+                and launch.aligned_rows(o, kind)):
+            lanes = min(32, (d // 8) & -(d // 8))   # the largest power of two dividing d / 8, at most a warp
+        grid = -(-b * s * h // kernel.query_rows) if not lanes else min(-(-b * s * h * lanes // kernel.threads), 16384)
+        kern((grid,), (kernel.threads,),
              (do, o, out, *strides(do)[:3], *strides(o)[:3], np.int32(b), np.int32(s), np.int32(h), np.int32(d),
-              np.int32(codes[launch.dtype_kind(do.dtype)]), np.int32(codes[launch.dtype_kind(o.dtype)])))
+              np.int32(codes[kind]), np.int32(codes[launch.dtype_kind(o.dtype)]), np.int32(lanes)))
         return out
 
 

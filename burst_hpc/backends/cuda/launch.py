@@ -63,6 +63,19 @@ def half_input(x, want):
     return x
 
 
+def aligned_rows(x, kind):
+    """Whether the kernels of 16-bit type ``kind`` read or write ``x`` in place: None (nothing to read or
+    write), or an array of that type whose rows (the head dim) are contiguous and 16-byte aligned."""
+    if x is None:
+        return True
+    try:
+        if dtype_kind(x.dtype) != kind:
+            return False
+    except BackendError:
+        return False
+    return (x.strides[-1] == x.itemsize and x.data.ptr % 16 == 0 and all(s % 16 == 0 for s in x.strides[:-1]))
+
+
 def accumulator(x, name):
     """(array the kernel writes, array to copy it back into or None) for the float32 accumulator ``x``:
     x itself when its head dim is contiguous in 8-byte aligned pairs, else a contiguous scratch copy."""

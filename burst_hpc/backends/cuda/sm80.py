@@ -11,7 +11,10 @@ FORWARD, BACKWARD = SOURCES["sm80", "fwd"], SOURCES["sm80", "bwd"]
 
 
 class Sm80Kernels:
-    """Forward and backward launches of the sm80 family (inputs already marshalled by the backend)."""
+    """Forward and backward launches of the sm80 family (inputs already marshalled by the backend). They take
+    no first / last flags: the backend runs those around them (``ends``)."""
+
+    ends = False
 
     def __init__(self, modules):
         self.modules = modules

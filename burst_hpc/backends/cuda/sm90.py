@@ -18,7 +18,8 @@ D64_TWO_CONSUMER_RATE = 0.85
 # and the most parts a query tile is cut into
 SPLIT_PART_COST = 2
 MAX_KEY_SPLITS = 8
-_PREPASS_THREADS = 256  # the backward's row-table pre-pass (a grid-stride loop: any block size)
+_PREPASS_THREADS = 256  # the backward's row-table pre-pass and conversion (grid-stride loops: any block size)
+_PREPASS_BLOCKS = 16384  # at most this many blocks of them (each thread then takes several rows)
 _ORDER_THREADS = 128  # attn_bwd_sm90_order's block (its kOrderThreads)
 # the backward adds into dq, dk, dv in parts of 64 rows (a dQ part of 64 queries; a consumer's 64 keys of dK,
 # dV, at D = 256 its 128 head-dim columns of all 64): float32 boxes of 32 columns (128 bytes) x 64 rows
@@ -40,7 +41,14 @@ class Sm90Kernels:
     SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count.
     ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
     shapes with two Q buffers, D <= 128 with two consumer warpgroups; on by default: 3-6% at 16k, docs/KERNELS.md). ``max_ctas``: None, or at most this many
-    CTAs for the persistent forward (tests and the sanitizer: many tiles per CTA on small shapes)."""
+    CTAs for the persistent forward (tests and the sanitizer: many tiles per CTA on small shapes).
+
+    The launches take the block contract's first / last flags (``ends``): the forward writes its 16-bit output
+    from the epilogue and skips the running (o, lse) at a first pair; the backward's row pre-pass computes
+    delta from do and o and zeroes dq at a first pair, dK and dV go straight to their 16-bit outputs where one
+    CTA holds the whole GQA group of its keys, and dq is converted once after the launch (attn_bwd_sm90_to16)."""
+
+    ends = True
 
     def __init__(self, modules):
         self.modules = modules
@@ -129,13 +137,30 @@ class Sm90Kernels:
             counter = self._counters[key] = cupy.zeros(2, np.int32)
         return counter
 
-    def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask):
+    def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask, first=False, out=None):
         import cupy
 
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         kernel = self.modules.table(FORWARD).find(kind, d, mask_mode(causal, mask), self.tile_height(d, b * hq, sq))
         bm, bn = kernel.query_rows, kernel.keys
+        off = int(q_start) - int(k_start)
+        nsplit = self.key_split(bm, bn, b * hq, sq, sk, causal, off, mask)
+        every_tile = _every_tile_sees_keys(mask, causal, q_start, sq, k_start, sk, bm, bn)
+        if out is not None and (nsplit > 1 or not (first or every_tile)):
+            # key splits merge their parts in float32, and the kernel writes only the query tiles it visits
+            # (a last pair's other rows hold the running o): the output is converted afterwards
+            o = cupy.empty(q.shape, np.float32) if o is None else o
+            self.forward(kind, q, k, v, o, lse, scale=scale, causal=causal, q_start=q_start, k_start=k_start,
+                         mask=mask, first=first)
+            out[...] = o
+            return
+        if first and (nsplit > 1 or not every_tile):
+            # the running (o, lse) start empty here instead (lse = -inf: o is never read), so that rows no tile
+            # visits hold (0, -inf)
+            first = False
+            lse.fill(-np.inf)
+            (o if out is None else out).fill(0)
         try:
             maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
         except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
@@ -146,18 +171,20 @@ class Sm90Kernels:
         nmb = -(-sq // bm)
         kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
         hchunk = max(1, min(b * hq, L2_CHUNK_BYTES // max(1, kv_bytes_per_head)))
-        order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn) if mask is not None else np.uint64(0)
-        off = int(q_start) - int(k_start)
-        nsplit = self.key_split(bm, bn, b * hq, sq, sk, causal, off, mask)
+        order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[0] if mask is not None else np.uint64(0)
         locks = self.tile_locks(nmb * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else np.uint64(0)
         grid = (min(nmb * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
-        args = (maps, o, lse, *strides(o)[:3], *strides(lse), np.int32(sq), np.int32(sk), np.int32(b), np.int32(hq),
-                np.int32(hq // hkv), np.float32(scale * LOG2E), np.int64(off), np.int32(hchunk), np.int32(nsplit),
-                np.int32(self.cross_tile), order, *mask_args(mask, q_start, sq, k_start), self.tile_counter(), locks)
+        o_args = (o, *strides(o)[:3]) if o is not None else (np.uint64(0), *(np.int64(0),) * 3)
+        out_args = (out, *strides(out)[:3]) if out is not None else (np.uint64(0), *(np.int64(0),) * 3)
+        args = (maps, o_args[0], lse, *o_args[1:], *strides(lse), np.int32(sq), np.int32(sk), np.int32(b),
+                np.int32(hq), np.int32(hq // hkv), np.float32(scale * LOG2E), np.int64(off), np.int32(hchunk),
+                np.int32(nsplit), np.int32(self.cross_tile), order, *mask_args(mask, q_start, sq, k_start),
+                self.tile_counter(), locks, np.int32(first), *out_args)
         kern(grid, (kernel.threads,), args, shared_mem=kernel.smem_bytes)
 
     # ---- backward --------------------------------------------------------------------------------------
-    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask):
+    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask, o=None,
+                 first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None):
         import cupy
 
         b, sq, hq, d = q.shape
@@ -167,14 +194,26 @@ class Sm90Kernels:
         group = hq // hkv
         nkb = (sk + bn - 1) // bn
         hpb, nsplit = launch.split_group(group, nkb, b * hkv)
+        # dK, dV straight into their 16-bit outputs when one CTA holds the whole GQA group of its keys and the
+        # pair is their first and last; else added into float32 (zeroed here at a first pair, converted after)
+        kv_direct = first_kv and dk_out is not None and nsplit == 1 and dk_out.strides == dv_out.strides
 
         # dq, dk, dv are added into through float32 tensor maps (16-byte aligned address and strides); any
-        # other accumulator gets a zeroed scratch array, added in afterwards
-        def target(x):
+        # other accumulator gets a scratch array (zeroed, or at a first pair taken as it is), written back after;
+        # None (a first and last pair) a scratch array
+        def target(x, first):
             aligned = x.data.ptr % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
-            return x if aligned else cupy.zeros(x.shape, np.float32)
+            return x if aligned else cupy.empty(x.shape, np.float32) if first else cupy.zeros(x.shape, np.float32)
 
-        dq_w, dk_w, dv_w = target(dq), target(dk), target(dv)
+        dq_w = cupy.empty(q.shape, np.float32) if dq is None else target(dq, first_q)
+        if kv_direct:   # dk, dv are neither read nor written: their maps only fill the kernel's argument list
+            dk_w = dv_w = dq_w
+        else:
+            dk_w = cupy.empty(k.shape, np.float32) if dk is None else target(dk, first_kv)
+            dv_w = cupy.empty(v.shape, np.float32) if dv is None else target(dv, first_kv)
+            if first_kv:
+                dk_w.fill(0)
+                dv_w.fill(0)
 
         def boxes():
             rows = _ACCUMULATOR_BOX_ROWS
@@ -188,14 +227,22 @@ class Sm90Kernels:
                                 for w, x in ((dq_w, dq), (dk_w, dk), (dv_w, dv)))
             maps = tma.device_maps(cupy, boxes())
         sq_pad = -(-sq // bm) * bm
-        # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), then with a
-        # mask each row's visible key range; the ranges of query tiles per key block (attn_bwd_sm90_ranges)
+        # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), delta computed
+        # from do and o when not given, dq's rows zeroed at a first pair; then with a mask each row's visible key
+        # range; the ranges of query tiles per key block (attn_bwd_sm90_ranges)
         mlo, mhi, kofs = mask_args(mask, q_start, sq, k_start)
         rows = cupy.empty(2 * b * hq * sq_pad + (2 * sq_pad if mask is not None else 0), np.float32)
         prep = self.modules.kernel(BACKWARD, "attn_bwd_sm90_rows", 0)
-        prep((min(-(-b * hq * sq_pad // _PREPASS_THREADS), 4096),), (_PREPASS_THREADS,),
-             (lse, delta, rows, *strides(lse), *strides(delta), np.int32(b), np.int32(hq), np.int32(sq),
-              np.int32(sq_pad), mlo, mhi, kofs, np.int32(sk)))
+        none = (np.uint64(0), *(np.int64(0),) * 3)
+        delta_args = (delta, *strides(delta)) if delta is not None else none
+        rows_of = ((do, o, *strides(do)[:3], *strides(o)[:3]) if delta is None
+                   else (np.uint64(0),) * 2 + (np.int64(0),) * 6)
+        zero_dq = (dq_w, *strides(dq_w)[:3]) if first_q else none
+        lanes = b * hq * sq_pad * (d // 8)
+        prep((min(-(-lanes // _PREPASS_THREADS), _PREPASS_BLOCKS),), (_PREPASS_THREADS,),
+             (lse, delta_args[0], rows, *strides(lse), *delta_args[1:], np.int32(b), np.int32(hq), np.int32(sq),
+              np.int32(sq_pad), mlo, mhi, kofs, np.int32(sk), np.int32(d), *rows_of, np.int32(kind == "bf16"),
+              *zero_dq))
         ranges = np.uint64(0)
         if mask is not None:
             ranges = cupy.empty(2 * nkb, np.int32)
@@ -205,14 +252,34 @@ class Sm90Kernels:
         slots = nsplit * b * hkv
         chunk, order = self.backward_order(mask, causal, nkb, slots, ranges)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
+        kv_args = (dk_out, dv_out, *strides(dk_out)[:3]) if kv_direct else (np.uint64(0), *none)
         args = (maps, rows, np.int32(sq), np.int32(sq_pad), np.int32(sk), np.int32(b), np.int32(hq), np.int32(hkv),
                 np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * LOG2E),
-                np.int64(int(q_start) - int(k_start)), ranges, np.int32(chunk), order)
+                np.int64(int(q_start) - int(k_start)), ranges, np.int32(chunk), order, *kv_args)
         kern((nkb * slots,), (kernel.threads,), args, shared_mem=kernel.smem_bytes)
-        for w, x in ((dq_w, dq), (dk_w, dk), (dv_w, dv)):
-            if w is not x:
+        results = ((dq_w, dq, dq_out, first_q),) + (() if kv_direct else ((dk_w, dk, dk_out, first_kv),
+                                                                          (dv_w, dv, dv_out, first_kv)))
+        for w, x, out, first in results:
+            if w is not x and x is not None and not first:   # a scratch for a misaligned accumulator: added in
                 x += w
+                w = x
+            if out is not None:   # the last pair: converted once, from the accumulator the kernel wrote
+                if w is x and not (w.data.ptr % 16 == 0 and all(st % 16 == 0 for st in w.strides[:-1])):
+                    out[...] = w
+                else:
+                    self.to16(kind, w, out)
+            elif w is not x:
+                x[...] = w
 
+    def to16(self, kind, x, out):
+        """out (16-bit, ``kind``, rows 16-byte aligned) = the float32 accumulator x (B, S, H, D) (rows 16-byte
+        aligned, as the kernels' accumulators are): one pass (attn_bwd_sm90_to16)."""
+        b, s, h, d = x.shape
+        kern = self.modules.kernel(BACKWARD, "attn_bwd_sm90_to16", 0)
+        lanes = b * s * h * (d // 8)
+        kern((min(-(-lanes // _PREPASS_THREADS), _PREPASS_BLOCKS),), (_PREPASS_THREADS,),
+             (x, *strides(x)[:3], out, *strides(out)[:3], np.int32(b), np.int32(s), np.int32(h), np.int32(d),
+              np.int32(kind == "bf16")))
 
     def backward_order(self, mask, causal, nkb, slots, ranges):
         """(head slots per chunk, key block order: a device array or a null pointer) of the backward's tile
@@ -235,9 +302,18 @@ class Sm90Kernels:
 _ORDERS = OrderedDict()
 
 
+def _every_tile_sees_keys(mask, causal, q_start, sq, k_start, sk, bm, bn):
+    """Whether every forward query tile of bm rows sees some key (the kernel visits only those that do)."""
+    if mask is not None:
+        return _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[1]
+    # causal: the first tile sees the fewest keys, the key k_start when its last row is at or after it
+    return sk > 0 and (not causal or int(q_start) + min(bm, sq) - 1 >= int(k_start))
+
+
 def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
-    """The forward's interval schedule: the query blocks of bm rows ordered by their key tiles of bn (from
-    the mask's bounds), most first, as an int32 device array; a few are kept (a ring repeats them)."""
+    """The forward's interval schedule: (the query blocks of bm rows ordered by their key tiles of bn (from
+    the mask's bounds), most first, as an int32 device array; whether every block sees a key); a few are
+    kept (a ring repeats them)."""
     import cupy
 
     key = (mask, int(q_start), sq, int(k_start), sk, bm, bn, cupy.cuda.Device().id)
@@ -248,7 +324,7 @@ def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
         last = np.minimum(first + bm, sq) - 1
         begin = np.clip(lo[first] - k_start, 0, sk) // bn
         end = -(-np.clip(hi[last] - k_start, 0, sk) // bn)
-        order = cupy.asarray(np.argsort(-(end - begin), kind="stable").astype(np.int32))
+        order = (cupy.asarray(np.argsort(-(end - begin), kind="stable").astype(np.int32)), bool((end > begin).all()))
         _ORDERS[key] = order
         if len(_ORDERS) > 64:
             _ORDERS.popitem(last=False)
