@@ -293,8 +293,9 @@ def refused_alike(comm, case, arrays, kw, call):
 
     rank, name, value = case.disagree
     if comm.rank == rank:
-        if name == "dtype":
-            arrays = [x.astype(parse_dtype(value)) for x in arrays]
+        if name == "dtype":   # cast on the host, then onto the device as inputs() does
+            xp = sys.modules[type(arrays[0]).__module__.split(".")[0]]
+            arrays = [xp.asarray(_host(x).astype(parse_dtype(value))) for x in arrays]
         else:
             kw = dict(kw, **{name: np.array(value) if name == "cu_seqlens" and value is not None else value})
 
