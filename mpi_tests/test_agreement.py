@@ -126,3 +126,24 @@ def test_a_run_job_whose_ranks_disagree_creates_nothing_and_fails_alike(comm, tm
         assert f.read() == "an earlier result"
     assert sorted(os.listdir(where)) == ["in.h5", "other.h5", "out.h5"]
     comm.Barrier()
+
+
+def test_ranks_that_cut_their_hosts_otherwise_fail_alike_in_the_topology(comm, monkeypatch):
+    """topology() gathers every rank's setting with its node: one rank with another
+    BURST_HPC_RANKS_PER_NODE (the kernels' compile and the run job read it there) or a bad one gets the
+    same error on every rank; before, those ranks built different nodes, or one split the
+    communicator while the others waited."""
+    from burst_hpc.errors import TopologyError
+    from burst_hpc.topology import topology
+
+    if comm.rank == 1:
+        monkeypatch.setenv("BURST_HPC_RANKS_PER_NODE", "1")
+    message = raises_everywhere(comm, RankMismatchError, lambda: topology(comm))
+    assert message == ("ranks disagree on ranks_per_node (or BURST_HPC_RANKS_PER_NODE): rank 0 has None, rank 1 "
+                       "has 1"), message
+    if comm.rank == 1:
+        monkeypatch.setenv("BURST_HPC_RANKS_PER_NODE", "two")
+    message = raises_everywhere(comm, TopologyError, lambda: topology(comm))
+    assert message == "BURST_HPC_RANKS_PER_NODE must be a positive integer; got 'two' (rank 1)", message
+    monkeypatch.delenv("BURST_HPC_RANKS_PER_NODE", raising=False)
+    assert topology(comm).nodes == 1
