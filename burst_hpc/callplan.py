@@ -1,6 +1,9 @@
 """The plan of one call: validated shapes, the mask, the layout, the backward ring, the transport and
 the scheme, decided once and agreed by every rank before the first exchange (bad input gives the
-same error on every rank), then handed to the passes (passes.py) as one value.
+same error on every rank), then handed to the passes (passes.py) as one value. Every argument is
+checked and agreed in one collective before any collective whose participation depends on one
+(ranks that pass different arguments get one RankMismatchError naming it, never a hang); the
+decisions made from them follow, agreed too (the transport depends on each rank's machine).
 
 A training loop makes the same call (shapes, mask, options) thousands of times: ``plan_call`` keeps
 the plans of recent calls (PlanCache, by CallKey: everything a plan depends on) and reuses one when
@@ -20,11 +23,11 @@ from .backends import get_backend
 from .collective import agree, same_everywhere
 from .device import gpus_shared
 from .dtypes import accum_dtype, dtype_name
-from .errors import BurstError, ShapeError
+from .errors import BurstError, ShapeError, TransportError
 from .layout import check_layout, check_split
 from .schemes import check_scheme, make as make_scheme
-from .topology import topology
-from .transport import choose_transport, make_transport
+from .topology import ranks_per_node_setting, topology
+from .transport import TRANSPORTS, choose_transport, make_transport
 from .transport.emulated import EmulatedNetwork, Nic
 from .validate import check_like, check_qkv, check_same_kind, resolve_scale
 
@@ -41,20 +44,13 @@ class CallPlan:
         """``backward``: (do, o, lse, backward_ring) for the backward pass, checked too (o and lse may be
         None when the caller makes them with this plan's forward pass)."""
         self.comm, self.rank, self.size = comm, comm.rank, comm.size
-        error, signature, offsets = None, None, None
         on_device = type(q).__module__.startswith("cupy")
         shared = gpus_shared(comm, q.device if on_device else None)  # collective: before any check can fail
-        self.topo, topo_error = None, None
-        # collective too (one allgather); the flat ring needs it only to emulate or count the network
-        if scheme != "ring" or ranks_per_node is not None or config.emulated_network():
-            try:
-                self.topo = topology(comm, ranks_per_node)
-            except BurstError as e:
-                topo_error = e
+        # every argument, checked here first, agreed in one collective before any collective whose
+        # participation depends on one (the topology, the kernels' compile, the passes)
+        error, arguments, offsets = None, None, None
         try:
             check_scheme(scheme)
-            if topo_error is not None:
-                raise topo_error
             arrays = {"q": q, "k": k, "v": v}
             if backward is not None:
                 arrays.update((name, x) for name, x in zip(("do", "o", "lse"), backward[:3]) if x is not None)
@@ -63,6 +59,38 @@ class CallPlan:
             if sq != sk:
                 raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
             self.mask = masks.make(sq * self.size, causal, window, cu_seqlens)
+            if layout is not None:
+                check_layout(layout)
+            if backward is not None:
+                do, o, lse, ring = backward
+                check_like("do", do, q.shape, q.dtype)
+                if o is not None:  # None: the caller's own forward pass makes them (the run job)
+                    check_like("o", o, q.shape, q.dtype)
+                    check_like("lse", lse, (b, hq, sq), np.float32)
+                check_backward_ring(ring)
+            if transport not in TRANSPORTS:
+                raise TransportError(f"unknown transport {transport!r}; use one of {', '.join(TRANSPORTS)}")
+            self.scale = resolve_scale(scale, d)
+            self.causal = bool(causal)
+            nodes = ranks_per_node_setting(ranks_per_node)
+            self.network = config.emulated_network()
+            arguments = {"pass": "forward" if backward is None else "backward" if backward[1] is not None
+                         else "forward and backward", "arrays": "cupy" if on_device else "numpy",
+                         "q shape": q.shape, "k shape": k.shape, "dtype": dtype_name(q.dtype), "causal": self.causal,
+                         "window": None if self.mask is None else self.mask.window, "scale": self.scale,
+                         "layout": layout, "scheme": scheme, "transport": transport,
+                         "backward_ring": None if backward is None else backward[3], "ranks_per_node": nodes,
+                         "emulated network": self.network}
+            offsets = None if self.mask is None else self.mask.cu_seqlens
+        except Exception as e:  # shared with every rank below, so no rank is left waiting
+            error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
+        agree(comm, error, arguments, {"cu_seqlens": offsets})
+        # the decisions: from the agreed arguments, the same on every rank but for what its machine decides
+        error, decided = None, None
+        try:
+            self.topo = None
+            if scheme != "ring" or nodes is not None or self.network:   # the flat ring: to emulate or count it
+                self.topo = topology(comm, nodes)   # collective: one allgather
             if layout is None:
                 from .costmodel import CallShape
 
@@ -73,16 +101,9 @@ class CallPlan:
             self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
             self.ring = None
             if backward is not None:
-                do, o, lse, ring = backward
-                check_like("do", do, q.shape, q.dtype)
-                if o is not None:  # None: the caller's own forward pass makes them (the run job)
-                    check_like("o", o, q.shape, q.dtype)
-                    check_like("lse", lse, (b, hq, sq), np.float32)
-                self.ring = choose_backward_ring(ring, hq, hkv, d, q.dtype.itemsize,
+                self.ring = choose_backward_ring(backward[3], hq, hkv, d, q.dtype.itemsize,
                                                  *(masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
                                                    for queries_travel in (True, False)), self.size)
-            self.scale = resolve_scale(scale, d)
-            self.causal = bool(causal)
             self.backend = get_backend(q)
             self.transport_name = choose_transport(transport, self.backend.name == "cuda", shared)
             self.heads, self.kv_heads, self.head_dim = hq, hkv, d
@@ -90,17 +111,11 @@ class CallPlan:
                                     q.dtype.itemsize, backward is not None, self.backend.name)
             self.scheme = make_scheme(scheme, comm, self.topo, self.seqlen, self.layout, self.causal, self.mask)
             self.passes = passes.for_plan(self)
-            self.network = config.emulated_network()
-            # the mask first: it decides the default layout and the scheme
-            signature = {"window": None if self.mask is None else self.mask.window, "causal": self.causal,
-                         "q shape": q.shape, "k shape": k.shape, "scheme": self.scheme.name,
-                         "emulated network": self.network, "dtype": dtype_name(q.dtype),
-                         "layout": self.layout, "scale": self.scale,
-                         "transport": self.transport_name, "backward ring": self.ring}
-            offsets = None if self.mask is None else self.mask.cu_seqlens
-        except Exception as e:  # shared with every rank below, so no rank is left waiting
+            decided = {"layout": self.layout, "scheme": self.scheme.name, "backward_ring": self.ring,
+                       "transport": self.transport_name}
+        except Exception as e:
             error = e if isinstance(e, BurstError) else BurstError(f"{type(e).__name__}: {e}")
-        agree(comm, error, signature, {"cu_seqlens": offsets})
+        agree(comm, error, decided)
         if self.backend.name == "cuda":  # collective: every rank agreed on the call above
             directions = ("fwd",) if backward is None else ("bwd",) if backward[1] is not None else ("fwd", "bwd")
             self.backend.prepare(comm, q.dtype, self.head_dim, self.causal, self.mask is not None, directions)
@@ -271,12 +286,16 @@ def plan_call(comm, q, k, v, causal, scale, layout, transport, backward=None, cu
     return plan
 
 
+def check_backward_ring(name):
+    if name not in BACKWARD_RINGS:
+        raise BurstError(f"unknown backward_ring {name!r}; use one of {', '.join(BACKWARD_RINGS)}")
+    return name
+
+
 def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, kv_steps=1, size=1):
     """The backward ring: ``name``, or for 'auto' the one moving fewer bytes over its steps (with
     documents or a window a ring may stop early: ``q_steps``/``kv_steps`` of ``size``)."""
-    if name not in BACKWARD_RINGS:
-        raise BurstError(f"unknown backward_ring {name!r}; use one of {', '.join(BACKWARD_RINGS)}")
-    if name != "auto":
+    if check_backward_ring(name) != "auto":
         return name
     q_bytes, kv_bytes = backward_ring_bytes(heads, kv_heads, head_dim, itemsize)
     if (q_steps, kv_steps) != (size, size):  # a shortened ring sends its carried accumulator home in one hop

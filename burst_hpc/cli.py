@@ -16,6 +16,7 @@ or ``check`` found a failure, 128+N stopped by signal N. ``--help`` of each comm
 file format.
 """
 import argparse
+import os
 import sys
 import textwrap
 import time
@@ -35,13 +36,27 @@ EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
 
 class _Parser(argparse.ArgumentParser):
     """argparse that reports a bad command line once (rank 0), not once per rank, and surely:
-    every rank parses the same command line, so every rank meets rank 0 before it exits."""
+    every rank parses the same command line, so every rank meets rank 0 before it exits. It knows
+    how the command line spells each of its arguments (``spellings``: dest -> '--name' or 'IN.h5')."""
+
+    def __init__(self, *args, **kwargs):
+        self.spellings = {}   # before argparse's own __init__ adds --help
+        super().__init__(*args, **kwargs)
+
+    def add_argument(self, *args, **kwargs):
+        action = super().add_argument(*args, **kwargs)
+        self.spellings[action.dest] = action.option_strings[-1] if action.option_strings else action.metavar
+        return action
 
     def error(self, message):
         def write():
             self.print_usage(sys.stderr)
             say(message)
 
+        try:   # ranks whose command line parsed wait in the command's agreement: meet them there
+            _agree_command(None, BurstError(message))
+        except BurstError:
+            pass
         _say_once(write)
         sys.exit(EXIT_USAGE)
 
@@ -288,8 +303,34 @@ def _wrap(text):
 def _verb(sub, name, func, **kwargs):
     """The sub-parser of one verb, run by ``func`` (descriptions pre-wrapped, epilogs kept as written)."""
     parser = sub.add_parser(name, formatter_class=argparse.RawDescriptionHelpFormatter, **kwargs)
-    parser.set_defaults(func=func)
+    parser.set_defaults(func=func, spellings=parser.spellings)
     return parser
+
+
+# options that change only what rank 0 prints, so ranks may differ in them; and those naming files
+DISPLAY_OPTIONS = ("quiet", "progress")
+PATH_OPTIONS = ("input", "output", "json", "cu_seqlens")
+
+
+def command_signature(args):
+    """What every rank of a job must run alike: the command and each of its options (paths made
+    absolute: ranks in different directories may name one file differently), by their spelling."""
+    signature = {"the command": args.command}
+    for dest, spelling in args.spellings.items():
+        if hasattr(args, dest) and dest not in DISPLAY_OPTIONS:
+            value = getattr(args, dest)
+            signature[spelling] = os.path.abspath(value) if dest in PATH_OPTIONS and value is not None else value
+    return signature
+
+
+def _agree_command(args, error=None):
+    """Collective under a launcher: every rank runs the same command with the same options, or every
+    rank gets one RankMismatchError naming the first that differs, before the command reads,
+    creates or replaces anything or meets the others in any other collective. ``error``: this
+    rank's command line does not parse (``args`` None); every rank raises it."""
+    comm = _job_world()
+    if comm is not None and comm.size > 1:
+        agree(comm, error, None if args is None else command_signature(args))
 
 
 def build_parser():
@@ -664,6 +705,7 @@ def main(argv=None):
 def _main(argv=None):
     args = build_parser().parse_args(argv)
     try:
+        _agree_command(args)
         return args.func(args)
     except BurstError as e:
         if getattr(e, "agreed", False):

@@ -129,10 +129,11 @@ def agree(comm, error=None, signature=None, arrays=None):
         agreed = cls(message)
         agreed.agreed = True
         raise agreed from error
-    if signature is not None:
-        first = gathered[0][1]
+    if any(theirs is not None for _, theirs in gathered):
+        first = gathered[0][1] or {}
         for rank, (_, theirs) in enumerate(gathered):
-            for key in signature:
+            theirs = theirs or {}
+            for key in dict.fromkeys([*first, *theirs]):   # the same keys in the same order on every rank
                 if theirs.get(key) != first.get(key):
                     if key in (arrays or {}):  # every rank sees the same mismatch: this collective is safe
                         text = _first_difference(key, comm.allgather(arrays[key]), rank)
@@ -142,6 +143,18 @@ def agree(comm, error=None, signature=None, arrays=None):
                     mismatch = RankMismatchError(f"{text}; every rank must pass matching arguments")
                     mismatch.agreed = True
                     raise mismatch
+
+
+def check_comm(comm):
+    """``comm`` when it is an mpi4py communicator of a group of ranks (an Intracomm, such as
+    MPI.COMM_WORLD); else a BurstError saying what to pass. Local: a rank that passes something else
+    cannot meet the others in any collective."""
+    from mpi4py import MPI
+
+    if not isinstance(comm, MPI.Intracomm):
+        raise BurstError(f"comm must be an mpi4py communicator such as MPI.COMM_WORLD (or None for it); got "
+                         f"{type(comm).__name__} {comm!r}")
+    return comm
 
 
 def same_everywhere(comm, digest):

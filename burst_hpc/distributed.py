@@ -12,7 +12,7 @@ a repeated call's) and its passes (passes.py), run so that an error on some rank
 (collective.one_fails_all).
 """
 from .callplan import plan_call
-from .collective import one_fails_all, world
+from .collective import check_comm, one_fails_all, world
 from .device import array_device
 
 
@@ -61,8 +61,11 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     Raises
     ------
     BurstError
-        On bad input, with the same message on every rank, before any exchange. An error inside the
-        pass on some ranks ends the job from there (collective.one_fails_all), never a hang.
+        On bad input, with the same message on every rank, before any exchange: ranks that pass
+        different arguments (any of the above but ``on_step``, and the arrays' kind, shapes and dtype)
+        get a RankMismatchError naming the first that differs. An error inside the pass on some ranks
+        ends the job from there (collective.one_fails_all), never a hang. A ``comm`` that is not an
+        mpi4py communicator is refused on the rank that passes it.
 
     Notes
     -----
@@ -78,7 +81,7 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         mine = lambda x: burst_hpc.shard(x, r, P, "zigzag")
         o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, layout="zigzag")
     """
-    comm = world() if comm is None else comm
+    comm = world() if comm is None else check_comm(comm)
     plan = plan_call(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
                      scheme=scheme, ranks_per_node=ranks_per_node)
     with array_device(q), one_fails_all(comm, "burst_attention"):
@@ -120,7 +123,7 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
         o, lse = burst_hpc.burst_attention(q, k, v, causal=True)
         dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
     """
-    comm = world() if comm is None else comm
+    comm = world() if comm is None else check_comm(comm)
     plan = plan_call(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
                      cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node)
     with array_device(q), one_fails_all(comm, "burst_attention_backward"):

@@ -9,9 +9,11 @@ Each phase (report.PHASES) is timed between barriers (:class:`Phases`); the set-
 passes (passes.py) so the timed passes do not pay for first use (kernel loads, communicators,
 allocations).
 
-Every step that can fail on some ranks agrees on the verdict first (collective.agree), so bad input
-ends every rank with the same message; an error inside the passes ends the job from the failing rank
-(collective.one_fails_all). From Python, under mpiexec::
+The ranks first agree on the options (RunOptions.shaping: ranks that differ in one get one
+RankMismatchError naming it, before anything is read or created). Every step that can fail on some
+ranks agrees on the verdict first (collective.agree), so bad input ends every rank with the same
+message; an error inside the passes ends the job from the failing rank (collective.one_fails_all).
+From Python, under mpiexec::
 
     from burst_hpc.job import RunOptions, run
     outcome = run(RunOptions("in.h5", "out.h5", causal=True, backward=True, verify=True))
@@ -60,6 +62,13 @@ class RunOptions:
     warmup: bool = False
     progress: bool = None       # stage lines on rank 0: None shows them for a large job or on a terminal
     json: str = None            # write the report to this file (rank 0), as one JSON object
+
+    def shaping(self):
+        """The options every rank of a job must pass alike, by name: all but ``progress`` (rank 0's
+        lines), the paths absolute (ranks in different directories may name one file differently)."""
+        paths = ("input", "output", "json")
+        return {name: os.path.abspath(value) if name in paths and value is not None else value
+                for name, value in vars(self).items() if name != "progress"}
 
 
 @dataclass
@@ -117,6 +126,7 @@ def run(options, comm=None):
     """Run the job on every rank of ``comm`` (MPI.COMM_WORLD by default); returns the Outcome.
     Raises BurstError on bad input (the same on every rank)."""
     comm = world() if comm is None else comm
+    agree(comm, None, options.shaping())   # before any collective that an option decides (which ones, how many)
     rank, size = comm.rank, comm.size
     names = ("q", "k", "v", "do") if options.backward else ("q", "k", "v")
     clock = Phases(comm)

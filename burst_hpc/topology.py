@@ -19,7 +19,7 @@ local rank on every node (one NIC rail); ``node_comm`` this rank's node.
 from dataclasses import dataclass
 
 from . import config
-from .errors import TopologyError
+from .errors import RankMismatchError, TopologyError
 
 
 @dataclass(frozen=True)
@@ -72,9 +72,9 @@ def ranks_per_node_setting(ranks_per_node=None):
 _hosts = {}
 
 
-def node_ids(comm):
-    """Collective: every rank's node id (BURST_HPC_NODE_ID, else its shared-memory group, named
-    by the group's lowest rank and found once per communicator)."""
+def node_ids(comm, setting=None):
+    """Collective: every rank's (node id, ``setting``): the id BURST_HPC_NODE_ID, else its shared-memory
+    group, named by the group's lowest rank and found once per communicator."""
     from mpi4py import MPI
 
     if id(comm) not in _hosts:
@@ -82,16 +82,16 @@ def node_ids(comm):
         _hosts[id(comm)] = host.allreduce(comm.rank, op=MPI.MIN)
         host.Free()
     env = config.node_id()
-    return comm.allgather(("env", env) if env else ("host", _hosts[id(comm)]))
+    return comm.allgather((("env", env) if env else ("host", _hosts[id(comm)]), setting))
 
 
 class Topology:
     """The caller's communicator seen as nodes (see the module's docstring)."""
 
-    def __init__(self, comm, ranks_per_node=None, ids=None):
-        """Collective on ``comm``. ``ids``: every rank's node id (detected when None)."""
+    def __init__(self, comm, ranks_per_node, ids):
+        """Collective on ``comm``. ``ids``: every rank's node id; ``ranks_per_node``: the setting."""
         self.comm = comm
-        self.layout = arrange(node_ids(comm) if ids is None else ids, ranks_per_node_setting(ranks_per_node))
+        self.layout = arrange(ids, ranks_per_node)
         self.nodes, self.per_node = self.layout.nodes, self.layout.per_node
         self.position = self.layout.position(comm.rank)
         self.node, self.local = self.layout.node_of(self.position), self.layout.local_of(self.position)
@@ -117,9 +117,20 @@ def inner_lane(comm):
 
 def topology(comm, ranks_per_node=None):
     """Collective: the Topology of ``comm`` (one allgather; the communicators are split once per
-    communicator, node assignment and setting)."""
-    setting = ranks_per_node_setting(ranks_per_node)
-    ids = node_ids(comm)
+    communicator, node assignment and setting). The allgather carries each rank's setting too, so
+    ranks that cut their hosts otherwise (ranks_per_node or BURST_HPC_RANKS_PER_NODE) get the same
+    error on every rank, never some splitting the communicator while others do not."""
+    try:
+        setting, problem = ranks_per_node_setting(ranks_per_node), None
+    except TopologyError as e:
+        setting, problem = None, str(e)
+    ids, settings = zip(*node_ids(comm, (setting, problem)))
+    for rank, (theirs, problem) in enumerate(settings):
+        if problem is not None:
+            raise TopologyError(problem if all(p == problem for _, p in settings) else f"{problem} (rank {rank})")
+        if theirs != settings[0][0]:
+            raise RankMismatchError(f"ranks disagree on ranks_per_node (or BURST_HPC_RANKS_PER_NODE): rank 0 has "
+                                    f"{settings[0][0]!r}, rank {rank} has {theirs!r}")
     key = (id(comm), tuple(ids), setting)
     if key not in _cache:
         _cache[key] = Topology(comm, setting, ids)

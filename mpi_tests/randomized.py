@@ -6,7 +6,10 @@ documents (random cuts, one-token documents, cuts on shard and chunk edges), win
 simulated nodes (``ranks_per_node``, 1-4 nodes) over the ranks it is launched on. Every rank draws
 the same case. A call must either match the oracle within the FlashAttention tolerance (forward
 and backward, verify.tolerance), or be refused with the same clear message on every rank, one of
-the refusals this module lists as legitimate. Anything else is a failure, reported as one line
+the refusals this module lists as legitimate. On several ranks a share of the cases first makes the
+call with one rank passing another value of one argument (``Case.disagree``): every rank must then
+raise the same RankMismatchError naming it, within DISAGREE_LIMIT_S (a hang ends the job with the
+reproducer), before the case runs as drawn. Anything else is a failure, reported as one line
 that reproduces the case.
 
     make test                                  a fixed set of seeds (mpi_tests/test_randomized.py)
@@ -17,10 +20,12 @@ On a GPU (``--backend cuda``) the inputs are CuPy arrays in bfloat16 or float16 
 GPU) and the kernels run; the oracle stays in float64 on the host.
 """
 import argparse
+import faulthandler
 import os
 import re
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,6 +35,12 @@ SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
 LAYOUTS = (None, "contiguous", "zigzag", "balanced")
 HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 72)
 GPU_HEAD_DIMS = (32, 48, 64, 80, 96, 128, 160, 256)
+
+# the arguments one rank may pass otherwise (Case.disagree), in a share of the cases on several ranks
+DISAGREEMENTS = ("scheme", "layout", "causal", "window", "scale", "cu_seqlens", "dtype", "transport", "ranks_per_node",
+                 "backward_ring")
+DISAGREE_SHARE = 0.3
+DISAGREE_LIMIT_S = 60   # they end in milliseconds; a rank still in the call then hangs
 
 # the only refusals a drawn case may meet: each names what does not fit and what to use instead
 LEGITIMATE = (
@@ -60,6 +71,7 @@ class Case:
     scale: float = None
     backward_ring: str = "auto"
     poison: tuple = None   # (tensor, value, batch, token, head, dim): one non-finite input element
+    disagree: tuple = None  # (rank, argument, value): that rank first passes this value instead
 
     def line(self):
         """The one-line reproducer."""
@@ -69,7 +81,7 @@ class Case:
                 f"B={self.batch} S={self.seqlen} Hq={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
                 f"{self.dtype} causal={self.causal} layout={self.layout} scheme={self.scheme} "
                 f"ranks_per_node={self.ranks_per_node} cu_seqlens={self.cu_seqlens} window={self.window} "
-                f"scale={self.scale} backward_ring={self.backward_ring} poison={self.poison}")
+                f"scale={self.scale} backward_ring={self.backward_ring} poison={self.poison} disagree={self.disagree}")
 
 
 def draw(seed, ranks, backend="numpy", dtype=None):
@@ -105,7 +117,40 @@ def draw(seed, ranks, backend="numpy", dtype=None):
         heads = c.heads if tensor == "q" else c.kv_heads
         c.poison = (tensor, str(rng.choice(["nan", "inf", "-inf"])), int(rng.integers(c.batch)),
                     int(rng.integers(c.seqlen)), int(rng.integers(heads)), int(rng.integers(c.head_dim)))
+    other = np.random.default_rng([seed, ranks, 2])   # its own stream: the cases drawn above stay as they were
+    if ranks > 1 and other.random() < DISAGREE_SHARE:
+        c.disagree = disagreement(other, c)
     return c
+
+
+def disagreement(rng, c):
+    """(rank, argument, value): an argument of case ``c`` and a value of it that changes the call."""
+    from burst_hpc import config, masks
+
+    name = str(rng.choice(DISAGREEMENTS))
+    if name == "scheme":
+        value = str(rng.choice([s for s in SCHEMES if s != c.scheme]))
+    elif name == "layout":
+        others = [layout for layout in LAYOUTS if layout != c.layout]
+        value = others[rng.integers(len(others))]
+    elif name == "causal":
+        value = not c.causal
+    elif name == "window":   # (-1, -1) is no window
+        value = None if masks.check_window(c.window) is not None else (int(rng.integers(0, c.seqlen)), 0)
+    elif name == "scale":
+        value = float(rng.uniform(0.05, 1.0)) if c.scale is None else None
+    elif name == "cu_seqlens":
+        value = None if c.cu_seqlens is not None else [0, int(rng.integers(1, c.seqlen)), c.seqlen]
+    elif name == "dtype":
+        value = {"float64": "float32", "float32": "float64", "bfloat16": "float16", "float16": "bfloat16"}[c.dtype]
+    elif name == "transport":
+        value = "host" if c.backend == "numpy" else "staged"
+    elif name == "ranks_per_node":
+        setting = c.ranks_per_node or config.ranks_per_node()
+        value = int(rng.choice([w for w in range(1, c.ranks + 1) if c.ranks % w == 0 and w != setting]))
+    else:
+        value = str(rng.choice([ring for ring in ("auto", "q", "kv") if ring != c.backward_ring]))
+    return int(rng.integers(c.ranks)), name, value
 
 
 def documents(rng, seqlen, ranks):
@@ -214,6 +259,9 @@ def run_case(comm, case, xp=np):
               ranks_per_node=case.ranks_per_node, window=case.window,
               cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     dev = [xp.asarray(mine(x)) for x in (q, k, v, do)]
+    backward_kw = dict(kw, backward_ring=case.backward_ring)
+    if case.disagree is not None and case.disagree[1] != "backward_ring":
+        refused_alike(comm, case, dev, kw, lambda arrays, args: burst_hpc.burst_attention(*arrays[:3], **args))
     error, got = None, None
     try:
         got = burst_hpc.burst_attention(*dev[:3], **kw)
@@ -222,7 +270,10 @@ def run_case(comm, case, xp=np):
     message = refusal(comm, error)
     if message is not None:
         return f"refused: {message}"
-    grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, backward_ring=case.backward_ring, **kw)
+    if case.disagree is not None and case.disagree[1] == "backward_ring":
+        refused_alike(comm, case, dev, backward_kw,
+                      lambda arrays, args: burst_hpc.burst_attention_backward(arrays[3], *arrays[:3], *got, **args))
+    grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, **backward_kw)
     ours = dict(zip(("o", "lse", "dq", "dk", "dv"), [_host(x) for x in (*got, *grads)]))
     if case.poison is not None:
         problems = nonfinite_problems(case, ours, q, k, v, do, mine)
@@ -232,6 +283,45 @@ def run_case(comm, case, xp=np):
     bad = [f"rank {rank}: " + ", ".join(p) for rank, p in enumerate(every) if p]
     assert not bad, "; ".join(bad)
     return "ok"
+
+
+def refused_alike(comm, case, arrays, kw, call):
+    """``call(arrays, kw)`` with the case's disagreement on its rank must raise, on every rank and within
+    DISAGREE_LIMIT_S, the same RankMismatchError naming the argument (AssertionError otherwise; a rank
+    still in the call then prints the reproducer and ends the job)."""
+    from burst_hpc.dtypes import parse_dtype
+
+    rank, name, value = case.disagree
+    if comm.rank == rank:
+        if name == "dtype":   # cast on the host, then onto the device as inputs() does
+            xp = sys.modules[type(arrays[0]).__module__.split(".")[0]]
+            arrays = [xp.asarray(_host(x).astype(parse_dtype(value))) for x in arrays]
+        else:
+            kw = dict(kw, **{name: np.array(value) if name == "cu_seqlens" and value is not None else value})
+
+    def hung():
+        sys.stdout.write(f"FAIL {case.line()}\n     rank {comm.rank}: still in the call after {DISAGREE_LIMIT_S} s "
+                         f"(a hang); where each thread is:\n")
+        sys.stdout.flush()
+        faulthandler.dump_traceback(sys.stdout)
+        os._exit(1)
+
+    watchdog = threading.Timer(DISAGREE_LIMIT_S, hung)
+    watchdog.start()
+    error = None
+    try:
+        call(arrays, kw)
+    except Exception as e:  # noqa: BLE001 - judged below
+        error = e
+    finally:
+        watchdog.cancel()
+    every = comm.allgather(None if error is None else (type(error).__name__, str(error)))
+    ran = [r for r, e in enumerate(every) if e is None]
+    assert not ran, f"rank {rank} passed {name}={value!r}, yet the call ran on rank(s) {ran}: {every}"
+    assert all(e == every[0] for e in every), f"ranks disagree on the refusal: {every}"
+    kind, message = every[0]
+    assert kind == "RankMismatchError" and message.startswith(f"ranks disagree on {name}: "), \
+        f"not the refusal of the disagreement on {name}: {kind}: {message}"
 
 
 def finite_problems(case, ours, q, k, v, do, mine):
@@ -342,7 +432,7 @@ def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
         import burst_hpc
 
         burst_hpc.select_device(comm)
-    counts, failures = {"ok": 0, "refused": 0, "ran": {}, "refusals": {}}, []
+    counts, failures = {"ok": 0, "refused": 0, "disagreed": 0, "ran": {}, "refusals": {}}, []
     for seed in seeds:
         case = draw(seed, comm.size, backend, dtype)
         if log is not None and comm.rank == 0:
@@ -353,6 +443,7 @@ def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
             failures.append(f"FAIL {case.line()}\n     {e}")
             continue
         counts["ok" if outcome == "ok" else "refused"] += 1
+        counts["disagreed"] += case.disagree is not None
         tally = counts["ran"] if outcome == "ok" else counts["refusals"]
         what = f"{case.scheme}/{shard_layout(case)}" if outcome == "ok" else outcome[len("refused: "):][:60]
         tally[what] = tally.get(what, 0) + 1
@@ -434,7 +525,8 @@ def main():
         for f in failures:
             print(f, flush=True)
         print(f"randomized: {counts['ok']} ok, {counts['refused']} refused, {len(failures)} failed "
-              f"on {comm.size} rank(s)", flush=True)
+              f"on {comm.size} rank(s); {counts['disagreed']} with ranks disagreeing first, refused alike",
+              flush=True)
         for name in ("ran", "refusals"):
             print(f"randomized {name}: " + " | ".join(f"{k} {n}" for k, n in sorted(counts[name].items())), flush=True)
     return 1 if failures else 0

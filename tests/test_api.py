@@ -143,6 +143,16 @@ def test_errors_are_burst_errors():
         assert issubclass(err, BurstError) and issubclass(err, ValueError)
 
 
+def test_every_error_the_package_raises_is_exported():
+    """A caller catches any of them by its name in burst_hpc (TopologyError and MpiError were missing)."""
+    from burst_hpc import errors
+
+    defined = {name for name, value in vars(errors).items() if isinstance(value, type) and issubclass(value, BurstError)}
+    assert defined <= set(burst_hpc.__all__), defined - set(burst_hpc.__all__)
+    assert all(getattr(burst_hpc, name) is getattr(errors, name) for name in defined)
+    assert {"TopologyError", "MpiError", "FileError"} <= defined
+
+
 def test_unknown_backend(rng):
     q, k, v = _good(rng)
     with pytest.raises(burst_hpc.BackendError, match=r"unknown backend 'tpu'"):
