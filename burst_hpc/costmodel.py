@@ -25,9 +25,9 @@ from functools import lru_cache
 
 import numpy as np
 
-from .accounting import attention_flops, backward_ring_bytes, cheaper_backward_ring, step_bytes, transfer_bytes
+from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from .errors import BurstError, LayoutError
-from .layout import LAYOUTS, check_split
+from .layout import LAYOUTS, check_split, default_layout
 
 
 @dataclass(frozen=True)
@@ -51,6 +51,7 @@ GPU_RATES = {
     "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0),
 }
 SCHEMES = ("ring", "double_ring", "ulysses_ring")
+MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
 
 @dataclass(frozen=True)
@@ -181,8 +182,9 @@ def predict(scheme, pr, cl, rates, layout="zigzag", mask=None, scale=1):
 
 
 def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
-    """One pass of ``predict``."""
-    from .workload import account
+    """One pass of ``predict``; with ``scale`` an array, ``time`` and ``compute`` are arrays too (one
+    for each scale: hiding_tokens asks many at once)."""
+    from .workload import KINDS, account
 
     direction = direction_of(pr, cl.ranks, layout, mask, backward)
     acc = account(pr.seqlen, cl.ranks, pr.causal, mask, layout, scheme, direction,
@@ -191,39 +193,67 @@ def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     if scheme == "ulysses_ring":
         heads, kv_heads = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node)
     F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
-    per_pair = attention_flops(pr.batch, heads, pr.head_dim, 1.0, backward) / F * scale ** 2
-    sizes = {key: nbytes * pr.batch * scale for key, nbytes in
-             transfer_bytes(heads, kv_heads, pr.head_dim, pr.itemsize, backward).items()}
-    links = {False: (rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6),
-             True: (rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6)}
+    per_pair = attention_flops(pr.batch, heads, pr.head_dim, 1.0, backward) / F
+    sizes = transfer_bytes(heads, kv_heads, pr.head_dim, pr.itemsize, backward)
+    nbytes = np.array([sizes[kind] * pr.batch for kind in KINDS])[acc.ends["kind"]] * acc.ends["tokens"]
+    links = np.array([[rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6],
+                      [rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6]])
     critical = acc.work.max(axis=1) * per_pair
-    time = _run(acc.ends, critical, sizes, links)
+    scales = np.atleast_1d(np.asarray(scale, np.float64))
+    time = _run(acc, critical, nbytes / links[acc.ends["far"], 0], links[:, 1], scales)
     if scheme == "ulysses_ring":
-        time += _all_to_alls(pr, cl, rates, backward, scale)
-    network = {}
-    for items in acc.ends.values():
-        for _, rank, far, end, what, side, tokens in items:
-            if far and end == "out":
-                network[rank] = network.get(rank, 0.0) + sizes[(what, side)] / scale * tokens
-    return PassPrediction(time, float(critical.sum()), float(acc.work.sum()) / cl.ranks * per_pair,
-                          acc.work.shape[0], max(network.values(), default=0.0))
+        time = time + _all_to_alls(pr, cl, rates, backward, scales)
+    sent = acc.ends["far"].astype(bool) & acc.ends["out"].astype(bool)
+    network = np.bincount(acc.ends["rank"][sent], nbytes[sent], minlength=1).max()
+    compute = critical.sum() * scales ** 2
+    mean = acc.work.sum() / cl.ranks * per_pair * scales ** 2
+    if np.ndim(scale) == 0:
+        time, compute, mean = float(time[0]), float(compute[0]), float(mean[0])
+    return PassPrediction(time, compute, mean, acc.work.shape[0], float(network))
 
 
-def _run(ends, critical, sizes, links):
-    """Seconds of the steps: each the larger of its busiest rank's kernels (``critical``) and the
-    arrival of every transfer due at its end, each link carrying its transfers in turn."""
-    free, arrived, time = {}, {}, 0.0   # (rank, far, "out"/"in") -> when that link is next free
-    for t in range(len(critical)):
-        start, paid = time, set()
-        for due, rank, far, end, what, side, tokens in ends.get(t, ()):
-            bandwidth, latency = links[far]
-            e = (rank, far, end)
-            free[e] = max(start, free.get(e, 0.0)) + sizes[(what, side)] * tokens / bandwidth + \
-                (latency if e not in paid else 0.0)
-            paid.add(e)
-            arrived[due] = max(arrived.get(due, 0.0), free[e])
-        time = max(start + critical[t], arrived.get(t, 0.0))
+def _run(acc, critical, seconds, latency, scales):
+    """Seconds of the steps, for each of ``scales`` (the tokens per GPU scaled: compute by its
+    square, transfers by it): each step the larger of its busiest rank's kernels (``critical``) and
+    the arrival of every transfer due at its end; each link end carries its transfers one after
+    another in posting order (``seconds`` each, at scale 1), none before it is posted, a latency
+    (``latency`` by link class) once per step and end."""
+    steps = _link_steps(acc)
+    free = np.zeros((4 * acc.work.shape[1], scales.size))   # when each (rank, far, out) link end is next free
+    arrived = np.zeros((len(critical), scales.size))
+    time = np.zeros(scales.size)
+    for t, compute in enumerate(critical):
+        start = time
+        if t in steps:
+            rows, ends, counts, last, far, by_due, dues, due_starts = steps[t]
+            carried = np.cumsum(seconds[rows, None] * scales, axis=0)   # within a step, end after end
+            before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
+            begin = np.maximum(start, free[ends]) + latency[far, None] - before
+            done = np.repeat(begin, counts, axis=0) + carried
+            free[ends] = done[last]
+            arrived[dues] = np.maximum(arrived[dues], np.maximum.reduceat(done[by_due], due_starts, axis=0))
+        time = np.maximum(start + compute * scales ** 2, arrived[t])
     return time
+
+
+@lru_cache(maxsize=64)
+def _link_steps(acc):
+    """{step: (rows of acc.ends it posts, their link ends (rank, far, out) as indices, how many rows
+    each end has, the last row of each, each end's far flag, the rows (of those) by due step, the
+    due steps, where each due step's rows start)}."""
+    ends = acc.ends
+    key = ends["rank"] * 4 + ends["far"] * 2 + ends["out"]
+    out = {}
+    for t in np.unique(ends["posted"]):
+        rows = np.flatnonzero(ends["posted"] == t)
+        first = np.flatnonzero(np.diff(key[rows], prepend=-1) != 0)
+        counts = np.diff(np.append(first, rows.size))
+        by_due = np.argsort(ends["due"][rows], kind="stable")
+        due = ends["due"][rows][by_due]
+        due_starts = np.flatnonzero(np.diff(due, prepend=-1) != 0)
+        out[int(t)] = (rows, key[rows][first], counts, first + counts - 1, ends["far"][rows][first], by_due,
+                       due[due_starts], due_starts)
+    return out
 
 
 def _all_to_alls(pr, cl, rates, backward, scale):
@@ -252,7 +282,7 @@ def options(pr, cl, rates, mask=None, layouts=LAYOUTS, schemes=SCHEMES):
     return out
 
 
-def pick(pr, cl, rates, layout="zigzag", mask=None, backward=True, margin=0.02):
+def pick(pr, cl, rates, layout="zigzag", mask=None, backward=True, margin=MARGIN):
     """The scheme ``scheme='auto'`` runs in ``layout``: the least predicted time (forward+backward,
     or the forward alone) among those that fit; the flat ring unless another beats it by more than
     ``margin``; one node: ring."""
@@ -277,35 +307,38 @@ def _pick(found, backward, margin):
 
 def best(pr, cl, rates, mask=None, layouts=LAYOUTS, scheme="auto", backward=True):
     """The fastest predicted (layout, scheme): each layout with its ``pick`` (or ``scheme`` when one is
-    named), the least time among them. (Prediction, ``options``' output of the pairs priced.)"""
+    named), the least time among them; on a tie the call's default layout (zigzag when causal,
+    contiguous otherwise: one rank holds every layout alike). (Prediction, ``options``' output of
+    the pairs priced.)"""
     schemes = SCHEMES if scheme == "auto" and cl.nodes > 1 else ("ring",) if scheme == "auto" else (scheme,)
     found = options(pr, cl, rates, mask, layouts, schemes)
-    picked = _pick(found, backward, 0.02)
-    if not picked:   # no layout splits the sequence (a scheme other than the ring fits wherever the ring does)
+    picked = _pick(found, backward, MARGIN)
+    if not picked:   # no layout splits the sequence, or the scheme named runs none that does
         raise LayoutError("; ".join(dict.fromkeys(why for why in found.values())))
-    return min(picked.values(), key=lambda p: p.seconds(backward)), found
+    return min(picked.values(), key=lambda p: (p.seconds(backward), p.layout != default_layout(pr.causal))), found
 
 
 def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zigzag", mask=None):
     """The fewest tokens per GPU (a multiple of 64) at which ``scheme`` in ``layout`` exposes at
     most ``within`` of its compute as communication (None beyond 16M tokens per GPU): the same
-    schedule, its mask scaled with the tokens (``predict``'s ``scale``)."""
+    schedule, its mask scaled with the tokens (``predict``'s ``scale``). Narrowed down 64 sizes at
+    a time (one pass of the model prices them together)."""
     tokens = pr.seqlen / cl.ranks
 
-    def exposed_share(n):
-        passes = [pass_prediction(scheme, pr, cl, rates, layout, mask, b, n / tokens)
+    def hidden(units):
+        passes = [pass_prediction(scheme, pr, cl, rates, layout, mask, b, units * 64 / tokens)
                   for b in ((False, True) if backward else (False,))]
-        return sum(p.time - p.compute for p in passes) / sum(p.compute for p in passes)
+        return sum(p.time - p.compute for p in passes) <= within * sum(p.compute for p in passes)
 
     lo, hi = 1, 1 << 18   # units of 64 tokens
-    if exposed_share(hi * 64) > within:
+    if not hidden(np.array([hi]))[0]:
         return None
     while lo < hi:
-        mid = (lo + hi) // 2
-        if exposed_share(mid * 64) <= within:
-            hi = mid
-        else:
-            lo = mid + 1
+        grid = np.unique(np.linspace(lo, hi, 64).round().astype(np.int64))
+        first = int(np.argmax(hidden(grid)))   # the last point (hi) hides
+        if first == 0:
+            return int(grid[0]) * 64
+        lo, hi = int(grid[first - 1]) + 1, int(grid[first])
     return lo * 64
 
 

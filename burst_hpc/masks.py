@@ -160,24 +160,30 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
     return Mask(seqlen, causal, window, cu_seqlens)
 
 
+def block_counts(mask, rows, keys):
+    """int64 (S / rows, S / keys): the visible (query, key) pairs of every block of ``rows`` query
+    rows against every block of ``keys`` keys (``mask`` a Mask: plain causal or full attention
+    too, Mask(seqlen, causal, None, None)). The row intervals never shrink, so the pairs of a block
+    of rows with the keys before a point come from prefix sums and searchsorted, without visiting
+    the rows one by one."""
+    lo, hi = mask.intervals
+    lo_sums, span_sums = (np.concatenate([[0], np.cumsum(x)]) for x in (lo, hi - lo))
+    starts = np.arange(0, mask.seqlen, rows, dtype=np.int64)[:, None]     # (row block, 1)
+    ends = np.arange(0, mask.seqlen + 1, keys, dtype=np.int64)[None, :]    # (1, key boundary)
+    done = np.clip(np.searchsorted(hi, ends, side="right"), starts, starts + rows)   # rows seeing no key past x
+    begun = np.clip(np.searchsorted(lo, ends, side="right"), starts, starts + rows)  # rows seeing a key before x
+    # visible pairs of each block of rows with the keys before each boundary x
+    before = span_sums[done] - span_sums[starts] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
+    return np.diff(before, axis=1)
+
+
 @lru_cache(maxsize=16)
 def pair_work(mask, size, layout):
     """(size, size) int64, read-only: the visible (query, key) pairs of rank a's queries against rank
-    b's keys (``mask`` a Mask: plain causal or full attention too, Mask(seqlen, causal, None, None)). The row intervals never shrink, so the
-    pairs of every piece of rows against the keys before a point come from prefix sums and
-    searchsorted, without visiting the rows piece by piece."""
+    b's keys (``mask`` as block_counts takes it)."""
     owner = [pieces(mask.seqlen, r, size, layout) for r in range(size)]
     piece = owner[0][0][1]
-    parts = mask.seqlen // piece
-    lo, hi = mask.intervals
-    lo_sums, span_sums = (np.concatenate([[0], np.cumsum(x)]) for x in (lo, hi - lo))
-    starts = np.arange(parts, dtype=np.int64)[:, None] * piece   # (row piece, 1)
-    ends = np.arange(parts + 1, dtype=np.int64)[None, :] * piece   # (1, key boundary)
-    done = np.clip(np.searchsorted(hi, ends, side="right"), starts, starts + piece)  # rows seeing no key past x
-    begun = np.clip(np.searchsorted(lo, ends, side="right"), starts, starts + piece)  # rows seeing a key before x
-    # visible pairs of each row piece with keys before each boundary x
-    before = span_sums[done] - span_sums[starts] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
-    blocks = np.diff(before, axis=1)   # (row piece, key piece)
+    blocks = block_counts(mask, piece, piece)
     index = [[start // piece for start, _ in runs] for runs in owner]
     rows = np.array([blocks[i].sum(axis=0) for i in index])                           # (rank, key piece)
     out = np.stack([rows[:, i].sum(axis=1) for i in index], axis=1).astype(np.int64)   # (rank, rank)

@@ -60,18 +60,23 @@ def plain_mask(seqlen, causal, mask):
     return mask if mask is not None else masks.Mask(seqlen, causal, None, None)
 
 
-@dataclass(frozen=True)
+KINDS = (("data", "kv"), ("data", "q"), ("partial", "q"), ("partial", "kv"))   # (what, side) of a transfer
+
+
+@dataclass(frozen=True, eq=False)
 class Account:
     """A pass of one scheme as its schedule runs it (``account``): what the cost model prices.
 
     ``work`` (steps, ranks) int64: the visible (query, key) pairs each rank computes at each step,
     for ``1 / heads_split`` of the heads (Ulysses: a rank runs its share of the heads on its node's
-    tokens). ``ends``: by posting step, the link ends each transfer uses, in the order the engine
-    posts them: (due, rank, far, end 'out' or 'in', what, side, tokens). A ring and a double ring
-    are the same at every rank up to a rotation, so only ``shown`` ranks' ends are listed (the
-    ranks of one node for the ring: whether a neighbour is across the network depends on the
-    local rank; one rank for the double ring and Ulysses, whose rails are alike); the balanced
-    schedule lists every rank's."""
+    tokens). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
+    the step that posts it, then by link end, then as the engine posts them (by due step):
+    ``posted``, ``due``, ``rank``, ``far`` (between nodes), ``out`` (the sender's end, else the
+    receiver's), ``kind`` (an index into KINDS) and ``tokens``. A ring and a double ring are the
+    same at every rank up to a rotation, so only ``shown`` ranks' ends are listed (the ranks of one
+    node for the ring: whether a neighbour is across the network depends on the local rank; one
+    rank for the double ring and Ulysses, whose rails are alike); the balanced schedule lists
+    every rank's."""
     work: np.ndarray
     ends: dict
     heads_split: int
@@ -83,7 +88,7 @@ def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None
     """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring')
     over ``size`` ranks of ``per_node`` a node (None: one node), in ``layout``, from the schedules
     the engine runs (schedule.py, schemes.py)."""
-    from .schemes import work_rounds
+    from .schemes import position_pairs, work_rounds
 
     near, returns = DIRECTIONS[direction]
     counted = plain_mask(seqlen, causal, mask)
@@ -96,22 +101,18 @@ def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None
         template = schedule_steps(layout, causal, 0, size, near, returns, mask, seqlen, None)
         pairs = masks.pair_work(counted, size, layout)
         return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1, 1)
-    ranks = np.arange(size)
     if scheme == "double_ring":
-        def pieces_of(p):
-            return tuple(pieces(seqlen, p, size, layout))
-        rounds = work_rounds(mask, nodes, pieces_of, near == "q",
-                             lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)], size)
+        rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
+                             lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         template = double_ring_steps(0, nodes, w, near, returns, rounds)
         pairs = masks.pair_work(counted, size, layout)
         return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
                         shard, w, 1, 1)
     if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
-        def node_pieces(n):
-            return tuple(run for r in range(n * w, (n + 1) * w) for run in pieces(seqlen, r, size, layout))
-        count = work_rounds(mask, nodes, node_pieces, near == "q", lambda p, o: [(p - o) % nodes], nodes)
+        count = work_rounds(position_pairs(mask, layout, range(size), w), nodes, near == "q",
+                            lambda p, o: [(p - o) % nodes])
         template = plain_ring_steps(0, nodes, near, returns, count)
-        pairs = masks.pair_work(counted, size, layout).reshape(nodes, w, nodes, w).sum(axis=(1, 3))
+        pairs = position_pairs(counted, layout, range(size), w)
         node_account = _rotated(template, pairs, lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1, w)
         return replace(node_account, work=np.repeat(node_account.work, w, axis=1))
     raise BurstError(f"unknown scheme {scheme!r}")
@@ -155,8 +156,13 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
 
 
 def _in_order(ends):
-    """Each step's link ends by due step (a link carries what is posted in that order)."""
-    return {t: tuple(sorted(items, key=lambda e: e[0])) for t, items in ends.items()}
+    """``ends`` ({posted: [(due, rank, far, 'out'/'in', what, side, tokens)]}) as Account.ends."""
+    rows = [(t, rank, far, end == "out", due, n, KINDS.index((what, side)), tokens)
+            for t, items in ends.items() for n, (due, rank, far, end, what, side, tokens) in enumerate(items)]
+    rows.sort(key=lambda row: row[:6])
+    columns = np.array(rows, np.int64).reshape(-1, 8).T
+    return {name: columns[n] for n, name in enumerate(("posted", "rank", "far", "out", "due", "order", "kind", "tokens"))
+            if name != "order"}
 
 
 def node_list(size, per_node):

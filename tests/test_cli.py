@@ -165,7 +165,7 @@ BAD_INPUTS = {
     "shape-mismatch": (lambda: dict(random_qkv(16), k=random_qkv(16, hkv=3)["k"]), [], "k and v must have the same shape"),
     "heads-mismatch": (lambda: dict(random_qkv(16, hq=3, hkv=2)), [], "multiple of key/value heads"),
     "unsupported-dtype": (lambda: {k: a.astype(np.int16) for k, a in random_qkv(16).items()}, [], "unsupported dtype int16"),
-    "no-split": (lambda: random_qkv(18), ["--causal"], "does not split over 2 ranks"),
+    "no-split": (lambda: random_qkv(17), ["--causal"], "does not split over 2 ranks"),   # in any layout
     "bad-documents": (lambda: dict(random_qkv(16), cu_seqlens=np.array([0, 5, 5, 16])), ["--causal"],
                       "dataset 'cu_seqlens': cu_seqlens must be strictly increasing"),
     "short-documents": (lambda: dict(random_qkv(16), cu_seqlens=np.array([0, 5, 12])), [],
