@@ -112,24 +112,24 @@ def assign(mask, size, near, returns, nodes=None):
     blocks = prefix.shape[1] - 1
     tasks = [[] for _ in range(size)]
     load = np.zeros(size, np.float64)
-    for i in range(size):
-        for j in range(size):
-            rows = np.flatnonzero(np.diff(prefix[i, :, j]))
-            if rows.size:
-                home = i if near == "kv" else j
-                tasks[home].append([i, j, int(rows[0]), int(rows[-1]) + 1, "home"])
-                load[home] += prefix[i, blocks, j]
+    busy = np.diff(prefix, axis=1) != 0   # [i, row block, j]: the block sees keys of chunk j
+    first, last = busy.argmax(axis=1), blocks - 1 - busy[:, ::-1, :].argmax(axis=1)
+    for i, j in zip(*(x.tolist() for x in np.nonzero(busy.any(axis=1)))):
+        home = i if near == "kv" else j
+        tasks[home].append([i, j, int(first[i, j]), int(last[i, j]) + 1, "home"])
+        load[home] += prefix[i, blocks, j]
     mean = load.sum() / size
     # the local pair keeps its first half of rows: the first and the last steps' work
     keep = {i: (b0 + b1 + 1) // 2 for r in range(size) for i, j, b0, b1, _ in tasks[r] if i == j}
-    held = [{("kv", r)} for r in range(size)]   # the key chunks each rank holds or will receive
-    sent = {}                                    # (rank, query chunk) -> the row blocks of it going there
+    held = np.eye(size, dtype=bool)   # [rank, key chunk]: it holds the chunk or will receive it
+    # [rank, query chunk] -> the row blocks [first, last) of it going there (-1: none)
+    sent_first, sent_last = np.full((size, size), -1, np.int64), np.full((size, size), -1, np.int64)
     node = np.asarray(nodes or (0,) * size)
     count = int(node.max()) + 1
     pairs_per_kb = NETWORK_KB_PAIRS["backward" if "kv" in returns else "forward"]
     nic = np.zeros(size)   # bytes (REMOTE-weighted) that moves send across each rank's network link
     nic_budget = NIC_SHARE * mean / pairs_per_kb * REMOTE
-    reached = [set(np.flatnonzero(node == n).tolist()) for n in range(count)]   # key chunks each node holds
+    reached = node[None, :] == np.arange(count)[:, None]   # [node, key chunk]: the node holds it
     q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
     kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
 
@@ -137,13 +137,22 @@ def assign(mask, size, near, returns, nodes=None):
         """Bytes of moving rows [cut, b1) of query chunk i against key chunks ``keys`` to rank h."""
         nbytes = 0.0
         if h != i:
-            lo, hi = sent.get((h, i), (cut, cut))
+            known = sent_first[h, i] >= 0
+            lo, hi = (int(sent_first[h, i]), int(sent_last[h, i])) if known else (cut, cut)
             new_rows = max(hi, b1) - min(lo, cut) - (hi - lo)
-            nbytes = q_row * (new_rows + (0 if (h, i) in sent else FRAGMENT)) * unit
+            nbytes = q_row * (new_rows + (0 if known else FRAGMENT)) * unit
             nbytes *= REMOTE if node[h] != node[i] else 1.0
         # a key chunk crosses the network once per node (schedule.relays), then NVLink
-        return nbytes + sum(kv_chunk * (REMOTE if j not in reached[node[h]] else 1.0)
-                            for j in keys if ("kv", j) not in held[h])
+        return nbytes + sum(kv_chunk * (REMOTE if not reached[node[h], j] else 1.0) for j in keys if not held[h, j])
+
+    def prices(h, i, cut, b1, j):
+        """price of moving one pair's rows, for arrays of moves (keys [j]: the pair's key chunk)."""
+        known = sent_first[h, i] >= 0
+        lo, hi = np.where(known, sent_first[h, i], cut), np.where(known, sent_last[h, i], cut)
+        new_rows = np.maximum(hi, b1) - np.minimum(lo, cut) - (hi - lo)
+        nbytes = q_row * (new_rows + np.where(known, 0, FRAGMENT)) * unit
+        nbytes = np.where(h != i, nbytes * np.where(node[h] != node[i], REMOTE, 1.0), 0.0)
+        return nbytes + np.where(held[h, j], 0.0, kv_chunk * np.where(reached[node[h], j], 1.0, REMOTE))
 
     keep_of = np.full(size, -1, np.int64)   # keep, by query chunk
     for i, rows in keep.items():
@@ -189,8 +198,17 @@ def assign(mask, size, near, returns, nodes=None):
             # the first cut that moves at most the amount (the last when none does)
             at = np.minimum((work[:, :, None] > amounts[:, None, :]).sum(axis=1), (b1 - lo - 1)[:, None])
             moved = work[np.arange(len(own))[:, None], at]
-            for n, k in zip(*np.nonzero((lo < b1)[:, None] & fitting(moved))):
-                consider([own[n]], int(i[n]), int(b1[n]), int(takers[k]), int(lo[n] + at[n, k]), moved[n, k])
+            n, k = np.nonzero((lo < b1)[:, None] & fitting(moved))
+            h, c, moved = takers[k], lo[n] + at[n, k], moved[n, k]
+            nbytes = prices(h, i[n], c, b1[n], j[n])
+            # the network would take longer than the work it moves, or fill a NIC
+            ok = (node[h] == node[donor]) | ~((nbytes / REMOTE * pairs_per_kb > WORTH * moved) |
+                                              (np.maximum(nic[donor], nic[h]) + nbytes > nic_budget))
+            if ok.any():   # the least score (a diagonal pair alone moves last), the first of equals
+                ratio = nbytes / moved
+                m = np.flatnonzero(ok)[np.lexsort((i[n][ok], h[ok], ratio[ok], (i == j)[n][ok]))[0]]
+                best = ((bool(i[n[m]] == j[n[m]]), ratio[m], int(h[m]), int(i[n[m]]), 1), int(h[m]),
+                        [(own[n[m]][0], int(c[m]))], moved[m], float(nbytes[m]))
         # whole rows: the same last rows of every own pair of one query chunk
         for chunk in {t[0] for _, t in own}:
             option = [(index, t) for index, t in own if t[0] == chunk]
@@ -215,9 +233,9 @@ def assign(mask, size, near, returns, nodes=None):
         if node[h] != node[donor]:
             nic[donor] += nbytes
             nic[h] += nbytes
-        for j in {tasks[donor][index][1] for index, _ in parts} - reached[node[h]]:
+        for j in {tasks[donor][index][1] for index, _ in parts if not reached[node[h], tasks[donor][index][1]]}:
             nic[j] += kv_chunk * REMOTE
-            reached[node[h]].add(j)
+            reached[node[h], j] = True
         for index, cut in sorted(parts, reverse=True):
             i, j, b0, b1, kind = tasks[donor][index]
             cut = max(cut, b0)
@@ -226,10 +244,11 @@ def assign(mask, size, near, returns, nodes=None):
             else:
                 tasks[donor][index][3] = cut
             tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
-            held[h].add(("kv", j))
+            held[h, j] = True
             if h != i:
-                lo, hi = sent.get((h, i), (cut, b1))
-                sent[(h, i)] = (min(lo, cut), max(hi, b1))
+                known = sent_first[h, i] >= 0
+                lo, hi = (int(sent_first[h, i]), int(sent_last[h, i])) if known else (cut, b1)
+                sent_first[h, i], sent_last[h, i] = min(lo, cut), max(hi, b1)
         load[donor] -= moved
         load[h] += moved
 
@@ -281,7 +300,8 @@ def assign(mask, size, near, returns, nodes=None):
                         if load[h] + option[3] > (1 + SETTLED) * mean:
                             continue
                         # key chunks the light node gets for the first time: their owners send them
-                        owners = {tasks[donor][index][1] for index, _ in option[2]} - reached[light]
+                        owners = {tasks[donor][index][1] for index, _ in option[2]
+                                  if not reached[light, tasks[donor][index][1]]}
                         key = max([nic[donor], nic[h]] + [nic[j] + kv_chunk * REMOTE for j in owners])
                         key += option[0][1] * amount
                         if best_key is None or key < best_key:
@@ -309,13 +329,6 @@ def assign(mask, size, near, returns, nodes=None):
             continue
         move(donor, best)
     return tuple(tuple(tuple(t) for t in rank_tasks) for rank_tasks in tasks)
-
-
-def row_work(mask, size, i, j, lo, hi):
-    """Visible pairs of each query row lo..hi-1 of chunk i against key chunk j (int64 array)."""
-    chunk = mask.seqlen // size
-    first, last = mask.rows(i * chunk + lo, hi - lo)
-    return np.clip(np.minimum(last, (j + 1) * chunk) - np.maximum(first, j * chunk), 0, None)
 
 
 @lru_cache(maxsize=16)
@@ -423,30 +436,46 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
     plan, work = [], np.zeros((count, size), np.int64)
     for r, (units, cum, locals_end) in enumerate(runs):
         share = (totals[r] - first) / max(1, count - 1)
-        cuts = [(0, 0, 0)]   # (unit index, rows into it, work before the cut)
-        for t in range(count - 1):
-            target = first + share * t
-            if t == 0:
-                target = min(target, cum[locals_end])
-            u = min(int(np.searchsorted(cum, target, side="right")) - 1, len(units) - 1)
-            if u < 0 or not len(units):
-                cuts.append((0, 0, 0))
-                continue
-            tolerance = 0.02 * max(share, 1.0)
-            if target - cum[u] <= tolerance or cum[u + 1] - target <= tolerance:
-                u += 1 if cum[u + 1] - target < target - cum[u] else 0
-                cut = (u, 0, int(cum[u]))
-            else:
-                i, j, b = (int(x) for x in units[u])
-                rows = np.concatenate([[0], np.cumsum(row_work(mask, size, i, j, b * unit, (b + 1) * unit))])
-                x = int(np.argmin(np.abs(cum[u] + rows - target)))
-                cut = (u, x, int(cum[u] + rows[x]))
-            cuts.append(max(cuts[-1], cut))
+        cuts = [(0, 0, 0)] + step_cuts(mask, size, unit, units, cum, locals_end, first, share, count)
         cuts.append((len(units), 0, totals[r]))
         work[:, r] = np.diff([w for _, _, w in cuts])
         plan.append(visits_of(units, unit, cuts))
     work.setflags(write=False)
     return tuple(plan), work
+
+
+def step_cuts(mask, size, unit, units, cum, locals_end, first, share, count):
+    """Where a rank's steps 1..count-1 start: (unit index, rows into it, work before the cut) where
+    its units' work ``cum`` (cumulative, from 0) reaches ``first`` + ``share`` t (step 1 no later
+    than the end of its local work, unit ``locals_end``): at a unit's edge when one is within 2% of a
+    step's work, else at the query row nearest the target; never before the cut before."""
+    if count < 2:
+        return []
+    if not len(units):
+        return [(0, 0, 0)] * (count - 1)
+    target = first + share * np.arange(count - 1)
+    target[0] = min(target[0], cum[locals_end])
+    u = np.minimum(np.searchsorted(cum, target, side="right") - 1, len(units) - 1)
+    tolerance = 0.02 * max(share, 1.0)
+    edge = (target - cum[u] <= tolerance) | (cum[u + 1] - target <= tolerance)
+    u = u + (edge & (cum[u + 1] - target < target - cum[u]))
+    rows, done = np.zeros(len(u), np.int64), cum[u].copy()
+    inside = np.flatnonzero(~edge)
+    if inside.size:   # the visible pairs of each row of those units, cumulative: the row nearest the target
+        i, j, b = units[u[inside]].T
+        chunk = mask.seqlen // size
+        first_row = (i * chunk + b * unit)[:, None] + np.arange(unit)
+        lo, hi = mask.intervals
+        seen = np.clip(np.minimum(hi[first_row], (j[:, None] + 1) * chunk) - np.maximum(lo[first_row], j[:, None] * chunk),
+                       0, None)
+        before = np.concatenate([np.zeros((inside.size, 1), np.int64), np.cumsum(seen, axis=1)], axis=1)
+        x = np.argmin(np.abs(cum[u[inside]][:, None] + before - target[inside, None]), axis=1)
+        rows[inside], done[inside] = x, cum[u[inside]] + before[np.arange(inside.size), x]
+    # never before the cut before: the running maximum of (unit, rows) (the work follows from them)
+    key = np.concatenate([[0], u * (unit + 1) + rows])
+    latest = np.maximum.accumulate(np.where(key == np.maximum.accumulate(key), np.arange(key.size), 0))[1:] - 1
+    held = latest >= 0
+    return [(int(u[n]), int(rows[n]), int(done[n])) if ok else (0, 0, 0) for n, ok in zip(latest.tolist(), held.tolist())]
 
 
 def visits_of(units, unit, cuts):
