@@ -67,20 +67,17 @@ KINDS = (("data", "kv"), ("data", "q"), ("partial", "q"), ("partial", "kv"))   #
 class Account:
     """A pass of one scheme as its schedule runs it (``account``): what the cost model prices.
 
-    ``work`` (steps, ranks) int64: the visible (query, key) pairs each rank computes at each step,
-    for ``1 / heads_split`` of the heads (Ulysses: a rank runs its share of the heads on its node's
-    tokens). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
+    ``work`` (steps, ranks) int64: the visible (query, key) pairs each rank computes at each step
+    (Ulysses: for its share of the heads, on its node's tokens). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
     the step that posts it, then by link end, then as the engine posts them (by due step):
     ``posted``, ``due``, ``rank``, ``far`` (between nodes), ``out`` (the sender's end, else the
     receiver's), ``kind`` (an index into KINDS) and ``tokens``. A ring and a double ring are the
-    same at every rank up to a rotation, so only ``shown`` ranks' ends are listed (the ranks of one
+    same at every rank up to a rotation, so only some ranks' ends are listed (the ranks of one
     node for the ring: whether a neighbour is across the network depends on the local rank; one
     rank for the double ring and Ulysses, whose rails are alike); the balanced schedule lists
     every rank's."""
     work: np.ndarray
     ends: dict
-    heads_split: int
-    shown: int
 
 
 @lru_cache(maxsize=64)
@@ -100,28 +97,29 @@ def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None
     if scheme == "ring":
         template = schedule_steps(layout, causal, 0, size, near, returns, mask, seqlen, None)
         pairs = masks.pair_work(counted, size, layout)
-        return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1, 1)
+        return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
     if scheme == "double_ring":
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         template = double_ring_steps(0, nodes, w, near, returns, rounds)
         pairs = masks.pair_work(counted, size, layout)
         return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
-                        shard, w, 1, 1)
+                        shard, w, 1)
     if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
         count = work_rounds(position_pairs(mask, layout, range(size), w), nodes, near == "q",
                             lambda p, o: [(p - o) % nodes])
         template = plain_ring_steps(0, nodes, near, returns, count)
         pairs = position_pairs(counted, layout, range(size), w)
-        node_account = _rotated(template, pairs, lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1, w)
+        node_account = _rotated(template, pairs, lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
         return replace(node_account, work=np.repeat(node_account.work, w, axis=1))
     raise BurstError(f"unknown scheme {scheme!r}")
 
 
-def _rotated(template, pairs, rotate, positions, tokens, per_node, shown, heads_split):
+def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
     """The Account of a schedule that every position runs rotated (``rotate(x, r)``: what position
     0's ``x`` is at position r), from position 0's steps ``template`` and the visible pairs of
-    every (query, key) pair of shards ``pairs``."""
+    every (query, key) pair of shards ``pairs``; the link ends of positions 0..``shown``-1 (ranks
+    ``per_node`` a node), shards of ``tokens`` tokens."""
     every = np.arange(positions)
     work = np.zeros((len(template), positions), np.int64)
     for t, step in enumerate(template):
@@ -136,7 +134,7 @@ def _rotated(template, pairs, rotate, positions, tokens, per_node, shown, heads_
                     ends.setdefault(t, []).append((t if m.due is None else m.due, r, far, end, m.what, m.side,
                                                    tokens if m.rows is None else m.rows[1] - m.rows[0]))
     work.setflags(write=False)
-    return Account(work, _in_order(ends), heads_split, shown)
+    return Account(work, _in_order(ends))
 
 
 def _balanced_account(mask, size, near, returns, nodes, per_node):
@@ -152,7 +150,7 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
         tokens = chunk if rows is None else rows[1] - rows[0]
         for end, rank in (("out", sender), ("in", receiver)):
             ends.setdefault(posted, []).append((due, rank, far, end, what, side, tokens))
-    return Account(full, _in_order(ends), 1, size)
+    return Account(full, _in_order(ends))
 
 
 def _in_order(ends):

@@ -215,3 +215,40 @@ def test_the_plan_of_issue_37_picks_what_it_shows_fastest(capsys):
     assert rows[("balanced", "ring")][4] == "16 / 16"
     timed = {key: float(cells[2]) for key, cells in rows.items() if cells[2] != "-"}
     assert timed[pick] == min(timed.values())
+
+
+@pytest.mark.parametrize("scheme,layout", [("ring", "zigzag"), ("ring", "contiguous"), ("double_ring", "zigzag"),
+                                           ("double_ring", "contiguous")])
+@pytest.mark.parametrize("direction", ["forward", "backward", "backward-q"])
+def test_the_account_of_a_rotated_schedule_is_every_ranks_own(scheme, layout, direction):
+    """workload.account reads one rank's steps and rotates them: the work equals every rank's own
+    schedule's visits, and the link ends listed are those ranks' own sends and receives."""
+    import numpy as np
+
+    from burst_hpc import masks, workload
+    from burst_hpc.schedule import double_ring_steps, steps as flat_steps
+    from burst_hpc.schemes import position_pairs, work_rounds
+
+    nodes, w, seqlen = 3, 2, 6 * 16
+    size = nodes * w
+    mask = masks.make(seqlen, True, (20, 0), np.array([0, 7, 40, 41, 70, seqlen]))
+    near, returns = workload.DIRECTIONS[direction]
+    acc = workload.account(seqlen, size, True, mask, layout, scheme, direction, w)
+    if scheme == "ring":
+        plans = [flat_steps(layout, True, r, size, near, returns, mask, seqlen) for r in range(size)]
+    else:
+        rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
+                             lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
+        plans = [double_ring_steps(r, nodes, w, near, returns, rounds) for r in range(size)]
+    pairs = masks.pair_work(mask, size, layout)
+    own = np.zeros_like(acc.work)
+    for r, plan in enumerate(plans):
+        for t, step in enumerate(plan):
+            own[t, r] = sum(pairs[v.q_shard, v.kv_shard] for v in step.visits)
+    np.testing.assert_array_equal(acc.work, own)
+    listed = sorted(zip(*(acc.ends[k].tolist() for k in ("posted", "due", "rank", "far", "out", "tokens"))))
+    shown = sorted(set(acc.ends["rank"].tolist()))
+    counted = sorted((t, t if m.due is None else m.due, r, int(m.peer // w != r // w), int(out), seqlen // size)
+                     for r in shown for t, step in enumerate(plans[r])
+                     for out, transfers in ((True, step.sends), (False, step.recvs)) for m in transfers)
+    assert listed == counted and shown == (list(range(w)) if scheme == "ring" else [0])
