@@ -4,7 +4,7 @@ D = 128, Hq = 64, Hkv = 8, 8k tokens per GPU, causal, documents of random length
 forward+backward passes and reports TFLOP/s per GPU over the visible pairs at the slowest rank's
 pace (FlashAttention's count: 4 Hq D per visible pair forward, 3.5x that forward+backward), next
 to the schedule's own account (workload.schedule_work: critical path / mean work) and the cost
-model's prediction (costmodel.step_prediction, this GPU's built-in rates). Launch it at 1, 2, 4
+model's prediction (costmodel.pass_prediction, this GPU's built-in rates). Launch it at 1, 2, 4
 and 8 GPUs for the table in docs/RING.md.
 
     mpirun -np 8 python bench/bench_documents.py --out docs/results.md
@@ -86,8 +86,9 @@ def main(argv=None):
             seconds = timed(comm, run, args.iters, args.warmup, xp)
             row[pass_] = seconds
             row[f"{pass_}_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / seconds / 1e12
-            pred = [costmodel.step_prediction(problem, P, rates, layout, mask, b) for b in ((False, True) if backward
-                                                                                             else (False,))]
+            cluster = costmodel.Cluster(max(1, P // 8), min(P, 8))   # 8 GPUs a node
+            pred = [costmodel.pass_prediction("ring", problem, cluster, rates, layout, mask, b)
+                    for b in ((False, True) if backward else (False,))]
             time_ = sum(p.time for p in pred)
             row[f"{pass_}_predicted_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / time_ / 1e12
             row[f"{pass_}_predicted_exposed"] = sum(p.time - p.compute for p in pred) / time_

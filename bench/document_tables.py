@@ -1,7 +1,7 @@
 """The tables of docs/RING.md, "Packed documents": each layout's balance from the schedule's own
 account (burst_hpc.schedule_work) for documents up to S/4 (MagiAttention's benchmark) and for
 long-tailed (lognormal, median 2k tokens) lengths, three seeds each, 8k tokens per rank; and the
-cost model's prediction step by step (costmodel.step_prediction, H100 rates, 8 GPUs a node) in
+cost model's prediction step by step (costmodel.pass_prediction, H100 rates, 8 GPUs a node) in
 MagiAttention's setting (bf16, D = 128, Hq = 64, Hkv = 8). No GPU needed.
 
     python bench/document_tables.py [--ranks 8,16,32,64] [--seeds 3]
@@ -60,7 +60,8 @@ def prediction_table(ranks_list, tokens, per_node=8):
         problem = costmodel.Problem(1, seqlen, 64, 8, 128, 2, True)
         cells = []
         for layout in LAYOUTS:
-            preds = [costmodel.step_prediction(problem, ranks, rates, layout, mask, b, per_node) for b in (False, True)]
+            cluster = costmodel.Cluster(max(1, ranks // per_node), min(ranks, per_node))
+            preds = [costmodel.pass_prediction("ring", problem, cluster, rates, layout, mask, b) for b in (False, True)]
             flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * p.mean / p.time for b, p in zip((False, True), preds)]
             cells.append(f"{flops[0]:.0f} / {flops[1]:.0f} ({preds[0].exposed:.0%} / {preds[1].exposed:.0%})")
         lines.append(f"| {ranks} | " + " | ".join(cells) + " |")

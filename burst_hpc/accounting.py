@@ -20,6 +20,15 @@ def backward_ring_bytes(heads, kv_heads, head_dim, itemsize):
     return sum(sides["q"]), sum(sides["kv"])
 
 
+def cheaper_backward_ring(heads, kv_heads, head_dim, itemsize, q_steps=1, kv_steps=1, size=1):
+    """'q' or 'kv': the backward ring moving fewer bytes over its steps (with documents or a window
+    a ring may stop early: ``q_steps``/``kv_steps`` of ``size``); a tie goes to the kv-ring."""
+    q_bytes, kv_bytes = backward_ring_bytes(heads, kv_heads, head_dim, itemsize)
+    if (q_steps, kv_steps) != (size, size):  # a shortened ring sends its carried accumulator home in one hop
+        q_bytes, kv_bytes = q_bytes * q_steps, kv_bytes * kv_steps
+    return "q" if q_bytes < kv_bytes else "kv"
+
+
 def visible_pairs(seqlen, causal, mask=None):
     """The (query, key) pairs a pass computes, by the FlashAttention convention: S^2, half of it when
     causal; with documents or a window (``mask``, a masks.Mask) those of the visible pairs."""

@@ -36,6 +36,8 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import masks
+
 ROW_TILE = 128          # the kernels' tile height: row cuts at its multiples where the chunk allows
 
 
@@ -53,11 +55,7 @@ def block_work(mask, size):
     key chunk j (int64, shape (size, blocks + 1, size)); ``unit`` rows per block."""
     chunk = mask.seqlen // size
     unit = row_unit(chunk)
-    lo, hi = mask.intervals
-    work = np.empty((mask.seqlen // unit, size), np.int64)
-    for j in range(size):
-        k0, k1 = j * chunk, (j + 1) * chunk
-        work[:, j] = np.clip(np.minimum(hi, k1) - np.maximum(lo, k0), 0, None).reshape(-1, unit).sum(1)
+    work = masks.block_counts(mask, unit, chunk)
     blocks = chunk // unit
     prefix = np.zeros((size, blocks + 1, size), np.int64)
     prefix[:, 1:, :] = np.cumsum(work.reshape(size, blocks, size), axis=1)
@@ -114,24 +112,24 @@ def assign(mask, size, near, returns, nodes=None):
     blocks = prefix.shape[1] - 1
     tasks = [[] for _ in range(size)]
     load = np.zeros(size, np.float64)
-    for i in range(size):
-        for j in range(size):
-            rows = np.flatnonzero(np.diff(prefix[i, :, j]))
-            if rows.size:
-                home = i if near == "kv" else j
-                tasks[home].append([i, j, int(rows[0]), int(rows[-1]) + 1, "home"])
-                load[home] += prefix[i, blocks, j]
+    busy = np.diff(prefix, axis=1) != 0   # [i, row block, j]: the block sees keys of chunk j
+    first, last = busy.argmax(axis=1), blocks - 1 - busy[:, ::-1, :].argmax(axis=1)
+    for i, j in zip(*(x.tolist() for x in np.nonzero(busy.any(axis=1)))):
+        home = i if near == "kv" else j
+        tasks[home].append([i, j, int(first[i, j]), int(last[i, j]) + 1, "home"])
+        load[home] += prefix[i, blocks, j]
     mean = load.sum() / size
     # the local pair keeps its first half of rows: the first and the last steps' work
     keep = {i: (b0 + b1 + 1) // 2 for r in range(size) for i, j, b0, b1, _ in tasks[r] if i == j}
-    held = [{("kv", r)} for r in range(size)]   # the key chunks each rank holds or will receive
-    sent = {}                                    # (rank, query chunk) -> the row blocks of it going there
+    held = np.eye(size, dtype=bool)   # [rank, key chunk]: it holds the chunk or will receive it
+    # [rank, query chunk] -> the row blocks [first, last) of it going there (-1: none)
+    sent_first, sent_last = np.full((size, size), -1, np.int64), np.full((size, size), -1, np.int64)
     node = np.asarray(nodes or (0,) * size)
     count = int(node.max()) + 1
     pairs_per_kb = NETWORK_KB_PAIRS["backward" if "kv" in returns else "forward"]
     nic = np.zeros(size)   # bytes (REMOTE-weighted) that moves send across each rank's network link
     nic_budget = NIC_SHARE * mean / pairs_per_kb * REMOTE
-    reached = [set(np.flatnonzero(node == n).tolist()) for n in range(count)]   # key chunks each node holds
+    reached = node[None, :] == np.arange(count)[:, None]   # [node, key chunk]: the node holds it
     q_row = _Q_ROW + (_Q_PARTIAL if "q" in returns else 0.0)
     kv_chunk = chunk * (_KV_ROW + (_KV_PARTIAL if "kv" in returns else 0.0))
 
@@ -139,13 +137,26 @@ def assign(mask, size, near, returns, nodes=None):
         """Bytes of moving rows [cut, b1) of query chunk i against key chunks ``keys`` to rank h."""
         nbytes = 0.0
         if h != i:
-            lo, hi = sent.get((h, i), (cut, cut))
+            known = sent_first[h, i] >= 0
+            lo, hi = (int(sent_first[h, i]), int(sent_last[h, i])) if known else (cut, cut)
             new_rows = max(hi, b1) - min(lo, cut) - (hi - lo)
-            nbytes = q_row * (new_rows + (0 if (h, i) in sent else FRAGMENT)) * unit
+            nbytes = q_row * (new_rows + (0 if known else FRAGMENT)) * unit
             nbytes *= REMOTE if node[h] != node[i] else 1.0
         # a key chunk crosses the network once per node (schedule.relays), then NVLink
-        return nbytes + sum(kv_chunk * (REMOTE if j not in reached[node[h]] else 1.0)
-                            for j in keys if ("kv", j) not in held[h])
+        return nbytes + sum(kv_chunk * (REMOTE if not reached[node[h], j] else 1.0) for j in keys if not held[h, j])
+
+    def prices(h, i, cut, b1, j):
+        """price of moving one pair's rows, for arrays of moves (keys [j]: the pair's key chunk)."""
+        known = sent_first[h, i] >= 0
+        lo, hi = np.where(known, sent_first[h, i], cut), np.where(known, sent_last[h, i], cut)
+        new_rows = np.maximum(hi, b1) - np.minimum(lo, cut) - (hi - lo)
+        nbytes = q_row * (new_rows + np.where(known, 0, FRAGMENT)) * unit
+        nbytes = np.where(h != i, nbytes * np.where(node[h] != node[i], REMOTE, 1.0), 0.0)
+        return nbytes + np.where(held[h, j], 0.0, kv_chunk * np.where(reached[node[h], j], 1.0, REMOTE))
+
+    keep_of = np.full(size, -1, np.int64)   # keep, by query chunk
+    for i, rows in keep.items():
+        keep_of[i] = rows
 
     def best_move(donor, excess, spare, receivers):
         """The cheapest move per unit of work from ``donor``: (score, h, [(task index, cut)], work).
@@ -153,40 +164,68 @@ def assign(mask, size, near, returns, nodes=None):
         of one query chunk (more work for the same query rows and partial)."""
         best = None
         receivers = [h for h in receivers if node[h] == node[donor] or max(nic[donor], nic[h]) < nic_budget]
-        if not receivers:
+        takers = np.array([h for h in receivers if spare[h] > 0], np.int64)
+        if not takers.size:
             return None
         own = [(index, t) for index, t in enumerate(tasks[donor]) if t[4] == "home"]
-        options = [[(index, t)] for index, t in own]
-        for i in {t[0] for _, t in own}:
-            group = [(index, t) for index, t in own if t[0] == i]
-            if len(group) > 1:
-                options.append(group)
-        for option in options:
-            i = option[0][1][0]
+
+        def consider(option, i, hi, h, c, moved):
+            """Keep the move of ``option``'s rows from block c to rank h if it is the best so far."""
+            nonlocal best
+            keys = [t[1] for _, t in option if t[3] > c]
+            nbytes = price(h, i, c, hi, keys)
+            if node[h] != node[donor] and (nbytes / REMOTE * pairs_per_kb > WORTH * moved
+                                           or max(nic[donor], nic[h]) + nbytes > nic_budget):
+                return   # the network would take longer than the work it moves, or fill a NIC
+            score = (len(option) == 1 and i == option[0][1][1], nbytes / moved, h, i, len(option))
+            if best is None or score < best[0]:   # a diagonal pair alone moves last
+                best = (score, h, [(index, c) for index, t in option if t[3] > c], moved, nbytes)
+
+        def fitting(moved):
+            """Where a move fits its receiver: it moves work, and fills a receiver past the mean
+            only to where the donor is left."""
+            return (moved > 0) & ~((moved > spare[takers] + SETTLED * mean / 2) &
+                                   (load[takers] + moved > load[donor] - moved))
+
+        # the last rows of one own pair, every pair at once: the work moved by a cut at each row block
+        # (it never grows with the cut; past a pair's last block it is 0, never more than an amount)
+        if own:
+            i, j, b0, b1 = np.array([t[:4] for _, t in own], np.int64).T
+            lo = np.where(i == j, np.maximum(b0, keep_of[i]), b0)
+            blocks = np.minimum(lo[:, None] + np.arange(max(1, int((b1 - lo).max()))), b1[:, None])
+            work = prefix[i, b1, j][:, None] - prefix[i[:, None], blocks, j[:, None]]
+            amounts = np.minimum(np.minimum(work[:, 0], excess)[:, None], spare[takers])
+            # the first cut that moves at most the amount (the last when none does)
+            at = np.minimum((work[:, :, None] > amounts[:, None, :]).sum(axis=1), (b1 - lo - 1)[:, None])
+            moved = work[np.arange(len(own))[:, None], at]
+            n, k = np.nonzero((lo < b1)[:, None] & fitting(moved))
+            h, c, moved = takers[k], lo[n] + at[n, k], moved[n, k]
+            nbytes = prices(h, i[n], c, b1[n], j[n])
+            # the network would take longer than the work it moves, or fill a NIC
+            ok = (node[h] == node[donor]) | ~((nbytes / REMOTE * pairs_per_kb > WORTH * moved) |
+                                              (np.maximum(nic[donor], nic[h]) + nbytes > nic_budget))
+            if ok.any():   # the least score (a diagonal pair alone moves last), the first of equals
+                ratio = nbytes / moved
+                m = np.flatnonzero(ok)[np.lexsort((i[n][ok], h[ok], ratio[ok], (i == j)[n][ok]))[0]]
+                best = ((bool(i[n[m]] == j[n[m]]), ratio[m], int(h[m]), int(i[n[m]]), 1), int(h[m]),
+                        [(own[n[m]][0], int(c[m]))], moved[m], float(nbytes[m]))
+        # whole rows: the same last rows of every own pair of one query chunk
+        for chunk in {t[0] for _, t in own}:
+            option = [(index, t) for index, t in own if t[0] == chunk]
+            if len(option) == 1:
+                continue
             lo = max([min(t[2] for _, t in option)] + [keep[t[0]] for _, t in option if t[0] == t[1]])
             hi = max(t[3] for _, t in option)
             if lo >= hi:
                 continue
             cuts = np.arange(lo, hi)
-            work = sum(prefix[i, t[3], t[1]] - prefix[i, np.clip(cuts, t[2], t[3]), t[1]] for _, t in option)
-            for h in receivers:
-                if spare[h] <= 0:
-                    continue
-                amount = min(work[0], excess, spare[h])
-                c = int(cuts[min(int(np.argmax(work <= amount)) if (work <= amount).any() else len(cuts) - 1,
-                                 len(cuts) - 1)])
-                moved = sum(prefix[i, t[3], t[1]] - prefix[i, max(c, t[2]), t[1]] for _, t in option if t[3] > c)
-                # a receiver is filled past the mean only to where the donor is left
-                if moved <= 0 or (moved > spare[h] + SETTLED * mean / 2 and load[h] + moved > load[donor] - moved):
-                    continue
-                keys = [t[1] for _, t in option if t[3] > c]
-                nbytes = price(h, i, c, hi, keys)
-                if node[h] != node[donor] and (nbytes / REMOTE * pairs_per_kb > WORTH * moved
-                                               or max(nic[donor], nic[h]) + nbytes > nic_budget):
-                    continue   # the network would take longer than the work it moves, or fill a NIC
-                score = (len(option) == 1 and i == option[0][1][1], nbytes / moved, h, i, len(option))
-                if best is None or score < best[0]:   # a diagonal pair alone moves last
-                    best = (score, h, [(index, c) for index, t in option if t[3] > c], moved, nbytes)
+            b0, j, b1 = (np.array([t[n] for _, t in option])[:, None] for n in (2, 1, 3))
+            work = (prefix[chunk, b1, j] - prefix[chunk, np.clip(cuts, b0, b1), j]).sum(axis=0)
+            amounts = np.minimum(min(work[0], excess), spare[takers])
+            at = np.minimum(np.searchsorted(-work, -amounts, side="left"), len(cuts) - 1)
+            moved = work[at]
+            for k in np.flatnonzero(fitting(moved)):
+                consider(option, chunk, hi, int(takers[k]), int(cuts[at[k]]), moved[k])
         return best
 
     def move(donor, best):
@@ -194,9 +233,9 @@ def assign(mask, size, near, returns, nodes=None):
         if node[h] != node[donor]:
             nic[donor] += nbytes
             nic[h] += nbytes
-        for j in {tasks[donor][index][1] for index, _ in parts} - reached[node[h]]:
+        for j in {tasks[donor][index][1] for index, _ in parts if not reached[node[h], tasks[donor][index][1]]}:
             nic[j] += kv_chunk * REMOTE
-            reached[node[h]].add(j)
+            reached[node[h], j] = True
         for index, cut in sorted(parts, reverse=True):
             i, j, b0, b1, kind = tasks[donor][index]
             cut = max(cut, b0)
@@ -205,10 +244,11 @@ def assign(mask, size, near, returns, nodes=None):
             else:
                 tasks[donor][index][3] = cut
             tasks[h].append([i, j, cut, b1, "owner" if h in (i, j) else "helper"])
-            held[h].add(("kv", j))
+            held[h, j] = True
             if h != i:
-                lo, hi = sent.get((h, i), (cut, b1))
-                sent[(h, i)] = (min(lo, cut), max(hi, b1))
+                known = sent_first[h, i] >= 0
+                lo, hi = (int(sent_first[h, i]), int(sent_last[h, i])) if known else (cut, b1)
+                sent_first[h, i], sent_last[h, i] = min(lo, cut), max(hi, b1)
         load[donor] -= moved
         load[h] += moved
 
@@ -260,7 +300,8 @@ def assign(mask, size, near, returns, nodes=None):
                         if load[h] + option[3] > (1 + SETTLED) * mean:
                             continue
                         # key chunks the light node gets for the first time: their owners send them
-                        owners = {tasks[donor][index][1] for index, _ in option[2]} - reached[light]
+                        owners = {tasks[donor][index][1] for index, _ in option[2]
+                                  if not reached[light, tasks[donor][index][1]]}
                         key = max([nic[donor], nic[h]] + [nic[j] + kv_chunk * REMOTE for j in owners])
                         key += option[0][1] * amount
                         if best_key is None or key < best_key:
@@ -290,13 +331,6 @@ def assign(mask, size, near, returns, nodes=None):
     return tuple(tuple(tuple(t) for t in rank_tasks) for rank_tasks in tasks)
 
 
-def row_work(mask, size, i, j, lo, hi):
-    """Visible pairs of each query row lo..hi-1 of chunk i against key chunk j (int64 array)."""
-    chunk = mask.seqlen // size
-    first, last = mask.rows(i * chunk + lo, hi - lo)
-    return np.clip(np.minimum(last, (j + 1) * chunk) - np.maximum(first, j * chunk), 0, None)
-
-
 @lru_cache(maxsize=16)
 def work_plan(mask, size, near, returns, steps=None, nodes=None):
     """Each rank's visits per step: a tuple over ranks of tuples over steps of tuples of
@@ -313,25 +347,48 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
     count = default_steps(mask, size, near, returns, nodes) if steps is None else steps
     direction = "backward" if "kv" in returns else "forward"
 
+    node = None if nodes is None else np.asarray(nodes)
+
+    def weight(units):
+        """The work of each unit (rows of a (i, j, block) int array)."""
+        return prefix[units[:, 0], units[:, 2] + 1, units[:, 1]] - prefix[units[:, 0], units[:, 2], units[:, 1]]
+
+    def far_of(r):
+        """far(units): whether each unit's data or partial crosses the network (rank r's node)."""
+        if node is None:
+            return lambda units: np.zeros(len(units), bool)
+        return lambda units: ~((node[units[:, 0]] == node[r]) & (node[units[:, 1]] == node[r]))
+
+    def expand(tasks):
+        """The units (i, j, block) of tasks (i, j, b0, b1), in order."""
+        tasks = np.asarray(tasks, np.int64).reshape(-1, 4)
+        lengths = tasks[:, 3] - tasks[:, 2]
+        starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+        blocks = np.arange(lengths.sum()) - starts + np.repeat(tasks[:, 2], lengths)
+        return np.column_stack([np.repeat(tasks[:, 0], lengths), np.repeat(tasks[:, 1], lengths), blocks])
+
     def middle(units, far, turn, r):
-        """``units`` with those whose data or partial crosses the network (``far(i, j)``) moved to
+        """``units`` with those whose data or partial crosses the network (``far``) moved to
         the middle of the near ones, by work: their data has steps to arrive in, their partials
         steps to go home in: first those for others (one owner after another), then its own
         (``r``'s side stays); each start ``turn`` shards later in their order of shards (the moving
         side's): the ranks of a node fetch different shards first and pass them on to each other
         (schedule.relays), so no owner's link sends one shard to all of them at once."""
-        close = [u for u in units if not far(u[0], u[1])]
-        away = [u for u in units if far(u[0], u[1])]
+        crossing = far(units)
+        close, away = units[~crossing], units[crossing]
         side = 1 if near == "kv" else 0
-        shards = list(dict.fromkeys(u[side] for u in away))
-        place = {s: (n - turn) % len(shards) for n, s in enumerate(shards)}
+        shards, first = np.unique(away[:, side], return_index=True)
+        order = shards[np.argsort(first)]   # the shards in their order of first appearance
+        place = np.empty(size, np.int64)
+        place[order] = (np.arange(len(order)) - turn) % max(1, len(order))
+        owner = away[:, 1 - side]
         # the work for others first, one owner at a time (its rows arrive one after another)
-        away.sort(key=lambda u: (u[1 - side] == r, u[1 - side] if u[1 - side] != r else 0, place[u[side]]))
-        if not away or not close:
-            return close + away
+        away = away[np.lexsort((place[away[:, side]], np.where(owner != r, owner, 0), owner == r))]
+        if not len(away) or not len(close):
+            return np.concatenate([close, away])
         cum = np.cumsum(weight(close))
         split = int(np.searchsorted(cum, cum[-1] * BEFORE))
-        return close[:split] + away + close[split:]
+        return np.concatenate([close[:split], away, close[split:]])
 
     def order(r, task):
         """Work for others first (its partials go home early), then own pairs: the nearest key
@@ -344,30 +401,24 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
         """``units`` with work inside the node (the nearest after it first) moved before the first
         unit whose data or partial crosses the network until ``need`` work comes before it: its
         data, posted at step 0, then arrives under that work besides step 0's."""
-        away = [n for n, (i, j, _) in enumerate(units) if far(i, j)]
-        if not away:
+        crossing = far(units)
+        if not crossing.any():
             return units
-        head, rest = units[:away[0]], units[away[0]:]
-        done = int(weight(head).sum()) if head else 0
-        moved = []
-        for n, u in enumerate(rest):
-            if done >= need:
-                break
-            if not far(u[0], u[1]):
-                moved.append(n)
-                done += int(weight([u])[0])
-        taken = set(moved)
-        return head + [rest[n] for n in moved] + [u for n, u in enumerate(rest) if n not in taken]
+        first = int(np.argmax(crossing))
+        head, rest, crossing = units[:first], units[first:], crossing[first:]
+        done = int(weight(head).sum())
+        inside = np.flatnonzero(~crossing)
+        before = done + np.concatenate([[0], np.cumsum(weight(rest[inside]))[:-1]]) if len(inside) else inside
+        taken = np.zeros(len(rest), bool)
+        taken[inside[before < need]] = True   # while less than ``need`` comes before it
+        return np.concatenate([head, rest[taken], rest[~taken]])
 
-    weight = lambda units: np.array([prefix[i, b + 1, j] - prefix[i, b, j] for i, j, b in units], np.int64)  # noqa: E731
     runs = []   # per rank: (i, j, block) units in order, their cumulative work, the units of step 0
     for r in range(size):
-        local = [(r, r, b) for i, j, b0, b1, _ in assigned[r] if i == j == r for b in range(b0, b1)]
-        others = [(i, j, b) for i, j, b0, b1, _ in sorted(assigned[r], key=lambda t: order(r, t))
-                  if not i == j == r for b in range(b0, b1)]
+        local = expand([t[:4] for t in assigned[r] if t[0] == t[1] == r])
+        others = expand([t[:4] for t in sorted(assigned[r], key=lambda t: order(r, t)) if not t[0] == t[1] == r])
         turn = 0 if nodes is None else sum(1 for x in range(r) if nodes[x] == nodes[r])   # its place in its node
-        far = lambda i, j: nodes is not None and not nodes[i] == nodes[j] == nodes[r]  # noqa: E731
-        runs.append((local, middle(others, far, turn, r), far))
+        runs.append((local, middle(others, far_of(r), turn, r), far_of(r)))
     totals = [int(weight(local).sum() + weight(others).sum()) for local, others, _ in runs]
     # step 0: as much of the local pair as every rank has, up to two steps' work (the first pieces
     # arrive meanwhile; a larger step 0 where any rank lacks the local work would idle the others)
@@ -376,53 +427,88 @@ def work_plan(mask, size, near, returns, steps=None, nodes=None):
         cum = np.cumsum(weight(local))
         split = int(np.searchsorted(cum, first, side="left")) + 1 if first else 0
         share = (totals[r] - first) / max(1, count - 1)
-        units = local[:split] + others + local[split:]
+        units = np.concatenate([local[:split], others, local[split:]])
         if nodes is not None:
             units = inside_first(units, first + NEAR_STEPS[direction] * share, far)
-            units = inside_first(units, first + LOCAL_STEPS[direction] * share, lambda i, j: not i == j == r)
+            units = inside_first(units, first + LOCAL_STEPS[direction] * share,
+                                 lambda u: ~((u[:, 0] == r) & (u[:, 1] == r)))
         runs[r] = (units, np.concatenate([[0], np.cumsum(weight(units))]), min(split, len(local)))
     plan, work = [], np.zeros((count, size), np.int64)
     for r, (units, cum, locals_end) in enumerate(runs):
         share = (totals[r] - first) / max(1, count - 1)
-        cuts = [(0, 0, 0)]   # (unit index, rows into it, work before the cut)
-        for t in range(count - 1):
-            target = first + share * t
-            if t == 0:
-                target = min(target, cum[locals_end])
-            u = min(int(np.searchsorted(cum, target, side="right")) - 1, len(units) - 1)
-            if u < 0 or not units:
-                cuts.append((0, 0, 0))
-                continue
-            tolerance = 0.02 * max(share, 1.0)
-            if target - cum[u] <= tolerance or cum[u + 1] - target <= tolerance:
-                u += 1 if cum[u + 1] - target < target - cum[u] else 0
-                cut = (u, 0, int(cum[u]))
-            else:
-                i, j, b = units[u]
-                rows = np.concatenate([[0], np.cumsum(row_work(mask, size, i, j, b * unit, (b + 1) * unit))])
-                x = int(np.argmin(np.abs(cum[u] + rows - target)))
-                cut = (u, x, int(cum[u] + rows[x]))
-            cuts.append(max(cuts[-1], cut))
+        cuts = [(0, 0, 0)] + step_cuts(mask, size, unit, units, cum, locals_end, first, share, count)
         cuts.append((len(units), 0, totals[r]))
-        per_step = []
-        for t in range(count):
-            (u0, x0, w0), (u1, x1, w1) = cuts[t], cuts[t + 1]
-            visits = []
-            for u in range(u0, min(u1 + 1, len(units))):
-                i, j, b = units[u]
-                lo = b * unit + (x0 if u == u0 else 0)
-                hi = b * unit + (x1 if u == u1 else unit)
-                if lo >= hi:
-                    continue
-                if visits and visits[-1][:2] == (i, j) and visits[-1][3] == lo:
-                    visits[-1] = (i, j, visits[-1][2], hi)
-                else:
-                    visits.append((i, j, lo, hi))
-            per_step.append(tuple(visits))
-            work[t, r] = w1 - w0
-        plan.append(tuple(per_step))
+        work[:, r] = np.diff([w for _, _, w in cuts])
+        plan.append(visits_of(units, unit, cuts))
     work.setflags(write=False)
     return tuple(plan), work
+
+
+def step_cuts(mask, size, unit, units, cum, locals_end, first, share, count):
+    """Where a rank's steps 1..count-1 start: (unit index, rows into it, work before the cut) where
+    its units' work ``cum`` (cumulative, from 0) reaches ``first`` + ``share`` t (step 1 no later
+    than the end of its local work, unit ``locals_end``): at a unit's edge when one is within 2% of a
+    step's work, else at the query row nearest the target; never before the cut before."""
+    if count < 2:
+        return []
+    if not len(units):
+        return [(0, 0, 0)] * (count - 1)
+    target = first + share * np.arange(count - 1)
+    target[0] = min(target[0], cum[locals_end])
+    u = np.minimum(np.searchsorted(cum, target, side="right") - 1, len(units) - 1)
+    tolerance = 0.02 * max(share, 1.0)
+    edge = (target - cum[u] <= tolerance) | (cum[u + 1] - target <= tolerance)
+    u = u + (edge & (cum[u + 1] - target < target - cum[u]))
+    rows, done = np.zeros(len(u), np.int64), cum[u].copy()
+    inside = np.flatnonzero(~edge)
+    if inside.size:   # the visible pairs of each row of those units, cumulative: the row nearest the target
+        i, j, b = units[u[inside]].T
+        chunk = mask.seqlen // size
+        first_row = (i * chunk + b * unit)[:, None] + np.arange(unit)
+        lo, hi = mask.intervals
+        seen = np.clip(np.minimum(hi[first_row], (j[:, None] + 1) * chunk) - np.maximum(lo[first_row], j[:, None] * chunk),
+                       0, None)
+        before = np.concatenate([np.zeros((inside.size, 1), np.int64), np.cumsum(seen, axis=1)], axis=1)
+        x = np.argmin(np.abs(cum[u[inside]][:, None] + before - target[inside, None]), axis=1)
+        rows[inside], done[inside] = x, cum[u[inside]] + before[np.arange(inside.size), x]
+    # never before the cut before: the running maximum of (unit, rows) (the work follows from them)
+    key = np.concatenate([[0], u * (unit + 1) + rows])
+    latest = np.maximum.accumulate(np.where(key == np.maximum.accumulate(key), np.arange(key.size), 0))[1:] - 1
+    held = latest >= 0
+    return [(int(u[n]), int(rows[n]), int(done[n])) if ok else (0, 0, 0) for n, ok in zip(latest.tolist(), held.tolist())]
+
+
+def visits_of(units, unit, cuts):
+    """Each step's visits, (q_shard, kv_shard, row0, row1) tuples, of a rank's ``units`` (i, j,
+    block) in order, step t from ``cuts[t]`` to ``cuts[t + 1]`` ((unit index, rows into it, work
+    before): a step ends ``rows`` into its last unit, or with the unit before when that is 0);
+    neighbouring rows of one pair joined."""
+    count = len(cuts) - 1
+    first = np.array([u for u, _, _ in cuts[:-1]], np.int64)
+    last = np.minimum(np.array([u for u, _, _ in cuts[1:]], np.int64) + 1, len(units))   # one past
+    lengths = np.maximum(last - first, 0)
+    step = np.repeat(np.arange(count), lengths)
+    at = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths) + np.repeat(first, lengths)
+    lo = units[at, 2] * unit
+    hi = lo + unit
+    starts = np.cumsum(lengths) - lengths
+    has = lengths > 0
+    lo[starts[has]] += np.array([x for _, x, _ in cuts[:-1]], np.int64)[has]
+    ends_inside = has & (np.array([u for u, _, _ in cuts[1:]]) < len(units))   # the step ends inside a unit
+    hi[(starts + lengths - 1)[ends_inside]] = (units[at[(starts + lengths - 1)[ends_inside]], 2] * unit +
+                                               np.array([x for _, x, _ in cuts[1:]], np.int64)[ends_inside])
+    keep = lo < hi
+    step, at, lo, hi = step[keep], at[keep], lo[keep], hi[keep]
+    pairs = units[at, :2]
+    joined = np.zeros(len(at), bool)
+    joined[1:] = (step[1:] == step[:-1]) & (pairs[1:] == pairs[:-1]).all(axis=1) & (lo[1:] == hi[:-1])
+    begin = np.flatnonzero(~joined)
+    stop = np.append(begin[1:], len(at)) - 1
+    visits = zip(pairs[begin, 0].tolist(), pairs[begin, 1].tolist(), lo[begin].tolist(), hi[stop].tolist())
+    out = [[] for _ in range(count)]
+    for t, v in zip(step[begin].tolist(), visits):
+        out[t].append(v)
+    return tuple(tuple(v) for v in out)
 
 
 def default_steps(mask, size, near, returns, nodes=None):

@@ -18,13 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import config, masks, passes
-from .accounting import backward_ring_bytes
+from .accounting import backward_ring_bytes, cheaper_backward_ring
 from .backends import get_backend
 from .collective import agree, same_everywhere
 from .device import gpus_shared
 from .dtypes import accum_dtype, dtype_name
 from .errors import BurstError, ShapeError, TransportError
-from .layout import check_layout, check_split
+from .layout import check_layout, check_split, default_layout
 from .schemes import check_scheme, make as make_scheme
 from .topology import ranks_per_node_setting, topology
 from .transport import TRANSPORTS, choose_transport, make_transport
@@ -91,13 +91,8 @@ class CallPlan:
             self.topo = None
             if scheme != "ring" or nodes is not None or self.network:   # the flat ring: to emulate or count it
                 self.topo = topology(comm, nodes)   # collective: one allgather
-            if layout is None:
-                from .costmodel import CallShape
-
-                per_node = self.topo.per_node if self.topo is not None and self.topo.nodes > 1 else None
-                shape = CallShape.of_call(q.shape, hkv, q.dtype.itemsize, "cuda" if on_device else "numpy", per_node)
-                layout = masks.call_layout(self.mask, causal, self.size, shape, scheme)
-            self.layout = check_layout(layout)
+            # never the data's: the caller shards by it (costmodel.choose_layout: the predicted fastest)
+            self.layout = check_layout(default_layout(causal) if layout is None else layout)
             self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
             self.ring = None
             if backward is not None:
@@ -293,28 +288,35 @@ def check_backward_ring(name):
 
 
 def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, kv_steps=1, size=1):
-    """The backward ring: ``name``, or for 'auto' the one moving fewer bytes over its steps (with
-    documents or a window a ring may stop early: ``q_steps``/``kv_steps`` of ``size``)."""
+    """The backward ring: ``name``, or for 'auto' the one moving fewer bytes over its steps
+    (accounting.cheaper_backward_ring)."""
     if check_backward_ring(name) != "auto":
         return name
-    q_bytes, kv_bytes = backward_ring_bytes(heads, kv_heads, head_dim, itemsize)
-    if (q_steps, kv_steps) != (size, size):  # a shortened ring sends its carried accumulator home in one hop
-        q_bytes, kv_bytes = q_bytes * q_steps, kv_bytes * kv_steps
-    choice = "q" if q_bytes < kv_bytes else "kv"
-    log.info("backward ring auto -> %s-ring (%d vs %d bytes per token per step)", choice,
-             min(q_bytes, kv_bytes), max(q_bytes, kv_bytes))
+    choice = cheaper_backward_ring(heads, kv_heads, head_dim, itemsize, q_steps, kv_steps, size)
+    log.info("backward ring auto -> %s-ring (%d and %d bytes per token per step, q and kv)", choice,
+             *backward_ring_bytes(heads, kv_heads, head_dim, itemsize))
     return choice
 
 
 def resolve_scheme(name, topo, layout, causal, mask, q_shape, kv_heads, itemsize, backward, backend="numpy"):
     """The concrete scheme: ``name``, or for 'auto' 'ring' on one node and otherwise the cost model's
-    fastest of the schemes that fit the layout and heads (costmodel.pick)."""
+    fastest of the schemes that fit the layout and heads (costmodel.pick), priced with this rank's
+    GPU model's rates (no collective here: ranks on different GPU models that pick differently get
+    the signature's RankMismatchError, never a hang)."""
     if name != "auto":
         return name
     if topo is None or topo.nodes == 1:
         return "ring"
     from . import costmodel
 
-    choice = costmodel.pick_for_call(topo, layout, causal, mask, q_shape, kv_heads, itemsize, backward, backend)
+    device_name = None
+    if backend == "cuda":
+        import cupy
+
+        device_name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    batch, local, heads, head_dim = q_shape
+    problem = costmodel.Problem(batch, local * topo.nodes * topo.per_node, heads, kv_heads, head_dim, itemsize, causal)
+    choice = costmodel.pick(problem, costmodel.Cluster(topo.nodes, topo.per_node),
+                            costmodel.rates_for(backend, device_name), layout, mask, backward)
     log.info("scheme auto -> %s (%d nodes x %d ranks)", choice, topo.nodes, topo.per_node)
     return choice

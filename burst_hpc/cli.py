@@ -499,12 +499,14 @@ def build_parser():
                    "GPU when this rank sees one (at S = 131072 on an H100: 7.6 s against 71 s on the CPU)")
     p.add_argument("--quiet", action="store_true", help="no progress lines")
 
-    p = _verb(sub, "plan", cmd_plan, help="predicted time of each scheme across nodes for a problem and a cluster",
-                       description=_wrap("The cost model's table (docs/RING.md, 'Across nodes'): for each scheme "
-                       "(ring, double_ring, ulysses_ring) the predicted forward and forward+backward time, the "
-                       "communication left exposed, bytes per GPU over the network, peak memory per rank, and the "
-                       "fewest tokens per GPU at which it hides its communication; the pick is what scheme='auto' "
-                       "runs. Rates: the built-in table of --gpu with any of them overridden, or --measure under "
+    p = _verb(sub, "plan", cmd_plan, help="predicted time of each layout and scheme for a problem and a cluster",
+                       description=_wrap("The cost model's table (docs/RING.md, 'Across nodes'): for each layout "
+                       "(contiguous, zigzag, balanced) and scheme (ring, double_ring, ulysses_ring) the predicted "
+                       "forward and forward+backward time, the communication left exposed, the steps, the critical "
+                       "path over the mean work, TFLOP/s per GPU, bytes per GPU over the network, peak memory per "
+                       "rank, and the fewest tokens per GPU at which it hides its communication, all from one "
+                       "step-by-step model of the schedules; the pick is the fastest row (burst_hpc.choose_layout "
+                       "names its layout; scheme='auto' runs its scheme in it). Rates: the built-in table of --gpu with any of them overridden, or --measure under "
                        "mpiexec (one kernel timing, one exchange over each link class)."),
                        epilog="example: burst-hpc plan --seqlen 1048576 --heads 32 --kv-heads 8 --causal --nodes 32 "
                        "--gpus-per-node 8 --gpu H100 --inter-gbps 50")
@@ -527,8 +529,7 @@ def build_parser():
     p.add_argument("--cu-seqlens", default=None, metavar="FILE",
                    help="real document offsets [0, ..., S]: a text or .npy file, or an HDF5 input holding cu_seqlens")
     p.add_argument("--layout", choices=LAYOUTS, default=None,
-                   help="the layout of the call (default: the masked default, balanced where the cost model "
-                   "predicts the call faster with it; zigzag for plain causal)")
+                   help="only this layout's rows (default: every layout's; the pick is the fastest row)")
     p.add_argument("--nodes", type=positive_int, default=None, help="nodes (default 1; with --measure: the job's)")
     p.add_argument("--gpus-per-node", type=positive_int, default=None, help="ranks per node (default 8; with --measure: "
                    "the job's)")
@@ -621,14 +622,12 @@ def cmd_plan(args):
 
     from . import plan
     from .costmodel import GPU_RATES, Cluster
-    from .layout import check_split
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
     cu_seqlens = _collective(plan.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,
                              args.cu_seqlens)
-    problem, layout = _collective(plan.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
-                                  parse_dtype(args.dtype), args.causal, args.window, cu_seqlens, args.layout,
-                                  args.nodes or 1, args.gpus_per_node or 8, GPU_RATES[args.gpu])
+    problem, mask = _collective(plan.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
+                                parse_dtype(args.dtype), args.causal, args.window, cu_seqlens)
     rank = rank_and_size()[0]
     if args.measure:
         comm = _world()
@@ -641,16 +640,12 @@ def cmd_plan(args):
                                                "intra_latency_us", "inter_latency_us") if getattr(args, f) is not None}
     rates = replace(rates, **overrides)
     cluster = Cluster(nodes, per_node)
-    _collective(check_split, args.seqlen, cluster.ranks, layout)
-    text, pick = _collective(plan.table, problem, cluster, rates, layout)
-    layouts = _collective(plan.layout_table, problem, cluster.ranks, rates, problem.causal,
-                          None if args.window in (None, -1) else (args.window, 0), cu_seqlens, cluster.per_node)
+    text, pick = _collective(plan.table, problem, cluster, rates, mask, args.layout)
     if rank == 0:
-        print(plan.describe(problem, cluster, rates))
+        print(plan.describe(problem, cluster, rates, mask))
         print(text)
-        print(f"auto picks: {pick}")
-        print(f"layouts (the flat ring; layout {layout} above):")
-        print(layouts)
+        print(f"pick: layout {pick.layout}, scheme {pick.scheme} ({pick.fwdbwd:.3g} s forward+backward; "
+              f"shard by it: burst_hpc.choose_layout)")
     return 0
 
 

@@ -1,23 +1,33 @@
-"""Predicted time of each scheme across nodes (docs/RING.md, "Across nodes"), from
+"""Predicted time of a call across ranks and nodes (docs/RING.md, "Across nodes"): one model for
+every layout and scheme, read off the schedule the engine runs (workload.account), from
 
-- the problem: batch B, sequence S, heads Hq / Hkv, head dim D, bytes per element, and the share
-  of the S x S score matrix that is visible (1/2 causal, 1 full, less with documents or a window);
+- the problem: batch B, sequence S, heads Hq / Hkv, head dim D, bytes per element, causal, and the
+  mask (documents, window): which (query, key) pairs are visible, so which steps have work;
 - the cluster: nodes N of w ranks (P = N w), one GPU each;
-- rates: kernel FLOP/s forward and backward (the FlashAttention count: 4 S^2 Hq D forward, 2.5x
-  that backward, scaled by the visible share), and per link class (NVLink inside a node, the
-  network between nodes) the bandwidth per GPU each way and a latency per message.
+- rates: kernel FLOP/s forward and backward (the FlashAttention count: 4 Hq D per visible pair
+  forward, 2.5x that backward), and per link class (NVLink inside a node, the network between
+  nodes) the bandwidth per GPU each way and a latency per message.
 
-Each scheme is a sequence of steps; a step costs the larger of its compute and the transfer on
-each link class it uses (they run concurrently), and what cannot overlap is added: Ulysses'
-all-to-alls and the last partials going home. The kernels' time is the critical path (the
-busiest rank of every step, Problem.imbalance from the schedule's own account, workload.py),
-not the mean. Exposed communication = predicted time - compute alone. ``step_prediction``
-follows a flat ring's schedule step by step instead (any layout, the balanced one included).
+Step by step as the engine runs it: every rank starts a step's kernels when the step before has
+ended everywhere, and a step ends when its busiest rank's kernels (the critical path, not the
+mean) are done and every transfer due then has arrived. A transfer is posted at the start of its
+step (some schedules post transfers steps before they are due) and has arrived when both its
+sender's outgoing and its receiver's incoming link of its class have carried it: each link carries
+its transfers one after another in the order they are posted, a latency once per step and link.
+What cannot overlap is added: Ulysses' all-to-alls inside the node. Exposed communication =
+predicted time - compute alone.
+
+``predict`` prices one (scheme, layout); ``best`` the fastest of those that run; ``choose_layout``
+(public) is the layout of that pick, for a caller to shard by.
 """
 from dataclasses import dataclass, replace
+from functools import lru_cache
 
-from .accounting import attention_flops, step_bytes
-from .errors import BurstError
+import numpy as np
+
+from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
+from .errors import BurstError, LayoutError
+from .layout import LAYOUTS, check_split, default_layout
 
 
 @dataclass(frozen=True)
@@ -40,10 +50,13 @@ GPU_RATES = {
     "H200": Rates("H200", 610.0, 530.0, 350.0, 50.0),
     "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0),
 }
+SCHEMES = ("ring", "double_ring", "ulysses_ring")
+MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
 
 @dataclass(frozen=True)
 class Problem:
+    """The shapes of a call over the whole sequence (the mask is priced alongside: ``predict``)."""
     batch: int
     seqlen: int
     heads: int
@@ -51,22 +64,6 @@ class Problem:
     head_dim: int
     itemsize: int = 2
     causal: bool = True
-    visible: float = None    # share of the S x S scores that is visible; None: 1/2 causal, 1 otherwise
-    reach: int = None        # how far back (tokens) a query sees, with a window (contiguous layout):
-                             # the ring runs only the steps that reach has work in
-    imbalance: float = 1.0   # critical path over mean work (workload.schedule_work): what the ring
-                             # waits for is the busiest rank of every step, not the mean
-
-    @property
-    def share(self):
-        return (0.5 if self.causal else 1.0) if self.visible is None else self.visible
-
-    def steps(self, count, tokens):
-        """Of ``count`` ring steps over shards of ``tokens`` tokens, those with work."""
-        return count if self.reach is None else min(count, 1 + -(-self.reach // int(tokens)))
-
-    def flops(self, backward=False):
-        return attention_flops(self.batch, self.heads, self.head_dim, float(self.seqlen) ** 2 * self.share, backward)
 
 
 @dataclass(frozen=True)
@@ -90,110 +87,85 @@ def token_bytes(pr, backward, heads=None, kv_heads=None):
     return min(sides["kv"], sides["q"], key=sum)   # a tie goes to the kv-ring, as choose_backward_ring does
 
 
-def _link(rates, inter):
-    bw = (rates.inter_gbps if inter else rates.intra_gbps) * 1e9
-    lat = (rates.inter_latency_us if inter else rates.intra_latency_us) * 1e-6
-    return lambda nbytes: 0.0 if nbytes == 0 else lat + nbytes / bw
-
-
 def ulysses_kv_heads(pr, per_node):
     """K/V heads one rank holds under ulysses_ring (shared when Hkv < w)."""
     group, mine = pr.heads // pr.kv_heads, pr.heads // per_node
     return max(1, mine // group)
 
 
-@dataclass
-class Pass:
+@dataclass(frozen=True)
+class PassPrediction:
+    """One pass predicted step by step (``predict``)."""
     time: float          # seconds
-    compute: float       # seconds of kernels alone
+    compute: float       # seconds of the critical path's kernels (the busiest rank of every step)
+    mean: float          # seconds of the mean rank's kernels
+    steps: int
     network: float       # bytes the busiest GPU sends over the network
-    steps: list          # (compute, {link: seconds}) of the overlapped steps, for the threshold
 
     @property
     def exposed(self):
-        return max(0.0, self.time - self.compute)
+        """Share of the time spent waiting for transfers."""
+        return max(0.0, self.time - self.compute) / self.time if self.time else 0.0
+
+    @property
+    def imbalance(self):
+        """Critical path over mean work."""
+        return self.compute / self.mean if self.mean else 1.0
 
 
-def _ring(steps, compute, transfer):
-    """Time of ``steps`` ring steps that each hide ``transfer`` (the next step's data) behind
-    ``compute``; the last step has nothing left to receive."""
-    return (steps - 1) * max(compute, transfer) + compute if steps else 0.0
-
-
-def predict_pass(scheme, pr, cl, rates, backward=False):
-    P, N, w = cl.ranks, cl.nodes, cl.per_node
-    n = pr.seqlen / P
-    F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
-    total = pr.flops(backward) / P / F * pr.imbalance   # the critical path of the kernels
-    intra, inter = _link(rates, False), _link(rates, N > 1)
-    data, partial = token_bytes(pr, backward)
-    shard = pr.batch * n
-    if scheme == "ring" or (scheme == "double_ring" and w == 1):   # one rank per node: the flat ring
-        steps = pr.steps(P, n)
-        c = total / steps
-        m = inter(shard * (data + partial))
-        time = _ring(steps, c, m) + inter(shard * partial)
-        net = shard * ((steps - 1) * data + steps * partial) if N > 1 else 0  # a node's last rank: every hop
-        return Pass(time, total, net, [(c, m)])
-    if scheme == "double_ring" and w > 1:
-        rounds = pr.steps(N, w * n)
-        c = total / (rounds * w)
-        m_in = intra(shard * (data + partial))
-        inner = _ring(w, c, m_in)
-        m_out = inter(shard * (data + partial)) if N > 1 else 0.0   # posted after a round's first step
-        last = intra(shard * partial) + (inter(shard * partial) if rounds > 1 else 0.0)   # inner hop, home
-        time = (rounds - 1) * max(inner, c + m_out) + inner + last
-        return Pass(time, total, (rounds - 1) * shard * (data + partial), [(c, m_in), ((w - 1) * c, m_out)])
-    if scheme == "ulysses_ring":
-        hq, hk = pr.heads // w, ulysses_kv_heads(pr, w)
-        d, it = pr.head_dim, pr.itemsize
-        if backward:
-            into = hq * (2 * d * it + 8) + 2 * hk * d * it
-            back = (hq + 2 * hk) * d * 4
-        else:
-            into, back = (hq + 2 * hk) * d * it, hq * (d * it + 4)
-        a2a = intra((w - 1) * shard * into) + intra((w - 1) * shard * back) if w > 1 else 0.0
-        data, partial = token_bytes(pr, backward, hq, hk)
-        rounds = pr.steps(N, w * n)
-        c = total / rounds
-        m = inter(w * shard * (data + partial))
-        time = a2a + _ring(rounds, c, m) + inter(w * shard * partial)
-        net = w * shard * ((rounds - 1) * data + rounds * partial) if N > 1 else 0
-        return Pass(time, total, net, [(c, m)])
-    raise BurstError(f"unknown scheme {scheme!r}")
-
-
-@dataclass
+@dataclass(frozen=True)
 class Prediction:
+    """A call's forward and backward pass under one (scheme, layout)."""
     scheme: str
-    fwd: Pass
-    bwd: Pass
+    layout: str
+    fwd: PassPrediction
+    bwd: PassPrediction
 
     @property
     def fwdbwd(self):
         return self.fwd.time + self.bwd.time
 
     @property
-    def exposed_fwdbwd(self):
-        return self.fwd.exposed + self.bwd.exposed
+    def exposed(self):
+        """Share of the forward+backward time spent waiting for transfers."""
+        waited = self.fwdbwd - self.fwd.compute - self.bwd.compute
+        return max(0.0, waited) / self.fwdbwd if self.fwdbwd else 0.0
 
     @property
-    def network_fwdbwd(self):
+    def network(self):
         return self.fwd.network + self.bwd.network
 
+    def seconds(self, backward=True):
+        """What the picks compare: forward+backward, or the forward alone."""
+        return self.fwdbwd if backward else self.fwd.time
 
-def predict(scheme, pr, cl, rates):
-    return Prediction(scheme, predict_pass(scheme, pr, cl, rates), predict_pass(scheme, pr, cl, rates, True))
+
+def backward_side(pr, ranks, layout, mask=None):
+    """The side a call's backward ring sends around (backward_ring 'auto', callplan.choose_backward_ring):
+    the one moving fewer bytes over the steps that have work."""
+    from . import masks
+
+    steps = [masks.ring_steps(mask, ranks, layout, queries_travel) for queries_travel in (True, False)]
+    return cheaper_backward_ring(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, *steps, ranks)
 
 
-def fits(scheme, pr, cl, layout="zigzag"):
-    """None when ``scheme`` runs this problem, else why not (the reason the library gives)."""
+def direction_of(pr, ranks, layout, mask, backward):
+    """The workload direction of a pass (workload.DIRECTIONS)."""
+    if not backward:
+        return "forward"
+    return "backward" if backward_side(pr, ranks, layout, mask) == "kv" else "backward-q"
+
+
+def fits(scheme, pr, cl, layout="zigzag", masked=False):
+    """None when ``scheme`` runs this problem in ``layout`` (``masked``: with documents or a window),
+    else why not (the reason the library gives)."""
     from .schemes import check_node_layout, ulysses_heads
 
-    if scheme == "ring":
-        return None
     try:
-        check_node_layout(scheme, layout, pr.causal, masked=pr.visible is not None)
+        check_split(pr.seqlen, cl.ranks, layout)
+        if scheme == "ring":
+            return None
+        check_node_layout(scheme, layout, pr.causal, masked)
         if scheme == "ulysses_ring":
             ulysses_heads(pr.heads, pr.kv_heads, cl.per_node)
     except BurstError as e:
@@ -201,39 +173,172 @@ def fits(scheme, pr, cl, layout="zigzag"):
     return None
 
 
-def pick(pr, cl, rates, layout="zigzag", backward=True, margin=0.02):
-    """The scheme with the least predicted time (forward+backward, or the forward alone), among
-    those that fit; the flat ring unless another beats it by more than ``margin``; one node: ring."""
-    if cl.nodes == 1:
-        return "ring"
-    best, best_time = "ring", None
-    for scheme in ("ring", "double_ring", "ulysses_ring"):
-        if fits(scheme, pr, cl, layout) is not None:
+def predict(scheme, pr, cl, rates, layout="zigzag", mask=None, scale=1):
+    """The Prediction of ``scheme`` in ``layout`` (it must fit: ``fits``); ``mask`` the call's
+    masks.Mask (None: plain causal or full attention). ``scale``: the same schedule with ``scale``
+    times the tokens per GPU (work by its square, bytes by it; hiding_tokens' question)."""
+    return Prediction(scheme, layout, *(pass_prediction(scheme, pr, cl, rates, layout, mask, b, scale)
+                                        for b in (False, True)))
+
+
+def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
+    """One pass of ``predict``; with ``scale`` an array, ``time`` and ``compute`` are arrays too (one
+    for each scale: hiding_tokens asks many at once)."""
+    from .workload import KINDS, account
+
+    direction = direction_of(pr, cl.ranks, layout, mask, backward)
+    acc = account(pr.seqlen, cl.ranks, pr.causal, mask, layout, scheme, direction,
+                  cl.per_node if cl.nodes > 1 else None)
+    heads, kv_heads = pr.heads, pr.kv_heads
+    if scheme == "ulysses_ring":
+        heads, kv_heads = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node)
+    F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
+    per_pair = attention_flops(pr.batch, heads, pr.head_dim, 1.0, backward) / F
+    sizes = transfer_bytes(heads, kv_heads, pr.head_dim, pr.itemsize, backward)
+    nbytes = np.array([sizes[kind] * pr.batch for kind in KINDS])[acc.ends["kind"]] * acc.ends["tokens"]
+    links = np.array([[rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6],
+                      [rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6]])
+    critical = acc.work.max(axis=1) * per_pair
+    scales = np.atleast_1d(np.asarray(scale, np.float64))
+    time = _run(acc, critical, nbytes / links[acc.ends["far"], 0], links[:, 1], scales)
+    if scheme == "ulysses_ring":
+        time = time + _all_to_alls(pr, cl, rates, backward, scales)
+    sent = acc.ends["far"].astype(bool) & acc.ends["out"].astype(bool)
+    network = np.bincount(acc.ends["rank"][sent], nbytes[sent], minlength=1).max()
+    compute = critical.sum() * scales ** 2
+    mean = acc.work.sum() / cl.ranks * per_pair * scales ** 2
+    if np.ndim(scale) == 0:
+        time, compute, mean = float(time[0]), float(compute[0]), float(mean[0])
+    return PassPrediction(time, compute, mean, acc.work.shape[0], float(network))
+
+
+def _run(acc, critical, seconds, latency, scales):
+    """Seconds of the steps, for each of ``scales`` (the tokens per GPU scaled: compute by its
+    square, transfers by it): each step the larger of its busiest rank's kernels (``critical``) and
+    the arrival of every transfer due at its end; each link end carries its transfers one after
+    another in posting order (``seconds`` each, at scale 1), none before it is posted, a latency
+    (``latency`` by link class) once per step and end."""
+    steps = _link_steps(acc)
+    free = np.zeros((4 * acc.work.shape[1], scales.size))   # when each (rank, far, out) link end is next free
+    arrived = np.zeros((len(critical), scales.size))
+    time = np.zeros(scales.size)
+    for t, compute in enumerate(critical):
+        start = time
+        if t in steps:
+            rows, ends, counts, last, far, by_due, dues, due_starts = steps[t]
+            carried = np.cumsum(seconds[rows, None] * scales, axis=0)   # within a step, end after end
+            before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
+            begin = np.maximum(start, free[ends]) + latency[far, None] - before
+            done = np.repeat(begin, counts, axis=0) + carried
+            free[ends] = done[last]
+            arrived[dues] = np.maximum(arrived[dues], np.maximum.reduceat(done[by_due], due_starts, axis=0))
+        time = np.maximum(start + compute * scales ** 2, arrived[t])
+    return time
+
+
+@lru_cache(maxsize=64)
+def _link_steps(acc):
+    """{step: (rows of acc.ends it posts, their link ends (rank, far, out) as indices, how many rows
+    each end has, the last row of each, each end's far flag, the rows (of those) by due step, the
+    due steps, where each due step's rows start)}."""
+    ends = acc.ends
+    key = ends["rank"] * 4 + ends["far"] * 2 + ends["out"]
+    out = {}
+    for t in np.unique(ends["posted"]):
+        rows = np.flatnonzero(ends["posted"] == t)
+        first = np.flatnonzero(np.diff(key[rows], prepend=-1) != 0)
+        counts = np.diff(np.append(first, rows.size))
+        by_due = np.argsort(ends["due"][rows], kind="stable")
+        due = ends["due"][rows][by_due]
+        due_starts = np.flatnonzero(np.diff(due, prepend=-1) != 0)
+        out[int(t)] = (rows, key[rows][first], counts, first + counts - 1, ends["far"][rows][first], by_due,
+                       due[due_starts], due_starts)
+    return out
+
+
+def _all_to_alls(pr, cl, rates, backward, scale):
+    """Seconds of Ulysses' all-to-alls inside the node (heads out, results back), not overlapped."""
+    w = cl.per_node
+    if w == 1:
+        return 0.0
+    hq, hk = pr.heads // w, ulysses_kv_heads(pr, w)
+    d, it = pr.head_dim, pr.itemsize
+    if backward:
+        into, back = hq * (2 * d * it + 8) + 2 * hk * d * it, (hq + 2 * hk) * d * 4
+    else:
+        into, back = (hq + 2 * hk) * d * it, hq * (d * it + 4)
+    shard = pr.batch * pr.seqlen / cl.ranks * scale
+    return sum(rates.intra_latency_us * 1e-6 + (w - 1) * shard * nbytes / (rates.intra_gbps * 1e9)
+               for nbytes in (into, back))
+
+
+def options(pr, cl, rates, mask=None, layouts=LAYOUTS, schemes=SCHEMES):
+    """{(layout, scheme): Prediction, or the reason it does not run}, for every pair asked."""
+    out = {}
+    for layout in layouts:
+        for scheme in schemes:
+            why = fits(scheme, pr, cl, layout, mask is not None)
+            out[(layout, scheme)] = why if why is not None else predict(scheme, pr, cl, rates, layout, mask)
+    return out
+
+
+def pick(pr, cl, rates, layout="zigzag", mask=None, backward=True, margin=MARGIN):
+    """The scheme ``scheme='auto'`` runs in ``layout``: the least predicted time (forward+backward,
+    or the forward alone) among those that fit; the flat ring unless another beats it by more than
+    ``margin``; one node: ring."""
+    found = options(pr, cl, rates, mask, (layout,), SCHEMES if cl.nodes > 1 else ("ring",))
+    picked = _pick(found, backward, margin)
+    if layout not in picked:
+        raise BurstError(found[(layout, "ring")])
+    return picked[layout].scheme
+
+
+def _pick(found, backward, margin):
+    """{layout: its picked Prediction} of ``options``' output."""
+    picked = {}
+    for (layout, scheme), p in found.items():
+        if isinstance(p, str):
             continue
-        p = predict(scheme, pr, cl, rates)
-        t = p.fwdbwd if backward else p.fwd.time
-        if best_time is None or t < best_time * (1 - margin):
-            best, best_time = scheme, t
-    return best
+        held = picked.get(layout)
+        if held is None or p.seconds(backward) < held.seconds(backward) * (1 - margin):
+            picked[layout] = p
+    return picked
 
 
-def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05):
-    """The fewest tokens per GPU (a multiple of 64) at which ``scheme`` exposes at most ``within``
-    of its compute as communication (None beyond 16M tokens per GPU)."""
-    def exposed_share(n):
-        p = replace(pr, seqlen=n * cl.ranks)
-        passes = [predict_pass(scheme, p, cl, rates)] + ([predict_pass(scheme, p, cl, rates, True)] if backward else [])
-        return sum(x.exposed for x in passes) / sum(x.compute for x in passes)
+def best(pr, cl, rates, mask=None, layouts=LAYOUTS, scheme="auto", backward=True):
+    """The fastest predicted (layout, scheme): each layout with its ``pick`` (or ``scheme`` when one is
+    named), the least time among them; on a tie the call's default layout (zigzag when causal,
+    contiguous otherwise: one rank holds every layout alike). (Prediction, ``options``' output of
+    the pairs priced.)"""
+    schemes = SCHEMES if scheme == "auto" and cl.nodes > 1 else ("ring",) if scheme == "auto" else (scheme,)
+    found = options(pr, cl, rates, mask, layouts, schemes)
+    picked = _pick(found, backward, MARGIN)
+    if not picked:   # no layout splits the sequence, or the scheme named runs none that does
+        raise LayoutError("; ".join(dict.fromkeys(why for why in found.values())))
+    return min(picked.values(), key=lambda p: (p.seconds(backward), p.layout != default_layout(pr.causal))), found
+
+
+def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zigzag", mask=None):
+    """The fewest tokens per GPU (a multiple of 64) at which ``scheme`` in ``layout`` exposes at
+    most ``within`` of its compute as communication (None beyond 16M tokens per GPU): the same
+    schedule, its mask scaled with the tokens (``predict``'s ``scale``). Narrowed down 64 sizes at
+    a time (one pass of the model prices them together)."""
+    tokens = pr.seqlen / cl.ranks
+
+    def hidden(units):
+        passes = [pass_prediction(scheme, pr, cl, rates, layout, mask, b, units * 64 / tokens)
+                  for b in ((False, True) if backward else (False,))]
+        return sum(p.time - p.compute for p in passes) <= within * sum(p.compute for p in passes)
 
     lo, hi = 1, 1 << 18   # units of 64 tokens
-    if exposed_share(hi * 64) > within:
+    if not hidden(np.array([hi]))[0]:
         return None
     while lo < hi:
-        mid = (lo + hi) // 2
-        if exposed_share(mid * 64) <= within:
-            hi = mid
-        else:
-            lo = mid + 1
+        grid = np.unique(np.linspace(lo, hi, 64).round().astype(np.int64))
+        first = int(np.argmax(hidden(grid)))   # the last point (hi) hides
+        if first == 0:
+            return int(grid[0]) * 64
+        lo, hi = int(grid[first - 1]) + 1, int(grid[first])
     return lo * 64
 
 
@@ -252,39 +357,65 @@ def rates_for(backend_name, device_name=None):
     return rates
 
 
-def visible_share(mask, size, layout):
+def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, heads=32, kv_heads=None,
+                  head_dim=128, dtype="bfloat16", batch=1, backend="cuda", ranks_per_node=None, scheme="auto",
+                  backward=True, rates=None):
+    """The layout the cost model predicts fastest for a call: the one to shard by and to pass as
+    ``layout=`` (a call that names none uses zigzag when causal, contiguous otherwise, whatever the
+    mask).
+
+    Parameters
+    ----------
+    seqlen, size : int
+        Tokens in the whole sequence and ranks.
+    causal, cu_seqlens, window
+        The mask, as burst_attention takes it.
+    heads, kv_heads, head_dim : int
+        Hq, Hkv (default: ``heads``) and D.
+    dtype : str or numpy dtype
+        Element type of q, k, v.
+    batch : int
+        B.
+    backend : {'cuda', 'numpy'}
+        Whose built-in rates price the call (rates_for: H100's, or this library's CPU path).
+    ranks_per_node : int, optional
+        Ranks a node (None: one node).
+    scheme : {'auto', 'ring', 'double_ring', 'ulysses_ring'}
+        The scheme the call names (auto: each layout with the scheme it would pick).
+    backward : bool
+        Price the backward pass too (a training step: the forward and backward calls share shards).
+    rates : Rates, optional
+        Overrides ``backend``'s rates.
+
+    Returns
+    -------
+    str
+        'contiguous', 'zigzag' or 'balanced'.
+
+    Raises
+    ------
+    BurstError
+        A bad mask, or a length that splits over ``size`` ranks in no layout.
+
+    Examples
+    --------
+    ::
+
+        layout = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=32, kv_heads=8)
+        mine = lambda x: burst_hpc.shard(x, rank, P, layout)
+        o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, cu_seqlens=cu, layout=layout)
+    """
     from . import masks
+    from .dtypes import parse_dtype
 
-    return sum(masks.rank_work(mask, size, layout)) / float(mask.seqlen) ** 2
-
-
-def pick_for_call(topo, layout, causal, mask, q_shape, kv_heads, itemsize, backward, backend="numpy"):
-    """The pick for one burst_attention call on this rank's shard shape, from this rank's GPU model
-    (no collective here: ranks on different GPU models that pick differently get the signature's
-    RankMismatchError, never a hang)."""
-    device_name = None
-    if backend == "cuda":
-        import cupy
-
-        device_name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    b, local, hq, d = q_shape
-    cl = Cluster(topo.nodes, topo.per_node)
-    share = None if mask is None else visible_share(mask, cl.ranks, layout)
-    reach = None
-    if mask is not None and mask.window is not None and mask.window[0] >= 0 and layout == "contiguous":
-        reach = mask.window[0]
-    pr = Problem(b, local * cl.ranks, hq, kv_heads, d, itemsize, causal, share, reach, imbalance(mask, cl.ranks, layout))
-    return pick(pr, cl, rates_for(backend, device_name), layout, backward)
-
-
-def imbalance(mask, ranks, layout):
-    """Critical path over mean work of the flat ring's schedule of ``mask`` (1 without one)."""
-    if mask is None:
-        return 1.0
-    from .workload import work_of
-
-    work = work_of(mask.seqlen, ranks, mask.causal, mask, layout, "forward")
-    return float(work.max(axis=1).sum() * ranks / max(1, work.sum()))
+    mask = masks.make(seqlen, causal, window, cu_seqlens)
+    pr = Problem(batch, seqlen, heads, heads if kv_heads is None else kv_heads, head_dim,
+                 np.dtype(parse_dtype(dtype)).itemsize, bool(causal))
+    per_node = size if ranks_per_node is None or ranks_per_node >= size else ranks_per_node
+    if size % per_node:
+        raise BurstError(f"{size} ranks do not fill nodes of {ranks_per_node}")
+    cl = Cluster(size // per_node, per_node)
+    return best(pr, cl, rates or rates_for(backend), mask, scheme=scheme, backward=backward)[0].layout
 
 
 def _schedule(scheme, cl, near, returns):
@@ -337,93 +468,3 @@ def peak_memory(scheme, pr, cl, backward=False):
         near, returns = "kv", ("q",)
     buffers = dict(lifetimes(_schedule(scheme, cl, near, returns), 0)[2], side=near)
     return inputs + extra + _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers)
-
-
-@dataclass(frozen=True)
-class StepPrediction:
-    """A pass predicted step by step from its schedule (``step_prediction``)."""
-    time: float          # seconds: every step the larger of its busiest rank's compute and transfers
-    compute: float       # seconds of the critical path's kernels (the busiest rank of every step)
-    mean: float          # seconds of the mean rank's kernels
-    steps: int
-
-    @property
-    def exposed(self):
-        """Share of the time spent waiting for transfers."""
-        return max(0.0, self.time - self.compute) / self.time if self.time else 0.0
-
-    @property
-    def imbalance(self):
-        """Critical path over mean work."""
-        return self.compute / self.mean if self.mean else 1.0
-
-
-def step_prediction(pr, ranks, rates, layout, mask, backward=False, per_node=8):
-    """The pass over ``ranks`` GPUs (``per_node`` a node) in ``layout``, from its schedule's own
-    account (workload.py), step by step as the engine runs it: every rank starts a step's kernels
-    when the step before has ended everywhere, and a step ends when its busiest rank's kernels (the
-    critical path, not the mean) are done and every transfer due then has arrived. A transfer
-    is posted at the start of its step (between nodes the balanced schedule posts some steps before
-    they are due) and has arrived when both its sender's outgoing and its receiver's incoming link of
-    its class (NVLink inside a node, the network between nodes) have carried it: each link carries
-    its transfers one after another in the order they are posted, none before it is posted, a
-    latency once per step and link. (Within a step this is the most bytes any rank sends or
-    receives; across steps a link's backlog carries over.)"""
-    from .accounting import transfer_bytes
-    from .workload import schedule_transfers, work_of
-
-    direction = "backward" if backward else "forward"
-    work = work_of(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
-    F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
-    per_pair = attention_flops(pr.batch, pr.heads, pr.head_dim, 1.0, backward) / F
-    sizes = transfer_bytes(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, backward)
-    links = {False: (rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6),
-             True: (rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6)}
-    transfers = schedule_transfers(pr.seqlen, ranks, pr.causal, mask, layout, direction, per_node)
-    posted = {}
-    for m in transfers:
-        posted.setdefault(m[0], []).append(m)
-    free, arrived, time = {}, {}, 0.0   # (rank, far, "out"/"in") -> when that link is next free
-    for t in range(work.shape[0]):
-        start, paid = time, set()
-        for _, due, sender, receiver, what, side, tokens in posted.get(t, ()):
-            far = sender // per_node != receiver // per_node
-            bandwidth, latency = links[far]
-            seconds = sizes[(what, side)] * pr.batch * tokens / bandwidth
-            for e in ((sender, far, "out"), (receiver, far, "in")):
-                free[e] = max(start, free.get(e, 0.0)) + seconds + (latency if e not in paid else 0.0)
-                paid.add(e)
-                arrived[due] = max(arrived.get(due, 0.0), free[e])
-        time = max(start + work[t].max() * per_pair, arrived.get(t, 0.0))
-    return StepPrediction(time, work.max(1).sum() * per_pair, work.sum() / ranks * per_pair, work.shape[0])
-
-
-@dataclass(frozen=True)
-class CallShape:
-    """What a call's layout is priced by (masks.default_layout): its shard's batch and heads, the
-    bytes per element, whether a backward pass is priced too, the ranks a node (None: one node)
-    and the rates. Hashable: the layout decision is cached on it."""
-    batch: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-    itemsize: int
-    backward: bool = True
-    per_node: int = None
-    rates: Rates = GPU_RATES["H100"]
-
-    @classmethod
-    def of_call(cls, q_shape, kv_heads, itemsize, backend="numpy", per_node=None, backward=True):
-        """The shape of a call on a (batch, tokens, heads, head_dim) query shard, priced with the
-        backend's rates (rates_for). A library call prices the forward and the backward pass
-        (``backward``): a forward call and the backward call of the same training step must pick
-        the same layout, their shards are cut alike; a run job prices the passes it runs."""
-        batch, _, heads, head_dim = q_shape
-        return cls(batch, heads, kv_heads, head_dim, itemsize, backward, per_node, rates_for(backend))
-
-    def seconds(self, mask, ranks, layout):
-        """Predicted seconds of the call's passes over ``ranks`` in ``layout`` (step_prediction)."""
-        pr = Problem(self.batch, mask.seqlen, self.heads, self.kv_heads, self.head_dim, self.itemsize, mask.causal)
-        per_node = ranks if self.per_node is None else self.per_node
-        return sum(step_prediction(pr, ranks, self.rates, layout, mask, backward, per_node).time
-                   for backward in ((False, True) if self.backward else (False,)))

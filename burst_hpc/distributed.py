@@ -33,11 +33,11 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
     scale : float, optional
         Score scale (default D ** -0.5).
     layout : {'contiguous', 'zigzag', 'balanced'}, optional
-        How the shards were cut (burst_hpc.shard). Default: zigzag when causal, contiguous otherwise;
-        with documents or a window masks.call_layout's pick for this call's shape
-        (costmodel.CallShape.of_call: the cost model's faster of balanced and the plain pick). 'balanced' shards are contiguous ones
-        (natural token order) with the visible work (causal, documents, windows) balanced by the
-        schedule.
+        How the shards were cut (burst_hpc.shard). Default: zigzag when causal, contiguous otherwise,
+        whatever ``cu_seqlens`` and ``window`` hold (a default never changes with the data). The
+        layout the cost model predicts fastest for this call is ``burst_hpc.choose_layout(...)``:
+        shard by it and pass it here. 'balanced' shards are contiguous ones (natural token order)
+        with the visible work (causal, documents, windows) balanced by the schedule.
     transport : {'auto', 'host', 'mpi', 'nccl', 'staged'}
         How shards travel (auto: the fastest available, logged).
     cu_seqlens : 1-D integer array, optional
@@ -78,8 +78,12 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         from mpi4py import MPI
         import burst_hpc
         r, P = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
-        mine = lambda x: burst_hpc.shard(x, r, P, "zigzag")
-        o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, layout="zigzag")
+        mine = lambda x: burst_hpc.shard(x, r, P, "zigzag")   # causal: the default layout
+        o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True)
+        # packed documents: the layout predicted fastest, the same on every rank
+        layout = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=q.shape[2], kv_heads=k.shape[2])
+        fast = lambda x: burst_hpc.shard(x, r, P, layout)
+        o, lse = burst_hpc.burst_attention(fast(q), fast(k), fast(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     comm = world() if comm is None else check_comm(comm)
     plan = plan_call(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,

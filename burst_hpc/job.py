@@ -30,7 +30,7 @@ from . import config, io, jobsafety, masks, report, verify
 from .accounting import attention_flops, visible_pairs
 from .callplan import CallPlan
 from .collective import agree, describe, one_fails_all, world
-from .costmodel import CallShape
+from .costmodel import choose_layout
 from .device import HOW_TO_GET_CUPY, array_device, gpu_count, gpus_shared, select_device
 from .dtypes import dtype_name
 from .errors import BackendError, BurstError, say
@@ -47,7 +47,7 @@ class RunOptions:
     causal: bool = False
     window: tuple = None
     backward: bool = False
-    layout: str = None          # None: the default for the mask
+    layout: str = None          # None: the one predicted fastest (costmodel.choose_layout)
     transport: str = "auto"
     backend: str = "auto"       # "numpy", "cuda" or "auto" (cuda when a GPU is visible)
     scheme: str = "auto"
@@ -150,7 +150,7 @@ def run(options, comm=None):
     shared = gpus_shared(comm, xp.cuda.Device() if backend == "cuda" else None)  # collective: NCCL refuses that
     topo = None
     try:
-        if layout is None and mask is not None and size > 1:   # collective (every rank is here): the nodes to price for
+        if layout is None and size > 1:   # collective (every rank is here): the nodes to price for
             topo = topology(comm, options.ranks_per_node)
     except Exception as e:  # noqa: BLE001 - the same on every rank
         error = e
@@ -158,11 +158,12 @@ def run(options, comm=None):
         if error is not None:
             raise error
         transport = choose_transport(options.transport, backend == "cuda", shared)
-        if layout is None:
-            per_node = topo.per_node if topo is not None and topo.nodes > 1 else None
-            shape = CallShape.of_call((spec.batch, spec.seqlen // size, spec.heads, spec.head_dim), spec.kv_heads,
-                                      spec.dtype.itemsize, backend, per_node, options.backward)
-            layout = masks.call_layout(mask, options.causal, size, shape, options.scheme)
+        if layout is None:   # the job shards the file itself: the layout predicted fastest
+            layout = choose_layout(spec.seqlen, size, causal=options.causal, cu_seqlens=spec.cu_seqlens,
+                                   window=options.window, heads=spec.heads, kv_heads=spec.kv_heads,
+                                   head_dim=spec.head_dim, dtype=spec.dtype, batch=spec.batch, backend=backend,
+                                   ranks_per_node=topo.per_node if topo is not None and topo.nodes > 1 else None,
+                                   scheme=options.scheme, backward=options.backward)
     except Exception as e:  # noqa: BLE001
         error = e
     agree(comm, error)

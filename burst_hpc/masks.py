@@ -21,7 +21,7 @@ from functools import lru_cache
 import numpy as np
 
 from .errors import MaskError
-from .layout import default_layout as plain_default_layout, pieces
+from .layout import pieces
 
 
 LARGEST_WINDOW = 2 ** 62     # masks add window sizes to token positions in int64
@@ -160,6 +160,37 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
     return Mask(seqlen, causal, window, cu_seqlens)
 
 
+def block_counts(mask, rows, keys):
+    """int64 (S / rows, S / keys): the visible (query, key) pairs of every block of ``rows`` query
+    rows against every block of ``keys`` keys (``mask`` a Mask: plain causal or full attention
+    too, Mask(seqlen, causal, None, None)). The row intervals never shrink, so the pairs of a block
+    of rows with the keys before a point come from prefix sums and searchsorted, without visiting
+    the rows one by one."""
+    lo, hi = mask.intervals
+    lo_sums, span_sums = (np.concatenate([[0], np.cumsum(x)]) for x in (lo, hi - lo))
+    starts = np.arange(0, mask.seqlen, rows, dtype=np.int64)[:, None]     # (row block, 1)
+    ends = np.arange(0, mask.seqlen + 1, keys, dtype=np.int64)[None, :]    # (1, key boundary)
+    done = np.clip(np.searchsorted(hi, ends, side="right"), starts, starts + rows)   # rows seeing no key past x
+    begun = np.clip(np.searchsorted(lo, ends, side="right"), starts, starts + rows)  # rows seeing a key before x
+    # visible pairs of each block of rows with the keys before each boundary x
+    before = span_sums[done] - span_sums[starts] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
+    return np.diff(before, axis=1)
+
+
+@lru_cache(maxsize=16)
+def pair_work(mask, size, layout):
+    """(size, size) int64, read-only: the visible (query, key) pairs of rank a's queries against rank
+    b's keys (``mask`` as block_counts takes it)."""
+    owner = [pieces(mask.seqlen, r, size, layout) for r in range(size)]
+    piece = owner[0][0][1]
+    blocks = block_counts(mask, piece, piece)
+    index = [[start // piece for start, _ in runs] for runs in owner]
+    rows = np.array([blocks[i].sum(axis=0) for i in index])                           # (rank, key piece)
+    out = np.stack([rows[:, i].sum(axis=1) for i in index], axis=1).astype(np.int64)   # (rank, rank)
+    out.setflags(write=False)
+    return out
+
+
 @lru_cache(maxsize=64)
 def ring_steps(mask, size, layout, queries_travel=False):
     """How many ring steps have work: 1 + the last step t at which some rank has a visible pair.
@@ -167,74 +198,17 @@ def ring_steps(mask, size, layout, queries_travel=False):
     kv-ring), or its queries (q-ring, ``queries_travel``). Every rank computes the same number."""
     if mask is None:
         return size
-    last = 0
-    for step in range(1, size):
-        for rank in range(size):
-            travelling, staying = _pieces(mask, (rank - step) % size, size, layout), _pieces(mask, rank, size, layout)
-            q_pieces, k_pieces = (travelling, staying) if queries_travel else (staying, travelling)
-            if any(mask.classify(qs, ql, ks, kl) != "hidden" for qs, ql in q_pieces for ks, kl in k_pieces):
-                last = step
-                break
-    return last + 1
+    pairs = pair_work(mask, size, layout)
+    rank = np.arange(size)
+    busy = [t for t in range(1, size)
+            if (pairs[(rank - t) % size, rank] if queries_travel else pairs[rank, (rank - t) % size]).any()]
+    return 1 + (busy[-1] if busy else 0)
 
 
-def _pieces(mask, rank, size, layout):
-    return pieces(mask.seqlen, rank, size, layout)
-
-
-@lru_cache(maxsize=64)
 def rank_work(mask, size, layout):
     """Visible (query, key) pairs each rank computes over a whole ring (its queries against every
     shard's keys): the per-rank work, whose max over mean is the imbalance."""
-    work = []
-    for rank in range(size):
-        work.append(sum(mask.visible_count(qs, ql, ks, kl) for qs, ql in _pieces(mask, rank, size, layout)
-                        for source in range(size) for ks, kl in _pieces(mask, source, size, layout)))
-    return tuple(work)
-
-
-BALANCED_MARGIN = 0.8   # without the call's shape: balanced must shorten the critical path by 20% (it moves more data)
-
-
-@lru_cache(maxsize=64)
-def default_layout(mask, size, shape=None, flat_ring=True):
-    """The layout for a masked call (the user did not pick one); balanced only on the flat ring
-    (``flat_ring``: the call's scheme is 'ring' or 'auto'; the node schemes refuse its schedule).
-
-    With the call's shape (``shape``: a costmodel.CallShape) balanced when the cost model predicts
-    the call faster with it than with the plain pick below (costmodel.CallShape.seconds: the
-    schedule step by step, its transfers included); without one, balanced when its critical path
-    (the busiest rank of every step, workload.schedule_work's account) is shorter than both
-    others' by BALANCED_MARGIN. The plain pick: contiguous unless zigzag's busiest rank has clearly
-    less visible work: within 2% when both run as many ring steps, 10% when contiguous runs fewer
-    (with documents or a window it often runs only the steps the masks reach, while zigzag's
-    second chunk needs every step, and those steps' transfers have little compute to hide behind)."""
-    fits = [layout for layout, parts in (("contiguous", size), ("zigzag", 2 * size)) if mask.seqlen % parts == 0]
-    if fits == ["contiguous", "zigzag"]:
-        work = {layout: max(rank_work(mask, size, layout)) for layout in fits}
-        fewer_steps = ring_steps(mask, size, "contiguous") < ring_steps(mask, size, "zigzag")
-        plain = "zigzag" if work["zigzag"] < (0.9 if fewer_steps else 0.98) * work["contiguous"] else "contiguous"
-    else:
-        plain = fits[0] if fits else "contiguous"  # check_split reports a length that fits neither
-    if size == 1 or "contiguous" not in fits or not flat_ring:
-        return plain
-    if shape is not None:
-        return "balanced" if shape.seconds(mask, size, "balanced") < shape.seconds(mask, size, plain) else plain
-    from .workload import work_of
-
-    critical = {layout: work_of(mask.seqlen, size, mask.causal, mask, layout, "forward").max(axis=1).sum()
-                for layout in fits + ["balanced"]}
-    return "balanced" if critical["balanced"] < BALANCED_MARGIN * min(critical[layout] for layout in fits) else plain
-
-
-def call_layout(mask, causal, size, shape=None, scheme="auto"):
-    """The layout of a call that names none: the plain default for causal or full attention (no
-    Mask), default_layout's pick with documents or a window (``shape``: the call's
-    costmodel.CallShape where it is known; ``scheme``: the one the call names, balanced only where
-    it runs). The one rule the call's plan and the run job use."""
-    if mask is None:
-        return plain_default_layout(causal)
-    return default_layout(mask, size, shape, flat_ring=scheme in ("auto", "ring"))
+    return tuple(int(x) for x in pair_work(mask, size, layout).sum(axis=1))
 
 
 def random_documents(rng, seqlen, count):

@@ -1,10 +1,12 @@
 """``burst-hpc plan``: the cost model's table for one problem on one cluster (costmodel.py).
 
-One row per scheme: predicted forward and forward+backward time, the communication left exposed
-(time - compute alone), bytes the busiest GPU sends over the network (forward+backward), peak
-memory per rank (forward / backward call), and the fewest tokens per GPU at which the scheme
-hides its communication (within 5% of compute; forward / forward+backward). The pick is what
-``scheme="auto"`` runs for this problem.
+One row per (layout, scheme), every number from the one step-by-step model (costmodel.predict):
+predicted forward and forward+backward time, the communication left exposed (time - compute
+alone), the steps, the critical path over the mean work, TFLOP/s per GPU of the visible pairs,
+bytes the busiest GPU sends over the network (forward+backward), peak memory per rank (forward /
+backward call), and the fewest tokens per GPU at which the row hides its communication (within 5%
+of compute; forward / forward+backward). The pick is the fastest row: the layout
+``burst_hpc.choose_layout`` names, with the scheme ``scheme="auto"`` runs in it.
 """
 import math
 
@@ -13,19 +15,14 @@ import numpy as np
 from . import costmodel
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 from .errors import BurstError, MaskError, ShapeError
+from .layout import LAYOUTS
 
 
-def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, cu_seqlens=None, layout=None,
-            nodes=1, per_node=8, rates=None):
-    """(costmodel.Problem, layout) of a planned call (``plan``'s options), or a BurstError saying why it
-    has none. ``kv_heads`` None: MHA; ``window`` a causal window of that many keys (-1 or None: none);
-    ``cu_seqlens`` the documents' offsets (planned_documents). The layout defaults as a call's does
-    (masks.call_layout, priced with ``rates``, H100's by default); the visible share and the
-    imbalance (critical path over mean work of the flat ring's schedule, workload.schedule_work's
-    account) come from the mask itself."""
+def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, cu_seqlens=None):
+    """(costmodel.Problem, masks.Mask or None) of a planned call (``plan``'s options), or a BurstError
+    saying why it has none. ``kv_heads`` None: MHA; ``window`` a causal window of that many keys (-1
+    or None: none); ``cu_seqlens`` the documents' offsets (planned_documents)."""
     from . import masks
-    from .layout import check_split
-    from .workload import work_of
 
     kv_heads = heads if kv_heads is None else kv_heads
     if heads % kv_heads:
@@ -33,18 +30,7 @@ def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None
     window = None if window in (None, -1) else (window, 0)
     causal = causal or window is not None
     mask = masks.make(seqlen, causal, window, cu_seqlens)
-    ranks = nodes * per_node
-    itemsize = np.dtype(dtype).itemsize
-    shape = costmodel.CallShape(batch, heads, kv_heads, head_dim, itemsize, True, per_node if nodes > 1 else None,
-                                rates or costmodel.GPU_RATES["H100"])
-    layout = layout or masks.call_layout(mask, causal, ranks, shape)
-    check_split(seqlen, ranks, layout)
-    visible = None if mask is None else visible_pairs(seqlen, causal, mask) / float(seqlen) ** 2
-    work = work_of(seqlen, ranks, causal, mask, layout, "forward")
-    imbalance = float(work.max(axis=1).sum() * ranks / max(1, work.sum()))
-    reach = window[0] if window is not None and layout == "contiguous" else None
-    return costmodel.Problem(batch, seqlen, heads, kv_heads, head_dim, itemsize, causal, visible, reach,
-                             imbalance), layout
+    return costmodel.Problem(batch, seqlen, heads, kv_heads, head_dim, np.dtype(dtype).itemsize, causal), mask
 
 
 def _gib(x):
@@ -57,40 +43,42 @@ def _tokens(n):
     return f"{n / 1024:.0f}k" if n >= 1024 else str(n)
 
 
-def table(pr, cl, rates, layout="zigzag"):
-    """The Markdown table and the pick."""
-    pick = costmodel.pick(pr, cl, rates, layout)
-    head = ("| scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | network GB/GPU | "
-            "peak GiB/rank fwd / bwd | hides from (tokens/GPU) fwd / fwd+bwd | |")
-    lines = [head, "|---|---|---|---|---|---|---|---|---|"]
-    for scheme in ("ring", "double_ring", "ulysses_ring"):
-        why = costmodel.fits(scheme, pr, cl, layout)
-        if why is not None:
-            lines.append(f"| {scheme} | - | - | - | - | - | - | - | does not fit: {why} |")
+def table(pr, cl, rates, mask=None, layout=None):
+    """The Markdown table of every (layout, scheme) (``layout``'s alone when one is given) and the
+    pick: (text, costmodel.Prediction), the fastest predicted forward+backward (costmodel.best: what
+    a call with scheme='auto' in the layout costmodel.choose_layout names runs)."""
+    layouts = LAYOUTS if layout is None else (layout,)
+    pick, found = costmodel.best(pr, cl, rates, mask, layouts, scheme="auto" if cl.nodes > 1 else "ring")
+    head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | steps fwd / bwd | "
+            "critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | peak GiB/rank fwd / bwd | "
+            "hides from (tokens/GPU) fwd / fwd+bwd | |")
+    lines = [head, "|" + "---|" * 13]
+    for (name, scheme), p in found.items():
+        if isinstance(p, str):
+            lines.append(f"| {name} | {scheme} | - | - | - | - | - | - | - | - | - | - | does not fit: {p} |")
             continue
-        p = costmodel.predict(scheme, pr, cl, rates)
         times = (p.fwd.compute, p.bwd.compute, p.fwd.time, p.bwd.time)
         if not all(math.isfinite(t) and t > 0 for t in times):
             raise BurstError(f"the cost model leaves the floating-point range with these sizes and rates ({scheme}: "
                              f"forward compute {p.fwd.compute:.3g} s, time {p.fwd.time:.3g} s)")
-        fwd_exp = p.fwd.exposed / p.fwd.time
-        all_exp = p.exposed_fwdbwd / p.fwdbwd
+        flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * x.mean / x.time for b, x in ((0, p.fwd), (1, p.bwd))]
         peak = [_gib(costmodel.peak_memory(scheme, pr, cl, b)) for b in (False, True)]
-        hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b)) for b in (False, True)]
-        lines.append(f"| {scheme} | {p.fwd.time:.3g} | {fwd_exp:.1%} | {p.fwdbwd:.3g} | {all_exp:.1%} | "
-                     f"{p.network_fwdbwd / 1e9:.3g} | {peak[0]:.2f} / {peak[1]:.2f} | {hides[0]} / {hides[1]} | "
-                     f"{'**pick**' if scheme == pick else ''} |")
+        hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=name, mask=mask)) for b in (False, True)]
+        lines.append(f"| {name} | {scheme} | {p.fwd.time:.3g} | {p.fwd.exposed:.1%} | {p.fwdbwd:.3g} | {p.exposed:.1%} | "
+                     f"{p.fwd.steps} / {p.bwd.steps} | {p.fwd.imbalance:.2f} | {flops[0]:.0f} / {flops[1]:.0f} | "
+                     f"{p.network / 1e9:.3g} | {peak[0]:.2f} / {peak[1]:.2f} | {hides[0]} / {hides[1]} | "
+                     f"{'**pick**' if p is pick else ''} |")
     return "\n".join(lines), pick
 
 
-def describe(pr, cl, rates):
+def describe(pr, cl, rates, mask=None):
     kind = "MHA" if pr.heads == pr.kv_heads else f"GQA {pr.heads // pr.kv_heads}:1"
-    mask = "causal" if pr.causal else "full"
-    if pr.visible is not None:
-        mask += f", {pr.visible:.3g} of the scores visible"
+    shown = "causal" if pr.causal else "full"
+    if mask is not None:
+        shown += f", {visible_pairs(pr.seqlen, pr.causal, mask) / float(pr.seqlen) ** 2:.3g} of the scores visible"
     return (f"{cl.nodes} nodes x {cl.per_node} {rates.name} ({cl.ranks} GPUs), S={pr.seqlen} "
             f"({pr.seqlen // cl.ranks} tokens/GPU), B={pr.batch}, Hq={pr.heads}, Hkv={pr.kv_heads} ({kind}), "
-            f"D={pr.head_dim}, {pr.itemsize}-byte elements, {mask}; rates: {rates.fwd_tflops:g} / "
+            f"D={pr.head_dim}, {pr.itemsize}-byte elements, {shown}; rates: {rates.fwd_tflops:g} / "
             f"{rates.bwd_tflops:g} TFLOP/s fwd / bwd, {rates.intra_gbps:g} GB/s inside a node, "
             f"{rates.inter_gbps:g} GB/s between nodes ({rates.inter_latency_us:g} us)")
 
@@ -193,32 +181,3 @@ def planned_documents(seqlen, count=None, lengths="equal", seed=0, path=None):
     if count > seqlen:
         raise MaskError(f"--documents {count}: more documents than the {seqlen} tokens of --seqlen")
     return documents(np.random.default_rng(seed), seqlen, lengths, count=count)
-
-
-def layout_table(pr, ranks, rates, causal, window=None, cu_seqlens=None, per_node=8):
-    """Per layout that splits this sequence: the critical path over the mean work (the ring waits
-    for the busiest rank of every step), the steps, the visible share and, from the cost model
-    step by step (costmodel.step_prediction), the communication left exposed and the TFLOP/s per
-    GPU of the visible pairs at the slowest rank's pace, forward and backward. A Markdown table."""
-    from . import masks
-    from .layout import LAYOUTS
-
-    mask = masks.make(pr.seqlen, causal, window, cu_seqlens)
-    lines = ["| layout | critical path / mean | steps | visible share | exposed fwd / bwd | "
-             "TFLOP/s per GPU fwd / bwd |", "|---|---|---|---|---|---|"]
-    for layout in LAYOUTS:
-        parts = ranks if layout != "zigzag" or ranks == 1 else 2 * ranks
-        if pr.seqlen % parts:
-            lines.append(f"| {layout} | - | - | - | - | does not split: S must be a multiple of {parts} |")
-            continue
-        preds = [costmodel.step_prediction(pr, ranks, rates, layout, mask, b, per_node) for b in (False, True)]
-        share = accounting_share(pr.seqlen, causal, mask)
-        flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * p.mean / p.time for b, p in zip((False, True), preds)]
-        lines.append(f"| {layout} | {preds[0].imbalance:.2f} | {preds[0].steps} | {share:.3g} | "
-                     f"{preds[0].exposed:.1%} / {preds[1].exposed:.1%} | {flops[0]:.0f} / {flops[1]:.0f} |")
-    return "\n".join(lines)
-
-
-def accounting_share(seqlen, causal, mask):
-    """Share of the S x S scores that is visible."""
-    return visible_pairs(seqlen, causal, mask) / float(seqlen) ** 2

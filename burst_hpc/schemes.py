@@ -11,6 +11,9 @@ loop of ring.py.
   rails whose shards are whole nodes' tokens for 1/w of the heads, then all-to-all back.
 - ``auto``: one node -> ``ring``; several -> the cost model's pick (costmodel.pick).
 """
+import numpy as np
+
+from . import masks
 from .errors import LayoutError, TopologyError
 from .layout import pieces
 from .schedule import double_ring_steps, plain_ring_steps, steps as flat_steps
@@ -95,8 +98,8 @@ class DoubleRing(Flat):
 
     def steps(self, near, returns):
         nodes, w = self.topo.nodes, self.topo.per_node
-        rounds = work_rounds(self.mask, nodes, self.pieces, near == "q",
-                             lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)], self.size)
+        rounds = work_rounds(position_pairs(self.mask, self.layout, self.topo.layout.order), nodes, near == "q",
+                             lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         return double_ring_steps(self.position, nodes, w, near, returns, rounds)
 
 
@@ -119,7 +122,8 @@ class UlyssesRing(Flat):
 
     def steps(self, near, returns):
         nodes = self.topo.nodes
-        count = work_rounds(self.mask, nodes, self.pieces, near == "q", lambda p, o: [(p - o) % nodes], nodes)
+        pairs = position_pairs(self.mask, self.layout, self.topo.layout.order, self.topo.per_node)
+        count = work_rounds(pairs, nodes, near == "q", lambda p, o: [(p - o) % nodes])
         return plain_ring_steps(self.position, nodes, near, returns, count)
 
 
@@ -130,20 +134,30 @@ def check_node_layout(name, layout, causal, masked=False):
                           f"schedule (causal, documents, windows) runs on the flat ring (scheme='ring')")
 
 
-def work_rounds(mask, rounds, pieces_of, queries_travel, visited, size):
-    """1 + the last round in which some position has a visible pair (documents or a window leave
-    the later rounds empty); ``visited(position, round)``: the shards it meets then."""
+def position_pairs(mask, layout, order, group=1):
+    """Visible (query, key) pairs between the shards of every two groups of ``group`` consecutive
+    positions of a ring, ``order[position]`` the rank whose shard a position holds (masks.pair_work;
+    None without a mask: every pair counts)."""
     if mask is None:
+        return None
+    ranks = np.asarray(order)
+    pairs = masks.pair_work(mask, len(ranks), layout)[np.ix_(ranks, ranks)]
+    count = len(ranks) // group
+    return pairs.reshape(count, group, count, group).sum(axis=(1, 3))
+
+
+def work_rounds(pairs, rounds, queries_travel, visited):
+    """1 + the last round in which some position has a visible pair (documents or a window leave
+    the later rounds empty); ``pairs`` the visible pairs of a position's queries with another's keys
+    (position_pairs; None: every round has work); ``visited(position, round)``: the shards it meets
+    then."""
+    if pairs is None:
         return rounds
+    held = pairs.T if queries_travel else pairs   # [staying position, travelling shard]
     last = 0
     for o in range(1, rounds):
-        for p in range(size):
-            for shard in visited(p, o):
-                travelling, staying = pieces_of(shard), pieces_of(p)
-                qs, ks = (travelling, staying) if queries_travel else (staying, travelling)
-                if any(mask.classify(a, n, b, m) != "hidden" for a, n in qs for b, m in ks):
-                    last = o
-                    break
+        if any(held[p, shard] > 0 for p in range(len(held)) for shard in visited(p, o)):
+            last = o
     return last + 1
 
 

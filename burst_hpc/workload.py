@@ -2,16 +2,18 @@
 plots and the cost model share this one account), the bytes each rank sends and receives at each
 step, and the document sets the balance figures and the planner draw (equal, uniform, lognormal
 lengths; MagiAttention's "up to S/4")."""
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
 
-from . import balance, masks
+from . import balance, masks, schedule
 from .errors import BurstError, MaskError
 from .layout import check_layout, check_split, pieces
-from .schedule import steps as schedule_steps
+from .schedule import double_ring_steps, plain_ring_steps, steps as schedule_steps
 
-DIRECTIONS = {"forward": ("kv", ("q",)), "backward": ("kv", ("kv", "q"))}   # near side, returned sides
+# near side, returned sides: the forward, the backward's kv-ring and its q-ring
+DIRECTIONS = {"forward": ("kv", ("q",)), "backward": ("kv", ("kv", "q")), "backward-q": ("q", ("kv", "q"))}
 
 
 def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, layout="balanced",
@@ -25,8 +27,8 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
     causal, window, cu_seqlens
         The mask, as burst_attention takes it.
     layout : {'contiguous', 'zigzag', 'balanced'}
-    direction : {'forward', 'backward'}
-        The forward ring, or the backward's kv-ring (the q-ring computes the same pairs per rank).
+    direction : {'forward', 'backward', 'backward-q'}
+        The forward ring, or the backward's kv-ring or q-ring.
 
     Returns
     -------
@@ -49,37 +51,116 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
 @lru_cache(maxsize=32)
 def work_of(seqlen, size, causal, mask, layout, direction, per_node=None):
     """schedule_work on checked arguments (``mask`` a masks.Mask or None; ``per_node`` ranks a node,
-    rank order node by node: None, one node), cached and read-only."""
+    rank order node by node: None, one node), cached and read-only: the flat ring's account."""
+    return account(seqlen, size, causal, mask, layout, "ring", direction, per_node).work
+
+
+def plain_mask(seqlen, causal, mask):
+    """``mask``, or for plain causal or full attention (None) the Mask that counts their pairs."""
+    return mask if mask is not None else masks.Mask(seqlen, causal, None, None)
+
+
+KINDS = (("data", "kv"), ("data", "q"), ("partial", "q"), ("partial", "kv"))   # (what, side) of a transfer
+
+
+@dataclass(frozen=True, eq=False)
+class Account:
+    """A pass of one scheme as its schedule runs it (``account``): what the cost model prices.
+
+    ``work`` (steps, ranks) int64: the visible (query, key) pairs each rank computes at each step
+    (Ulysses: for its share of the heads, on its node's tokens). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
+    the step that posts it, then by link end, then as the engine posts them (by due step):
+    ``posted``, ``due``, ``rank``, ``far`` (between nodes), ``out`` (the sender's end, else the
+    receiver's), ``kind`` (an index into KINDS) and ``tokens``. A ring and a double ring are the
+    same at every rank up to a rotation, so only some ranks' ends are listed (the ranks of one
+    node for the ring: whether a neighbour is across the network depends on the local rank; one
+    rank for the double ring and Ulysses, whose rails are alike); the balanced schedule lists
+    every rank's."""
+    work: np.ndarray
+    ends: dict
+
+
+@lru_cache(maxsize=64)
+def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None):
+    """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring')
+    over ``size`` ranks of ``per_node`` a node (None: one node), in ``layout``, from the schedules
+    the engine runs (schedule.py, schemes.py)."""
+    from .schemes import position_pairs, work_rounds
+
     near, returns = DIRECTIONS[direction]
-    nodes = node_list(size, per_node)
-    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, nodes) for r in range(size)]
-    work = np.zeros((max(len(p) for p in plans), size), np.int64)
-    if layout == "balanced" and size > 1 and (causal or mask is not None):   # the plan counted it exactly
-        _, planned = balance.work_plan(mask if mask is not None else masks.Mask(seqlen, True, None, None), size, near,
-                                       returns, None, nodes)
-        work[:len(planned)] = planned
-    else:
-        pairs = rank_pair_work(mask if mask is not None else masks.Mask(seqlen, causal, None, None), size, layout)
-        for r, plan in enumerate(plans):
-            for t, step in enumerate(plan):
-                work[t, r] = sum(pairs[v.q_shard, v.kv_shard] for v in step.visits)
+    counted = plain_mask(seqlen, causal, mask)
+    w = size if per_node is None else per_node
+    nodes = size // w
+    shard = seqlen // size
+    if scheme == "ring" and layout == "balanced" and size > 1 and (causal or mask is not None):
+        return _balanced_account(counted, size, near, returns, node_list(size, per_node), per_node)
+    if scheme == "ring":
+        template = schedule_steps(layout, causal, 0, size, near, returns, mask, seqlen, None)
+        pairs = masks.pair_work(counted, size, layout)
+        return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
+    if scheme == "double_ring":
+        rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
+                             lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
+        template = double_ring_steps(0, nodes, w, near, returns, rounds)
+        pairs = masks.pair_work(counted, size, layout)
+        return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
+                        shard, w, 1)
+    if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
+        count = work_rounds(position_pairs(mask, layout, range(size), w), nodes, near == "q",
+                            lambda p, o: [(p - o) % nodes])
+        template = plain_ring_steps(0, nodes, near, returns, count)
+        pairs = position_pairs(counted, layout, range(size), w)
+        node_account = _rotated(template, pairs, lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
+        return replace(node_account, work=np.repeat(node_account.work, w, axis=1))
+    raise BurstError(f"unknown scheme {scheme!r}")
+
+
+def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
+    """The Account of a schedule that every position runs rotated (``rotate(x, r)``: what position
+    0's ``x`` is at position r), from position 0's steps ``template`` and the visible pairs of
+    every (query, key) pair of shards ``pairs``; the link ends of positions 0..``shown``-1 (ranks
+    ``per_node`` a node), shards of ``tokens`` tokens."""
+    every = np.arange(positions)
+    work = np.zeros((len(template), positions), np.int64)
+    for t, step in enumerate(template):
+        for v in step.visits:
+            work[t] += pairs[rotate(v.q_shard, every), rotate(v.kv_shard, every)]
+    ends = {}
+    for r in range(shown):
+        for t, step in enumerate(template):
+            for end, transfers in (("out", step.sends), ("in", step.recvs)):
+                for m in transfers:
+                    far = rotate(m.peer, r) // per_node != r // per_node
+                    ends.setdefault(t, []).append((t if m.due is None else m.due, r, far, end, m.what, m.side,
+                                                   tokens if m.rows is None else m.rows[1] - m.rows[0]))
     work.setflags(write=False)
-    return work
+    return Account(work, _in_order(ends))
 
 
-@lru_cache(maxsize=8)
-def rank_pair_work(mask, size, layout):
-    """(size, size) int64: the visible pairs of rank a's queries against rank b's keys."""
-    parts = size if layout != "zigzag" or size == 1 else 2 * size
-    piece = mask.seqlen // parts
-    lo, hi = mask.intervals
-    blocks = np.empty((parts, parts), np.int64)
-    for b in range(parts):
-        counts = np.clip(np.minimum(hi, (b + 1) * piece) - np.maximum(lo, b * piece), 0, None)
-        blocks[:, b] = counts.reshape(parts, piece).sum(axis=1)
-    owner = [pieces(mask.seqlen, r, size, layout) for r in range(size)]
-    index = [[start // piece for start, _ in runs] for runs in owner]
-    return np.array([[blocks[np.ix_(index[a], index[b])].sum() for b in range(size)] for a in range(size)], np.int64)
+def _balanced_account(mask, size, near, returns, nodes, per_node):
+    _, work = balance.work_plan(mask, size, near, returns, None, nodes)
+    count, moves = schedule.work_transfers(mask, size, near, returns, nodes)
+    full = np.zeros((count, size), np.int64)
+    full[:len(work)] = work
+    full.setflags(write=False)
+    chunk = mask.seqlen // size
+    ends = {}
+    for posted, sender, receiver, what, side, _, rows, due in moves:
+        far = nodes is not None and nodes[sender] != nodes[receiver]
+        tokens = chunk if rows is None else rows[1] - rows[0]
+        for end, rank in (("out", sender), ("in", receiver)):
+            ends.setdefault(posted, []).append((due, rank, far, end, what, side, tokens))
+    return Account(full, _in_order(ends))
+
+
+def _in_order(ends):
+    """``ends`` ({posted: [(due, rank, far, 'out'/'in', what, side, tokens)]}) as Account.ends."""
+    rows = [(t, rank, far, end == "out", due, n, KINDS.index((what, side)), tokens)
+            for t, items in ends.items() for n, (due, rank, far, end, what, side, tokens) in enumerate(items)]
+    rows.sort(key=lambda row: row[:6])
+    columns = np.array(rows, np.int64).reshape(-1, 8).T
+    return {name: columns[n] for n, name in enumerate(("posted", "rank", "far", "out", "due", "order", "kind", "tokens"))
+            if name != "order"}
 
 
 def node_list(size, per_node):

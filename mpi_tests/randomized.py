@@ -176,22 +176,10 @@ def window_side(rng, seqlen):
 # ------------------------------------------------------------------------------------------- checking
 
 def shard_layout(case):
-    """The layout the inputs are sharded in: the case's, or the default the library picks."""
-    from burst_hpc import masks
-    from burst_hpc.costmodel import CallShape
-    from burst_hpc.dtypes import parse_dtype
+    """The layout the inputs are sharded in: the case's, or the call's default (never the mask's)."""
+    from burst_hpc.layout import default_layout
 
-    if case.layout is not None:
-        return case.layout
-    try:
-        mask = masks.make(case.seqlen, case.causal, case.window,
-                          None if case.cu_seqlens is None else np.array(case.cu_seqlens))
-    except Exception:  # noqa: BLE001 - the call itself is then refused
-        mask = None
-    per_node = case.ranks_per_node if case.ranks_per_node and case.ranks_per_node < case.ranks else None
-    shape = CallShape.of_call((case.batch, case.seqlen // case.ranks, case.heads, case.head_dim), case.kv_heads,
-                              parse_dtype(case.dtype).itemsize, case.backend, per_node)
-    return masks.call_layout(mask, case.causal, case.ranks, shape, case.scheme)
+    return default_layout(case.causal) if case.layout is None else case.layout
 
 
 def inputs(case):

@@ -155,7 +155,8 @@ def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
         else:
             sent = bench.network_bytes()
         pr = costmodel.Problem(1, q.shape[1], hq, hkv, 8, 4, True)
-        model = costmodel.predict_pass(scheme, pr, costmodel.Cluster(nodes, w), costmodel.GPU_RATES["cpu"], backward)
+        model = costmodel.pass_prediction(scheme, pr, costmodel.Cluster(nodes, w), costmodel.GPU_RATES["cpu"], "zigzag",
+                                          None, backward)
         assert comm.allreduce(sent, op=max_op()) == model.network
 
 

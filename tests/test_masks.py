@@ -243,52 +243,27 @@ def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
         assert masks.ring_steps(mask, size, layout, queries_travel) == last[queries_travel] + 1, ctx
 
 
-def test_default_layout():
-    """Windows: contiguous (equal work, fewer ring steps). One document is plain causal: zigzag
-    (balanced, and both layouts run every step). Short documents: contiguous unless zigzag is
-    clearly lighter on the busiest rank."""
+def test_short_documents_end_the_contiguous_ring_early():
+    """Documents of 16 tokens across every chunk boundary: two steps in contiguous shards, every
+    step in zigzag ones (their second chunks meet every other rank's)."""
     seqlen, size = 64 * 8, 8
-    assert masks.default_layout(masks.make(seqlen, True, (40, 0)), size) == "contiguous"
-    assert masks.default_layout(masks.make(seqlen, True, None, np.array([0, seqlen])), size) == "zigzag"
-    # documents of 16 tokens across every chunk boundary: equal work, but zigzag needs every step
     short = masks.make(seqlen, True, None, np.concatenate([[0], np.arange(8, seqlen, 16), [seqlen]]))
     assert masks.ring_steps(short, size, "contiguous") == 2 and masks.ring_steps(short, size, "zigzag") == size
-    assert masks.default_layout(short, size) == "contiguous"
-    assert masks.default_layout(masks.make(60, True, (5, 0)), 4) == "contiguous"  # 60 does not split in 8
 
 
-def test_default_layout_follows_the_predicted_time():
-    """With the call's shape the default takes balanced only where the cost model predicts the call
-    faster with it: documents up to S/4 on 8 ranks shorten the critical path 2.2x with it, but
-    at 64 tokens per rank over two nodes its moves cost more than they save; at 8k tokens on one
-    node it is faster. Without a shape the critical path decides (balanced in both)."""
-    from burst_hpc.costmodel import CallShape
-    from burst_hpc.workload import documents, work_of
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_call_default_never_depends_on_the_mask(causal):
+    """A call naming no layout runs zigzag when causal, contiguous otherwise, whatever its documents
+    or window: the caller shards by it before the call (issue 37)."""
+    from mpi4py import MPI
 
-    def critical(mask, layout):
-        return work_of(mask.seqlen, 8, True, mask, layout, "forward").max(axis=1).sum()
+    from burst_hpc.callplan import CallPlan
 
-    for tokens, per_node, backward, want in ((64, 4, True, "contiguous"), (64, 4, False, "contiguous"),
-                                             (8192, None, True, "balanced"), (8192, None, False, "balanced")):
-        seqlen = 8 * tokens
-        mask = masks.make(seqlen, True, None, documents(np.random.default_rng(0), seqlen, "capped", longest=seqlen // 4))
-        assert critical(mask, "balanced") < masks.BALANCED_MARGIN * min(critical(mask, x) for x in ("contiguous", "zigzag"))
-        assert masks.default_layout(mask, 8) == "balanced"
-        shape = CallShape(1, 64, 8, 128, 2, backward, per_node)
-        seconds = {layout: shape.seconds(mask, 8, layout) for layout in ("contiguous", "zigzag", "balanced")}
-        faster = seconds["balanced"] < min(seconds["contiguous"], seconds["zigzag"])
-        assert faster == (want == "balanced"), seconds
-        assert masks.default_layout(mask, 8, shape) == want
-        assert masks.call_layout(mask, True, 8, shape) == want
-
-
-@pytest.mark.parametrize("scheme", ["double_ring", "ulysses_ring"])
-def test_default_layout_is_one_the_named_scheme_takes(scheme):
-    """The node schemes refuse the balanced schedule, so a call naming one gets the plain pick where
-    balanced would otherwise be the default (not a refusal of a layout the user never chose)."""
-    from burst_hpc.workload import documents
-
-    seqlen = 8 * 1024
-    mask = masks.make(seqlen, True, None, documents(np.random.default_rng(0), seqlen, "capped", longest=seqlen // 4))
-    assert masks.call_layout(mask, True, 8) == masks.call_layout(mask, True, 8, scheme="ring") == "balanced"
-    assert masks.call_layout(mask, True, 8, scheme=scheme) in ("contiguous", "zigzag")
+    seqlen = 4096
+    q, k, v = (np.zeros((1, seqlen, 2, 8)) for _ in range(3))
+    want = "zigzag" if causal else "contiguous"
+    for cu in (None, [0, 4000, seqlen], [0, 96, seqlen], [0, 2048, seqlen], [0, 1, seqlen]):
+        for window in (None, (128, 0), (3, 5)):
+            plan = CallPlan(MPI.COMM_SELF, q, k, v, causal, None, None, "auto",
+                            cu_seqlens=None if cu is None else np.array(cu), window=window)
+            assert plan.layout == want, (cu, window)

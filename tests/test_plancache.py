@@ -6,7 +6,7 @@ import pytest
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc import callplan, masks
+from burst_hpc import callplan
 from burst_hpc.errors import BurstError, DTypeError, MaskError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
@@ -23,15 +23,15 @@ def fresh_cache():
 
 @pytest.fixture
 def decisions(monkeypatch):
-    """How many times a plan decided the layout of a masked call (masks.call_layout)."""
+    """How many times a call was planned (the layout, the schedule and the checks decided)."""
     calls = []
-    decide = masks.call_layout
+    planned = callplan.CallPlan
 
     def counted(*args, **kwargs):
         calls.append(args)
-        return decide(*args, **kwargs)
+        return planned(*args, **kwargs)
 
-    monkeypatch.setattr(masks, "call_layout", counted)
+    monkeypatch.setattr(callplan, "CallPlan", counted)
     return calls
 
 
