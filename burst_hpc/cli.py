@@ -54,11 +54,20 @@ class _Parser(argparse.ArgumentParser):
             say(message)
 
         try:   # ranks whose command line parsed wait in the command's agreement: meet them there
-            _agree_command(None, BurstError(message))
+            _agree_command(error=BurstError(message))
         except BurstError:
             pass
         _say_once(write)
         sys.exit(EXIT_USAGE)
+
+    def exit(self, status=0, message=None):
+        if status == 0:   # --help or --version (a bad command line goes through error)
+            try:   # ranks whose command line runs a command wait in its agreement: meet them there
+                _agree_command({"the command": "--help or --version"})
+            except BurstError as e:
+                _say_once(lambda: say(str(e)))
+                sys.exit(EXIT_ERROR)
+        super().exit(status, message)
 
     def print_help(self, file=None):
         if rank_and_size()[0] == 0:   # under a launcher: once, from rank 0 (the launcher's rank, no MPI call)
@@ -323,14 +332,14 @@ def command_signature(args):
     return signature
 
 
-def _agree_command(args, error=None):
-    """Collective under a launcher: every rank runs the same command with the same options, or every
-    rank gets one RankMismatchError naming the first that differs, before the command reads,
-    creates or replaces anything or meets the others in any other collective. ``error``: this
-    rank's command line does not parse (``args`` None); every rank raises it."""
+def _agree_command(signature=None, error=None):
+    """Collective under a launcher: every rank runs the same command with the same options (``signature``:
+    command_signature), or every rank gets one RankMismatchError naming the first that differs, before the
+    command reads, creates or replaces anything or meets the others in any other collective. ``error``:
+    this rank's command line does not parse; every rank raises it."""
     comm = _job_world()
     if comm is not None and comm.size > 1:
-        agree(comm, error, None if args is None else command_signature(args))
+        agree(comm, error, signature)
 
 
 def build_parser():
@@ -700,7 +709,7 @@ def main(argv=None):
 def _main(argv=None):
     args = build_parser().parse_args(argv)
     try:
-        _agree_command(args)
+        _agree_command(command_signature(args))
         return args.func(args)
     except BurstError as e:
         if getattr(e, "agreed", False):

@@ -201,8 +201,10 @@ def _visits(plan, pair, meter=None, rehearse=False, finals=None):
                     continue
                 rehearsed.add(kind)
                 p = p.first_keys(REHEARSAL_KEYS)
-            for part in _row_parts(p, parts, tile):
-                pair(part, q_data, kv_data, q_out, k_out, last)
+            cut = _row_parts(p, parts, tile)
+            for i, part in enumerate(cut):
+                # each part holds its own query rows but all the pair's keys: only the last finishes those
+                pair(part, q_data, kv_data, q_out, k_out, last if i == len(cut) - 1 else dict(last, kv=False))
                 if meter is not None:
                     meter.done(part.visible(plan.mask))
 

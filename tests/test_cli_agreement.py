@@ -114,3 +114,17 @@ def test_a_rank_whose_command_line_does_not_parse_meets_the_others_in_the_agreem
     assert errors == ["burst-hpc: error: argument --scheme: invalid choice: 'bogus' (choose from 'auto', 'ring', "
                       "'double_ring', 'ulysses_ring') (rank 1)"], r.stderr
     assert not files["dst"].exists() and not leftovers(files["dst"].parent)
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("asks", [("run", "--help"), ("--version",)])
+def test_help_or_version_on_one_rank_meets_the_others_in_the_agreement(files, asks):
+    """Before, a rank asking for --help (or --version) printed it and left, and the others waited for it in
+    the command's agreement until killed."""
+    r = mpmd(run_line(files), asks)
+    assert r.returncode == 1, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("burst-hpc: error:")]
+    assert errors == ["burst-hpc: error: ranks disagree on the command: rank 0 has 'run', rank 1 has '--help or "
+                      "--version'; every rank must pass matching arguments"], r.stderr
+    assert not files["dst"].exists() and not leftovers(files["dst"].parent)
+

@@ -141,10 +141,10 @@ def test_first_use_costs_go_to_the_setup_not_the_passes(tmp_path, monkeypatch, w
     assert f"setup {seconds['setup']:.3f}" in outcome.summary
 
 
-def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous"):
+def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous", dtype=np.float32):
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, seqlen, heads, d)).astype(np.float32)
-    k, v, do = (rng.standard_normal(q.shape).astype(np.float32) for _ in range(3))
+    q = rng.standard_normal((1, seqlen, heads, d)).astype(dtype)
+    k, v, do = (rng.standard_normal(q.shape).astype(dtype) for _ in range(3))
     plan = CallPlan(MPI.COMM_SELF, q, k, v, causal, None, layout, "auto",
                     backward=(do, None, None, "kv"))
     plan.backend = backend
@@ -167,9 +167,15 @@ def test_rehearsal_runs_each_kind_of_pair_once_on_its_first_keys():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_row_parts_of_the_meter_change_no_bit(causal):
-    """The NumPy backend's pairs cut into row parts for the meter give the same bits."""
-    plan, q, k, v, do = _plan(1000, causal, NumpyBackend(block_q=32, block_k=64))
+@pytest.mark.parametrize("last_pairs", [False, True])
+def test_row_parts_of_the_meter_change_no_bit(causal, last_pairs, monkeypatch):
+    """The NumPy backend's pairs cut into row parts for the meter give the same bits, also where the last
+    pair of some rows writes the outputs (BURST_HPC_RING_LAST_PAIRS, 16-bit inputs): a pair's row parts
+    share its keys, so only its last part may finish dk and dv."""
+    if last_pairs:
+        monkeypatch.setenv("BURST_HPC_RING_LAST_PAIRS", "1")
+    plan, q, k, v, do = _plan(1000, causal, NumpyBackend(block_q=32, block_k=64),
+                              dtype=np.float16 if last_pairs else np.float32)
     progress = Progress(False, 60)
     meter = PassMeter(progress, "forward", np)
     whole = plan.passes.forward(q, k, v)
