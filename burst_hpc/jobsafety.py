@@ -41,7 +41,7 @@ import time
 import uuid
 
 from .collective import abort_world, live_world, rank_and_size
-from .errors import FileError, say
+from .errors import FileError, say, size_text
 
 _TMP = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{8})$")
 LOCK_SUFFIX = ".lock"
@@ -336,7 +336,7 @@ def temp_files(final):
 
 def _size(path):
     try:
-        return f"{os.path.getsize(path) / 1e6:.1f} MB"
+        return size_text(os.path.getsize(path))
     except OSError:
         return "?"
 

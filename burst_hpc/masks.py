@@ -89,6 +89,9 @@ class Mask:
         docs = "none" if self.cu_seqlens is None else f"{self.cu_seqlens.size - 1}"
         return f"Mask(seqlen={self.seqlen}, causal={self.causal}, window={self.window}, documents={docs})"
 
+    def __str__(self):
+        return describe(self.causal, self.window, self.cu_seqlens)
+
     @property
     def intervals(self):
         """(lo, hi): int64 arrays over global query positions; row i sees keys lo[i] <= j < hi[i]."""
@@ -121,6 +124,18 @@ class Mask:
     def device_intervals(self, xp):
         """(lo, hi) as int32 arrays on ``xp``'s current device: the kernels' view of the mask."""
         return _device_intervals(self, xp, xp.cuda.Device().id)
+
+
+def describe(causal, window=None, cu_seqlens=None):
+    """The mask in words, for people: 'causal, 12 documents (longest 900 tokens), window (128, 0)';
+    'no mask' for full attention."""
+    parts = ["causal"] if causal else []
+    if cu_seqlens is not None:
+        count, longest = len(cu_seqlens) - 1, int(np.diff(cu_seqlens).max())
+        parts.append(f"{count} document{'s' if count != 1 else ''} (longest {longest} tokens)")
+    if window is not None:
+        parts.append("window ({}, {})".format(*("unbounded" if side == -1 else side for side in window)))
+    return ", ".join(parts) or "no mask"
 
 
 # Bounded caches (a training loop meets new document offsets every batch): only the intervals

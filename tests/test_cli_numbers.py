@@ -144,6 +144,23 @@ def test_gen_takes_dtype_names_in_any_case(tmp_path):
         assert f["q"].attrs["dtype"] == "bfloat16" and f["k"].shape == (1, 16, 2, 8)
 
 
+def test_gen_says_sizes_in_human_units(tmp_path):
+    """A file larger than any disk: refused before any write, the sizes in KB/MB/GB/TB/PB, not millions of MB
+    (3 tensors x 1e12 tokens x 8 heads x 64 x 2 bytes, and the file's own, about 3.1e15 bytes)."""
+    r = burst("gen", tmp_path / "in.h5", "--seqlen", 10 ** 12, "--heads", 8, "--head-dim", 64, "--quiet")
+    _refused(r, "not enough space for output", 1)
+    assert re.search(r"it needs about 3\.\d+ PB, .* has \d+(\.\d+)? [KMGTP]?B free", r.stderr), r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("nbytes,text", [(0, "0 B"), (999, "999 B"), (1000, "1 KB"), (4194304, "4.19 MB"),
+                                         (83.7e9, "83.7 GB"), (1.09167254967e17, "109 PB"), (2.5e12, "2.5 TB")])
+def test_sizes_have_one_way_to_be_said(nbytes, text):
+    from burst_hpc.errors import size_text
+
+    assert size_text(nbytes) == text
+
+
 BAD_RUN_ARGS = [
     (["--window", HUGE], f"argument --window: expected a window size: a whole number >= 0, or -1 for unbounded; "
                          f"got '{HUGE}', more than the largest accepted, {2 ** 62}"),

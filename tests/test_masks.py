@@ -267,3 +267,17 @@ def test_the_call_default_never_depends_on_the_mask(causal):
             plan = CallPlan(MPI.COMM_SELF, q, k, v, causal, None, None, "auto",
                             cu_seqlens=None if cu is None else np.array(cu), window=window)
             assert plan.layout == want, (cu, window)
+
+
+@pytest.mark.parametrize("causal,window,cu,text", [
+    (True, (128, 0), np.array([0, 100, 1000, 4096]), "causal, 3 documents (longest 3096 tokens), window (128, 0)"),
+    (False, (-1, 64), None, "window (unbounded, 64)"),
+    (False, None, np.array([0, 4096]), "1 document (longest 4096 tokens)"),
+    (True, None, None, "causal"),
+    (False, None, None, "no mask"),
+])
+def test_a_mask_is_said_in_words(causal, window, cu, text):
+    """What --progress prints of the mask: words, not a repr."""
+    assert masks.describe(causal, window, cu) == text
+    if window is not None or cu is not None:
+        assert str(masks.make(4096, causal, window, cu)) == text

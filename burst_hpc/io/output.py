@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import config, jobsafety
 from ..collective import agree, describe
-from ..errors import BurstError, FileError, ShapeError
+from ..errors import BurstError, FileError, ShapeError, size_text
 from ..layout import pieces
 from .format import GRADS, TOKEN_AXIS, create_dataset, stamp, stored_dtype, write_slab
 
@@ -269,8 +269,8 @@ def check_space(directory, needed, what):
         return
     free = _free_bytes(directory)
     if free is not None and free < needed:
-        raise FileError(f"not enough space for {what}: it needs about {needed / 1e6:.1f} MB, "
-                        f"{directory} has {free / 1e6:.1f} MB free")
+        raise FileError(f"not enough space for {what}: it needs about {size_text(needed)}, "
+                        f"{directory} has {size_text(free)} free")
 
 
 def _full(path):
