@@ -5,7 +5,8 @@
                          [--documents N]
     mpiexec -n P burst-hpc run IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--layout L] [--transport T]
                                              [--backend numpy|cuda|auto] [--verify] [--overwrite] [--json FILE]
-    [mpiexec -n P] burst-hpc verify IN.h5 OUT.h5 [--causal] [--window L[,R]] [--backward] [--rows N]
+    [mpiexec -n P] burst-hpc verify IN.h5 OUT.h5 [--causal|--no-causal] [--window L[,R]] [--scale X] [--backward]
+                                                  [--rows N]
     [mpiexec -n P] burst-hpc check
     [mpiexec -n P] burst-hpc compile [--family F] [--head-dim D] [--dtype T] [--pass fwd|bwd]
     burst-hpc clean OUT.h5 [--dry-run] [--force]
@@ -268,7 +269,8 @@ def cmd_verify(args):
     xp, _ = _collective(setup_backend, args.backend, comm)
     lines = Progress(comm.rank == 0 and not args.quiet)
     report = verify.verify_output(args.input, args.output, comm, args.causal, args.window, args.backward,
-                                  rows=args.rows, seed=args.seed, xp=xp, announce=lines, progress=lines)
+                                  rows=args.rows, seed=args.seed, xp=xp, announce=lines, progress=lines,
+                                  scale=args.scale)
     if comm.rank == 0:
         errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
         print(f"burst-hpc verify: {'PASS' if report['ok'] else 'FAIL'} {args.output} ({report['mode']}, {comm.size} "
@@ -492,13 +494,19 @@ def build_parser():
               "ranks: each reads its share of the tokens once. Sampled tokens of each rank are checked as query "
               "rows (o, lse, dq against every key) and key columns (dk, dv against every query) in float64; every "
               "token when B*Hq*S^2 <= 4M. The mask, gradients and scale default to what OUT.h5 records; flags "
-              "given must agree with it. Prints the predicted cost first, then one line: PASS or FAIL, max "
+              "given must agree with it. An OUT.h5 that records no mask (written by another program) is refused "
+              "unless --causal or --no-causal says it. Prints the predicted cost first, then one line: PASS or FAIL, max "
               "error / tolerance per output. OUT.h5 is only read."))
     p.add_argument("input", metavar="IN.h5", help="the input the output was computed from")
     p.add_argument("output", metavar="OUT.h5", help="the output to check: o, lse (and dq, dk, dv)")
-    p.add_argument("--causal", action="store_true", default=None, help="causal mask (default: as OUT.h5 records)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal mask or not (default: as OUT.h5 records; an output that records no mask is refused "
+                   "unless one of the two is given)")
     p.add_argument("--window", type=parse_window, default=None, metavar="L[,R]",
-                   help="sliding window, as for run (default: as OUT.h5 records)")
+                   help="sliding window, as for run (default: as OUT.h5 records; none for an output that records no "
+                   "mask)")
+    p.add_argument("--scale", type=positive_float, default=None,
+                   help="softmax scale, a finite number > 0 (default: as OUT.h5 records, else head_dim**-0.5)")
     p.add_argument("--backward", action="store_true", default=None,
                    help="check dq, dk, dv too (default: when OUT.h5 holds them)")
     p.add_argument("--rows", type=positive_int, default=256, help="tokens per rank sampled, > 0 (default 256)")

@@ -17,6 +17,7 @@ The outcome is recorded in the output file's attributes (see :func:`pending_attr
 import itertools
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,7 +26,7 @@ from .dtypes import dtype_name, nonfinite
 from .errors import BurstError
 from .io.format import fixed_text, modify_attrs
 from .merge import array_module
-from .reference import visible
+from .reference import meets, visible
 
 FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 ATOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
@@ -157,7 +158,10 @@ def nonfinite_summary(outputs, comm):
 ROWS = 256          # samples per rank unless told (the run job picks fewer when they would cost too much)
 LEAST_ROWS = 16     # the job's budget never takes the sample below this
 BUDGET = {"numpy": 0.5, "cuda": 0.08}      # the job's verification: at most this share of its passes' time
-BLOCK_ELEMENTS = {"numpy": 1 << 22, "cuda": 1 << 25}   # B * Hq * samples * tokens of one score block
+MARGIN = 0.8        # the sample is sized to this share of the budget: the prediction errs by up to 20%
+BLOCK_ELEMENTS = {"numpy": 1 << 18, "cuda": 1 << 25}   # B * Hq * samples * tokens of one score block
+CALIBRATION_ELEMENTS = {"numpy": 1 << 14, "cuda": 1 << 23}   # the same of the calibration's smallest (its largest: 16x)
+LEAST_WIDTH = 64    # tokens of a block at least: narrower, the part per sample (its sums, D wide) outweighs the pairs
 SAMPLE_ELEMENTS = 1 << 24   # B * Hq * D * samples of all ranks at most (each row sum is that big)
 PROGRESS_S = 5.0
 
@@ -185,8 +189,8 @@ def rounder(lowp, xp):
         return xp.float64, lambda x: x
     if name == "float32":
         return xp.float32, lambda x: x.astype(xp.float32)
-    if name == "float16":
-        return xp.float32, lambda x: x.astype(xp.float32).astype(xp.float16).astype(xp.float32)
+    if name == "float16" or xp is np:   # NumPy rounds to bfloat16 by ml_dtypes' cast, 2.5x the bit arithmetic's speed
+        return xp.float32, lambda x: x.astype(xp.float32).astype(lowp).astype(xp.float32)
 
     def bf16(x):
         x = x.astype(xp.float32)
@@ -287,16 +291,25 @@ class Samples:
     def seen(self, q_pos, k_pos):
         return visible(q_pos, k_pos, self.causal, self.window, self.cu)
 
+    def active(self, pos, as_keys):
+        """The samples (indices) that meet the block of tokens ``pos``: as query rows that see one of its
+        keys, or (``as_keys``) as key columns one of its queries sees. A run of consecutive positions (the
+        check's blocks) costs one test per sample; other blocks, the dense mask."""
+        start, stop = int(pos[0]), int(pos[-1]) + 1
+        if stop - start == len(pos) and np.all(np.diff(pos) == 1):
+            return np.flatnonzero(meets(self.positions, start, stop, self.causal, self.window, self.cu, as_keys))
+        seen = self.seen(pos, self.positions).T if as_keys else self.seen(self.positions, pos)
+        return np.flatnonzero(seen.any(1))
+
     def add_keys(self, pos, k, v):
         """The rows' sums over keys ``pos`` (k, v (B, c, Hkv, D) of any dtype)."""
         xp, b, hk, g = self.xp, self.batch, self.hkv, self.group
-        seen = self.seen(self.positions, pos)
-        active = np.flatnonzero(seen.any(1))
+        active = self.active(pos, as_keys=False)
         if active.size == 0:
             return
         ta = active.size
         sel = slice(None) if ta == len(self.positions) else xp.asarray(active)
-        seen_f = xp.asarray(np.tile(seen[active], (g, 1)))                       # (g Ta, c)
+        seen_f = xp.asarray(np.tile(self.seen(self.positions[active], pos), (g, 1)))   # (g Ta, c)
         kc = as_float64(k, xp).transpose(0, 2, 1, 3).copy()                       # (B, Hk, c, D)
         vc = as_float64(v, xp).transpose(0, 2, 1, 3).copy()
         k_ok, v_ok = bool(xp.isfinite(kc).all()), bool(xp.isfinite(vc).all())
@@ -332,13 +345,12 @@ class Samples:
         if self.cols is None:
             return
         xp, b, hk, g, d = self.xp, self.batch, self.hkv, self.group, self.dim
-        seen = self.seen(pos, self.positions).T                                    # (T, c)
-        active = np.flatnonzero(seen.any(1))
+        active = self.active(pos, as_keys=True)
         if active.size == 0:
             return
         c, tb = len(pos), active.size
         sel = slice(None) if tb == len(self.positions) else xp.asarray(active)
-        seen_f = xp.asarray(np.tile(seen[active], (1, g)))                        # (Tb, g c)
+        seen_f = xp.asarray(np.tile(self.seen(pos, self.positions[active]).T, (1, g)))   # (Tb, g c)
         heads = lambda x: x.reshape(b, c, hk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hk, g * c, d)
         qc, doc, oc = (heads(as_float64(x, xp)) for x in (q, do, o))
         q_ok, do_ok = bool(xp.isfinite(qc).all()), bool(xp.isfinite(doc).all())
@@ -396,52 +408,163 @@ def _sync(xp):
         xp.cuda.Device().synchronize()
 
 
-def seconds_per_pair(spec, scale, backward, xp, comm):
-    """Collective: seconds this machine's check takes per (sample, token) pair (rows, and columns when
-    ``backward``), timed on a small block of random data after one untimed go (the largest over ranks)."""
+# --------------------------------------------------------------------------- what the check costs
+#
+# The check streams over this rank's tokens in blocks (block_spans); a block costs, per pass (the keys
+# pass adds to the sampled rows' sums, the queries pass to the sampled columns'), a fixed part, a part
+# per token (its inputs to float64), a part per active sample (its sums updated) and a part per (token,
+# active sample) pair, where a sample is active in a block when its row sees a key of the block (rows),
+# or a query of the block sees its key (columns): the block's rectangle, not only its visible pairs.
+# calibrate times blocks of the job's own shapes and dtype on this machine and fits the four parts;
+# Blocks counts each block's active samples as the loop finds them (reference.meets), so a prediction
+# adds up what the loop will run.
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Seconds of one pass over a block on this machine: ``keys`` (the rows' sums) and ``queries`` (the
+    columns', None without gradients), each (per block, per token, per active sample, per (token,
+    active sample) pair)."""
+    keys: tuple
+    queries: tuple = None
+
+    def block(self, tokens, rows, cols):
+        """Predicted (fixed, samples) seconds of a block of ``tokens`` tokens with ``rows`` active sample
+        rows and ``cols`` active sample columns: the parts per block and per token, and the parts that
+        grow with the samples (a pass with no active sample costs nothing: it returns before any work)."""
+        fixed = varying = 0.0
+        for part, active in ((self.keys, rows), (self.queries, cols)):
+            if part is not None and active > 0:
+                per_block, per_token, per_sample, per_pair = part
+                fixed += per_block + per_token * tokens
+                varying += (per_sample + per_pair * tokens) * active
+        return fixed, varying
+
+
+def block_width(spec, samples, xp):
+    """Tokens per block when ``samples`` samples (all ranks') are checked: BLOCK_ELEMENTS of scores, at
+    least LEAST_WIDTH tokens."""
+    return max(LEAST_WIDTH, BLOCK_ELEMENTS[_where(xp)] // (spec.batch * spec.heads * max(samples, 1)))
+
+
+def block_spans(positions, width):
+    """[(lo, hi)]: local token indices in blocks of at most ``width`` tokens, each a run of consecutive
+    global positions (a zigzag shard's two chunks are never mixed in one block)."""
+    positions = np.asarray(positions)
+    breaks = np.flatnonzero(np.diff(positions) != 1) + 1
+    runs = zip(np.concatenate([[0], breaks]), np.concatenate([breaks, [len(positions)]]))
+    return [(int(lo), int(min(end, lo + width))) for start, end in runs for lo in range(start, end, width)]
+
+
+class Blocks:
+    """This rank's blocks (``spans``, from :func:`block_spans`: runs of consecutive positions) and what
+    they cost: a sample is active in a block as a row when it sees one of the block's keys, as a
+    column when one of the block's queries sees it (reference.meets, as the check itself finds them)."""
+
+    def __init__(self, positions, width, spec, causal, window):
+        self.spans = block_spans(positions, width)
+        positions = np.asarray(positions, np.int64)
+        self.runs = [(int(positions[lo]), int(positions[hi - 1]) + 1) for lo, hi in self.spans]
+        self.mask = dict(causal=causal, window=window, cu_seqlens=spec.cu_seqlens)
+
+    def active(self, samples):
+        """(rows, cols): per block, how many of ``samples`` (global positions) are active rows, columns."""
+        rows = np.array([meets(samples, a, b, **self.mask).sum() for a, b in self.runs], np.int64)
+        cols = np.array([meets(samples, a, b, as_keys=True, **self.mask).sum() for a, b in self.runs], np.int64)
+        return rows, cols
+
+    def seconds(self, rates, samples):
+        """Predicted (fixed, samples) seconds of the loop over the blocks with these ``samples``."""
+        rows, cols = self.active(samples)
+        parts = [rates.block(b - a, r, c) for (a, b), r, c in zip(self.runs, rows, cols)]
+        return sum(f for f, _ in parts), sum(v for _, v in parts)
+
+    def budget_rows(self, rates, grids, budget_s, most):
+        """The most samples per rank (at most ``most``) whose loop fits ``budget_s`` seconds, by the
+        expected active counts: each rank draws its samples from its own tokens, for which ``grids``
+        (one array of evenly spaced positions of each rank's tokens) stand in."""
+        fixed, _ = self.seconds(rates, np.concatenate(grids))
+        per_sample = sum(self.seconds(rates, grid)[1] / len(grid) for grid in grids)   # one sample of each rank
+        return most if per_sample <= 0 else int(min(most, max(0.0, budget_s - fixed) / per_sample))
+
+
+_MEASURED = {}   # (shapes, dtype, gradients, backend) -> this process's fitted costs
+
+
+def calibrate(spec, scale, backward, xp):
+    """The check's :class:`Rates` on this rank's device (each rank its own: the budget and the prediction
+    take the slowest rank's result) for the problem's batch, heads, head dim and dtype; measured once
+    per process and shape (:func:`measure`)."""
+    key = (spec.batch, spec.heads, spec.kv_heads, spec.head_dim, dtype_name(spec.dtype), bool(backward), _where(xp))
+    if key not in _MEASURED:
+        _MEASURED[key] = measure(spec, scale, backward, xp)
+    fitted = _MEASURED[key]
+    return Rates(tuple(map(float, fitted[0])), tuple(map(float, fitted[1])) if backward else None)
+
+
+def measure(spec, scale, backward, xp):
+    """This process's costs of the check, an array (pass: keys, queries; part: per block, per token, per
+    sample, per pair), for the problem's shapes and dtype. An untimed first go under a causal mask loads
+    what the check uses (CuPy's kernels, also those of a block where only some samples are active);
+    then four timed blocks, (T, c), (4T, c), (T, 4c) and (4T, 4c) samples x tokens (the best of two
+    goes), separate the parts of each pass."""
     from types import SimpleNamespace
 
-    samples, tokens = (64, 2048) if xp is not np else (64, 512)
-    rng = np.random.default_rng(0)
+    where = _where(xp)
     b, hq, hk, d = spec.batch, spec.heads, spec.kv_heads, spec.head_dim
-    draw = lambda t, h: rng.standard_normal((b, t, h, d), np.float32)
-    # the block is large on a GPU: drawn there (NumPy's generator would take seconds)
-    draw_block = draw if xp is np else lambda t, h: xp.random.standard_normal((b, t, h, d), np.float32)
-    gathered = {"positions": np.arange(samples), "q": draw(samples, hq), "k": draw(samples, hk),
-                "v": draw(samples, hk), "lse": np.full((b, hq, samples), 5.0),
-                "do": draw(samples, hq) if backward else None,
-                "delta": np.zeros((b, hq, samples))}
-    shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=None)
-    block = {n: xp.asarray(draw_block(tokens, hk if n in ("k", "v") else hq)) for n in ("q", "k", "v", "do", "o")}
-    lse = xp.full((b, hq, tokens), 5.0)
-    pos = np.arange(tokens)
-    elapsed = []
-    for _ in range(2):
-        check = Samples(gathered, shape, False, scale, None, xp)
+    samples = 16
+    tokens = max(16, CALIBRATION_ELEMENTS[where] // (b * hq * samples))
+    rng = np.random.default_rng(0)
+    shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=None,
+                            seqlen=4 * tokens)
+
+    def host(t, h):
+        return rng.standard_normal((b, t, h, d), np.float32).astype(spec.dtype)
+
+    def device(t, h):   # a large block is drawn where it is used (NumPy's generator would take seconds)
+        if xp is np:
+            return host(t, h)
+        x = xp.random.standard_normal((b, t, h, d), np.float32)
+        return (x.view(xp.uint32) >> 16).astype(xp.uint16) if dtype_name(spec.dtype) == "bfloat16" else \
+            x.astype(spec.dtype)
+
+    n = 4 * samples
+    gathered = {"positions": np.arange(n) * tokens // samples, "q": host(n, hq), "k": host(n, hk), "v": host(n, hk),
+                "lse": np.full((b, hq, n), 5.0), "do": host(n, hq) if backward else None, "delta": np.zeros((b, hq, n))}
+    block = {name: device(4 * tokens, hk if name in ("k", "v") else hq) for name in ("q", "k", "v", "do", "o")}
+    lse = xp.full((b, hq, 4 * tokens), 5.0, xp.float32)
+
+    def timed(t, c, causal=False, first=0):
+        part = {name: x[:t] if name == "positions" else None if x is None else x[:, :, :t] if x.ndim == 3 else x[:, :t]
+                for name, x in gathered.items()}
+        check = Samples(part, shape, causal, scale, None, xp)
+        pos, keys = np.arange(first, first + c), slice(first, first + c)
         _sync(xp)
-        start = time.perf_counter()
-        check.add_keys(pos, block["k"], block["v"])
+        begin = time.perf_counter()
+        check.add_keys(pos, block["k"][:, keys], block["v"][:, keys])
+        _sync(xp)
+        middle = time.perf_counter()
         if backward:
-            check.add_queries(pos, block["q"], block["do"], lse, block["o"])
-        _sync(xp)
-        elapsed.append(time.perf_counter() - start)
-    per_pair = elapsed[-1] / (samples * tokens)
-    return per_pair if comm.size == 1 else comm.allreduce(per_pair, op=_mpi_max())
+            check.add_queries(pos, block["q"][:, keys], block["do"][:, keys], lse[:, :, keys], block["o"][:, keys])
+            _sync(xp)
+        return np.array([middle - begin, time.perf_counter() - middle])
+
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for first in (0, 2 * tokens):   # causal: some samples see none of the keys, some keys no sample sees
+            timed(n, 16, causal=True, first=first)
+        sizes = ((samples, tokens), (n, tokens), (samples, 4 * tokens), (n, 4 * tokens))
+        base, more_samples, more_tokens, more_both = np.min([[timed(*size) for size in sizes] for _ in range(2)],
+                                                            axis=0)
+    pairs = samples * tokens
+    per_pair = np.maximum(0.0, (more_both - more_tokens - more_samples + base) / (9 * pairs))
+    per_sample = np.maximum(0.0, (more_samples - base - 3 * per_pair * pairs) / (3 * samples))
+    per_token = np.maximum(0.0, (more_tokens - base - 3 * per_pair * pairs) / (3 * tokens))
+    per_block = np.maximum(0.0, base - per_token * tokens - per_sample * samples - per_pair * pairs)
+    return np.stack([per_block, per_token, per_sample, per_pair], axis=1)
 
 
-def _mpi_max():
-    from mpi4py import MPI
-
-    return MPI.MAX
-
-
-def visible_share(spec, causal, window):
-    """The share of (query, key) pairs the mask leaves visible (accounting.visible_pairs / S^2)."""
-    from . import masks
-    from .accounting import visible_pairs
-
-    mask = masks.make(spec.seqlen, causal, window, spec.cu_seqlens)
-    return visible_pairs(spec.seqlen, causal, mask) / float(spec.seqlen) ** 2
+def _where(xp):
+    return "numpy" if xp is np else "cuda"
 
 
 def failures(report):
@@ -456,7 +579,7 @@ def failures(report):
 
 
 def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=ROWS, seed=0, xp=np, budget_s=None,
-          announce=None, progress=None):
+          announce=None, progress=None, rates=None):
     """Check a rank's outputs against the float64 oracle, on sampled tokens; collective.
 
     Parameters
@@ -478,12 +601,16 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     announce, progress : callable or None
         Take lines: ``announce`` the predicted cost before the check starts, ``progress`` a line every
         few seconds while it runs (rank 0 passes them; other ranks None).
+    rates : Rates or None
+        The check's costs on this machine (None: :func:`calibrate` here, its cost counted in the check's).
 
     Returns
     -------
     dict
-        'ok', 'mode', 'failed' (names), 'err', 'tol', 'plain' ({name: float}), 'rows' (samples per rank),
-        'predicted_s' and 'seconds': the same on every rank.
+        'ok', 'mode', 'failed' (names), 'err', 'tol', 'plain' ({name: float}), 'rows' (samples per
+        rank: every token of a rank when full),
+        'predicted_s' (announced before the loop: the seconds spent so far, the loop's blocks as
+        :class:`Blocks` counts them, the reads) and 'seconds': the same on every rank.
     """
     from mpi4py import MPI
 
@@ -492,12 +619,15 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     names = ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])
     n_local = len(tokens.positions)
     full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
-    share = visible_share(spec, causal, window)
-    per_pair = seconds_per_pair(spec, scale, backward, xp, comm)
+    rates = calibrate(spec, scale, backward, xp) if rates is None else rates
     cap = max(1, SAMPLE_ELEMENTS // (spec.batch * spec.heads * spec.head_dim * size))
     count = min(rows, cap)
     if budget_s is not None and not full:
-        count = min(count, max(LEAST_ROWS, int(budget_s / (per_pair * spec.seqlen * share))))
+        blocks = Blocks(tokens.positions, block_width(spec, count * size, xp), spec, causal, window)
+        grid = np.unique(tokens.positions[np.linspace(0, n_local - 1, min(n_local, 1024)).astype(np.int64)])
+        grids = comm.allgather(grid) if size > 1 else [grid]
+        fits = blocks.budget_rows(rates, grids, MARGIN * budget_s - (time.perf_counter() - start), count)
+        count = max(min(LEAST_ROWS, count), comm.allreduce(fits, op=MPI.MIN) if size > 1 else fits)
     mine = n_local if full else min(count, n_local)
     every = full or comm.allreduce(int(mine == n_local), op=MPI.MIN) == 1
     mode = "full" if every else f"sampled {count} {'rows+cols' if backward else 'rows'}/rank"
@@ -526,28 +656,39 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     for n in [n for n in ("q", "k", "v", "do", "lse", "delta") if parts and n in parts[0][1]]:
         gathered[n] = np.concatenate([arrays[n] for _, arrays in parts], axis=axis.get(n, 1))
     total = len(gathered["positions"])
-    block = max(16, BLOCK_ELEMENTS["numpy" if xp is np else "cuda"] // (spec.batch * spec.heads * max(total, 1)))
-    predicted = per_pair * total * n_local * share
+
+    # the prediction: what was spent, the loop's blocks with these samples, the reads (the first block's, timed)
+    failure, first, predicted = None, None, 0.0
+    blocks = Blocks(tokens.positions, block_width(spec, total, xp), spec, causal, window)
+    reading = ["k", "v"] + (["q", "do", "o", "lse"] if backward else [])
+    try:
+        if total and blocks.spans:
+            began = time.perf_counter()
+            first = tokens.read(reading, *blocks.spans[0])
+            read_s = (time.perf_counter() - began) * n_local / (blocks.spans[0][1] - blocks.spans[0][0])
+            predicted = time.perf_counter() - start + read_s + sum(blocks.seconds(rates, gathered["positions"]))
+    except Exception as e:  # noqa: BLE001
+        failure = e if isinstance(e, BurstError) else BurstError(f"verification could not read: {describe(e)}")
+    agree(comm, failure)
     predicted = comm.allreduce(predicted, op=MPI.MAX) if size > 1 else predicted
     if announce is not None:
         what = f"{mine} rows and {mine} key columns" if backward else f"{mine} rows"
         announce(f"verify: {what} per rank against {spec.seqlen} tokens ({mode}, {'GPU' if xp is not np else 'CPU'} "
-                 f"float64), about {predicted:.1f}s")
+                 f"float64), about {predicted:.2g}s")
 
     # this rank's tokens, a block at a time: every sample's sums
-    failure, samples = None, None
+    samples = None
     try:
         if total:
             samples = Samples(gathered, spec, causal, scale, window, xp)
             shown = time.perf_counter()
             with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-                for lo in range(0, n_local, block):
-                    hi = min(n_local, lo + block)
+                for lo, hi in blocks.spans:
                     pos = tokens.positions[lo:hi]
-                    blocks = tokens.read(["k", "v"] + (["q", "do", "o", "lse"] if backward else []), lo, hi)
-                    samples.add_keys(pos, blocks["k"], blocks["v"])
+                    block, first = first or tokens.read(reading, lo, hi), None
+                    samples.add_keys(pos, block["k"], block["v"])
                     if backward:
-                        samples.add_queries(pos, blocks["q"], blocks["do"], blocks["lse"], blocks["o"])
+                        samples.add_queries(pos, block["q"], block["do"], block["lse"], block["o"])
                     if progress is not None and time.perf_counter() - shown > PROGRESS_S:
                         _sync(xp)
                         shown, done = time.perf_counter(), hi / n_local
@@ -582,7 +723,7 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     failed = [n for n in names if not passes(err[n], tol[n])]
     _sync(xp)
     return {"ok": not failed, "mode": mode, "failed": failed, "err": err, "tol": tol, "plain": err_plain,
-            "rows": count, "predicted_s": predicted, "seconds": time.perf_counter() - start}
+            "rows": mine, "predicted_s": predicted, "seconds": time.perf_counter() - start}
 
 
 def finish(reduced, own_slice, own, spec, scale, backward):
@@ -614,14 +755,14 @@ def finish(reduced, own_slice, own, spec, scale, backward):
 
 
 def verify_resident(inputs, outputs, positions, spec, comm, causal, scale, window=None, rows=ROWS, seed=0,
-                    budget_s=None, announce=None, progress=None):
+                    budget_s=None, announce=None, progress=None, rates=None):
     """Collective: the run job's check of the shards it holds (``inputs`` q, k, v (do) and ``outputs``
     o, lse (dq, dk, dv), NumPy or CuPy arrays in local layout order; ``positions`` their global token
     indices), on the device they are on. See :func:`check`."""
     arrays = dict(inputs, **outputs)
     xp = array_module(arrays["q"])
     return check(Tokens.resident(arrays, positions), spec, comm, causal, scale, window, "dq" in outputs, rows, seed,
-                 xp, budget_s, announce, progress)
+                 xp, budget_s, announce, progress, rates)
 
 
 # warm's problems: CuPy compiles a kernel per operation, dtypes and dimensions left once it merges
@@ -663,11 +804,14 @@ def warm(dtypes, xp=None):
 
 
 def verify_output(input_path, output_path, comm, causal=None, window=None, backward=None, rows=ROWS, seed=0,
-                  xp=np, announce=None, progress=None):
+                  xp=np, announce=None, progress=None, scale=None):
     """Collective: check a published output against its input, on any number of ranks (each reads
-    its share of the tokens, once). ``causal``, ``window`` and ``backward`` left None are taken from
-    what the output records (a ``burst-hpc run`` output records them); given, they must agree with it.
-    The softmax scale is the recorded one (default head_dim**-0.5). See :func:`check`."""
+    its share of the tokens, once). ``causal``, ``window``, ``scale`` and ``backward`` left None are
+    taken from what the output records (a ``burst-hpc run`` output records them); given, they must
+    agree with it. An output that records no mask (no ``causal`` attribute: written by another
+    program) is refused unless ``causal`` is given (its window then ``window``, None: none; its
+    scale ``scale``, None: head_dim**-0.5). ``backward`` None: when the output holds dq, dk and dv.
+    See :func:`check`."""
     from . import io
     from .errors import FileError, ShapeError
 
@@ -679,12 +823,19 @@ def verify_output(input_path, output_path, comm, causal=None, window=None, backw
         grads = all(n in out for n in ("dq", "dk", "dv"))
         text = str(attrs.get("window", "none"))
         recorded_window = None if text == "none" else tuple(int(x) for x in text.split(","))
-        for what, given, recorded in (("--causal", causal, attrs.get("causal")), ("--window", window, recorded_window)):
+        if "causal" not in attrs and causal is None:
+            raise FileError(f"{output_path} does not record the mask it was computed with (no attribute 'causal': "
+                            "not written by burst-hpc run); say it: --causal or --no-causal (and --window L[,R] if it "
+                            "had one)")
+        recorded_scale = float(attrs["scale"]) if "scale" in attrs else None
+        for what, given, recorded in (("--causal", causal, attrs.get("causal")), ("--window", window, recorded_window),
+                                      ("--scale", scale, recorded_scale)):
             recorded = bool(recorded) if what == "--causal" else recorded
-            if given is not None and "causal" in attrs and given != recorded:
+            known = "causal" in attrs if what != "--scale" else recorded is not None
+            if given is not None and known and given != recorded:
                 raise FileError(f"{output_path} was written with {what[2:]} = {recorded}, not {given}: leave {what} "
                                 "out to check it as it was written")
-        causal = bool(attrs.get("causal", False)) if causal is None else causal
+        causal = bool(attrs["causal"]) if causal is None else causal
         window = recorded_window if window is None and "causal" in attrs else window
         backward = grads if backward is None else backward
         need = ["q", "k", "v"] + (["do"] if backward else [])
@@ -700,7 +851,7 @@ def verify_output(input_path, output_path, comm, causal=None, window=None, backw
         opened.append(inp)
         files = {n: inp[n] for n in need}
         files.update({n: out[n] for n in ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])})
-        scale = float(attrs.get("scale", spec.head_dim ** -0.5))
+        scale = next(x for x in (scale, recorded_scale, spec.head_dim ** -0.5) if x is not None)
     except Exception as e:  # noqa: BLE001
         error = e if isinstance(e, BurstError) else FileError(f"cannot verify {output_path}: {describe(e)}")
     try:
