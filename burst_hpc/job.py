@@ -34,6 +34,8 @@ from .costmodel import choose_layout
 from .device import HOW_TO_GET_CUPY, array_device, gpu_count, gpus_shared, select_device
 from .dtypes import dtype_name
 from .errors import BackendError, BurstError, say
+from .merge import array_module
+from .passes import ComputeClock
 from .progress import Progress
 from .topology import topology
 from .transport import choose_transport
@@ -206,14 +208,16 @@ def run(options, comm=None):
             progress(f"{mask}: ring steps {masks.ring_steps(mask, size, layout)} of {size}, "
                      f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
 
-        # plan the call once, set up its passes, run them
+        # plan the call once, set up its passes (and --verify's costs), run them
         with clock("setup"):
             plan = CallPlan(comm, dev["q"], dev["k"], dev["v"], options.causal, scale, layout, transport,
                             backward=(dev["do"], None, None, options.backward_ring) if options.backward else None,
                             cu_seqlens=spec.cu_seqlens, window=options.window, scheme=options.scheme,
                             ranks_per_node=options.ranks_per_node)
+            rates = _verify_rates(options, spec, scale, xp, comm) if options.verify else None
         facts.update(scheme=plan.scheme.name, backward_ring=plan.ring)
-        results = _passes(plan, dev, options, progress, xp, clock)
+        results, ranks = _passes(plan, dev, options, progress, xp, clock)
+        facts["ranks"] = report.rank_entries(ranks)
         if not options.verify:
             del dev
         progress(f"writing {options.output}")
@@ -234,19 +238,22 @@ def run(options, comm=None):
         del host
         with clock("verify"):
             passes_s = (clock.seconds["forward"], clock.seconds["backward"])
-            checked, line = _verify_published(options, comm, spec, dev, results, layout, scale, passes_s, progress)
+            checked, line = _verify_published(options, comm, spec, dev, results, layout, scale, passes_s, progress,
+                                              rates)
         verified = checked["ok"]
         summary.append(line)
-    facts.update(_outcome(clock.total(), flops, checked))
+    facts.update(_outcome(clock.total(), flops, checked, size))
     summary += [report.seconds_text(facts["seconds"]), f"-> {options.output}"]
     _publish_report(options, comm, facts)
     return Outcome("  ".join(summary), verified, facts)
 
 
 def _passes(plan, dev, options, progress, xp, clock):
-    """{name: result}: the set-up of the passes (their rehearsal, then the warm-up passes when
-    asked), then the passes, each a phase of ``clock``."""
+    """({name: result}, every rank's {pass: (seconds, seconds in its block kernels)}): the set-up of the
+    passes (their rehearsal, then the warm-up passes when asked), then the passes, each a phase of
+    ``clock``; a rank's seconds of a pass run from the phase's start to its own end."""
     comm, passes = plan.comm, plan.passes
+    own = {}
 
     @contextmanager
     def phase(name, what):
@@ -270,28 +277,37 @@ def _passes(plan, dev, options, progress, xp, clock):
         if options.warmup:
             progress("warm-up passes (counted in set-up)")
             both()
+    def timed(name, run):
+        compute, began = ComputeClock(xp), time.perf_counter()
+        out = run(meter=progress.meter(name, xp), clock=compute)
+        sync(xp)
+        own[name] = (time.perf_counter() - began, compute.seconds())
+        return out
+
     progress(f"set-up done in {clock.seconds['setup']:.3f}s; forward")
     with phase("forward", "the forward pass"):
-        o, lse = forward(meter=progress.meter("forward", xp))
+        o, lse = timed("forward", forward)
     results = {"o": o, "lse": lse}
     if options.backward:
         progress(f"forward done in {clock.seconds['forward']:.3f}s; backward")
         with phase("backward", "the backward pass"):
-            results.update(zip(("dq", "dk", "dv"), backward(o, lse, meter=progress.meter("backward", xp))))
-    return results
+            results.update(zip(("dq", "dk", "dv"), timed("backward", lambda **mode: backward(o, lse, **mode))))
+    return results, comm.allgather(own)
 
 
-def _outcome(seconds, flops, checked):
-    """The report's entries known at the end: seconds, TFLOP/s (the job's, FlashAttention count) and
-    the verification (None when not asked)."""
+def _outcome(seconds, flops, checked, ranks):
+    """The report's entries known at the end: seconds, TFLOP/s (the job's, FlashAttention count, and
+    per rank: per GPU) and the verification (None when not asked)."""
     rates = {name: None if seconds[name] is None else flops[i] / max(seconds[name], 1e-12) / 1e12
              for i, name in enumerate(report.PASSES)}
+    per_rank = {name: None if rate is None else rate / ranks for name, rate in rates.items()}
     found = None
     if checked is not None:
         found = {"outcome": "pass" if checked["ok"] else "fail", "mode": checked["mode"],
+                 "rows": checked["rows"], "predicted_s": checked["predicted_s"],
                  "max_err": {name: float(e) for name, e in checked["err"].items()},
                  "tol": {name: float(t) for name, t in checked["tol"].items()}}
-    return {"seconds": seconds, "tflops": rates, "verify": found}
+    return {"seconds": seconds, "tflops": rates, "tflops_per_rank": per_rank, "verify": found}
 
 
 def _publish_report(options, comm, facts):
@@ -321,26 +337,49 @@ def _summary(spec, plan, options, backend, transport, flops, seconds):
     if options.scheme != "auto" or options.ranks_per_node is not None:
         per_node = "" if options.ranks_per_node is None else f"({options.ranks_per_node}/node)"
         parts.append(f"scheme={plan.scheme.name}{per_node}")
-    parts += [f"backend={backend}", f"transport={transport}",
-              f"fwd {t_fwd:.3f}s {fwd_flops / max(t_fwd, 1e-12) / 1e12:.3g} TFLOP/s"]
+    unit = "GPU" if backend == "cuda" else "rank"
+
+    def rate(name, seconds, count):
+        tflops = count / max(seconds, 1e-12) / 1e12
+        return f"{name} {seconds:.3f}s {tflops:.3g} TFLOP/s ({tflops / plan.size:.3g}/{unit})"
+
+    parts += [f"backend={backend}", f"transport={transport}", rate("fwd", t_fwd, fwd_flops)]
     if t_bwd is not None:
-        parts.append(f"bwd {t_bwd:.3f}s {bwd_flops / max(t_bwd, 1e-12) / 1e12:.3g} TFLOP/s")
+        parts.append(rate("bwd", t_bwd, bwd_flops))
     return parts
 
 
-def _verify_published(options, comm, spec, inputs, results, layout, scale, seconds, progress):
+def _verify_xp(xp):
+    """Where --verify runs: on the passes' GPU (CuPy) unless BURST_HPC_VERIFY_ON_GPU is off, else NumPy."""
+    return xp if xp is not np and config.verify_on_gpu() else np
+
+
+def _verify_rates(options, spec, scale, xp, comm):
+    """Collective, in the set-up: --verify's costs on this rank's device (verify.calibrate; its first go
+    loads what the check uses), so the check's budget and prediction are its own and it pays no first
+    use; a failure on any rank ends the job on every rank."""
+    error, rates = None, None
+    try:
+        rates = verify.calibrate(spec, scale, options.backward, _verify_xp(xp))
+    except Exception as e:  # noqa: BLE001
+        error = e if isinstance(e, BurstError) else BurstError(f"--verify could not measure its cost: {describe(e)}")
+    agree(comm, error)
+    return rates
+
+
+def _verify_published(options, comm, spec, inputs, results, layout, scale, seconds, progress, rates):
     """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs, on host
     copies with BURST_HPC_VERIFY_ON_GPU=0):
     the output's attributes say verify = 'not finished' until rank 0 records the outcome (a job stopped
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
-    cost at most verify.BUDGET of the passes' time (``seconds``). Returns (verify's report, the
-    summary's verify entry)."""
+    cost at most verify.BUDGET of the passes' time (``seconds``), by ``rates`` (verify.Rates, from the
+    set-up). Returns (verify's report, the summary's verify entry)."""
     from .layout import layout_indices
 
     jobsafety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
     _test_hook_verify_pause()
-    if not isinstance(inputs["q"], np.ndarray) and not config.verify_on_gpu():
+    if _verify_xp(array_module(inputs["q"])) is np:
         inputs, results = ({name: to_host(a) for name, a in arrays.items()} for arrays in (inputs, results))
     where = "numpy" if isinstance(inputs["q"], np.ndarray) else "cuda"
     budget = None if options.verify_rows is not None else verify.BUDGET[where] * sum(s for s in seconds if s)
@@ -350,7 +389,7 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
         report = verify.verify_resident(inputs, results, layout_indices(spec.seqlen, comm.rank, comm.size, layout),
                                         spec, comm, options.causal, scale, options.window,
                                         rows=options.verify_rows or verify.ROWS, seed=options.verify_seed,
-                                        budget_s=budget, announce=announce, progress=progress)
+                                        budget_s=budget, announce=announce, progress=progress, rates=rates)
     except BurstError as e:
         error = BurstError(f"{e}; {options.output} is written and complete, its verification did not finish")
         error.agreed = getattr(e, "agreed", False)

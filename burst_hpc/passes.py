@@ -5,8 +5,9 @@ all-to-alls over heads inside the node (ulysses.py). ``for_plan`` picks one from
 
 Each pass takes the modes the benchmark hook needs: ``skip_compute`` (exchanges alone), ``transport``
 and ``far`` (counting or no-exchange transports in place of the plan's), ``on_step`` (a callback after
-each ring step), and those of the run job: ``meter`` (progress.PassMeter: the work done, pair by pair)
-and ``rehearse`` (the set-up of the pass, below).
+each ring step), and those of the run job: ``meter`` (progress.PassMeter: the work done, pair by pair),
+``clock`` (a :class:`ComputeClock`: the time in the block kernels) and ``rehearse`` (the set-up of the
+pass, below).
 
 A rehearsal runs the pass as it will run, every exchange and every combine, but each distinct kind
 of block pair (mask or not, query rows, keys up to REHEARSAL_KEYS) once, on its first
@@ -14,6 +15,7 @@ REHEARSAL_KEYS keys, and no other pair: whatever the pass makes on first use is 
 the timed pass (the kernels it launches loaded, the communicators created and connected to every
 peer, the memory pool grown to the pass's buffers), for a small share of its work. Its results are
 meaningless."""
+import time
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -38,7 +40,7 @@ class RingPasses:
         self.plan = plan
 
     def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None, meter=None,
-                rehearse=False, inner=None):
+                rehearse=False, inner=None, clock=None):
         """(o, lse) of this rank's queries."""
         plan = self.plan
         xp, be = plan.xp, plan.backend
@@ -61,7 +63,8 @@ class RingPasses:
 
         with _metered(meter, plan, steps):
             near, far, inner = _lanes(plan, transport, far, inner)
-            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse, {"q": final}), skip_compute=skip_compute,
+            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse, {"q": final}, clock),
+                skip_compute=skip_compute,
                 on_step=on_step, inner=inner)
         if q.dtype == plan.acc:
             return o, lse.astype(xp.float32, copy=False)
@@ -69,7 +72,7 @@ class RingPasses:
         return out.array(), lse.astype(xp.float32, copy=False)
 
     def backward(self, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, far=None, delta=None,
-                 cast=True, on_step=None, meter=None, rehearse=False, inner=None):
+                 cast=True, on_step=None, meter=None, rehearse=False, inner=None, clock=None):
         """(dq, dk, dv) of this rank's shards by the ``ring`` ('q' or 'kv') backward; ``delta``
         (rowsum(do * o)) when already known, then ``o`` is not read; ``cast`` False keeps float32."""
         plan = self.plan
@@ -98,7 +101,7 @@ class RingPasses:
 
         with _metered(meter, plan, steps):
             near, far, inner = _lanes(plan, transport, far, inner)
-            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse, finals), skip_compute=skip_compute,
+            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse, finals, clock), skip_compute=skip_compute,
                 on_step=on_step, inner=inner)
         if not convert:
             return dq, dk, dv
@@ -178,11 +181,42 @@ def _metered(meter, plan, steps):
         meter.end()
 
 
-def _visits(plan, pair, meter=None, rehearse=False, finals=None):
+class ComputeClock:
+    """The seconds one pass spends in its block kernels on this rank, the engine's compute (not its
+    waits for transfers, its merges of partials nor its bookkeeping): on NumPy the host's time in
+    them; on the GPU the time between CUDA events recorded around them on the current stream
+    (queued work: read by :meth:`seconds` once the pass is over)."""
+
+    def __init__(self, xp):
+        self.xp, self.host, self.events = xp, 0.0, []
+
+    @contextmanager
+    def __call__(self):
+        if self.xp is np:
+            began = time.perf_counter()
+            yield
+            self.host += time.perf_counter() - began
+            return
+        stream = self.xp.cuda.get_current_stream()
+        began = stream.record()
+        yield
+        self.events.append((began, stream.record()))
+
+    def seconds(self):
+        """The seconds so far (waits for the GPU's events)."""
+        for began, ended in self.events:
+            ended.synchronize()
+            self.host += self.xp.cuda.get_elapsed_time(began, ended) / 1e3
+        self.events = []
+        return self.host
+
+
+def _visits(plan, pair, meter=None, rehearse=False, finals=None, clock=None):
     """The engine's compute: every block pair of the visit's query rows against its keys.
     ``pair(p, q_side, kv, q_out, k_out, last)`` runs one block pair, ``last`` {side: whether it is the last to
     write its rows of this rank's own results on that side} (``finals``: {side: _Finals}); ``meter`` is told
-    the work of each; ``rehearse``: the rehearsal's pairs only (the module's docstring)."""
+    the work of each; ``rehearse``: the rehearsal's pairs only (the module's docstring); ``clock`` (a
+    ComputeClock) times the visits."""
     rehearsed = set()
     numpy = meter is not None and plan.backend.name == "numpy"
     parts, tile = (PROGRESS_PARTS, plan.backend.block_q) if numpy else (1, None)
@@ -190,6 +224,12 @@ def _visits(plan, pair, meter=None, rehearse=False, finals=None):
     calls = iter(range(1 << 62))
 
     def compute(visit, q_data, kv_data, q_out, k_out, offset):
+        if clock is None:
+            return visit_pairs(visit, q_data, kv_data, q_out, k_out, offset)
+        with clock():
+            return visit_pairs(visit, q_data, kv_data, q_out, k_out, offset)
+
+    def visit_pairs(visit, q_data, kv_data, q_out, k_out, offset):
         call = next(calls)
         for index, p in enumerate(_pairs(plan, visit)):
             last = {side: final.last(call, index) for side, final in finals.items()}

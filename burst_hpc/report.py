@@ -44,6 +44,22 @@ def start(options, spec, ranks, choices, device, versions, pairs, flops):
                 flops={"forward": flops[0], "backward": flops[1] if options.backward else None})
 
 
+def rank_entries(measured):
+    """The report's ``ranks``: for each rank (``measured``: every rank's {pass: (seconds, seconds in
+    its block kernels)}, passes.ComputeClock), per pass ``X_s`` (from the phase's start, a barrier,
+    to this rank's end), ``X_compute_s`` (in its block kernels) and ``X_exposed``: the share of
+    ``X_s`` outside them (waiting on transfers, i.e. communication not hidden behind compute, and on
+    peers still computing; merging partials; the engine's bookkeeping)."""
+    entries = []
+    for own in measured:
+        entry = {}
+        for name, (seconds, compute) in own.items():
+            entry.update({f"{name}_s": seconds, f"{name}_compute_s": compute,
+                          f"{name}_exposed": max(0.0, seconds - compute) / seconds if seconds > 0 else 0.0})
+        entries.append(entry)
+    return entries
+
+
 def pending_attrs():
     """The attributes of the report that a ``run`` output is created with: NaN seconds and rates,
     an empty scheme. :func:`record` rewrites their values in place once the run is over (a job

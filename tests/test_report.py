@@ -59,9 +59,18 @@ def test_summary_json_and_attributes_agree(tmp_path):
     assert facts["causal"] is True and facts["backward"] is True and facts["warmup"] is False
     assert facts["verify"]["outcome"] == "pass" and set(facts["verify"]["max_err"]) == {"o", "lse", "dq", "dk", "dv"}
     assert facts["device"].startswith("cpu") and facts["versions"]["burst_hpc"] and facts["versions"]["mpi"]
-    for name in ("forward", "backward"):
+    for name, short in (("forward", "fwd"), ("backward", "bwd")):
         assert facts["tflops"][name] == pytest.approx(facts["flops"][name] / seconds[name] / 1e12)
-    assert f"fwd {seconds['forward']:.3f}s" in line and f"bwd {seconds['backward']:.3f}s" in line
+        # per rank (per GPU on a cuda run): the job's rate over the ranks, in the summary too
+        assert facts["tflops_per_rank"][name] == pytest.approx(facts["tflops"][name] / 2)
+        assert f"{short} {seconds[name]:.3f}s {facts['tflops'][name]:.3g} TFLOP/s " \
+               f"({facts['tflops_per_rank'][name]:.3g}/rank)" in line, line
+        # each rank's pass: its block kernels within it, the rest exposed
+        assert len(facts["ranks"]) == 2
+        for entry in facts["ranks"]:
+            assert 0 < entry[f"{name}_compute_s"] <= entry[f"{name}_s"], entry
+            assert entry[f"{name}_exposed"] == pytest.approx(1 - entry[f"{name}_compute_s"] / entry[f"{name}_s"])
+    assert facts["verify"]["rows"] == 96 // 2 and facts["verify"]["predicted_s"] > 0   # full: every token of a rank
     # the same facts in the output's attributes
     with h5py.File(dst, "r") as f:
         for name in SECONDS:
