@@ -29,7 +29,7 @@ from .dtypes import SPELLINGS, dtype_name, parse_dtype
 from . import jobsafety
 from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, launched, live_world, mpi_problem,
                          rank_and_size, world as _world)
-from .errors import BackendError, BurstError, DTypeError, FileError, say
+from .errors import BackendError, BurstError, DTypeError, FileError, UsageError, say
 from .masks import LARGEST_WINDOW
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
@@ -55,7 +55,7 @@ class _Parser(argparse.ArgumentParser):
             say(message)
 
         try:   # ranks whose command line parsed wait in the command's agreement: meet them there
-            _agree_command(error=BurstError(message))
+            _agree_command(error=UsageError(message))
         except BurstError:
             pass
         _say_once(write)
@@ -724,7 +724,7 @@ def _main(argv=None):
             # every rank raised the same error: one message from rank 0, out before any rank exits
             message = str(e)
             _say_once(lambda: say(message))
-            return EXIT_ERROR
+            return EXIT_USAGE if isinstance(e, UsageError) else EXIT_ERROR
         say(f"[rank {rank_and_size()[0]}] {e}")
         abort_world(EXIT_ERROR)
         return EXIT_ERROR

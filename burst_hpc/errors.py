@@ -69,3 +69,7 @@ class MpiError(BurstError):
 
 class TopologyError(BurstError):
     """The ranks do not form equal nodes, or a scheme does not fit the nodes or the heads."""
+
+
+class UsageError(BurstError):
+    """A command line does not parse (on some rank of the job: every rank exits with the usage status)."""
