@@ -11,8 +11,8 @@ call with one rank passing another value of one argument (``Case.disagree``): ev
 raise the same RankMismatchError naming it, within DISAGREE_LIMIT_S (a hang ends the job with the
 reproducer), before the case runs as drawn. On NumPy a share of the cases (``Case.last_pairs``) then
 also runs in bfloat16 with the ring's last-pair path on (BURST_HPC_RING_LAST_PAIRS=1, which acts on
-16-bit inputs only) and must match, bit for bit, a float32 run on the same values with it off. Anything
-else is a failure, reported as one line that reproduces the case.
+16-bit inputs only) and must match the same run with it off bit for bit. Anything else is a failure,
+reported as one line that reproduces the case.
 
     make test                                  a fixed set of seeds (mpi_tests/test_randomized.py)
     python mpi_tests/randomized.py --cases N   a soak: N cases spread over 1-8 ranks
@@ -288,26 +288,25 @@ def run_case(comm, case, xp=np):
 
 
 def last_pairs_problems(case, shards, kw):
-    """Where the call (arguments ``kw``) on this rank's ``shards`` (q, k, v, do) rounded to bfloat16, made in
-    bfloat16 with the last-pair path on, differs from the call on the same values in float32 with it off, its
-    results rounded to bfloat16 (both backwards take the float32 run's o and lse). They must be the same bit
-    for bit: the NumPy backend computes bfloat16 inputs in float32, so the path only moves the one rounding
-    of each output to where its rows are last written. NaN matches NaN (a non-finite case's payloads may
-    differ)."""
+    """Where the call (arguments ``kw``) on this rank's ``shards`` (q, k, v, do) in bfloat16 with the last-pair
+    path on differs from the same call with it off (both backwards take the latter's o and lse). They must
+    be the same bit for bit: the path only moves the one rounding of each output to where its rows are last
+    written. NaN matches NaN (a non-finite case's payloads may differ). Not against float32 on the same
+    values: those runs differ from bfloat16's now and then in float32 rounding, path or not (seed 930054
+    on 8 ranks: lse in 45 of 192 elements)."""
     import burst_hpc
     from burst_hpc.dtypes import bfloat16
 
+    q, k, v, do = (x.astype(bfloat16) for x in shards)
     results, base = [], None
     try:
-        for dtype, on in ((np.float32, False), (bfloat16, True)):
-            q, k, v, do = (x.astype(bfloat16).astype(dtype) for x in shards)
+        for on in (False, True):
             with last_pairs_path(on):
                 o, lse = burst_hpc.burst_attention(q, k, v, **kw)
                 if base is None:
-                    base = o.astype(bfloat16), lse
-                grads = burst_hpc.burst_attention_backward(do, q, k, v, base[0].astype(dtype), base[1],
-                                                           backward_ring=case.backward_ring, **kw)
-            results.append([o.astype(bfloat16), lse, *(g.astype(bfloat16) for g in grads)])
+                    base = o, lse
+                grads = burst_hpc.burst_attention_backward(do, q, k, v, *base, backward_ring=case.backward_ring, **kw)
+            results.append([o, lse, *grads])
     except Exception as e:  # noqa: BLE001 - the drawn call ran, so this one must too
         return [f"last pairs: {type(e).__name__}: {e}"]
     problems = []
@@ -315,7 +314,8 @@ def last_pairs_problems(case, shards, kw):
         bits = f"u{off.dtype.itemsize}"
         differ = (off.view(bits) != on.view(bits)) & ~(np.isnan(off) & np.isnan(on))
         if differ.any():
-            problems.append(f"last pairs: {name} differs from float32 in {int(differ.sum())} of {differ.size} elements")
+            problems.append(f"last pairs: {name} differs from the path off in {int(differ.sum())} of {differ.size} "
+                            "elements")
     return problems
 
 
@@ -565,7 +565,7 @@ def main():
     parser.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
     parser.add_argument("--dtype", default=None, help="input dtype (numpy: float64/float32 drawn; cuda: bfloat16)")
     parser.add_argument("--last-pairs", action="store_true",
-                        help="every case with the ring's last-pair path on too (numpy: against float32, bit for bit; "
+                        help="every case with the ring's last-pair path on too (numpy: against it off, bit for bit; "
                              "cuda: the calls themselves)")
     args = parser.parse_args()
     dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else None)

@@ -1,7 +1,7 @@
 """The randomized differential check (mpi_tests/randomized.py) on a fixed set of seeds, on however many
 ranks this runs (make test: 1-5 ranks, then 6 and 8 as simulated nodes), on several ranks with some
 cases where the ranks first disagree on one argument, and with some also run in bfloat16 with the
-ring's last-pair path on, against float32 bit for bit. Each failure is reported as one line that
+ring's last-pair path on, against it off bit for bit. Each failure is reported as one line that
 reproduces it; a soak of any size: ``python mpi_tests/randomized.py --cases N``."""
 import os
 
