@@ -9,15 +9,19 @@ and backward, verify.tolerance), or be refused with the same clear message on ev
 the refusals this module lists as legitimate. On several ranks a share of the cases first makes the
 call with one rank passing another value of one argument (``Case.disagree``): every rank must then
 raise the same RankMismatchError naming it, within DISAGREE_LIMIT_S (a hang ends the job with the
-reproducer), before the case runs as drawn. Anything else is a failure, reported as one line
-that reproduces the case.
+reproducer), before the case runs as drawn. On NumPy a share of the cases (``Case.last_pairs``) then
+also runs in bfloat16 with the ring's last-pair path on (BURST_HPC_RING_LAST_PAIRS=1, which acts on
+16-bit inputs only) and must match the same run with it off bit for bit. Anything else is a failure,
+reported as one line that reproduces the case.
 
     make test                                  a fixed set of seeds (mpi_tests/test_randomized.py)
     python mpi_tests/randomized.py --cases N   a soak: N cases spread over 1-8 ranks
     mpiexec -n P python -m mpi4py mpi_tests/randomized.py --seed S [--count C]   C cases on P ranks
+    ... --last-pairs                           every case with the last-pair path on too
 
 On a GPU (``--backend cuda``) the inputs are CuPy arrays in bfloat16 or float16 (ranks may share the
-GPU) and the kernels run; the oracle stays in float64 on the host.
+GPU) and the kernels run; the oracle stays in float64 on the host. There ``--last-pairs`` makes the
+calls themselves run with the last-pair path on.
 """
 import argparse
 import faulthandler
@@ -27,6 +31,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -41,6 +46,8 @@ DISAGREEMENTS = ("scheme", "layout", "causal", "window", "scale", "cu_seqlens", 
                  "backward_ring")
 DISAGREE_SHARE = 0.3
 DISAGREE_LIMIT_S = 60   # they end in milliseconds; a rank still in the call then hangs
+# the share of the NumPy cases also run in bfloat16 with the last-pair path on (Case.last_pairs)
+LAST_PAIRS_SHARE = 0.25
 
 # the only refusals a drawn case may meet: each names what does not fit and what to use instead
 LEGITIMATE = (
@@ -72,11 +79,13 @@ class Case:
     backward_ring: str = "auto"
     poison: tuple = None   # (tensor, value, batch, token, head, dim): one non-finite input element
     disagree: tuple = None  # (rank, argument, value): that rank first passes this value instead
+    last_pairs: bool = False  # also with BURST_HPC_RING_LAST_PAIRS=1 (run_case)
 
     def line(self):
         """The one-line reproducer."""
         script = "mpi_tests/randomized.py"
         extra = "" if self.backend == "numpy" else f" --backend {self.backend} --dtype {self.dtype}"
+        extra += " --last-pairs" if self.last_pairs else ""
         return (f"mpiexec -n {self.ranks} python -m mpi4py {script} --seed {self.seed}{extra}   # "
                 f"B={self.batch} S={self.seqlen} Hq={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
                 f"{self.dtype} causal={self.causal} layout={self.layout} scheme={self.scheme} "
@@ -84,8 +93,9 @@ class Case:
                 f"scale={self.scale} backward_ring={self.backward_ring} poison={self.poison} disagree={self.disagree}")
 
 
-def draw(seed, ranks, backend="numpy", dtype=None):
-    """The case of ``seed`` on ``ranks`` ranks (the same on every rank)."""
+def draw(seed, ranks, backend="numpy", dtype=None, last_pairs=False):
+    """The case of ``seed`` on ``ranks`` ranks (the same on every rank); ``last_pairs``: with the last-pair
+    path on too, whatever the draw."""
     rng = np.random.default_rng([seed, ranks])
     c = Case(seed, ranks, backend)
     c.dtype = dtype or str(rng.choice(["float64", "float32"]))
@@ -120,6 +130,8 @@ def draw(seed, ranks, backend="numpy", dtype=None):
     other = np.random.default_rng([seed, ranks, 2])   # its own stream: the cases drawn above stay as they were
     if ranks > 1 and other.random() < DISAGREE_SHARE:
         c.disagree = disagreement(other, c)
+    path = np.random.default_rng([seed, ranks, 3])   # its own stream too
+    c.last_pairs = last_pairs or (backend == "numpy" and path.random() < LAST_PAIRS_SHARE)
     return c
 
 
@@ -267,10 +279,59 @@ def run_case(comm, case, xp=np):
         problems = nonfinite_problems(case, ours, q, k, v, do, mine)
     else:
         problems = finite_problems(case, ours, q, k, v, do, mine)
+    if case.last_pairs and case.backend == "numpy":
+        problems += last_pairs_problems(case, [mine(x) for x in (q, k, v, do)], kw)
     every = comm.allgather(problems)
     bad = [f"rank {rank}: " + ", ".join(p) for rank, p in enumerate(every) if p]
     assert not bad, "; ".join(bad)
     return "ok"
+
+
+def last_pairs_problems(case, shards, kw):
+    """Where the call (arguments ``kw``) on this rank's ``shards`` (q, k, v, do) in bfloat16 with the last-pair
+    path on differs from the same call with it off (both backwards take the latter's o and lse). They must
+    be the same bit for bit: the path only moves the one rounding of each output to where its rows are last
+    written. NaN matches NaN (a non-finite case's payloads may differ). Not against float32 on the same
+    values: those runs differ from bfloat16's now and then in float32 rounding, path or not (seed 930054
+    on 8 ranks: lse in 45 of 192 elements)."""
+    import burst_hpc
+    from burst_hpc.dtypes import bfloat16
+
+    q, k, v, do = (x.astype(bfloat16) for x in shards)
+    results, base = [], None
+    try:
+        for on in (False, True):
+            with last_pairs_path(on):
+                o, lse = burst_hpc.burst_attention(q, k, v, **kw)
+                if base is None:
+                    base = o, lse
+                grads = burst_hpc.burst_attention_backward(do, q, k, v, *base, backward_ring=case.backward_ring, **kw)
+            results.append([o, lse, *grads])
+    except Exception as e:  # noqa: BLE001 - the drawn call ran, so this one must too
+        return [f"last pairs: {type(e).__name__}: {e}"]
+    problems = []
+    for name, off, on in zip(("o", "lse", "dq", "dk", "dv"), *results):
+        bits = f"u{off.dtype.itemsize}"
+        differ = (off.view(bits) != on.view(bits)) & ~(np.isnan(off) & np.isnan(on))
+        if differ.any():
+            problems.append(f"last pairs: {name} differs from the path off in {int(differ.sum())} of {differ.size} "
+                            "elements")
+    return problems
+
+
+@contextmanager
+def last_pairs_path(on):
+    """BURST_HPC_RING_LAST_PAIRS on or off inside, as it was after."""
+    name = "BURST_HPC_RING_LAST_PAIRS"
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
 
 
 def refused_alike(comm, case, arrays, kw, call):
@@ -412,17 +473,18 @@ def _host(x):
     return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
-def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
-    """Run the cases of ``seeds``; returns (counts, failures) with one reproducer line per failure."""
+def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None, last_pairs=False):
+    """Run the cases of ``seeds`` (``last_pairs``: each with the last-pair path on too); returns (counts,
+    failures) with one reproducer line per failure."""
     xp = np
     if backend == "cuda":
         import cupy as xp
         import burst_hpc
 
         burst_hpc.select_device(comm)
-    counts, failures = {"ok": 0, "refused": 0, "disagreed": 0, "ran": {}, "refusals": {}}, []
+    counts, failures = {"ok": 0, "refused": 0, "disagreed": 0, "last_pairs": 0, "ran": {}, "refusals": {}}, []
     for seed in seeds:
-        case = draw(seed, comm.size, backend, dtype)
+        case = draw(seed, comm.size, backend, dtype, last_pairs)
         if log is not None and comm.rank == 0:
             log(f"case {case.line()}")
         try:
@@ -432,6 +494,7 @@ def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
             continue
         counts["ok" if outcome == "ok" else "refused"] += 1
         counts["disagreed"] += case.disagree is not None
+        counts["last_pairs"] += outcome == "ok" and case.last_pairs
         tally = counts["ran"] if outcome == "ok" else counts["refusals"]
         what = f"{case.scheme}/{shard_layout(case)}" if outcome == "ok" else outcome[len("refused: "):][:60]
         tally[what] = tally.get(what, 0) + 1
@@ -440,8 +503,9 @@ def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
 
 # ------------------------------------------------------------------------------------------- soak
 
-def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
-    """``cases`` cases spread over 1..max_ranks ranks, in mpiexec launches of ``batch`` cases each."""
+def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch, last_pairs=False):
+    """``cases`` cases spread over 1..max_ranks ranks, in mpiexec launches of ``batch`` cases each
+    (``last_pairs``: each with the last-pair path on too)."""
     here = os.path.dirname(os.path.abspath(__file__))
     mpiexec = os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
@@ -450,7 +514,7 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
                OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
                OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")])))
-    done, refused, failed, seed, start = 0, 0, [], first_seed, time.time()
+    done, refused, last, failed, seed, start = 0, 0, 0, [], first_seed, time.time()
     tallies = {"ran": {}, "refusals": {}}
     ranks = 1
     while done < cases:
@@ -459,6 +523,8 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
                "--seed", str(seed), "--count", str(count), "--backend", backend]
         if dtype:
             cmd += ["--dtype", dtype]
+        if last_pairs:
+            cmd += ["--last-pairs"]
         try:
             result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
             out, code = result.stdout + result.stderr, result.returncode
@@ -467,6 +533,7 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
         summary = re.search(r"randomized: (\d+) ok, (\d+) refused, (\d+) failed", out)
         if summary:
             refused += int(summary.group(2))
+            last += int(re.search(r"(\d+) with the last-pair path on too", out).group(1))
         for name, items in re.findall(r"^randomized (ran|refusals): (.*)$", out, re.M):
             for item in filter(None, items.split(" | ")):
                 what, _, n = item.rpartition(" ")
@@ -478,7 +545,8 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
                           + " | ".join(out.strip().splitlines()[-6:]))
         done += count
         seed += count
-        print(f"soak: {done}/{cases} cases, {ranks} rank(s), {refused} refused, {len(failed)} failure lines, "
+        print(f"soak: {done}/{cases} cases, {ranks} rank(s), {refused} refused, {last} with the last-pair path, "
+              f"{len(failed)} failure lines, "
               f"{time.time() - start:.0f}s", flush=True)
         ranks = ranks % max_ranks + 1
     for name, tally in tallies.items():
@@ -496,24 +564,30 @@ def main():
     parser.add_argument("--timeout", type=int, default=900, help="soak: seconds per launch before it counts as a hang")
     parser.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
     parser.add_argument("--dtype", default=None, help="input dtype (numpy: float64/float32 drawn; cuda: bfloat16)")
+    parser.add_argument("--last-pairs", action="store_true",
+                        help="every case with the ring's last-pair path on too (numpy: against it off, bit for bit; "
+                             "cuda: the calls themselves)")
     args = parser.parse_args()
     dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else None)
     if args.cases is not None:
         failed = soak(args.cases, args.seed or int(time.time()) % 100000 * 1000, args.max_ranks, args.timeout,
-                      args.backend, dtype, args.batch)
+                      args.backend, dtype, args.batch, args.last_pairs)
         print("\n".join(failed) if failed else "soak: no failures")
         return 1 if failed else 0
+    if args.last_pairs and args.backend == "cuda":   # the inputs are 16-bit there: the path acts on the calls
+        os.environ["BURST_HPC_RING_LAST_PAIRS"] = "1"
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     seed = 0 if args.seed is None else args.seed
     log = (lambda s: print(s, flush=True))
-    counts, failures = run_seeds(comm, range(seed, seed + args.count), args.backend, dtype, log=log)
+    counts, failures = run_seeds(comm, range(seed, seed + args.count), args.backend, dtype, log, args.last_pairs)
     if comm.rank == 0:
         for f in failures:
             print(f, flush=True)
         print(f"randomized: {counts['ok']} ok, {counts['refused']} refused, {len(failures)} failed "
-              f"on {comm.size} rank(s); {counts['disagreed']} with ranks disagreeing first, refused alike",
+              f"on {comm.size} rank(s); {counts['disagreed']} with ranks disagreeing first, refused alike; "
+              f"{counts['last_pairs']} with the last-pair path on too",
               flush=True)
         for name in ("ran", "refusals"):
             print(f"randomized {name}: " + " | ".join(f"{k} {n}" for k, n in sorted(counts[name].items())), flush=True)
