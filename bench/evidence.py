@@ -17,7 +17,7 @@ import time
 import ml_dtypes
 import numpy as np
 
-from burst_hpc.accounting import attention_flops, visible_pairs
+from burst_hpc.plan.accounting import attention_flops, visible_pairs
 
 GRADS = ("dq", "dk", "dv")
 

@@ -25,11 +25,11 @@ import numpy as np
 
 from . import __version__
 from .dtypes import SPELLINGS, dtype_name, parse_dtype
-from . import jobsafety
+from .job import safety as jobsafety
 from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, launched, live_world, mpi_problem,
                          rank_and_size, world as _world)
 from .errors import BackendError, BurstError, DTypeError, FileError, say
-from .masks import LARGEST_WINDOW
+from .plan.masks import LARGEST_WINDOW
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
 
@@ -108,7 +108,7 @@ def _meet(comm, seconds):
 # =========================================================================== info
 
 def cmd_info(args):
-    from .selfcheck import installation
+    from .job.selfcheck import installation
 
     text = installation()
     if text is not None:  # rank 0's
@@ -120,7 +120,7 @@ def cmd_info(args):
 
 def cmd_gen(args):
     from . import io
-    from .progress import Progress
+    from .job.progress import Progress
 
     comm = _world() if launched() else None
     rank = comm.rank if comm is not None else 0
@@ -237,7 +237,7 @@ def parse_window(text):
 
 
 def cmd_run(args):
-    from .job import RunOptions, run
+    from .job.run import RunOptions, run
 
     fields = RunOptions.__dataclass_fields__
     options = RunOptions(**{name: getattr(args, name) for name in fields if name != "progress"},
@@ -252,8 +252,8 @@ def cmd_run(args):
 
 
 def cmd_verify(args):
-    from . import verify
-    from .job import Progress, setup_backend
+    from .job import verify
+    from .job.run import Progress, setup_backend
 
     comm = _world()
     xp, _ = _collective(setup_backend, args.backend, comm)
@@ -334,9 +334,9 @@ def _agree_command(args, error=None):
 
 
 def build_parser():
-    from .layout import LAYOUTS
-    from .costmodel import GPU_RATES
-    from .schemes import SCHEMES
+    from .plan.layout import LAYOUTS
+    from .plan.costmodel import GPU_RATES
+    from .plan.schemes import SCHEMES
     from .transport import TRANSPORTS
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -592,7 +592,7 @@ def cmd_compile(args):
 def warm_verification(dtypes, comm):
     """Collective: run --verify's CuPy kernels once on every rank's GPU (verify.warm) so that a job's
     verification compiles nothing; '' where there is no GPU."""
-    from . import verify
+    from .job import verify
     from .device import gpu_count
 
     error, seconds = None, None
@@ -620,8 +620,8 @@ def _collective(fn, *args, **kwargs):
 def cmd_plan(args):
     from dataclasses import replace
 
-    from . import plan
-    from .costmodel import GPU_RATES, Cluster
+    from .plan import tables as plan
+    from .plan.costmodel import GPU_RATES, Cluster
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
     cu_seqlens = _collective(plan.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,
@@ -650,7 +650,7 @@ def cmd_plan(args):
 
 
 def cmd_check(args):
-    from . import selfcheck
+    from .job import selfcheck
 
     missing = mpi_problem()  # without an MPI library the kernels are still checked, in this one process
     if missing is not None and launched():

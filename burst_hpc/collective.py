@@ -185,7 +185,7 @@ def one_fails_all(comm, what):
     except (Exception, KeyboardInterrupt) as error:
         if comm is None or comm.size == 1:
             raise
-        from .jobsafety import abort_job
+        from .job.safety import abort_job
 
         sys.stderr.write(traceback.format_exc())
         abort_job(f"rank {comm.rank} failed inside {what}: {describe(error)}; ending every rank of the job "

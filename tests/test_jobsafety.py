@@ -19,7 +19,8 @@ import h5py
 import numpy as np
 import pytest
 
-from burst_hpc import config, io, jobsafety, verify
+from burst_hpc import config, io
+from burst_hpc.job import safety as jobsafety, verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import FileError
 from burst_hpc.reference import attention_reference
@@ -219,7 +220,7 @@ def test_signal_ends_every_rank_and_removes_temp(tmp_path, long_input, target, s
 # --------------------------------------------------------------------------- stale temporary files
 
 HOLDER = """import sys, time
-from burst_hpc import jobsafety
+from burst_hpc.job import safety as jobsafety
 jobsafety.hold(sys.argv[1])
 open(sys.argv[1], "wb").write(b"x")
 print("ready", flush=True)

@@ -20,10 +20,11 @@ import os
 
 import numpy as np
 
-from .. import config, jobsafety
+from .. import config
+from ..job import safety as jobsafety
 from ..collective import agree, describe
 from ..errors import BurstError, FileError, ShapeError
-from ..layout import pieces
+from ..plan.layout import pieces
 from .format import GRADS, TOKEN_AXIS, create_dataset, stamp, stored_dtype, write_slab
 
 # writes go straight to the file (no chunk cache): a failed write (disk full, quota) raises at the

@@ -18,8 +18,8 @@ local rank on every node (one NIC rail); ``node_comm`` this rank's node.
 """
 from dataclasses import dataclass
 
-from . import config
-from .errors import RankMismatchError, TopologyError
+from .. import config
+from ..errors import RankMismatchError, TopologyError
 
 
 @dataclass(frozen=True)

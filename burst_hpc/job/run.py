@@ -26,17 +26,19 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import config, io, jobsafety, masks, report, verify
-from .accounting import attention_flops, visible_pairs
-from .callplan import CallPlan
-from .collective import agree, describe, one_fails_all, world
-from .costmodel import choose_layout
-from .device import HOW_TO_GET_CUPY, array_device, gpu_count, gpus_shared, select_device
-from .dtypes import dtype_name
-from .errors import BackendError, BurstError, say
+from .. import config, io
+from . import safety as jobsafety, report, verify
+from ..plan import masks
+from ..plan.accounting import attention_flops, visible_pairs
+from ..plan.callplan import CallPlan
+from ..collective import agree, describe, one_fails_all, world
+from ..plan.costmodel import choose_layout
+from ..device import HOW_TO_GET_CUPY, array_device, gpu_count, gpus_shared, select_device
+from ..dtypes import dtype_name
+from ..errors import BackendError, BurstError, say
 from .progress import Progress
-from .topology import topology
-from .transport import choose_transport
+from ..plan.topology import topology
+from ..transport import choose_transport
 
 
 @dataclass
@@ -335,7 +337,7 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
     cost at most verify.BUDGET of the passes' time (``seconds``). Returns (verify's report, the
     summary's verify entry)."""
-    from .layout import layout_indices
+    from ..plan.layout import layout_indices
 
     jobsafety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")

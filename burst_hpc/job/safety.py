@@ -40,8 +40,8 @@ import threading
 import time
 import uuid
 
-from .collective import abort_world, live_world, rank_and_size
-from .errors import FileError, say
+from ..collective import abort_world, live_world, rank_and_size
+from ..errors import FileError, say
 
 _TMP = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{8})$")
 LOCK_SUFFIX = ".lock"

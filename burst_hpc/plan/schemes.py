@@ -14,7 +14,7 @@ loop of ring.py.
 import numpy as np
 
 from . import masks
-from .errors import LayoutError, TopologyError
+from ..errors import LayoutError, TopologyError
 from .layout import pieces
 from .schedule import double_ring_steps, plain_ring_steps, steps as flat_steps
 from .topology import inner_lane

@@ -20,12 +20,12 @@ import time
 
 import numpy as np
 
-from .collective import Alone, agree, describe
-from .dtypes import dtype_name, nonfinite
-from .errors import BurstError
-from .io.format import fixed_text, modify_attrs
-from .merge import array_module
-from .reference import visible
+from ..collective import Alone, agree, describe
+from ..dtypes import dtype_name, nonfinite
+from ..errors import BurstError
+from ..io.format import fixed_text, modify_attrs
+from ..engine.merge import array_module
+from ..reference import visible
 
 FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 ATOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
@@ -243,7 +243,7 @@ class Tokens:
     @classmethod
     def stored(cls, files, start, stop):
         """Global tokens start..stop of open HDF5 files (``files``: {dataset name: h5py dataset})."""
-        from .io.format import dataset_dtype, read_slab
+        from ..io.format import dataset_dtype, read_slab
 
         def index(name, sel):
             return (slice(None), slice(None), sel) if name == "lse" else (slice(None), sel)
@@ -437,8 +437,8 @@ def _mpi_max():
 
 def visible_share(spec, causal, window):
     """The share of (query, key) pairs the mask leaves visible (accounting.visible_pairs / S^2)."""
-    from . import masks
-    from .accounting import visible_pairs
+    from ..plan import masks
+    from ..plan.accounting import visible_pairs
 
     mask = masks.make(spec.seqlen, causal, window, spec.cu_seqlens)
     return visible_pairs(spec.seqlen, causal, mask) / float(spec.seqlen) ** 2
@@ -637,7 +637,7 @@ def warm(dtypes, xp=None):
     took; raises BurstError if a check fails."""
     from types import SimpleNamespace
 
-    from .reference import attention_backward_reference, attention_reference
+    from ..reference import attention_backward_reference, attention_reference
 
     if xp is None:
         import cupy as xp
@@ -668,8 +668,8 @@ def verify_output(input_path, output_path, comm, causal=None, window=None, backw
     its share of the tokens, once). ``causal``, ``window`` and ``backward`` left None are taken from
     what the output records (a ``burst-hpc run`` output records them); given, they must agree with it.
     The softmax scale is the recorded one (default head_dim**-0.5). See :func:`check`."""
-    from . import io
-    from .errors import FileError, ShapeError
+    from .. import io
+    from ..errors import FileError, ShapeError
 
     error, spec, files, opened = None, None, {}, []
     try:
