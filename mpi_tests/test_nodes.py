@@ -208,11 +208,11 @@ def test_emulated_network_holds_transfers_between_nodes(comm, monkeypatch):
 
 def test_plan_measures_rates_under_mpiexec(comm):
     """`burst-hpc plan --measure`: one kernel timing and one ping-pong over each link class."""
-    from burst_hpc.plan import costmodel, tables as plan
+    from burst_hpc.plan import costmodel, tables
 
     nodes, w = cases(comm.size)[0]
     pr = costmodel.Problem(1, 64 * comm.size, 2, 2, 16, 4, True)
-    rates, topo = plan.measure(comm, pr, w, tokens=128, nbytes=1 << 16)
+    rates, topo = tables.measure(comm, pr, w, tokens=128, nbytes=1 << 16)
     assert (topo.nodes, topo.per_node) == (nodes, w)
     assert min(rates.fwd_tflops, rates.bwd_tflops, rates.intra_gbps, rates.inter_gbps) > 0
     assert rates == comm.bcast(rates)   # every rank holds the same rates

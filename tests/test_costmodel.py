@@ -182,7 +182,7 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
     """One model, one answer (issue 37): the pick is the row of least forward+backward time among
     those shown, a (layout, scheme) row reads the same with or without --layout, and the pick's
     layout is what choose_layout names for the call."""
-    from burst_hpc.plan import tables as plan
+    from burst_hpc.plan import tables
 
     args = ["--seqlen", seqlen, "--nodes", nodes, "--gpus-per-node", per_node, "--heads", 8, *extra]
     rows, pick = plan_rows(capsys, *args)
@@ -195,7 +195,7 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
         return kind(extra[extra.index(name) + 1]) if name in extra else default
 
     count = value("--documents", int)
-    cu = None if count is None else plan.planned_documents(seqlen, count, value("--doc-lengths", str))
+    cu = None if count is None else tables.planned_documents(seqlen, count, value("--doc-lengths", str))
     window = None if value("--window", int) is None else (value("--window", int), 0)
     heads = value("--heads", int, 8)
     kv_heads = value("--kv-heads", int, heads)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import config, io
-from . import safety as jobsafety, report, verify
+from . import report, safety, verify
 from ..plan import masks
 from ..plan.accounting import attention_flops, visible_pairs
 from ..plan.callplan import CallPlan
@@ -179,7 +179,7 @@ def run(options, comm=None):
 
     # create the output (the path is checked there, before any data is read)
     if rank == 0:
-        for line in jobsafety.stale_note(options.output):
+        for line in safety.stale_note(options.output):
             sys.stderr.write(line + "\n")
     datasets = io.output_datasets(spec, options.backward)
     attrs = {"kind": "outputs", "causal": bool(options.causal), "scale": float(scale),
@@ -230,7 +230,7 @@ def run(options, comm=None):
     except BaseException:
         out.abort()
         raise
-    jobsafety.on_stop_say(f"{options.output} is written and complete")
+    safety.on_stop_say(f"{options.output} is written and complete")
     verified, checked = None, None
     if options.verify:
         del host
@@ -339,7 +339,7 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     summary's verify entry)."""
     from ..plan.layout import layout_indices
 
-    jobsafety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
+    safety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
     _test_hook_verify_pause()
     if not isinstance(inputs["q"], np.ndarray) and not config.verify_on_gpu():
@@ -365,7 +365,7 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
             outcome = "not finished"
             say(f"verification {'passed' if report['ok'] else 'failed'} but {options.output} could not be "
                 f"marked so (its attribute verify still says 'not finished'): {describe(e).splitlines()[0]}", "note")
-    jobsafety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
+    safety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
     errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
     return report, (f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) {report['seconds']:.2f}s "
                     f"max_err/tol {errs}")
