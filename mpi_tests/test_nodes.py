@@ -87,7 +87,7 @@ def test_ranks_out_of_node_order(comm, scheme, monkeypatch):
         monkeypatch.setenv("BURST_HPC_NODE_ID", str(comm.rank % nodes))
         topo = burst_hpc.plan.topology.topology(comm)
         assert (topo.nodes, topo.per_node) == (nodes, w)
-        assert topo.layout.order[topo.position] == comm.rank and topo.node == comm.rank % nodes
+        assert topo.arrangement.order[topo.position] == comm.rank and topo.node == comm.rank % nodes
         assert topo.rail.size == nodes and topo.node_comm.size == w
         run_and_check(comm, scheme, None, "zigzag", True, 2 * w, w)
 

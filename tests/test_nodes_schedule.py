@@ -99,8 +99,8 @@ def test_double_ring_buffers():
 
 
 def test_arrange_orders_ranks_node_by_node():
-    layout = arrange(["b", "a", "b", "a", "c", "c"])
-    assert (layout.nodes, layout.per_node, layout.order) == (3, 2, (0, 2, 1, 3, 4, 5))
+    arrangement = arrange(["b", "a", "b", "a", "c", "c"])
+    assert (arrangement.nodes, arrangement.per_node, arrangement.order) == (3, 2, (0, 2, 1, 3, 4, 5))
     assert arrange(["h"] * 8, ranks_per_node=4).order == tuple(range(8))
     with pytest.raises(TopologyError, match="same number of ranks"):
         arrange([0, 0, 1])
