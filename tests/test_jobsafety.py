@@ -217,6 +217,19 @@ def test_signal_ends_every_rank_and_removes_temp(tmp_path, long_input, target, s
         assert f"stopped by {sig.name}" in err and "no output written" in err, err
 
 
+def test_a_job_ended_from_one_rank_removes_its_temporary_file(tmp_path):
+    """collective.abort_job (a pass failing on one rank, a failed parallel HDF5 write) runs the job's
+    clean-up first: the temporary file it tracks and its lock file are gone, one error line is said.
+    One process, so no launcher's SIGTERM to the other ranks removes the file instead."""
+    tmp = tmp_path / "out.h5.tmp-test"
+    script = (f"from burst_hpc.collective import abort_job\nfrom burst_hpc.job import safety\n"
+              f"safety.hold({str(tmp)!r})\nopen({str(tmp)!r}, 'wb').close()\nsafety.track({str(tmp)!r})\n"
+              f"abort_job('ending the job')\n")
+    r = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.endswith("burst-hpc: error: ending the job\n"), r.stderr
+    assert _temps(tmp_path) == [], os.listdir(tmp_path)
+
+
 # --------------------------------------------------------------------------- stale temporary files
 
 HOLDER = """import sys, time

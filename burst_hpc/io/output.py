@@ -22,7 +22,7 @@ import numpy as np
 
 from .. import config
 from ..job import safety
-from ..collective import agree, describe
+from ..collective import abort_job, agree, describe
 from ..errors import BurstError, FileError, ShapeError
 from ..plan.layout import pieces
 from .format import GRADS, TOKEN_AXIS, create_dataset, stamp, stored_dtype, write_slab
@@ -178,7 +178,7 @@ class OutputFile:
             raise
         except Exception as e:  # noqa: BLE001
             _NEVER_CLOSED.append(f)  # its close is collective: it must not run at garbage collection
-            safety.abort_job(f"{_io_failure(what, e, self.tmp)}; parallel HDF5 cannot go on after a failed "
+            abort_job(f"{_io_failure(what, e, self.tmp)}; parallel HDF5 cannot go on after a failed "
                                 "collective write, so the job is stopped")
 
     def _write_mine(self, f, shards, layout):
