@@ -23,7 +23,7 @@ GRADS = ("dq", "dk", "dv")
 
 
 def flops(seqlen, heads, dim, causal, backward):
-    """The FlashAttention count (burst_hpc.accounting) of the forward, or of forward + backward."""
+    """The FlashAttention count (burst_hpc.plan.accounting) of the forward, or of forward + backward."""
     pairs = visible_pairs(seqlen, causal)
     return attention_flops(1, heads, dim, pairs) + (attention_flops(1, heads, dim, pairs, True) if backward else 0)
 

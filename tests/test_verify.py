@@ -1,4 +1,4 @@
-"""The sampled check (burst_hpc.verify.check) on one process: its sums equal the float64 oracle under
+"""The sampled check (burst_hpc.job.verify.check) on one process: its sums equal the float64 oracle under
 every mask, corrupted outputs fail naming what failed, NaN and Inf that match the oracle pass, the
 predicted cost is announced, and the run job's budget sizes the sample."""
 import re

@@ -15,7 +15,7 @@ ranks agrees on the verdict first (collective.agree), so bad input ends every ra
 message; an error inside the passes ends the job from the failing rank (collective.one_fails_all).
 From Python, under mpiexec::
 
-    from burst_hpc.job import RunOptions, run
+    from burst_hpc.job.run import RunOptions, run
     outcome = run(RunOptions("in.h5", "out.h5", causal=True, backward=True, verify=True))
 """
 import os
