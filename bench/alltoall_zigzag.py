@@ -8,7 +8,7 @@ the rest);
 ``zigzag_forward(q, k, v)`` and ``zigzag_backward(do, q, k, v, o, lse)`` run the ring on zigzag
 shards. Checked against the oracle in mpi_tests/test_ring.py (CPU) and test_ring_gpu.py.
 """
-from burst_hpc.layout import relayout
+from burst_hpc.plan.layout import relayout
 
 
 def to_zigzag(exchange, *arrays, axis=1):

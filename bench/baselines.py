@@ -25,7 +25,7 @@ from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.collective import agree
 from burst_hpc.dtypes import accum_dtype
 from burst_hpc.errors import BurstError
-from burst_hpc.merge import array_module, merge_weights
+from burst_hpc.engine.merge import array_module, merge_weights
 from burst_hpc.validate import check_qkv, resolve_scale
 
 METHODS = ("burst", "untiled-ring", "allgather-kv", "ulysses")
@@ -206,7 +206,7 @@ class _Collective:
             self.batch, self.local, _, self.heads, self.kv_heads, self.head_dim = check_qkv(q, k, v)
             self.size, self.rank = comm.size, comm.rank
             self.seqlen = self.local * self.size
-            self.pieces = burst_hpc.layout.pieces(self.seqlen, self.rank, self.size, layout)
+            self.pieces = burst_hpc.plan.layout.pieces(self.seqlen, self.rank, self.size, layout)
             self.check()
         except BurstError as e:
             error = e

@@ -22,9 +22,9 @@ import numpy as np
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc import costmodel, masks
-from burst_hpc.accounting import visible_pairs
-from burst_hpc.workload import documents, work_of
+from burst_hpc.plan import costmodel, masks
+from burst_hpc.plan.accounting import visible_pairs
+from burst_hpc.plan.workload import documents, work_of
 
 import evidence
 from evidence import timed

@@ -21,7 +21,7 @@ import numpy as np
 import burst_hpc
 import evidence
 from bench_ring import gpu_job, timed
-from burst_hpc import masks
+from burst_hpc.plan import masks
 
 
 def pair_flops(visible_pairs, heads, dim, backward):

@@ -18,8 +18,8 @@ import numpy as np
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc import costmodel
-from burst_hpc.accounting import attention_flops, visible_pairs
+from burst_hpc.plan import costmodel
+from burst_hpc.plan.accounting import attention_flops, visible_pairs
 from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.dtypes import parse_dtype
 from burst_hpc.config import emulated_network as setting

@@ -47,9 +47,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from burst_hpc import masks  # noqa: E402
-from burst_hpc.accounting import BACKWARD_FLOPS, attention_flops, visible_pairs  # noqa: E402
-from burst_hpc.workload import documents  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
+from burst_hpc.plan.accounting import BACKWARD_FLOPS, attention_flops, visible_pairs  # noqa: E402
+from burst_hpc.plan.workload import documents  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 64, 8, 128
 PASSES = ("fwd", "bwd", "fwd+bwd")

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 import burst_hpc
 from burst_hpc.benchmark import NoExchange, RingBenchmark
-from burst_hpc.accounting import backward_ring_bytes
+from burst_hpc.plan.accounting import backward_ring_bytes
 from burst_hpc.dtypes import parse_dtype
 from burst_hpc.transport import make_transport
 

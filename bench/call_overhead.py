@@ -42,10 +42,10 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from burst_hpc import callplan  # noqa: E402
+from burst_hpc.plan import callplan  # noqa: E402
 from burst_hpc.collective import one_fails_all  # noqa: E402
 from burst_hpc.device import array_device  # noqa: E402
-from burst_hpc.workload import documents  # noqa: E402
+from burst_hpc.plan.workload import documents  # noqa: E402
 
 WAYS = ("uncached", "cached")
 

@@ -11,8 +11,8 @@ import argparse
 import numpy as np
 
 import burst_hpc
-from burst_hpc import costmodel, masks
-from burst_hpc.workload import documents
+from burst_hpc.plan import costmodel, masks
+from burst_hpc.plan.workload import documents
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from burst_hpc import io
-from burst_hpc.layout import pieces
+from burst_hpc.plan.layout import pieces
 
 H, D = 16, 128
 ROW = H * D * 4  # bytes per token

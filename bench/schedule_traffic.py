@@ -7,8 +7,8 @@ received, for the zigzag and balanced layouts (causal), forward and both backwar
 import argparse
 
 import evidence
-from burst_hpc.layout import pieces
-from burst_hpc.schedule import steps, visit_pairs
+from burst_hpc.plan.layout import pieces
+from burst_hpc.plan.schedule import steps, visit_pairs
 
 
 def token_bytes(heads, kv_heads, dim, itemsize):

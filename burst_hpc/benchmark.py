@@ -23,7 +23,7 @@ methods in the same order. bench/bench_ring.py is the worked example.
 """
 from .backends import get_backend
 from .collective import world
-from .callplan import CallPlan, choose_backward_ring
+from .plan.callplan import CallPlan, choose_backward_ring
 from .device import array_device
 from .errors import BurstError
 

@@ -26,11 +26,11 @@ import numpy as np
 
 from . import __version__
 from .dtypes import SPELLINGS, dtype_name, parse_dtype
-from . import jobsafety
+from .job import safety
 from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, launched, live_world, mpi_problem,
                          rank_and_size, world as _world)
 from .errors import BackendError, BurstError, DTypeError, FileError, UsageError, say
-from .masks import LARGEST_WINDOW
+from .plan.masks import LARGEST_WINDOW
 
 EXIT_ERROR, EXIT_USAGE, EXIT_MISMATCH = 1, 2, 3
 
@@ -93,7 +93,7 @@ def _say_once(write):
         write()
     if comm is not None and comm.size > 1 and not _meet(comm, SAY_WAIT_S) and comm.rank != 0:
         write()
-    jobsafety.error_reported()
+    safety.error_reported()
 
 
 def _job_world():
@@ -118,7 +118,7 @@ def _meet(comm, seconds):
 # =========================================================================== info
 
 def cmd_info(args):
-    from .selfcheck import installation
+    from .job.selfcheck import installation
 
     text = installation()
     if text is not None:  # rank 0's
@@ -130,7 +130,7 @@ def cmd_info(args):
 
 def cmd_gen(args):
     from . import io
-    from .progress import Progress
+    from .job.progress import Progress
 
     comm = _world() if launched() else None
     rank = comm.rank if comm is not None else 0
@@ -138,7 +138,7 @@ def cmd_gen(args):
     err = None
     if rank == 0:
         try:
-            for line in jobsafety.stale_note(args.output):
+            for line in safety.stale_note(args.output):
                 sys.stderr.write(line + "\n")
             dtype = parse_dtype(args.dtype)
             total = args.batch * args.seqlen
@@ -247,7 +247,7 @@ def parse_window(text):
 
 
 def cmd_run(args):
-    from .job import RunOptions, run
+    from .job.run import RunOptions, run
 
     fields = RunOptions.__dataclass_fields__
     options = RunOptions(**{name: getattr(args, name) for name in fields if name != "progress"},
@@ -262,8 +262,8 @@ def cmd_run(args):
 
 
 def cmd_verify(args):
-    from . import verify
-    from .job import Progress, setup_backend
+    from .job import verify
+    from .job.run import Progress, setup_backend
 
     comm = _world()
     xp, _ = _collective(setup_backend, args.backend, comm)
@@ -345,9 +345,9 @@ def _agree_command(signature=None, error=None):
 
 
 def build_parser():
-    from .layout import LAYOUTS
-    from .costmodel import GPU_RATES
-    from .schemes import SCHEMES
+    from .plan.layout import LAYOUTS
+    from .plan.costmodel import GPU_RATES
+    from .plan.schemes import SCHEMES
     from .transport import TRANSPORTS
 
     raw = argparse.RawDescriptionHelpFormatter
@@ -609,7 +609,7 @@ def cmd_compile(args):
 def warm_verification(dtypes, comm):
     """Collective: run --verify's CuPy kernels once on every rank's GPU (verify.warm) so that a job's
     verification compiles nothing; '' where there is no GPU."""
-    from . import verify
+    from .job import verify
     from .device import gpu_count
 
     error, seconds = None, None
@@ -637,18 +637,18 @@ def _collective(fn, *args, **kwargs):
 def cmd_plan(args):
     from dataclasses import replace
 
-    from . import plan
-    from .costmodel import GPU_RATES, Cluster
+    from .plan import tables
+    from .plan.costmodel import GPU_RATES, Cluster
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
-    cu_seqlens = _collective(plan.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,
+    cu_seqlens = _collective(tables.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,
                              args.cu_seqlens)
-    problem, mask = _collective(plan.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
+    problem, mask = _collective(tables.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
                                 parse_dtype(args.dtype), args.causal, args.window, cu_seqlens)
     rank = rank_and_size()[0]
     if args.measure:
         comm = _world()
-        rates, topo = plan.measure(comm, problem, args.ranks_per_node)
+        rates, topo = tables.measure(comm, problem, args.ranks_per_node)
         rank = comm.rank
         nodes, per_node = args.nodes or topo.nodes, args.gpus_per_node or topo.per_node
     else:
@@ -657,9 +657,9 @@ def cmd_plan(args):
                                                "intra_latency_us", "inter_latency_us") if getattr(args, f) is not None}
     rates = replace(rates, **overrides)
     cluster = Cluster(nodes, per_node)
-    text, pick = _collective(plan.table, problem, cluster, rates, mask, args.layout)
+    text, pick = _collective(tables.table, problem, cluster, rates, mask, args.layout)
     if rank == 0:
-        print(plan.describe(problem, cluster, rates, mask))
+        print(tables.describe(problem, cluster, rates, mask))
         print(text)
         print(f"pick: layout {pick.layout}, scheme {pick.scheme} ({pick.fwdbwd:.3g} s forward+backward; "
               f"shard by it: burst_hpc.choose_layout)")
@@ -667,7 +667,7 @@ def cmd_plan(args):
 
 
 def cmd_check(args):
-    from . import selfcheck
+    from .job import selfcheck
 
     missing = mpi_problem()  # without an MPI library the kernels are still checked, in this one process
     if missing is not None and launched():
@@ -678,7 +678,7 @@ def cmd_check(args):
     return EXIT_MISMATCH if not passed else 0
 
 
-# =========================================================================== clean (jobsafety)
+# =========================================================================== clean (job/safety.py)
 
 def _add_clean(sub):
     p = _verb(sub, "clean", cmd_clean, help="remove temporary files a killed job left next to an output",
@@ -698,7 +698,7 @@ def _add_clean(sub):
 
 
 def cmd_clean(args):
-    print("\n".join(jobsafety.clean(args.output, args.dry_run, args.force)), flush=True)
+    print("\n".join(safety.clean(args.output, args.dry_run, args.force)), flush=True)
     return 0
 
 
@@ -706,11 +706,11 @@ def main(argv=None):
     """The command; with ``argv`` None (the real command line) SIGTERM/SIGINT end the job cleanly
     and an HDF5 write failure ends the process without HDF5's exit handler (no crash at exit)."""
     if argv is None:
-        jobsafety.watch_signals()
-        jobsafety.quiet_hdf5_dealloc()
+        safety.watch_signals()
+        safety.quiet_hdf5_dealloc()
     code = _main(argv)
-    if argv is None and jobsafety.hdf5_broken():
-        jobsafety.exit_now(code)
+    if argv is None and safety.hdf5_broken():
+        safety.exit_now(code)
     return code
 
 

@@ -56,6 +56,28 @@ def abort_world(code=1):
         comm.Abort(code)
 
 
+_BEFORE_ABORT = []  # what this process undoes before it ends the job (job/safety.py: its temporary files)
+
+
+def before_abort(cleanup):
+    """Have ``cleanup()`` run first whenever this process ends the whole job (:func:`abort_job`). The
+    job's file handling registers the removal of its temporary files here, so this module, below it,
+    never imports it."""
+    if cleanup not in _BEFORE_ABORT:
+        _BEFORE_ABORT.append(cleanup)
+
+
+def abort_job(message):
+    """End the whole job now from this rank: the clean-ups of :func:`before_abort`, ``message`` as one
+    error line, then MPI_Abort (a plain exit for one process). For failures after which the ranks
+    cannot agree (they wait in different collectives)."""
+    for cleanup in _BEFORE_ABORT:
+        cleanup()
+    errors.say(message)
+    abort_world(1)
+    os._exit(1)
+
+
 def mpi_problem():
     """None when mpi4py loads an MPI library; else what is missing, in one line."""
     try:
@@ -185,8 +207,6 @@ def one_fails_all(comm, what):
     except (Exception, KeyboardInterrupt) as error:
         if comm is None or comm.size == 1:
             raise
-        from .jobsafety import abort_job
-
         sys.stderr.write(traceback.format_exc())
         abort_job(f"rank {comm.rank} failed inside {what}: {describe(error)}; ending every rank of the job "
                   f"(the others would wait for this one forever)")

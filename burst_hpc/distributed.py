@@ -11,7 +11,7 @@ Each call is its plan (callplan.CallPlan: checked and agreed by every rank; call
 a repeated call's) and its passes (passes.py), run so that an error on some ranks ends every rank
 (collective.one_fails_all).
 """
-from .callplan import plan_call
+from .plan.callplan import plan_call
 from .collective import check_comm, one_fails_all, world
 from .device import array_device
 

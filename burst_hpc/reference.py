@@ -2,7 +2,7 @@
 
 Masks use global positions: query i sits at q_start + i, key j at k_start + j. So a block cut
 from a longer sequence can be checked on its own. Each mask is built densely from its
-definition (DESIGN.md), on purpose independently of burst_hpc.masks and the kernels:
+definition (DESIGN.md), on purpose independently of burst_hpc.plan.masks and the kernels:
 causal hides later keys, ``window=(left, right)`` hides keys more than left before or right
 after the query (-1: unbounded), ``cu_seqlens`` hides keys of other documents. Rows with every
 key hidden give o = 0, lse = -inf and zero gradients.

@@ -137,7 +137,8 @@ def draw(seed, ranks, backend="numpy", dtype=None, last_pairs=False):
 
 def disagreement(rng, c):
     """(rank, argument, value): an argument of case ``c`` and a value of it that changes the call."""
-    from burst_hpc import config, masks
+    from burst_hpc import config
+    from burst_hpc.plan import masks
 
     name = str(rng.choice(DISAGREEMENTS))
     if name == "scheme":
@@ -189,7 +190,7 @@ def window_side(rng, seqlen):
 
 def shard_layout(case):
     """The layout the inputs are sharded in: the case's, or the call's default (never the mask's)."""
-    from burst_hpc.layout import default_layout
+    from burst_hpc.plan.layout import default_layout
 
     return default_layout(case.causal) if case.layout is None else case.layout
 
@@ -210,7 +211,7 @@ def inputs(case):
 
 def expected(case, q, k, v, do):
     """(oracle, plain): float64 oracle and the plain same-precision results, global."""
-    from burst_hpc import verify
+    from burst_hpc.job import verify
 
     kw = dict(causal=case.causal, scale=case.scale, window=case.window,
               cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
@@ -246,7 +247,7 @@ def run_case(comm, case, xp=np):
     layout = shard_layout(case)
     q, k, v, do = inputs(case)
     try:
-        burst_hpc.layout.check_split(case.seqlen, P, layout)
+        burst_hpc.plan.layout.check_split(case.seqlen, P, layout)
     except burst_hpc.LayoutError:
         layout_for_shards = "contiguous"   # the call must refuse the case's layout
     else:
@@ -375,7 +376,7 @@ def refused_alike(comm, case, arrays, kw, call):
 
 def finite_problems(case, ours, q, k, v, do, mine):
     """What is out of tolerance against the float64 oracle."""
-    from burst_hpc import verify
+    from burst_hpc.job import verify
 
     oracle, plain = expected(case, q, k, v, do)
     grad_scale = max(verify.max_abs(g) for g in oracle[2:])
@@ -394,7 +395,7 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
     rows where it is finite too. The CUDA kernels promise the exact rows for o and lse with the element
     in q or k; elsewhere (v, the gradients) at least the oracle's rows, since a partly masked tile
     multiplies a hidden pair's weight 0 by its operand (docs/KERNELS.md, "Non-finite inputs")."""
-    from burst_hpc import verify
+    from burst_hpc.job import verify
     from burst_hpc.reference import attention_backward_reference, attention_reference
 
     kw = dict(causal=case.causal, scale=case.scale, window=case.window,
@@ -428,7 +429,7 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
 def out_of_tolerance(name, got, ref, low, grad_scale, case, what=None):
     """['WHAT err E > tol T'] when output ``name`` ``got`` is farther from the oracle ``ref`` than
     :func:`tolerance` allows, given the plain same-precision result ``low``; [] when within."""
-    from burst_hpc import verify
+    from burst_hpc.job import verify
 
     tol = tolerance(name, verify.max_err(low, ref), verify.max_abs(ref), grad_scale, case)
     err = verify.max_err(got, ref)
@@ -464,7 +465,7 @@ def tolerance(name, plain_err, ref_max, grad_scale, case):
 
 
 def verify_module():
-    from burst_hpc import verify
+    from burst_hpc.job import verify
 
     return verify
 

@@ -14,7 +14,7 @@ import pytest
 from burst_hpc import io
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import BurstError, DTypeError, FileError, LayoutError, ShapeError
-from burst_hpc.layout import LAYOUTS, shard
+from burst_hpc.plan.layout import LAYOUTS, shard
 
 
 @pytest.fixture

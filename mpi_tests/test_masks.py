@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import burst_hpc
-from burst_hpc import masks
-from burst_hpc.callplan import CallPlan
-from burst_hpc.layout import default_layout
+from burst_hpc.plan import masks
+from burst_hpc.plan.callplan import CallPlan
+from burst_hpc.plan.layout import default_layout
 from burst_hpc.errors import MaskError, RankMismatchError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -61,7 +61,7 @@ def test_forward_and_both_backward_rings(comm, docs, window, causal, layout):
 @pytest.mark.parametrize("draw", range(6))
 def test_balanced_schedule_on_random_documents_and_windows(comm, draw, local):
     """The work-aware schedule (pieces of rows on other ranks, partials home) on random masks."""
-    from burst_hpc.workload import documents
+    from burst_hpc.plan.workload import documents
 
     rng, seed = shared_rng(comm)
     seqlen = local * comm.size

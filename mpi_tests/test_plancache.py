@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import burst_hpc
-from burst_hpc import callplan
+from burst_hpc.plan import callplan
 from burst_hpc.errors import RankMismatchError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng

@@ -9,7 +9,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.skipif(gpu_count() < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc.layout import default_layout  # noqa: E402
+from burst_hpc.plan.layout import default_layout  # noqa: E402
 from burst_hpc.dtypes import bfloat16  # noqa: E402
 from burst_hpc.errors import TransportError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
@@ -214,7 +214,7 @@ def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, do
     balanced layout with every rank a node: transfers between nodes posted steps ahead on the far
     lane, several in flight at once; on one node (None) and two ranks a node: transfers inside a
     node a step ahead (data) or a step late (partials) on the inner lane, beside the far lane's."""
-    from burst_hpc import masks
+    from burst_hpc.plan import masks
 
     if transport not in device_transports(comm):
         pytest.skip(f"{transport} not usable here")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from burst_hpc.layout import LAYOUTS, layout_indices, shard, unshard
+from burst_hpc.plan.layout import LAYOUTS, layout_indices, shard, unshard
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -80,7 +80,7 @@ def test_ranks_agree_on_the_seed(comm):
 @pytest.mark.parametrize("source,target", [("contiguous", "zigzag"), ("zigzag", "balanced"), ("zigzag", "zigzag")])
 @pytest.mark.parametrize("axis", [1, 2])
 def test_relayout_moves_shards_between_layouts(comm, source, target, axis):
-    from burst_hpc.layout import relayout
+    from burst_hpc.plan.layout import relayout
     from burst_hpc.transport import make_transport
 
     seed, x = _global_array(comm, BF16, axis)

@@ -11,7 +11,7 @@ import bench_packed  # noqa: E402
 from bench_packed import (combined_rate, document_sets, is_attention_kernel, magi_packs, outside_share,  # noqa: E402
                           pass_flops, read_length_table)
 
-from burst_hpc import masks  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 
 
 def test_length_table_reads_bins_at_their_midpoints():

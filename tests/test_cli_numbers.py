@@ -11,7 +11,7 @@ import pytest
 
 from burst_hpc import io
 from burst_hpc.errors import FileError, TopologyError
-from burst_hpc.topology import arrange
+from burst_hpc.plan.topology import arrange
 from test_cli import leftovers, write_input, burst, mpirun, needs_mpiexec
 
 HUGE = "99999999999999999999"

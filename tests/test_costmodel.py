@@ -5,9 +5,9 @@ from dataclasses import replace
 import pytest
 
 import burst_hpc
-from burst_hpc import costmodel
+from burst_hpc.plan import costmodel
 from burst_hpc.cli import main
-from burst_hpc.costmodel import GPU_RATES, Cluster, Problem
+from burst_hpc.plan.costmodel import GPU_RATES, Cluster, Problem
 
 M = 1 << 20
 H100_50 = replace(GPU_RATES["H100"], inter_gbps=50.0)
@@ -96,8 +96,8 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
     larger of its busiest rank's kernels and the most bytes any link carries then."""
     import numpy as np
 
-    from burst_hpc import masks, schedule, workload
-    from burst_hpc.accounting import transfer_bytes
+    from burst_hpc.plan import masks, schedule, workload
+    from burst_hpc.plan.accounting import transfer_bytes
 
     ranks, per_node, seqlen = 16, 4, 16 * 256
     rates = costmodel.GPU_RATES["H100"]
@@ -182,7 +182,7 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
     """One model, one answer (issue 37): the pick is the row of least forward+backward time among
     those shown, a (layout, scheme) row reads the same with or without --layout, and the pick's
     layout is what choose_layout names for the call."""
-    from burst_hpc import plan
+    from burst_hpc.plan import tables
 
     args = ["--seqlen", seqlen, "--nodes", nodes, "--gpus-per-node", per_node, "--heads", 8, *extra]
     rows, pick = plan_rows(capsys, *args)
@@ -195,7 +195,7 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
         return kind(extra[extra.index(name) + 1]) if name in extra else default
 
     count = value("--documents", int)
-    cu = None if count is None else plan.planned_documents(seqlen, count, value("--doc-lengths", str))
+    cu = None if count is None else tables.planned_documents(seqlen, count, value("--doc-lengths", str))
     window = None if value("--window", int) is None else (value("--window", int), 0)
     heads = value("--heads", int, 8)
     kv_heads = value("--kv-heads", int, heads)
@@ -225,9 +225,9 @@ def test_the_account_of_a_rotated_schedule_is_every_ranks_own(scheme, layout, di
     schedule's visits, and the link ends listed are those ranks' own sends and receives."""
     import numpy as np
 
-    from burst_hpc import masks, workload
-    from burst_hpc.schedule import double_ring_steps, steps as flat_steps
-    from burst_hpc.schemes import position_pairs, work_rounds
+    from burst_hpc.plan import masks, workload
+    from burst_hpc.plan.schedule import double_ring_steps, steps as flat_steps
+    from burst_hpc.plan.schemes import position_pairs, work_rounds
 
     nodes, w, seqlen = 3, 2, 6 * 16
     size = nodes * w

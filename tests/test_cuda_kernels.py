@@ -26,11 +26,11 @@ _NGPU = gpu_count()
 pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc import masks  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 from burst_hpc.backends import cuda, get_backend  # noqa: E402
 from burst_hpc.errors import BackendError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference  # noqa: E402
-from burst_hpc.verify import plain_attention  # noqa: E402
+from burst_hpc.job.verify import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 _FAMILIES = cuda.kernel_families() if _NGPU else ()

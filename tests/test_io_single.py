@@ -4,7 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from burst_hpc import cli, io, verify
+from burst_hpc import cli, io
+from burst_hpc.job import verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
@@ -65,7 +66,7 @@ def test_plain_float64_matches_oracle(causal):
 def test_mismatch_exits_3_and_marks_the_output_failed(tmp_path, monkeypatch):
     """The CLI in-process on one rank, with a broken attention: exit 3, the output published (before
     verification) and marked verify = 'fail' with the errors; a good run marks it 'pass'."""
-    from burst_hpc.passes import RingPasses
+    from burst_hpc.engine.passes import RingPasses
 
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     io.generate(src, 1, 32, 2, 1, 8, np.float32, seed=0)

@@ -6,7 +6,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.errors import BurstError, LayoutError
-from burst_hpc.layout import LAYOUTS, check_split, default_layout, layout_indices, pieces, shard, unshard
+from burst_hpc.plan.layout import LAYOUTS, check_split, default_layout, layout_indices, pieces, shard, unshard
 
 from burst_testing import BF16
 

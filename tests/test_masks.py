@@ -6,7 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-from burst_hpc import MaskError, ShapeError, attention, attention_backward, masks
+from burst_hpc import MaskError, ShapeError, attention, attention_backward
+from burst_hpc.plan import masks
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.reference import attention_backward_reference, attention_reference, visible
 
@@ -211,8 +212,8 @@ def test_random_documents_fill_the_sequence(rng):
 def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
     """Block pairs with a Mask cover each visible (query, key) pair once and mask only where needed;
     ring_steps is 1 + the last step at which some rank sees something, for either travelling side."""
-    from burst_hpc.layout import layout_indices, pieces
-    from burst_hpc.schedule import block_pairs
+    from burst_hpc.plan.layout import layout_indices, pieces
+    from burst_hpc.plan.schedule import block_pairs
 
     seqlen = 12 * size
     window = [None, (int(rng.integers(0, 30)), 0), (int(rng.integers(0, 15)), int(rng.integers(0, 15)))][seed % 3]
@@ -257,7 +258,7 @@ def test_the_call_default_never_depends_on_the_mask(causal):
     or window: the caller shards by it before the call (issue 37)."""
     from mpi4py import MPI
 
-    from burst_hpc.callplan import CallPlan
+    from burst_hpc.plan.callplan import CallPlan
 
     seqlen = 4096
     q, k, v = (np.zeros((1, seqlen, 2, 8)) for _ in range(3))

@@ -4,10 +4,10 @@ rail and at most one partial per rank and inner round) and the bytes each link c
 equal to the cost model's formula."""
 import pytest
 
-from burst_hpc import costmodel
-from burst_hpc.ring import lifetimes
-from burst_hpc.schedule import double_ring_steps, plain_ring_steps
-from burst_hpc.topology import arrange
+from burst_hpc.plan import costmodel
+from burst_hpc.engine.ring import lifetimes
+from burst_hpc.plan.schedule import double_ring_steps, plain_ring_steps
+from burst_hpc.plan.topology import arrange
 from burst_hpc.errors import TopologyError
 
 SHAPES = [(2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (3, 3), (1, 4), (4, 1)]
@@ -62,8 +62,8 @@ def network_bytes(steps, position, w, sizes):
 def test_bytes_on_the_network_equal_the_cost_model(nodes, w, backward, hq, hkv):
     """The busiest GPU's bytes over the network, counted off every rank's schedule, equal the cost
     model's (costmodel.predict), for the backward ring the call picks (q-ring for MHA here)."""
-    from burst_hpc.accounting import transfer_bytes
-    from burst_hpc.workload import DIRECTIONS
+    from burst_hpc.plan.accounting import transfer_bytes
+    from burst_hpc.plan.workload import DIRECTIONS
 
     pr = costmodel.Problem(2, 64 * nodes * w, hq, hkv, 16, 2, True)
     cl = costmodel.Cluster(nodes, w)
@@ -99,8 +99,8 @@ def test_double_ring_buffers():
 
 
 def test_arrange_orders_ranks_node_by_node():
-    layout = arrange(["b", "a", "b", "a", "c", "c"])
-    assert (layout.nodes, layout.per_node, layout.order) == (3, 2, (0, 2, 1, 3, 4, 5))
+    arrangement = arrange(["b", "a", "b", "a", "c", "c"])
+    assert (arrangement.nodes, arrangement.per_node, arrangement.order) == (3, 2, (0, 2, 1, 3, 4, 5))
     assert arrange(["h"] * 8, ranks_per_node=4).order == tuple(range(8))
     with pytest.raises(TopologyError, match="same number of ranks"):
         arrange([0, 0, 1])

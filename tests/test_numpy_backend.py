@@ -10,7 +10,7 @@ import pytest
 from burst_hpc.backends import get_backend
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.dtypes import accum_dtype
-from burst_hpc.layout import pieces
+from burst_hpc.plan.layout import pieces
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
 from burst_testing import (BF16, DTYPE_IDS, DTYPES, FLOOR, FP32, FP64, assert_lse_close, assert_rule, f64, max_err,

@@ -6,7 +6,7 @@ import pytest
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc import callplan
+from burst_hpc.plan import callplan
 from burst_hpc.errors import BurstError, DTypeError, MaskError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 

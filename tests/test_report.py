@@ -10,12 +10,15 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from burst_hpc import callplan, config, passes, report
+from burst_hpc.plan import callplan
+from burst_hpc import config
+from burst_hpc.engine import passes
+from burst_hpc.job import report
 from burst_hpc.backends.numpy_backend import NumpyBackend
-from burst_hpc.callplan import CallPlan
-from burst_hpc.job import RunOptions, run
-from burst_hpc.progress import PassMeter, Progress
-from burst_hpc.schedule import BlockPair
+from burst_hpc.plan.callplan import CallPlan
+from burst_hpc.job.run import RunOptions, run
+from burst_hpc.job.progress import PassMeter, Progress
+from burst_hpc.plan.schedule import BlockPair
 
 from test_cli import burst, leftovers, mpirun, needs_mpiexec
 

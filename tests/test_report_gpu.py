@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(gpu_count() < 1, reason="no GPU")
 from mpi4py import MPI  # noqa: E402
 
 from burst_hpc.backends.cuda import CudaBackend, default_family  # noqa: E402
-from burst_hpc.callplan import CallPlan  # noqa: E402
-from burst_hpc.progress import PassMeter, Progress  # noqa: E402
+from burst_hpc.plan.callplan import CallPlan  # noqa: E402
+from burst_hpc.job.progress import PassMeter, Progress  # noqa: E402
 
 
 def _plan(seqlen, causal, layout, window=None, heads=8, kv_heads=2, d=128):

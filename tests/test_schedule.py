@@ -7,10 +7,11 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from burst_hpc import balance, masks, ring, schedule
-from burst_hpc.layout import layout_indices, pieces
-from burst_hpc.ring import lifetimes
-from burst_hpc.schedule import block_pairs, steps, visit_pairs
+from burst_hpc.plan import balance, masks, schedule
+from burst_hpc.engine import ring
+from burst_hpc.plan.layout import layout_indices, pieces
+from burst_hpc.engine.ring import lifetimes
+from burst_hpc.plan.schedule import block_pairs, steps, visit_pairs
 
 
 def visible_pairs(q_pieces, k_pieces):
@@ -274,7 +275,7 @@ def check_random_mask(size, per_node, near, returns, seed):
 
 def test_balanced_plain_causal_is_even_at_every_step():
     """The plain causal mask on contiguous shards: every rank and step within a few % of the mean."""
-    from burst_hpc.balance import work_plan
+    from burst_hpc.plan.balance import work_plan
 
     for size in (4, 8, 16):
         mask = masks.Mask(1024 * size, True, None, None)
@@ -286,7 +287,7 @@ def test_balanced_plain_causal_is_even_at_every_step():
 def test_a_shortened_ring_sends_each_partial_straight_home(size):
     """Documents or a window can stop the ring after T < P steps (masks.ring_steps): the last
     exchange sends each carried partial to its owner, one message each way."""
-    from burst_hpc.schedule import Transfer, plain_ring_steps
+    from burst_hpc.plan.schedule import Transfer, plain_ring_steps
 
     for count in range(1, size + 1):
         plans = [plain_ring_steps(r, size, "kv", ("kv", "q"), count) for r in range(size)]
@@ -305,7 +306,7 @@ def test_key_chunks_cross_the_network_once_per_node(network):
     """Across nodes a key chunk goes from its owner to one rank of each other node; the ranks there
     that need it a step later get it from that rank (schedule.relays), and the schedule still
     computes every visible pair once with every partial home."""
-    from burst_hpc.schedule import work_transfers
+    from burst_hpc.plan.schedule import work_transfers
 
     size, per_node = 8, 2
     nodes = tuple(r // per_node for r in range(size))
@@ -330,7 +331,7 @@ def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
     INNER_LEAD steps early (a relay: once it has it) and a partial going home is due INNER_LAG steps
     late, on the inner lane
     (Transfer.inner); one bound for its node's summer completes in the step that posts it."""
-    from burst_hpc.schedule import INNER_LAG, INNER_LEAD, LEAD, work_transfers
+    from burst_hpc.plan.schedule import INNER_LAG, INNER_LEAD, LEAD, work_transfers
 
     size, per_node = 16, 4
     nodes = tuple(r // per_node for r in range(size))
@@ -362,7 +363,7 @@ def test_key_partials_are_summed_inside_a_node_before_they_cross(network):
     """Across nodes the dK/dV partials of one key chunk leave a node once: the node's other
     contributors send theirs over the node's links to the one that contributes last, which has them
     before it sends the sum home (the engine adds them, check_schedule counts every pair home)."""
-    from burst_hpc.schedule import work_transfers
+    from burst_hpc.plan.schedule import work_transfers
 
     size, per_node = 8, 2
     nodes = tuple(r // per_node for r in range(size))
@@ -389,7 +390,7 @@ def test_one_node_data_is_posted_a_step_before_it_is_due():
     """On one node data leaves its owner INNER_LEAD steps before the step it is due at (the first
     pieces arrive under two steps of compute, not one) and partials are due INNER_LAG steps after
     they are posted, all of those on the inner lane; the engine still computes every pair once."""
-    from burst_hpc.schedule import INNER_LAG, INNER_LEAD, work_transfers
+    from burst_hpc.plan.schedule import INNER_LAG, INNER_LEAD, work_transfers
 
     size = 8
     mask = masks.make(size * 64, True, None, masks.random_documents(np.random.default_rng(7), size * 64, 3))

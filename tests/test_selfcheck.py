@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from burst_hpc import cli, device, selfcheck
+from burst_hpc import cli, device
+from burst_hpc.job import selfcheck
 from burst_hpc.backends import numpy_backend
 from test_cli import burst, mpirun, needs_mpiexec
 

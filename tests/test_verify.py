@@ -1,4 +1,4 @@
-"""The sampled check (burst_hpc.verify.check) on one process: its sums equal the float64 oracle under
+"""The sampled check (burst_hpc.job.verify.check) on one process: its sums equal the float64 oracle under
 every mask, corrupted outputs fail naming what failed, NaN and Inf that match the oracle pass, the
 predicted cost is announced, and the run job's budget sizes the sample."""
 import re
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from burst_hpc import verify
+from burst_hpc.job import verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
@@ -199,7 +199,7 @@ import os, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 import test_verify as t
-from burst_hpc import verify
+from burst_hpc.job import verify
 from burst_hpc.dtypes import bfloat16
 import cupy
 

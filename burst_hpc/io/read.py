@@ -13,7 +13,7 @@ import numpy as np
 from ..collective import agree
 from ..dtypes import accum_dtype, dtype_name, largest_magnitude, nonfinite
 from ..errors import DTypeError, FileError, MaskError, ShapeError
-from ..layout import check_split, pieces
+from ..plan.layout import check_split, pieces
 from .format import INPUTS, dataset_dtype, read_slab
 
 
@@ -109,7 +109,7 @@ def _documents(f, path, seqlen):
         return None
     if not isinstance(f["cu_seqlens"], h5py.Dataset):
         raise FileError(f"{path}: 'cu_seqlens' is a group, not a dataset")
-    from ..masks import check_cu_seqlens
+    from ..plan.masks import check_cu_seqlens
 
     try:
         return check_cu_seqlens(f["cu_seqlens"][()], seqlen)

@@ -346,7 +346,7 @@ def node_share(comm, ranks_per_node=None):
     """Collective: (this rank's place among its node's ranks, the node's ranks); (0, 1) alone."""
     if comm is None or comm.size == 1:
         return 0, 1
-    from ...topology import topology
+    from ...plan.topology import topology
 
     try:
         topo = topology(comm, ranks_per_node)

@@ -16,7 +16,7 @@ from collections import deque
 
 import numpy as np
 
-from . import config
+from .. import config
 
 
 class Progress:

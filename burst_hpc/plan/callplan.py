@@ -17,19 +17,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import config, masks, passes
+from .. import config
+from . import masks
+from ..engine import passes
 from .accounting import backward_ring_bytes, cheaper_backward_ring
-from .backends import get_backend
-from .collective import agree, same_everywhere
-from .device import gpus_shared
-from .dtypes import accum_dtype, dtype_name
-from .errors import BurstError, ShapeError, TransportError
+from ..backends import get_backend
+from ..collective import agree, same_everywhere
+from ..device import gpus_shared
+from ..dtypes import accum_dtype, dtype_name
+from ..errors import BurstError, ShapeError, TransportError
 from .layout import check_layout, check_split, default_layout
 from .schemes import check_scheme, make as make_scheme
 from .topology import ranks_per_node_setting, topology
-from .transport import TRANSPORTS, choose_transport, make_transport
-from .transport.emulated import EmulatedNetwork, Nic
-from .validate import check_like, check_qkv, check_same_kind, resolve_scale
+from ..transport import TRANSPORTS, choose_transport, make_transport
+from ..transport.emulated import EmulatedNetwork, Nic
+from ..validate import check_like, check_qkv, check_same_kind, resolve_scale
 
 log = logging.getLogger("burst_hpc")
 BACKWARD_RINGS = ("auto", "q", "kv")

@@ -10,7 +10,7 @@ A rank's shard is described by its pieces: (global_start, length) runs, in local
 """
 import numpy as np
 
-from .errors import LayoutError
+from ..errors import LayoutError
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
 CONTIGUOUS_OWNERSHIP = ("contiguous", "balanced")
@@ -221,7 +221,7 @@ def _overlaps(a_pieces, b_pieces):
 
 
 def _array_module(x):
-    from .merge import array_module
+    from ..engine.merge import array_module
 
     return array_module(x)
 

@@ -7,7 +7,7 @@ receives only the K/V heads its query heads read, and a K/V head is sent to seve
 when Hkv < w (w/Hkv copies of it cross the node's links, the price of sharing). ``from_node``
 is the way back: each rank's tokens of every head, results of a shared K/V head summed.
 """
-from .transport import make_transport
+from ..transport import make_transport
 
 
 def _rows(x, axis, r):

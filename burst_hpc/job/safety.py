@@ -40,8 +40,8 @@ import threading
 import time
 import uuid
 
-from .collective import abort_world, live_world, rank_and_size
-from .errors import FileError, say, size_text
+from ..collective import before_abort, live_world, rank_and_size
+from ..errors import FileError, say, size_text
 
 _TMP = re.compile(r"\.tmp-(?P<host>.+)-(?P<pid>\d+)-(?P<tag>[0-9a-f]{8})$")
 LOCK_SUFFIX = ".lock"
@@ -496,6 +496,9 @@ def remove_tracked():
     return removed
 
 
+before_abort(remove_tracked)  # a job ended from one rank (collective.abort_job) leaves no temporary file
+
+
 _STOP_NOTE = []  # what a stopped rank says once its output is written (replaces "no output written")
 
 
@@ -529,16 +532,6 @@ def _stop(signum):
     outcome = _STOP_NOTE[0] if _STOP_NOTE else "no output written"
     say(f"{where}stopped by {name}{gone}; {outcome}")
     os._exit(128 + signum)
-
-
-def abort_job(message):
-    """End the whole job now from this rank: remove the temporary files, print ``message`` as one
-    error line, then MPI_Abort (a plain exit for one process). For failures after which the ranks
-    cannot agree (they wait in different collectives)."""
-    remove_tracked()
-    say(message)
-    abort_world(1)
-    os._exit(1)
 
 
 def _watch():

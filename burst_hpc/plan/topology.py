@@ -18,12 +18,12 @@ local rank on every node (one NIC rail); ``node_comm`` this rank's node.
 """
 from dataclasses import dataclass
 
-from . import config
-from .errors import RankMismatchError, TopologyError
+from .. import config
+from ..errors import RankMismatchError, TopologyError
 
 
 @dataclass(frozen=True)
-class Layout:
+class Arrangement:
     """Pure description (no MPI): ``order[position]`` is the caller's rank at that position."""
     nodes: int
     per_node: int
@@ -43,7 +43,7 @@ class Layout:
 
 
 def arrange(node_ids, ranks_per_node=None):
-    """The Layout of ranks whose nodes are ``node_ids[rank]`` (any hashable). ``ranks_per_node``
+    """The Arrangement of ranks whose nodes are ``node_ids[rank]`` (any hashable). ``ranks_per_node``
     cuts each node further into groups of that many ranks (one host acting as several nodes)."""
     members = {}
     for rank, node in enumerate(node_ids):
@@ -61,7 +61,7 @@ def arrange(node_ids, ranks_per_node=None):
     if len(sizes) != 1:
         raise TopologyError(f"every node needs the same number of ranks; these nodes hold "
                             f"{', '.join(str(len(g)) for g in groups)} ranks (launch the same number per node)")
-    return Layout(len(groups), sizes[0], tuple(r for g in groups for r in g))
+    return Arrangement(len(groups), sizes[0], tuple(r for g in groups for r in g))
 
 
 def ranks_per_node_setting(ranks_per_node=None):
@@ -91,10 +91,10 @@ class Topology:
     def __init__(self, comm, ranks_per_node, ids):
         """Collective on ``comm``. ``ids``: every rank's node id; ``ranks_per_node``: the setting."""
         self.comm = comm
-        self.layout = arrange(ids, ranks_per_node)
-        self.nodes, self.per_node = self.layout.nodes, self.layout.per_node
-        self.position = self.layout.position(comm.rank)
-        self.node, self.local = self.layout.node_of(self.position), self.layout.local_of(self.position)
+        self.arrangement = arrange(ids, ranks_per_node)
+        self.nodes, self.per_node = self.arrangement.nodes, self.arrangement.per_node
+        self.position = self.arrangement.position(comm.rank)
+        self.node, self.local = self.arrangement.node_of(self.position), self.arrangement.local_of(self.position)
         self.ordered = comm.Split(0, key=self.position)
         self.far = self.ordered.Dup()   # the double ring's network lane (its own NCCL communicator)
         self.lane = comm.Dup()          # the flat ring's network lane (the balanced schedule's far transfers)

@@ -12,10 +12,10 @@ import time
 
 import numpy as np
 
-from .api import attention, attention_backward
-from .device import HOW_TO_GET_CUPY
-from .dtypes import bfloat16, dtype_name
-from .reference import attention_backward_reference, attention_reference
+from ..api import attention, attention_backward
+from ..device import HOW_TO_GET_CUPY
+from ..dtypes import bfloat16, dtype_name
+from ..reference import attention_backward_reference, attention_reference
 from .verify import max_abs, max_err, passes, plain_attention, tolerance
 
 NAMES = ("o", "lse", "dq", "dk", "dv")
@@ -77,8 +77,8 @@ def kernel_rows(backends, rng):
 
 def available_transports(comm, on_device):
     """[(transport, None or why it is skipped)], the same on every rank (collective)."""
-    from .device import gpus_shared
-    from .transport import DEVICE_TRANSPORTS, choose_transport
+    from ..device import gpus_shared
+    from ..transport import DEVICE_TRANSPORTS, choose_transport
 
     if not on_device:
         return [("host", None)]
@@ -99,8 +99,8 @@ def available_transports(comm, on_device):
 
 def ring_rows(comm, xp, transports, seed):
     """Rows of the ring forward + backward over each usable transport (collective)."""
-    from .distributed import burst_attention, burst_attention_backward
-    from .layout import layout_indices, shard
+    from ..distributed import burst_attention, burst_attention_backward
+    from ..plan.layout import layout_indices, shard
 
     rows = []
     b, hq, hkv, d = RING_SHAPE
@@ -151,7 +151,7 @@ def _table(rows):
 def main(comm, out=print, seed=None):
     """Run every check (collective); rank 0 prints the table. True when every check passed. ``seed``
     (rank 0's counts) replays the inputs of an earlier run; None draws a fresh one."""
-    from .device import gpu_count
+    from ..device import gpu_count
 
     t0 = time.perf_counter()
     on_device = gpu_count() > 0
@@ -161,8 +161,8 @@ def main(comm, out=print, seed=None):
     if on_device:
         import cupy
 
-        from .backends.cuda import CudaBackend, kernel_families
-        from .device import select_device
+        from ..backends.cuda import CudaBackend, kernel_families
+        from ..device import select_device
 
         if comm.size > 1:  # one rank keeps device 0, which needs no MPI (check runs without one)
             select_device(comm)
@@ -171,7 +171,7 @@ def main(comm, out=print, seed=None):
         where = (f"GPU {cupy.cuda.Device().id} of each rank; kernel families {', '.join(kernel_families())} "
                  "(a call compiles the kernels it needs, once per cache directory: see 'burst-hpc info')")
     else:
-        from .backends.numpy_backend import NumpyBackend
+        from ..backends.numpy_backend import NumpyBackend
 
         backends = [("numpy", NumpyBackend())]
         xp = np
@@ -211,14 +211,14 @@ def installation():
 
     import h5py
 
-    from . import __version__
-    from .backends.cuda.compile import describe_cache
-    from .collective import HOW_TO_GET_MPI, mpi_problem, rank_and_size, world
-    from .device import gpu_count
-    from .errors import BurstError
-    from .io import write_path
+    from .. import __version__
+    from ..backends.cuda.compile import describe_cache
+    from ..collective import HOW_TO_GET_MPI, mpi_problem, rank_and_size, world
+    from ..device import gpu_count
+    from ..errors import BurstError
+    from ..io import write_path
 
-    from .transport import choose_transport, cuda_aware_mpi, nccl_available
+    from ..transport import choose_transport, cuda_aware_mpi, nccl_available
 
     missing = mpi_problem()  # info works without an MPI library, and says how to get one
     if missing is not None and rank_and_size()[0] != 0:

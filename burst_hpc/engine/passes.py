@@ -21,11 +21,12 @@ from dataclasses import replace
 
 import numpy as np
 
-from . import config, ulysses
+from .. import config
+from . import ulysses
 from .merge import merge_into
 from .ring import Side, run
-from .schedule import visit_pairs
-from .schemes import ulysses_heads
+from ..plan.schedule import visit_pairs
+from ..plan.schemes import ulysses_heads
 
 REHEARSAL_KEYS = 256
 # the NumPy backend's block pairs are cut into about this many row parts for the progress meter (its

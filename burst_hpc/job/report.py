@@ -12,10 +12,10 @@ import sys
 
 import numpy as np
 
-from . import __version__
-from .dtypes import dtype_name
-from .errors import FileError
-from .io.format import fixed_text, modify_attrs
+from .. import __version__
+from ..dtypes import dtype_name
+from ..errors import FileError
+from ..io.format import fixed_text, modify_attrs
 
 PHASES = ("read", "setup", "forward", "backward", "write", "verify")
 SECONDS = PHASES + ("total",)

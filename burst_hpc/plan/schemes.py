@@ -14,7 +14,7 @@ loop of ring.py.
 import numpy as np
 
 from . import masks
-from .errors import LayoutError, TopologyError
+from ..errors import LayoutError, TopologyError
 from .layout import pieces
 from .schedule import double_ring_steps, plain_ring_steps, steps as flat_steps
 from .topology import inner_lane
@@ -61,8 +61,8 @@ class Flat:
         """Whether ``peer`` (a rank of ``comm``) is on another node than this rank."""
         if self.topo is None:
             return False
-        node = self.topo.layout.node_of
-        return node(self.topo.layout.position(peer)) != self.topo.node
+        node = self.topo.arrangement.node_of
+        return node(self.topo.arrangement.position(peer)) != self.topo.node
 
     def pieces(self, position):
         return tuple(pieces(self.seqlen, position, self.size, self.layout))
@@ -75,8 +75,8 @@ class Flat:
         """The node of each rank of ``comm`` (None: unknown, or one node)."""
         if self.topo is None or self.topo.nodes == 1:
             return None
-        layout = self.topo.layout
-        return tuple(layout.node_of(layout.position(r)) for r in range(self.size))
+        arrangement = self.topo.arrangement
+        return tuple(arrangement.node_of(arrangement.position(r)) for r in range(self.size))
 
 
 class DoubleRing(Flat):
@@ -94,11 +94,11 @@ class DoubleRing(Flat):
         return peer // self.topo.per_node != self.topo.node
 
     def pieces(self, position):  # the shard at a position is its rank's (the caller's numbering)
-        return tuple(pieces(self.seqlen, self.topo.layout.order[position], self.size, self.layout))
+        return tuple(pieces(self.seqlen, self.topo.arrangement.order[position], self.size, self.layout))
 
     def steps(self, near, returns):
         nodes, w = self.topo.nodes, self.topo.per_node
-        rounds = work_rounds(position_pairs(self.mask, self.layout, self.topo.layout.order), nodes, near == "q",
+        rounds = work_rounds(position_pairs(self.mask, self.layout, self.topo.arrangement.order), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         return double_ring_steps(self.position, nodes, w, near, returns, rounds)
 
@@ -114,7 +114,7 @@ class UlyssesRing(Flat):
     far_comm = None   # every transfer is due the step it is posted
 
     def pieces(self, node):  # a node's tokens: its ranks' shards in local order
-        order, w = self.topo.layout.order, self.topo.per_node
+        order, w = self.topo.arrangement.order, self.topo.per_node
         return tuple(run for r in order[node * w:(node + 1) * w] for run in pieces(self.seqlen, r, self.ranks, self.layout))
 
     def remote(self, peer):  # the ring runs over the rail: one rank per node
@@ -122,7 +122,7 @@ class UlyssesRing(Flat):
 
     def steps(self, near, returns):
         nodes = self.topo.nodes
-        pairs = position_pairs(self.mask, self.layout, self.topo.layout.order, self.topo.per_node)
+        pairs = position_pairs(self.mask, self.layout, self.topo.arrangement.order, self.topo.per_node)
         count = work_rounds(pairs, nodes, near == "q", lambda p, o: [(p - o) % nodes])
         return plain_ring_steps(self.position, nodes, near, returns, count)
 

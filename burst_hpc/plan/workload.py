@@ -8,7 +8,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import balance, masks, schedule
-from .errors import BurstError, MaskError
+from ..errors import BurstError, MaskError
 from .layout import check_layout, check_split, pieces
 from .schedule import double_ring_steps, plain_ring_steps, steps as schedule_steps
 

@@ -26,7 +26,7 @@ from functools import lru_cache
 import numpy as np
 
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
-from .errors import BurstError, LayoutError
+from ..errors import BurstError, LayoutError
 from .layout import LAYOUTS, check_split, default_layout
 
 
@@ -345,7 +345,7 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zi
 def rates_for(backend_name, device_name=None):
     """The built-in rates for this call's device (the GPU model named in ``device_name``, else H100),
     with the network's rate and latency of BURST_HPC_EMULATE_NETWORK when it is set."""
-    from .config import emulated_network as setting
+    from ..config import emulated_network as setting
 
     rates = GPU_RATES["cpu"] if backend_name != "cuda" else GPU_RATES["H100"]
     for model in ("H200", "H100"):
@@ -406,7 +406,7 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
         o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     from . import masks
-    from .dtypes import parse_dtype
+    from ..dtypes import parse_dtype
 
     mask = masks.make(seqlen, causal, window, cu_seqlens)
     pr = Problem(batch, seqlen, heads, heads if kv_heads is None else kv_heads, head_dim,
@@ -450,7 +450,7 @@ def peak_memory(scheme, pr, cl, backward=False):
     the engine holds them, ring.lifetimes, plus accumulators and outputs). Ulysses adds the node's
     gathered inputs (held twice while they are joined) and runs its ring on w times the tokens
     for 1/w of the heads. Kernel workspace (none on the GPU) is not counted."""
-    from .ring import lifetimes
+    from ..engine.ring import lifetimes
 
     it, d = pr.itemsize, pr.head_dim
     n = pr.batch * pr.seqlen // cl.ranks

@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .collective import Alone, agree, describe
-from .dtypes import dtype_name, nonfinite
-from .errors import BurstError
-from .io.format import fixed_text, modify_attrs
-from .merge import array_module
-from .reference import meets, visible
+from ..collective import Alone, agree, describe
+from ..dtypes import dtype_name, nonfinite
+from ..errors import BurstError
+from ..io.format import fixed_text, modify_attrs
+from ..engine.merge import array_module
+from ..reference import meets, visible
 
 FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
 ATOL = {"float64": 1e-10, "float32": 1e-5, "float16": 1e-4, "bfloat16": 1e-3}
@@ -247,7 +247,7 @@ class Tokens:
     @classmethod
     def stored(cls, files, start, stop):
         """Global tokens start..stop of open HDF5 files (``files``: {dataset name: h5py dataset})."""
-        from .io.format import dataset_dtype, read_slab
+        from ..io.format import dataset_dtype, read_slab
 
         def index(name, sel):
             return (slice(None), slice(None), sel) if name == "lse" else (slice(None), sel)
@@ -778,7 +778,7 @@ def warm(dtypes, xp=None):
     took; raises BurstError if a check fails."""
     from types import SimpleNamespace
 
-    from .reference import attention_backward_reference, attention_reference
+    from ..reference import attention_backward_reference, attention_reference
 
     if xp is None:
         import cupy as xp
@@ -812,8 +812,8 @@ def verify_output(input_path, output_path, comm, causal=None, window=None, backw
     program) is refused unless ``causal`` is given (its window then ``window``, None: none; its
     scale ``scale``, None: head_dim**-0.5). ``backward`` None: when the output holds dq, dk and dv.
     See :func:`check`."""
-    from . import io
-    from .errors import FileError, ShapeError
+    from .. import io
+    from ..errors import FileError, ShapeError
 
     error, spec, files, opened = None, None, {}, []
     try:

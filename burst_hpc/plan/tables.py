@@ -14,7 +14,7 @@ import numpy as np
 
 from . import costmodel
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
-from .errors import BurstError, MaskError, ShapeError
+from ..errors import BurstError, MaskError, ShapeError
 from .layout import LAYOUTS
 
 
@@ -91,7 +91,7 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
 
     import numpy as np
 
-    from . import attention, attention_backward
+    from .. import attention, attention_backward
     from .topology import topology
 
     topo = topology(comm, per_node)

@@ -20,7 +20,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from .errors import MaskError
+from ..errors import MaskError
 from .layout import pieces
 
 

@@ -15,7 +15,7 @@ ranks agrees on the verdict first (collective.agree), so bad input ends every ra
 message; an error inside the passes ends the job from the failing rank (collective.one_fails_all).
 From Python, under mpiexec::
 
-    from burst_hpc.job import RunOptions, run
+    from burst_hpc.job.run import RunOptions, run
     outcome = run(RunOptions("in.h5", "out.h5", causal=True, backward=True, verify=True))
 """
 import os
@@ -26,19 +26,21 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import config, io, jobsafety, masks, report, verify
-from .accounting import attention_flops, visible_pairs
-from .callplan import CallPlan
-from .collective import agree, describe, one_fails_all, world
-from .costmodel import choose_layout
-from .device import HOW_TO_GET_CUPY, array_device, gpu_count, gpus_shared, select_device
-from .dtypes import dtype_name
-from .errors import BackendError, BurstError, say
-from .merge import array_module
-from .passes import ComputeClock
+from .. import config, io
+from . import report, safety, verify
+from ..plan import masks
+from ..plan.accounting import attention_flops, visible_pairs
+from ..plan.callplan import CallPlan
+from ..collective import agree, describe, one_fails_all, world
+from ..plan.costmodel import choose_layout
+from ..device import HOW_TO_GET_CUPY, array_device, gpu_count, gpus_shared, select_device
+from ..dtypes import dtype_name
+from ..errors import BackendError, BurstError, say
+from ..engine.merge import array_module
+from ..engine.passes import ComputeClock
 from .progress import Progress
-from .topology import topology
-from .transport import choose_transport
+from ..plan.topology import topology
+from ..transport import choose_transport
 
 
 @dataclass
@@ -179,7 +181,7 @@ def run(options, comm=None):
 
     # create the output (the path is checked there, before any data is read)
     if rank == 0:
-        for line in jobsafety.stale_note(options.output):
+        for line in safety.stale_note(options.output):
             sys.stderr.write(line + "\n")
     datasets = io.output_datasets(spec, options.backward)
     attrs = {"kind": "outputs", "causal": bool(options.causal), "scale": float(scale),
@@ -232,7 +234,7 @@ def run(options, comm=None):
     except BaseException:
         out.abort()
         raise
-    jobsafety.on_stop_say(f"{options.output} is written and complete")
+    safety.on_stop_say(f"{options.output} is written and complete")
     verified, checked = None, None
     if options.verify:
         del host
@@ -374,9 +376,9 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
     cost at most verify.BUDGET of the passes' time (``seconds``), by ``rates`` (verify.Rates, from the
     set-up). Returns (verify's report, the summary's verify entry)."""
-    from .layout import layout_indices
+    from ..plan.layout import layout_indices
 
-    jobsafety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
+    safety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
     _test_hook_verify_pause()
     if _verify_xp(array_module(inputs["q"])) is np:
@@ -402,7 +404,7 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
             outcome = "not finished"
             say(f"verification {'passed' if report['ok'] else 'failed'} but {options.output} could not be "
                 f"marked so (its attribute verify still says 'not finished'): {describe(e).splitlines()[0]}", "note")
-    jobsafety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
+    safety.on_stop_say(f"{options.output} is written and complete (verify = '{outcome}')")
     errs = " ".join(f"{name}={report['err'][name]:.2e}/{report['tol'][name]:.1e}" for name in report["err"])
     return report, (f"verify={'PASS' if report['ok'] else 'FAIL'}({report['mode']}) {report['seconds']:.2f}s "
                     f"max_err/tol {errs}")

@@ -1,0 +1,13 @@
+"""What runs where, decided from shapes alone (no arrays): the planning layer.
+
+- :mod:`.callplan`: a distributed call's plan (shapes, mask, layout, scheme, transport and backward
+  ring decided once and agreed by every rank) and the cache of plans;
+- :mod:`.layout`: which global tokens each rank holds (contiguous, zigzag, balanced), ``shard`` and
+  ``unshard``;
+- :mod:`.masks`: causal, documents and windows as intervals of visible keys;
+- :mod:`.schedule`: the block pairs each rank runs at each ring step and what it sends to whom;
+  :mod:`.balance`: the balanced layout's work dealt to ranks; :mod:`.workload`: the visible work per
+  step and rank; :mod:`.schemes` and :mod:`.topology`: the schemes across nodes and the nodes;
+- :mod:`.accounting` and :mod:`.costmodel`: bytes, FLOPs and predicted times; :mod:`.tables`: the
+  ``burst-hpc plan`` verb's tables.
+"""
