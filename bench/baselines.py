@@ -25,7 +25,8 @@ from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.collective import agree
 from burst_hpc.dtypes import accum_dtype
 from burst_hpc.errors import BurstError
-from burst_hpc.engine.merge import array_module, merge_weights
+from burst_hpc.device import array_module
+from burst_hpc.engine.merge import merge_weights
 from burst_hpc.validate import check_qkv, resolve_scale
 
 METHODS = ("burst", "untiled-ring", "allgather-kv", "ulysses")

@@ -1,4 +1,5 @@
-"""GPU selection: one rank per GPU, by node-local rank; and how to get CuPy, the GPU path's one extra."""
+"""GPU selection: one rank per GPU, by node-local rank; the array module and device of an array; and how
+to get CuPy, the GPU path's one extra."""
 
 # the packages of pyproject.toml's extras cuda12 and cuda13 (burst-hpc itself is not on the public index)
 HOW_TO_GET_CUPY = ("install the CuPy wheel for the driver's CUDA major version (nvidia-smi shows it): "
@@ -41,6 +42,17 @@ def gpus_shared(comm, device=None):
     mine = None if device is None else (MPI.Get_processor_name(), device.pci_bus_id)
     used = [where for where in comm.allgather(mine) if where is not None]
     return len(set(used)) < len(used)
+
+
+def array_module(x):
+    """The array module of ``x``: CuPy for a CuPy array, else NumPy."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    import numpy
+
+    return numpy
 
 
 def array_device(x):

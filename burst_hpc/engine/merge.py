@@ -10,15 +10,7 @@ every later merge. Works on NumPy and CuPy arrays alike.
 """
 import contextlib
 
-
-def array_module(x):
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy
-    import numpy
-
-    return numpy
+from ..device import array_module
 
 
 def merge_weights(lse_a, lse_b):

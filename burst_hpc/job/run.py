@@ -33,10 +33,9 @@ from ..plan.accounting import attention_flops, visible_pairs
 from ..plan.callplan import CallPlan
 from ..collective import agree, describe, one_fails_all, world
 from ..plan.costmodel import choose_layout
-from ..device import HOW_TO_GET_CUPY, array_device, gpu_count, gpus_shared, select_device
+from ..device import HOW_TO_GET_CUPY, array_device, array_module, gpu_count, gpus_shared, select_device
 from ..dtypes import dtype_name
 from ..errors import BackendError, BurstError, say
-from ..engine.merge import array_module
 from ..engine.passes import ComputeClock
 from .progress import Progress
 from ..plan.topology import topology

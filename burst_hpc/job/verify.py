@@ -22,10 +22,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..collective import Alone, agree, describe
+from ..device import array_module
 from ..dtypes import dtype_name, nonfinite
 from ..errors import BurstError
 from ..io.format import fixed_text, modify_attrs
-from ..engine.merge import array_module
 from ..reference import meets, visible
 
 FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}

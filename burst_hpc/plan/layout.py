@@ -10,6 +10,7 @@ A rank's shard is described by its pieces: (global_start, length) runs, in local
 """
 import numpy as np
 
+from ..device import array_module
 from ..errors import LayoutError
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
@@ -123,7 +124,7 @@ def shard(x, rank, size, layout, axis=1):
     parts = [x[(slice(None),) * axis + (slice(start, start + n),)] for start, n in runs]
     if len(parts) == 1:
         return parts[0].copy()
-    xp = _array_module(x)
+    xp = array_module(x)
     return xp.concatenate(parts, axis=axis)
 
 
@@ -154,7 +155,7 @@ def unshard(shards, layout, axis=1):
     local = shards[0].shape[axis]
     seqlen = local * size
     check_split(seqlen, size, layout)
-    xp = _array_module(shards[0])
+    xp = array_module(shards[0])
     out = xp.empty(shards[0].shape[:axis] + (seqlen,) + shards[0].shape[axis + 1:], shards[0].dtype)
     for rank, part in enumerate(shards):
         if part.shape != shards[0].shape:
@@ -218,12 +219,6 @@ def _overlaps(a_pieces, b_pieces):
             b_off += bn
         a_off += an
     return [run[1:] for run in sorted(shared)]
-
-
-def _array_module(x):
-    from ..engine.merge import array_module
-
-    return array_module(x)
 
 
 def _normalize_axis(axis, ndim):
