@@ -32,7 +32,8 @@ were nothing outside them.
 
     python3 bench/bench_packed.py [--seqs 8192,16384,32768] [--dists uniform,magi] [--sets 2] [--reps 10]
                                   [--impls ours,varlen_attn,flex] [--md out.md] [--json out.json]
-    python3 bench/bench_packed.py --dry-run        # no GPU: the document sets, FLOP counts and FA3 figures
+    python3 bench/bench_packed.py --dry-run        # no GPU: the document sets, FLOP counts, FA3 figures, and the
+                                                   # share of useful pairs in the kernels' tiles (TILE_SHAPES)
 """
 import argparse
 import csv
@@ -71,6 +72,9 @@ CHECK_TOLERANCE = 2e-2
 ATTENTION_KERNEL = re.compile(r"^attn_(fwd|bwd)\w*_d\d+")
 PROFILED_CALLS = 3
 HOST_SAMPLES = 3
+# tile shapes (query rows x keys) whose share of useful pairs --dry-run shows: the sm90 forward's (D = 128), the
+# same with the 8 query heads of a K/V group packed into its 128 rows (PackGQA: 16 positions), the backward's
+TILE_SHAPES = {"fwd 128 x 128": (128, 128), "fwd PackGQA 16 x 128": (16, 128), "bwd 64 x 128": (64, 128)}
 
 
 # ---------------------------------------------------------------- document sets and FLOPs (no GPU)
@@ -420,16 +424,30 @@ def plan(args):
     return {(s, kind): document_sets(kind, s, args.sets) for s in args.seqs for kind in args.dists}
 
 
+def tile_use(mask, rows, keys):
+    """The share of the (query, key) pairs a kernel computes that ``mask`` leaves visible, when it runs blocks of
+    ``rows`` queries against the tiles of ``keys`` keys that some row of the block sees (the interval kernels do:
+    a block's visible keys are one run of tiles), every tile whole; None unless both divide the sequence."""
+    if mask.seqlen % rows or mask.seqlen % keys:
+        return None
+    counts = masks.block_counts(mask, rows, keys)
+    return float(counts.sum()) / (np.count_nonzero(counts) * rows * keys)
+
+
 def dry_run(sets):
     lines = ["| S | documents | set | count | longest | mean | fwd GFLOP | bwd GFLOP | fwd+bwd GFLOP | FA3 published "
-             "fwd / bwd / fwd+bwd |", "|---" * 10 + "|"]
+             "fwd / bwd / fwd+bwd | " + " | ".join(f"pairs used, {name}" for name in TILE_SHAPES) + " |",
+             "|---" * (10 + len(TILE_SHAPES)) + "|"]
     for (seqlen, kind), cus in sets.items():
         fa3 = fa3_published(seqlen)
         for index, cu in enumerate(cus):
-            d, flops = describe(cu), pass_flops(masks.make(seqlen, True, None, cu))
+            mask = masks.make(seqlen, True, None, cu)
+            d, flops = describe(cu), pass_flops(mask)
             lines.append(f"| {seqlen} | {kind} | {index} | {d['documents']} | {d['longest']} | {d['mean']:.0f} | "
                          + " | ".join(f"{flops[p] / 1e9:.1f}" for p in PASSES) + " | "
-                         + (" / ".join(f"{fa3[p]:.0f}" for p in PASSES) if fa3 else "-") + " |")
+                         + (" / ".join(f"{fa3[p]:.0f}" for p in PASSES) if fa3 else "-") + " | "
+                         + " | ".join(f"{use:.0%}" if use is not None else "-"
+                                      for use in (tile_use(mask, *shape) for shape in TILE_SHAPES.values())) + " |")
     return "\n".join(lines)
 
 
