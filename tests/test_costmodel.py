@@ -10,7 +10,10 @@ from burst_hpc.cli import main
 from burst_hpc.plan.costmodel import GPU_RATES, Cluster, Problem
 
 M = 1 << 20
-H100_50 = replace(GPU_RATES["H100"], inter_gbps=50.0)
+# the per-pair and per-byte rates alone: what the overlap formulas speak of (tests/test_fixed_costs.py
+# prices the fixed costs)
+NO_FIXED = dict(intra_latency_us=0.0, inter_latency_us=0.0, fwd_launch_us=0.0, bwd_launch_us=0.0, step_us=0.0)
+H100_50 = replace(GPU_RATES["H100"], inter_gbps=50.0, **NO_FIXED)
 TARGETS = [(Problem(1, M, 32, 32, 128, 2, True), Cluster(16, 8)),    # 16 x 8 H100, MHA
            (Problem(1, M, 32, 8, 128, 2, True), Cluster(32, 8))]     # 32 x 8 H100, GQA 4:1
 
@@ -100,7 +103,7 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
     from burst_hpc.plan.accounting import transfer_bytes
 
     ranks, per_node, seqlen = 16, 4, 16 * 256
-    rates = costmodel.GPU_RATES["H100"]
+    rates = replace(costmodel.GPU_RATES["H100"], **NO_FIXED)
     pr = costmodel.Problem(1, seqlen, 64, 8, 128, 2, True)
     mask = masks.make(seqlen, True, None, masks.random_documents(np.random.default_rng(2), seqlen, 4))
     direction = "backward" if backward else "forward"

@@ -32,23 +32,37 @@ from .layout import LAYOUTS, check_split, default_layout
 
 @dataclass(frozen=True)
 class Rates:
+    """What the model prices a call with: per-pair kernel rates, per-byte link rates, and the fixed
+    costs that do not shrink with the work (issue 36): each block call (a kernel launch and its
+    pipeline's fill and drain), each ring step (the host's posting, waiting and bookkeeping), each
+    message (its latency on its link class)."""
     name: str
     fwd_tflops: float        # kernel rate, forward (FlashAttention count)
     bwd_tflops: float        # kernel rate, backward
     intra_gbps: float        # GB/s per GPU each way inside a node
     inter_gbps: float        # GB/s per GPU each way between nodes (one NIC per GPU)
-    intra_latency_us: float = 10.0
-    inter_latency_us: float = 10.0
+    intra_latency_us: float = 10.0   # fixed cost of one message inside a node
+    inter_latency_us: float = 10.0   # fixed cost of one message between nodes
+    fwd_launch_us: float = 0.0       # fixed cost of one forward block call
+    bwd_launch_us: float = 0.0       # fixed cost of one backward block call
+    step_us: float = 0.0             # fixed cost of one ring step
 
 
-# from docs/BENCHMARKS.md (sm90 kernels on H100 at D=128, S >= 16k: forward 580-620, backward 500-558
-# TFLOP/s with the FlashAttention-3-shaped backward; H200 scaled by its forward) and
-# ../shared/DEVICE.md (NVLink ring exchange 300-356 GB/s); 50 GB/s per GPU between nodes is a
-# 400 Gb/s NIC per GPU. "cpu" is this library's NumPy path on one host (emulated nodes).
+# Kernel rates from docs/BENCHMARKS.md (sm90 kernels on H100 at D=128, S >= 16k: forward 580-620,
+# backward 500-558 TFLOP/s with the FlashAttention-3-shaped backward; H200 scaled by its forward).
+# Links: ../shared/DEVICE.md's NCCL ring exchange on 4 x H200 (16 MiB at 130 GB/s, 64 MiB at 157 GB/s:
+# 30 us a message and 170 GB/s beyond it; H100: 300 GB/s, its larger messages); 50 GB/s per GPU between
+# nodes is a 400 Gb/s NIC per GPU. The launch and step fixed costs are those the 4 x H200 run of packed
+# documents (issue 36, tests/test_fixed_costs.py) shows beside docs/BENCHMARKS.md's 20-40 us launches:
+# 25 us a forward block call, 50 us a backward one (three or four kernels), 300 us a step; `burst-hpc
+# compile` measures them on the GPU it runs on (calibrate.py). "cpu" is this library's NumPy path on
+# one host (emulated nodes).
+GPU_FIXED = dict(intra_latency_us=30.0, inter_latency_us=30.0, fwd_launch_us=25.0, bwd_launch_us=50.0,
+                 step_us=300.0)
 GPU_RATES = {
-    "H100": Rates("H100", 600.0, 520.0, 300.0, 50.0),
-    "H200": Rates("H200", 610.0, 530.0, 350.0, 50.0),
-    "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0),
+    "H100": Rates("H100", 600.0, 520.0, 300.0, 50.0, **GPU_FIXED),
+    "H200": Rates("H200", 610.0, 530.0, 170.0, 50.0, **GPU_FIXED),
+    "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0, 50.0, 100.0, 100.0),
 }
 SCHEMES = ("ring", "double_ring", "ulysses_ring")
 MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
@@ -101,11 +115,18 @@ class PassPrediction:
     mean: float          # seconds of the mean rank's kernels
     steps: int
     network: float       # bytes the busiest GPU sends over the network
+    fixed: float = 0.0   # seconds the fixed costs (launches, steps, messages) add to ``time``
+    stepping: float = 0.0   # seconds of the steps' own fixed costs (in ``time``, not waiting for transfers)
+
+    @property
+    def waited(self):
+        """Seconds spent waiting for transfers: the time but the kernels and the steps' fixed costs."""
+        return self.time - self.compute - self.stepping
 
     @property
     def exposed(self):
         """Share of the time spent waiting for transfers."""
-        return max(0.0, self.time - self.compute) / self.time if self.time else 0.0
+        return max(0.0, self.waited) / self.time if self.time else 0.0
 
     @property
     def imbalance(self):
@@ -128,8 +149,7 @@ class Prediction:
     @property
     def exposed(self):
         """Share of the forward+backward time spent waiting for transfers."""
-        waited = self.fwdbwd - self.fwd.compute - self.bwd.compute
-        return max(0.0, waited) / self.fwdbwd if self.fwdbwd else 0.0
+        return max(0.0, self.fwd.waited + self.bwd.waited) / self.fwdbwd if self.fwdbwd else 0.0
 
     @property
     def network(self):
@@ -183,7 +203,8 @@ def predict(scheme, pr, cl, rates, layout="zigzag", mask=None, scale=1):
 
 def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     """One pass of ``predict``; with ``scale`` an array, ``time`` and ``compute`` are arrays too (one
-    for each scale: hiding_tokens asks many at once)."""
+    for each scale: hiding_tokens asks many at once). ``fixed`` (scale 1 only, else 0): the seconds
+    the fixed costs add (the same pass priced without them, subtracted)."""
     from .workload import KINDS, account
 
     direction = direction_of(pr, cl.ranks, layout, mask, backward)
@@ -196,28 +217,55 @@ def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     per_pair = attention_flops(pr.batch, heads, pr.head_dim, 1.0, backward) / F
     sizes = transfer_bytes(heads, kv_heads, pr.head_dim, pr.itemsize, backward)
     nbytes = np.array([sizes[kind] * pr.batch for kind in KINDS])[acc.ends["kind"]] * acc.ends["tokens"]
-    links = np.array([[rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6],
-                      [rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6]])
-    critical = acc.work.max(axis=1) * per_pair
     scales = np.atleast_1d(np.asarray(scale, np.float64))
-    time = _run(acc, critical, nbytes / links[acc.ends["far"], 0], links[:, 1], scales)
+    costs = _Costs(acc, per_pair, nbytes, rates, backward)
+    time = costs.run(scales)
     if scheme == "ulysses_ring":
         time = time + _all_to_alls(pr, cl, rates, backward, scales)
     sent = acc.ends["far"].astype(bool) & acc.ends["out"].astype(bool)
     network = np.bincount(acc.ends["rank"][sent], nbytes[sent], minlength=1).max()
-    compute = critical.sum() * scales ** 2
-    mean = acc.work.sum() / cl.ranks * per_pair * scales ** 2
+    compute = costs.critical(scales).sum(axis=0)
+    mean = (acc.work.sum() * per_pair * scales ** 2 + acc.launches.sum() * costs.launch) / cl.ranks
+    fixed = 0.0
     if np.ndim(scale) == 0:
         time, compute, mean = float(time[0]), float(compute[0]), float(mean[0])
-    return PassPrediction(time, compute, mean, acc.work.shape[0], float(network))
+        fixed = time - float(costs.run(scales, fixed=False)[0])
+    return PassPrediction(time, compute, mean, acc.work.shape[0], float(network), fixed,
+                          acc.work.shape[0] * costs.step)
 
 
-def _run(acc, critical, seconds, latency, scales):
-    """Seconds of the steps, for each of ``scales`` (the tokens per GPU scaled: compute by its
-    square, transfers by it): each step the larger of its busiest rank's kernels (``critical``) and
-    the arrival of every transfer due at its end; each link end carries its transfers one after
-    another in posting order (``seconds`` each, at scale 1), none before it is posted, a latency
-    (``latency`` by link class) once per step and end."""
+class _Costs:
+    """The prices of one pass's Account: its kernels' seconds per visible pair and per block call,
+    each transfer's seconds on its link and its message's fixed cost, each step's fixed cost."""
+
+    def __init__(self, acc, per_pair, nbytes, rates, backward):
+        links = np.array([[rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6],
+                          [rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6]])
+        self.acc, self.per_pair = acc, per_pair
+        self.seconds, self.latency = nbytes / links[acc.ends["far"], 0], links[acc.ends["far"], 1]
+        self.launch = (rates.bwd_launch_us if backward else rates.fwd_launch_us) * 1e-6
+        self.step = rates.step_us * 1e-6
+
+    def critical(self, scales, fixed=True):
+        """(steps, scales): each step's busiest rank's kernels (its work and, ``fixed``, its block calls)."""
+        work = self.acc.work[:, :, None] * self.per_pair * scales ** 2
+        if fixed and self.launch:
+            work = work + self.acc.launches[:, :, None] * self.launch
+        return work.max(axis=1)
+
+    def run(self, scales, fixed=True):
+        """Seconds of the pass for each of ``scales`` (``fixed``: with the fixed costs)."""
+        latency = self.latency if fixed else np.zeros_like(self.latency)
+        return _run(self.acc, self.critical(scales, fixed), self.seconds, latency, self.step if fixed else 0.0,
+                    scales)
+
+
+def _run(acc, critical, seconds, latency, step, scales):
+    """Seconds of the steps, for each of ``scales`` (the tokens per GPU scaled: transfers by it;
+    ``critical`` (steps, scales) each step's busiest rank's kernels at each scale): each step the
+    larger of those kernels and the arrival of every transfer due at its end, then its fixed cost
+    ``step``; each link end carries its messages one after another in posting order (``seconds``
+    each at scale 1, plus its message's fixed cost ``latency``), none before it is posted."""
     steps = _link_steps(acc)
     free = np.zeros((4 * acc.work.shape[1], scales.size))   # when each (rank, far, out) link end is next free
     arrived = np.zeros((len(critical), scales.size))
@@ -225,21 +273,21 @@ def _run(acc, critical, seconds, latency, scales):
     for t, compute in enumerate(critical):
         start = time
         if t in steps:
-            rows, ends, counts, last, far, by_due, dues, due_starts = steps[t]
-            carried = np.cumsum(seconds[rows, None] * scales, axis=0)   # within a step, end after end
+            rows, ends, counts, last, by_due, dues, due_starts = steps[t]
+            carried = np.cumsum(seconds[rows, None] * scales + latency[rows, None], axis=0)   # end after end
             before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
-            begin = np.maximum(start, free[ends]) + latency[far, None] - before
+            begin = np.maximum(start, free[ends]) - before
             done = np.repeat(begin, counts, axis=0) + carried
             free[ends] = done[last]
             arrived[dues] = np.maximum(arrived[dues], np.maximum.reduceat(done[by_due], due_starts, axis=0))
-        time = np.maximum(start + compute * scales ** 2, arrived[t])
+        time = np.maximum(start + compute, arrived[t]) + step
     return time
 
 
 @lru_cache(maxsize=64)
 def _link_steps(acc):
     """{step: (rows of acc.ends it posts, their link ends (rank, far, out) as indices, how many rows
-    each end has, the last row of each, each end's far flag, the rows (of those) by due step, the
+    each end has, the last row of each, the rows (of those) by due step, the
     due steps, where each due step's rows start)}."""
     ends = acc.ends
     key = ends["rank"] * 4 + ends["far"] * 2 + ends["out"]
@@ -251,7 +299,7 @@ def _link_steps(acc):
         by_due = np.argsort(ends["due"][rows], kind="stable")
         due = ends["due"][rows][by_due]
         due_starts = np.flatnonzero(np.diff(due, prepend=-1) != 0)
-        out[int(t)] = (rows, key[rows][first], counts, first + counts - 1, ends["far"][rows][first], by_due,
+        out[int(t)] = (rows, key[rows][first], counts, first + counts - 1, by_due,
                        due[due_starts], due_starts)
     return out
 
@@ -328,7 +376,7 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zi
     def hidden(units):
         passes = [pass_prediction(scheme, pr, cl, rates, layout, mask, b, units * 64 / tokens)
                   for b in ((False, True) if backward else (False,))]
-        return sum(p.time - p.compute for p in passes) <= within * sum(p.compute for p in passes)
+        return sum(p.waited for p in passes) <= within * sum(p.compute for p in passes)
 
     lo, hi = 1, 1 << 18   # units of 64 tokens
     if not hidden(np.array([hi]))[0]:
