@@ -391,14 +391,18 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zi
 
 
 def rates_for(backend_name, device_name=None):
-    """The built-in rates for this call's device (the GPU model named in ``device_name``, else H100),
-    with the network's rate and latency of BURST_HPC_EMULATE_NETWORK when it is set."""
+    """The rates for this call's device: the built-in rates of the GPU model named in ``device_name``
+    (else H100's; the NumPy backend: 'cpu'), with the fixed costs measured on this machine where
+    `burst-hpc compile` kept them (calibrate.load), and the network's rate and latency of
+    BURST_HPC_EMULATE_NETWORK when it is set."""
+    from . import calibrate
     from ..config import emulated_network as setting
 
-    rates = GPU_RATES["cpu"] if backend_name != "cuda" else GPU_RATES["H100"]
-    for model in ("H200", "H100"):
-        if backend_name == "cuda" and device_name and model in device_name:
-            rates = GPU_RATES[model]
+    model = calibrate.device_model(backend_name, device_name)
+    rates = GPU_RATES.get(model, GPU_RATES["cpu" if backend_name != "cuda" else "H100"])
+    measured = calibrate.load(model)
+    if measured:
+        rates = replace(rates, **measured)
     network = setting()
     if network is not None:
         rates = replace(rates, inter_gbps=network[0] / 1e9, inter_latency_us=network[1] * 1e6)

@@ -2,7 +2,7 @@
 
 One row per (layout, scheme), every number from the one step-by-step model (costmodel.predict):
 predicted forward and forward+backward time, the communication left exposed (time - compute
-alone), the steps, the critical path over the mean work, TFLOP/s per GPU of the visible pairs,
+alone - the steps' fixed costs), what the fixed costs (block calls, steps, messages) add, the steps, the critical path over the mean work, TFLOP/s per GPU of the visible pairs,
 bytes the busiest GPU sends over the network (forward+backward), peak memory per rank (forward /
 backward call), and the fewest tokens per GPU at which the row hides its communication (within 5%
 of compute; forward / forward+backward). The pick is the fastest row: the layout
@@ -49,13 +49,13 @@ def table(pr, cl, rates, mask=None, layout=None):
     a call with scheme='auto' in the layout costmodel.choose_layout names runs)."""
     layouts = LAYOUTS if layout is None else (layout,)
     pick, found = costmodel.best(pr, cl, rates, mask, layouts, scheme="auto" if cl.nodes > 1 else "ring")
-    head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | steps fwd / bwd | "
-            "critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | peak GiB/rank fwd / bwd | "
-            "hides from (tokens/GPU) fwd / fwd+bwd | |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | fixed costs (ms) fwd / bwd | "
+            "steps fwd / bwd | critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | "
+            "peak GiB/rank fwd / bwd | hides from (tokens/GPU) fwd / fwd+bwd | |")
+    lines = [head, "|" + "---|" * 14]
     for (name, scheme), p in found.items():
         if isinstance(p, str):
-            lines.append(f"| {name} | {scheme} | - | - | - | - | - | - | - | - | - | - | does not fit: {p} |")
+            lines.append(f"| {name} | {scheme} | - | - | - | - | - | - | - | - | - | - | - | does not fit: {p} |")
             continue
         times = (p.fwd.compute, p.bwd.compute, p.fwd.time, p.bwd.time)
         if not all(math.isfinite(t) and t > 0 for t in times):
@@ -65,7 +65,7 @@ def table(pr, cl, rates, mask=None, layout=None):
         peak = [_gib(costmodel.peak_memory(scheme, pr, cl, b)) for b in (False, True)]
         hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=name, mask=mask)) for b in (False, True)]
         lines.append(f"| {name} | {scheme} | {p.fwd.time:.3g} | {p.fwd.exposed:.1%} | {p.fwdbwd:.3g} | {p.exposed:.1%} | "
-                     f"{p.fwd.steps} / {p.bwd.steps} | {p.fwd.imbalance:.2f} | {flops[0]:.0f} / {flops[1]:.0f} | "
+                     f"{p.fwd.fixed * 1e3:.3g} / {p.bwd.fixed * 1e3:.3g} | {p.fwd.steps} / {p.bwd.steps} | {p.fwd.imbalance:.2f} | {flops[0]:.0f} / {flops[1]:.0f} | "
                      f"{p.network / 1e9:.3g} | {peak[0]:.2f} / {peak[1]:.2f} | {hides[0]} / {hides[1]} | "
                      f"{'**pick**' if p is pick else ''} |")
     return "\n".join(lines), pick
@@ -80,7 +80,9 @@ def describe(pr, cl, rates, mask=None):
             f"({pr.seqlen // cl.ranks} tokens/GPU), B={pr.batch}, Hq={pr.heads}, Hkv={pr.kv_heads} ({kind}), "
             f"D={pr.head_dim}, {pr.itemsize}-byte elements, {shown}; rates: {rates.fwd_tflops:g} / "
             f"{rates.bwd_tflops:g} TFLOP/s fwd / bwd, {rates.intra_gbps:g} GB/s inside a node, "
-            f"{rates.inter_gbps:g} GB/s between nodes ({rates.inter_latency_us:g} us)")
+            f"{rates.inter_gbps:g} GB/s between nodes; fixed costs: {rates.fwd_launch_us:g} / {rates.bwd_launch_us:g} us "
+            f"a block call fwd / bwd, {rates.step_us:g} us a step, {rates.intra_latency_us:g} / "
+            f"{rates.inter_latency_us:g} us a message inside / between nodes")
 
 
 def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
