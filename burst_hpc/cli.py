@@ -620,6 +620,12 @@ def cmd_compile(args):
         line = _collective(warm_verification, args.dtype, comm)
         if comm.rank == 0 and line:
             print(line, flush=True)
+    from .device import gpu_count
+
+    if args.backend == "cuda" and not all(comm.allgather(bool(gpu_count()))):
+        if comm.rank == 0:
+            print("fixed costs: not measured (no GPU here; the cost model keeps its built-in ones)", flush=True)
+        return 0
     model, costs, path = _collective(calibrate, args.backend, comm if comm.size > 1 else None, args.transport)
     if comm.rank == 0:
         print(f"fixed costs of {model} ({', '.join(f'{k} {v:.3g}' for k, v in sorted(costs.items()))}): {path}",

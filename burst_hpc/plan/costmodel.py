@@ -111,12 +111,13 @@ def ulysses_kv_heads(pr, per_node):
 class PassPrediction:
     """One pass predicted step by step (``predict``)."""
     time: float          # seconds
-    compute: float       # seconds of the critical path's kernels (the busiest rank of every step)
-    mean: float          # seconds of the mean rank's kernels
+    compute: float       # seconds of the critical path's kernels (the busiest rank of every step), block calls' too
+    mean: float          # seconds of the mean rank's visible pairs at the kernel rate
     steps: int
     network: float       # bytes the busiest GPU sends over the network
     fixed: float = 0.0   # seconds the fixed costs (launches, steps, messages) add to ``time``
     stepping: float = 0.0   # seconds of the steps' own fixed costs (in ``time``, not waiting for transfers)
+    imbalance: float = 1.0  # the critical path's visible pairs over the mean rank's
 
     @property
     def waited(self):
@@ -128,10 +129,6 @@ class PassPrediction:
         """Share of the time spent waiting for transfers."""
         return max(0.0, self.waited) / self.time if self.time else 0.0
 
-    @property
-    def imbalance(self):
-        """Critical path over mean work."""
-        return self.compute / self.mean if self.mean else 1.0
 
 
 @dataclass(frozen=True)
@@ -225,13 +222,14 @@ def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     sent = acc.ends["far"].astype(bool) & acc.ends["out"].astype(bool)
     network = np.bincount(acc.ends["rank"][sent], nbytes[sent], minlength=1).max()
     compute = costs.critical(scales).sum(axis=0)
-    mean = (acc.work.sum() * per_pair * scales ** 2 + acc.launches.sum() * costs.launch) / cl.ranks
+    mean = acc.work.sum() * per_pair * scales ** 2 / cl.ranks
     fixed = 0.0
     if np.ndim(scale) == 0:
         time, compute, mean = float(time[0]), float(compute[0]), float(mean[0])
         fixed = time - float(costs.run(scales, fixed=False)[0])
-    return PassPrediction(time, compute, mean, acc.work.shape[0], float(network), fixed,
-                          acc.work.shape[0] * costs.step)
+    work = acc.work.sum()
+    return PassPrediction(time, compute, mean, acc.work.shape[0], float(network), fixed, acc.work.shape[0] * costs.step,
+                          acc.work.max(axis=1).sum() * cl.ranks / work if work else 1.0)
 
 
 class _Costs:
