@@ -150,14 +150,13 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
     count, moves = schedule.work_transfers(mask, size, near, returns, nodes)
     full, calls = np.zeros((count, size), np.int64), np.zeros((count, size), np.int64)
     full[:len(work)] = work
-    owned = [tuple(pieces(mask.seqlen, r, size, "balanced")) for r in range(size)]
-    for r, steps in enumerate(plan):
-        for t, visits in enumerate(steps):
-            calls[t, r] = sum(len(schedule.visit_pairs(owned[i], owned[j], True, (lo, hi), mask))
-                              for i, j, lo, hi in visits)
+    chunk = mask.seqlen // size
+    visits = np.array([(t, r, i * chunk + lo, i * chunk + hi, j * chunk) for r, steps in enumerate(plan)
+                       for t, step in enumerate(steps) for i, j, lo, hi in step], np.int64).reshape(-1, 5)
+    t, r, first_row, end_row, first_key = visits.T
+    np.add.at(calls, (t, r), _seen(mask, first_row, end_row, first_key, first_key + chunk))
     full.setflags(write=False)
     calls.setflags(write=False)
-    chunk = mask.seqlen // size
     ends = {}
     for posted, sender, receiver, what, side, _, rows, due in moves:
         far = nodes is not None and nodes[sender] != nodes[receiver]
@@ -165,6 +164,16 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
         for end, rank in (("out", sender), ("in", receiver)):
             ends.setdefault(posted, []).append((due, rank, far, end, what, side, tokens))
     return Account(full, calls, _in_order(ends))
+
+
+def _seen(mask, first_row, end_row, first_key, end_key):
+    """1 where some query row of [first_row, end_row) sees a key of [first_key, end_key), else 0 (arrays):
+    a visit of one piece against one piece makes one block call or none (Mask.classify, for many at
+    once: the rows' intervals never shrink)."""
+    lo, hi = mask.intervals
+    first = np.clip(np.searchsorted(hi, first_key, side="right"), first_row, end_row)
+    last = np.clip(np.searchsorted(lo, end_key, side="left"), first_row, end_row)
+    return (first < last).astype(np.int64)
 
 
 def _in_order(ends):
