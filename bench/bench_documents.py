@@ -23,6 +23,7 @@ from mpi4py import MPI
 
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
+from burst_hpc.plan.rates import rates_for
 from burst_hpc.plan.accounting import visible_pairs
 from burst_hpc.plan.workload import documents, work_of
 
@@ -64,7 +65,7 @@ def main(argv=None):
     rng = np.random.default_rng([args.seed, 7])
     full = {name: rng.standard_normal((1, S, h, D)).astype(np.float32) for name, h in
             (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
-    rates = costmodel.rates_for("numpy" if args.cpu else "cuda", device)
+    rates = rates_for("numpy" if args.cpu else "cuda", device)
     problem = costmodel.Problem(1, S, H, Hkv, D, np.dtype(dtype).itemsize, True)
     rows, first = [], None
     for layout in args.layouts.split(","):

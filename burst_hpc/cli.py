@@ -346,7 +346,7 @@ def _agree_command(signature=None, error=None):
 
 def build_parser():
     from .plan.layout import LAYOUTS
-    from .plan.costmodel import GPU_RATES
+    from .plan.rates import GPU_RATES
     from .plan.schemes import SCHEMES
     from .transport import TRANSPORTS
 
@@ -665,7 +665,8 @@ def cmd_plan(args):
     from dataclasses import replace
 
     from .plan import calibrate, tables
-    from .plan.costmodel import GPU_RATES, Cluster
+    from .plan.costmodel import Cluster
+    from .plan.rates import GPU_RATES
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
     cu_seqlens = _collective(tables.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,

@@ -7,7 +7,9 @@ import pytest
 import burst_hpc
 from burst_hpc.plan import costmodel
 from burst_hpc.cli import main
-from burst_hpc.plan.costmodel import GPU_RATES, Cluster, Problem
+from burst_hpc.plan.costmodel import Cluster, Problem
+from burst_hpc.plan.memory import peak_memory
+from burst_hpc.plan.rates import GPU_RATES, Rates
 
 M = 1 << 20
 # the per-pair and per-byte rates alone: what the overlap formulas speak of (tests/test_fixed_costs.py
@@ -57,8 +59,8 @@ def test_thresholds_follow_the_formulas():
 def test_predicts_the_single_node_ring_of_benchmarks(tokens, passes, measured):
     """4 x H200, causal bf16 H=32 D=128 zigzag, nccl (docs/BENCHMARKS.md): given the kernel rates of
     those runs (compute-only times) and the NVLink rate measured there (~300 GB/s), within 15%."""
-    rates = costmodel.Rates("H200 run", 305.0, 276.0, 300.0, 300.0) if tokens == 32768 else \
-        costmodel.Rates("H200 run", 321.0, 283.0, 300.0, 300.0)
+    rates = Rates("H200 run", 305.0, 276.0, 300.0, 300.0) if tokens == 32768 else \
+        Rates("H200 run", 321.0, 283.0, 300.0, 300.0)
     pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, True), Cluster(1, 4)
     p = costmodel.predict("ring", pr, cl, rates)
     got = p.fwd.time if passes == "fwd" else p.fwdbwd
@@ -86,8 +88,8 @@ def test_peak_memory_matches_the_gpu_figures_of_benchmarks(tokens, fwd_gib, fwdb
     pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, True), Cluster(1, 4)
     gib = 2 ** 30
     bench_extra = tokens * 32 * 128 * (2 + 4)
-    assert abs((costmodel.peak_memory("ring", pr, cl) + bench_extra) / gib - fwd_gib) <= 0.05 * fwd_gib
-    assert abs(costmodel.peak_memory("ring", pr, cl, True) / gib - fwdbwd_gib) <= 0.06 * fwdbwd_gib
+    assert abs((peak_memory("ring", pr, cl) + bench_extra) / gib - fwd_gib) <= 0.05 * fwd_gib
+    assert abs(peak_memory("ring", pr, cl, True) / gib - fwdbwd_gib) <= 0.06 * fwdbwd_gib
 
 
 @pytest.mark.parametrize("backward", [False, True])
@@ -103,7 +105,7 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
     from burst_hpc.plan.accounting import transfer_bytes
 
     ranks, per_node, seqlen = 16, 4, 16 * 256
-    rates = replace(costmodel.GPU_RATES["H100"], **NO_FIXED)
+    rates = replace(GPU_RATES["H100"], **NO_FIXED)
     pr = costmodel.Problem(1, seqlen, 64, 8, 128, 2, True)
     mask = masks.make(seqlen, True, None, masks.random_documents(np.random.default_rng(2), seqlen, 4))
     direction = "backward" if backward else "forward"

@@ -9,6 +9,7 @@ import pytest
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.accounting import visible_pairs
+from burst_hpc.plan.rates import GPU_RATES, Rates, rates_for
 from burst_hpc.plan.workload import account, documents
 
 # Issue 36, measured 2026-11-26 on 4 x H200 (NVLink, NCCL) by bench/bench_documents.py in
@@ -40,7 +41,7 @@ def predicted_tflops(rates, tokens, layout):
 
 @pytest.mark.parametrize("tokens", sorted(MEASURED))
 def test_the_measured_table_is_ranked_and_predicted_within_15_percent(tokens):
-    rates = costmodel.rates_for("cuda", "NVIDIA H200")
+    rates = rates_for("cuda", "NVIDIA H200")
     got = {layout: predicted_tflops(rates, tokens, layout) for layout in MEASURED[tokens]}
     for column in (0, 1):
         def ranked(table):
@@ -54,7 +55,7 @@ def test_the_measured_table_is_ranked_and_predicted_within_15_percent(tokens):
 def test_without_fixed_costs_the_model_ranks_balanced_first_where_it_is_slowest():
     """The failure the fixed costs fix: the old H200 rates (350 GB/s NVLink, 10 us latency, no launch or
     step costs) put balanced first for forward+backward at 8k tokens per GPU."""
-    rates = replace(costmodel.rates_for("cuda", "NVIDIA H200"), intra_gbps=350.0, intra_latency_us=10.0,
+    rates = replace(rates_for("cuda", "NVIDIA H200"), intra_gbps=350.0, intra_latency_us=10.0,
                     fwd_launch_us=0.0, bwd_launch_us=0.0, step_us=0.0)
     got = {layout: predicted_tflops(rates, 8192, layout)[1] for layout in MEASURED[8192]}
     assert max(got, key=got.get) == "balanced"
@@ -66,7 +67,7 @@ def test_choose_layout_picks_the_fastest_measured_layout():
     for tokens, fastest in ((8192, "contiguous"), (32768, "balanced")):
         pr, mask, _ = documents_setting(tokens)
         chosen = burst_hpc.choose_layout(pr.seqlen, RANKS, causal=True, cu_seqlens=mask.cu_seqlens, heads=64,
-                                         kv_heads=8, rates=costmodel.rates_for("cuda", "NVIDIA H200"))
+                                         kv_heads=8, rates=rates_for("cuda", "NVIDIA H200"))
         assert chosen == fastest
 
 
@@ -79,7 +80,7 @@ def test_each_launch_step_and_message_pays_its_fixed_cost_once(layout, backward)
     link end that carries most of them (with everything else free)."""
     pr, mask, _ = documents_setting(256)
     cl = costmodel.Cluster(1, RANKS)
-    free = costmodel.Rates("free", 1e30, 1e30, 1e30, 1e30, 0.0, 0.0)
+    free = Rates("free", 1e30, 1e30, 1e30, 1e30, 0.0, 0.0)
     direction = costmodel.direction_of(pr, RANKS, layout, mask, backward)
     acc = account(pr.seqlen, RANKS, True, mask, layout, "ring", direction, None)
 
@@ -130,13 +131,13 @@ def test_compile_measures_the_fixed_costs_and_the_model_reads_them(tmp_path, mon
     measured = calibrate.load("cpu")
     assert set(measured) == {"fwd_launch_us", "bwd_launch_us", "step_us"}   # one rank: no message measured
     assert all(v > 0 for v in measured.values())
-    rates = costmodel.rates_for("numpy")
+    rates = rates_for("numpy")
     assert all(getattr(rates, k) == v for k, v in measured.items())
-    assert rates.intra_latency_us == costmodel.GPU_RATES["cpu"].intra_latency_us
-    assert costmodel.rates_for("cuda", "NVIDIA H200") == costmodel.GPU_RATES["H200"]   # another model's own
+    assert rates.intra_latency_us == GPU_RATES["cpu"].intra_latency_us
+    assert rates_for("cuda", "NVIDIA H200") == GPU_RATES["H200"]   # another model's own
     with open(kept, "w") as f:
         f.write("{not json")
-    assert calibrate.load("cpu") is None and costmodel.rates_for("numpy") == costmodel.GPU_RATES["cpu"]
+    assert calibrate.load("cpu") is None and rates_for("numpy") == GPU_RATES["cpu"]
 
 
 def test_a_measured_step_cost_moves_the_pick(tmp_path, monkeypatch):

@@ -3,7 +3,7 @@ on a tiny block (forward and backward), a ring step's fixed cost and a small mes
 the call's transport, kept beside the kernel cache (config.kernel_cache_dir) in a small JSON file
 named by the device model and this library's version. ``burst-hpc compile`` measures them (the
 CUDA backend on a GPU; the NumPy backend without one, which is how the tests measure them);
-costmodel.rates_for reads them over its built-in defaults (costmodel.GPU_RATES); rates given
+rates.rates_for reads them over its built-in defaults (rates.GPU_RATES); rates given
 outright (``choose_layout(rates=...)``, ``burst-hpc plan``'s overrides) still win.
 
 A launch: the mean of REPEATS back-to-back block calls of one 64-row tile of one head, the device

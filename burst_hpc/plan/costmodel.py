@@ -18,9 +18,10 @@ What cannot overlap is added: Ulysses' all-to-alls inside the node. Exposed comm
 predicted time - compute alone.
 
 ``predict`` prices one (scheme, layout); ``best`` the fastest of those that run; ``choose_layout``
-(public) is the layout of that pick, for a caller to shard by.
+(public) is the layout of that pick, for a caller to shard by. The rates: rates.py; peak memory:
+memory.py.
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -28,42 +29,9 @@ import numpy as np
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from ..errors import BurstError, LayoutError
 from .layout import LAYOUTS, check_split, default_layout
+from .rates import rates_for
 
 
-@dataclass(frozen=True)
-class Rates:
-    """What the model prices a call with: per-pair kernel rates, per-byte link rates, and the fixed
-    costs that do not shrink with the work (issue 36): each block call (a kernel launch and its
-    pipeline's fill and drain), each ring step (the host's posting, waiting and bookkeeping), each
-    message (its latency on its link class)."""
-    name: str
-    fwd_tflops: float        # kernel rate, forward (FlashAttention count)
-    bwd_tflops: float        # kernel rate, backward
-    intra_gbps: float        # GB/s per GPU each way inside a node
-    inter_gbps: float        # GB/s per GPU each way between nodes (one NIC per GPU)
-    intra_latency_us: float = 10.0   # fixed cost of one message inside a node
-    inter_latency_us: float = 10.0   # fixed cost of one message between nodes
-    fwd_launch_us: float = 0.0       # fixed cost of one forward block call
-    bwd_launch_us: float = 0.0       # fixed cost of one backward block call
-    step_us: float = 0.0             # fixed cost of one ring step
-
-
-# Kernel rates from docs/BENCHMARKS.md (sm90 kernels on H100 at D=128, S >= 16k: forward 580-620,
-# backward 500-558 TFLOP/s with the FlashAttention-3-shaped backward; H200 scaled by its forward).
-# Links: ../shared/DEVICE.md's NCCL ring exchange on 4 x H200 (16 MiB at 130 GB/s, 64 MiB at 157 GB/s:
-# 30 us a message and 170 GB/s beyond it; H100: 300 GB/s, its larger messages); 50 GB/s per GPU between
-# nodes is a 400 Gb/s NIC per GPU. The launch and step fixed costs are those the 4 x H200 run of packed
-# documents (issue 36, tests/test_fixed_costs.py) shows beside docs/BENCHMARKS.md's 20-40 us launches:
-# 25 us a forward block call, 50 us a backward one (three or four kernels), 300 us a step; `burst-hpc
-# compile` measures them on the GPU it runs on (calibrate.py). "cpu" is this library's NumPy path on
-# one host (emulated nodes).
-GPU_FIXED = dict(intra_latency_us=30.0, inter_latency_us=30.0, fwd_launch_us=25.0, bwd_launch_us=50.0,
-                 step_us=300.0)
-GPU_RATES = {
-    "H100": Rates("H100", 600.0, 520.0, 300.0, 50.0, **GPU_FIXED),
-    "H200": Rates("H200", 610.0, 530.0, 170.0, 50.0, **GPU_FIXED),
-    "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0, 50.0, 100.0, 100.0),
-}
 SCHEMES = ("ring", "double_ring", "ulysses_ring")
 MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
@@ -388,25 +356,6 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zi
     return lo * 64
 
 
-def rates_for(backend_name, device_name=None):
-    """The rates for this call's device: the built-in rates of the GPU model named in ``device_name``
-    (else H100's; the NumPy backend: 'cpu'), with the fixed costs measured on this machine where
-    `burst-hpc compile` kept them (calibrate.load), and the network's rate and latency of
-    BURST_HPC_EMULATE_NETWORK when it is set."""
-    from . import calibrate
-    from ..config import emulated_network as setting
-
-    model = calibrate.device_model(backend_name, device_name)
-    rates = GPU_RATES.get(model, GPU_RATES["cpu" if backend_name != "cuda" else "H100"])
-    measured = calibrate.load(model)
-    if measured:
-        rates = replace(rates, **measured)
-    network = setting()
-    if network is not None:
-        rates = replace(rates, inter_gbps=network[0] / 1e9, inter_latency_us=network[1] * 1e6)
-    return rates
-
-
 def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, heads=32, kv_heads=None,
                   head_dim=128, dtype="bfloat16", batch=1, backend="cuda", ranks_per_node=None, scheme="auto",
                   backward=True, rates=None):
@@ -434,7 +383,7 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
         The scheme the call names (auto: each layout with the scheme it would pick).
     backward : bool
         Price the backward pass too (a training step: the forward and backward calls share shards).
-    rates : Rates, optional
+    rates : burst_hpc.plan.rates.Rates, optional
         Overrides ``backend``'s rates.
 
     Returns
@@ -466,55 +415,3 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
         raise BurstError(f"{size} ranks do not fill nodes of {ranks_per_node}")
     cl = Cluster(size // per_node, per_node)
     return best(pr, cl, rates or rates_for(backend), mask, scheme=scheme, backward=backward)[0].layout
-
-
-def _schedule(scheme, cl, near, returns):
-    """Position 0's schedule under ``scheme`` (every position holds as many buffers)."""
-    from .schedule import double_ring_steps, plain_ring_steps
-
-    if scheme == "double_ring":
-        return double_ring_steps(0, cl.nodes, cl.per_node, near, returns)
-    return plain_ring_steps(0, cl.nodes if scheme == "ulysses_ring" else cl.ranks, near, returns)
-
-
-def _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers):
-    """Bytes one ring call allocates at its peak (inputs excluded): float32 accumulators (float64
-    for float64 inputs) and delta (backward), plus the larger of the receive and partial buffers
-    the schedule holds at once (``buffers``: {"data": n, "partial": n} of the side that travels)
-    and the outputs in the input dtype (made after the ring has given its buffers back)."""
-    acc = 8 if it == 8 else 4
-    if not backward:
-        results = heads * (d + 1) * acc                    # o, lse
-        travelling = 2 * kv_heads * d * it                 # k, v
-        return tokens * (results + max(buffers["data"] * travelling + buffers["partial"] * results,
-                                       heads * (d * it + 4)))
-    kv_res, q_res = 2 * kv_heads * d * acc, heads * d * acc                        # dk, dv; dq
-    kv_data, q_data = 2 * kv_heads * d * it, heads * (2 * d * it + 4 + acc)        # k, v; q, do, lse, delta
-    data, partial = (kv_data, kv_res) if buffers["side"] == "kv" else (q_data, q_res)
-    return tokens * (kv_res + q_res + heads * acc + max(buffers["data"] * data + buffers["partial"] * partial,
-                                                        (heads + 2 * kv_heads) * d * it))
-
-
-def peak_memory(scheme, pr, cl, backward=False):
-    """Bytes per rank of the inputs and what one call allocates at its peak (the ring's buffers as
-    the engine holds them, ring.lifetimes, plus accumulators and outputs). Ulysses adds the node's
-    gathered inputs (held twice while they are joined) and runs its ring on w times the tokens
-    for 1/w of the heads. Kernel workspace (none on the GPU) is not counted."""
-    from ..engine.ring import lifetimes
-
-    it, d = pr.itemsize, pr.head_dim
-    n = pr.batch * pr.seqlen // cl.ranks
-    heads, kv_heads, tokens = pr.heads, pr.kv_heads, n
-    inputs = n * (heads + 2 * kv_heads) * d * it * (2 if backward else 1) + (n * heads * 4 if backward else 0)
-    extra = 0
-    if scheme == "ulysses_ring":
-        heads, kv_heads, tokens = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node), n * cl.per_node
-        extra = 2 * tokens * (heads + 2 * kv_heads) * d * it * (2 if backward else 1)
-    if backward:
-        data, partial = token_bytes(pr, True, heads, kv_heads)
-        near = "kv" if data == 2 * kv_heads * d * it else "q"
-        returns = ("kv", "q")
-    else:
-        near, returns = "kv", ("q",)
-    buffers = dict(lifetimes(_schedule(scheme, cl, near, returns), 0)[2], side=near)
-    return inputs + extra + _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers)

@@ -13,6 +13,8 @@ import math
 import numpy as np
 
 from . import costmodel
+from .memory import peak_memory
+from .rates import GPU_RATES, Rates
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 from ..errors import BurstError, MaskError, ShapeError
 from .layout import LAYOUTS
@@ -62,7 +64,7 @@ def table(pr, cl, rates, mask=None, layout=None):
             raise BurstError(f"the cost model leaves the floating-point range with these sizes and rates ({scheme}: "
                              f"forward compute {p.fwd.compute:.3g} s, time {p.fwd.time:.3g} s)")
         flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * x.mean / x.time for b, x in ((0, p.fwd), (1, p.bwd))]
-        peak = [_gib(costmodel.peak_memory(scheme, pr, cl, b)) for b in (False, True)]
+        peak = [_gib(peak_memory(scheme, pr, cl, b)) for b in (False, True)]
         hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=name, mask=mask)) for b in (False, True)]
         lines.append(f"| {name} | {scheme} | {p.fwd.time:.3g} | {p.fwd.exposed:.1%} | {p.fwdbwd:.3g} | {p.exposed:.1%} | "
                      f"{p.fwd.fixed * 1e3:.3g} / {p.bwd.fixed * 1e3:.3g} | {p.fwd.steps} / {p.bwd.steps} | {p.fwd.imbalance:.2f} | {flops[0]:.0f} / {flops[1]:.0f} | "
@@ -144,8 +146,8 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
 
     intra = link(0, 1) if topo.per_node > 1 else None
     inter = link(0, topo.per_node) if topo.nodes > 1 else None
-    base = costmodel.GPU_RATES["H100"]
-    return costmodel.Rates("measured", fwd, bwd, *(intra or (base.intra_gbps, None))[:1],
+    base = GPU_RATES["H100"]
+    return Rates("measured", fwd, bwd, *(intra or (base.intra_gbps, None))[:1],
                            *(inter or (base.inter_gbps, None))[:1],
                            (intra or (0, base.intra_latency_us))[1], (inter or (0, base.inter_latency_us))[1]), topo
 
