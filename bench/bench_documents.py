@@ -4,7 +4,8 @@ D = 128, Hq = 64, Hkv = 8, 8k tokens per GPU, causal, documents of random length
 forward+backward passes and reports TFLOP/s per GPU over the visible pairs at the slowest rank's
 pace (FlashAttention's count: 4 Hq D per visible pair forward, 3.5x that forward+backward), next
 to the schedule's own account (workload.schedule_work: critical path / mean work) and the cost
-model's prediction (costmodel.pass_prediction, this GPU's built-in rates). Launch it at 1, 2, 4
+model's prediction (costmodel.pass_prediction, this GPU's rates with the fixed costs
+`burst-hpc compile` measured, else the built-in ones). Launch it at 1, 2, 4
 and 8 GPUs for the table in docs/RING.md.
 
     mpirun -np 8 python bench/bench_documents.py --out docs/results.md
@@ -92,7 +93,7 @@ def main(argv=None):
                     for b in ((False, True) if backward else (False,))]
             time_ = sum(p.time for p in pred)
             row[f"{pass_}_predicted_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / time_ / 1e12
-            row[f"{pass_}_predicted_exposed"] = sum(p.time - p.compute for p in pred) / time_
+            row[f"{pass_}_predicted_exposed"] = sum(max(0.0, p.waited) for p in pred) / time_
         if args.check:
             gathered = comm.gather(o.get() if hasattr(o, "get") else o)
             if r == 0:

@@ -9,12 +9,13 @@ of compute; forward / forward+backward). The pick is the fastest row: the layout
 ``burst_hpc.choose_layout`` names, with the scheme ``scheme="auto"`` runs in it.
 """
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from . import costmodel
 from .memory import peak_memory
-from .rates import GPU_RATES, Rates
+from .rates import rates_for
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 from ..errors import BurstError, MaskError, ShapeError
 from .layout import LAYOUTS
@@ -90,7 +91,8 @@ def describe(pr, cl, rates, mask=None):
 def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     """Rates measured here, collectively under mpiexec: one kernel timing forward and backward
     (this rank's device, ``tokens`` tokens of the problem's heads) and one exchange over each link
-    class (local ranks 0 and 1 of the first node; local rank 0 of the first two nodes)."""
+    class (local ranks 0 and 1 of the first node; local rank 0 of the first two nodes); the fixed
+    costs of block calls and steps those of rates.rates_for (measured by `burst-hpc compile`)."""
     import time
 
     import numpy as np
@@ -103,11 +105,13 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     dtype = np.float32 if pr.itemsize >= 4 else np.float16
     q = rng.standard_normal((1, tokens, pr.heads, pr.head_dim)).astype(dtype)
     k = rng.standard_normal((1, tokens, pr.kv_heads, pr.head_dim)).astype(dtype)
+    on_gpu, device = False, None
     try:
         import cupy
 
         q, k = cupy.asarray(q), cupy.asarray(k)
         sync = cupy.cuda.get_current_stream().synchronize
+        on_gpu, device = True, cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     except Exception:  # noqa: BLE001
         sync = lambda: None  # noqa: E731
     flops = attention_flops(1, pr.heads, pr.head_dim, visible_pairs(tokens, pr.causal))
@@ -146,10 +150,12 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
 
     intra = link(0, 1) if topo.per_node > 1 else None
     inter = link(0, topo.per_node) if topo.nodes > 1 else None
-    base = GPU_RATES["H100"]
-    return Rates("measured", fwd, bwd, *(intra or (base.intra_gbps, None))[:1],
-                           *(inter or (base.inter_gbps, None))[:1],
-                           (intra or (0, base.intra_latency_us))[1], (inter or (0, base.inter_latency_us))[1]), topo
+    # the block calls' and steps' fixed costs: as `burst-hpc compile` measured them here, else built in
+    base = rates_for("cuda" if on_gpu else "numpy", device)
+    return replace(base, name="measured", fwd_tflops=fwd, bwd_tflops=bwd,
+                   intra_gbps=intra[0] if intra else base.intra_gbps, inter_gbps=inter[0] if inter else base.inter_gbps,
+                   intra_latency_us=intra[1] if intra else base.intra_latency_us,
+                   inter_latency_us=inter[1] if inter else base.inter_latency_us), topo
 
 
 def read_cu_seqlens(path):
