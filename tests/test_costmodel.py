@@ -16,6 +16,14 @@ M = 1 << 20
 # prices the fixed costs)
 NO_FIXED = dict(intra_latency_us=0.0, inter_latency_us=0.0, fwd_launch_us=0.0, bwd_launch_us=0.0, step_us=0.0)
 H100_50 = replace(GPU_RATES["H100"], inter_gbps=50.0, **NO_FIXED)
+
+
+@pytest.fixture(autouse=True)
+def no_measured_costs(tmp_path, monkeypatch):
+    """The built-in rates: no fixed costs `burst-hpc compile` measured on this machine are read."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+
+
 TARGETS = [(Problem(1, M, 32, 32, 128, 2, True), Cluster(16, 8)),    # 16 x 8 H100, MHA
            (Problem(1, M, 32, 8, 128, 2, True), Cluster(32, 8))]     # 32 x 8 H100, GQA 4:1
 

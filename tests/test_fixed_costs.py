@@ -23,6 +23,12 @@ MEASURED = {8192: {"contiguous": (274, 241), "zigzag": (205, 215), "balanced": (
 RANKS = 4
 
 
+@pytest.fixture(autouse=True)
+def no_measured_costs(tmp_path, monkeypatch):
+    """The built-in rates: no fixed costs `burst-hpc compile` measured on this machine are read."""
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
+
+
 def documents_setting(tokens):
     """(Problem, Mask, visible pairs) of bench_documents.py's call at ``tokens`` per GPU on 4 GPUs."""
     seqlen = tokens * RANKS
@@ -117,13 +123,12 @@ def test_plan_shows_the_fixed_costs(capsys):
     assert "fixed costs (ms) fwd / bwd" in out and "25 / 50 us a block call" in out
 
 
-def test_compile_measures_the_fixed_costs_and_the_model_reads_them(tmp_path, monkeypatch, capsys):
+def test_compile_measures_the_fixed_costs_and_the_model_reads_them(tmp_path, capsys):
     """`burst-hpc compile --backend numpy` measures the NumPy path's fixed costs into the kernel cache;
     rates_for reads them over the built-in ones; a file that does not read is ignored."""
     from burst_hpc.cli import main
     from burst_hpc.plan import calibrate
 
-    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     assert calibrate.load("cpu") is None
     assert main(["compile", "--backend", "numpy"]) == 0
     kept = calibrate.path("cpu")
@@ -140,11 +145,10 @@ def test_compile_measures_the_fixed_costs_and_the_model_reads_them(tmp_path, mon
     assert calibrate.load("cpu") is None and rates_for("numpy") == GPU_RATES["cpu"]
 
 
-def test_a_measured_step_cost_moves_the_pick(tmp_path, monkeypatch):
+def test_a_measured_step_cost_moves_the_pick():
     """What is measured decides: with a step cost of a second the fewest steps win (contiguous: 2)."""
     from burst_hpc.plan import calibrate
 
-    monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path))
     pr, mask, _ = documents_setting(32768)
     kw = dict(causal=True, cu_seqlens=mask.cu_seqlens, heads=64, kv_heads=8)
     assert burst_hpc.choose_layout(pr.seqlen, RANKS, **kw) == "balanced"   # built-in H100 rates
