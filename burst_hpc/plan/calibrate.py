@@ -68,12 +68,14 @@ def save(model, costs):
     return target
 
 
-def measure(backend, transport, xp, comm=None, head_dim=128, dtype=np.float16):
+def measure(backend, transport, xp, comm=None, head_dim=128, dtype="bfloat16"):
     """Collective on ``comm`` (the ranks of ``transport``; None: one rank): {Rates field: microseconds}
     of this machine, the same on every rank (the slowest rank's figures). ``backend`` a block backend,
-    ``xp`` its array module."""
+    ``xp`` its array module; the block calls on ``head_dim`` and ``dtype`` (a kernel `compile` built)."""
+    from ..dtypes import parse_dtype
+
     rng = np.random.default_rng(0)
-    dtype = dtype if xp is not np else np.float32   # NumPy has no fast half precision: the CPU path's float32
+    dtype = parse_dtype(dtype) if xp is not np else np.float32   # NumPy: the CPU path's float32
     q, k, v, do = (xp.asarray(rng.standard_normal((1, 64, 1, head_dim)).astype(dtype)) for _ in range(4))
     o, dq, dk, dv = (xp.zeros(q.shape, np.float32) for _ in range(4))
     lse, delta = (xp.zeros((1, 1, 64), np.float32) for _ in range(2))
@@ -151,10 +153,11 @@ class Loopback:
         _drain(self.xp)
 
 
-def calibrate(backend_name, comm=None, transport="auto"):
+def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bfloat16"):
     """Collective on ``comm`` (None: this process alone): measure this machine's fixed costs with
-    ``backend_name`` ('numpy' or 'cuda') over ``transport`` and keep them (rank 0 writes, on every
-    node it shares a cache with). Returns (model, costs, file)."""
+    ``backend_name`` ('numpy' or 'cuda') over ``transport`` (block calls on ``head_dim`` and ``dtype``)
+    and keep them (one rank a host writes the figures every rank agreed on). Returns (model, costs,
+    file)."""
     from ..backends import get_backend
     from ..collective import agree
     from ..transport import choose_transport, make_transport
@@ -177,7 +180,7 @@ def calibrate(backend_name, comm=None, transport="auto"):
     elif error is not None:
         raise error
     model = device_model(backend_name, device)
-    costs = measure(backend, ring, xp, comm)
+    costs = measure(backend, ring, xp, comm, head_dim, dtype)
     if comm is None or comm.size == 1:
         return model, costs, save(model, costs)
     hosts = comm.allgather(socket.gethostname())
