@@ -6,11 +6,12 @@ CUDA backend on a GPU; the NumPy backend without one, which is how the tests mea
 rates.rates_for reads them over its built-in defaults (rates.GPU_RATES); rates given
 outright (``choose_layout(rates=...)``, ``burst-hpc plan``'s overrides) still win.
 
-A launch: the mean of REPEATS back-to-back block calls of one 64-row tile of one head, the device
-drained after the last (the call's work is a few microseconds: the rest is its fixed cost). A step:
-the mean step of the ring engine (ring.run) over the transport with 1-token shards and no kernels,
-less one message. A message: half a ping-pong of 1-token shards between ranks 0 and 1 (none on one
-rank: the built-in latency stays)."""
+A launch: the least over ROUNDS of the mean of REPEATS back-to-back block calls of one 64-row tile
+of one head, the device drained after the last (the call's work is a few microseconds: the rest is
+its fixed cost). A step:
+a step of the ring engine (ring.run) over the transport with 1-token shards and no kernels (measured
+alike), less one message. A message: ranks 0 and 1 exchanging a small message each way at once, the
+way a ring step does (none on one rank: the built-in latency stays)."""
 import json
 import os
 import re
@@ -23,7 +24,8 @@ from .. import __version__, config
 from ..errors import BurstError
 
 FIXED = ("fwd_launch_us", "bwd_launch_us", "step_us", "intra_latency_us")   # the Rates fields measured here
-REPEATS = 20
+REPEATS = 10
+ROUNDS = 5
 
 
 def device_model(backend_name, device_name=None):
@@ -83,7 +85,7 @@ def measure(backend, transport, xp, comm=None, head_dim=128, dtype="bfloat16"):
     forward = lambda: backend.forward_block(q, k, v, o, lse, scale=scale, causal=True)  # noqa: E731
     backward = lambda: backend.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale,  # noqa: E731
                                               causal=True)
-    costs = {"fwd_launch_us": _mean_us(forward, xp), "bwd_launch_us": _mean_us(backward, xp)}
+    costs = {"fwd_launch_us": _least_us(forward, xp), "bwd_launch_us": _least_us(backward, xp)}
     message = _message_us(transport, xp) if transport.size > 1 else None
     costs["step_us"] = max(0.0, _step_us(transport, xp) - (message or 0.0))
     if message is not None:
@@ -99,15 +101,19 @@ def _drain(xp):
         xp.cuda.get_current_stream().synchronize()
 
 
-def _mean_us(call, xp):
-    """Microseconds per call of REPEATS back-to-back calls (after one to warm up)."""
+def _least_us(call, xp):
+    """Microseconds per call: the least over ROUNDS of the mean of REPEATS back-to-back calls (after one
+    to warm up), so that a busy host's stalls do not count as fixed costs."""
     call()
     _drain(xp)
-    start = time.perf_counter()
-    for _ in range(REPEATS):
-        call()
-    _drain(xp)
-    return (time.perf_counter() - start) / REPEATS * 1e6
+    rounds = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            call()
+        _drain(xp)
+        rounds.append((time.perf_counter() - start) / REPEATS * 1e6)
+    return min(rounds)
 
 
 def _step_us(transport, xp):
@@ -120,11 +126,11 @@ def _step_us(transport, xp):
     steps = plain_ring_steps(transport.rank, size, "kv", ("q",))
     sides = {"kv": Side([xp.zeros((1, 1, 1, 8), np.float16)] * 2, []), "q": Side([], [])}
     ring = transport if transport.size > 1 else Loopback(xp)
-    return _mean_us(lambda: run(ring, ring, steps, sides, None, skip_compute=True), xp) / len(steps)
+    return _least_us(lambda: run(ring, ring, steps, sides, None, skip_compute=True), xp) / len(steps)
 
 
 def _message_us(transport, xp):
-    """Microseconds one small message takes: half a ping-pong between ranks 0 and 1 (the others wait)."""
+    """Microseconds one small message takes: ranks 0 and 1 send each other one at once (the others wait)."""
     buffer, into = xp.zeros(8, np.float16), xp.zeros(8, np.float16)
     peer = {0: 1, 1: 0}.get(transport.rank)
 
@@ -133,7 +139,7 @@ def _message_us(transport, xp):
             transport.exchange([(peer, [buffer])], [(peer, [into])]).wait()
             _drain(xp)
 
-    return _mean_us(ping_pong, xp)
+    return _least_us(ping_pong, xp)
 
 
 class Loopback:
