@@ -5,7 +5,8 @@ layout it times the forward, the backward alone and forward+backward and reports
 the visible pairs at the slowest rank's pace (4 Hq D per visible pair forward, 2.5x that backward,
 3.5x forward+backward: FlashAttention's count and MagiAttention's agree), next to the schedule's own
 account (workload.work_of: critical path / mean work) and the cost model's prediction
-(costmodel.pass_prediction, this GPU's built-in rates, --ranks-per-node a node), marking the default
+(costmodel.pass_prediction: this GPU's rates with the fixed costs `burst-hpc compile` measured,
+else the built-in ones; --ranks-per-node a node), marking the default
 layout and choose_layout's pick for each pass. Launch it at 1, 2, 4 and 8 GPUs for the table in
 docs/BENCHMARKS.md, "Packed documents across GPUs".
 
@@ -25,6 +26,7 @@ from mpi4py import MPI
 
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
+from burst_hpc.plan.rates import rates_for
 from burst_hpc.plan.accounting import visible_pairs
 from burst_hpc.plan.workload import documents, work_of
 
@@ -107,7 +109,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
     rng = np.random.default_rng([args.seed, 7])
     full = {name: rng.standard_normal((1, S, h, D)).astype(np.float32) for name, h in
             (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
-    rates = costmodel.rates_for("numpy" if args.cpu else "cuda", device)
+    rates = rates_for("numpy" if args.cpu else "cuda", device)
     problem = costmodel.Problem(1, S, H, Hkv, D, np.dtype(dtype).itemsize, True)
     per_node = min(P, args.ranks_per_node)
     cluster = costmodel.Cluster(max(1, P // per_node), per_node)
@@ -144,7 +146,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
             row[pass_] = seconds
             row[f"{pass_}_tflops_per_gpu"] = flops * PASS_FLOPS[pass_] / P / seconds / 1e12
             row[f"{pass_}_predicted_tflops_per_gpu"] = flops * PASS_FLOPS[pass_] / P / predicted / 1e12
-            row[f"{pass_}_predicted_exposed"] = sum(p.time - p.compute for p in pred) / predicted
+            row[f"{pass_}_predicted_exposed"] = sum(max(0.0, p.waited) for p in pred) / predicted
         if args.check:
             gathered = comm.gather(o.get() if hasattr(o, "get") else o)
             if r == 0:

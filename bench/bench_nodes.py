@@ -19,6 +19,7 @@ from mpi4py import MPI
 
 import burst_hpc
 from burst_hpc.plan import costmodel
+from burst_hpc.plan.rates import Rates
 from burst_hpc.plan.accounting import attention_flops, visible_pairs
 from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.dtypes import parse_dtype
@@ -80,7 +81,7 @@ def main():
     all_compute = next(r[2][1] for r in rows if r[:2] == ("ring", "fwdbwd"))
     network = setting()
     flops = [attention_flops(1, args.heads, args.head_dim, visible_pairs(pr.seqlen, args.causal), b) for b in (0, 1)]
-    rates = costmodel.Rates("this run", flops[0] / cl.ranks / fwd_compute / 1e12,
+    rates = Rates("this run", flops[0] / cl.ranks / fwd_compute / 1e12,
                             flops[1] / cl.ranks / max(all_compute - fwd_compute, 1e-12) / 1e12,
                             args.intra_gbps, network[0] / 1e9 if network else args.inter_gbps, 10.0,
                             network[1] * 1e6 if network else 10.0)

@@ -12,6 +12,7 @@ import numpy as np
 
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
+from burst_hpc.plan.rates import GPU_RATES
 from burst_hpc.plan.workload import documents
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
@@ -46,7 +47,7 @@ def balance_table(kind, ranks_list, seeds, causal, tokens):
 
 
 def prediction_table(ranks_list, tokens, per_node=8):
-    rates = costmodel.GPU_RATES["H100"]
+    rates = GPU_RATES["H100"]
     lines = [f"\nPredicted, documents up to S/4 (seed 0), causal, bf16, D = 128, Hq = 64, Hkv = 8, {tokens} tokens "
              f"per GPU, {per_node} GPUs a node, H100 rates ({rates.fwd_tflops:g} / {rates.bwd_tflops:g} TFLOP/s, "
              f"{rates.intra_gbps:g} GB/s NVLink, {rates.inter_gbps:g} GB/s network): TFLOP/s per GPU over the "

@@ -346,7 +346,7 @@ def _agree_command(signature=None, error=None):
 
 def build_parser():
     from .plan.layout import LAYOUTS
-    from .plan.costmodel import GPU_RATES
+    from .plan.rates import GPU_RATES
     from .plan.schemes import SCHEMES
     from .transport import TRANSPORTS
 
@@ -523,8 +523,11 @@ def build_parser():
                        "path over the mean work, TFLOP/s per GPU, bytes per GPU over the network, peak memory per "
                        "rank, and the fewest tokens per GPU at which it hides its communication, all from one "
                        "step-by-step model of the schedules; the pick is the fastest row (burst_hpc.choose_layout "
-                       "names its layout; scheme='auto' runs its scheme in it). Rates: the built-in table of --gpu with any of them overridden, or --measure under "
-                       "mpiexec (one kernel timing, one exchange over each link class)."),
+                       "names its layout; scheme='auto' runs its scheme in it). Rates: the built-in table of --gpu (its fixed "
+                       "costs as 'burst-hpc compile' measured them on this machine, where it did) with any of them "
+                       "overridden, or --measure under mpiexec (one kernel timing, one exchange over each link class, "
+                       "the fixed costs). Fixed costs: each block call, each ring step and each message pays one; the "
+                       "column 'fixed costs' is what they add to the predicted time."),
                        epilog="example: burst-hpc plan --seqlen 1048576 --heads 32 --kv-heads 8 --causal --nodes 32 "
                        "--gpus-per-node 8 --gpu H100 --inter-gbps 50")
     p.add_argument("--seqlen", type=positive_int, required=True, help="S, tokens in the whole sequence (required)")
@@ -555,8 +558,11 @@ def build_parser():
                              ("bwd-tflops", "backward kernel TFLOP/s", positive_float),
                              ("intra-gbps", "GB/s per GPU inside a node", positive_float),
                              ("inter-gbps", "GB/s per GPU between nodes", positive_float),
-                             ("intra-latency-us", "latency inside a node (us)", nonnegative_float),
-                             ("inter-latency-us", "latency between nodes (us)", nonnegative_float)):
+                             ("intra-latency-us", "fixed cost of a message inside a node (us)", nonnegative_float),
+                             ("inter-latency-us", "fixed cost of a message between nodes (us)", nonnegative_float),
+                             ("fwd-launch-us", "fixed cost of a forward block call (us)", nonnegative_float),
+                             ("bwd-launch-us", "fixed cost of a backward block call (us)", nonnegative_float),
+                             ("step-us", "fixed cost of a ring step (us)", nonnegative_float)):
         p.add_argument(f"--{name}", type=kind, default=None, help=f"override the {unit}")
     p.add_argument("--measure", action="store_true", help="measure the rates here, under mpiexec")
     p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="W",
@@ -579,7 +585,10 @@ def build_parser():
               "first calls compile nothing ('burst-hpc info' lists what the cache holds; a job with "
               "BURST_HPC_NO_JIT=1 refuses to compile). Runs on a GPU node of the kind the jobs use; under 'mpiexec "
               "-n P' the ranks of a node share the compiles out. Each kernel is compiled once per cache directory, "
-              "whatever number of processes or jobs share it."))
+              "whatever number of processes or jobs share it. Then it measures the cost model's fixed costs here "
+              "(a block call's launch, a ring step, a message between ranks 0 and 1 under mpiexec) and keeps them "
+              "beside the kernels (fixed-costs-MODEL-VERSION.json), where burst_hpc.choose_layout, scheme='auto' "
+              "and 'burst-hpc plan --gpu MODEL' read them."))
     p.add_argument("--family", action="append", choices=("sm90", "sm80"),
                    help="a kernel family, repeatable (default: those this GPU runs)")
     p.add_argument("--head-dim", action="append", type=positive_int, metavar="D",
@@ -589,20 +598,40 @@ def build_parser():
                    "bfloat16 kernels (default: bfloat16 and float16)")
     p.add_argument("--pass", dest="passes", action="append", choices=("fwd", "bwd"),
                    help="forward or backward kernels only (default: both)")
+    p.add_argument("--backend", choices=("cuda", "numpy"), default="cuda",
+                   help="cuda (the default): compile the kernels, then measure the cost model's fixed costs on "
+                   "this GPU; numpy: compile nothing, measure the CPU path's fixed costs")
+    p.add_argument("--transport", choices=TRANSPORTS, default="auto",
+                   help="the transport whose message latency and step cost are measured (default auto)")
     _add_clean(sub)
     return parser
 
 
 def cmd_compile(args):
-    from .backends.cuda.backend import compile_ahead
+    from .plan.calibrate import calibrate
 
     comm = Alone() if mpi_problem() is not None else _world()
-    line = compile_ahead(args.family, args.head_dim, args.dtype, tuple(args.passes or ("fwd", "bwd")), comm)
+    if args.backend == "cuda":
+        from .backends.cuda.backend import compile_ahead
+
+        line = compile_ahead(args.family, args.head_dim, args.dtype, tuple(args.passes or ("fwd", "bwd")), comm)
+        if comm.rank == 0:
+            print(line, flush=True)
+        line = _collective(warm_verification, args.dtype, comm)
+        if comm.rank == 0 and line:
+            print(line, flush=True)
+    from .device import gpu_count
+
+    if args.backend == "cuda" and not all(comm.allgather(bool(gpu_count()))):
+        if comm.rank == 0:
+            print("fixed costs: not measured (no GPU here; the cost model keeps its built-in ones)", flush=True)
+        return 0
+    # the block calls on a kernel just compiled: the first head dim and dtype asked for
+    model, costs, path = _collective(calibrate, args.backend, comm if comm.size > 1 else None, args.transport,
+                                     (args.head_dim or [128])[0], (args.dtype or ["bfloat16"])[0])
     if comm.rank == 0:
-        print(line, flush=True)
-    line = _collective(warm_verification, args.dtype, comm)
-    if comm.rank == 0 and line:
-        print(line, flush=True)
+        print(f"fixed costs of {model} ({', '.join(f'{k} {v:.3g}' for k, v in sorted(costs.items()))}): {path}",
+              flush=True)
     return 0
 
 
@@ -637,8 +666,9 @@ def _collective(fn, *args, **kwargs):
 def cmd_plan(args):
     from dataclasses import replace
 
-    from .plan import tables
-    from .plan.costmodel import GPU_RATES, Cluster
+    from .plan import calibrate, tables
+    from .plan.costmodel import Cluster
+    from .plan.rates import GPU_RATES
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
     cu_seqlens = _collective(tables.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,
@@ -653,8 +683,10 @@ def cmd_plan(args):
         nodes, per_node = args.nodes or topo.nodes, args.gpus_per_node or topo.per_node
     else:
         rates, nodes, per_node = GPU_RATES[args.gpu], args.nodes or 1, args.gpus_per_node or 8
+        rates = replace(rates, **(calibrate.load(args.gpu) or {}))   # fixed costs `burst-hpc compile` measured
     overrides = {f: getattr(args, f) for f in ("fwd_tflops", "bwd_tflops", "intra_gbps", "inter_gbps",
-                                               "intra_latency_us", "inter_latency_us") if getattr(args, f) is not None}
+                                               "intra_latency_us", "inter_latency_us", "fwd_launch_us",
+                                               "bwd_launch_us", "step_us") if getattr(args, f) is not None}
     rates = replace(rates, **overrides)
     cluster = Cluster(nodes, per_node)
     text, pick = _collective(tables.table, problem, cluster, rates, mask, args.layout)

@@ -140,6 +140,7 @@ def test_auto_keeps_the_flat_ring_on_one_node_and_schemes_agree(comm):
 def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
     """Counted by the benchmark transport (the scheme's ring; Ulysses' all-to-alls stay inside)."""
     from burst_hpc.plan import costmodel
+    from burst_hpc.plan.rates import GPU_RATES
     from burst_hpc.benchmark import RingBenchmark
 
     for nodes, w in cases(comm.size):
@@ -155,7 +156,7 @@ def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
         else:
             sent = bench.network_bytes()
         pr = costmodel.Problem(1, q.shape[1], hq, hkv, 8, 4, True)
-        model = costmodel.pass_prediction(scheme, pr, costmodel.Cluster(nodes, w), costmodel.GPU_RATES["cpu"], "zigzag",
+        model = costmodel.pass_prediction(scheme, pr, costmodel.Cluster(nodes, w), GPU_RATES["cpu"], "zigzag",
                                           None, backward)
         assert comm.allreduce(sent, op=max_op()) == model.network
 
@@ -172,6 +173,7 @@ def test_peak_memory_matches_the_cost_model(comm, scheme, backward):
     import tracemalloc
 
     from burst_hpc.plan import costmodel
+    from burst_hpc.plan.memory import peak_memory
     from burst_hpc.benchmark import RingBenchmark
 
     for nodes, w in cases(comm.size):
@@ -189,7 +191,7 @@ def test_peak_memory_matches_the_cost_model(comm, scheme, backward):
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         pr = costmodel.Problem(1, q.shape[1], hq, hkv, d, 4, True)
-        model = costmodel.peak_memory(scheme, pr, costmodel.Cluster(nodes, w), backward)
+        model = peak_memory(scheme, pr, costmodel.Cluster(nodes, w), backward)
         measured = comm.allreduce(peak, op=max_op()) + inputs
         assert abs(measured - model) <= 0.05 * model, (measured, model)
 

@@ -5,6 +5,7 @@ equal to the cost model's formula."""
 import pytest
 
 from burst_hpc.plan import costmodel
+from burst_hpc.plan.rates import GPU_RATES
 from burst_hpc.engine.ring import lifetimes
 from burst_hpc.plan.schedule import double_ring_steps, plain_ring_steps
 from burst_hpc.plan.topology import arrange
@@ -70,7 +71,7 @@ def test_bytes_on_the_network_equal_the_cost_model(nodes, w, backward, hq, hkv):
     n = pr.batch * pr.seqlen // cl.ranks
     near, returns = DIRECTIONS[costmodel.direction_of(pr, cl.ranks, "zigzag", None, backward)]
     assert near == ("q" if backward and hq == hkv else "kv")
-    rates = costmodel.GPU_RATES["H100"]
+    rates = GPU_RATES["H100"]
 
     def model(scheme):
         return costmodel.pass_prediction(scheme, pr, cl, rates, "zigzag", None, backward).network

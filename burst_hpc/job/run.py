@@ -170,6 +170,7 @@ def run(options, comm=None):
     except Exception as e:  # noqa: BLE001
         error = e
     agree(comm, error)
+    layout = comm.bcast(layout)   # rank 0's: the fixed costs each node measured (calibrate.py) may differ
     scale = options.scale if options.scale is not None else spec.head_dim ** -0.5
     pairs = visible_pairs(spec.seqlen, options.causal, mask)
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]

@@ -8,6 +8,8 @@
 - :mod:`.schedule`: the block pairs each rank runs at each ring step and what it sends to whom;
   :mod:`.balance`: the balanced layout's work dealt to ranks; :mod:`.workload`: the visible work per
   step and rank; :mod:`.schemes` and :mod:`.topology`: the schemes across nodes and the nodes;
-- :mod:`.accounting` and :mod:`.costmodel`: bytes, FLOPs and predicted times; :mod:`.tables`: the
-  ``burst-hpc plan`` verb's tables.
+- :mod:`.accounting` and :mod:`.costmodel`: bytes, FLOPs and predicted times; :mod:`.rates`: what the
+  model prices with (kernel and link rates, the fixed costs per block call, step and message);
+  :mod:`.calibrate`: those fixed costs measured here (``burst-hpc compile``); :mod:`.memory`: peak
+  memory per rank; :mod:`.tables`: the ``burst-hpc plan`` verb's tables.
 """

@@ -310,6 +310,7 @@ def resolve_scheme(name, topo, layout, causal, mask, q_shape, kv_heads, itemsize
     if topo is None or topo.nodes == 1:
         return "ring"
     from . import costmodel
+    from .rates import rates_for
 
     device_name = None
     if backend == "cuda":
@@ -319,6 +320,6 @@ def resolve_scheme(name, topo, layout, causal, mask, q_shape, kv_heads, itemsize
     batch, local, heads, head_dim = q_shape
     problem = costmodel.Problem(batch, local * topo.nodes * topo.per_node, heads, kv_heads, head_dim, itemsize, causal)
     choice = costmodel.pick(problem, costmodel.Cluster(topo.nodes, topo.per_node),
-                            costmodel.rates_for(backend, device_name), layout, mask, backward)
+                            rates_for(backend, device_name), layout, mask, backward)
     log.info("scheme auto -> %s (%d nodes x %d ranks)", choice, topo.nodes, topo.per_node)
     return choice

@@ -18,9 +18,10 @@ What cannot overlap is added: Ulysses' all-to-alls inside the node. Exposed comm
 predicted time - compute alone.
 
 ``predict`` prices one (scheme, layout); ``best`` the fastest of those that run; ``choose_layout``
-(public) is the layout of that pick, for a caller to shard by.
+(public) is the layout of that pick, for a caller to shard by. The rates: rates.py; peak memory:
+memory.py.
 """
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
@@ -28,28 +29,9 @@ import numpy as np
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from ..errors import BurstError, LayoutError
 from .layout import LAYOUTS, check_split, default_layout
+from .rates import rates_for
 
 
-@dataclass(frozen=True)
-class Rates:
-    name: str
-    fwd_tflops: float        # kernel rate, forward (FlashAttention count)
-    bwd_tflops: float        # kernel rate, backward
-    intra_gbps: float        # GB/s per GPU each way inside a node
-    inter_gbps: float        # GB/s per GPU each way between nodes (one NIC per GPU)
-    intra_latency_us: float = 10.0
-    inter_latency_us: float = 10.0
-
-
-# from docs/BENCHMARKS.md (sm90 kernels on H100 at D=128, S >= 16k: forward 580-620, backward 500-558
-# TFLOP/s with the FlashAttention-3-shaped backward; H200 scaled by its forward) and
-# ../shared/DEVICE.md (NVLink ring exchange 300-356 GB/s); 50 GB/s per GPU between nodes is a
-# 400 Gb/s NIC per GPU. "cpu" is this library's NumPy path on one host (emulated nodes).
-GPU_RATES = {
-    "H100": Rates("H100", 600.0, 520.0, 300.0, 50.0),
-    "H200": Rates("H200", 610.0, 530.0, 350.0, 50.0),
-    "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0),
-}
 SCHEMES = ("ring", "double_ring", "ulysses_ring")
 MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
@@ -97,20 +79,24 @@ def ulysses_kv_heads(pr, per_node):
 class PassPrediction:
     """One pass predicted step by step (``predict``)."""
     time: float          # seconds
-    compute: float       # seconds of the critical path's kernels (the busiest rank of every step)
-    mean: float          # seconds of the mean rank's kernels
+    compute: float       # seconds of the critical path's kernels (the busiest rank of every step), block calls' too
+    mean: float          # seconds of the mean rank's visible pairs at the kernel rate
     steps: int
     network: float       # bytes the busiest GPU sends over the network
+    fixed: float = 0.0   # seconds the fixed costs (launches, steps, messages) add to ``time``
+    stepping: float = 0.0   # seconds of the steps' own fixed costs (in ``time``, not waiting for transfers)
+    imbalance: float = 1.0  # the critical path's visible pairs over the mean rank's
+
+    @property
+    def waited(self):
+        """Seconds spent waiting for transfers: the time but the kernels and the steps' fixed costs."""
+        return self.time - self.compute - self.stepping
 
     @property
     def exposed(self):
         """Share of the time spent waiting for transfers."""
-        return max(0.0, self.time - self.compute) / self.time if self.time else 0.0
+        return max(0.0, self.waited) / self.time if self.time else 0.0
 
-    @property
-    def imbalance(self):
-        """Critical path over mean work."""
-        return self.compute / self.mean if self.mean else 1.0
 
 
 @dataclass(frozen=True)
@@ -128,8 +114,7 @@ class Prediction:
     @property
     def exposed(self):
         """Share of the forward+backward time spent waiting for transfers."""
-        waited = self.fwdbwd - self.fwd.compute - self.bwd.compute
-        return max(0.0, waited) / self.fwdbwd if self.fwdbwd else 0.0
+        return max(0.0, self.fwd.waited + self.bwd.waited) / self.fwdbwd if self.fwdbwd else 0.0
 
     @property
     def network(self):
@@ -183,7 +168,8 @@ def predict(scheme, pr, cl, rates, layout="zigzag", mask=None, scale=1):
 
 def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     """One pass of ``predict``; with ``scale`` an array, ``time`` and ``compute`` are arrays too (one
-    for each scale: hiding_tokens asks many at once)."""
+    for each scale: hiding_tokens asks many at once). ``fixed`` (scale 1 only, else 0): the seconds
+    the fixed costs add (the same pass priced without them, subtracted)."""
     from .workload import KINDS, account
 
     direction = direction_of(pr, cl.ranks, layout, mask, backward)
@@ -196,28 +182,56 @@ def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     per_pair = attention_flops(pr.batch, heads, pr.head_dim, 1.0, backward) / F
     sizes = transfer_bytes(heads, kv_heads, pr.head_dim, pr.itemsize, backward)
     nbytes = np.array([sizes[kind] * pr.batch for kind in KINDS])[acc.ends["kind"]] * acc.ends["tokens"]
-    links = np.array([[rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6],
-                      [rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6]])
-    critical = acc.work.max(axis=1) * per_pair
     scales = np.atleast_1d(np.asarray(scale, np.float64))
-    time = _run(acc, critical, nbytes / links[acc.ends["far"], 0], links[:, 1], scales)
+    costs = _Costs(acc, per_pair, nbytes, rates, backward)
+    time = costs.run(scales)
     if scheme == "ulysses_ring":
         time = time + _all_to_alls(pr, cl, rates, backward, scales)
     sent = acc.ends["far"].astype(bool) & acc.ends["out"].astype(bool)
     network = np.bincount(acc.ends["rank"][sent], nbytes[sent], minlength=1).max()
-    compute = critical.sum() * scales ** 2
-    mean = acc.work.sum() / cl.ranks * per_pair * scales ** 2
+    compute = costs.critical(scales).sum(axis=0)
+    mean = acc.work.sum() * per_pair * scales ** 2 / cl.ranks
+    fixed = 0.0
     if np.ndim(scale) == 0:
         time, compute, mean = float(time[0]), float(compute[0]), float(mean[0])
-    return PassPrediction(time, compute, mean, acc.work.shape[0], float(network))
+        fixed = time - float(costs.run(scales, fixed=False)[0])
+    work = acc.work.sum()
+    return PassPrediction(time, compute, mean, acc.work.shape[0], float(network), fixed, acc.work.shape[0] * costs.step,
+                          acc.work.max(axis=1).sum() * cl.ranks / work if work else 1.0)
 
 
-def _run(acc, critical, seconds, latency, scales):
-    """Seconds of the steps, for each of ``scales`` (the tokens per GPU scaled: compute by its
-    square, transfers by it): each step the larger of its busiest rank's kernels (``critical``) and
-    the arrival of every transfer due at its end; each link end carries its transfers one after
-    another in posting order (``seconds`` each, at scale 1), none before it is posted, a latency
-    (``latency`` by link class) once per step and end."""
+class _Costs:
+    """The prices of one pass's Account: its kernels' seconds per visible pair and per block call,
+    each transfer's seconds on its link and its message's fixed cost, each step's fixed cost."""
+
+    def __init__(self, acc, per_pair, nbytes, rates, backward):
+        links = np.array([[rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6],
+                          [rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6]])
+        self.acc, self.per_pair = acc, per_pair
+        self.seconds, self.latency = nbytes / links[acc.ends["far"], 0], links[acc.ends["far"], 1]
+        self.launch = (rates.bwd_launch_us if backward else rates.fwd_launch_us) * 1e-6
+        self.step = rates.step_us * 1e-6
+
+    def critical(self, scales, fixed=True):
+        """(steps, scales): each step's busiest rank's kernels (its work and, ``fixed``, its block calls)."""
+        work = self.acc.work[:, :, None] * self.per_pair * scales ** 2
+        if fixed and self.launch:
+            work = work + self.acc.launches[:, :, None] * self.launch
+        return work.max(axis=1)
+
+    def run(self, scales, fixed=True):
+        """Seconds of the pass for each of ``scales`` (``fixed``: with the fixed costs)."""
+        latency = self.latency if fixed else np.zeros_like(self.latency)
+        return _run(self.acc, self.critical(scales, fixed), self.seconds, latency, self.step if fixed else 0.0,
+                    scales)
+
+
+def _run(acc, critical, seconds, latency, step, scales):
+    """Seconds of the steps, for each of ``scales`` (the tokens per GPU scaled: transfers by it;
+    ``critical`` (steps, scales) each step's busiest rank's kernels at each scale): each step the
+    larger of those kernels and the arrival of every transfer due at its end, then its fixed cost
+    ``step``; each link end carries its messages one after another in posting order (``seconds``
+    each at scale 1, plus its message's fixed cost ``latency``), none before it is posted."""
     steps = _link_steps(acc)
     free = np.zeros((4 * acc.work.shape[1], scales.size))   # when each (rank, far, out) link end is next free
     arrived = np.zeros((len(critical), scales.size))
@@ -225,21 +239,21 @@ def _run(acc, critical, seconds, latency, scales):
     for t, compute in enumerate(critical):
         start = time
         if t in steps:
-            rows, ends, counts, last, far, by_due, dues, due_starts = steps[t]
-            carried = np.cumsum(seconds[rows, None] * scales, axis=0)   # within a step, end after end
+            rows, ends, counts, last, by_due, dues, due_starts = steps[t]
+            carried = np.cumsum(seconds[rows, None] * scales + latency[rows, None], axis=0)   # end after end
             before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
-            begin = np.maximum(start, free[ends]) + latency[far, None] - before
+            begin = np.maximum(start, free[ends]) - before
             done = np.repeat(begin, counts, axis=0) + carried
             free[ends] = done[last]
             arrived[dues] = np.maximum(arrived[dues], np.maximum.reduceat(done[by_due], due_starts, axis=0))
-        time = np.maximum(start + compute * scales ** 2, arrived[t])
+        time = np.maximum(start + compute, arrived[t]) + step
     return time
 
 
 @lru_cache(maxsize=64)
 def _link_steps(acc):
     """{step: (rows of acc.ends it posts, their link ends (rank, far, out) as indices, how many rows
-    each end has, the last row of each, each end's far flag, the rows (of those) by due step, the
+    each end has, the last row of each, the rows (of those) by due step, the
     due steps, where each due step's rows start)}."""
     ends = acc.ends
     key = ends["rank"] * 4 + ends["far"] * 2 + ends["out"]
@@ -251,7 +265,7 @@ def _link_steps(acc):
         by_due = np.argsort(ends["due"][rows], kind="stable")
         due = ends["due"][rows][by_due]
         due_starts = np.flatnonzero(np.diff(due, prepend=-1) != 0)
-        out[int(t)] = (rows, key[rows][first], counts, first + counts - 1, ends["far"][rows][first], by_due,
+        out[int(t)] = (rows, key[rows][first], counts, first + counts - 1, by_due,
                        due[due_starts], due_starts)
     return out
 
@@ -328,7 +342,7 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zi
     def hidden(units):
         passes = [pass_prediction(scheme, pr, cl, rates, layout, mask, b, units * 64 / tokens)
                   for b in ((False, True) if backward else (False,))]
-        return sum(p.time - p.compute for p in passes) <= within * sum(p.compute for p in passes)
+        return sum(p.waited for p in passes) <= within * sum(p.compute for p in passes)
 
     lo, hi = 1, 1 << 18   # units of 64 tokens
     if not hidden(np.array([hi]))[0]:
@@ -340,21 +354,6 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zi
             return int(grid[0]) * 64
         lo, hi = int(grid[first - 1]) + 1, int(grid[first])
     return lo * 64
-
-
-def rates_for(backend_name, device_name=None):
-    """The built-in rates for this call's device (the GPU model named in ``device_name``, else H100),
-    with the network's rate and latency of BURST_HPC_EMULATE_NETWORK when it is set."""
-    from ..config import emulated_network as setting
-
-    rates = GPU_RATES["cpu"] if backend_name != "cuda" else GPU_RATES["H100"]
-    for model in ("H200", "H100"):
-        if backend_name == "cuda" and device_name and model in device_name:
-            rates = GPU_RATES[model]
-    network = setting()
-    if network is not None:
-        rates = replace(rates, inter_gbps=network[0] / 1e9, inter_latency_us=network[1] * 1e6)
-    return rates
 
 
 def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, heads=32, kv_heads=None,
@@ -384,7 +383,7 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
         The scheme the call names (auto: each layout with the scheme it would pick).
     backward : bool
         Price the backward pass too (a training step: the forward and backward calls share shards).
-    rates : Rates, optional
+    rates : burst_hpc.plan.rates.Rates, optional
         Overrides ``backend``'s rates.
 
     Returns
@@ -416,55 +415,3 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
         raise BurstError(f"{size} ranks do not fill nodes of {ranks_per_node}")
     cl = Cluster(size // per_node, per_node)
     return best(pr, cl, rates or rates_for(backend), mask, scheme=scheme, backward=backward)[0].layout
-
-
-def _schedule(scheme, cl, near, returns):
-    """Position 0's schedule under ``scheme`` (every position holds as many buffers)."""
-    from .schedule import double_ring_steps, plain_ring_steps
-
-    if scheme == "double_ring":
-        return double_ring_steps(0, cl.nodes, cl.per_node, near, returns)
-    return plain_ring_steps(0, cl.nodes if scheme == "ulysses_ring" else cl.ranks, near, returns)
-
-
-def _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers):
-    """Bytes one ring call allocates at its peak (inputs excluded): float32 accumulators (float64
-    for float64 inputs) and delta (backward), plus the larger of the receive and partial buffers
-    the schedule holds at once (``buffers``: {"data": n, "partial": n} of the side that travels)
-    and the outputs in the input dtype (made after the ring has given its buffers back)."""
-    acc = 8 if it == 8 else 4
-    if not backward:
-        results = heads * (d + 1) * acc                    # o, lse
-        travelling = 2 * kv_heads * d * it                 # k, v
-        return tokens * (results + max(buffers["data"] * travelling + buffers["partial"] * results,
-                                       heads * (d * it + 4)))
-    kv_res, q_res = 2 * kv_heads * d * acc, heads * d * acc                        # dk, dv; dq
-    kv_data, q_data = 2 * kv_heads * d * it, heads * (2 * d * it + 4 + acc)        # k, v; q, do, lse, delta
-    data, partial = (kv_data, kv_res) if buffers["side"] == "kv" else (q_data, q_res)
-    return tokens * (kv_res + q_res + heads * acc + max(buffers["data"] * data + buffers["partial"] * partial,
-                                                        (heads + 2 * kv_heads) * d * it))
-
-
-def peak_memory(scheme, pr, cl, backward=False):
-    """Bytes per rank of the inputs and what one call allocates at its peak (the ring's buffers as
-    the engine holds them, ring.lifetimes, plus accumulators and outputs). Ulysses adds the node's
-    gathered inputs (held twice while they are joined) and runs its ring on w times the tokens
-    for 1/w of the heads. Kernel workspace (none on the GPU) is not counted."""
-    from ..engine.ring import lifetimes
-
-    it, d = pr.itemsize, pr.head_dim
-    n = pr.batch * pr.seqlen // cl.ranks
-    heads, kv_heads, tokens = pr.heads, pr.kv_heads, n
-    inputs = n * (heads + 2 * kv_heads) * d * it * (2 if backward else 1) + (n * heads * 4 if backward else 0)
-    extra = 0
-    if scheme == "ulysses_ring":
-        heads, kv_heads, tokens = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node), n * cl.per_node
-        extra = 2 * tokens * (heads + 2 * kv_heads) * d * it * (2 if backward else 1)
-    if backward:
-        data, partial = token_bytes(pr, True, heads, kv_heads)
-        near = "kv" if data == 2 * kv_heads * d * it else "q"
-        returns = ("kv", "q")
-    else:
-        near, returns = "kv", ("q",)
-    buffers = dict(lifetimes(_schedule(scheme, cl, near, returns), 0)[2], side=near)
-    return inputs + extra + _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers)

@@ -2,17 +2,20 @@
 
 One row per (layout, scheme), every number from the one step-by-step model (costmodel.predict):
 predicted forward and forward+backward time, the communication left exposed (time - compute
-alone), the steps, the critical path over the mean work, TFLOP/s per GPU of the visible pairs,
+alone - the steps' fixed costs), what the fixed costs (block calls, steps, messages) add, the steps, the critical path over the mean work, TFLOP/s per GPU of the visible pairs,
 bytes the busiest GPU sends over the network (forward+backward), peak memory per rank (forward /
 backward call), and the fewest tokens per GPU at which the row hides its communication (within 5%
 of compute; forward / forward+backward). The pick is the fastest row: the layout
 ``burst_hpc.choose_layout`` names, with the scheme ``scheme="auto"`` runs in it.
 """
 import math
+from dataclasses import replace
 
 import numpy as np
 
 from . import costmodel
+from .memory import peak_memory
+from .rates import rates_for
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 from ..errors import BurstError, MaskError, ShapeError
 from .layout import LAYOUTS
@@ -49,23 +52,23 @@ def table(pr, cl, rates, mask=None, layout=None):
     a call with scheme='auto' in the layout costmodel.choose_layout names runs)."""
     layouts = LAYOUTS if layout is None else (layout,)
     pick, found = costmodel.best(pr, cl, rates, mask, layouts, scheme="auto" if cl.nodes > 1 else "ring")
-    head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | steps fwd / bwd | "
-            "critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | peak GiB/rank fwd / bwd | "
-            "hides from (tokens/GPU) fwd / fwd+bwd | |")
-    lines = [head, "|" + "---|" * 13]
+    head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | fixed costs (ms) fwd / bwd | "
+            "steps fwd / bwd | critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | "
+            "peak GiB/rank fwd / bwd | hides from (tokens/GPU) fwd / fwd+bwd | |")
+    lines = [head, "|" + "---|" * 14]
     for (name, scheme), p in found.items():
         if isinstance(p, str):
-            lines.append(f"| {name} | {scheme} | - | - | - | - | - | - | - | - | - | - | does not fit: {p} |")
+            lines.append(f"| {name} | {scheme} | - | - | - | - | - | - | - | - | - | - | - | does not fit: {p} |")
             continue
         times = (p.fwd.compute, p.bwd.compute, p.fwd.time, p.bwd.time)
         if not all(math.isfinite(t) and t > 0 for t in times):
             raise BurstError(f"the cost model leaves the floating-point range with these sizes and rates ({scheme}: "
                              f"forward compute {p.fwd.compute:.3g} s, time {p.fwd.time:.3g} s)")
         flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * x.mean / x.time for b, x in ((0, p.fwd), (1, p.bwd))]
-        peak = [_gib(costmodel.peak_memory(scheme, pr, cl, b)) for b in (False, True)]
+        peak = [_gib(peak_memory(scheme, pr, cl, b)) for b in (False, True)]
         hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=name, mask=mask)) for b in (False, True)]
         lines.append(f"| {name} | {scheme} | {p.fwd.time:.3g} | {p.fwd.exposed:.1%} | {p.fwdbwd:.3g} | {p.exposed:.1%} | "
-                     f"{p.fwd.steps} / {p.bwd.steps} | {p.fwd.imbalance:.2f} | {flops[0]:.0f} / {flops[1]:.0f} | "
+                     f"{p.fwd.fixed * 1e3:.3g} / {p.bwd.fixed * 1e3:.3g} | {p.fwd.steps} / {p.bwd.steps} | {p.fwd.imbalance:.2f} | {flops[0]:.0f} / {flops[1]:.0f} | "
                      f"{p.network / 1e9:.3g} | {peak[0]:.2f} / {peak[1]:.2f} | {hides[0]} / {hides[1]} | "
                      f"{'**pick**' if p is pick else ''} |")
     return "\n".join(lines), pick
@@ -80,13 +83,16 @@ def describe(pr, cl, rates, mask=None):
             f"({pr.seqlen // cl.ranks} tokens/GPU), B={pr.batch}, Hq={pr.heads}, Hkv={pr.kv_heads} ({kind}), "
             f"D={pr.head_dim}, {pr.itemsize}-byte elements, {shown}; rates: {rates.fwd_tflops:g} / "
             f"{rates.bwd_tflops:g} TFLOP/s fwd / bwd, {rates.intra_gbps:g} GB/s inside a node, "
-            f"{rates.inter_gbps:g} GB/s between nodes ({rates.inter_latency_us:g} us)")
+            f"{rates.inter_gbps:g} GB/s between nodes; fixed costs: {rates.fwd_launch_us:g} / {rates.bwd_launch_us:g} us "
+            f"a block call fwd / bwd, {rates.step_us:g} us a step, {rates.intra_latency_us:g} / "
+            f"{rates.inter_latency_us:g} us a message inside / between nodes")
 
 
 def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     """Rates measured here, collectively under mpiexec: one kernel timing forward and backward
     (this rank's device, ``tokens`` tokens of the problem's heads) and one exchange over each link
-    class (local ranks 0 and 1 of the first node; local rank 0 of the first two nodes)."""
+    class (local ranks 0 and 1 of the first node; local rank 0 of the first two nodes); the fixed
+    costs of block calls and steps those of rates.rates_for (measured by `burst-hpc compile`)."""
     import time
 
     import numpy as np
@@ -99,11 +105,13 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     dtype = np.float32 if pr.itemsize >= 4 else np.float16
     q = rng.standard_normal((1, tokens, pr.heads, pr.head_dim)).astype(dtype)
     k = rng.standard_normal((1, tokens, pr.kv_heads, pr.head_dim)).astype(dtype)
+    on_gpu, device = False, None
     try:
         import cupy
 
         q, k = cupy.asarray(q), cupy.asarray(k)
         sync = cupy.cuda.get_current_stream().synchronize
+        on_gpu, device = True, cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     except Exception:  # noqa: BLE001
         sync = lambda: None  # noqa: E731
     flops = attention_flops(1, pr.heads, pr.head_dim, visible_pairs(tokens, pr.causal))
@@ -142,10 +150,12 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
 
     intra = link(0, 1) if topo.per_node > 1 else None
     inter = link(0, topo.per_node) if topo.nodes > 1 else None
-    base = costmodel.GPU_RATES["H100"]
-    return costmodel.Rates("measured", fwd, bwd, *(intra or (base.intra_gbps, None))[:1],
-                           *(inter or (base.inter_gbps, None))[:1],
-                           (intra or (0, base.intra_latency_us))[1], (inter or (0, base.inter_latency_us))[1]), topo
+    # the block calls' and steps' fixed costs: as `burst-hpc compile` measured them here, else built in
+    base = rates_for("cuda" if on_gpu else "numpy", device)
+    return replace(base, name="measured", fwd_tflops=fwd, bwd_tflops=bwd,
+                   intra_gbps=intra[0] if intra else base.intra_gbps, inter_gbps=inter[0] if inter else base.inter_gbps,
+                   intra_latency_us=intra[1] if intra else base.intra_latency_us,
+                   inter_latency_us=inter[1] if inter else base.inter_latency_us), topo
 
 
 def read_cu_seqlens(path):

@@ -68,15 +68,19 @@ class Account:
     """A pass of one scheme as its schedule runs it (``account``): what the cost model prices.
 
     ``work`` (steps, ranks) int64: the visible (query, key) pairs each rank computes at each step
-    (Ulysses: for its share of the heads, on its node's tokens). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
+    (Ulysses: for its share of the heads, on its node's tokens); ``launches`` (steps, ranks) int64:
+    the block calls it makes for them (schedule.block_pairs: one per block pair the engine runs, each
+    with its fixed cost). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
     the step that posts it, then by link end, then as the engine posts them (by due step):
     ``posted``, ``due``, ``rank``, ``far`` (between nodes), ``out`` (the sender's end, else the
     receiver's), ``kind`` (an index into KINDS) and ``tokens``. A ring and a double ring are the
     same at every rank up to a rotation, so only some ranks' ends are listed (the ranks of one
     node for the ring: whether a neighbour is across the network depends on the local rank; one
     rank for the double ring and Ulysses, whose rails are alike); the balanced schedule lists
-    every rank's."""
+    every rank's. Every row of ``ends`` is one message at one end: the count of messages a step
+    posts, and their bytes, are what the cost model charges a link for."""
     work: np.ndarray
+    launches: np.ndarray
     ends: dict
 
 
@@ -96,13 +100,13 @@ def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None
         return _balanced_account(counted, size, near, returns, node_list(size, per_node), per_node)
     if scheme == "ring":
         template = schedule_steps(layout, causal, 0, size, near, returns, mask, seqlen, None)
-        pairs = masks.pair_work(counted, size, layout)
+        pairs = masks.pair_work(counted, size, layout), pair_launches(counted, size, layout)
         return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
     if scheme == "double_ring":
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         template = double_ring_steps(0, nodes, w, near, returns, rounds)
-        pairs = masks.pair_work(counted, size, layout)
+        pairs = masks.pair_work(counted, size, layout), pair_launches(counted, size, layout)
         return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
                         shard, w, 1)
     if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
@@ -110,21 +114,24 @@ def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None
                             lambda p, o: [(p - o) % nodes])
         template = plain_ring_steps(0, nodes, near, returns, count)
         pairs = position_pairs(counted, layout, range(size), w)
-        node_account = _rotated(template, pairs, lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
-        return replace(node_account, work=np.repeat(node_account.work, w, axis=1))
+        calls = position_launches(counted, layout, size, w)
+        node_account = _rotated(template, (pairs, calls), lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
+        return replace(node_account, work=np.repeat(node_account.work, w, axis=1),
+                       launches=np.repeat(node_account.launches, w, axis=1))
     raise BurstError(f"unknown scheme {scheme!r}")
 
 
 def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
     """The Account of a schedule that every position runs rotated (``rotate(x, r)``: what position
-    0's ``x`` is at position r), from position 0's steps ``template`` and the visible pairs of
-    every (query, key) pair of shards ``pairs``; the link ends of positions 0..``shown``-1 (ranks
-    ``per_node`` a node), shards of ``tokens`` tokens."""
+    0's ``x`` is at position r), from position 0's steps ``template`` and the visible pairs and the
+    block calls of every (query, key) pair of shards ``pairs`` (two arrays); the link ends of
+    positions 0..``shown``-1 (ranks ``per_node`` a node), shards of ``tokens`` tokens."""
     every = np.arange(positions)
-    work = np.zeros((len(template), positions), np.int64)
+    work, launches = (np.zeros((len(template), positions), np.int64) for _ in range(2))
     for t, step in enumerate(template):
         for v in step.visits:
-            work[t] += pairs[rotate(v.q_shard, every), rotate(v.kv_shard, every)]
+            work[t] += pairs[0][rotate(v.q_shard, every), rotate(v.kv_shard, every)]
+            launches[t] += pairs[1][rotate(v.q_shard, every), rotate(v.kv_shard, every)]
     ends = {}
     for r in range(shown):
         for t, step in enumerate(template):
@@ -134,23 +141,39 @@ def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
                     ends.setdefault(t, []).append((t if m.due is None else m.due, r, far, end, m.what, m.side,
                                                    tokens if m.rows is None else m.rows[1] - m.rows[0]))
     work.setflags(write=False)
-    return Account(work, _in_order(ends))
+    launches.setflags(write=False)
+    return Account(work, launches, _in_order(ends))
 
 
 def _balanced_account(mask, size, near, returns, nodes, per_node):
-    _, work = balance.work_plan(mask, size, near, returns, None, nodes)
+    plan, work = balance.work_plan(mask, size, near, returns, None, nodes)
     count, moves = schedule.work_transfers(mask, size, near, returns, nodes)
-    full = np.zeros((count, size), np.int64)
+    full, calls = np.zeros((count, size), np.int64), np.zeros((count, size), np.int64)
     full[:len(work)] = work
-    full.setflags(write=False)
     chunk = mask.seqlen // size
+    visits = np.array([(t, r, i * chunk + lo, i * chunk + hi, j * chunk) for r, steps in enumerate(plan)
+                       for t, step in enumerate(steps) for i, j, lo, hi in step], np.int64).reshape(-1, 5)
+    t, r, first_row, end_row, first_key = visits.T
+    np.add.at(calls, (t, r), _seen(mask, first_row, end_row, first_key, first_key + chunk))
+    full.setflags(write=False)
+    calls.setflags(write=False)
     ends = {}
     for posted, sender, receiver, what, side, _, rows, due in moves:
         far = nodes is not None and nodes[sender] != nodes[receiver]
         tokens = chunk if rows is None else rows[1] - rows[0]
         for end, rank in (("out", sender), ("in", receiver)):
             ends.setdefault(posted, []).append((due, rank, far, end, what, side, tokens))
-    return Account(full, _in_order(ends))
+    return Account(full, calls, _in_order(ends))
+
+
+def _seen(mask, first_row, end_row, first_key, end_key):
+    """1 where some query row of [first_row, end_row) sees a key of [first_key, end_key), else 0 (arrays):
+    a visit of one piece against one piece makes one block call or none (Mask.classify, for many at
+    once: the rows' intervals never shrink)."""
+    lo, hi = mask.intervals
+    first = np.clip(np.searchsorted(hi, first_key, side="right"), first_row, end_row)
+    last = np.clip(np.searchsorted(lo, end_key, side="left"), first_row, end_row)
+    return (first < last).astype(np.int64)
 
 
 def _in_order(ends):
@@ -161,6 +184,30 @@ def _in_order(ends):
     columns = np.array(rows, np.int64).reshape(-1, 8).T
     return {name: columns[n] for n, name in enumerate(("posted", "rank", "far", "out", "due", "order", "kind", "tokens"))
             if name != "order"}
+
+
+@lru_cache(maxsize=16)
+def pair_launches(mask, size, layout):
+    """(size, size) int64, read-only: the block calls of rank a's queries against rank b's keys, as
+    the engine makes them (schedule.block_pairs: hidden pairs make none; ``mask`` as pair_work takes
+    it). Only the pairs with visible work are asked."""
+    owned = [tuple(pieces(mask.seqlen, r, size, layout)) for r in range(size)]
+    visible = masks.pair_work(mask, size, layout)
+    out = np.zeros((size, size), np.int64)
+    for a, b in zip(*np.nonzero(visible)):
+        out[a, b] = len(schedule.block_pairs(owned[a], owned[b], mask.causal, mask))
+    out.setflags(write=False)
+    return out
+
+
+def position_launches(mask, layout, size, per_node):
+    """pair_launches of Ulysses' positions (a node's ``per_node`` shards joined, schemes.position_pairs):
+    the block calls of every (query, key) pair of shards of the positions, summed. An upper bound: the
+    engine runs a position's joined pieces through one block_pairs, which fuses neighbouring full pairs
+    into fewer calls (counting those exactly takes seconds at 16 nodes of 8)."""
+    calls = pair_launches(mask, size, layout)
+    nodes = size // per_node
+    return calls.reshape(nodes, per_node, nodes, per_node).sum(axis=(1, 3))
 
 
 def node_list(size, per_node):
