@@ -595,6 +595,7 @@ def build_parser():
 
 def cmd_compile(args):
     from .backends.cuda.backend import compile_ahead
+    from .job.verify_warm import warm_verification
 
     comm = Alone() if mpi_problem() is not None else _world()
     line = compile_ahead(args.family, args.head_dim, args.dtype, tuple(args.passes or ("fwd", "bwd")), comm)
@@ -604,25 +605,6 @@ def cmd_compile(args):
     if comm.rank == 0 and line:
         print(line, flush=True)
     return 0
-
-
-def warm_verification(dtypes, comm):
-    """Collective: run --verify's CuPy kernels once on every rank's GPU (verify.warm) so that a job's
-    verification compiles nothing; '' where there is no GPU."""
-    from .job import verify
-    from .device import gpu_count
-
-    error, seconds = None, None
-    try:
-        if gpu_count():
-            seconds = verify.warm([parse_dtype(n) for n in dict.fromkeys(dtypes or ("bfloat16", "float16"))])
-    except Exception as e:  # noqa: BLE001
-        error = e if isinstance(e, BurstError) else BurstError(f"warming the verification's kernels failed: {describe(e)}")
-    agree(comm, error)
-    every = comm.allgather(seconds) if comm.size > 1 else [seconds]
-    if any(s is None for s in every):
-        return ""
-    return f"verification kernels: compiled into CuPy's cache (CUPY_CACHE_DIR); {max(every):.1f} s"
 
 
 def _collective(fn, *args, **kwargs):

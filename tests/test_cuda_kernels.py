@@ -30,7 +30,7 @@ from burst_hpc.plan import masks  # noqa: E402
 from burst_hpc.backends import cuda, get_backend  # noqa: E402
 from burst_hpc.errors import BackendError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference  # noqa: E402
-from burst_hpc.job.verify import plain_attention  # noqa: E402
+from burst_hpc.tolerance import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 _FAMILIES = cuda.kernel_families() if _NGPU else ()
