@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from burst_hpc import cli, io, tolerance
+from burst_hpc.cli_delivery import EXIT_MISMATCH
 from burst_hpc.job import verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.reference import attention_backward_reference, attention_reference
@@ -77,7 +78,7 @@ def test_mismatch_exits_3_and_marks_the_output_failed(tmp_path, monkeypatch):
         return o + 1, lse
 
     monkeypatch.setattr(RingPasses, "forward", broken)
-    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == cli.EXIT_MISMATCH
+    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == EXIT_MISMATCH
     assert dst.exists() and not list(tmp_path.glob("*.tmp*"))
     marks = verify.recorded(dst)
     assert marks["verify"] == "fail" and marks["verify_mode"] == "full", marks
