@@ -29,7 +29,7 @@ from .collective import (HOW_TO_GET_MPI, Alone, abort_world, agree, describe, la
                          world as _world)
 from .dtypes import dtype_name, parse_dtype
 from .errors import BurstError, FileError, UsageError, say
-from .job import safety
+from .job import leftovers, safety
 
 
 def cmd_info(args):
@@ -51,7 +51,7 @@ def cmd_gen(args):
     err = None
     if rank == 0:
         try:
-            for line in safety.stale_note(args.output):
+            for line in leftovers.stale_note(args.output):
                 sys.stderr.write(line + "\n")
             dtype = parse_dtype(args.dtype)
             total = args.batch * args.seqlen
@@ -180,7 +180,7 @@ def cmd_check(args):
 
 
 def cmd_clean(args):
-    print("\n".join(safety.clean(args.output, args.dry_run, args.force)), flush=True)
+    print("\n".join(leftovers.clean(args.output, args.dry_run, args.force)), flush=True)
     return 0
 
 

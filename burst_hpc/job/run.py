@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import config, io
-from . import report, safety, verify
+from . import leftovers, report, safety, verify
 from ..plan import masks
 from ..plan.accounting import attention_flops, visible_pairs
 from ..plan.callplan import CallPlan
@@ -180,7 +180,7 @@ def run(options, comm=None):
 
     # create the output (the path is checked there, before any data is read)
     if rank == 0:
-        for line in safety.stale_note(options.output):
+        for line in leftovers.stale_note(options.output):
             sys.stderr.write(line + "\n")
     datasets = io.output_datasets(spec, options.backward)
     attrs = {"kind": "outputs", "causal": bool(options.causal), "scale": float(scale),
