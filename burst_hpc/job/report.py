@@ -85,12 +85,6 @@ def output_attrs(report, scale):
             "run_versions": json.dumps(report["versions"], sort_keys=True), "run_warmup": bool(report["warmup"])}
 
 
-def fixed_attrs(report):
-    """The attributes of the report known before any work: the device, the versions, the warm-up."""
-    return {"run_device": report["device"], "run_versions": json.dumps(report["versions"], sort_keys=True),
-            "run_warmup": bool(report["warmup"])}
-
-
 def recorded_mask(attrs):
     """(causal, window, scale) as an output's attributes (:func:`output_attrs`) record them; each None
     where not recorded (an output another program wrote), the window also where none was used."""
