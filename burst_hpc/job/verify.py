@@ -19,8 +19,8 @@ from ..device import array_module, sync, to_host
 from ..dtypes import dtype_name, nonfinite
 from ..errors import BurstError, FileError, ShapeError
 from ..io.format import fixed_text, modify_attrs
-from .report import recorded_mask
 from ..tolerance import max_abs, max_err, passes, tolerance
+from .report import recorded_mask
 from .verify_cost import Blocks, Rates, block_width, device_kind, measure
 from .verify_sums import Samples, Tokens, as_float64, finish
 
@@ -49,7 +49,6 @@ def nonfinite_summary(outputs, comm):
     return ["nonfinite " + " ".join(found)] if found else []
 
 
-
 _MEASURED = {}   # (shapes, dtype, gradients, backend) -> this process's fitted costs
 
 
@@ -73,6 +72,7 @@ def failures(report):
             f"max error {err:.2e} > tolerance {tol:.2e}"
         said.append(f"{name}: {why}")
     return "; ".join(said)
+
 
 def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=ROWS, seed=0, xp=np, budget_s=None,
           announce=None, progress=None, rates=None):
@@ -370,7 +370,7 @@ def pending_attrs(outputs, requested):
 
 
 def record(path, report):
-    """Write ``report`` (from :func:`verify`) into the attributes of the published output ``path``
+    """Write ``report`` (from :func:`check`) into the attributes of the published output ``path``
     (one process). The attributes were made by :func:`pending_attrs`; only their values change,
     ``verify`` last."""
     values = {"verify_mode": fixed_text(report["mode"], MODE_BYTES)}
