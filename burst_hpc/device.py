@@ -60,3 +60,20 @@ def array_device(x):
     import contextlib
 
     return x.device if type(x).__module__.startswith("cupy") else contextlib.nullcontext()
+
+
+def to_host(x):
+    """A NumPy array of ``x``: a copy from the GPU for a CuPy array, ``x`` itself for a NumPy array."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy.asnumpy(x)
+    import numpy
+
+    return numpy.asarray(x)
+
+
+def sync(xp):
+    """Wait for the GPU's queued work (nothing on NumPy)."""
+    if xp.__name__ != "numpy":
+        xp.cuda.Device().synchronize()

@@ -5,7 +5,7 @@ documents (random cuts, one-token documents, cuts on shard and chunk edges), win
 0 and -1 included), GQA/MQA ratio, head dim (native or not), batch, scale, backward ring, and the
 simulated nodes (``ranks_per_node``, 1-4 nodes) over the ranks it is launched on. Every rank draws
 the same case. A call must either match the oracle within the FlashAttention tolerance (forward
-and backward, verify.tolerance), or be refused with the same clear message on every rank, one of
+and backward, burst_hpc.tolerance), or be refused with the same clear message on every rank, one of
 the refusals this module lists as legitimate. On several ranks a share of the cases first makes the
 call with one rank passing another value of one argument (``Case.disagree``): every rank must then
 raise the same RankMismatchError naming it, within DISAGREE_LIMIT_S (a hang ends the job with the
@@ -211,13 +211,13 @@ def inputs(case):
 
 def expected(case, q, k, v, do):
     """(oracle, plain): float64 oracle and the plain same-precision results, global."""
-    from burst_hpc.job import verify
+    from burst_hpc import tolerance as rule
 
     kw = dict(causal=case.causal, scale=case.scale, window=case.window,
               cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     f64 = [x.astype(np.float64) for x in (q, k, v, do)]
-    oracle = verify.plain_attention(*f64[:3], do=f64[3], **kw)
-    plain = verify.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
+    oracle = rule.plain_attention(*f64[:3], do=f64[3], **kw)
+    plain = rule.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
     return oracle, plain
 
 
@@ -241,6 +241,7 @@ def run_case(comm, case, xp=np):
     """Check one case on every rank of ``comm``. Returns 'ok' or 'refused: ...'; raises AssertionError
     (on every rank: verdicts are agreed) when a result is wrong."""
     import burst_hpc
+    from burst_hpc.device import to_host
 
     P, r = comm.size, comm.rank
     assert P == case.ranks
@@ -275,7 +276,7 @@ def run_case(comm, case, xp=np):
         refused_alike(comm, case, dev, backward_kw,
                       lambda arrays, args: burst_hpc.burst_attention_backward(arrays[3], *arrays[:3], *got, **args))
     grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, **backward_kw)
-    ours = dict(zip(("o", "lse", "dq", "dk", "dv"), [_host(x) for x in (*got, *grads)]))
+    ours = dict(zip(("o", "lse", "dq", "dk", "dv"), [to_host(x) for x in (*got, *grads)]))
     if case.poison is not None:
         problems = nonfinite_problems(case, ours, q, k, v, do, mine)
     else:
@@ -339,13 +340,14 @@ def refused_alike(comm, case, arrays, kw, call):
     """``call(arrays, kw)`` with the case's disagreement on its rank must raise, on every rank and within
     DISAGREE_LIMIT_S, the same RankMismatchError naming the argument (AssertionError otherwise; a rank
     still in the call then prints the reproducer and ends the job)."""
+    from burst_hpc.device import to_host
     from burst_hpc.dtypes import parse_dtype
 
     rank, name, value = case.disagree
     if comm.rank == rank:
         if name == "dtype":   # cast on the host, then onto the device as inputs() does
             xp = sys.modules[type(arrays[0]).__module__.split(".")[0]]
-            arrays = [xp.asarray(_host(x).astype(parse_dtype(value))) for x in arrays]
+            arrays = [xp.asarray(to_host(x).astype(parse_dtype(value))) for x in arrays]
         else:
             kw = dict(kw, **{name: np.array(value) if name == "cu_seqlens" and value is not None else value})
 
@@ -376,10 +378,10 @@ def refused_alike(comm, case, arrays, kw, call):
 
 def finite_problems(case, ours, q, k, v, do, mine):
     """What is out of tolerance against the float64 oracle."""
-    from burst_hpc.job import verify
+    from burst_hpc import tolerance as rule
 
     oracle, plain = expected(case, q, k, v, do)
-    grad_scale = max(verify.max_abs(g) for g in oracle[2:])
+    grad_scale = max(rule.max_abs(g) for g in oracle[2:])
     problems = []
     for index, name in enumerate(("o", "lse", "dq", "dk", "dv")):
         axis = 2 if name == "lse" else 1
@@ -395,7 +397,7 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
     rows where it is finite too. The CUDA kernels promise the exact rows for o and lse with the element
     in q or k; elsewhere (v, the gradients) at least the oracle's rows, since a partly masked tile
     multiplies a hidden pair's weight 0 by its operand (docs/KERNELS.md, "Non-finite inputs")."""
-    from burst_hpc.job import verify
+    from burst_hpc import tolerance as rule
     from burst_hpc.reference import attention_backward_reference, attention_reference
 
     kw = dict(causal=case.causal, scale=case.scale, window=case.window,
@@ -403,10 +405,10 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
     f64 = [x.astype(np.float64) for x in (q, k, v, do)]
     oracle = (*attention_reference(*f64[:3], **kw), *attention_backward_reference(f64[3], *f64[:3], **kw))
     # the plain computation multiplies a hidden pair's weight 0 by its operand: NaN where the oracle has
-    # a number, which says nothing of rounding (verify.check takes the same view)
+    # a number, which says nothing of rounding (job.verify.check takes the same view)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        plain = verify.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
-    grad_scale = max(verify.max_abs(g) for g in oracle[2:])
+        plain = rule.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
+    grad_scale = max(rule.max_abs(g) for g in oracle[2:])
     problems = []
     for index, name in enumerate(("o", "lse", "dq", "dk", "dv")):
         axis = 2 if name == "lse" else 1
@@ -429,11 +431,11 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
 def out_of_tolerance(name, got, ref, low, grad_scale, case, what=None):
     """['WHAT err E > tol T'] when output ``name`` ``got`` is farther from the oracle ``ref`` than
     :func:`tolerance` allows, given the plain same-precision result ``low``; [] when within."""
-    from burst_hpc.job import verify
+    from burst_hpc import tolerance as rule
 
-    tol = tolerance(name, verify.max_err(low, ref), verify.max_abs(ref), grad_scale, case)
-    err = verify.max_err(got, ref)
-    return [] if verify.passes(err, tol) else [f"{what or name} err {err:.3g} > tol {tol:.3g}"]
+    tol = tolerance(name, rule.max_err(low, ref), rule.max_abs(ref), grad_scale, case)
+    err = rule.max_err(got, ref)
+    return [] if rule.passes(err, tol) else [f"{what or name} err {err:.3g} > tol {tol:.3g}"]
 
 
 def _nonfinite_rows(x, name):
@@ -449,29 +451,21 @@ def _expand_rows(rows, like, name):
 
 
 def tolerance(name, plain_err, ref_max, grad_scale, case):
-    """verify.tolerance (FlashAttention's rule), with two floors for what the plain computation can get
+    """burst_hpc.tolerance.tolerance (FlashAttention's rule), with two floors for what the plain computation can get
     right by luck: gradients are judged against the scale of all three (a window of (0, 0) makes dk
     exactly 0 in the plain formulas, from rounding errors ours need not share), dk and dv sum over a
     GQA group; and float64 inputs meet a float32 lse."""
+    from burst_hpc import tolerance as rule
+
     dtype = np.dtype(case.dtype)
-    tol = verify_module().tolerance(name, plain_err, ref_max, dtype)
+    tol = rule.tolerance(name, plain_err, ref_max, dtype)
     if name in ("dq", "dk", "dv"):
         group = case.heads // case.kv_heads if name != "dq" else 1
-        floor = verify_module().ATOL["float32" if dtype == np.float64 else case.dtype]
+        floor = rule.ATOL["float32" if dtype == np.float64 else case.dtype]
         tol += floor * np.sqrt(group) * max(1.0, grad_scale)
     elif name == "o" and dtype == np.float64:
-        tol += verify_module().LSE_ATOL * max(1.0, ref_max)
+        tol += rule.LSE_ATOL * max(1.0, ref_max)
     return tol
-
-
-def verify_module():
-    from burst_hpc.job import verify
-
-    return verify
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
 
 
 def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None, last_pairs=False):

@@ -106,7 +106,7 @@ def test_display_options_may_differ(files):
 @needs_mpiexec
 def test_a_rank_whose_command_line_does_not_parse_meets_the_others_in_the_agreement(files):
     """Before, the ranks that parsed waited in the job for the one that did not, which gave up after
-    cli.SAY_WAIT_S (30 s) and wrote its own line; now every rank meets in the agreement and rank 0
+    cli_delivery.SAY_WAIT_S (30 s) and wrote its own line; now every rank meets in the agreement and rank 0
     says which rank's command line is bad."""
     r = mpmd(run_line(files), run_line(files, "--scheme", "bogus"))
     assert r.returncode == 2, r.stdout + r.stderr

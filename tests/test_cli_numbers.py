@@ -31,32 +31,26 @@ def _refused(r, needle, code, launched=False):
 
 
 PLAN = ["plan", "--seqlen", "4096"]
-BAD_PLAN_ARGS = [
-    # (arguments after `plan --seqlen 4096`, what the error line says)
-    (["--seqlen", "0"], "argument --seqlen: expected a whole number > 0; got '0'"),
-    (["--seqlen", "-4096"], "argument --seqlen: expected a whole number > 0; got '-4096'"),
-    (["--seqlen", HUGE], f"argument --seqlen: expected a whole number > 0; got '{HUGE}', more than the largest"),
-    (["--heads", "0"], "argument --heads: expected a whole number > 0"),
-    (["--heads", "nan"], "argument --heads: expected a whole number > 0; got 'nan'"),
-    (["--kv-heads", "0"], "argument --kv-heads: expected a whole number > 0"),
-    (["--head-dim", "0"], "argument --head-dim: expected a whole number > 0"),
-    (["--batch", "0"], "argument --batch: expected a whole number > 0"),
-    (["--documents", "0"], "argument --documents: expected a whole number > 0"),
-    (["--nodes", "0"], "argument --nodes: expected a whole number > 0"),
-    (["--gpus-per-node", "-8"], "argument --gpus-per-node: expected a whole number > 0"),
-    (["--ranks-per-node", "0"], "argument --ranks-per-node: expected a whole number > 0"),
-    (["--fwd-tflops", "0"], "argument --fwd-tflops: expected a finite number > 0; got '0'"),
-    (["--fwd-tflops", "nan"], "argument --fwd-tflops: expected a finite number > 0; got 'nan'"),
-    (["--bwd-tflops", "-1"], "argument --bwd-tflops: expected a finite number > 0"),
-    (["--intra-gbps", "inf"], "argument --intra-gbps: expected a finite number > 0"),
-    (["--inter-gbps", "0", "--nodes", "2"], "argument --inter-gbps: expected a finite number > 0"),
-    (["--inter-gbps", "1e999"], "argument --inter-gbps: expected a finite number > 0; got '1e999'"),
-    (["--inter-latency-us", "-1"], "argument --inter-latency-us: expected a finite number >= 0"),
-    (["--intra-latency-us", "nan"], "argument --intra-latency-us: expected a finite number >= 0"),
-    (["--window", "-2"], "argument --window: expected a window size: a whole number >= 0, or -1 for unbounded"),
+WHOLE, SEED = "a whole number > 0", "a whole number >= 0"
+RATE, LATENCY = "a finite number > 0", "a finite number >= 0"
+WINDOW = "a window size: a whole number >= 0, or -1 for unbounded"
+LARGEST = ", more than the largest"
+
+
+def _bad(flag, value, expected, more=""):
+    """(``--flag value``, the error line that refuses it)."""
+    return ["--" + flag, value], f"argument --{flag}: expected {expected}; got '{value}'{more}"
+
+
+POSITIVE_PLAN_FLAGS = ("seqlen", "heads", "kv-heads", "head-dim", "batch", "documents", "nodes", "ranks-per-node")
+BAD_PLAN_ARGS = [_bad(flag, "0", WHOLE) for flag in POSITIVE_PLAN_FLAGS] + [
+    _bad("seqlen", "-4096", WHOLE), _bad("seqlen", HUGE, WHOLE, LARGEST), _bad("heads", "nan", WHOLE),
+    _bad("gpus-per-node", "-8", WHOLE), _bad("fwd-tflops", "0", RATE), _bad("fwd-tflops", "nan", RATE),
+    _bad("bwd-tflops", "-1", RATE), _bad("intra-gbps", "inf", RATE), _bad("inter-gbps", "1e999", RATE),
+    _bad("inter-latency-us", "-1", LATENCY), _bad("intra-latency-us", "nan", LATENCY), _bad("window", "-2", WINDOW),
+    _bad("window", HUGE, WINDOW, LARGEST),
+    (["--inter-gbps", "0", "--nodes", "2"], f"argument --inter-gbps: expected {RATE}; got '0'"),
     (["--dtype", "int8"], "argument --dtype: unsupported dtype 'int8'; use one of float16, bfloat16, float32, float64"),
-    (["--window", HUGE], f"argument --window: expected a window size: a whole number >= 0, or -1 for unbounded; "
-                         f"got '{HUGE}', more than the largest"),
 ]
 
 
@@ -118,16 +112,8 @@ def test_plan_from_real_document_lengths(tmp_path):
     assert r.returncode == 0 and "| balanced |" in r.stdout, r.stdout + r.stderr
 
 
-BAD_GEN_ARGS = [
-    (["--kv-heads", "0"], "argument --kv-heads: expected a whole number > 0; got '0'"),
-    (["--seed", "-1"], "argument --seed: expected a whole number >= 0; got '-1'"),
-    (["--seed", HUGE], "argument --seed: expected a whole number >= 0; got"),
-    (["--seqlen", "0"], "argument --seqlen: expected a whole number > 0"),
-    (["--heads", "-8"], "argument --heads: expected a whole number > 0"),
-    (["--head-dim", "0"], "argument --head-dim: expected a whole number > 0"),
-    (["--batch", HUGE], "argument --batch: expected a whole number > 0"),
-    (["--documents", "0"], "argument --documents: expected a whole number > 0"),
-]
+BAD_GEN_ARGS = [_bad(flag, "0", WHOLE) for flag in ("kv-heads", "seqlen", "head-dim", "documents")] + [
+    _bad("heads", "-8", WHOLE), _bad("batch", HUGE, WHOLE, LARGEST), _bad("seed", "-1", SEED), _bad("seed", HUGE, SEED)]
 
 
 @pytest.mark.parametrize("args,needle", BAD_GEN_ARGS, ids=[" ".join(a) for a, _ in BAD_GEN_ARGS])
@@ -263,12 +249,12 @@ SPELLINGS = {"bfloat16": ["bfloat16", "BF16", "bf16"], "float16": ["float16", "f
 def test_every_verb_takes_the_same_dtype_spellings(name):
     """gen, plan and compile parse --dtype in one place (dtypes.parse_dtype's names and aliases); compile
     refuses only what the kernels do not run (float64), naming the dtypes they take."""
-    from burst_hpc import cli
+    from burst_hpc.cli_parser import build_parser
     from burst_hpc.dtypes import ALIASES, SUPPORTED_NAMES
 
     assert set(SPELLINGS) == set(SUPPORTED_NAMES)
     assert set(ALIASES) <= {spelling.lower() for spellings in SPELLINGS.values() for spelling in spellings}
-    parser = cli.build_parser()
+    parser = build_parser()
     for spelling in SPELLINGS[name]:
         assert parser.parse_args(["gen", "x.h5", "--seqlen", "8", "--dtype", spelling]).dtype == name
         assert parser.parse_args([*PLAN, "--dtype", spelling]).dtype == name

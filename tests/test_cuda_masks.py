@@ -5,7 +5,7 @@
 
 Rule (FlashAttention style, as tests/test_cuda_kernels.py): against the float64 oracle (the
 dense boolean mask of burst_hpc.reference), the error of our result is at most 2x (forward) /
-3x (gradients) the error of a plain same-precision implementation (burst_hpc.job.verify.plain_attention,
+3x (gradients) the error of a plain same-precision implementation (burst_hpc.tolerance.plain_attention,
 each product rounded to bf16) plus a small floor. Fresh random inputs every run; the seed is printed.
 """
 import numpy as np

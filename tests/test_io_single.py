@@ -4,7 +4,8 @@ import os
 import numpy as np
 import pytest
 
-from burst_hpc import cli, io
+from burst_hpc import cli, io, tolerance
+from burst_hpc.cli_delivery import EXIT_MISMATCH
 from burst_hpc.job import verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.reference import attention_backward_reference, attention_reference
@@ -56,7 +57,7 @@ def test_every_writer_stamps_the_format(tmp_path):
 @pytest.mark.parametrize("causal", [False, True])
 def test_plain_float64_matches_oracle(causal):
     q, k, v, do = _inputs(dtype=np.float64)
-    o, lse, dq, dk, dv = verify.plain_attention(q, k, v, do, causal, 0.3)
+    o, lse, dq, dk, dv = tolerance.plain_attention(q, k, v, do, causal, 0.3)
     ro, rlse = attention_reference(q, k, v, causal, 0.3)
     rdq, rdk, rdv = attention_backward_reference(do, q, k, v, causal, 0.3)
     for ours, ref in ((o, ro), (lse, rlse), (dq, rdq), (dk, rdk), (dv, rdv)):
@@ -77,7 +78,7 @@ def test_mismatch_exits_3_and_marks_the_output_failed(tmp_path, monkeypatch):
         return o + 1, lse
 
     monkeypatch.setattr(RingPasses, "forward", broken)
-    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == cli.EXIT_MISMATCH
+    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == EXIT_MISMATCH
     assert dst.exists() and not list(tmp_path.glob("*.tmp*"))
     marks = verify.recorded(dst)
     assert marks["verify"] == "fail" and marks["verify_mode"] == "full", marks

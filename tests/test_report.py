@@ -4,6 +4,7 @@ work; progress lines inside a long pass, counted in visible pairs."""
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
@@ -83,7 +84,26 @@ def test_summary_json_and_attributes_agree(tmp_path):
         assert f.attrs["run_scheme"].decode() == "ring" and f.attrs["run_backend"] == "numpy"
         assert f.attrs["run_device"] == facts["device"] and not f.attrs["run_warmup"]
         assert json.loads(f.attrs["run_versions"]) == facts["versions"]
+        # the sizes, mask and choices as the report has them, the mask read back as verify reads it
+        assert {name: f.attrs[name] for name in ("batch", "seqlen", "heads", "kv_heads", "head_dim", "dtype")} == \
+            {name: sizes[name] for name in ("batch", "seqlen", "heads", "kv_heads", "head_dim", "dtype")}
+        assert (f.attrs["run_ranks"], f.attrs["run_layout"], f.attrs["source"]) == (2, "zigzag", facts["input"])
+        assert report.recorded_mask(dict(f.attrs)) == (True, None, pytest.approx(16 ** -0.5))
     assert not leftovers(tmp_path)
+
+
+def test_an_output_reads_back_the_mask_it_was_made_with():
+    """report.output_attrs writes the mask, report.recorded_mask (burst-hpc verify) reads it: one schema."""
+    spec = SimpleNamespace(batch=1, seqlen=64, heads=4, kv_heads=2, head_dim=16, dtype=np.dtype(np.float32),
+                           cu_seqlens=np.array([0, 40, 64]))
+    choices = {"layout": "contiguous", "transport": "host", "backend": "numpy"}
+    for causal, window in ((True, None), (False, (8, 0)), (False, (-1, 3))):
+        options = RunOptions("in.h5", "out.h5", causal=causal, window=window)
+        facts = report.start(options, spec, 2, choices, "cpu x86_64", {"burst_hpc": "0"}, 100, (1.0, None))
+        attrs = report.output_attrs(facts, 0.25)
+        assert report.recorded_mask(attrs) == (causal, window, 0.25)
+        assert attrs["documents"] == 2 and attrs["run_layout"] == "contiguous"
+    assert report.recorded_mask({}) == (None, None, None)   # written by another program: nothing recorded
 
 
 @needs_mpiexec

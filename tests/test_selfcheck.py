@@ -5,6 +5,7 @@ import pytest
 from mpi4py import MPI
 
 from burst_hpc import cli, device
+from burst_hpc.cli_delivery import EXIT_MISMATCH
 from burst_hpc.job import selfcheck
 from burst_hpc.backends import numpy_backend
 from test_cli import burst, mpirun, needs_mpiexec
@@ -83,4 +84,4 @@ def test_wrong_or_crashing_backend_fails(monkeypatch):
     assert selfcheck.main(MPI.COMM_SELF, out=lines.append) is False
     text = "\n".join(lines)
     assert " FAIL " in text and "0 passed" in text and text.rstrip().endswith("FAIL")
-    assert cli.main(["check"]) == cli.EXIT_MISMATCH
+    assert cli.main(["check"]) == EXIT_MISMATCH

@@ -3,7 +3,7 @@ built under a temporary name and published once complete (:class:`OutputFile` fo
 job; :func:`write_new` and :func:`write_global` for one process).
 
 The output is built under a temporary name next to the final one (``OUT.tmp-<host>-<pid>-<tag>``,
-see job/safety.py) and published only once every rank has written its part, so a failure never leaves a
+see job/owner.py) and published only once every rank has written its part, so a failure never leaves a
 file under the output's name; publishing never replaces a file that appeared under that name while
 the job ran (unless ``overwrite``). Rank 0 holds the lock of the temporary file's sidecar
 (``OUT.tmp-...lock``) from before the file exists until it is published or removed, so
@@ -21,7 +21,7 @@ import os
 import numpy as np
 
 from .. import config
-from ..job import safety
+from ..job import owner, publish, safety
 from ..collective import abort_job, agree, describe
 from ..errors import BurstError, FileError, ShapeError, size_text
 from ..plan.layout import pieces
@@ -97,12 +97,12 @@ class OutputFile:
         if rank == 0:
             try:
                 tmp = check_output_path(path, inputs, overwrite)
-                safety.hold(tmp)  # rank 0 owns the file: its lock says the job runs
+                owner.hold(tmp)  # rank 0 owns the file: its lock says the job runs
                 check_space(os.path.dirname(tmp), bytes_needed(datasets), f"output {path!r}")
             except Exception as e:  # noqa: BLE001
                 err = e
                 if tmp is not None:
-                    safety.release(tmp)
+                    owner.release(tmp)
         if comm is not None and comm.size > 1:
             tmp = comm.bcast(tmp, root=0)
         agree(comm, err)
@@ -209,13 +209,13 @@ class OutputFile:
             self.comm.Barrier()
         if self.rank == 0:
             try:
-                safety.publish(self.tmp, self.path, self.overwrite)
+                publish.publish(self.tmp, self.path, self.overwrite)
             except FileError as e:
                 err = e
             except OSError as e:
                 err = FileError(f"cannot move the finished output to {self.path!r}: {e}")
             if err is None or getattr(err, "kept", None):
-                safety.release(self.tmp)  # published or kept: the temporary name is gone
+                owner.release(self.tmp)  # published or kept: the temporary name is gone
         safety.untrack(self.tmp)  # published, kept or gone: no longer ours to remove
         if getattr(err, "kept", None):
             self.done = True  # the result lives under the kept name: abort must not touch it
@@ -239,7 +239,7 @@ class OutputFile:
                 os.remove(self.tmp)
             except OSError:
                 pass
-            safety.release(self.tmp)  # after the file: its lock guards it until it is gone
+            owner.release(self.tmp)  # after the file: its lock guards it until it is gone
 
 
 _NEVER_CLOSED = []
@@ -316,7 +316,7 @@ def check_output_path(path, inputs=(), overwrite=False):
         raise FileError(f"cannot write output {path!r}: directory {parent!r} is not writable")
     if os.path.lexists(full) and not overwrite:
         raise FileError(f"output {path!r} already exists; pass --overwrite to replace it (or choose another name)")
-    return safety.temp_name(full)
+    return owner.temp_name(full)
 
 
 def output_datasets(spec, backward):
@@ -353,7 +353,7 @@ def write_new(path, fill, overwrite=False, needed=0):
     tmp = check_output_path(path, overwrite=overwrite)
     held = tmp
     try:
-        safety.hold(held)
+        owner.hold(held)
         safety.track(tmp)
         check_space(os.path.dirname(tmp), needed, f"output {path!r}")
         failure = None
@@ -367,7 +367,7 @@ def write_new(path, fill, overwrite=False, needed=0):
         if failure is not None:
             raise failure
         try:
-            safety.publish(tmp, path, overwrite)
+            publish.publish(tmp, path, overwrite)
         except FileError:
             tmp = None  # lost a race: the result stays under the name the message gives
             raise
@@ -376,4 +376,4 @@ def write_new(path, fill, overwrite=False, needed=0):
             safety.untrack(tmp)
             if os.path.exists(tmp):
                 os.remove(tmp)
-        safety.release(held)
+        owner.release(held)

@@ -70,10 +70,28 @@ def pending_attrs():
     return attrs
 
 
-def fixed_attrs(report):
-    """The attributes of the report known before any work: the device, the versions, the warm-up."""
-    return {"run_device": report["device"], "run_versions": json.dumps(report["versions"], sort_keys=True),
-            "run_warmup": bool(report["warmup"])}
+def output_attrs(report, scale):
+    """The attributes a ``run`` output is created with that say what it holds and how it was made,
+    from the report's facts known before any work (:func:`start`, with the device and versions) and
+    the softmax ``scale``: the mask (read back by :func:`recorded_mask`), the sizes, the choices, the
+    device, the versions, the warm-up."""
+    sizes = report["sizes"]
+    return {"kind": "outputs", "causal": report["causal"], "scale": float(scale), "source": report["input"],
+            **{name: sizes[name] for name in ("batch", "seqlen", "heads", "kv_heads", "head_dim", "dtype")},
+            "backward": report["backward"], "run_ranks": sizes["ranks"], "run_layout": report["layout"],
+            "run_backend": report["backend"], "run_transport": report["transport"],
+            "window": "none" if report["window"] is None else ",".join(map(str, report["window"])),
+            "documents": sizes["documents"], "run_device": report["device"],
+            "run_versions": json.dumps(report["versions"], sort_keys=True), "run_warmup": bool(report["warmup"])}
+
+
+def recorded_mask(attrs):
+    """(causal, window, scale) as an output's attributes (:func:`output_attrs`) record them; each None
+    where not recorded (an output another program wrote), the window also where none was used."""
+    text = str(attrs.get("window", "none"))
+    return (bool(attrs["causal"]) if "causal" in attrs else None,
+            None if text == "none" else tuple(int(x) for x in text.split(",")),
+            float(attrs["scale"]) if "scale" in attrs else None)
 
 
 def record(path, report):

@@ -27,14 +27,13 @@ from dataclasses import dataclass
 import numpy as np
 
 from .. import config, io
-from . import report, safety, verify
+from . import leftovers, report, safety, verify
 from ..plan import masks
 from ..plan.accounting import attention_flops, visible_pairs
 from ..plan.callplan import CallPlan
 from ..collective import agree, describe, one_fails_all, world
 from ..plan.costmodel import choose_layout
-from ..device import HOW_TO_GET_CUPY, array_device, array_module, gpu_count, gpus_shared, select_device
-from ..dtypes import dtype_name
+from ..device import HOW_TO_GET_CUPY, array_device, array_module, gpu_count, gpus_shared, select_device, sync, to_host
 from ..errors import BackendError, BurstError, say
 from ..engine.passes import ComputeClock
 from .progress import Progress
@@ -181,19 +180,12 @@ def run(options, comm=None):
 
     # create the output (the path is checked there, before any data is read)
     if rank == 0:
-        for line in safety.stale_note(options.output):
+        for line in leftovers.stale_note(options.output):
             sys.stderr.write(line + "\n")
     datasets = io.output_datasets(spec, options.backward)
-    attrs = {"kind": "outputs", "causal": bool(options.causal), "scale": float(scale),
-             "source": os.path.abspath(options.input), "batch": spec.batch, "seqlen": spec.seqlen,
-             "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
-             "dtype": dtype_name(spec.dtype), "backward": bool(options.backward), "run_ranks": size,
-             "run_layout": layout, "run_backend": backend, "run_transport": transport,
-             "window": "none" if options.window is None else f"{options.window[0]},{options.window[1]}",
-             "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
+    attrs = report.output_attrs(facts, scale)
     attrs.update(verify.pending_attrs(datasets, options.verify))
     attrs.update(report.pending_attrs())
-    attrs.update(report.fixed_attrs(facts))
     out = io.OutputFile.create(options.output, comm, datasets, attrs, inputs=[options.input],
                                overwrite=options.overwrite)
     try:
@@ -431,18 +423,3 @@ def setup_backend(name, comm):
         raise BackendError("--backend cuda: no GPU visible to this rank; use --backend numpy")
     select_device(comm)
     return cupy, "cuda"
-
-
-def to_host(x):
-    """A NumPy array of ``x`` (a copy from the GPU for CuPy arrays)."""
-    if type(x).__module__.startswith("cupy"):
-        import cupy
-
-        return cupy.asnumpy(x)
-    return x
-
-
-def sync(xp):
-    """Wait for the GPU's queued work (nothing on NumPy)."""
-    if xp is not np:
-        xp.cuda.Device().synchronize()

@@ -5,7 +5,7 @@ backward through ``burst_hpc.attention``, on odd shapes: lengths off the tiles, 
 and not, bfloat16 and float16, a head dim that is zero-padded. Ring (under ``mpiexec`` with P > 1):
 ``burst_attention`` forward and backward over every transport available here, zigzag/causal on the
 q-ring, balanced/causal on the kv variant and contiguous/full on the kv-ring. Every output meets the rule of ``--verify``
-(verify.tolerance / verify.passes) against the float64 oracle. Every rank runs the checks on its
+(tolerance.tolerance / tolerance.passes) against the float64 oracle. Every rank runs the checks on its
 own device; rank 0 prints the table with the worst result over the ranks.
 """
 import time
@@ -13,10 +13,10 @@ import time
 import numpy as np
 
 from ..api import attention, attention_backward
-from ..device import HOW_TO_GET_CUPY
+from ..device import HOW_TO_GET_CUPY, to_host
 from ..dtypes import bfloat16, dtype_name
 from ..reference import attention_backward_reference, attention_reference
-from .verify import max_abs, max_err, passes, plain_attention, tolerance
+from ..tolerance import max_abs, max_err, passes, plain_attention, tolerance
 
 NAMES = ("o", "lse", "dq", "dk", "dv")
 DTYPES = (np.dtype(bfloat16), np.dtype(np.float16))
@@ -24,10 +24,6 @@ DTYPES = (np.dtype(bfloat16), np.dtype(np.float16))
 KERNEL_CASES = ((1, 200, 4, 2, 64), (2, 77, 3, 1, 128), (1, 130, 2, 2, 80))
 RING_CHUNK = 37  # tokens per zigzag half: S = 2 * P * RING_CHUNK, never a tile multiple
 RING_SHAPE = (1, 4, 2, 64)  # B, Hq, Hkv, D
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else x  # CuPy -> NumPy
 
 
 def judge(ours, q, k, v, do, causal, rows=None):
@@ -43,7 +39,7 @@ def judge(ours, q, k, v, do, causal, rows=None):
         r, p = ref[name], plain[name].astype(np.float32 if name == "lse" else dtype)
         if rows is not None:
             r, p = np.take(r, rows, axis=axis), np.take(p, rows, axis=axis)
-        err = max_err(_host(ours[name]), r)
+        err = max_err(to_host(ours[name]), r)
         tol = tolerance(name, max_err(p, r), max_abs(r), dtype)
         ratio = err / tol if passes(err, tol) else float("inf")
         worst = max(worst, (ratio, name))
