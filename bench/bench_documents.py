@@ -24,6 +24,7 @@ from mpi4py import MPI
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.accounting import visible_pairs
+from burst_hpc.plan.layout import make_layout
 from burst_hpc.plan.workload import documents, work_of
 
 import evidence
@@ -70,7 +71,8 @@ def main(argv=None):
     for layout in args.layouts.split(","):
         mine = {name: xp.asarray(burst_hpc.shard(x, r, P, layout)).astype(dtype) for name, x in full.items()}
         kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=layout)
-        work = work_of(S, P, True, mask, layout, "forward")
+        placed = make_layout(layout, S, P)
+        work = work_of(placed, True, mask, "forward")
         row = {"layout": layout, "P": P, "tokens": S, "documents": len(cu) - 1, "longest": int(np.diff(cu).max()),
                "device": device, "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()),
                "steps": int(work.shape[0])}
@@ -87,7 +89,7 @@ def main(argv=None):
             row[pass_] = seconds
             row[f"{pass_}_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / seconds / 1e12
             cluster = costmodel.Cluster(max(1, P // 8), min(P, 8))   # 8 GPUs a node
-            pred = [costmodel.pass_prediction("ring", problem, cluster, rates, layout, mask, b)
+            pred = [costmodel.pass_prediction("ring", problem, cluster, rates, placed, mask, b)
                     for b in ((False, True) if backward else (False,))]
             time_ = sum(p.time for p in pred)
             row[f"{pass_}_predicted_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / time_ / 1e12
