@@ -141,7 +141,7 @@ class Prediction:
 
 
 def backward_side(pr, layout, mask=None):
-    """The side a call's backward ring sends around (backward_ring 'auto', callplan.choose_backward_ring):
+    """The side a call's backward ring sends around (backward_ring 'auto', decisions.choose_backward_ring):
     the one moving fewer bytes over the steps that have work."""
     from . import masks
 
