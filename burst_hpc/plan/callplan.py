@@ -18,6 +18,7 @@ import numpy as np
 
 from .. import config
 from ..collective import same_everywhere
+from ..device import array_device
 from ..errors import ShapeError
 from .decomposition import Decomposition, Request, as_burst_error
 from .layout import Layout, check_kind
@@ -35,9 +36,10 @@ def plan_arrays(comm, q, k, v, causal, scale, layout, transport, backward=None, 
                                        window, scheme, ranks_per_node)
     except Exception as e:  # noqa: BLE001  agreed in the decomposition's collective
         error = as_burst_error(e)
-    decomposition = Decomposition.agreed(comm, request, error, call)
-    return decomposition.bind(q, ("fwd",) if backward is None else ("bwd",) if backward[1] is not None
-                              else ("fwd", "bwd"))
+    with array_device(q):   # the GPU whose facts the agreement gathers, and whose kernels are prepared
+        decomposition = Decomposition.agreed(comm, request, error, call)
+        return decomposition.bind(q, ("fwd",) if backward is None else ("bwd",) if backward[1] is not None
+                                  else ("fwd", "bwd"))
 
 
 def arrays_request(size, q, k, v, causal, scale, layout, transport, backward, cu_seqlens, window, scheme,
