@@ -24,12 +24,12 @@ def machine_facts(request):
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         location, device = (MPI.Get_processor_name(), cupy.cuda.Device().pci_bus_id), props["name"].decode()
     picks = []
-    for shared in (False, True):
+    for shared in (False, True) if location is not None and request.transport in ("auto", "nccl") else (False,):
         try:
             picks.append(("ok", choose_transport(request.transport, request.backend == "cuda", shared)))
         except TransportError as e:
             picks.append(("error", str(e)))
-    return {"gpu": location, "device": device, "transport": tuple(picks)}
+    return {"gpu": location, "device": device, "transport": tuple(picks)}   # [shared]: the pick then
 
 
 def settled_transport(request, everyone):
@@ -38,7 +38,7 @@ def settled_transport(request, everyone):
     where the ranks' machines pick differently."""
     used = [facts["gpu"] for facts in everyone if facts["gpu"] is not None]
     shared = len(set(used)) < len(used)
-    picks = [facts["transport"][shared] for facts in everyone]
+    picks = [facts["transport"][shared if len(facts["transport"]) == 2 else 0] for facts in everyone]
     for rank, (outcome, text) in enumerate(picks):
         if outcome == "error":
             alone = sum(o == "error" for o, _ in picks) < len(picks)
@@ -47,8 +47,6 @@ def settled_transport(request, everyone):
         if name != picks[0][1]:
             raise RankMismatchError(f"ranks disagree on transport: rank 0 has {picks[0][1]!r}, rank {rank} has "
                                     f"{name!r}; every rank must pass matching arguments")
-    if request.transport == "auto":
-        log.info("transport auto -> %s", picks[0][1])
     return picks[0][1]
 
 

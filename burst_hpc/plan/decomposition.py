@@ -90,7 +90,7 @@ class Request:
 
     def signature(self):
         """What every rank must pass alike, by name (document offsets apart: agree compares them by digest)."""
-        layout = self.layout if not isinstance(self.layout, Layout) else (self.layout.kind, self.layout.key)
+        layout = self.layout.key if isinstance(self.layout, Layout) else self.layout
         return {"seqlen": self.seqlen, "batch": self.batch, "heads": self.heads, "kv_heads": self.kv_heads,
                 "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), "causal": self.causal,
                 "window": None if self.mask is None else self.mask.window, "scale": self.scale, "layout": layout,
