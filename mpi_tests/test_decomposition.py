@@ -93,3 +93,16 @@ def test_arrays_that_do_not_fit_the_decomposition_fail_alike(comm):
     assert message.startswith(f"q must have shape (1, {S_PER_RANK}, {H}, {D})"), message
     with pytest.raises(ShapeError, match="heads must be a positive integer; got 0"):
         burst_hpc.Decomposition(comm, seqlen=seqlen, heads=0, head_dim=D, dtype="float32")
+
+
+def test_arrays_of_another_kind_than_the_decomposition_is_for_fail_alike(comm):
+    """A NumPy decomposition's transport moves host buffers: CuPy arrays are refused before any exchange
+    (a stand-in of CuPy's array type: the check reads only the type's module)."""
+    class Device:
+        __module__ = "cupy._core.core"
+        dtype, shape = np.dtype(np.float32), (1, S_PER_RANK, H, D)
+
+    d = burst_hpc.Decomposition(comm, seqlen=S_PER_RANK * comm.size, heads=H, head_dim=D, dtype="float32")
+    q = Device()
+    message = raises_everywhere(comm, burst_hpc.BackendError, lambda: d.attention(q, q, q))
+    assert "made for backend='numpy' arrays; got CuPy arrays (make one with backend='cuda')" in message, message

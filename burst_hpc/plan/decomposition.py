@@ -25,7 +25,7 @@ from .decisions import check_backward_ring, choose_backward_ring, machine_facts,
 from ..device import array_device
 from ..dtypes import accum_dtype, dtype_name, parse_dtype
 from ..engine import passes
-from ..errors import BurstError, ShapeError, TransportError
+from ..errors import BackendError, BurstError, ShapeError, TransportError
 from .layout import Layout, as_layout, check_kind, default_kind
 from .schemes import check_scheme, make as make_scheme
 from .topology import ranks_per_node_setting, topology
@@ -335,6 +335,10 @@ def bound_call(decomposition, name, arrays, on_step=None):
         want = {"q": (d.batch, d.local, d.heads, d.head_dim), "k": (d.batch, d.local, d.kv_heads, d.head_dim)}
         names = ("do", "q", "k", "v", "o", "lse") if backward else ("q", "k", "v")
         check_same_kind(**dict(zip(names, arrays)))
+        backend = "cuda" if type(q).__module__.startswith("cupy") else "numpy"
+        if backend != d.request.backend:   # its transport moves the other kind of buffer
+            raise BackendError(f"this decomposition was made for backend={d.request.backend!r} arrays; got "
+                               f"{'CuPy' if backend == 'cuda' else 'NumPy'} arrays (make one with backend={backend!r})")
         for label, x in zip(names, arrays):
             shape = (d.batch, d.heads, d.local) if label == "lse" else want["k" if label in "kv" else "q"]
             check_like(label, x, shape, np.float32 if label == "lse" else d.dtype)
