@@ -208,17 +208,16 @@ class Decomposition:
         self.seqlen, self.local, self.batch, self.dtype = r.seqlen, r.seqlen // self.size, r.batch, r.dtype
         self.heads, self.kv_heads, self.head_dim = r.heads, r.kv_heads, r.head_dim
         self.causal, self.scale, self.mask, self.network = r.causal, r.scale, r.mask, r.network
-        auto_layout = isinstance(r.layout, str) and r.layout == "auto" and self.size > 1
+        auto = isinstance(r.layout, str) and r.layout == "auto"   # one rank: every layout holds the same
         self.topo = None
-        if r.scheme != "ring" or r.ranks_per_node is not None or r.network or auto_layout:
+        if r.scheme != "ring" or r.ranks_per_node is not None or r.network or auto and self.size > 1:
             self.topo = topology(self.comm, r.ranks_per_node)   # collective: one allgather
         self.transport_name = settled_transport(r, everyone)
-        if auto_layout:
+        if auto and self.size > 1:
             self.layout = self.fastest_layout(everyone[0]["device"])
         else:
-            kind = default_kind(r.causal) if r.layout is None or isinstance(r.layout, str) and r.layout == "auto" \
-                else r.layout
-            self.layout = as_layout(kind, r.seqlen, self.size, r.mask)
+            self.layout = as_layout(default_kind(r.causal) if r.layout is None or auto else r.layout, r.seqlen,
+                                    self.size, r.mask)
         self.ring = choose_backward_ring(r.backward_ring, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize,
                                          *(masks.ring_steps(r.mask, self.layout, queries_travel)
                                            for queries_travel in (True, False)), self.size)
