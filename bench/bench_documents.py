@@ -28,11 +28,11 @@ import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.rates import rates_for
 from burst_hpc.plan.accounting import visible_pairs
+from burst_hpc.plan.layout import LAYOUTS, default_kind, make_layout
 from burst_hpc.plan.workload import documents, work_of
 
 import bench_packed
 import evidence
-from burst_hpc.plan.layout import LAYOUTS, default_layout
 from evidence import timed
 
 
@@ -84,7 +84,7 @@ def main(argv=None):
         burst_hpc.select_device(comm)
         xp, dtype = cupy, parse_dtype(args.dtype)
         device = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    S, H, Hkv, D = args.tokens_per_rank * P, args.heads, args.kv_heads or args.heads, args.head_dim
+    S = args.tokens_per_rank * P
     passes = args.passes.split(",")
     rows = []
     for dist in args.dists.split(","):
@@ -124,11 +124,12 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
     for layout in args.layouts.split(","):
         mine = {name: xp.asarray(burst_hpc.shard(x, r, P, layout)).astype(dtype) for name, x in full.items()}
         kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=layout)
-        work = work_of(S, P, True, mask, layout, "forward")
+        placed = make_layout(layout, S, P, mask)
+        work = work_of(placed, True, mask, "forward")
         row = {"dist": dist, "layout": layout, "P": P, "tokens": S, "documents": len(cu) - 1,
                "longest": int(np.diff(cu).max()), "device": device, "steps": int(work.shape[0]),
                "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()),
-               "default": layout == default_layout(True), "picked": [p for p in passes if picked[p] == layout]}
+               "default": layout == default_kind(True), "picked": [p for p in passes if picked[p] == layout]}
         o, lse = burst_hpc.burst_attention(mine["q"], mine["k"], mine["v"], **kw)
         for pass_ in passes:
             def run(pass_=pass_):
@@ -141,7 +142,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
 
             seconds = timed(comm, run, args.iters, args.warmup, xp)
             directions = {"fwd": (False,), "bwd": (True,), "fwdbwd": (False, True)}[pass_]
-            pred = [costmodel.pass_prediction("ring", problem, cluster, rates, layout, mask, b) for b in directions]
+            pred = [costmodel.pass_prediction("ring", problem, cluster, rates, placed, mask, b) for b in directions]
             predicted = sum(p.time for p in pred)
             row[pass_] = seconds
             row[f"{pass_}_tflops_per_gpu"] = flops * PASS_FLOPS[pass_] / P / seconds / 1e12

@@ -7,7 +7,8 @@ bytes. With the balanced layout and a causal mask, documents or a window the sch
 the visible work of every chunk pair to ranks instead (balance.py): a piece of rows runs on a
 rank the data travels to, which returns its partials (o, lse), dq or dk, dv to their owners.
 
-Each call is its plan (callplan.CallPlan: checked and agreed by every rank; callplan.plan_call reuses
+Each call is its plan (callplan.plan_arrays: the Decomposition of the shards' shapes, checked and agreed by
+every rank in one collective, bound to their backend; callplan.plan_call reuses
 a repeated call's) and its passes (passes.py), run so that an error on some ranks ends every rank
 (collective.one_fails_all).
 """
@@ -32,8 +33,9 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         Key j visible from query i only when j <= i (global positions).
     scale : float, optional
         Score scale (default D ** -0.5).
-    layout : {'contiguous', 'zigzag', 'balanced'}, optional
-        How the shards were cut (burst_hpc.shard). Default: zigzag when causal, contiguous otherwise,
+    layout : Layout or {'contiguous', 'zigzag', 'balanced'}, optional
+        How the shards were cut (burst_hpc.shard; a name is made into a Layout of the call's sequence
+        and ranks). Default: zigzag when causal, contiguous otherwise,
         whatever ``cu_seqlens`` and ``window`` hold (a default never changes with the data). The
         layout the cost model predicts fastest for this call is ``burst_hpc.choose_layout(...)``:
         shard by it and pass it here. 'balanced' shards are contiguous ones (natural token order)
@@ -82,7 +84,7 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True)
         # packed documents: the layout predicted fastest, the same on every rank
         layout = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=q.shape[2], kv_heads=k.shape[2])
-        fast = lambda x: burst_hpc.shard(x, r, P, layout)
+        fast = lambda x: layout.shard(x, r)
         o, lse = burst_hpc.burst_attention(fast(q), fast(k), fast(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     comm = world() if comm is None else check_comm(comm)

@@ -190,9 +190,9 @@ def window_side(rng, seqlen):
 
 def shard_layout(case):
     """The layout the inputs are sharded in: the case's, or the call's default (never the mask's)."""
-    from burst_hpc.plan.layout import default_layout
+    from burst_hpc.plan.layout import default_kind
 
-    return default_layout(case.causal) if case.layout is None else case.layout
+    return default_kind(case.causal) if case.layout is None else case.layout
 
 
 def inputs(case):
@@ -248,7 +248,7 @@ def run_case(comm, case, xp=np):
     layout = shard_layout(case)
     q, k, v, do = inputs(case)
     try:
-        burst_hpc.plan.layout.check_split(case.seqlen, P, layout)
+        burst_hpc.make_layout(layout, case.seqlen, P)
     except burst_hpc.LayoutError:
         layout_for_shards = "contiguous"   # the call must refuse the case's layout
     else:

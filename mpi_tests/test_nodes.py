@@ -125,12 +125,12 @@ def test_unequal_nodes_give_one_error_everywhere(comm, monkeypatch):
 
 def test_auto_keeps_the_flat_ring_on_one_node_and_schemes_agree(comm):
     """One node -> ring (nothing changes); any pick gives the same results."""
-    from burst_hpc.plan.callplan import CallPlan
+    from burst_hpc.plan.callplan import plan_arrays
 
     q, k, v, _, _ = problem(comm, 1, 8, 4, 2, 8)
     mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
     kv = burst_hpc.shard(k, comm.rank, comm.size, "zigzag")
-    plan = CallPlan(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
+    plan = plan_arrays(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
     assert plan.scheme.name == "ring"
     run_and_check(comm, "auto", cases(comm.size)[0][1], "zigzag", True, 4, 2, rings=("q",))
 
@@ -156,7 +156,8 @@ def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
         else:
             sent = bench.network_bytes()
         pr = costmodel.Problem(1, q.shape[1], hq, hkv, 8, 4, True)
-        model = costmodel.pass_prediction(scheme, pr, costmodel.Cluster(nodes, w), GPU_RATES["cpu"], "zigzag",
+        cluster = costmodel.Cluster(nodes, w)
+        model = costmodel.pass_prediction(scheme, pr, cluster, GPU_RATES["cpu"], costmodel.zigzag(pr, cluster),
                                           None, backward)
         assert comm.allreduce(sent, op=max_op()) == model.network
 

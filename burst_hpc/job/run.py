@@ -1,9 +1,11 @@
 """The run job: `burst-hpc run`, usable from Python, as one linear body.
 
-    inspect the input once -> decide the layout and transport once -> create the output (its path
-    checked there) -> read this rank's shards -> check them -> plan the call once -> set up the
-    passes -> run the passes -> write -> publish -> verify (the published file records the outcome)
-    -> the report (report.py: the summary line, the output's attributes, the --json file)
+    inspect the input once -> its Decomposition (plan/decomposition.py: layout, topology, scheme,
+    transport and backward ring, decided once in one agreement) -> create the output (its path
+    checked there) -> read this rank's shards -> check them -> bind the decomposition to the backend
+    and set up the passes -> run the passes -> write -> publish -> verify (the published file
+    records the outcome) -> the report (report.py: the summary line, the output's attributes, the
+    --json file)
 
 Each phase (report.PHASES) is timed between barriers (:class:`Phases`); the set-up rehearses the
 passes (passes.py) so the timed passes do not pay for first use (kernel loads, communicators,
@@ -30,15 +32,12 @@ from .. import config, io
 from . import leftovers, report, safety, verify
 from ..plan import masks
 from ..plan.accounting import attention_flops, visible_pairs
-from ..plan.callplan import CallPlan
 from ..collective import agree, describe, one_fails_all, world
-from ..plan.costmodel import choose_layout
-from ..device import HOW_TO_GET_CUPY, array_device, array_module, gpu_count, gpus_shared, select_device, sync, to_host
+from ..plan.decomposition import Decomposition
+from ..device import HOW_TO_GET_CUPY, array_device, array_module, gpu_count, select_device, sync, to_host
 from ..errors import BackendError, BurstError, say
 from ..engine.passes import ComputeClock
 from .progress import Progress
-from ..plan.topology import topology
-from ..transport import choose_transport
 
 
 @dataclass
@@ -133,8 +132,8 @@ def run(options, comm=None):
     names = ("q", "k", "v", "do") if options.backward else ("q", "k", "v")
     clock = Phases(comm)
 
-    # inspect once; decide the layout and the transport once
-    error, spec, mask, layout, transport, xp, backend = None, None, None, options.layout, None, np, None
+    # inspect once
+    error, spec, xp, backend = None, None, np, None
     interval = device = versions = None
     try:
         if rank == 0 and options.json is not None:
@@ -143,39 +142,21 @@ def run(options, comm=None):
         xp, backend = setup_backend(options.backend, comm)
         device, versions = report.device_name(xp), report.versions(xp)
         spec = io.inspect_input(options.input, names)
-        mask = masks.make(spec.seqlen, options.causal, options.window, spec.cu_seqlens)
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     agree(comm, error)
     clock.xp = xp
     clock.add("setup", time.perf_counter() - clock.start)  # the backend's start; agree() met every rank
-    shared = gpus_shared(comm, xp.cuda.Device() if backend == "cuda" else None)  # collective: NCCL refuses that
-    topo = None
-    try:
-        if layout is None and size > 1:   # collective (every rank is here): the nodes to price for
-            topo = topology(comm, options.ranks_per_node)
-    except Exception as e:  # noqa: BLE001 - the same on every rank
-        error = e
-    try:
-        if error is not None:
-            raise error
-        transport = choose_transport(options.transport, backend == "cuda", shared)
-        if layout is None:   # the job shards the file itself: the layout predicted fastest
-            layout = choose_layout(spec.seqlen, size, causal=options.causal, cu_seqlens=spec.cu_seqlens,
-                                   window=options.window, heads=spec.heads, kv_heads=spec.kv_heads,
-                                   head_dim=spec.head_dim, dtype=spec.dtype, batch=spec.batch, backend=backend,
-                                   ranks_per_node=topo.per_node if topo is not None and topo.nodes > 1 else None,
-                                   scheme=options.scheme, backward=options.backward)
-    except Exception as e:  # noqa: BLE001
-        error = e
-    agree(comm, error)
-    layout = comm.bcast(layout)   # rank 0's: the fixed costs each node measured (calibrate.py) may differ
-    scale = options.scale if options.scale is not None else spec.head_dim ** -0.5
+
+    # the decomposition: layout, topology, scheme, transport and backward ring, decided once
+    with clock("setup"):
+        d = decomposition_of(comm, spec, options, backend)
+    layout, transport, scale, mask = d.layout, d.transport_name, d.scale, d.mask
     pairs = visible_pairs(spec.seqlen, options.causal, mask)
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]
     shown = options.progress if options.progress is not None else flops[0] > 2e11 or sys.stderr.isatty()
     progress = Progress(rank == 0 and shown, interval)
-    facts = report.start(options, spec, size, {"layout": layout, "transport": transport, "backend": backend},
+    facts = report.start(options, spec, size, {"layout": layout.kind, "transport": transport, "backend": backend},
                          device, versions, pairs, flops)
 
     # create the output (the path is checked there, before any data is read)
@@ -193,21 +174,18 @@ def run(options, comm=None):
         with clock("read"):
             _, shards = io.read_shards(options.input, comm, layout, names, spec=spec)
             if not options.allow_nonfinite:
-                io.check_finite(options.input, shards, comm, layout, spec.seqlen, scale=scale)
+                io.check_finite(options.input, shards, comm, layout, scale=scale)
             dev = {name: xp.asarray(a) for name, a in shards.items()}
             del shards
-        progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
+        progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout.kind}, backend {backend}")
         if mask is not None:
-            work = masks.rank_work(mask, size, layout)
-            progress(f"{mask}: ring steps {masks.ring_steps(mask, size, layout)} of {size}, "
+            work = masks.rank_work(mask, layout)
+            progress(f"{mask}: ring steps {masks.ring_steps(mask, layout)} of {size}, "
                      f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
 
-        # plan the call once, set up its passes (and --verify's costs), run them
+        # bind the decomposition to the backend, set up its passes (and --verify's costs), run them
         with clock("setup"):
-            plan = CallPlan(comm, dev["q"], dev["k"], dev["v"], options.causal, scale, layout, transport,
-                            backward=(dev["do"], None, None, options.backward_ring) if options.backward else None,
-                            cu_seqlens=spec.cu_seqlens, window=options.window, scheme=options.scheme,
-                            ranks_per_node=options.ranks_per_node)
+            plan = d.bind(dev["q"], ("fwd", "bwd") if options.backward else ("fwd",))
             rates = _verify_rates(options, spec, scale, xp, comm) if options.verify else None
         facts.update(scheme=plan.scheme.name, backward_ring=plan.ring)
         results, ranks = _passes(plan, dev, options, progress, xp, clock)
@@ -240,6 +218,17 @@ def run(options, comm=None):
     summary += [report.seconds_text(facts["seconds"]), f"-> {options.output}"]
     _publish_report(options, comm, facts)
     return Outcome("  ".join(summary), verified, facts)
+
+
+def decomposition_of(comm, spec, options, backend):
+    """Collective: the Decomposition of the input ``spec`` with the run's options: the layout named,
+    or the one predicted fastest (the job shards the file itself)."""
+    return Decomposition(comm, seqlen=spec.seqlen, heads=spec.heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                         dtype=spec.dtype, batch=spec.batch, causal=options.causal, scale=options.scale,
+                         cu_seqlens=spec.cu_seqlens, window=options.window,
+                         layout="auto" if options.layout is None else options.layout, scheme=options.scheme,
+                         transport=options.transport, backward_ring=options.backward_ring,
+                         ranks_per_node=options.ranks_per_node, backend=backend, backward=options.backward)
 
 
 def _passes(plan, dev, options, progress, xp, clock):
@@ -325,7 +314,7 @@ def _publish_report(options, comm, facts):
 def _summary(spec, plan, options, backend, transport, flops, seconds):
     (t_fwd, t_bwd), (fwd_flops, bwd_flops) = (seconds["forward"], seconds["backward"]), flops
     parts = [f"burst-hpc run: tokens={spec.batch * spec.seqlen} ({spec.describe()})", f"ranks={plan.size}",
-             f"layout={plan.layout}", "causal" if options.causal else "non-causal"]
+             f"layout={plan.layout.kind}", "causal" if options.causal else "non-causal"]
     if options.window is not None:
         parts.append(f"window={options.window[0]},{options.window[1]}")
     if options.scheme != "auto" or options.ranks_per_node is not None:
@@ -368,8 +357,6 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
     cost at most verify.BUDGET of the passes' time (``seconds``), by ``rates`` (verify.Rates, from the
     set-up). Returns (verify's report, the summary's verify entry)."""
-    from ..plan.layout import layout_indices
-
     safety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
     _test_hook_verify_pause()
@@ -380,7 +367,7 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     announce = Progress(comm.rank == 0 and options.progress is not False)  # the predicted cost, unless --quiet
     announce.t0 = progress.t0
     try:
-        report = verify.verify_resident(inputs, results, layout_indices(spec.seqlen, comm.rank, comm.size, layout),
+        report = verify.verify_resident(inputs, results, layout.indices(comm.rank),
                                         spec, comm, options.causal, scale, options.window,
                                         rows=options.verify_rows or verify.ROWS, seed=options.verify_seed,
                                         budget_s=budget, announce=announce, progress=progress, rates=rates)

@@ -9,8 +9,8 @@ import numpy as np
 
 from . import balance, masks, schedule
 from ..errors import BurstError, MaskError
-from .layout import check_layout, check_split, pieces
-from .schedule import double_ring_steps, plain_ring_steps, steps as schedule_steps
+from .layout import as_layout
+from .schedule import balanced_by_schedule, double_ring_steps, plain_ring_steps, steps as schedule_steps
 
 # near side, returned sides: the forward, the backward's kv-ring and its q-ring
 DIRECTIONS = {"forward": ("kv", ("q",)), "backward": ("kv", ("kv", "q")), "backward-q": ("q", ("kv", "q"))}
@@ -26,7 +26,7 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         Tokens in the whole sequence and ranks.
     causal, window, cu_seqlens
         The mask, as burst_attention takes it.
-    layout : {'contiguous', 'zigzag', 'balanced'}
+    layout : Layout or {'contiguous', 'zigzag', 'balanced'}
     direction : {'forward', 'backward', 'backward-q'}
         The forward ring, or the backward's kv-ring or q-ring.
 
@@ -41,18 +41,18 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         A bad mask, or a length that does not split over ``size`` ranks in ``layout``.
     """
     mask = masks.make(seqlen, causal, window, cu_seqlens)
-    check_layout(layout)
-    check_split(seqlen, size, layout)
+    layout = as_layout(layout, seqlen, size, mask)
     if direction not in DIRECTIONS:
         raise BurstError(f"direction must be one of {', '.join(DIRECTIONS)}; got {direction!r}")
-    return work_of(seqlen, size, bool(causal), mask, layout, direction).copy()
+    return work_of(layout, bool(causal), mask, direction).copy()
 
 
 @lru_cache(maxsize=32)
-def work_of(seqlen, size, causal, mask, layout, direction, per_node=None):
-    """schedule_work on checked arguments (``mask`` a masks.Mask or None; ``per_node`` ranks a node,
-    rank order node by node: None, one node), cached and read-only: the flat ring's account."""
-    return account(seqlen, size, causal, mask, layout, "ring", direction, per_node).work
+def work_of(layout, causal, mask, direction, per_node=None):
+    """schedule_work on checked arguments (``layout`` a layout.Layout; ``mask`` a masks.Mask or None;
+    ``per_node`` ranks a node, rank order node by node: None, one node), cached and read-only: the
+    flat ring's account."""
+    return account(layout, causal, mask, "ring", direction, per_node).work
 
 
 def plain_mask(seqlen, causal, mask):
@@ -85,28 +85,29 @@ class Account:
 
 
 @lru_cache(maxsize=64)
-def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None):
+def account(layout, causal, mask, scheme, direction, per_node=None):
     """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring')
-    over ``size`` ranks of ``per_node`` a node (None: one node), in ``layout``, from the schedules
-    the engine runs (schedule.py, schemes.py)."""
+    over the ranks of ``layout`` (a layout.Layout), ``per_node`` a node (None: one node), from the
+    schedules the engine runs (schedule.py, schemes.py)."""
     from .schemes import position_pairs, work_rounds
 
     near, returns = DIRECTIONS[direction]
+    seqlen, size = layout.seqlen, layout.size
     counted = plain_mask(seqlen, causal, mask)
     w = size if per_node is None else per_node
     nodes = size // w
     shard = seqlen // size
-    if scheme == "ring" and layout == "balanced" and size > 1 and (causal or mask is not None):
+    if scheme == "ring" and balanced_by_schedule(layout, causal, mask):
         return _balanced_account(counted, size, near, returns, node_list(size, per_node), per_node)
     if scheme == "ring":
-        template = schedule_steps(layout, causal, 0, size, near, returns, mask, seqlen, None)
-        pairs = masks.pair_work(counted, size, layout), pair_launches(counted, size, layout)
+        template = schedule_steps(layout, causal, 0, near, returns, mask, None)
+        pairs = masks.pair_work(counted, layout), pair_launches(counted, layout)
         return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
     if scheme == "double_ring":
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         template = double_ring_steps(0, nodes, w, near, returns, rounds)
-        pairs = masks.pair_work(counted, size, layout), pair_launches(counted, size, layout)
+        pairs = masks.pair_work(counted, layout), pair_launches(counted, layout)
         return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
                         shard, w, 1)
     if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
@@ -114,7 +115,7 @@ def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None
                             lambda p, o: [(p - o) % nodes])
         template = plain_ring_steps(0, nodes, near, returns, count)
         pairs = position_pairs(counted, layout, range(size), w)
-        calls = position_launches(counted, layout, size, w)
+        calls = position_launches(counted, layout, w)
         node_account = _rotated(template, (pairs, calls), lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
         return replace(node_account, work=np.repeat(node_account.work, w, axis=1),
                        launches=np.repeat(node_account.launches, w, axis=1))
@@ -187,12 +188,13 @@ def _in_order(ends):
 
 
 @lru_cache(maxsize=16)
-def pair_launches(mask, size, layout):
+def pair_launches(mask, layout):
     """(size, size) int64, read-only: the block calls of rank a's queries against rank b's keys, as
     the engine makes them (schedule.block_pairs: hidden pairs make none; ``mask`` as pair_work takes
     it). Only the pairs with visible work are asked."""
-    owned = [tuple(pieces(mask.seqlen, r, size, layout)) for r in range(size)]
-    visible = masks.pair_work(mask, size, layout)
+    size = layout.size
+    owned = [layout.pieces(r) for r in range(size)]
+    visible = masks.pair_work(mask, layout)
     out = np.zeros((size, size), np.int64)
     for a, b in zip(*np.nonzero(visible)):
         out[a, b] = len(schedule.block_pairs(owned[a], owned[b], mask.causal, mask))
@@ -200,13 +202,13 @@ def pair_launches(mask, size, layout):
     return out
 
 
-def position_launches(mask, layout, size, per_node):
+def position_launches(mask, layout, per_node):
     """pair_launches of Ulysses' positions (a node's ``per_node`` shards joined, schemes.position_pairs):
     the block calls of every (query, key) pair of shards of the positions, summed. An upper bound: the
     engine runs a position's joined pieces through one block_pairs, which fuses neighbouring full pairs
     into fewer calls (counting those exactly takes seconds at 16 nodes of 8)."""
-    calls = pair_launches(mask, size, layout)
-    nodes = size // per_node
+    calls = pair_launches(mask, layout)
+    nodes = layout.size // per_node
     return calls.reshape(nodes, per_node, nodes, per_node).sum(axis=(1, 3))
 
 
@@ -217,27 +219,27 @@ def node_list(size, per_node):
     return tuple(r // per_node for r in range(size))
 
 
-def visit_work(mask, seqlen, size, layout, visit):
-    """Visible pairs of one visit (schedule.Visit)."""
-    q_pieces = pieces(seqlen, visit.q_shard, size, layout)
+def visit_work(mask, layout, visit):
+    """Visible pairs of one visit (schedule.Visit), ranks holding tokens by ``layout``."""
+    q_pieces = layout.pieces(visit.q_shard)
     if visit.rows is not None:
         ((start, _),) = q_pieces
         q_pieces = [(start + visit.rows[0], visit.rows[1] - visit.rows[0])]
     return sum(mask.visible_count(qs, ql, ks, kl) for qs, ql in q_pieces
-               for ks, kl in pieces(seqlen, visit.kv_shard, size, layout))
+               for ks, kl in layout.pieces(visit.kv_shard))
 
 
 @lru_cache(maxsize=32)
-def schedule_traffic(seqlen, size, causal, mask, layout, direction, per_node=None):
+def schedule_traffic(layout, causal, mask, direction, per_node=None):
     """Tokens each rank sends and receives at each step (of the transfers completing then), per
     kind of transfer and link: {(what, side): ((sent, received) inside the node, (sent, received)
     between nodes)}, int64 arrays (steps, ranks); ``per_node`` ranks a node (None: one node)."""
     near, returns = DIRECTIONS[direction]
-    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, node_list(size, per_node))
-             for r in range(size)]
+    size = layout.size
+    plans = [schedule_steps(layout, causal, r, near, returns, mask, node_list(size, per_node)) for r in range(size)]
     count = max(len(p) for p in plans)
     out = {}
-    tokens = seqlen // size
+    tokens = layout.local
     for r, plan in enumerate(plans):
         for t, step in enumerate(plan):
             for index, transfers in enumerate((step.sends, step.recvs)):
@@ -250,16 +252,17 @@ def schedule_traffic(seqlen, size, causal, mask, layout, direction, per_node=Non
 
 
 @lru_cache(maxsize=32)
-def schedule_transfers(seqlen, size, causal, mask, layout, direction, per_node=None):
+def schedule_transfers(layout, causal, mask, direction, per_node=None):
     """Every transfer of the schedule, once (from its sender's steps), in the order the engine posts
     them: a tuple of (posted, due, sender, receiver, what, side, tokens), ``due`` the step at whose
     end it completes, ``per_node`` ranks a node (None: one node)."""
     near, returns = DIRECTIONS[direction]
+    size = layout.size
     nodes = node_list(size, per_node)
-    tokens = seqlen // size
+    tokens = layout.local
     out = []
     for r in range(size):
-        for t, step in enumerate(schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, nodes)):
+        for t, step in enumerate(schedule_steps(layout, causal, r, near, returns, mask, nodes)):
             for m in step.sends:
                 out.append((t, t if m.due is None else m.due, r, m.peer, m.what, m.side,
                             tokens if m.rows is None else m.rows[1] - m.rows[0]))
