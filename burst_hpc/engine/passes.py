@@ -24,8 +24,8 @@ import numpy as np
 from .. import config
 from . import ulysses
 from .merge import merge_into
-from .ring import Side, run
-from ..plan.schedule import visit_pairs
+from .ring import Side, row_runs, run
+from ..plan.schedule import held_pieces, visit_pairs
 from ..plan.schemes import ulysses_heads
 
 REHEARSAL_KEYS = 256
@@ -166,7 +166,8 @@ def _add(into, part):
 
 def _pairs(plan, visit):
     """The block pairs of a visit: its query rows against its keys (rows local to the query shard)."""
-    return visit_pairs(plan.pieces(visit.q_shard), plan.pieces(visit.kv_shard), plan.causal, visit.rows, plan.mask)
+    return visit_pairs(plan.pieces(visit.q_shard), held_pieces(plan.pieces(visit.kv_shard), visit.keys), plan.causal,
+                       visit.rows, plan.mask)
 
 
 @contextmanager
@@ -310,7 +311,8 @@ class _Finals:
                         pairs.append((call, i, rows.stop - rows.start))
                 call += 1
             for rows in combines.get(index, ()):
-                last[slice(*rows) if rows else slice(None)] = len(pairs)
+                for run in row_runs(rows) if rows else ((0, n_rows),):
+                    last[slice(*run)] = len(pairs)
                 pairs.append(None)
         counts = np.bincount(last[last >= 0], minlength=len(pairs))
         for event, where in enumerate(pairs):

@@ -96,16 +96,18 @@ class CallPlan:
             # never the data's: the caller shards by it (costmodel.choose_layout: the predicted fastest)
             self.layout = check_layout(default_layout(causal) if layout is None else layout)
             self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
-            self.ring = None
-            if backward is not None:
-                self.ring = choose_backward_ring(backward[3], hq, hkv, d, q.dtype.itemsize,
-                                                 *(masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
-                                                   for queries_travel in (True, False)), self.size)
             self.backend = get_backend(q)
             self.transport_name = choose_transport(transport, self.backend.name == "cuda", shared)
             self.heads, self.kv_heads, self.head_dim = hq, hkv, d
             scheme = resolve_scheme(scheme, self.topo, self.layout, self.causal, self.mask, q.shape, hkv,
                                     q.dtype.itemsize, backward is not None, self.backend.name)
+            self.ring = None
+            if backward is not None and scheme == "gather":
+                self.ring = gather_backward_ring(backward[3])
+            elif backward is not None:
+                self.ring = choose_backward_ring(backward[3], hq, hkv, d, q.dtype.itemsize,
+                                                 *(masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
+                                                   for queries_travel in (True, False)), self.size)
             self.scheme = make_scheme(scheme, comm, self.topo, self.seqlen, self.layout, self.causal, self.mask)
             self.passes = passes.for_plan(self)
             decided = {"layout": self.layout, "scheme": self.scheme.name, "backward_ring": self.ring,
@@ -300,13 +302,24 @@ def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, k
     return choice
 
 
+def gather_backward_ring(name):
+    """The gather scheme's backward moves keys and values (and their gradients home): 'kv' for
+    'auto' or 'kv'; 'q' is refused."""
+    if check_backward_ring(name) == "q":
+        raise BurstError("scheme 'gather' sends keys and values to the queries that see them, and dK/dV home; "
+                         "backward_ring='q' runs on the other schemes: use backward_ring='auto' or 'kv', or scheme='ring'")
+    return "kv"
+
+
 def resolve_scheme(name, topo, layout, causal, mask, q_shape, kv_heads, itemsize, backward, backend="numpy"):
-    """The concrete scheme: ``name``, or for 'auto' 'ring' on one node and otherwise the cost model's
-    fastest of the schemes that fit the layout and heads (costmodel.pick), priced with this rank's
-    GPU model's rates (no collective here: ranks on different GPU models that pick differently get
-    the signature's RankMismatchError, never a hang)."""
+    """The concrete scheme: ``name``, or for 'auto' 'gather' for the chunks layout, 'ring' on one node
+    and otherwise the cost model's fastest of the schemes that fit the layout and heads
+    (costmodel.pick), priced with this rank's GPU model's rates (no collective here: ranks on
+    different GPU models that pick differently get the signature's RankMismatchError, never a hang)."""
     if name != "auto":
         return name
+    if layout == "chunks":
+        return "gather"
     if topo is None or topo.nodes == 1:
         return "ring"
     from . import costmodel

@@ -5,6 +5,9 @@
   which balances causal work across ranks. One rank owns the whole sequence in one run (any S).
 - balanced: the tokens of contiguous (natural order, one run per rank); the visible work
   (causal, documents, windows) is balanced by the schedule instead (balance.py).
+- chunks: S is cut into chunks dealt to ranks by the mask so each rank's visible work is
+  balanced, documents kept on one rank where that costs no balance (placement.py); a rank's
+  chunks in natural order. Its pieces depend on the mask: every function here takes it.
 
 A rank's shard is described by its pieces: (global_start, length) runs, in local order.
 """
@@ -13,7 +16,7 @@ import numpy as np
 from ..device import array_module
 from ..errors import LayoutError
 
-LAYOUTS = ("contiguous", "zigzag", "balanced")
+LAYOUTS = ("contiguous", "zigzag", "balanced", "chunks")
 CONTIGUOUS_OWNERSHIP = ("contiguous", "balanced")
 
 
@@ -29,7 +32,7 @@ def check_layout(layout):
 
 def _parts(size, layout):
     """The equal chunks ``layout`` cuts a sequence into over ``size`` ranks (one rank owns all: no split)."""
-    return size if layout in CONTIGUOUS_OWNERSHIP or size == 1 else 2 * size
+    return size if layout in CONTIGUOUS_OWNERSHIP + ("chunks",) or size == 1 else 2 * size
 
 
 def check_split(seqlen, size, layout):
@@ -61,18 +64,40 @@ def check_split(seqlen, size, layout):
     return seqlen // size
 
 
-def pieces(seqlen, rank, size, layout):
-    """The (global_start, length) runs rank ``rank`` owns, in local order."""
+def pieces(seqlen, rank, size, layout, mask=None):
+    """The (global_start, length) runs rank ``rank`` owns, in local order. ``mask``: the masks.Mask
+    that places the chunks layout's tokens (plain causal or full attention too: ``placement_mask``);
+    the other layouts ignore it."""
     local = check_split(seqlen, size, layout)
     if not 0 <= rank < size:
         raise LayoutError(f"rank {rank} is outside 0..{size - 1}")
+    if layout == "chunks" and size > 1:
+        if mask is None or mask.seqlen != seqlen:
+            raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal, cu_seqlens "
+                              "and window (the same as burst_attention's)")
+        from .placement import place
+
+        return list(place(mask, size).pieces(rank))
     if layout in CONTIGUOUS_OWNERSHIP or size == 1:
         return [(rank * local, local)]
     chunk = local // 2
     return [(rank * chunk, chunk), ((2 * size - 1 - rank) * chunk, chunk)]
 
 
-def layout_indices(seqlen, rank, size, layout):
+def placement_mask(seqlen, causal=False, cu_seqlens=None, window=None):
+    """The masks.Mask the chunks layout places tokens by: the call's mask (MaskError if bad), plain
+    causal and full attention included."""
+    from . import masks
+
+    return masks.counting(seqlen, causal, masks.make(seqlen, causal, window, cu_seqlens))
+
+
+def _mask_for(layout, seqlen, causal, cu_seqlens, window):
+    """The placement mask when ``layout`` needs one (chunks), else None."""
+    return placement_mask(seqlen, causal, cu_seqlens, window) if layout == "chunks" else None
+
+
+def layout_indices(seqlen, rank, size, layout, *, causal=False, cu_seqlens=None, window=None):
     """Global token indices of rank ``rank``'s shard, in local order.
 
     Parameters
@@ -81,7 +106,10 @@ def layout_indices(seqlen, rank, size, layout):
         Tokens in the whole sequence.
     rank, size : int
         This rank and the number of ranks.
-    layout : {'contiguous', 'zigzag', 'balanced'}
+    layout : {'contiguous', 'zigzag', 'balanced', 'chunks'}
+    causal, cu_seqlens, window
+        The call's mask, as burst_attention takes it: the chunks layout places tokens by it (the
+        other layouts do not read it).
 
     Returns
     -------
@@ -92,10 +120,11 @@ def layout_indices(seqlen, rank, size, layout):
     LayoutError
         ``seqlen`` does not split over ``size`` ranks in ``layout``.
     """
-    return np.concatenate([np.arange(start, start + n) for start, n in pieces(seqlen, rank, size, layout)])
+    mask = _mask_for(layout, seqlen, causal, cu_seqlens, window)
+    return np.concatenate([np.arange(start, start + n) for start, n in pieces(seqlen, rank, size, layout, mask)])
 
 
-def shard(x, rank, size, layout, axis=1):
+def shard(x, rank, size, layout, axis=1, *, causal=False, cu_seqlens=None, window=None):
     """Rank ``rank``'s shard of the global array ``x``.
 
     Parameters
@@ -103,8 +132,10 @@ def shard(x, rank, size, layout, axis=1):
     x : array (NumPy or CuPy)
         The whole sequence along ``axis`` (1 for q, k, v; 2 for lse).
     rank, size : int
-    layout : {'contiguous', 'zigzag', 'balanced'}
+    layout : {'contiguous', 'zigzag', 'balanced', 'chunks'}
     axis : int
+    causal, cu_seqlens, window
+        The call's mask (the chunks layout places tokens by it).
 
     Returns
     -------
@@ -120,7 +151,8 @@ def shard(x, rank, size, layout, axis=1):
     >>> mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
     """
     axis = _normalize_axis(axis, x.ndim)
-    runs = pieces(x.shape[axis], rank, size, layout)
+    seqlen = x.shape[axis]
+    runs = pieces(seqlen, rank, size, layout, _mask_for(layout, seqlen, causal, cu_seqlens, window))
     parts = [x[(slice(None),) * axis + (slice(start, start + n),)] for start, n in runs]
     if len(parts) == 1:
         return parts[0].copy()
@@ -128,15 +160,17 @@ def shard(x, rank, size, layout, axis=1):
     return xp.concatenate(parts, axis=axis)
 
 
-def unshard(shards, layout, axis=1):
+def unshard(shards, layout, axis=1, *, causal=False, cu_seqlens=None, window=None):
     """The global array from every rank's shard: the inverse of ``shard``.
 
     Parameters
     ----------
     shards : sequence of arrays
         ``shards[r]`` from rank r (e.g. ``comm.gather(o)`` on rank 0).
-    layout : {'contiguous', 'zigzag', 'balanced'}
+    layout : {'contiguous', 'zigzag', 'balanced', 'chunks'}
     axis : int
+    causal, cu_seqlens, window
+        The call's mask (the chunks layout places tokens by it).
 
     Returns
     -------
@@ -155,6 +189,7 @@ def unshard(shards, layout, axis=1):
     local = shards[0].shape[axis]
     seqlen = local * size
     check_split(seqlen, size, layout)
+    mask = _mask_for(layout, seqlen, causal, cu_seqlens, window)
     xp = array_module(shards[0])
     out = xp.empty(shards[0].shape[:axis] + (seqlen,) + shards[0].shape[axis + 1:], shards[0].dtype)
     for rank, part in enumerate(shards):
@@ -162,7 +197,7 @@ def unshard(shards, layout, axis=1):
             raise LayoutError(f"shard {rank} has shape {part.shape}; shard 0 has {shards[0].shape} "
                               f"(every rank's shard must have the same shape)")
         offset = 0
-        for start, n in pieces(seqlen, rank, size, layout):
+        for start, n in pieces(seqlen, rank, size, layout, mask):
             index = (slice(None),) * axis
             out[index + (slice(start, start + n),)] = part[index + (slice(offset, offset + n),)]
             offset += n

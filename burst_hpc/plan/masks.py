@@ -21,7 +21,6 @@ from functools import lru_cache
 import numpy as np
 
 from ..errors import MaskError
-from .layout import pieces
 
 
 LARGEST_WINDOW = 2 ** 62     # masks add window sizes to token positions in int64
@@ -175,6 +174,12 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
     return Mask(seqlen, causal, window, cu_seqlens)
 
 
+def counting(seqlen, causal, mask):
+    """``mask``, or for plain causal or full attention (None) the Mask that counts their pairs (and
+    places the chunks layout's tokens)."""
+    return mask if mask is not None else Mask(seqlen, causal, None, None)
+
+
 def block_counts(mask, rows, keys):
     """int64 (S / rows, S / keys): the visible (query, key) pairs of every block of ``rows`` query
     rows against every block of ``keys`` keys (``mask`` a Mask: plain causal or full attention
@@ -195,11 +200,13 @@ def block_counts(mask, rows, keys):
 @lru_cache(maxsize=16)
 def pair_work(mask, size, layout):
     """(size, size) int64, read-only: the visible (query, key) pairs of rank a's queries against rank
-    b's keys (``mask`` as block_counts takes it)."""
-    owner = [pieces(mask.seqlen, r, size, layout) for r in range(size)]
-    piece = owner[0][0][1]
+    b's keys (``mask`` as block_counts takes it; it places the chunks layout too)."""
+    from .layout import pieces
+
+    owner = [pieces(mask.seqlen, r, size, layout, mask) for r in range(size)]
+    piece = int(np.gcd.reduce([n for runs in owner for _, n in runs]))   # every run is whole pieces of it
     blocks = block_counts(mask, piece, piece)
-    index = [[start // piece for start, _ in runs] for runs in owner]
+    index = [[start // piece + i for start, n in runs for i in range(n // piece)] for runs in owner]
     rows = np.array([blocks[i].sum(axis=0) for i in index])                           # (rank, key piece)
     out = np.stack([rows[:, i].sum(axis=1) for i in index], axis=1).astype(np.int64)   # (rank, rank)
     out.setflags(write=False)

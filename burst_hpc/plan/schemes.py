@@ -9,17 +9,20 @@ loop of ring.py.
   rails (schedule.double_ring_steps); positions are node by node (topology).
 - ``ulysses_ring``: all-to-all over heads inside the node (ulysses.py), then a flat ring over the
   rails whose shards are whole nodes' tokens for 1/w of the heads, then all-to-all back.
-- ``auto``: one node -> ``ring``; several -> the cost model's pick (costmodel.pick).
+- ``gather``: every rank keeps its queries; the keys and values another rank's queries see go
+  straight to it from their owner, and only those (gather.py); the chunks layout's scheme.
+- ``auto``: the chunks layout -> ``gather``; else one node -> ``ring``, several -> the cost model's
+  pick (costmodel.pick).
 """
 import numpy as np
 
-from . import masks
+from . import gather, masks
 from ..errors import LayoutError, TopologyError
 from .layout import pieces
 from .schedule import double_ring_steps, plain_ring_steps, steps as flat_steps
 from .topology import inner_lane
 
-SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
+SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring", "gather")
 NODE_SCHEMES = ("double_ring", "ulysses_ring")
 
 
@@ -35,6 +38,7 @@ class Flat:
     def __init__(self, comm, seqlen, layout, causal, mask, topo=None):
         self.comm, self.position, self.size = comm, comm.rank, comm.size
         self.seqlen, self.layout, self.causal, self.mask, self.topo = seqlen, layout, causal, mask, topo
+        self.placed = masks.counting(seqlen, causal, mask)   # what places the chunks layout's tokens
 
     @property
     def balanced(self):
@@ -65,7 +69,7 @@ class Flat:
         return node(self.topo.arrangement.position(peer)) != self.topo.node
 
     def pieces(self, position):
-        return tuple(pieces(self.seqlen, position, self.size, self.layout))
+        return tuple(pieces(self.seqlen, position, self.size, self.layout, self.placed))
 
     def steps(self, near, returns):
         return flat_steps(self.layout, self.causal, self.position, self.size, near, returns, self.mask, self.seqlen,
@@ -94,7 +98,7 @@ class DoubleRing(Flat):
         return peer // self.topo.per_node != self.topo.node
 
     def pieces(self, position):  # the shard at a position is its rank's (the caller's numbering)
-        return tuple(pieces(self.seqlen, self.topo.arrangement.order[position], self.size, self.layout))
+        return tuple(pieces(self.seqlen, self.topo.arrangement.order[position], self.size, self.layout, self.placed))
 
     def steps(self, near, returns):
         nodes, w = self.topo.nodes, self.topo.per_node
@@ -115,7 +119,8 @@ class UlyssesRing(Flat):
 
     def pieces(self, node):  # a node's tokens: its ranks' shards in local order
         order, w = self.topo.arrangement.order, self.topo.per_node
-        return tuple(run for r in order[node * w:(node + 1) * w] for run in pieces(self.seqlen, r, self.ranks, self.layout))
+        return tuple(run for r in order[node * w:(node + 1) * w]
+                     for run in pieces(self.seqlen, r, self.ranks, self.layout, self.placed))
 
     def remote(self, peer):  # the ring runs over the rail: one rank per node
         return peer != self.position
@@ -125,6 +130,14 @@ class UlyssesRing(Flat):
         pairs = position_pairs(self.mask, self.layout, self.topo.arrangement.order, self.topo.per_node)
         count = work_rounds(pairs, nodes, near == "q", lambda p, o: [(p - o) % nodes])
         return plain_ring_steps(self.position, nodes, near, returns, count)
+
+
+class Gather(Flat):
+    name = "gather"
+
+    def steps(self, near, returns):
+        assert near == "kv", "the gather schedule moves keys and values"
+        return gather.steps(self.position, self.size, self.placed, self.layout, tuple(returns))
 
 
 def check_node_layout(name, layout, causal, masked=False):
@@ -165,6 +178,8 @@ def make(name, comm, topo, seqlen, layout, causal, mask):
     """The scheme object for a resolved ``name`` (not 'auto')."""
     if name == "ring":
         return Flat(comm, seqlen, layout, causal, mask, topo)
+    if name == "gather":
+        return Gather(comm, seqlen, layout, causal, mask, topo)
     return {"double_ring": DoubleRing, "ulysses_ring": UlyssesRing}[name](topo, seqlen, layout, causal, mask)
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from . import balance, masks, schedule
 from ..errors import BurstError, MaskError
 from .layout import check_layout, check_split, pieces
-from .schedule import double_ring_steps, plain_ring_steps, steps as schedule_steps
+from .schedule import double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
 
 # near side, returned sides: the forward, the backward's kv-ring and its q-ring
 DIRECTIONS = {"forward": ("kv", ("q",)), "backward": ("kv", ("kv", "q")), "backward-q": ("q", ("kv", "q"))}
@@ -55,11 +55,6 @@ def work_of(seqlen, size, causal, mask, layout, direction, per_node=None):
     return account(seqlen, size, causal, mask, layout, "ring", direction, per_node).work
 
 
-def plain_mask(seqlen, causal, mask):
-    """``mask``, or for plain causal or full attention (None) the Mask that counts their pairs."""
-    return mask if mask is not None else masks.Mask(seqlen, causal, None, None)
-
-
 KINDS = (("data", "kv"), ("data", "q"), ("partial", "q"), ("partial", "kv"))   # (what, side) of a transfer
 
 
@@ -88,7 +83,7 @@ def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None
     from .schemes import position_pairs, work_rounds
 
     near, returns = DIRECTIONS[direction]
-    counted = plain_mask(seqlen, causal, mask)
+    counted = masks.counting(seqlen, causal, mask)
     w = size if per_node is None else per_node
     nodes = size // w
     shard = seqlen // size
@@ -171,13 +166,13 @@ def node_list(size, per_node):
 
 
 def visit_work(mask, seqlen, size, layout, visit):
-    """Visible pairs of one visit (schedule.Visit)."""
-    q_pieces = pieces(seqlen, visit.q_shard, size, layout)
+    """Visible pairs of one visit (schedule.Visit; ``mask`` a Mask, plain causal too)."""
+    q_pieces = pieces(seqlen, visit.q_shard, size, layout, mask)
     if visit.rows is not None:
         ((start, _),) = q_pieces
         q_pieces = [(start + visit.rows[0], visit.rows[1] - visit.rows[0])]
     return sum(mask.visible_count(qs, ql, ks, kl) for qs, ql in q_pieces
-               for ks, kl in pieces(seqlen, visit.kv_shard, size, layout))
+               for ks, kl in held_pieces(pieces(seqlen, visit.kv_shard, size, layout, mask), visit.keys))
 
 
 @lru_cache(maxsize=32)
