@@ -19,11 +19,12 @@ mean, else the best balanced of them: fewer chunks are fewer runs, kernel launch
 Everything is a pure function of (mask, ranks), cached: every rank computes the same placement
 from the agreed arguments.
 """
-import heapq
 from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
+
+from . import masks
 
 TILE = 128                        # the kernels' tile height: chunks are multiples of it where the shard allows
 CHUNKS_PER_RANK = (4, 8, 16, 32)  # the counts the plan tries, fewest first
@@ -84,58 +85,67 @@ def chunk_counts(local):
 
 
 def place_chunks(mask, size, chunk):
-    """The Placement of chunks of ``chunk`` tokens: the largest unit cap within SLACK of the best."""
-    areas, linked = chunk_facts(mask, chunk)
+    """The Placement of chunks of ``chunk`` tokens: dealt by area (``deal``), then chunks swapped
+    between ranks to keep documents together within SLACK of that balance (``gather_documents``)."""
+    pairs = masks.block_counts(mask, chunk, chunk)
+    areas = pairs.sum(axis=1)
+    owned, area = deal(areas, size)
+    owner = np.empty(len(areas), np.int64)
+    for rank, chunks in enumerate(owned):
+        owner[list(chunks)] = rank
+    limit = max(area) * (1 + SLACK)
+    owner = gather_documents(owner, areas, pairs + pairs.T, size, limit)
+    owned = tuple(tuple(np.flatnonzero(owner == r).tolist()) for r in range(size))
+    return Placement(chunk, owned, tuple(int(areas[list(c)].sum()) for c in owned))
+
+
+def deal(areas, size):
+    """(owned, area): chunks dealt heaviest first (ties: the earlier), each to the lightest rank
+    (ties: the lower) with room (the same count each)."""
     share = len(areas) // size
-    caps, cap = [], share
-    while cap >= 1:
-        caps.append(cap)
-        cap //= 2
-    if caps[-1] != 1:
-        caps.append(1)
-    tried = [deal(areas, linked, size, cap) for cap in caps]
-    least = min(max(area) for _, area in tried)
-    owned, area = next(t for t in tried if max(t[1]) <= least * (1 + SLACK))
-    return Placement(chunk, owned, area)
-
-
-def chunk_facts(mask, chunk):
-    """(area, linked): int64 visible pairs of each chunk's queries against every key; bool,
-    ``linked[i]`` whether a query of chunk i or i + 1 sees a key of the other."""
-    lo, hi = mask.intervals
-    area = (hi - lo).reshape(-1, chunk).sum(axis=1)
-    bounds = np.arange(chunk, mask.seqlen, chunk)
-    # the row intervals never shrink and each row sees itself: the rows next to a boundary decide
-    linked = (lo[bounds] < bounds) | (hi[bounds - 1] > bounds)
-    return area, linked
-
-
-def units(linked, cap):
-    """Runs of consecutive chunks (first, count): the chains of ``linked`` chunks, cut every ``cap``."""
-    out, first = [], 0
-    for i in range(len(linked) + 1):
-        if i == len(linked) or not linked[i]:
-            for start in range(first, i + 1, cap):
-                out.append((start, min(cap, i + 1 - start)))
-            first = i + 1
-    return out
-
-
-def deal(areas, linked, size, cap):
-    """(owned, area): units of at most ``cap`` chunks dealt heaviest first, each to the lightest rank
-    with room for it (ties: the lower rank); a unit no rank has room for is dealt chunk by chunk."""
-    share = len(areas) // size
-    pending = [(-int(areas[s:s + n].sum()), s, n) for s, n in units(linked, cap)]
-    heapq.heapify(pending)
     owned, area = [[] for _ in range(size)], [0] * size
-    while pending:
-        weight, start, n = heapq.heappop(pending)
-        room = [r for r in range(size) if len(owned[r]) + n <= share]
-        if not room:
-            for i in range(start, start + n):
-                heapq.heappush(pending, (-int(areas[i]), i, 1))
-            continue
-        rank = min(room, key=lambda r: (area[r], r))
-        owned[rank] += range(start, start + n)
-        area[rank] -= weight
+    for i in sorted(range(len(areas)), key=lambda c: (-areas[c], c)):
+        rank = min((r for r in range(size) if len(owned[r]) < share), key=lambda r: (area[r], r))
+        owned[rank].append(i)
+        area[rank] += int(areas[i])
     return tuple(tuple(sorted(chunks)) for chunks in owned), tuple(area)
+
+
+def gather_documents(owner, areas, affinity, size, limit, rounds=4):
+    """``owner`` (the rank of each chunk) after swaps of two chunks between ranks that raise the
+    visible pairs kept on one rank (``affinity`` (n, n): the pairs between two chunks, both ways)
+    and leave both ranks' areas at most ``limit``: each chunk, heaviest first, with the chunk of the
+    rank it shares most pairs with whose swap gains most. Counts never change; at most ``rounds``
+    passes, in a fixed order (every rank finds the same)."""
+    owner = owner.copy()
+    area = np.bincount(owner, areas, minlength=size).astype(np.int64)
+    shared = np.zeros((size, len(areas)), np.int64)   # pairs each chunk shares with each rank's chunks
+    for rank in range(size):
+        shared[rank] = affinity[owner == rank].sum(axis=0)
+    own = np.diagonal(affinity)
+    for _ in range(rounds):
+        swapped = False
+        for i in sorted(range(len(areas)), key=lambda c: (-areas[c], c)):
+            a = owner[i]
+            gains = shared[:, i].copy()
+            gains[a] = -1
+            b = int(np.argmax(gains))
+            gain = shared[b, i] - (shared[a, i] - own[i])
+            if gain <= 0:
+                continue
+            js = np.flatnonzero(owner == b)
+            fit = (area[a] - areas[i] + areas[js] <= limit) & (area[b] - areas[js] + areas[i] <= limit)
+            total = gain + shared[a, js] - (shared[b, js] - own[js]) - 2 * affinity[i, js]
+            total[~fit] = 0
+            if total.max() <= 0:
+                continue
+            j = int(js[np.argmax(total)])
+            owner[i], owner[j] = b, a
+            area[a] += areas[j] - areas[i]
+            area[b] += areas[i] - areas[j]
+            shared[a] += affinity[j] - affinity[i]
+            shared[b] += affinity[i] - affinity[j]
+            swapped = True
+        if not swapped:
+            break
+    return owner

@@ -1,0 +1,103 @@
+"""The chunks layout's placement (plan/placement.py) and the gather schedule's sight (plan/gather.py)."""
+import numpy as np
+import pytest
+
+from burst_hpc.errors import LayoutError
+from burst_hpc.plan import gather, masks, placement
+from burst_hpc.plan.layout import layout_indices, pieces, shard, unshard
+from burst_hpc.plan.workload import documents
+
+
+def capped(seed, size, local):
+    """MagiAttention's benchmark mask: causal documents of uniform length up to S/4."""
+    seqlen = size * local
+    cu = documents(np.random.default_rng(seed), seqlen, "capped", longest=seqlen // 4)
+    return masks.make(seqlen, True, None, cu)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_area_is_balanced_on_the_issues_documents(seed, size):
+    mask = capped(seed, size, 8192)
+    found = placement.place(mask, size)
+    assert found.imbalance <= 1 + placement.TOLERANCE
+    assert found.chunk % placement.TILE == 0 and 8192 // found.chunk in placement.CHUNKS_PER_RANK
+    # every chunk once, the same count on every rank, the areas the mask's
+    chunks = sorted(c for owned in found.owned for c in owned)
+    assert chunks == list(range(size * 8192 // found.chunk))
+    assert len({len(owned) for owned in found.owned}) == 1
+    lo, hi = mask.intervals
+    for owned, area in zip(found.owned, found.area):
+        rows = np.concatenate([np.arange(c * found.chunk, (c + 1) * found.chunk) for c in owned])
+        assert area == (hi - lo)[rows].sum()
+
+
+def test_plain_causal_is_balanced_exactly():
+    mask = masks.Mask(4 * 2048, True, None, None)
+    assert placement.place(mask, 4).imbalance == 1.0
+
+
+def test_short_documents_stay_on_one_rank_when_balance_allows():
+    """Documents of 1, 2, 1, 2, 1, 1 chunks over two ranks of four chunks: each rank can hold one
+    document of two chunks and two of one at equal area, so none crosses ranks; dealing by area
+    alone splits the first of two chunks."""
+    size, chunk = 2, 4
+    cu = np.array([0, 1, 3, 4, 6, 7, 8]) * chunk
+    mask = masks.make(int(cu[-1]), True, None, cu)
+    found = placement.place_chunks(mask, size, chunk)
+    assert found.imbalance == 1.0
+    doc = np.searchsorted(cu, np.arange(8) * chunk, side="right") - 1   # the document of each chunk
+    assert all(len({r for r, owned in enumerate(found.owned) for c in owned if doc[c] == d}) == 1 for d in range(6))
+    loose, _ = placement.deal(masks.block_counts(mask, chunk, chunk).sum(axis=1), size)
+    assert {1, 2} not in [set(owned) & {1, 2} for owned in loose]   # what the swaps repair
+
+
+def test_a_document_longer_than_a_share_must_cross():
+    mask = masks.make(64, True, None, np.array([0, 40, 64]))
+    found = placement.place(mask, 2)
+    owner = {c: r for r, owned in enumerate(found.owned) for c in owned}
+    first_doc = {owner[c] for c in range(40 // found.chunk)}
+    assert first_doc == {0, 1}
+
+
+def test_layout_functions_follow_the_placement():
+    size, local = 4, 512
+    seqlen = size * local
+    cu = documents(np.random.default_rng(3), seqlen, "capped", longest=seqlen // 4)
+    mask = masks.make(seqlen, True, None, cu)
+    kw = dict(causal=True, cu_seqlens=cu)
+    x = np.random.default_rng(0).standard_normal((2, seqlen, 3))
+    parts = [shard(x, r, size, "chunks", **kw) for r in range(size)]
+    np.testing.assert_array_equal(unshard(parts, "chunks", **kw), x)
+    every = np.concatenate([layout_indices(seqlen, r, size, "chunks", **kw) for r in range(size)])
+    assert sorted(every) == list(range(seqlen))
+    for r in range(size):
+        assert tuple(pieces(seqlen, r, size, "chunks", mask)) == placement.place(mask, size).pieces(r)
+        np.testing.assert_array_equal(parts[r], x[:, layout_indices(seqlen, r, size, "chunks", **kw)])
+    with pytest.raises(LayoutError, match="places tokens by the mask"):
+        pieces(seqlen, 0, size, "chunks")
+
+
+@pytest.mark.parametrize("layout", ["chunks", "zigzag", "contiguous"])
+@pytest.mark.parametrize("seed", range(3))
+def test_each_rank_receives_exactly_the_keys_its_queries_see(seed, layout):
+    """sight's runs against a brute force over the mask: the units of another rank's shard that hold
+    a key some query of this rank sees, no more, no fewer."""
+    size, local = 4, 64
+    rng = np.random.default_rng(seed)
+    seqlen = size * local
+    cu = documents(rng, seqlen, "capped", longest=seqlen // 4)
+    window = (int(rng.integers(0, seqlen // 2)), 0) if seed == 2 else None
+    mask = masks.make(seqlen, True, window, cu)
+    units, seen, unit = gather.sight(mask, size, layout)
+    lo, hi = mask.intervals
+    for a in range(size):
+        rows = np.concatenate([np.arange(s, s + n) for s, n in pieces(seqlen, a, size, layout, mask)])
+        visible = np.zeros(seqlen, bool)
+        for i in rows:
+            visible[lo[i]:hi[i]] = True
+        for b in range(size):
+            keys = np.concatenate([np.arange(s, s + n) for s, n in pieces(seqlen, b, size, layout, mask)])
+            wanted = {p // unit for p, key in enumerate(keys) if visible[key]}
+            got = {p // unit for lo_, hi_ in seen[a][b] for p in range(lo_, hi_)}
+            assert got == wanted, (a, b)
