@@ -8,6 +8,7 @@ import burst_hpc
 from burst_hpc.plan import costmodel
 from burst_hpc.cli import main
 from burst_hpc.plan.costmodel import GPU_RATES, Cluster, Problem
+from burst_hpc.plan.layout import LAYOUTS
 
 M = 1 << 20
 H100_50 = replace(GPU_RATES["H100"], inter_gbps=50.0)
@@ -159,7 +160,7 @@ def plan_rows(capsys, *args):
     rows, pick = {}, None
     for line in capsys.readouterr().out.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("|") and cells[0] in ("contiguous", "zigzag", "balanced"):
+        if line.startswith("|") and cells[0] in LAYOUTS:
             rows[(cells[0], cells[1])] = cells[2:-1]
             if cells[-1] == "**pick**":
                 pick = (cells[0], cells[1])
@@ -188,7 +189,7 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
     rows, pick = plan_rows(capsys, *args)
     timed = {key: float(cells[2]) for key, cells in rows.items() if cells[2] != "-"}
     assert pick is not None and timed[pick] == min(timed.values()), (pick, timed)
-    for layout in ("contiguous", "zigzag", "balanced"):
+    for layout in LAYOUTS:
         alone, _ = plan_rows(capsys, *args, "--layout", layout)
         assert alone == {key: cells for key, cells in rows.items() if key[0] == layout}
     def value(name, kind, default=None):

@@ -50,7 +50,7 @@ GPU_RATES = {
     "H200": Rates("H200", 610.0, 530.0, 350.0, 50.0),
     "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0),
 }
-SCHEMES = ("ring", "double_ring", "ulysses_ring")
+SCHEMES = ("ring", "double_ring", "ulysses_ring", "gather")
 MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
 
@@ -156,6 +156,14 @@ def direction_of(pr, ranks, layout, mask, backward):
     return "backward" if backward_side(pr, ranks, layout, mask) == "kv" else "backward-q"
 
 
+def auto_schemes(layout, cl):
+    """The schemes ``scheme='auto'`` chooses among in ``layout`` (callplan.resolve_scheme): the chunks
+    layout's gather; else the flat ring on one node, and on several the schemes across nodes too."""
+    if layout == "chunks":
+        return ("gather",)
+    return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
+
+
 def fits(scheme, pr, cl, layout="zigzag", masked=False):
     """None when ``scheme`` runs this problem in ``layout`` (``masked``: with documents or a window),
     else why not (the reason the library gives)."""
@@ -163,7 +171,7 @@ def fits(scheme, pr, cl, layout="zigzag", masked=False):
 
     try:
         check_split(pr.seqlen, cl.ranks, layout)
-        if scheme == "ring":
+        if scheme in ("ring", "gather"):
             return None
         check_node_layout(scheme, layout, pr.causal, masked)
         if scheme == "ulysses_ring":
@@ -186,7 +194,8 @@ def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     for each scale: hiding_tokens asks many at once)."""
     from .workload import KINDS, account
 
-    direction = direction_of(pr, cl.ranks, layout, mask, backward)
+    # the gather schedule's backward moves keys and values (callplan.gather_backward_ring)
+    direction = "backward" if backward and scheme == "gather" else direction_of(pr, cl.ranks, layout, mask, backward)
     acc = account(pr.seqlen, cl.ranks, pr.causal, mask, layout, scheme, direction,
                   cl.per_node if cl.nodes > 1 else None)
     heads, kv_heads = pr.heads, pr.kv_heads
@@ -284,9 +293,9 @@ def options(pr, cl, rates, mask=None, layouts=LAYOUTS, schemes=SCHEMES):
 
 def pick(pr, cl, rates, layout="zigzag", mask=None, backward=True, margin=MARGIN):
     """The scheme ``scheme='auto'`` runs in ``layout``: the least predicted time (forward+backward,
-    or the forward alone) among those that fit; the flat ring unless another beats it by more than
-    ``margin``; one node: ring."""
-    found = options(pr, cl, rates, mask, (layout,), SCHEMES if cl.nodes > 1 else ("ring",))
+    or the forward alone) among those that fit (``auto_schemes``); the flat ring unless another beats
+    it by more than ``margin``; one node: ring (the chunks layout: gather)."""
+    found = options(pr, cl, rates, mask, (layout,), auto_schemes(layout, cl))
     picked = _pick(found, backward, margin)
     if layout not in picked:
         raise BurstError(found[(layout, "ring")])
@@ -310,8 +319,9 @@ def best(pr, cl, rates, mask=None, layouts=LAYOUTS, scheme="auto", backward=True
     named), the least time among them; on a tie the call's default layout (zigzag when causal,
     contiguous otherwise: one rank holds every layout alike). (Prediction, ``options``' output of
     the pairs priced.)"""
-    schemes = SCHEMES if scheme == "auto" and cl.nodes > 1 else ("ring",) if scheme == "auto" else (scheme,)
-    found = options(pr, cl, rates, mask, layouts, schemes)
+    found = {}
+    for layout in layouts:
+        found.update(options(pr, cl, rates, mask, (layout,), auto_schemes(layout, cl) if scheme == "auto" else (scheme,)))
     picked = _pick(found, backward, MARGIN)
     if not picked:   # no layout splits the sequence, or the scheme named runs none that does
         raise LayoutError("; ".join(dict.fromkeys(why for why in found.values())))

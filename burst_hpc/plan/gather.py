@@ -5,20 +5,23 @@ Every rank computes its own queries only. The keys and values of another rank tr
 from their owner, and only the runs of it that some query of the receiver sees (at the layout's
 granularity: a chunk of the chunks layout, a piece of the others), packed into one message; no
 shard is forwarded, and nothing comes back in the forward. The backward sends each dK/dV partial
-of those runs home to their owner once, the step after it is made.
+of those runs home to their owner once.
 
-Stages: the ranks a rank receives from are taken by ring distance d = receiver - owner (mod P),
-one stage per distance at which some rank receives (documents and windows leave most empty):
-step 0 computes the rank's own keys while the first stage's data arrives; step i computes the
-data of stage i while stage i + 1's arrives (and, backward, stage i - 1's partials go home). Each
-rank sends to one rank and receives from one rank per stage, as on a ring. Every rank derives
-the same steps from (mask, ranks, layout).
+Steps: a rank's work is its own keys' pairs, cut in two (a first part, the rest), and a visit to
+each other rank whose keys it sees, in the order: the first part, the visits (by ring distance to
+their owner), the rest; in blocks of query rows (balance.row_unit), cut into STEPS steps of equal
+work, step 0 holding only the first part (as much as a step's share, as much as the rank has).
+The owners post every transfer of keys and values at step 0 (their inputs are ready), each due
+at the end of the step before its first use: the data crosses the links under the rank's own
+work, and ranks are coupled only by their data arriving. A dK/dV partial is posted the step after
+the last visit adding to it (the own rest still runs, so it crosses under that) and is due at the
+last step. Every rank derives the same steps from (mask, ranks, layout).
 """
 from functools import lru_cache
 
 import numpy as np
 
-from . import masks
+from . import balance, masks
 from .layout import pieces
 from .schedule import Transfer, Visit, make_step
 
@@ -56,32 +59,95 @@ def _runs(positions, unit):
     return tuple(out)
 
 
-def stages(mask, size, layout):
-    """The ring distances at which some rank receives keys, in order: one stage each."""
-    seen = sight(mask, size, layout)[1]
-    return tuple(d for d in range(1, size) if any(seen[r][(r - d) % size] for r in range(size)))
+STEPS = 3   # steps that hold work (when some rank receives keys; else one)
+
+
+@lru_cache(maxsize=16)
+def plan(mask, size, layout, returns):
+    """(count, tasks, moves): the steps; ``tasks[r][t]`` the visits of rank r at step t as (kv shard,
+    (lo, hi) local query rows, work); ``moves`` every transfer as (posted, due, sender, receiver,
+    what, shard, rows): data from its owner, partials (``returns`` holds 'kv': the backward) home."""
+    units, seen, unit = sight(mask, size, layout)
+    remote = any(seen[a][b] for a in range(size) for b in range(size) if a != b)
+    steps = STEPS if remote else 1
+    works = [_rank_work(mask, size, layout, r) for r in range(size)]
+    # step 0 holds own work only: the same share on every rank (as much as the least has, up to a step's)
+    head = min(min(int(w[r].sum()) for r, w in enumerate(works)),
+               min(sum(int(x.sum()) for x in w.values()) for w in works) / steps) if steps > 1 else None
+    tasks = tuple(_cut(r, works[r], balance.row_unit(unit), steps, head) for r in range(size))
+    used = {}   # (receiver, shard) -> (first step, last step) of its visits
+    for r, mine in enumerate(tasks):
+        for t, visits in enumerate(mine):
+            for shard, _, _ in visits:
+                if shard != r:
+                    used[(r, shard)] = (used.get((r, shard), (t, t))[0], t)
+    count = steps + (1 if "kv" in returns and any(b == steps - 1 for _, b in used.values()) else 0)
+    moves = []
+    for (r, shard), (first, last) in sorted(used.items()):
+        moves.append((0, first - 1, shard, r, "data", shard, seen[r][shard]))
+        if "kv" in returns:
+            moves.append((last + 1, count - 1, r, shard, "partial", shard, seen[r][shard]))
+    return count, tasks, tuple(moves)
+
+
+def _rank_work(mask, size, layout, rank):
+    """{shard: int64 work of each block of ``rank``'s query rows (balance.row_unit rows, local order)
+    against the keys of ``shard`` it sees}, own keys first, then the others by ring distance."""
+    units, seen, unit = sight(mask, size, layout)
+    rows = balance.row_unit(unit)
+    ratio = unit // rows
+    counts = masks.block_counts(mask, rows, unit)[[u * ratio + i for u in units[rank] for i in range(ratio)]]
+    owners = [(rank, None)] + [((rank - d) % size, seen[rank][(rank - d) % size]) for d in range(1, size)
+                               if seen[rank][(rank - d) % size]]
+    return {shard: counts[:, _key_units(units[shard], keys, unit)].sum(axis=1) for shard, keys in owners}
+
+
+def _cut(rank, work, rows, steps, head):
+    """Rank ``rank``'s visits by step, as ``plan`` gives them: its ``work`` (_rank_work) in blocks of
+    ``rows`` query rows, in the order (own keys' first part, the other ranks' keys, own keys' rest),
+    cut into ``steps`` steps of equal work, step 0 the first part alone (``head`` work at most; None:
+    everything, in one step). Blocks with no work are left out."""
+    total = sum(int(w.sum()) for w in work.values())
+    cumulative = np.cumsum(work[rank])
+    first = len(cumulative) if head is None else int(np.searchsorted(cumulative, head, side="right"))
+    share = (total - (int(cumulative[first - 1]) if first else 0)) / (steps - 1) if steps > 1 else 0
+    sequence = [(rank, 0, first)] + [(shard, 0, len(cumulative)) for shard in work if shard != rank]
+    sequence.append((rank, first, len(cumulative)))
+    out, done = [[] for _ in range(steps)], 0
+    for index, (shard, lo, hi) in enumerate(sequence):
+        for b in range(lo, hi):
+            w = int(work[shard][b])
+            if w == 0:
+                continue
+            t = 0 if index == 0 else min(steps - 1, 1 + int((done + w / 2) // share))
+            done += w if index else 0
+            if out[t] and out[t][-1][0] == shard:   # the blocks between were this step's or had no work
+                _, (a, _), v = out[t][-1]
+                out[t][-1] = (shard, (a, (b + 1) * rows), v + w)
+            else:
+                out[t].append((shard, (b * rows, (b + 1) * rows), w))
+    return tuple(tuple(visits) for visits in out)
+
+
+def _key_units(owned_units, keys, unit):
+    """The global key units of ``keys`` (local row runs; None: all) of a shard of ``owned_units``."""
+    if keys is None:
+        return list(owned_units)
+    return [owned_units[p] for lo, hi in keys for p in range(lo // unit, hi // unit)]
 
 
 @lru_cache(maxsize=256)
 def steps(rank, size, mask, layout, returns):
-    """This rank's steps (schedule.Step): its own keys at step 0, then a stage's received runs per
-    step; ``returns`` holds 'kv' in the backward (the dK/dV partials of received runs go home the
-    step after their visit; a last step delivers the last ones)."""
+    """This rank's steps (schedule.Step) of ``plan``."""
+    count, tasks, moves = plan(mask, size, layout, returns)
     seen = sight(mask, size, layout)[1]
-    distances = stages(mask, size, layout)
-    back = "kv" in returns
-    count = 1 + len(distances) + (1 if back and distances else 0)
-    sends, recvs, visits = ([[] for _ in range(count)] for _ in range(3))
-    visits[0].append(Visit(rank, rank))
-    for i, d in enumerate(distances):
-        to, owner = (rank + d) % size, (rank - d) % size
-        if seen[to][rank]:   # at step i this rank's runs go to the rank d ahead, used there at step i + 1
-            sends[i].append(Transfer(to, "data", "kv", rank, rows=seen[to][rank]))
-            if back:
-                recvs[i + 2].append(Transfer(to, "partial", "kv", rank, rows=seen[to][rank]))
-        if seen[rank][owner]:
-            recvs[i].append(Transfer(owner, "data", "kv", owner, rows=seen[rank][owner]))
-            visits[i + 1].append(Visit(rank, owner, keys=seen[rank][owner]))
-            if back:
-                sends[i + 2].append(Transfer(owner, "partial", "kv", owner, rows=seen[rank][owner]))
-    return tuple(make_step(*parts) for parts in zip(visits, sends, recvs))
+    sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]
+    for posted, due, sender, receiver, what, shard, rows in moves:
+        due = None if due == posted else due
+        if sender == rank:
+            sends[posted].append(Transfer(receiver, what, "kv", shard, due, rows))
+        if receiver == rank:
+            recvs[posted].append(Transfer(sender, what, "kv", shard, due, rows))
+    visits = list(tasks[rank]) + [()] * (count - len(tasks[rank]))
+    return tuple(make_step([Visit(rank, shard, rows, None if shard == rank else seen[rank][shard])
+                            for shard, rows, _ in visits[t]], sends[t], recvs[t]) for t in range(count))

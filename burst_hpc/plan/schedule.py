@@ -117,15 +117,14 @@ def block_pairs(q_pieces, k_pieces, causal, mask=None):
 
 def visit_pairs(q_pieces, k_pieces, causal, rows=None, mask=None):
     """The block pairs of one visit; ``rows`` (lo, hi) keeps only those local query rows (a piece
-    of a chunk pair in the balanced schedule; a shard of one piece only)."""
+    of a chunk pair in the balanced schedule, a step's share of a shard in the gather schedule)."""
     if rows is None:
         return block_pairs(q_pieces, k_pieces, causal, mask)
-    ((start, n),) = q_pieces
     lo, hi = rows
     if lo >= hi:
         return ()
     return tuple(replace(p, q=slice(p.q.start + lo, p.q.stop + lo))
-                 for p in block_pairs(((start + lo, hi - lo),), k_pieces, causal, mask))
+                 for p in block_pairs(held_pieces(q_pieces, (rows,)), k_pieces, causal, mask))
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def table(pr, cl, rates, mask=None, layout=None):
     pick: (text, costmodel.Prediction), the fastest predicted forward+backward (costmodel.best: what
     a call with scheme='auto' in the layout costmodel.choose_layout names runs)."""
     layouts = LAYOUTS if layout is None else (layout,)
-    pick, found = costmodel.best(pr, cl, rates, mask, layouts, scheme="auto" if cl.nodes > 1 else "ring")
+    pick, found = costmodel.best(pr, cl, rates, mask, layouts)
     head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | steps fwd / bwd | "
             "critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | peak GiB/rank fwd / bwd | "
             "hides from (tokens/GPU) fwd / fwd+bwd | |")

@@ -89,6 +89,8 @@ def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None
     shard = seqlen // size
     if scheme == "ring" and layout == "balanced" and size > 1 and (causal or mask is not None):
         return _balanced_account(counted, size, near, returns, node_list(size, per_node), per_node)
+    if scheme == "gather":
+        return _gather_account(counted, size, layout, returns, per_node)
     if scheme == "ring":
         template = schedule_steps(layout, causal, 0, size, near, returns, mask, seqlen, None)
         pairs = masks.pair_work(counted, size, layout)
@@ -146,6 +148,25 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
         for end, rank in (("out", sender), ("in", receiver)):
             ends.setdefault(posted, []).append((due, rank, far, end, what, side, tokens))
     return Account(full, _in_order(ends))
+
+
+def _gather_account(mask, size, layout, returns, per_node):
+    """The Account of the gather schedule (gather.plan), every rank's ends listed."""
+    from . import gather
+
+    count, tasks, moves = gather.plan(mask, size, layout, returns)
+    work = np.zeros((count, size), np.int64)
+    for r, mine in enumerate(tasks):
+        for t, visits in enumerate(mine):
+            work[t, r] = sum(w for _, _, w in visits)
+    work.setflags(write=False)
+    ends = {}
+    for posted, due, sender, receiver, what, _, rows in moves:
+        far = per_node is not None and sender // per_node != receiver // per_node
+        tokens = sum(hi - lo for lo, hi in rows)
+        for end, rank in (("out", sender), ("in", receiver)):
+            ends.setdefault(posted, []).append((due, rank, far, end, what, "kv", tokens))
+    return Account(work, _in_order(ends))
 
 
 def _in_order(ends):
