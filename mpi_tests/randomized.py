@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
-LAYOUTS = (None, "contiguous", "zigzag", "balanced")
+SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring", "gather")
+LAYOUTS = (None, "contiguous", "zigzag", "balanced", "chunks")
 HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 72)
 GPU_HEAD_DIMS = (32, 48, 64, 80, 96, 128, 160, 256)
 
@@ -55,6 +55,7 @@ LEGITIMATE = (
     r"splits the \d+ query heads over the \d+ ranks of a node, and \d+ does not divide \d+",
     r"gives each rank \d+ query heads, which neither holds whole GQA groups of \d+ nor divides one",
     r"does not split over \d+ ranks with the \w+ layout: it must be a multiple of \d+",
+    r"scheme 'gather' sends keys and values to the queries that see them, and dK/dV home; backward_ring='q' runs",
 )
 
 
@@ -253,8 +254,9 @@ def run_case(comm, case, xp=np):
     else:
         layout_for_shards = layout
 
-    def mine(x, axis=1):
-        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis)
+    def mine(x, axis=1):   # the chunks layout places tokens by the mask
+        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis, causal=case.causal, window=case.window,
+                               cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
 
     kw = dict(comm=comm, causal=case.causal, scale=case.scale, layout=case.layout, scheme=case.scheme,
               ranks_per_node=case.ranks_per_node, window=case.window,
@@ -274,7 +276,13 @@ def run_case(comm, case, xp=np):
     if case.disagree is not None and case.disagree[1] == "backward_ring":
         refused_alike(comm, case, dev, backward_kw,
                       lambda arrays, args: burst_hpc.burst_attention_backward(arrays[3], *arrays[:3], *got, **args))
-    grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, **backward_kw)
+    try:
+        grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, **backward_kw)
+    except Exception as e:  # noqa: BLE001 - judged by refusal() (the gather scheme refuses the q-ring)
+        error = e
+    message = refusal(comm, error)
+    if message is not None:
+        return f"refused: {message}"
     ours = dict(zip(("o", "lse", "dq", "dk", "dv"), [_host(x) for x in (*got, *grads)]))
     if case.poison is not None:
         problems = nonfinite_problems(case, ours, q, k, v, do, mine)

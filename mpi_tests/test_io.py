@@ -14,7 +14,7 @@ import pytest
 from burst_hpc import io
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import BurstError, DTypeError, FileError, LayoutError, ShapeError
-from burst_hpc.plan.layout import LAYOUTS, shard
+from burst_hpc.plan.layout import LAYOUTS, placement_mask, shard
 
 
 @pytest.fixture
@@ -41,6 +41,13 @@ def _write_inputs(comm, path, arrays):
     comm.Barrier()
 
 
+def _placed(seqlen):
+    """(shard's mask arguments, the Mask): causal documents, by which the chunks layout places tokens
+    (the other layouts ignore them)."""
+    kw = dict(causal=True, cu_seqlens=np.array([0, 3, seqlen // 2 + 1, seqlen]))
+    return kw, placement_mask(seqlen, **kw)
+
+
 def _same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -53,11 +60,12 @@ def test_round_trip(comm, workdir, layout, dtype):
     src = os.path.join(workdir, f"in-{layout}.h5")
     _write_inputs(comm, src, arrays)
 
-    spec, shards = io.read_shards(src, comm, layout, names=("q", "k", "v", "do"))
+    kw, mask = _placed(seqlen)
+    spec, shards = io.read_shards(src, comm, layout, names=("q", "k", "v", "do"), mask=mask)
     assert (spec.batch, spec.seqlen, spec.heads, spec.kv_heads, spec.head_dim) == (2, seqlen, 4, 2, 8)
     assert spec.dtype == np.dtype(dtype) and spec.has_grad
     for name, part in shards.items():
-        assert _same(part, shard(arrays[name], comm.rank, comm.size, layout)), name
+        assert _same(part, shard(arrays[name], comm.rank, comm.size, layout, **kw)), name
 
     # write the shards back (o := q's shard, dq/dk/dv := do/k/v, lse := a rank-and-position code)
     dst = os.path.join(workdir, f"out-{layout}.h5")
@@ -65,8 +73,8 @@ def test_round_trip(comm, workdir, layout, dtype):
     out = io.OutputFile.create(dst, comm, io.output_datasets(spec, backward=True), {"causal": False}, inputs=[src])
     assert not os.path.exists(dst)
     try:
-        out.write({"o": shards["q"], "lse": shard(lse_global, comm.rank, comm.size, layout, axis=2),
-                   "dq": shards["do"], "dk": shards["k"], "dv": shards["v"]}, layout)
+        out.write({"o": shards["q"], "lse": shard(lse_global, comm.rank, comm.size, layout, axis=2, **kw),
+                   "dq": shards["do"], "dk": shards["k"], "dv": shards["v"]}, layout, mask)
         assert not os.path.exists(dst)
         out.commit()
     except BaseException:
@@ -116,14 +124,16 @@ def test_read_shards_with_spec_does_not_inspect_again(comm, workdir, monkeypatch
 
     monkeypatch.setattr(read, "_inspect", inspected_again)
     monkeypatch.setattr(read, "inspect_input", inspected_again)
-    got, shards = io.read_shards(src, comm, layout, names, spec=spec)
+    kw, mask = _placed(seqlen)
+    got, shards = io.read_shards(src, comm, layout, names, spec=spec, mask=mask)
     assert got is spec
     for name in names:
-        assert _same(shards[name], shard(arrays[name], comm.rank, comm.size, layout)), name
+        assert _same(shards[name], shard(arrays[name], comm.rank, comm.size, layout, **kw)), name
 
     narrow = io.InputSpec(src, spec.batch, seqlen, spec.heads, spec.kv_heads, spec.head_dim, spec.dtype,
                           ("q", "k", "v"), {})
-    _expect_same_error(comm, FileError, "'do' is missing", lambda: io.read_shards(src, comm, layout, names, spec=narrow))
+    _expect_same_error(comm, FileError, "'do' is missing",
+                       lambda: io.read_shards(src, comm, layout, names, spec=narrow, mask=mask))
 
 
 def test_missing_file_and_dataset(comm, workdir):
@@ -200,6 +210,7 @@ def test_mpio_and_token_passing_write_the_same(comm, workdir, layout, monkeypatc
     arrays = _global_inputs(comm, seqlen, bfloat16)
     spec = io.InputSpec("x", 2, seqlen, 4, 2, 8, np.dtype(bfloat16), ("q", "k", "v", "do"), {})
     lse = np.arange(2 * 4 * seqlen, dtype=np.float32).reshape(2, 4, seqlen)
+    kw, mask = _placed(seqlen)
     paths = {}
     for mpio in ([False, True] if h5py.get_config().mpi else [False]):
         monkeypatch.setenv("BURST_HPC_HDF5_MPIO", "1" if mpio else "0")
@@ -207,11 +218,11 @@ def test_mpio_and_token_passing_write_the_same(comm, workdir, layout, monkeypatc
         out = io.OutputFile.create(dst, comm, io.output_datasets(spec, backward=True))
         assert out.mpio == (mpio and comm.size > 1)
         try:
-            out.write({"o": shard(arrays["q"], comm.rank, comm.size, layout),
-                       "lse": shard(lse, comm.rank, comm.size, layout, axis=2),
-                       "dq": shard(arrays["do"], comm.rank, comm.size, layout),
-                       "dk": shard(arrays["k"], comm.rank, comm.size, layout),
-                       "dv": shard(arrays["v"], comm.rank, comm.size, layout)}, layout)
+            out.write({"o": shard(arrays["q"], comm.rank, comm.size, layout, **kw),
+                       "lse": shard(lse, comm.rank, comm.size, layout, axis=2, **kw),
+                       "dq": shard(arrays["do"], comm.rank, comm.size, layout, **kw),
+                       "dk": shard(arrays["k"], comm.rank, comm.size, layout, **kw),
+                       "dv": shard(arrays["v"], comm.rank, comm.size, layout, **kw)}, layout, mask)
             out.commit()
         except BaseException:
             out.abort()

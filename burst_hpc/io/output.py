@@ -130,14 +130,15 @@ class OutputFile:
             create_dataset(f, name, tuple(int(n) for n in shape), dtype)
         stamp(f, attrs)
 
-    def write(self, shards, layout):
-        """Write this rank's shards ``{name: array}`` (local layout order) into their token runs."""
+    def write(self, shards, layout, mask=None):
+        """Write this rank's shards ``{name: array}`` (local layout order) into their token runs
+        (``mask``: the masks.Mask that places the chunks layout's tokens)."""
         import h5py
 
         err = None
         if self.mpio:
             try:
-                self._mpio("r+", lambda f: self._write_mine(f, shards, layout),
+                self._mpio("r+", lambda f: self._write_mine(f, shards, layout, mask),
                            f"writing {self.path!r} failed on rank {self.rank}")
             except Exception as e:  # noqa: BLE001
                 err = e
@@ -149,7 +150,7 @@ class OutputFile:
             if not failed:
                 try:
                     with h5py.File(self.tmp, "r+", **WRITE_OPTS) as f:
-                        self._write_mine(f, shards, layout)
+                        self._write_mine(f, shards, layout, mask)
                 except Exception as e:  # noqa: BLE001
                     err = e
             if self.rank < self.size - 1:
@@ -181,7 +182,7 @@ class OutputFile:
             abort_job(f"{_io_failure(what, e, self.tmp)}; parallel HDF5 cannot go on after a failed "
                                 "collective write, so the job is stopped")
 
-    def _write_mine(self, f, shards, layout):
+    def _write_mine(self, f, shards, layout, mask):
         for name, array in shards.items():
             if name not in self.datasets:
                 raise BurstError(f"output dataset {name!r} was not declared")
@@ -192,7 +193,7 @@ class OutputFile:
                 array = array.astype(dtype)
             seqlen = shape[axis]
             offset = 0
-            for start, n in pieces(seqlen, self.rank, self.size, layout):
+            for start, n in pieces(seqlen, self.rank, self.size, layout, mask):
                 src = (slice(None),) * axis + (slice(offset, offset + n),)
                 dst = (slice(None),) * axis + (slice(start, start + n),)
                 write_slab(f[name], dst, array[src])

@@ -134,12 +134,13 @@ def read_tokens(ds, runs, dtype, token_axis=1):
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=token_axis)
 
 
-def read_shards(path, comm, layout, names=("q", "k", "v"), spec=None):
+def read_shards(path, comm, layout, names=("q", "k", "v"), spec=None, mask=None):
     """(InputSpec, {name: this rank's shard}) for ``names``; collective, errors agreed on every rank.
 
-    Each rank reads only its own token runs (both zigzag halves) with the file opened read-only.
-    ``spec``: the file's InputSpec from :func:`inspect_input` (on this rank, with ``need`` covering
-    ``names``), so the file is not inspected again; None inspects it here.
+    Each rank reads only its own token runs (both zigzag halves, the chunks it is placed) with the
+    file opened read-only. ``spec``: the file's InputSpec from :func:`inspect_input` (on this rank,
+    with ``need`` covering ``names``), so the file is not inspected again; None inspects it here.
+    ``mask``: the masks.Mask that places the chunks layout's tokens (layout.placement_mask).
     """
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
     shards, err = {}, None
@@ -150,7 +151,7 @@ def read_shards(path, comm, layout, names=("q", "k", "v"), spec=None):
             else:
                 _check_inspected(spec, path, names)
             check_split(spec.seqlen, size, layout)
-            runs = pieces(spec.seqlen, rank, size, layout)
+            runs = pieces(spec.seqlen, rank, size, layout, mask)
             for name in names:
                 shards[name] = read_tokens(f[name], runs, spec.dtype)
     except Exception as e:  # noqa: BLE001 - every failure is agreed across ranks below
@@ -181,7 +182,7 @@ def _first_nonfinite(x, block_tokens=4096):
     return None
 
 
-def check_finite(path, shards, comm, layout, seqlen, scale=None):
+def check_finite(path, shards, comm, layout, seqlen, scale=None, mask=None):
     """Collective: refuse NaN and Inf in the input shards (this rank's tokens of each dataset), and
     finite values so large that the kernels' sums overflow (:func:`check_range`; ``scale``: the
     softmax scale of the run, default head_dim**-0.5).
@@ -189,7 +190,7 @@ def check_finite(path, shards, comm, layout, seqlen, scale=None):
     Every rank raises the same FileError, naming the dataset and the first non-finite value in the
     file's order (datasets q, k, v, do; then batch, token, head, dim with global token positions)."""
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    runs = pieces(seqlen, rank, size, layout)
+    runs = pieces(seqlen, rank, size, layout, mask)
     largest = largest_magnitudes(shards)   # one pass over the data; NaN or Inf when a shard holds one
     mine = None
     for order, name in enumerate(INPUTS):

@@ -171,6 +171,7 @@ def run(options, comm=None):
         error = e
     agree(comm, error)
     scale = options.scale if options.scale is not None else spec.head_dim ** -0.5
+    placed = masks.counting(spec.seqlen, options.causal, mask)   # what places the chunks layout's tokens
     pairs = visible_pairs(spec.seqlen, options.causal, mask)
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]
     shown = options.progress if options.progress is not None else flops[0] > 2e11 or sys.stderr.isatty()
@@ -198,9 +199,9 @@ def run(options, comm=None):
     try:
         # read and check this rank's shards, onto the device
         with clock("read"):
-            _, shards = io.read_shards(options.input, comm, layout, names, spec=spec)
+            _, shards = io.read_shards(options.input, comm, layout, names, spec=spec, mask=placed)
             if not options.allow_nonfinite:
-                io.check_finite(options.input, shards, comm, layout, spec.seqlen, scale=scale)
+                io.check_finite(options.input, shards, comm, layout, spec.seqlen, scale=scale, mask=placed)
             dev = {name: xp.asarray(a) for name, a in shards.items()}
             del shards
         progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
@@ -224,7 +225,7 @@ def run(options, comm=None):
         progress(f"writing {options.output}")
         with clock("write"):
             host = {name: to_host(a) for name, a in results.items()}
-            out.write(host, layout)
+            out.write(host, layout, placed)
         summary = _summary(spec, plan, options, backend, transport, flops, clock.seconds)
         summary += verify.nonfinite_summary(results, comm)  # collective, on the device; [] when all finite
 
@@ -387,7 +388,9 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     announce = Progress(comm.rank == 0 and options.progress is not False)  # the predicted cost, unless --quiet
     announce.t0 = progress.t0
     try:
-        report = verify.verify_resident(inputs, results, layout_indices(spec.seqlen, comm.rank, comm.size, layout),
+        rows_here = layout_indices(spec.seqlen, comm.rank, comm.size, layout, causal=options.causal,
+                                   cu_seqlens=spec.cu_seqlens, window=options.window)
+        report = verify.verify_resident(inputs, results, rows_here,
                                         spec, comm, options.causal, scale, options.window,
                                         rows=options.verify_rows or verify.ROWS, seed=options.verify_seed,
                                         budget_s=budget, announce=announce, progress=progress, rates=rates)
