@@ -1,11 +1,12 @@
 """Packed documents at MagiAttention's benchmark setting, under mpiexec (one rank per GPU): bf16,
 D = 128, Hq = 64, Hkv = 8, 8k tokens per GPU, causal, documents of random lengths up to S/4
-(drawn from --seed). For each layout (contiguous, zigzag, balanced) it times the forward and
+(drawn from --seed). For each layout (every one: contiguous, zigzag, balanced, chunks), with the
+scheme ``scheme='auto'`` runs it with (the chunks layout: gather), it times the forward and
 forward+backward passes and reports TFLOP/s per GPU over the visible pairs at the slowest rank's
 pace (FlashAttention's count: 4 Hq D per visible pair forward, 3.5x that forward+backward), next
-to the schedule's own account (workload.schedule_work: critical path / mean work) and the cost
-model's prediction (costmodel.pass_prediction, this GPU's built-in rates). Launch it at 1, 2, 4
-and 8 GPUs for the table in docs/RING.md.
+to the schedule's own account (workload.account: critical path / mean work) and the cost model's
+prediction (costmodel.pass_prediction, this GPU's built-in rates); the layout the default picks
+(costmodel.choose_layout) is marked. Launch it at 1, 2, 4 and 8 GPUs for the table in docs/RING.md.
 
     mpirun -np 8 python bench/bench_documents.py --out docs/results.md
     mpiexec -n 2 python bench/bench_documents.py --cpu --tokens-per-rank 64 --heads 4 --kv-heads 2 --head-dim 8
@@ -24,7 +25,8 @@ from mpi4py import MPI
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.accounting import visible_pairs
-from burst_hpc.plan.workload import documents, work_of
+from burst_hpc.plan.layout import LAYOUTS
+from burst_hpc.plan.workload import account, documents
 
 import evidence
 from evidence import timed
@@ -35,7 +37,7 @@ def main(argv=None):
     evidence.problem_arguments(ap, tokens_per_rank=8192)
     ap.set_defaults(heads=64, kv_heads=8, head_dim=128)
     ap.add_argument("--longest", type=float, default=0.25, help="the longest document, a share of S (default 1/4)")
-    ap.add_argument("--layouts", default="contiguous,zigzag,balanced")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--passes", default="fwd,fwdbwd")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
@@ -66,14 +68,20 @@ def main(argv=None):
             (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
     rates = costmodel.rates_for("numpy" if args.cpu else "cuda", device)
     problem = costmodel.Problem(1, S, H, Hkv, D, np.dtype(dtype).itemsize, True)
+    cluster = costmodel.Cluster(max(1, P // 8), min(P, 8))   # 8 GPUs a node
+    picked = costmodel.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=H, kv_heads=Hkv, head_dim=D, dtype=dtype,
+                                     backend="numpy" if args.cpu else "cuda", rates=rates,
+                                     ranks_per_node=cluster.per_node)
     rows, first = [], None
     for layout in args.layouts.split(","):
-        mine = {name: xp.asarray(burst_hpc.shard(x, r, P, layout)).astype(dtype) for name, x in full.items()}
-        kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=layout)
-        work = work_of(S, P, True, mask, layout, "forward")
-        row = {"layout": layout, "P": P, "tokens": S, "documents": len(cu) - 1, "longest": int(np.diff(cu).max()),
-               "device": device, "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()),
-               "steps": int(work.shape[0])}
+        placed = dict(causal=True, cu_seqlens=cu)   # the chunks layout places tokens by the mask
+        mine = {name: xp.asarray(burst_hpc.shard(x, r, P, layout, **placed)).astype(dtype) for name, x in full.items()}
+        scheme = costmodel.pick(problem, cluster, rates, layout, mask)   # what scheme='auto' runs
+        kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=layout, scheme=scheme)
+        work = account(S, P, True, mask, layout, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None).work
+        row = {"layout": layout, "scheme": scheme, "pick": layout == picked, "P": P, "tokens": S,
+               "documents": len(cu) - 1, "longest": int(np.diff(cu).max()), "device": device,
+               "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()), "steps": int(work.shape[0])}
         o, lse = burst_hpc.burst_attention(mine["q"], mine["k"], mine["v"], **kw)
         for pass_ in args.passes.split(","):
             backward = pass_ == "fwdbwd"
@@ -86,8 +94,7 @@ def main(argv=None):
             seconds = timed(comm, run, args.iters, args.warmup, xp)
             row[pass_] = seconds
             row[f"{pass_}_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / seconds / 1e12
-            cluster = costmodel.Cluster(max(1, P // 8), min(P, 8))   # 8 GPUs a node
-            pred = [costmodel.pass_prediction("ring", problem, cluster, rates, layout, mask, b)
+            pred = [costmodel.pass_prediction(scheme, problem, cluster, rates, layout, mask, b)
                     for b in ((False, True) if backward else (False,))]
             time_ = sum(p.time for p in pred)
             row[f"{pass_}_predicted_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / time_ / 1e12
@@ -95,7 +102,7 @@ def main(argv=None):
         if args.check:
             gathered = comm.gather(o.get() if hasattr(o, "get") else o)
             if r == 0:
-                whole = burst_hpc.unshard(gathered, layout).astype(np.float64)
+                whole = burst_hpc.unshard(gathered, layout, **placed).astype(np.float64)
                 first = whole if first is None else first
                 row["max_diff_vs_first"] = float(np.abs(whole - first).max())
         rows.append(row)
@@ -116,11 +123,12 @@ def table(rows, args, device):
              f"{first['documents']} documents up to {first['longest']} (seed {args.seed}), H={args.heads}, "
              f"Hkv={args.kv_heads or args.heads}, D={args.head_dim}\n",
              f"`mpirun -np {first['P']} python bench/bench_documents.py {' '.join(sys.argv[1:])}`\n",
-             "| layout | critical path / mean | steps | pass | time (s) | TFLOP/s per GPU | predicted | "
-             "predicted exposed |", "|---|---|---|---|---|---|---|---|"]
+             "| layout | scheme | critical path / mean | steps | pass | time (s) | TFLOP/s per GPU | predicted | "
+             "predicted exposed |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         for pass_ in args.passes.split(","):
-            lines.append(f"| {row['layout']} | {row['critical_over_mean']:.2f} | {row['steps']} | {pass_} | "
+            name = f"**{row['layout']}** (pick)" if row["pick"] else row["layout"]
+            lines.append(f"| {name} | {row['scheme']} | {row['critical_over_mean']:.2f} | {row['steps']} | {pass_} | "
                          f"{row[pass_]:.4f} | {row[pass_ + '_tflops_per_gpu']:.3g} | "
                          f"{row[pass_ + '_predicted_tflops_per_gpu']:.3g} | {row[pass_ + '_predicted_exposed']:.1%} |")
     return "\n".join(lines) + "\n"

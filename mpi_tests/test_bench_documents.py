@@ -7,6 +7,7 @@ import sys
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
 import bench_documents  # noqa: E402
+from burst_hpc.plan.layout import LAYOUTS  # noqa: E402
 
 
 def test_rows_for_every_layout(comm, tmp_path):
@@ -16,11 +17,12 @@ def test_rows_for_every_layout(comm, tmp_path):
     if comm.rank != 0:
         return
     rows = [json.loads(line) for line in open(out) if line.startswith("{")]
-    assert [r["layout"] for r in rows] == ["contiguous", "zigzag", "balanced"]
+    assert [r["layout"] for r in rows] == list(LAYOUTS)
+    assert [r["scheme"] for r in rows] == ["ring", "ring", "ring", "gather"] and sum(r["pick"] for r in rows) == 1
     for row in rows:
         assert row["P"] == comm.size and row["device"] == "CPU" and row["max_diff_vs_first"] < 1e-4
         for pass_ in ("fwd", "fwdbwd"):
             assert row[pass_] > 0 and row[pass_ + "_tflops_per_gpu"] > 0 and row[pass_ + "_predicted_tflops_per_gpu"] > 0
     # tiny shards balance coarsely (tests/test_balance.py holds the 1.10 bar at 8k tokens per rank)
     assert rows[2]["critical_over_mean"] <= min(rows[0]["critical_over_mean"], rows[1]["critical_over_mean"]) + 1e-9
-    assert "| balanced |" in open(out).read()
+    assert "| balanced" in open(out).read() and "| chunks" in open(out).read()
