@@ -400,7 +400,8 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
     Returns
     -------
     str
-        'contiguous', 'zigzag' or 'balanced'.
+        'contiguous', 'zigzag', 'balanced' or 'chunks' (shard by it with the call's mask:
+        ``burst_hpc.shard(x, rank, P, layout, causal=..., cu_seqlens=..., window=...)``).
 
     Raises
     ------
@@ -412,7 +413,7 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
     ::
 
         layout = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=32, kv_heads=8)
-        mine = lambda x: burst_hpc.shard(x, rank, P, layout)
+        mine = lambda x: burst_hpc.shard(x, rank, P, layout, causal=True, cu_seqlens=cu)
         o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     from . import masks
