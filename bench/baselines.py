@@ -207,7 +207,7 @@ class _Collective:
             self.batch, self.local, _, self.heads, self.kv_heads, self.head_dim = check_qkv(q, k, v)
             self.size, self.rank = comm.size, comm.rank
             self.seqlen = self.local * self.size
-            self.pieces = burst_hpc.plan.layout.pieces(self.seqlen, self.rank, self.size, layout)
+            self.pieces = burst_hpc.plan.layout.as_layout(layout, self.seqlen, self.size).pieces(self.rank)
             self.check()
         except BurstError as e:
             error = e

@@ -25,7 +25,7 @@ from mpi4py import MPI
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.accounting import visible_pairs
-from burst_hpc.plan.layout import LAYOUTS
+from burst_hpc.plan.layout import LAYOUTS, make_layout
 from burst_hpc.plan.workload import account, documents
 
 import evidence
@@ -71,14 +71,14 @@ def main(argv=None):
     cluster = costmodel.Cluster(max(1, P // 8), min(P, 8))   # 8 GPUs a node
     picked = costmodel.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=H, kv_heads=Hkv, head_dim=D, dtype=dtype,
                                      backend="numpy" if args.cpu else "cuda", rates=rates,
-                                     ranks_per_node=cluster.per_node)
+                                     ranks_per_node=cluster.per_node).kind
     rows, first = [], None
     for layout in args.layouts.split(","):
-        placed = dict(causal=True, cu_seqlens=cu)   # the chunks layout places tokens by the mask
-        mine = {name: xp.asarray(burst_hpc.shard(x, r, P, layout, **placed)).astype(dtype) for name, x in full.items()}
-        scheme = costmodel.pick(problem, cluster, rates, layout, mask)   # what scheme='auto' runs
-        kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=layout, scheme=scheme)
-        work = account(S, P, True, mask, layout, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None).work
+        placed = make_layout(layout, S, P, mask)   # the chunks layout places tokens by the mask
+        mine = {name: xp.asarray(placed.shard(x, r)).astype(dtype) for name, x in full.items()}
+        scheme = costmodel.pick(problem, cluster, rates, placed, mask)   # what scheme='auto' runs
+        kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=placed, scheme=scheme)
+        work = account(placed, True, mask, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None).work
         row = {"layout": layout, "scheme": scheme, "pick": layout == picked, "P": P, "tokens": S,
                "documents": len(cu) - 1, "longest": int(np.diff(cu).max()), "device": device,
                "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()), "steps": int(work.shape[0])}
@@ -94,7 +94,7 @@ def main(argv=None):
             seconds = timed(comm, run, args.iters, args.warmup, xp)
             row[pass_] = seconds
             row[f"{pass_}_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / seconds / 1e12
-            pred = [costmodel.pass_prediction(scheme, problem, cluster, rates, layout, mask, b)
+            pred = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, mask, b)
                     for b in ((False, True) if backward else (False,))]
             time_ = sum(p.time for p in pred)
             row[f"{pass_}_predicted_tflops_per_gpu"] = 4.0 * pairs * H * D * (3.5 if backward else 1.0) / P / time_ / 1e12
@@ -102,7 +102,7 @@ def main(argv=None):
         if args.check:
             gathered = comm.gather(o.get() if hasattr(o, "get") else o)
             if r == 0:
-                whole = burst_hpc.unshard(gathered, layout, **placed).astype(np.float64)
+                whole = placed.unshard(gathered).astype(np.float64)
                 first = whole if first is None else first
                 row["max_diff_vs_first"] = float(np.abs(whole - first).max())
         rows.append(row)

@@ -97,7 +97,7 @@ def main():
             print(f"| {scheme} | - | - | - | - | - | does not fit: {result} |")
             continue
         full, compute = result
-        p = costmodel.predict(scheme, pr, cl, replace(rates), "zigzag")
+        p = costmodel.predict(scheme, pr, cl, replace(rates))
         predicted = p.fwd.time if name == "fwd" else p.fwdbwd
         exposed = p.fwd.exposed if name == "fwd" else p.exposed
         print(f"| {scheme} | {name} | {full:.4g} | {compute:.4g} | {max(full - compute, 0) / full:.1%} | "

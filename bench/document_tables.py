@@ -12,6 +12,7 @@ import numpy as np
 
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
+from burst_hpc.plan.layout import make_layout
 from burst_hpc.plan.workload import documents
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
@@ -61,7 +62,8 @@ def prediction_table(ranks_list, tokens, per_node=8):
         cells = []
         for layout in LAYOUTS:
             cluster = costmodel.Cluster(max(1, ranks // per_node), min(ranks, per_node))
-            preds = [costmodel.pass_prediction("ring", problem, cluster, rates, layout, mask, b) for b in (False, True)]
+            placed = make_layout(layout, seqlen, ranks)
+            preds = [costmodel.pass_prediction("ring", problem, cluster, rates, placed, mask, b) for b in (False, True)]
             flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * p.mean / p.time for b, p in zip((False, True), preds)]
             cells.append(f"{flops[0]:.0f} / {flops[1]:.0f} ({preds[0].exposed:.0%} / {preds[1].exposed:.0%})")
         lines.append(f"| {ranks} | " + " | ".join(cells) + " |")

@@ -661,7 +661,7 @@ def cmd_plan(args):
     if rank == 0:
         print(tables.describe(problem, cluster, rates, mask))
         print(text)
-        print(f"pick: layout {pick.layout}, scheme {pick.scheme} ({pick.fwdbwd:.3g} s forward+backward; "
+        print(f"pick: layout {pick.layout.kind}, scheme {pick.scheme} ({pick.fwdbwd:.3g} s forward+backward; "
               f"shard by it: burst_hpc.choose_layout)")
     return 0
 

@@ -32,8 +32,9 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         Key j visible from query i only when j <= i (global positions).
     scale : float, optional
         Score scale (default D ** -0.5).
-    layout : {'contiguous', 'zigzag', 'balanced', 'chunks'}, optional
-        How the shards were cut (burst_hpc.shard). Default: zigzag when causal, contiguous otherwise,
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}, optional
+        How the shards were cut (burst_hpc.shard; a name is made into a Layout of the call's sequence
+        and ranks). Default: zigzag when causal, contiguous otherwise,
         whatever ``cu_seqlens`` and ``window`` hold (a default never changes with the data). The
         layout the cost model predicts fastest for this call is ``burst_hpc.choose_layout(...)``:
         shard by it and pass it here. 'balanced' shards are contiguous ones (natural token order)
@@ -85,7 +86,7 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True)
         # packed documents: the layout predicted fastest, the same on every rank
         layout = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=q.shape[2], kv_heads=k.shape[2])
-        fast = lambda x: burst_hpc.shard(x, r, P, layout, causal=True, cu_seqlens=cu)   # chunks: placed by the mask
+        fast = lambda x: layout.shard(x, r)
         o, lse = burst_hpc.burst_attention(fast(q), fast(k), fast(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     comm = world() if comm is None else check_comm(comm)

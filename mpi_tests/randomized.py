@@ -119,6 +119,9 @@ def draw(seed, ranks, backend="numpy", dtype=None, last_pairs=False):
         c.seqlen += parts * int(rng.choice([0, 16, 40]) if backend == "cuda" else rng.integers(16, 80))
     c.scale = None if rng.random() < 0.8 else float(rng.uniform(0.05, 1.0))
     c.backward_ring = str(rng.choice(["auto", "q", "kv"]))
+    gathers = c.scheme == "gather" or (c.scheme == "auto" and c.layout == "chunks")
+    if gathers and c.backward_ring == "q" and rng.random() < 0.8:   # mostly a ring it runs (q is refused)
+        c.backward_ring = "auto"
     if rng.random() < 0.45:
         c.cu_seqlens = documents(rng, c.seqlen, ranks)
     if rng.random() < 0.4:
@@ -191,9 +194,9 @@ def window_side(rng, seqlen):
 
 def shard_layout(case):
     """The layout the inputs are sharded in: the case's, or the call's default (never the mask's)."""
-    from burst_hpc.plan.layout import default_layout
+    from burst_hpc.plan.layout import default_kind
 
-    return default_layout(case.causal) if case.layout is None else case.layout
+    return default_kind(case.causal) if case.layout is None else case.layout
 
 
 def inputs(case):
@@ -247,16 +250,17 @@ def run_case(comm, case, xp=np):
     assert P == case.ranks
     layout = shard_layout(case)
     q, k, v, do = inputs(case)
+    placed = dict(causal=case.causal, window=case.window,   # the chunks layout places tokens by the mask
+                  cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     try:
-        burst_hpc.plan.layout.check_split(case.seqlen, P, layout)
+        burst_hpc.make_layout(layout, case.seqlen, P, burst_hpc.plan.layout.placement_mask(case.seqlen, **placed))
     except burst_hpc.LayoutError:
         layout_for_shards = "contiguous"   # the call must refuse the case's layout
     else:
         layout_for_shards = layout
 
-    def mine(x, axis=1):   # the chunks layout places tokens by the mask
-        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis, causal=case.causal, window=case.window,
-                               cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
+    def mine(x, axis=1):
+        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis, **placed)
 
     kw = dict(comm=comm, causal=case.causal, scale=case.scale, layout=case.layout, scheme=case.scheme,
               ranks_per_node=case.ranks_per_node, window=case.window,

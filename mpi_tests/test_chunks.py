@@ -7,7 +7,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.errors import BurstError
-from burst_hpc.plan import gather
+from burst_hpc.plan import gather, masks
 from burst_hpc.plan.callplan import CallPlan
 from burst_hpc.plan.workload import documents
 from burst_hpc.reference import attention_backward_reference, attention_reference
@@ -80,7 +80,7 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
         return burst_hpc.shard(x, r, P, layout, **kw)
 
     plan = CallPlan(comm, mine(q), mine(k), mine(v), True, None, layout, "auto", cu_seqlens=cu, scheme="gather")
-    _, seen, _ = gather.sight(plan.scheme.placed, P, layout)
+    _, seen, _ = gather.sight(masks.counting(plan.seqlen, True, plan.mask), plan.layout)
 
     def expected(receiver):
         """(owner, tokens) of every K/V message ``receiver`` gets, by owner."""

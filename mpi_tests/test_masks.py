@@ -6,7 +6,7 @@ import pytest
 import burst_hpc
 from burst_hpc.plan import masks
 from burst_hpc.plan.callplan import CallPlan
-from burst_hpc.plan.layout import default_layout
+from burst_hpc.plan.layout import default_kind
 from burst_hpc.errors import MaskError, RankMismatchError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -82,7 +82,7 @@ def check_against_oracle(comm, rng, seed, seqlen, cu, window, causal, layout):
     kw = dict(causal=causal, cu_seqlens=cu, window=window)
     ref_o, ref_lse = attention_reference(q, k, v, **kw)
     ref_grads = attention_backward_reference(do, q, k, v, **kw)
-    used = layout or default_layout(causal)
+    used = layout or default_kind(causal)
     ctx = f"seed {seed} {kw} layout {used}"
 
     def mine(x, axis=1):
@@ -124,8 +124,8 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
 
     plan = CallPlan(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto", window=(3, 0))
     steps = min(P, 2)
-    assert masks.ring_steps(plan.mask, P, plan.layout, False) == steps and plan.layout == "contiguous"
-    assert masks.ring_steps(plan.mask, P, plan.layout, True) == P  # queries travel forward: later queries come last
+    assert masks.ring_steps(plan.mask, plan.layout, False) == steps and plan.layout.kind == "contiguous"
+    assert masks.ring_steps(plan.mask, plan.layout, True) == P  # queries travel forward: later queries come last
     counting = CountingTransport(plan.transport())
     o, lse = plan.passes.forward(mine(q), mine(k), mine(v), transport=counting)
     assert counting.exchanges == steps - 1

@@ -155,7 +155,8 @@ def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
         else:
             sent = bench.network_bytes()
         pr = costmodel.Problem(1, q.shape[1], hq, hkv, 8, 4, True)
-        model = costmodel.pass_prediction(scheme, pr, costmodel.Cluster(nodes, w), costmodel.GPU_RATES["cpu"], "zigzag",
+        cluster = costmodel.Cluster(nodes, w)
+        model = costmodel.pass_prediction(scheme, pr, cluster, costmodel.GPU_RATES["cpu"], costmodel.zigzag(pr, cluster),
                                           None, backward)
         assert comm.allreduce(sent, op=max_op()) == model.network
 

@@ -9,7 +9,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.skipif(gpu_count() < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc.plan.layout import default_layout  # noqa: E402
+from burst_hpc.plan.layout import default_kind  # noqa: E402
 from burst_hpc.dtypes import bfloat16  # noqa: E402
 from burst_hpc.errors import TransportError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
@@ -229,7 +229,7 @@ def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, do
     q, k, v, do = (rng.standard_normal((1, S, h, dim)).astype(dtype) for h in (4, 2, 2, 4))
     ref_o, _ = attention_reference(q, k, v, **kw)
     ref_grads = attention_backward_reference(do, q, k, v, **kw)
-    used = layout or default_layout(causal)
+    used = layout or default_kind(causal)
 
     def mine(x):
         return burst_hpc.shard(x, r, P, used)

@@ -80,14 +80,15 @@ def test_ranks_agree_on_the_seed(comm):
 @pytest.mark.parametrize("source,target", [("contiguous", "zigzag"), ("zigzag", "balanced"), ("zigzag", "zigzag")])
 @pytest.mark.parametrize("axis", [1, 2])
 def test_relayout_moves_shards_between_layouts(comm, source, target, axis):
-    from burst_hpc.plan.layout import relayout
+    from burst_hpc.plan.layout import make_layout, relayout
     from burst_hpc.transport import make_transport
 
     seed, x = _global_array(comm, BF16, axis)
     t = make_transport("host", comm, np)
     mine = shard(x, comm.rank, comm.size, source, axis=axis)
-    moved = relayout(mine, source, target, t, axis=axis)
-    back = relayout(moved, target, source, t, axis=axis)
+    placed = {kind: make_layout(kind, x.shape[axis], comm.size) for kind in (source, target)}
+    moved = relayout(mine, placed[source], placed[target], t, axis=axis)
+    back = relayout(moved, placed[target], placed[source], t, axis=axis)
     ctx = f"seed={seed} rank={comm.rank}/{comm.size} {source}->{target} axis={axis}"
     np.testing.assert_array_equal(moved.view(np.uint16), shard(x, comm.rank, comm.size, target, axis=axis).view(np.uint16),
                                   err_msg=ctx)

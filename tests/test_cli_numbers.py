@@ -11,6 +11,7 @@ import pytest
 
 from burst_hpc import io
 from burst_hpc.errors import FileError, TopologyError
+from burst_hpc.plan.layout import make_layout
 from burst_hpc.plan.topology import arrange
 from test_cli import leftovers, write_input, burst, mpirun, needs_mpiexec
 
@@ -209,17 +210,18 @@ def _shards(scale=1.0, names=("q", "k", "v"), seqlen=32, dtype=np.float32):
 def test_check_finite_refuses_inputs_whose_sums_overflow(scale, needle):
     shards = _shards(scale, ("q", "k", "v", "do"))
     with pytest.raises(FileError) as info:
-        io.check_finite("in.h5", shards, None, "contiguous", 32)
+        io.check_finite("in.h5", shards, None, make_layout("contiguous", 32, 1))
     text = str(info.value)
     assert text.startswith("in.h5: ") and re.search(needle, text) and "float32 sums overflow at 3.4e+38" in text, text
     assert "--allow-nonfinite" in text and info.value.agreed
 
 
 def test_check_finite_keeps_large_inputs_that_fit():
-    io.check_finite("in.h5", _shards(1e17), None, "contiguous", 32)       # scores up to ~1e36
-    io.check_finite("in.h5", _shards(1e30, dtype=np.float64), None, "contiguous", 32)  # float64 sums
+    whole = make_layout("contiguous", 32, 1)
+    io.check_finite("in.h5", _shards(1e17), None, whole)       # scores up to ~1e36
+    io.check_finite("in.h5", _shards(1e30, dtype=np.float64), None, whole)  # float64 sums
     with pytest.raises(FileError, match="scores"):  # a larger --scale moves the bound
-        io.check_finite("in.h5", _shards(1e17), None, "contiguous", 32, scale=1e4)
+        io.check_finite("in.h5", _shards(1e17), None, whole, scale=1e4)
 
 
 @needs_mpiexec

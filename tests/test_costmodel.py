@@ -8,7 +8,7 @@ import burst_hpc
 from burst_hpc.plan import costmodel
 from burst_hpc.cli import main
 from burst_hpc.plan.costmodel import GPU_RATES, Cluster, Problem
-from burst_hpc.plan.layout import LAYOUTS
+from burst_hpc.plan.layout import LAYOUTS, make_layout, placement_mask
 
 M = 1 << 20
 H100_50 = replace(GPU_RATES["H100"], inter_gbps=50.0)
@@ -106,17 +106,18 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
     mask = masks.make(seqlen, True, None, masks.random_documents(np.random.default_rng(2), seqlen, 4))
     direction = "backward" if backward else "forward"
     cluster = costmodel.Cluster(ranks // per_node, per_node)
-    got = costmodel.pass_prediction("ring", pr, cluster, rates, "balanced", mask, backward)
+    balanced = make_layout("balanced", seqlen, ranks)
+    got = costmodel.pass_prediction("ring", pr, cluster, rates, balanced, mask, backward)
     sizes = transfer_bytes(64, 8, 128, 2, backward)
     load = {}
-    for _, _, sender, receiver, what, side, tokens in workload.schedule_transfers(seqlen, ranks, True, mask, "balanced",
-                                                                                direction, per_node):
+    for _, _, sender, receiver, what, side, tokens in workload.schedule_transfers(balanced, True, mask, direction,
+                                                                                per_node):
         if sender // per_node != receiver // per_node:
             for end in ((sender, "out"), (receiver, "in")):
                 load[end] = load.get(end, 0.0) + sizes[(what, side)] * tokens / (rates.inter_gbps * 1e9)
     assert load and got.time >= max(load.values())
-    assert any(due > posted for posted, due, *_ in workload.schedule_transfers(seqlen, ranks, True, mask, "balanced",
-                                                                              direction, per_node))
+    assert any(due > posted for posted, due, *_ in workload.schedule_transfers(balanced, True, mask, direction,
+                                                                              per_node))
     assert got.time >= got.compute >= got.mean > 0
 
     def without_lead():
@@ -127,11 +128,11 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
             schedule.LEAD = schedule.INNER_LEAD = schedule.INNER_LAG = 0
             for f in caches:
                 f.cache_clear()
-            late = costmodel.pass_prediction("ring", pr, cluster, rates, "balanced", mask, backward)
+            late = costmodel.pass_prediction("ring", pr, cluster, rates, balanced, mask, backward)
             # every transfer due in the step that posts it: each step costs the larger of its busiest
             # rank's kernels and the most any link carries then (a latency once per link and step)
-            work = workload.work_of(seqlen, ranks, True, mask, "balanced", direction, per_node)
-            traffic = workload.schedule_traffic(seqlen, ranks, True, mask, "balanced", direction, per_node)
+            work = workload.work_of(balanced, True, mask, direction, per_node)
+            traffic = workload.schedule_traffic(balanced, True, mask, direction, per_node)
             per_pair = costmodel.attention_flops(1, 64, 128, 1.0, backward) / (
                 (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12)
             charged = 0.0
@@ -201,10 +202,12 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
     heads = value("--heads", int, 8)
     kv_heads = value("--kv-heads", int, heads)
     gbps = value("--inter-gbps", float, GPU_RATES["H100"].inter_gbps)
-    chosen = burst_hpc.choose_layout(seqlen, nodes * per_node, causal="--causal" in extra or window is not None,
+    causal = "--causal" in extra or window is not None
+    chosen = burst_hpc.choose_layout(seqlen, nodes * per_node, causal=causal,
                                      cu_seqlens=cu, window=window, heads=heads, kv_heads=kv_heads,
                                      ranks_per_node=per_node, rates=replace(GPU_RATES["H100"], inter_gbps=gbps))
-    assert chosen == pick[0]
+    placed = placement_mask(seqlen, causal, cu, window)   # the chunks layout places tokens by it
+    assert chosen.kind == pick[0] and chosen == make_layout(pick[0], seqlen, nodes * per_node, placed)
 
 
 def test_the_plan_of_issue_37_picks_what_it_shows_fastest(capsys):
@@ -234,14 +237,15 @@ def test_the_account_of_a_rotated_schedule_is_every_ranks_own(scheme, layout, di
     size = nodes * w
     mask = masks.make(seqlen, True, (20, 0), np.array([0, 7, 40, 41, 70, seqlen]))
     near, returns = workload.DIRECTIONS[direction]
-    acc = workload.account(seqlen, size, True, mask, layout, scheme, direction, w)
+    layout = make_layout(layout, seqlen, size)
+    acc = workload.account(layout, True, mask, scheme, direction, w)
     if scheme == "ring":
-        plans = [flat_steps(layout, True, r, size, near, returns, mask, seqlen) for r in range(size)]
+        plans = [flat_steps(layout, True, r, near, returns, mask) for r in range(size)]
     else:
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         plans = [double_ring_steps(r, nodes, w, near, returns, rounds) for r in range(size)]
-    pairs = masks.pair_work(mask, size, layout)
+    pairs = masks.pair_work(mask, layout)
     own = np.zeros_like(acc.work)
     for r, plan in enumerate(plans):
         for t, step in enumerate(plan):

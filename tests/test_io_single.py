@@ -7,6 +7,7 @@ import pytest
 from burst_hpc import cli, io
 from burst_hpc.job import verify
 from burst_hpc.dtypes import bfloat16
+from burst_hpc.plan.layout import make_layout
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
 
@@ -33,7 +34,7 @@ def test_read_shards_with_spec_reads_without_inspecting(tmp_path, monkeypatch):
     io.write_global(src, {"q": q, "k": k, "v": v, "do": do})
     spec = io.inspect_input(src, ("q", "k", "v", "do"))
     monkeypatch.setattr(read, "_inspect", lambda *args: pytest.fail("the input was inspected again"))
-    got, shards = io.read_shards(src, None, "zigzag", ("q", "k", "v", "do"), spec=spec)
+    got, shards = io.read_shards(src, None, make_layout("zigzag", spec.seqlen, 1), ("q", "k", "v", "do"), spec=spec)
     assert got is spec
     for name, want in zip(("q", "k", "v", "do"), (q, k, v, do)):
         assert np.array_equal(shards[name].view(np.uint16), want.view(np.uint16)), name

@@ -212,10 +212,11 @@ def test_random_documents_fill_the_sequence(rng):
 def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
     """Block pairs with a Mask cover each visible (query, key) pair once and mask only where needed;
     ring_steps is 1 + the last step at which some rank sees something, for either travelling side."""
-    from burst_hpc.plan.layout import layout_indices, pieces
+    from burst_hpc.plan.layout import layout_indices, make_layout
     from burst_hpc.plan.schedule import block_pairs
 
     seqlen = 12 * size
+    placed = make_layout(layout, seqlen, size)
     window = [None, (int(rng.integers(0, 30)), 0), (int(rng.integers(0, 15)), int(rng.integers(0, 15)))][seed % 3]
     docs = documents(rng, seqlen) if window is None or rng.random() < 0.5 else None
     causal = bool(rng.integers(2))
@@ -232,8 +233,7 @@ def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
                     last[queries_travel] = step
             q_pos, k_pos = layout_indices(seqlen, rank, size, layout), layout_indices(seqlen, source, size, layout)
             covered = np.zeros((q_pos.size, k_pos.size), int)
-            for p in block_pairs(tuple(pieces(seqlen, rank, size, layout)), tuple(pieces(seqlen, source, size, layout)),
-                                 causal, mask):
+            for p in block_pairs(placed.pieces(rank), placed.pieces(source), causal, mask):
                 block = dense[np.ix_(q_pos[p.q], k_pos[p.k])]
                 assert p.causal == (not block.all()), ctx  # unmasked only where wholly visible
                 assert q_pos[p.q][0] == p.q_start and k_pos[p.k][0] == p.k_start
@@ -241,7 +241,7 @@ def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
             seen = dense[np.ix_(q_pos, k_pos)]
             assert covered.max(initial=0) <= 1 and np.all(covered[seen] == 1), ctx
     for queries_travel in (False, True):
-        assert masks.ring_steps(mask, size, layout, queries_travel) == last[queries_travel] + 1, ctx
+        assert masks.ring_steps(mask, placed, queries_travel) == last[queries_travel] + 1, ctx
 
 
 def test_short_documents_end_the_contiguous_ring_early():
@@ -249,7 +249,10 @@ def test_short_documents_end_the_contiguous_ring_early():
     step in zigzag ones (their second chunks meet every other rank's)."""
     seqlen, size = 64 * 8, 8
     short = masks.make(seqlen, True, None, np.concatenate([[0], np.arange(8, seqlen, 16), [seqlen]]))
-    assert masks.ring_steps(short, size, "contiguous") == 2 and masks.ring_steps(short, size, "zigzag") == size
+    from burst_hpc.plan.layout import make_layout
+
+    assert masks.ring_steps(short, make_layout("contiguous", seqlen, size)) == 2
+    assert masks.ring_steps(short, make_layout("zigzag", seqlen, size)) == size
 
 
 @pytest.mark.parametrize("causal", [True, False])
@@ -267,7 +270,7 @@ def test_the_call_default_never_depends_on_the_mask(causal):
         for window in (None, (128, 0), (3, 5)):
             plan = CallPlan(MPI.COMM_SELF, q, k, v, causal, None, None, "auto",
                             cu_seqlens=None if cu is None else np.array(cu), window=window)
-            assert plan.layout == want, (cu, window)
+            assert plan.layout.kind == want and plan.layout.is_default(causal), (cu, window)
 
 
 @pytest.mark.parametrize("causal,window,cu,text", [

@@ -68,12 +68,13 @@ def test_bytes_on_the_network_equal_the_cost_model(nodes, w, backward, hq, hkv):
     pr = costmodel.Problem(2, 64 * nodes * w, hq, hkv, 16, 2, True)
     cl = costmodel.Cluster(nodes, w)
     n = pr.batch * pr.seqlen // cl.ranks
-    near, returns = DIRECTIONS[costmodel.direction_of(pr, cl.ranks, "zigzag", None, backward)]
+    zigzag = costmodel.zigzag(pr, cl)
+    near, returns = DIRECTIONS[costmodel.direction_of(pr, zigzag, None, backward)]
     assert near == ("q" if backward and hq == hkv else "kv")
     rates = costmodel.GPU_RATES["H100"]
 
     def model(scheme):
-        return costmodel.pass_prediction(scheme, pr, cl, rates, "zigzag", None, backward).network
+        return costmodel.pass_prediction(scheme, pr, cl, rates, zigzag, None, backward).network
 
     def sizes(heads, kv_heads, tokens):
         return {key: tokens * x for key, x in transfer_bytes(heads, kv_heads, 16, 2, backward).items()}

@@ -10,7 +10,7 @@ import pytest
 from burst_hpc.backends import get_backend
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.dtypes import accum_dtype
-from burst_hpc.plan.layout import pieces
+from burst_hpc.plan.layout import make_layout
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
 from burst_testing import (BF16, DTYPE_IDS, DTYPES, FLOOR, FP32, FP64, assert_lse_close, assert_rule, f64, max_err,
@@ -189,9 +189,10 @@ def test_zigzag_halves_and_strided_views(dtype, rng, seed):
     o = np.full((2, n + 3, hq, d), sentinel, acc)[:, 1:1 + n]  # guard rows on both sides
     o[...] = 0
     lse = np.full((2, hq, n), -np.inf, acc)
-    runs = pieces(s, rank, size, "zigzag")
+    zigzag = make_layout("zigzag", s, size)
+    runs = zigzag.pieces(rank)
     for t in range(size):  # key chunks in ring order, both halves of the owning rank
-        for k0, kn in pieces(s, (rank - t) % size, size, "zigzag"):
+        for k0, kn in zigzag.pieces((rank - t) % size):
             offset = 0
             for q0, qn in runs:
                 be.forward_block(q[:, q0:q0 + qn], k[:, k0:k0 + kn], v[:, k0:k0 + kn], o[:, offset:offset + qn],
@@ -212,7 +213,7 @@ def test_zigzag_halves_and_strided_views(dtype, rng, seed):
     dq = np.zeros((2, n, hq, d), acc)
     dk, dv = np.zeros(k.shape, acc), np.zeros(v.shape, acc)
     for t in range(size):
-        for k0, kn in pieces(s, (rank + t) % size, size, "zigzag"):
+        for k0, kn in zigzag.pieces((rank + t) % size):
             offset = 0
             for q0, qn in runs:
                 sl = slice(offset, offset + qn)

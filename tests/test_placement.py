@@ -4,7 +4,7 @@ import pytest
 
 from burst_hpc.errors import LayoutError
 from burst_hpc.plan import gather, masks, placement
-from burst_hpc.plan.layout import layout_indices, pieces, shard, unshard
+from burst_hpc.plan.layout import layout_indices, make_layout, shard, unshard
 from burst_hpc.plan.workload import documents
 
 
@@ -72,10 +72,10 @@ def test_layout_functions_follow_the_placement():
     every = np.concatenate([layout_indices(seqlen, r, size, "chunks", **kw) for r in range(size)])
     assert sorted(every) == list(range(seqlen))
     for r in range(size):
-        assert tuple(pieces(seqlen, r, size, "chunks", mask)) == placement.place(mask, size).pieces(r)
+        assert make_layout("chunks", seqlen, size, mask).pieces(r) == placement.place(mask, size).pieces(r)
         np.testing.assert_array_equal(parts[r], x[:, layout_indices(seqlen, r, size, "chunks", **kw)])
     with pytest.raises(LayoutError, match="places tokens by the mask"):
-        pieces(seqlen, 0, size, "chunks")
+        make_layout("chunks", seqlen, size)
 
 
 @pytest.mark.parametrize("layout", ["chunks", "zigzag", "contiguous"])
@@ -89,15 +89,16 @@ def test_each_rank_receives_exactly_the_keys_its_queries_see(seed, layout):
     cu = documents(rng, seqlen, "capped", longest=seqlen // 4)
     window = (int(rng.integers(0, seqlen // 2)), 0) if seed == 2 else None
     mask = masks.make(seqlen, True, window, cu)
-    units, seen, unit = gather.sight(mask, size, layout)
+    placed = make_layout(layout, seqlen, size, mask)
+    units, seen, unit = gather.sight(mask, placed)
     lo, hi = mask.intervals
     for a in range(size):
-        rows = np.concatenate([np.arange(s, s + n) for s, n in pieces(seqlen, a, size, layout, mask)])
+        rows = np.concatenate([np.arange(s, s + n) for s, n in placed.pieces(a)])
         visible = np.zeros(seqlen, bool)
         for i in rows:
             visible[lo[i]:hi[i]] = True
         for b in range(size):
-            keys = np.concatenate([np.arange(s, s + n) for s, n in pieces(seqlen, b, size, layout, mask)])
+            keys = np.concatenate([np.arange(s, s + n) for s, n in placed.pieces(b)])
             wanted = {p // unit for p, key in enumerate(keys) if visible[key]}
             got = {p // unit for lo_, hi_ in seen[a][b] for p in range(lo_, hi_)}
             assert got == wanted, (a, b)

@@ -9,9 +9,13 @@ import pytest
 
 from burst_hpc.plan import balance, masks, schedule
 from burst_hpc.engine import ring
-from burst_hpc.plan.layout import layout_indices, pieces
+from burst_hpc.plan.layout import layout_indices, make_layout
 from burst_hpc.engine.ring import lifetimes
 from burst_hpc.plan.schedule import block_pairs, steps, visit_pairs
+
+
+def pieces(seqlen, rank, size, kind):
+    return make_layout(kind, seqlen, size).pieces(rank)
 
 
 def visible_pairs(q_pieces, k_pieces):
@@ -196,7 +200,7 @@ def visible(mask, causal, i, j):
 def check_schedule(layout, size, near, returns, seqlen, causal=True, mask=None, nodes=None):
     """Runs every rank's steps and checks the results, the messages and the buffers (``nodes``: the
     node of each rank, for the balanced schedule)."""
-    plans = [steps(layout, causal, r, size, near, returns, mask, seqlen, nodes) for r in range(size)]
+    plans = [steps(make_layout(layout, seqlen, size), causal, r, near, returns, mask, nodes) for r in range(size)]
     assert len({len(p) for p in plans}) == 1, "every rank runs the same number of steps"
 
     def pieces_of(r):
@@ -354,7 +358,7 @@ def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
                 assert due == min(count - 1, t + LEAD)
         assert early and inner_early, (near, returns)
         for r in range(size):
-            for step in steps("balanced", True, r, size, near, returns, mask, seqlen, nodes):
+            for step in steps(make_layout("balanced", seqlen, size), True, r, near, returns, mask, nodes):
                 for x in step.sends + step.recvs:
                     assert x.inner == (x.due is not None and nodes[x.peer] == nodes[r])
 
@@ -401,5 +405,5 @@ def test_one_node_data_is_posted_a_step_before_it_is_due():
             assert t == (max(0, due - INNER_LEAD) if what == "data" else due - min(INNER_LAG, count - 1 - t))
         assert any(due > t for t, *_, due in moves)
         for r in range(size):
-            for step in steps("balanced", True, r, size, near, returns, mask, size * 64):
+            for step in steps(make_layout("balanced", size * 64, size), True, r, near, returns, mask):
                 assert all(x.inner == (x.due is not None) for x in step.sends + step.recvs)

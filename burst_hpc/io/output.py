@@ -24,7 +24,7 @@ from .. import config
 from ..job import safety
 from ..collective import abort_job, agree, describe
 from ..errors import BurstError, FileError, ShapeError, size_text
-from ..plan.layout import pieces
+from ..plan.layout import as_layout
 from .format import GRADS, TOKEN_AXIS, create_dataset, stamp, stored_dtype, write_slab
 
 # writes go straight to the file (no chunk cache): a failed write (disk full, quota) raises at the
@@ -130,15 +130,15 @@ class OutputFile:
             create_dataset(f, name, tuple(int(n) for n in shape), dtype)
         stamp(f, attrs)
 
-    def write(self, shards, layout, mask=None):
-        """Write this rank's shards ``{name: array}`` (local layout order) into their token runs
-        (``mask``: the masks.Mask that places the chunks layout's tokens)."""
+    def write(self, shards, layout):
+        """Write this rank's shards ``{name: array}`` (local order of ``layout``, a plan.layout.Layout or
+        a layout's name) into their token slabs."""
         import h5py
 
         err = None
         if self.mpio:
             try:
-                self._mpio("r+", lambda f: self._write_mine(f, shards, layout, mask),
+                self._mpio("r+", lambda f: self._write_mine(f, shards, layout),
                            f"writing {self.path!r} failed on rank {self.rank}")
             except Exception as e:  # noqa: BLE001
                 err = e
@@ -150,7 +150,7 @@ class OutputFile:
             if not failed:
                 try:
                     with h5py.File(self.tmp, "r+", **WRITE_OPTS) as f:
-                        self._write_mine(f, shards, layout, mask)
+                        self._write_mine(f, shards, layout)
                 except Exception as e:  # noqa: BLE001
                     err = e
             if self.rank < self.size - 1:
@@ -182,7 +182,7 @@ class OutputFile:
             abort_job(f"{_io_failure(what, e, self.tmp)}; parallel HDF5 cannot go on after a failed "
                                 "collective write, so the job is stopped")
 
-    def _write_mine(self, f, shards, layout, mask):
+    def _write_mine(self, f, shards, layout):
         for name, array in shards.items():
             if name not in self.datasets:
                 raise BurstError(f"output dataset {name!r} was not declared")
@@ -191,13 +191,12 @@ class OutputFile:
             array = np.asarray(array)
             if array.dtype != np.dtype(dtype):
                 array = array.astype(dtype)
-            seqlen = shape[axis]
             offset = 0
-            for start, n in pieces(seqlen, self.rank, self.size, layout, mask):
-                src = (slice(None),) * axis + (slice(offset, offset + n),)
-                dst = (slice(None),) * axis + (slice(start, start + n),)
+            for start, stop in as_layout(layout, shape[axis], self.size).slabs(self.rank):
+                src = (slice(None),) * axis + (slice(offset, offset + stop - start),)
+                dst = (slice(None),) * axis + (slice(start, stop),)
                 write_slab(f[name], dst, array[src])
-                offset += n
+                offset += stop - start
             if offset != array.shape[axis]:
                 raise ShapeError(f"output {name!r}: shard has {array.shape[axis]} tokens, layout gives {offset}")
 

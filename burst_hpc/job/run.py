@@ -33,6 +33,7 @@ from ..plan.accounting import attention_flops, visible_pairs
 from ..plan.callplan import CallPlan
 from ..collective import agree, describe, one_fails_all, world
 from ..plan.costmodel import choose_layout
+from ..plan.layout import make_layout
 from ..device import HOW_TO_GET_CUPY, array_device, array_module, gpu_count, gpus_shared, select_device
 from ..dtypes import dtype_name
 from ..errors import BackendError, BurstError, say
@@ -161,7 +162,9 @@ def run(options, comm=None):
         if error is not None:
             raise error
         transport = choose_transport(options.transport, backend == "cuda", shared)
-        if layout is None:   # the job shards the file itself: the layout predicted fastest
+        if layout is not None:
+            layout = make_layout(layout, spec.seqlen, size, masks.counting(spec.seqlen, options.causal, mask))
+        else:   # the job shards the file itself: the layout predicted fastest
             layout = choose_layout(spec.seqlen, size, causal=options.causal, cu_seqlens=spec.cu_seqlens,
                                    window=options.window, heads=spec.heads, kv_heads=spec.kv_heads,
                                    head_dim=spec.head_dim, dtype=spec.dtype, batch=spec.batch, backend=backend,
@@ -171,12 +174,11 @@ def run(options, comm=None):
         error = e
     agree(comm, error)
     scale = options.scale if options.scale is not None else spec.head_dim ** -0.5
-    placed = masks.counting(spec.seqlen, options.causal, mask)   # what places the chunks layout's tokens
     pairs = visible_pairs(spec.seqlen, options.causal, mask)
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]
     shown = options.progress if options.progress is not None else flops[0] > 2e11 or sys.stderr.isatty()
     progress = Progress(rank == 0 and shown, interval)
-    facts = report.start(options, spec, size, {"layout": layout, "transport": transport, "backend": backend},
+    facts = report.start(options, spec, size, {"layout": layout.kind, "transport": transport, "backend": backend},
                          device, versions, pairs, flops)
 
     # create the output (the path is checked there, before any data is read)
@@ -188,7 +190,7 @@ def run(options, comm=None):
              "source": os.path.abspath(options.input), "batch": spec.batch, "seqlen": spec.seqlen,
              "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
              "dtype": dtype_name(spec.dtype), "backward": bool(options.backward), "run_ranks": size,
-             "run_layout": layout, "run_backend": backend, "run_transport": transport,
+             "run_layout": layout.kind, "run_backend": backend, "run_transport": transport,
              "window": "none" if options.window is None else f"{options.window[0]},{options.window[1]}",
              "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
     attrs.update(verify.pending_attrs(datasets, options.verify))
@@ -199,15 +201,15 @@ def run(options, comm=None):
     try:
         # read and check this rank's shards, onto the device
         with clock("read"):
-            _, shards = io.read_shards(options.input, comm, layout, names, spec=spec, mask=placed)
+            _, shards = io.read_shards(options.input, comm, layout, names, spec=spec)
             if not options.allow_nonfinite:
-                io.check_finite(options.input, shards, comm, layout, spec.seqlen, scale=scale, mask=placed)
+                io.check_finite(options.input, shards, comm, layout, scale=scale)
             dev = {name: xp.asarray(a) for name, a in shards.items()}
             del shards
-        progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout}, backend {backend}")
+        progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout.kind}, backend {backend}")
         if mask is not None:
-            work = masks.rank_work(mask, size, layout)
-            progress(f"{mask}: ring steps {masks.ring_steps(mask, size, layout)} of {size}, "
+            work = masks.rank_work(mask, layout)
+            progress(f"{mask}: ring steps {masks.ring_steps(mask, layout)} of {size}, "
                      f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
 
         # plan the call once, set up its passes (and --verify's costs), run them
@@ -225,7 +227,7 @@ def run(options, comm=None):
         progress(f"writing {options.output}")
         with clock("write"):
             host = {name: to_host(a) for name, a in results.items()}
-            out.write(host, layout, placed)
+            out.write(host, layout)
         summary = _summary(spec, plan, options, backend, transport, flops, clock.seconds)
         summary += verify.nonfinite_summary(results, comm)  # collective, on the device; [] when all finite
 
@@ -333,7 +335,7 @@ def _publish_report(options, comm, facts):
 def _summary(spec, plan, options, backend, transport, flops, seconds):
     (t_fwd, t_bwd), (fwd_flops, bwd_flops) = (seconds["forward"], seconds["backward"]), flops
     parts = [f"burst-hpc run: tokens={spec.batch * spec.seqlen} ({spec.describe()})", f"ranks={plan.size}",
-             f"layout={plan.layout}", "causal" if options.causal else "non-causal"]
+             f"layout={plan.layout.kind}", "causal" if options.causal else "non-causal"]
     if options.window is not None:
         parts.append(f"window={options.window[0]},{options.window[1]}")
     if options.scheme != "auto" or options.ranks_per_node is not None:
@@ -376,8 +378,6 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
     cost at most verify.BUDGET of the passes' time (``seconds``), by ``rates`` (verify.Rates, from the
     set-up). Returns (verify's report, the summary's verify entry)."""
-    from ..plan.layout import layout_indices
-
     safety.on_stop_say(f"{options.output} is written and complete, but its verification did not finish "
                           "(its attribute verify says 'not finished')")
     _test_hook_verify_pause()
@@ -388,9 +388,7 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     announce = Progress(comm.rank == 0 and options.progress is not False)  # the predicted cost, unless --quiet
     announce.t0 = progress.t0
     try:
-        rows_here = layout_indices(spec.seqlen, comm.rank, comm.size, layout, causal=options.causal,
-                                   cu_seqlens=spec.cu_seqlens, window=options.window)
-        report = verify.verify_resident(inputs, results, rows_here,
+        report = verify.verify_resident(inputs, results, layout.indices(comm.rank),
                                         spec, comm, options.causal, scale, options.window,
                                         rows=options.verify_rows or verify.ROWS, seed=options.verify_seed,
                                         budget_s=budget, announce=announce, progress=progress, rates=rates)

@@ -100,7 +100,7 @@ def available_transports(comm, on_device):
 def ring_rows(comm, xp, transports, seed):
     """Rows of the ring forward + backward over each usable transport (collective)."""
     from ..distributed import burst_attention, burst_attention_backward
-    from ..plan.layout import layout_indices, shard
+    from ..plan.layout import make_layout
 
     rows = []
     b, hq, hkv, d = RING_SHAPE
@@ -110,17 +110,18 @@ def ring_rows(comm, xp, transports, seed):
         if why is not None:
             rows.append((f"ring {transport}", "not available here", "-", "-", None, why))
             continue
-        for layout, causal, ring in (("zigzag", True, "q"), ("balanced", True, "kv"), ("contiguous", False, "kv")):
+        for kind, causal, ring in (("zigzag", True, "q"), ("balanced", True, "kv"), ("contiguous", False, "kv")):
+            layout = make_layout(kind, seqlen, comm.size)
             for dtype in DTYPES:
                 q, do = (_random(rng, (b, seqlen, hq, d), dtype) for _ in range(2))
                 k, v = (_random(rng, (b, seqlen, hkv, d), dtype) for _ in range(2))
-                mine = [xp.asarray(shard(x, comm.rank, comm.size, layout)) for x in (q, k, v, do)]
+                mine = [xp.asarray(layout.shard(x, comm.rank)) for x in (q, k, v, do)]
                 kw = dict(comm=comm, causal=causal, layout=layout, transport=transport)
                 o, lse = burst_attention(*mine[:3], **kw)
                 dq, dk, dv = burst_attention_backward(mine[3], *mine[:3], o, lse, backward_ring=ring, **kw)
-                rows_here = layout_indices(seqlen, comm.rank, comm.size, layout)
+                rows_here = layout.indices(comm.rank)
                 result = judge(dict(o=o, lse=lse, dq=dq, dk=dk, dv=dv), q, k, v, do, causal, rows_here)
-                rows.append((f"ring {transport} {layout} {ring}-ring", f"P={comm.size} S={seqlen} Hq={hq} Hkv={hkv} "
+                rows.append((f"ring {transport} {kind} {ring}-ring", f"P={comm.size} S={seqlen} Hq={hq} Hkv={hkv} "
                              f"D={d}", dtype_name(dtype), "causal" if causal else "full", *result))
     return rows
 

@@ -26,7 +26,7 @@ from ..collective import agree, same_everywhere
 from ..device import gpus_shared
 from ..dtypes import accum_dtype, dtype_name
 from ..errors import BurstError, ShapeError, TransportError
-from .layout import check_layout, check_split, default_layout
+from .layout import Layout, as_layout, check_kind, default_kind
 from .schemes import check_scheme, make as make_scheme
 from .topology import ranks_per_node_setting, topology
 from ..transport import TRANSPORTS, choose_transport, make_transport
@@ -61,8 +61,8 @@ class CallPlan:
             if sq != sk:
                 raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
             self.mask = masks.make(sq * self.size, causal, window, cu_seqlens)
-            if layout is not None:
-                check_layout(layout)
+            if layout is not None and not isinstance(layout, Layout):
+                check_kind(layout)
             if backward is not None:
                 do, o, lse, ring = backward
                 check_like("do", do, q.shape, q.dtype)
@@ -94,8 +94,9 @@ class CallPlan:
             if scheme != "ring" or nodes is not None or self.network:   # the flat ring: to emulate or count it
                 self.topo = topology(comm, nodes)   # collective: one allgather
             # never the data's: the caller shards by it (costmodel.choose_layout: the predicted fastest)
-            self.layout = check_layout(default_layout(causal) if layout is None else layout)
-            self.seqlen = check_split(sq * self.size, self.size, self.layout) * self.size
+            self.layout = as_layout(default_kind(causal) if layout is None else layout, sq * self.size, self.size,
+                                    masks.counting(sq * self.size, causal, self.mask))
+            self.seqlen = self.layout.seqlen
             self.backend = get_backend(q)
             self.transport_name = choose_transport(transport, self.backend.name == "cuda", shared)
             self.heads, self.kv_heads, self.head_dim = hq, hkv, d
@@ -106,9 +107,9 @@ class CallPlan:
                 self.ring = gather_backward_ring(backward[3])
             elif backward is not None:
                 self.ring = choose_backward_ring(backward[3], hq, hkv, d, q.dtype.itemsize,
-                                                 *(masks.ring_steps(self.mask, self.size, self.layout, queries_travel)
+                                                 *(masks.ring_steps(self.mask, self.layout, queries_travel)
                                                    for queries_travel in (True, False)), self.size)
-            self.scheme = make_scheme(scheme, comm, self.topo, self.seqlen, self.layout, self.causal, self.mask)
+            self.scheme = make_scheme(scheme, comm, self.topo, self.layout, self.causal, self.mask)
             self.passes = passes.for_plan(self)
             decided = {"layout": self.layout, "scheme": self.scheme.name, "backward_ring": self.ring,
                        "transport": self.transport_name}
@@ -233,6 +234,8 @@ def plain(value):
     part, as a hashable tuple whose repr is the same on every rank; TypeError for anything else."""
     if value is None or isinstance(value, (bool, int, float, str, np.bool_, np.number)):
         return type(value), value   # the class: True and numpy.True_ are told apart too
+    if isinstance(value, Layout):
+        return Layout, value.key
     if isinstance(value, (tuple, list)):
         return type(value), tuple(plain(part) for part in value)
     raise TypeError(f"{type(value).__name__} is not a plain argument")
@@ -318,7 +321,7 @@ def resolve_scheme(name, topo, layout, causal, mask, q_shape, kv_heads, itemsize
     different GPU models that pick differently get the signature's RankMismatchError, never a hang)."""
     if name != "auto":
         return name
-    if layout == "chunks":
+    if layout.kind == "chunks":
         return "gather"
     if topo is None or topo.nodes == 1:
         return "ring"

@@ -27,7 +27,8 @@ import numpy as np
 
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from ..errors import BurstError, LayoutError
-from .layout import LAYOUTS, check_split, default_layout
+from .layout import Layout, layouts_for, make_layout
+from .masks import counting
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class PassPrediction:
 class Prediction:
     """A call's forward and backward pass under one (scheme, layout)."""
     scheme: str
-    layout: str
+    layout: Layout
     fwd: PassPrediction
     bwd: PassPrediction
 
@@ -140,37 +141,42 @@ class Prediction:
         return self.fwdbwd if backward else self.fwd.time
 
 
-def backward_side(pr, ranks, layout, mask=None):
+def backward_side(pr, layout, mask=None):
     """The side a call's backward ring sends around (backward_ring 'auto', callplan.choose_backward_ring):
     the one moving fewer bytes over the steps that have work."""
     from . import masks
 
-    steps = [masks.ring_steps(mask, ranks, layout, queries_travel) for queries_travel in (True, False)]
-    return cheaper_backward_ring(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, *steps, ranks)
+    steps = [masks.ring_steps(mask, layout, queries_travel) for queries_travel in (True, False)]
+    return cheaper_backward_ring(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, *steps, layout.size)
 
 
-def direction_of(pr, ranks, layout, mask, backward):
+def direction_of(pr, layout, mask, backward):
     """The workload direction of a pass (workload.DIRECTIONS)."""
     if not backward:
         return "forward"
-    return "backward" if backward_side(pr, ranks, layout, mask) == "kv" else "backward-q"
+    return "backward" if backward_side(pr, layout, mask) == "kv" else "backward-q"
+
+
+def zigzag(pr, cl):
+    """The zigzag Layout of the problem over the cluster: the layout the model prices unless told another."""
+    return make_layout("zigzag", pr.seqlen, cl.ranks)
 
 
 def auto_schemes(layout, cl):
     """The schemes ``scheme='auto'`` chooses among in ``layout`` (callplan.resolve_scheme): the chunks
     layout's gather; else the flat ring on one node, and on several the schemes across nodes too."""
-    if layout == "chunks":
+    if layout.kind == "chunks":
         return ("gather",)
     return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
 
 
-def fits(scheme, pr, cl, layout="zigzag", masked=False):
-    """None when ``scheme`` runs this problem in ``layout`` (``masked``: with documents or a window),
-    else why not (the reason the library gives)."""
+def fits(scheme, pr, cl, layout=None, masked=False):
+    """None when ``scheme`` runs this problem in ``layout`` (a Layout; None: zigzag; ``masked``: with
+    documents or a window), else why not (the reason the library gives)."""
     from .schemes import check_node_layout, ulysses_heads
 
     try:
-        check_split(pr.seqlen, cl.ranks, layout)
+        layout = zigzag(pr, cl) if layout is None else layout
         if scheme in ("ring", "gather"):
             return None
         check_node_layout(scheme, layout, pr.causal, masked)
@@ -181,10 +187,12 @@ def fits(scheme, pr, cl, layout="zigzag", masked=False):
     return None
 
 
-def predict(scheme, pr, cl, rates, layout="zigzag", mask=None, scale=1):
-    """The Prediction of ``scheme`` in ``layout`` (it must fit: ``fits``); ``mask`` the call's
-    masks.Mask (None: plain causal or full attention). ``scale``: the same schedule with ``scale``
-    times the tokens per GPU (work by its square, bytes by it; hiding_tokens' question)."""
+def predict(scheme, pr, cl, rates, layout=None, mask=None, scale=1):
+    """The Prediction of ``scheme`` in ``layout`` (a Layout, None: zigzag; it must fit: ``fits``);
+    ``mask`` the call's masks.Mask (None: plain causal or full attention). ``scale``: the same
+    schedule with ``scale`` times the tokens per GPU (work by its square, bytes by it;
+    hiding_tokens' question)."""
+    layout = zigzag(pr, cl) if layout is None else layout
     return Prediction(scheme, layout, *(pass_prediction(scheme, pr, cl, rates, layout, mask, b, scale)
                                         for b in (False, True)))
 
@@ -195,9 +203,8 @@ def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     from .workload import KINDS, account
 
     # the gather schedule's backward moves keys and values (callplan.gather_backward_ring)
-    direction = "backward" if backward and scheme == "gather" else direction_of(pr, cl.ranks, layout, mask, backward)
-    acc = account(pr.seqlen, cl.ranks, pr.causal, mask, layout, scheme, direction,
-                  cl.per_node if cl.nodes > 1 else None)
+    direction = "backward" if backward and scheme == "gather" else direction_of(pr, layout, mask, backward)
+    acc = account(layout, pr.causal, mask, scheme, direction, cl.per_node if cl.nodes > 1 else None)
     heads, kv_heads = pr.heads, pr.kv_heads
     if scheme == "ulysses_ring":
         heads, kv_heads = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node)
@@ -281,59 +288,66 @@ def _all_to_alls(pr, cl, rates, backward, scale):
                for nbytes in (into, back))
 
 
-def options(pr, cl, rates, mask=None, layouts=LAYOUTS, schemes=SCHEMES):
-    """{(layout, scheme): Prediction, or the reason it does not run}, for every pair asked."""
+def options(pr, cl, rates, mask=None, layouts=None, schemes=SCHEMES):
+    """{(layout kind, scheme): Prediction, or the reason it does not run}, for every pair asked;
+    ``layouts`` {kind: Layout or why the length does not split in it} (layout.layouts_for; None: every kind)."""
     out = {}
-    for layout in layouts:
+    layouts = layouts_for(pr.seqlen, cl.ranks, counting(pr.seqlen, pr.causal, mask)) if layouts is None else layouts
+    for kind, layout in layouts.items():
         for scheme in schemes:
-            why = fits(scheme, pr, cl, layout, mask is not None)
-            out[(layout, scheme)] = why if why is not None else predict(scheme, pr, cl, rates, layout, mask)
+            why = layout if isinstance(layout, str) else fits(scheme, pr, cl, layout, mask is not None)
+            out[(kind, scheme)] = why if why is not None else predict(scheme, pr, cl, rates, layout, mask)
     return out
 
 
-def pick(pr, cl, rates, layout="zigzag", mask=None, backward=True, margin=MARGIN):
-    """The scheme ``scheme='auto'`` runs in ``layout``: the least predicted time (forward+backward,
-    or the forward alone) among those that fit (``auto_schemes``); the flat ring unless another beats
-    it by more than ``margin``; one node: ring (the chunks layout: gather)."""
-    found = options(pr, cl, rates, mask, (layout,), auto_schemes(layout, cl))
+def pick(pr, cl, rates, layout=None, mask=None, backward=True, margin=MARGIN):
+    """The scheme ``scheme='auto'`` runs in ``layout`` (a Layout, None: zigzag): the least predicted
+    time (forward+backward, or the forward alone) among those that fit (``auto_schemes``); the flat
+    ring unless another beats it by more than ``margin``; one node: ring (the chunks layout: gather)."""
+    layout = zigzag(pr, cl) if layout is None else layout
+    found = options(pr, cl, rates, mask, {layout.kind: layout}, auto_schemes(layout, cl))
     picked = _pick(found, backward, margin)
-    if layout not in picked:
-        raise BurstError(found[(layout, "ring")])
-    return picked[layout].scheme
+    if layout.kind not in picked:
+        raise BurstError(found[(layout.kind, "ring")])
+    return picked[layout.kind].scheme
 
 
 def _pick(found, backward, margin):
-    """{layout: its picked Prediction} of ``options``' output."""
+    """{layout kind: its picked Prediction} of ``options``' output."""
     picked = {}
-    for (layout, scheme), p in found.items():
+    for (kind, scheme), p in found.items():
         if isinstance(p, str):
             continue
-        held = picked.get(layout)
+        held = picked.get(kind)
         if held is None or p.seconds(backward) < held.seconds(backward) * (1 - margin):
-            picked[layout] = p
+            picked[kind] = p
     return picked
 
 
-def best(pr, cl, rates, mask=None, layouts=LAYOUTS, scheme="auto", backward=True):
+def best(pr, cl, rates, mask=None, layouts=None, scheme="auto", backward=True):
     """The fastest predicted (layout, scheme): each layout with its ``pick`` (or ``scheme`` when one is
     named), the least time among them; on a tie the call's default layout (zigzag when causal,
-    contiguous otherwise: one rank holds every layout alike). (Prediction, ``options``' output of
-    the pairs priced.)"""
+    contiguous otherwise: one rank holds every layout alike). ``layouts`` as ``options`` takes them.
+    (Prediction, ``options``' output of the pairs priced.)"""
+    layouts = layouts_for(pr.seqlen, cl.ranks, counting(pr.seqlen, pr.causal, mask)) if layouts is None else layouts
     found = {}
-    for layout in layouts:
-        found.update(options(pr, cl, rates, mask, (layout,), auto_schemes(layout, cl) if scheme == "auto" else (scheme,)))
+    for kind, layout in layouts.items():
+        schemes = (scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str) else auto_schemes(layout, cl)
+        found.update(options(pr, cl, rates, mask, {kind: layout}, schemes))
     picked = _pick(found, backward, MARGIN)
     if not picked:   # no layout splits the sequence, or the scheme named runs none that does
         raise LayoutError("; ".join(dict.fromkeys(why for why in found.values())))
-    return min(picked.values(), key=lambda p: (p.seconds(backward), p.layout != default_layout(pr.causal))), found
+    return min(picked.values(), key=lambda p: (p.seconds(backward), not p.layout.is_default(pr.causal))), found
 
 
-def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout="zigzag", mask=None):
-    """The fewest tokens per GPU (a multiple of 64) at which ``scheme`` in ``layout`` exposes at
+def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout=None, mask=None):
+    """The fewest tokens per GPU (a multiple of 64) at which ``scheme`` in ``layout`` (a Layout,
+    None: zigzag) exposes at
     most ``within`` of its compute as communication (None beyond 16M tokens per GPU): the same
     schedule, its mask scaled with the tokens (``predict``'s ``scale``). Narrowed down 64 sizes at
     a time (one pass of the model prices them together)."""
     tokens = pr.seqlen / cl.ranks
+    layout = zigzag(pr, cl) if layout is None else layout
 
     def hidden(units):
         passes = [pass_prediction(scheme, pr, cl, rates, layout, mask, b, units * 64 / tokens)
@@ -399,9 +413,9 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
 
     Returns
     -------
-    str
-        'contiguous', 'zigzag', 'balanced' or 'chunks' (shard by it with the call's mask:
-        ``burst_hpc.shard(x, rank, P, layout, causal=..., cu_seqlens=..., window=...)``).
+    Layout
+        Of kind 'contiguous', 'zigzag', 'balanced' or 'chunks' (placed by the mask): shard by it and
+        pass it as ``layout=``.
 
     Raises
     ------
@@ -413,7 +427,7 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
     ::
 
         layout = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=32, kv_heads=8)
-        mine = lambda x: burst_hpc.shard(x, rank, P, layout, causal=True, cu_seqlens=cu)
+        mine = lambda x: layout.shard(x, rank)
         o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     from . import masks

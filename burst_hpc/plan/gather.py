@@ -22,24 +22,17 @@ from functools import lru_cache
 import numpy as np
 
 from . import balance, masks
-from .layout import pieces
 from .schedule import Transfer, Visit, make_step
 
 
 @lru_cache(maxsize=16)
-def sight(mask, size, layout):
+def sight(mask, layout):
     """(units, seen, unit): ``units[r]`` the global unit indices of rank r's shard in local order;
     ``seen[a][b]`` the (lo, hi) runs of rank b's local rows holding keys some query of rank a sees
-    (empty: none; a == b too), ``unit`` tokens a unit (the chunk of the chunks layout, else the
-    largest length every piece is made of). ``mask``: a masks.Mask (plain causal too)."""
-    owned = [pieces(mask.seqlen, r, size, layout, mask) for r in range(size)]
-    if layout == "chunks" and size > 1:
-        from .placement import place
-
-        unit = place(mask, size).chunk
-    else:
-        unit = int(np.gcd.reduce([n for runs in owned for _, n in runs]))
-    units = [[start // unit + i for start, n in runs for i in range(n // unit)] for runs in owned]
+    (empty: none; a == b too), ``unit`` tokens a unit (``layout.grain``: the chunk of the chunks
+    layout). ``mask``: a masks.Mask (plain causal too); ``layout`` a layout.Layout."""
+    size, unit = layout.size, layout.grain
+    units = [[start // unit + i for start, n in layout.pieces(r) for i in range(n // unit)] for r in range(size)]
     visible = masks.block_counts(mask, unit, unit) > 0
     seen = []
     for a in range(size):
@@ -63,14 +56,15 @@ STEPS = 3   # steps that hold work (when some rank receives keys; else one)
 
 
 @lru_cache(maxsize=16)
-def plan(mask, size, layout, returns):
+def plan(mask, layout, returns):
     """(count, tasks, moves): the steps; ``tasks[r][t]`` the visits of rank r at step t as (kv shard,
     (lo, hi) local query rows, work); ``moves`` every transfer as (posted, due, sender, receiver,
     what, shard, rows): data from its owner, partials (``returns`` holds 'kv': the backward) home."""
-    units, seen, unit = sight(mask, size, layout)
+    units, seen, unit = sight(mask, layout)
+    size = layout.size
     remote = any(seen[a][b] for a in range(size) for b in range(size) if a != b)
     steps = STEPS if remote else 1
-    works = [_rank_work(mask, size, layout, r) for r in range(size)]
+    works = [_rank_work(mask, layout, r) for r in range(size)]
     # step 0 holds own work only: the same share on every rank (as much as the least has, up to a step's)
     head = min(min(int(w[r].sum()) for r, w in enumerate(works)),
                min(sum(int(x.sum()) for x in w.values()) for w in works) / steps) if steps > 1 else None
@@ -90,10 +84,11 @@ def plan(mask, size, layout, returns):
     return count, tasks, tuple(moves)
 
 
-def _rank_work(mask, size, layout, rank):
+def _rank_work(mask, layout, rank):
     """{shard: int64 work of each block of ``rank``'s query rows (balance.row_unit rows, local order)
     against the keys of ``shard`` it sees}, own keys first, then the others by ring distance."""
-    units, seen, unit = sight(mask, size, layout)
+    units, seen, unit = sight(mask, layout)
+    size = layout.size
     rows = balance.row_unit(unit)
     ratio = unit // rows
     counts = masks.block_counts(mask, rows, unit)[[u * ratio + i for u in units[rank] for i in range(ratio)]]
@@ -137,10 +132,10 @@ def _key_units(owned_units, keys, unit):
 
 
 @lru_cache(maxsize=256)
-def steps(rank, size, mask, layout, returns):
+def steps(rank, layout, mask, returns):
     """This rank's steps (schedule.Step) of ``plan``."""
-    count, tasks, moves = plan(mask, size, layout, returns)
-    seen = sight(mask, size, layout)[1]
+    count, tasks, moves = plan(mask, layout, returns)
+    seen = sight(mask, layout)[1]
     sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]
     for posted, due, sender, receiver, what, shard, rows in moves:
         due = None if due == posted else due

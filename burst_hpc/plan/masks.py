@@ -198,15 +198,13 @@ def block_counts(mask, rows, keys):
 
 
 @lru_cache(maxsize=16)
-def pair_work(mask, size, layout):
+def pair_work(mask, layout):
     """(size, size) int64, read-only: the visible (query, key) pairs of rank a's queries against rank
-    b's keys (``mask`` as block_counts takes it; it places the chunks layout too)."""
-    from .layout import pieces
-
-    owner = [pieces(mask.seqlen, r, size, layout, mask) for r in range(size)]
-    piece = int(np.gcd.reduce([n for runs in owner for _, n in runs]))   # every run is whole pieces of it
+    b's keys, ranks holding tokens by ``layout`` (a layout.Layout; ``mask`` as block_counts takes it)."""
+    owner = [layout.pieces(r) for r in range(layout.size)]
+    piece = int(np.gcd.reduce([n for runs in owner for start, n in runs] + [start for runs in owner for start, _ in runs]))
     blocks = block_counts(mask, piece, piece)
-    index = [[start // piece + i for start, n in runs for i in range(n // piece)] for runs in owner]
+    index = [[i for start, n in runs for i in range(start // piece, (start + n) // piece)] for runs in owner]
     rows = np.array([blocks[i].sum(axis=0) for i in index])                           # (rank, key piece)
     out = np.stack([rows[:, i].sum(axis=1) for i in index], axis=1).astype(np.int64)   # (rank, rank)
     out.setflags(write=False)
@@ -214,23 +212,24 @@ def pair_work(mask, size, layout):
 
 
 @lru_cache(maxsize=64)
-def ring_steps(mask, size, layout, queries_travel=False):
+def ring_steps(mask, layout, queries_travel=False):
     """How many ring steps have work: 1 + the last step t at which some rank has a visible pair.
     At step t rank r holds the travelling shard of rank (r - t) mod P: its keys (forward and
     kv-ring), or its queries (q-ring, ``queries_travel``). Every rank computes the same number."""
+    size = layout.size
     if mask is None:
         return size
-    pairs = pair_work(mask, size, layout)
+    pairs = pair_work(mask, layout)
     rank = np.arange(size)
     busy = [t for t in range(1, size)
             if (pairs[(rank - t) % size, rank] if queries_travel else pairs[rank, (rank - t) % size]).any()]
     return 1 + (busy[-1] if busy else 0)
 
 
-def rank_work(mask, size, layout):
+def rank_work(mask, layout):
     """Visible (query, key) pairs each rank computes over a whole ring (its queries against every
     shard's keys): the per-rank work, whose max over mean is the imbalance."""
-    return tuple(int(x) for x in pair_work(mask, size, layout).sum(axis=1))
+    return tuple(int(x) for x in pair_work(mask, layout).sum(axis=1))
 
 
 def random_documents(rng, seqlen, count):

@@ -184,17 +184,24 @@ def ring_visit(side, rank, shard):
     return Visit(rank, shard) if side == "kv" else Visit(shard, rank)
 
 
+def balanced_by_schedule(layout, causal, mask):
+    """Whether a call in ``layout`` runs the work-aware schedule (balance.py): the layout balances
+    by schedule, over several ranks, with something masked (causal, documents, a window)."""
+    return layout.balances_by_schedule and layout.size > 1 and (causal or mask is not None)
+
+
 @lru_cache(maxsize=256)
-def steps(layout, causal, rank, size, near, returns, mask=None, seqlen=None, nodes=None):
-    """This rank's steps. ``near``: the side that travels on a plain ring, and the cheaper side
-    for the balanced schedule to move; ``returns``: the sides whose partials go back to their
-    owners; ``mask``: a masks.Mask (documents, window) or None; ``seqlen`` the sequence length
-    (the balanced schedule of a plain causal mask needs it); ``nodes`` the node of each rank (the
-    balanced schedule keeps its moves inside nodes where it can; None: one node)."""
-    if layout == "balanced" and size > 1 and (causal or mask is not None):
-        return work_steps(rank, size, near, returns, mask if mask is not None else masks.Mask(seqlen, True, None, None),
-                          nodes)
-    return plain_ring_steps(rank, size, near, returns, masks.ring_steps(mask, size, layout, near == "q"))
+def steps(layout, causal, rank, near, returns, mask=None, nodes=None):
+    """This rank's steps, ranks holding tokens by ``layout`` (layout.Layout). ``near``: the side that
+    travels on a plain ring, and the cheaper side for the balanced schedule to move; ``returns``:
+    the sides whose partials go back to their owners; ``mask``: a masks.Mask (documents, window) or
+    None; ``nodes`` the node of each rank (the balanced schedule keeps its moves inside nodes where
+    it can; None: one node)."""
+    size = layout.size
+    if balanced_by_schedule(layout, causal, mask):
+        return work_steps(rank, size, near, returns,
+                          mask if mask is not None else masks.Mask(layout.seqlen, True, None, None), nodes)
+    return plain_ring_steps(rank, size, near, returns, masks.ring_steps(mask, layout, near == "q"))
 
 
 def plain_ring_steps(rank, size, side, returns, count=None):

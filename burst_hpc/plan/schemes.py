@@ -11,15 +11,14 @@ loop of ring.py.
   rails whose shards are whole nodes' tokens for 1/w of the heads, then all-to-all back.
 - ``gather``: every rank keeps its queries; the keys and values another rank's queries see go
   straight to it from their owner, and only those (gather.py); the chunks layout's scheme.
-- ``auto``: the chunks layout -> ``gather``; else one node -> ``ring``, several -> the cost model's
-  pick (costmodel.pick).
+- ``auto``: the chunks layout -> ``gather``; else one node -> ``ring``, several -> the cost
+  model's pick (costmodel.pick).
 """
 import numpy as np
 
 from . import gather, masks
 from ..errors import LayoutError, TopologyError
-from .layout import pieces
-from .schedule import double_ring_steps, plain_ring_steps, steps as flat_steps
+from .schedule import balanced_by_schedule, double_ring_steps, plain_ring_steps, steps as flat_steps
 from .topology import inner_lane
 
 SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring", "gather")
@@ -35,15 +34,14 @@ def check_scheme(name):
 class Flat:
     name = "ring"
 
-    def __init__(self, comm, seqlen, layout, causal, mask, topo=None):
+    def __init__(self, comm, layout, causal, mask, topo=None):
         self.comm, self.position, self.size = comm, comm.rank, comm.size
-        self.seqlen, self.layout, self.causal, self.mask, self.topo = seqlen, layout, causal, mask, topo
-        self.placed = masks.counting(seqlen, causal, mask)   # what places the chunks layout's tokens
+        self.layout, self.causal, self.mask, self.topo = layout, causal, mask, topo
 
     @property
     def balanced(self):
         """Whether the ring runs the balanced layout's work-aware schedule (schedule.work_steps)."""
-        return self.name == "ring" and self.layout == "balanced" and self.size > 1 and (self.causal or self.mask is not None)
+        return self.name == "ring" and balanced_by_schedule(self.layout, self.causal, self.mask)
 
     @property
     def far_comm(self):
@@ -69,11 +67,10 @@ class Flat:
         return node(self.topo.arrangement.position(peer)) != self.topo.node
 
     def pieces(self, position):
-        return tuple(pieces(self.seqlen, position, self.size, self.layout, self.placed))
+        return self.layout.pieces(position)
 
     def steps(self, near, returns):
-        return flat_steps(self.layout, self.causal, self.position, self.size, near, returns, self.mask, self.seqlen,
-                          self.nodes())
+        return flat_steps(self.layout, self.causal, self.position, near, returns, self.mask, self.nodes())
 
     def nodes(self):
         """The node of each rank of ``comm`` (None: unknown, or one node)."""
@@ -86,9 +83,9 @@ class Flat:
 class DoubleRing(Flat):
     name = "double_ring"
 
-    def __init__(self, topo, seqlen, layout, causal, mask):
+    def __init__(self, topo, layout, causal, mask):
         check_node_layout(self.name, layout, causal, mask is not None)
-        super().__init__(topo.ordered, seqlen, layout, causal, mask, topo)
+        super().__init__(topo.ordered, layout, causal, mask, topo)
 
     @property
     def far_comm(self):   # the network lane: one transfer per rank and inner round
@@ -98,7 +95,7 @@ class DoubleRing(Flat):
         return peer // self.topo.per_node != self.topo.node
 
     def pieces(self, position):  # the shard at a position is its rank's (the caller's numbering)
-        return tuple(pieces(self.seqlen, self.topo.arrangement.order[position], self.size, self.layout, self.placed))
+        return self.layout.pieces(self.topo.arrangement.order[position])
 
     def steps(self, near, returns):
         nodes, w = self.topo.nodes, self.topo.per_node
@@ -110,17 +107,16 @@ class DoubleRing(Flat):
 class UlyssesRing(Flat):
     name = "ulysses_ring"
 
-    def __init__(self, topo, seqlen, layout, causal, mask):
+    def __init__(self, topo, layout, causal, mask):
         check_node_layout(self.name, layout, causal, mask is not None)
-        super().__init__(topo.rail, seqlen, layout, causal, mask, topo)
+        super().__init__(topo.rail, layout, causal, mask, topo)
         self.ranks = topo.nodes * topo.per_node
 
     far_comm = None   # every transfer is due the step it is posted
 
     def pieces(self, node):  # a node's tokens: its ranks' shards in local order
         order, w = self.topo.arrangement.order, self.topo.per_node
-        return tuple(run for r in order[node * w:(node + 1) * w]
-                     for run in pieces(self.seqlen, r, self.ranks, self.layout, self.placed))
+        return tuple(run for r in order[node * w:(node + 1) * w] for run in self.layout.pieces(r))
 
     def remote(self, peer):  # the ring runs over the rail: one rank per node
         return peer != self.position
@@ -137,12 +133,13 @@ class Gather(Flat):
 
     def steps(self, near, returns):
         assert near == "kv", "the gather schedule moves keys and values"
-        return gather.steps(self.position, self.size, self.placed, self.layout, tuple(returns))
+        return gather.steps(self.position, self.layout, masks.counting(self.layout.seqlen, self.causal, self.mask),
+                            tuple(returns))
 
 
 def check_node_layout(name, layout, causal, masked=False):
     """Refuse the balanced layout's work-aware schedule (causal, documents, windows) off the flat ring."""
-    if layout == "balanced" and (causal or masked):
+    if layout.balances_by_schedule and (causal or masked):
         raise LayoutError(f"scheme {name!r} works with the zigzag and contiguous layouts; the balanced layout's "
                           f"schedule (causal, documents, windows) runs on the flat ring (scheme='ring')")
 
@@ -154,7 +151,7 @@ def position_pairs(mask, layout, order, group=1):
     if mask is None:
         return None
     ranks = np.asarray(order)
-    pairs = masks.pair_work(mask, len(ranks), layout)[np.ix_(ranks, ranks)]
+    pairs = masks.pair_work(mask, layout)[np.ix_(ranks, ranks)]
     count = len(ranks) // group
     return pairs.reshape(count, group, count, group).sum(axis=(1, 3))
 
@@ -174,13 +171,13 @@ def work_rounds(pairs, rounds, queries_travel, visited):
     return last + 1
 
 
-def make(name, comm, topo, seqlen, layout, causal, mask):
-    """The scheme object for a resolved ``name`` (not 'auto')."""
+def make(name, comm, topo, layout, causal, mask):
+    """The scheme object for a resolved ``name`` (not 'auto'), ranks holding tokens by ``layout``."""
     if name == "ring":
-        return Flat(comm, seqlen, layout, causal, mask, topo)
+        return Flat(comm, layout, causal, mask, topo)
     if name == "gather":
-        return Gather(comm, seqlen, layout, causal, mask, topo)
-    return {"double_ring": DoubleRing, "ulysses_ring": UlyssesRing}[name](topo, seqlen, layout, causal, mask)
+        return Gather(comm, layout, causal, mask, topo)
+    return {"double_ring": DoubleRing, "ulysses_ring": UlyssesRing}[name](topo, layout, causal, mask)
 
 
 def ulysses_heads(heads, kv_heads, per_node):

@@ -15,7 +15,8 @@ import numpy as np
 from . import costmodel
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 from ..errors import BurstError, MaskError, ShapeError
-from .layout import LAYOUTS
+from .layout import LAYOUTS, layouts_for
+from .masks import counting
 
 
 def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, cu_seqlens=None):
@@ -47,7 +48,8 @@ def table(pr, cl, rates, mask=None, layout=None):
     """The Markdown table of every (layout, scheme) (``layout``'s alone when one is given) and the
     pick: (text, costmodel.Prediction), the fastest predicted forward+backward (costmodel.best: what
     a call with scheme='auto' in the layout costmodel.choose_layout names runs)."""
-    layouts = LAYOUTS if layout is None else (layout,)
+    placed = counting(pr.seqlen, pr.causal, mask)   # the chunks layout places tokens by it
+    layouts = layouts_for(pr.seqlen, cl.ranks, placed, LAYOUTS if layout is None else (layout,))
     pick, found = costmodel.best(pr, cl, rates, mask, layouts)
     head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | steps fwd / bwd | "
             "critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | peak GiB/rank fwd / bwd | "
@@ -63,7 +65,8 @@ def table(pr, cl, rates, mask=None, layout=None):
                              f"forward compute {p.fwd.compute:.3g} s, time {p.fwd.time:.3g} s)")
         flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * x.mean / x.time for b, x in ((0, p.fwd), (1, p.bwd))]
         peak = [_gib(costmodel.peak_memory(scheme, pr, cl, b)) for b in (False, True)]
-        hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=name, mask=mask)) for b in (False, True)]
+        hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=p.layout, mask=mask))
+                 for b in (False, True)]
         lines.append(f"| {name} | {scheme} | {p.fwd.time:.3g} | {p.fwd.exposed:.1%} | {p.fwdbwd:.3g} | {p.exposed:.1%} | "
                      f"{p.fwd.steps} / {p.bwd.steps} | {p.fwd.imbalance:.2f} | {flops[0]:.0f} / {flops[1]:.0f} | "
                      f"{p.network / 1e9:.3g} | {peak[0]:.2f} / {peak[1]:.2f} | {hides[0]} / {hides[1]} | "

@@ -9,8 +9,8 @@ import numpy as np
 
 from . import balance, masks, schedule
 from ..errors import BurstError, MaskError
-from .layout import check_layout, check_split, pieces
-from .schedule import double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
+from .layout import as_layout
+from .schedule import balanced_by_schedule, double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
 
 # near side, returned sides: the forward, the backward's kv-ring and its q-ring
 DIRECTIONS = {"forward": ("kv", ("q",)), "backward": ("kv", ("kv", "q")), "backward-q": ("q", ("kv", "q"))}
@@ -26,7 +26,7 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         Tokens in the whole sequence and ranks.
     causal, window, cu_seqlens
         The mask, as burst_attention takes it.
-    layout : {'contiguous', 'zigzag', 'balanced'}
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     direction : {'forward', 'backward', 'backward-q'}
         The forward ring, or the backward's kv-ring or q-ring.
 
@@ -41,18 +41,18 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         A bad mask, or a length that does not split over ``size`` ranks in ``layout``.
     """
     mask = masks.make(seqlen, causal, window, cu_seqlens)
-    check_layout(layout)
-    check_split(seqlen, size, layout)
+    layout = as_layout(layout, seqlen, size, masks.counting(seqlen, causal, mask))
     if direction not in DIRECTIONS:
         raise BurstError(f"direction must be one of {', '.join(DIRECTIONS)}; got {direction!r}")
-    return work_of(seqlen, size, bool(causal), mask, layout, direction).copy()
+    return work_of(layout, bool(causal), mask, direction).copy()
 
 
 @lru_cache(maxsize=32)
-def work_of(seqlen, size, causal, mask, layout, direction, per_node=None):
-    """schedule_work on checked arguments (``mask`` a masks.Mask or None; ``per_node`` ranks a node,
-    rank order node by node: None, one node), cached and read-only: the flat ring's account."""
-    return account(seqlen, size, causal, mask, layout, "ring", direction, per_node).work
+def work_of(layout, causal, mask, direction, per_node=None):
+    """schedule_work on checked arguments (``layout`` a layout.Layout; ``mask`` a masks.Mask or None;
+    ``per_node`` ranks a node, rank order node by node: None, one node), cached and read-only: the
+    flat ring's account."""
+    return account(layout, causal, mask, "ring", direction, per_node).work
 
 
 KINDS = (("data", "kv"), ("data", "q"), ("partial", "q"), ("partial", "kv"))   # (what, side) of a transfer
@@ -76,30 +76,31 @@ class Account:
 
 
 @lru_cache(maxsize=64)
-def account(seqlen, size, causal, mask, layout, scheme, direction, per_node=None):
-    """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring')
-    over ``size`` ranks of ``per_node`` a node (None: one node), in ``layout``, from the schedules
-    the engine runs (schedule.py, schemes.py)."""
+def account(layout, causal, mask, scheme, direction, per_node=None):
+    """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring', 'gather')
+    over the ranks of ``layout`` (a layout.Layout), ``per_node`` a node (None: one node), from the
+    schedules the engine runs (schedule.py, schemes.py)."""
     from .schemes import position_pairs, work_rounds
 
     near, returns = DIRECTIONS[direction]
+    seqlen, size = layout.seqlen, layout.size
     counted = masks.counting(seqlen, causal, mask)
     w = size if per_node is None else per_node
     nodes = size // w
     shard = seqlen // size
-    if scheme == "ring" and layout == "balanced" and size > 1 and (causal or mask is not None):
+    if scheme == "ring" and balanced_by_schedule(layout, causal, mask):
         return _balanced_account(counted, size, near, returns, node_list(size, per_node), per_node)
     if scheme == "gather":
-        return _gather_account(counted, size, layout, returns, per_node)
+        return _gather_account(counted, layout, returns, per_node)
     if scheme == "ring":
-        template = schedule_steps(layout, causal, 0, size, near, returns, mask, seqlen, None)
-        pairs = masks.pair_work(counted, size, layout)
+        template = schedule_steps(layout, causal, 0, near, returns, mask, None)
+        pairs = masks.pair_work(counted, layout)
         return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
     if scheme == "double_ring":
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         template = double_ring_steps(0, nodes, w, near, returns, rounds)
-        pairs = masks.pair_work(counted, size, layout)
+        pairs = masks.pair_work(counted, layout)
         return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
                         shard, w, 1)
     if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
@@ -150,12 +151,12 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
     return Account(full, _in_order(ends))
 
 
-def _gather_account(mask, size, layout, returns, per_node):
+def _gather_account(mask, layout, returns, per_node):
     """The Account of the gather schedule (gather.plan), every rank's ends listed."""
     from . import gather
 
-    count, tasks, moves = gather.plan(mask, size, layout, returns)
-    work = np.zeros((count, size), np.int64)
+    count, tasks, moves = gather.plan(mask, layout, returns)
+    work = np.zeros((count, layout.size), np.int64)
     for r, mine in enumerate(tasks):
         for t, visits in enumerate(mine):
             work[t, r] = sum(w for _, _, w in visits)
@@ -186,27 +187,24 @@ def node_list(size, per_node):
     return tuple(r // per_node for r in range(size))
 
 
-def visit_work(mask, seqlen, size, layout, visit):
-    """Visible pairs of one visit (schedule.Visit; ``mask`` a Mask, plain causal too)."""
-    q_pieces = pieces(seqlen, visit.q_shard, size, layout, mask)
-    if visit.rows is not None:
-        ((start, _),) = q_pieces
-        q_pieces = [(start + visit.rows[0], visit.rows[1] - visit.rows[0])]
+def visit_work(mask, layout, visit):
+    """Visible pairs of one visit (schedule.Visit), ranks holding tokens by ``layout``."""
+    q_pieces = held_pieces(layout.pieces(visit.q_shard), None if visit.rows is None else (visit.rows,))
     return sum(mask.visible_count(qs, ql, ks, kl) for qs, ql in q_pieces
-               for ks, kl in held_pieces(pieces(seqlen, visit.kv_shard, size, layout, mask), visit.keys))
+               for ks, kl in held_pieces(layout.pieces(visit.kv_shard), visit.keys))
 
 
 @lru_cache(maxsize=32)
-def schedule_traffic(seqlen, size, causal, mask, layout, direction, per_node=None):
+def schedule_traffic(layout, causal, mask, direction, per_node=None):
     """Tokens each rank sends and receives at each step (of the transfers completing then), per
     kind of transfer and link: {(what, side): ((sent, received) inside the node, (sent, received)
     between nodes)}, int64 arrays (steps, ranks); ``per_node`` ranks a node (None: one node)."""
     near, returns = DIRECTIONS[direction]
-    plans = [schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, node_list(size, per_node))
-             for r in range(size)]
+    size = layout.size
+    plans = [schedule_steps(layout, causal, r, near, returns, mask, node_list(size, per_node)) for r in range(size)]
     count = max(len(p) for p in plans)
     out = {}
-    tokens = seqlen // size
+    tokens = layout.local
     for r, plan in enumerate(plans):
         for t, step in enumerate(plan):
             for index, transfers in enumerate((step.sends, step.recvs)):
@@ -219,16 +217,17 @@ def schedule_traffic(seqlen, size, causal, mask, layout, direction, per_node=Non
 
 
 @lru_cache(maxsize=32)
-def schedule_transfers(seqlen, size, causal, mask, layout, direction, per_node=None):
+def schedule_transfers(layout, causal, mask, direction, per_node=None):
     """Every transfer of the schedule, once (from its sender's steps), in the order the engine posts
     them: a tuple of (posted, due, sender, receiver, what, side, tokens), ``due`` the step at whose
     end it completes, ``per_node`` ranks a node (None: one node)."""
     near, returns = DIRECTIONS[direction]
+    size = layout.size
     nodes = node_list(size, per_node)
-    tokens = seqlen // size
+    tokens = layout.local
     out = []
     for r in range(size):
-        for t, step in enumerate(schedule_steps(layout, causal, r, size, near, returns, mask, seqlen, nodes)):
+        for t, step in enumerate(schedule_steps(layout, causal, r, near, returns, mask, nodes)):
             for m in step.sends:
                 out.append((t, t if m.due is None else m.due, r, m.peer, m.what, m.side,
                             tokens if m.rows is None else m.rows[1] - m.rows[0]))
