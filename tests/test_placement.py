@@ -102,3 +102,36 @@ def test_each_rank_receives_exactly_the_keys_its_queries_see(seed, layout):
             wanted = {p // unit for p, key in enumerate(keys) if visible[key]}
             got = {p // unit for lo_, hi_ in seen[a][b] for p in range(lo_, hi_)}
             assert got == wanted, (a, b)
+
+
+@pytest.mark.parametrize("returns", [("q",), ("kv", "q")], ids=["forward", "backward"])
+def test_gather_steps_hold_equal_work_and_move_each_run_once(returns):
+    """The gather plan on the issue's documents (4 ranks, 8k tokens each): step 0 holds each rank's own
+    keys only, every step's busiest rank within 5% of the mean rank (the critical path the step
+    model prices), each rank's work all its visible pairs; each (receiver, owner) pair's keys move
+    once, posted at step 0 and due before their first use, and (backward) their dK/dV once, home
+    after their last use."""
+    size = 4
+    mask = capped(0, size, 8192)
+    layout = make_layout("chunks", mask.seqlen, size, mask)
+    count, tasks, moves = gather.plan(mask, layout, returns)
+    work = np.array([[sum(w for _, _, w in tasks[r][t]) if t < len(tasks[r]) else 0 for r in range(size)]
+                     for t in range(count)])
+    assert work.max(axis=1).sum() <= 1.05 * work.sum() / size
+    assert all(shard == r for r in range(size) for shard, _, _ in tasks[r][0])
+    assert list(work.sum(axis=0)) == list(masks.pair_work(mask, layout).sum(axis=1))
+    used = {}
+    for r in range(size):
+        for t, visits in enumerate(tasks[r]):
+            for shard, _, _ in visits:
+                if shard != r:
+                    used.setdefault((r, shard), []).append(t)
+    data = [(m[3], m[2]) for m in moves if m[4] == "data"]
+    assert sorted(data) == sorted(used) and len(set(data)) == len(data)
+    for posted, due, sender, receiver, what, _, _ in moves:
+        steps = used[(receiver, sender) if what == "data" else (sender, receiver)]
+        if what == "data":
+            assert posted == 0 and due == min(steps) - 1
+        else:
+            assert posted == max(steps) + 1 and due == count - 1
+    assert sum(m[4] == "partial" for m in moves) == (len(used) if "kv" in returns else 0)
