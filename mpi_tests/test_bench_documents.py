@@ -25,4 +25,5 @@ def test_rows_for_every_layout(comm, tmp_path):
             assert row[pass_] > 0 and row[pass_ + "_tflops_per_gpu"] > 0 and row[pass_ + "_predicted_tflops_per_gpu"] > 0
     # tiny shards balance coarsely (tests/test_balance.py holds the 1.10 bar at 8k tokens per rank)
     assert rows[2]["critical_over_mean"] <= min(rows[0]["critical_over_mean"], rows[1]["critical_over_mean"]) + 1e-9
-    assert "| balanced" in open(out).read() and "| chunks" in open(out).read()
+    text = open(out).read()
+    assert all(f"| {row['layout']} |" in text or f"| **{row['layout']}** (pick) |" in text for row in rows)

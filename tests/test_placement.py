@@ -76,6 +76,8 @@ def test_layout_functions_follow_the_placement():
         np.testing.assert_array_equal(parts[r], x[:, layout_indices(seqlen, r, size, "chunks", **kw)])
     with pytest.raises(LayoutError, match="places tokens by the mask"):
         make_layout("chunks", seqlen, size)
+    with pytest.raises(LayoutError, match="places tokens by the mask"):   # a name needs the call's mask said
+        shard(x, 0, size, "chunks")
 
 
 @pytest.mark.parametrize("layout", ["chunks", "zigzag", "contiguous"])

@@ -310,7 +310,8 @@ def gather_backward_ring(name):
     'auto' or 'kv'; 'q' is refused."""
     if check_backward_ring(name) == "q":
         raise BurstError("scheme 'gather' sends keys and values to the queries that see them, and dK/dV home; "
-                         "backward_ring='q' runs on the other schemes: use backward_ring='auto' or 'kv', or scheme='ring'")
+                         "backward_ring='q' runs on the other schemes: use backward_ring='auto' or 'kv', "
+                         "or scheme='ring'")
     return "kv"
 
 

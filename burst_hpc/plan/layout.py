@@ -238,9 +238,14 @@ def placement_mask(seqlen, causal=False, cu_seqlens=None, window=None):
 
 
 def _named(layout, seqlen, size, causal, cu_seqlens, window):
-    """``layout`` as a Layout, a name placed by the mask given (only the chunks layout reads it)."""
-    mask = placement_mask(seqlen, causal, cu_seqlens, window) if layout == "chunks" else None
-    return as_layout(layout, seqlen, size, mask)
+    """``layout`` as a Layout, a name placed by the mask given (only the chunks layout reads it, and
+    needs ``causal`` said: shards placed by another mask than the call's would be wrong, silently)."""
+    if layout != "chunks":
+        return as_layout(layout, seqlen, size)
+    if causal is None:
+        raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal (and cu_seqlens, "
+                          "window) with it, or shard by the Layout burst_hpc.choose_layout or make_layout returns")
+    return as_layout(layout, seqlen, size, placement_mask(seqlen, causal, cu_seqlens, window))
 
 
 def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS):
@@ -268,7 +273,7 @@ def as_layout(layout, seqlen, size, mask=None):
     return layout
 
 
-def layout_indices(seqlen, rank, size, layout, *, causal=False, cu_seqlens=None, window=None):
+def layout_indices(seqlen, rank, size, layout, *, causal=None, cu_seqlens=None, window=None):
     """Global token indices of rank ``rank``'s shard, in local order.
 
     Parameters
@@ -279,7 +284,8 @@ def layout_indices(seqlen, rank, size, layout, *, causal=False, cu_seqlens=None,
         This rank and the number of ranks.
     layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     causal, cu_seqlens, window
-        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it.
+        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
+        ``causal``); the other layouts do not read it.
 
     Returns
     -------
@@ -293,7 +299,7 @@ def layout_indices(seqlen, rank, size, layout, *, causal=False, cu_seqlens=None,
     return _named(layout, seqlen, size, causal, cu_seqlens, window).indices(rank)
 
 
-def shard(x, rank, size, layout, axis=1, *, causal=False, cu_seqlens=None, window=None):
+def shard(x, rank, size, layout, axis=1, *, causal=None, cu_seqlens=None, window=None):
     """Rank ``rank``'s shard of the global array ``x``.
 
     Parameters
@@ -304,7 +310,8 @@ def shard(x, rank, size, layout, axis=1, *, causal=False, cu_seqlens=None, windo
     layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     axis : int
     causal, cu_seqlens, window
-        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it.
+        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
+        ``causal``); the other layouts do not read it.
 
     Returns
     -------
@@ -323,7 +330,7 @@ def shard(x, rank, size, layout, axis=1, *, causal=False, cu_seqlens=None, windo
     return _named(layout, x.shape[axis], size, causal, cu_seqlens, window).shard(x, rank, axis)
 
 
-def unshard(shards, layout, axis=1, *, causal=False, cu_seqlens=None, window=None):
+def unshard(shards, layout, axis=1, *, causal=None, cu_seqlens=None, window=None):
     """The global array from every rank's shard: the inverse of ``shard``.
 
     Parameters
@@ -333,7 +340,8 @@ def unshard(shards, layout, axis=1, *, causal=False, cu_seqlens=None, window=Non
     layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     axis : int
     causal, cu_seqlens, window
-        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it.
+        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
+        ``causal``); the other layouts do not read it.
 
     Returns
     -------
