@@ -64,7 +64,8 @@ def plan(mask, layout, returns):
     size = layout.size
     remote = any(seen[a][b] for a in range(size) for b in range(size) if a != b)
     steps = STEPS if remote else 1
-    works = [_rank_work(mask, layout, r) for r in range(size)]
+    counts = masks.block_counts(mask, balance.row_unit(unit), unit)   # (row block, key unit): visible pairs
+    works = [_rank_work(counts, units, seen, unit, r) for r in range(size)]
     # step 0 holds own work only: the same share on every rank (as much as the least has, up to a step's)
     head = min(min(int(w[r].sum()) for r, w in enumerate(works)),
                min(sum(int(x.sum()) for x in w.values()) for w in works) / steps) if steps > 1 else None
@@ -84,17 +85,17 @@ def plan(mask, layout, returns):
     return count, tasks, tuple(moves)
 
 
-def _rank_work(mask, layout, rank):
-    """{shard: int64 work of each block of ``rank``'s query rows (balance.row_unit rows, local order)
-    against the keys of ``shard`` it sees}, own keys first, then the others by ring distance."""
-    units, seen, unit = sight(mask, layout)
-    size = layout.size
-    rows = balance.row_unit(unit)
-    ratio = unit // rows
-    counts = masks.block_counts(mask, rows, unit)[[u * ratio + i for u in units[rank] for i in range(ratio)]]
+def _rank_work(counts, units, seen, unit, rank):
+    """{shard: int64 work of each block of ``rank``'s query rows (local order) against the keys of
+    ``shard`` it sees}, own keys first, then the others by ring distance; ``counts`` the visible pairs
+    of every block of rows against every unit of keys, ``units``, ``seen``, ``unit`` as ``sight`` gives
+    them."""
+    size = len(units)
+    ratio = counts.shape[0] // counts.shape[1]   # row blocks a unit
+    mine = counts[[u * ratio + i for u in units[rank] for i in range(ratio)]]
     owners = [(rank, None)] + [((rank - d) % size, seen[rank][(rank - d) % size]) for d in range(1, size)
                                if seen[rank][(rank - d) % size]]
-    return {shard: counts[:, _key_units(units[shard], keys, unit)].sum(axis=1) for shard, keys in owners}
+    return {shard: mine[:, _key_units(units[shard], keys, unit)].sum(axis=1) for shard, keys in owners}
 
 
 def _cut(rank, work, rows, steps, head):
