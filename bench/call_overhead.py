@@ -4,7 +4,7 @@ The library call (default), under mpiexec: a masked ``burst_attention`` call (ca
 up to S/4, the balanced layout unless --layout says otherwise) made many times with the same shapes and
 mask, as a training loop makes it, timed phase by phase on the host: the plan (callplan: checks, the
 layout decision, the schedule, the agreement across ranks), the forward pass and, with --backward, the
-backward call's plan and pass. Two ways: ``uncached`` plans every call anew (callplan.CallPlan, what
+backward call's plan and pass. Two ways: ``uncached`` plans every call anew (callplan.plan_arrays, what
 every call did before the plan cache), ``cached`` as the library does (callplan.plan_call: the first
 call plans, the others reuse its plan). Medians over --calls calls, each started between barriers, of
 the slowest rank; then cProfile's costliest host functions of each way (rank 0).
@@ -103,9 +103,8 @@ def library_call(args):
     full = {name: rng.standard_normal((1, S, h, D)).astype(np.float32)
             for name, h in (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
     if layout is None:   # shard as the library's pick for this call (the plan on these shapes says which)
-        shard = callplan.CallPlan(comm, *(xp.asarray(x[:, :S // P]).astype(dtype) for x in (full["q"], full["k"],
-                                                                                          full["v"])),
-                                  True, None, None, "auto", **options).layout
+        local = (xp.asarray(x[:, :S // P]).astype(dtype) for x in (full["q"], full["k"], full["v"]))
+        shard = callplan.plan_arrays(comm, *local, True, None, None, "auto", **options).layout
     else:
         shard = layout
     q, k, v, do = (xp.asarray(burst_hpc.shard(full[name], r, P, shard)).astype(dtype) for name in ("q", "k", "v", "do"))
@@ -115,7 +114,7 @@ def library_call(args):
             cupy.cuda.get_current_stream().synchronize()
 
     def one_call(plan_of, times):
-        """One training step's calls, each phase timed on the host (``plan_of``: CallPlan or plan_call)."""
+        """One training step's calls, each phase timed on the host (``plan_of``: plan_arrays or plan_call)."""
         t0 = time.perf_counter()
         plan = plan_of(comm, q, k, v, True, None, layout, "auto", **options)
         t1 = time.perf_counter()
@@ -139,7 +138,7 @@ def library_call(args):
     with no_kernels(args.host_only, cuda):
         for way in WAYS:
             cache = callplan.PlanCache()
-            plan_of = callplan.CallPlan if way == "uncached" else (
+            plan_of = callplan.plan_arrays if way == "uncached" else (
                 lambda *a, **kw: callplan.plan_call(*a, cache=cache, **kw))
             times = {name: [] for name in ("plan", "forward", "backward plan", "backward", "wall")}
             for _ in range(args.warmup):

@@ -10,6 +10,10 @@ Across MPI ranks, one call per rank under ``mpiexec``, on this rank's shard of t
 
 - ``burst_attention(q, k, v, comm=None, causal=False, layout=None, scheme="auto", transport="auto", ...)``
   -> this rank's ``(o, lse)``; ``burst_attention_backward(do, q, k, v, o, lse, ...)`` -> ``(dq, dk, dv)``
+- ``Decomposition(comm, seqlen=..., heads=..., head_dim=..., dtype=..., ...)``: the sequence's
+  decomposition over the ranks, decided once from shapes and agreed by every rank (its layout,
+  scheme, transport and backward ring); ``d.shard(x)``, then ``d.attention(q, k, v)`` and
+  ``d.attention_backward(...)``
 - ``Layout`` (made by ``make_layout``): which global tokens each rank holds; ``shard``, ``unshard``,
   ``layout_indices``: between a global sequence and the ranks' shards
 - ``choose_layout``: the Layout the cost model predicts fastest; ``schedule_work``: the visible work
@@ -32,11 +36,12 @@ from .distributed import burst_attention, burst_attention_backward
 from .errors import (BackendError, BurstError, DTypeError, FileError, LayoutError, MaskError, MpiError,
                      RankMismatchError, ShapeError, TopologyError, TransportError, UsageError)
 from .plan.costmodel import choose_layout
+from .plan.decomposition import Decomposition
 from .plan.layout import Layout, layout_indices, make_layout, shard, unshard
 from .plan.workload import schedule_work
 from .reference import attention_backward_reference, attention_reference
 
-__all__ = ["select_device", "attention", "attention_backward", "burst_attention", "burst_attention_backward", "Layout",
+__all__ = ["select_device", "attention", "attention_backward", "burst_attention", "burst_attention_backward", "Decomposition", "Layout",
            "make_layout", "layout_indices",
            "choose_layout", "shard", "unshard", "schedule_work", "attention_reference", "attention_backward_reference",
            "BurstError", "ShapeError", "DTypeError", "LayoutError", "MaskError", "TransportError", "RankMismatchError",

@@ -129,18 +129,19 @@ def describe(error):
     return str(error) if isinstance(error, BurstError) else f"{type(error).__name__}: {error}"
 
 
-def agree(comm, error=None, signature=None, arrays=None):
+def agree(comm, error=None, signature=None, arrays=None, facts=None):
     """Collective. If any rank has an error, raise the lowest failing rank's on every rank, as
     the same BurstError subclass and with the same text (marked ``agreed = True``). Then, if
     ``signature`` (a dict) differs between ranks, raise RankMismatchError everywhere.
     ``arrays`` ({name: 1-D array or None}) must be equal on every rank too: they are compared by
-    digest, and a mismatch names the first position where they differ."""
+    digest, and a mismatch names the first position where they differ. ``facts``: anything this
+    rank tells the others in the same collective; returns every rank's, by rank."""
     mine = None if error is None else (type(error).__name__, describe(error), 0 if comm is None else comm.rank)
     if arrays:   # compared first: the mask's offsets decide other entries (the default layout)
         signature = dict({name: _digest(a) for name, a in arrays.items()}, **(signature or {}))
     single = comm is None or comm.size == 1
-    gathered = [(mine, signature)] if single else comm.allgather((mine, signature))
-    failed = [e for e, _ in gathered if e is not None]
+    gathered = [(mine, signature, facts)] if single else comm.allgather((mine, signature, facts))
+    failed = [e for e, _, _ in gathered if e is not None]
     if failed:
         name, message, rank = failed[0]
         cls = getattr(errors, name, None)
@@ -151,9 +152,9 @@ def agree(comm, error=None, signature=None, arrays=None):
         agreed = cls(message)
         agreed.agreed = True
         raise agreed from error
-    if any(theirs is not None for _, theirs in gathered):
+    if any(theirs is not None for _, theirs, _ in gathered):
         first = gathered[0][1] or {}
-        for rank, (_, theirs) in enumerate(gathered):
+        for rank, (_, theirs, _) in enumerate(gathered):
             theirs = theirs or {}
             for key in dict.fromkeys([*first, *theirs]):   # the same keys in the same order on every rank
                 if theirs.get(key) != first.get(key):
@@ -165,6 +166,7 @@ def agree(comm, error=None, signature=None, arrays=None):
                     mismatch = RankMismatchError(f"{text}; every rank must pass matching arguments")
                     mismatch.agreed = True
                     raise mismatch
+    return [theirs for _, _, theirs in gathered]
 
 
 def check_comm(comm):

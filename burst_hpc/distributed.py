@@ -7,7 +7,8 @@ bytes. With the balanced layout and a causal mask, documents or a window the sch
 the visible work of every chunk pair to ranks instead (balance.py): a piece of rows runs on a
 rank the data travels to, which returns its partials (o, lse), dq or dk, dv to their owners.
 
-Each call is its plan (callplan.CallPlan: checked and agreed by every rank; callplan.plan_call reuses
+Each call is its plan (callplan.plan_arrays: the Decomposition of the shards' shapes, checked and agreed by
+every rank in one collective, bound to their backend; callplan.plan_call reuses
 a repeated call's) and its passes (passes.py), run so that an error on some ranks ends every rank
 (collective.one_fails_all).
 """

@@ -8,7 +8,7 @@ import pytest
 import burst_hpc
 from burst_hpc.errors import BurstError
 from burst_hpc.plan import gather, masks
-from burst_hpc.plan.callplan import CallPlan
+from burst_hpc.plan.callplan import plan_arrays
 from burst_hpc.plan.workload import documents
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -79,15 +79,15 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
     def mine(x):
         return burst_hpc.shard(x, r, P, layout, **kw)
 
-    plan = CallPlan(comm, mine(q), mine(k), mine(v), True, None, layout, "auto", cu_seqlens=cu, scheme="gather")
-    _, seen, _ = gather.sight(masks.counting(plan.seqlen, True, plan.mask), plan.layout)
+    plan = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, layout, "auto", cu_seqlens=cu, scheme="gather")
+    _, seen, _ = gather.sight(masks.counting(plan.layout.seqlen, True, plan.mask), plan.layout)
 
     def expected(receiver):
         """(owner, tokens) of every K/V message ``receiver`` gets, by owner."""
         return sorted((b, sum(hi - lo for lo, hi in seen[receiver][b])) for b in range(P)
                       if b != receiver and seen[receiver][b])
 
-    counting = Counting(plan.transport())
+    counting = Counting(plan.decomposition.transports(plan.xp)[0])
     o, lse = plan.passes.forward(mine(q), mine(k), mine(v), transport=counting)
     kv_bytes = 2 * 8 * 8   # Hkv * D * float64, a token of K or of V
     mine_in = expected(r)
@@ -95,7 +95,7 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
     assert sum(b for _, _, b in counting.received) == kv_bytes * sum(n for _, n in mine_in) * 2
     assert sorted((p, n) for p, n, _ in counting.sent) == sorted(
         (a, n) for a in range(P) for b, n in expected(a) if b == r for _ in range(2))
-    counting = Counting(plan.transport())
+    counting = Counting(plan.decomposition.transports(plan.xp)[0])
     plan.passes.backward("kv", mine(do), mine(q), mine(k), mine(v), o, lse, transport=counting)
     home = sorted((a, n) for a in range(P) for b, n in expected(a) if b == r)   # who sees this rank's runs
     assert sorted((p, n) for p, n, _ in counting.received) == sorted(mine_in * 2 + home * 2), f"seed {seed}"
@@ -134,3 +134,20 @@ def test_a_run_job_in_the_chunks_layout_writes_every_token_in_its_place(comm, tm
         for name, want in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads)):
             np.testing.assert_allclose(got[name], want, atol=2e-5, rtol=1e-4, err_msg=name)
     comm.Barrier()
+
+
+def test_a_decomposition_in_the_chunks_layout_runs_the_gather_scheme(comm):
+    """Decomposition(layout='chunks'): the placement of its mask, the gather scheme, arrays cut and run."""
+    seed, cu, q, k, v, do = draw(comm, "capped")
+    S = LOCAL * comm.size
+    d = burst_hpc.Decomposition(comm, seqlen=S, heads=4, kv_heads=2, head_dim=8, dtype="float64", causal=True,
+                                cu_seqlens=cu, layout="chunks")
+    assert d.layout == burst_hpc.make_layout("chunks", S, comm.size, masks.make(S, True, None, cu))
+    assert d.scheme.name == "gather" and d.ring == "kv"
+    mine = [d.shard(x) for x in (q, k, v, do)]
+    o, lse = d.attention(*mine[:3])
+    grads = d.attention_backward(mine[3], *mine[:3], o, lse)
+    np.testing.assert_allclose(o, d.shard(attention_reference(q, k, v, causal=True, cu_seqlens=cu)[0]), atol=1e-10,
+                               err_msg=f"seed {seed}")
+    for got, want in zip(grads, attention_backward_reference(do, q, k, v, causal=True, cu_seqlens=cu)):
+        np.testing.assert_allclose(got, d.shard(want), atol=2e-5, rtol=1e-4, err_msg=f"seed {seed}")

@@ -5,7 +5,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.plan import masks
-from burst_hpc.plan.callplan import CallPlan
+from burst_hpc.plan.callplan import plan_arrays
 from burst_hpc.plan.layout import default_kind
 from burst_hpc.errors import MaskError, RankMismatchError
 from burst_hpc.reference import attention_backward_reference, attention_reference
@@ -122,16 +122,16 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
     def mine(x):
         return burst_hpc.shard(x, comm.rank, P, "contiguous")
 
-    plan = CallPlan(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto", window=(3, 0))
+    plan = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto", window=(3, 0))
     steps = min(P, 2)
     assert masks.ring_steps(plan.mask, plan.layout, False) == steps and plan.layout.kind == "contiguous"
     assert masks.ring_steps(plan.mask, plan.layout, True) == P  # queries travel forward: later queries come last
-    counting = CountingTransport(plan.transport())
+    counting = CountingTransport(plan.decomposition.transports(plan.xp)[0])
     o, lse = plan.passes.forward(mine(q), mine(k), mine(v), transport=counting)
     assert counting.exchanges == steps - 1
     ref_o, _ = attention_reference(q, k, v, **kw)
     np.testing.assert_allclose(o, mine(ref_o), atol=1e-10, err_msg=f"seed {seed}")
-    counting = CountingTransport(plan.transport())
+    counting = CountingTransport(plan.decomposition.transports(plan.xp)[0])
     grads = plan.passes.backward(ring, mine(do), mine(q), mine(k), mine(v), o, lse, transport=counting)
     # every step of a ring of P > 1 exchanges once, and one more exchange brings the carried
     # accumulators home (straight to their owner when the ring stopped early)
@@ -141,8 +141,8 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
         assert counting.exchanges == (0 if P == 1 else P + 1)
     for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **kw)):
         np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")
-    auto = CallPlan(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto",
-                    backward=(mine(do), o, lse, "auto"), window=(3, 0))
+    auto = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto",
+                       backward=(mine(do), o, lse, "auto"), window=(3, 0))
     assert auto.ring == ("kv" if P > 2 else "q")  # MHA takes the q-ring, unless its P steps lose
 
 

@@ -126,7 +126,7 @@ def test_only_the_plan_every_rank_made_together_last_is_reused(comm, monkeypatch
     def call():
         plan = callplan.plan_call(comm, *(burst_hpc.shard(x, r, P, "balanced") for x in (q, k, v)), True, None,
                                   "balanced", "auto")
-        return comm.allgather(plan.topo.nodes)
+        return comm.allgather(plan.decomposition.topo.nodes)
 
     monkeypatch.delenv("BURST_HPC_NODE_ID", raising=False)
     monkeypatch.delenv("BURST_HPC_RANKS_PER_NODE", raising=False)

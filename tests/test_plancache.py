@@ -25,13 +25,13 @@ def fresh_cache():
 def decisions(monkeypatch):
     """How many times a call was planned (the layout, the schedule and the checks decided)."""
     calls = []
-    planned = callplan.CallPlan
+    planned = callplan.plan_arrays
 
     def counted(*args, **kwargs):
         calls.append(args)
         return planned(*args, **kwargs)
 
-    monkeypatch.setattr(callplan, "CallPlan", counted)
+    monkeypatch.setattr(callplan, "plan_arrays", counted)
     return calls
 
 

@@ -10,12 +10,12 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from burst_hpc.plan import callplan
+from burst_hpc.plan import decomposition
 from burst_hpc import config
 from burst_hpc.engine import passes
 from burst_hpc.job import report
 from burst_hpc.backends.numpy_backend import NumpyBackend
-from burst_hpc.plan.callplan import CallPlan
+from burst_hpc.plan.callplan import plan_arrays
 from burst_hpc.job.run import RunOptions, run
 from burst_hpc.job.progress import PassMeter, Progress
 from burst_hpc.plan.schedule import BlockPair
@@ -142,7 +142,7 @@ def test_first_use_costs_go_to_the_setup_not_the_passes(tmp_path, monkeypatch, w
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     _gen(src, 512)
     backend = FirstUseCosts()
-    monkeypatch.setattr(callplan, "get_backend", lambda q: backend)
+    monkeypatch.setattr(decomposition, "get_backend", lambda q: backend)
     outcome = run(RunOptions(str(src), str(dst), causal=True, backward=True, backend="numpy", warmup=warmup,
                              progress=False), MPI.COMM_SELF)
     seconds = outcome.report["seconds"]
@@ -157,8 +157,7 @@ def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous", dtype=np.f
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, seqlen, heads, d)).astype(dtype)
     k, v, do = (rng.standard_normal(q.shape).astype(dtype) for _ in range(3))
-    plan = CallPlan(MPI.COMM_SELF, q, k, v, causal, None, layout, "auto",
-                    backward=(do, None, None, "kv"))
+    plan = plan_arrays(MPI.COMM_SELF, q, k, v, causal, None, layout, "auto", backward=(do, None, None, "kv"))
     plan.backend = backend
     return plan, q, k, v, do
 

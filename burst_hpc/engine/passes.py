@@ -43,7 +43,7 @@ class RingPasses:
     def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None, meter=None,
                 rehearse=False, inner=None, clock=None):
         """(o, lse) of this rank's queries."""
-        plan = self.plan
+        plan, d = self.plan, self.plan.decomposition
         xp, be = plan.xp, plan.backend
         o = xp.zeros(q.shape, plan.acc)
         lse = xp.full((q.shape[0], q.shape[2], q.shape[1]), -xp.inf, plan.acc)
@@ -51,7 +51,7 @@ class RingPasses:
                  "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part),
                            results_axes=(1, 2))}
 
-        steps = plan.steps("kv", ("q",))
+        steps = d.steps("kv", ("q",))
         # the last pair of a row writes the output in q's dtype (nothing to convert where it is the accumulator's)
         enabled = config.ring_last_pairs() and not (rehearse or skip_compute or q.dtype == plan.acc)
         final = _Finals(plan, steps, "q", q.shape[1], enabled)
@@ -59,7 +59,7 @@ class RingPasses:
 
         def pair(p, q_side, kv, q_out, _k_out, last):
             be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
-                             scale=plan.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask,
+                             scale=d.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=d.mask,
                              out=out.rows(p.q) if last["q"] else None)
 
         with _metered(meter, plan, steps):
@@ -76,7 +76,7 @@ class RingPasses:
                  cast=True, on_step=None, meter=None, rehearse=False, inner=None, clock=None):
         """(dq, dk, dv) of this rank's shards by the ``ring`` ('q' or 'kv') backward; ``delta``
         (rowsum(do * o)) when already known, then ``o`` is not read; ``cast`` False keeps float32."""
-        plan = self.plan
+        plan, d = self.plan, self.plan.decomposition
         xp, be, acc = plan.xp, plan.backend, plan.acc
         delta = be.delta(do, o) if delta is None else delta
         dq, dk, dv = xp.zeros(q.shape, acc), xp.zeros(k.shape, acc), xp.zeros(v.shape, acc)
@@ -84,7 +84,7 @@ class RingPasses:
                  "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add,
                            travelling_axes=(1, 1, 2, 2))}
 
-        steps = plan.steps(ring, ("kv", "q"))
+        steps = d.steps(ring, ("kv", "q"))
         # the last pair of a row writes its gradient in the input's dtype (unless float32 is kept, or is the dtype)
         convert = cast and q.dtype != acc
         enabled = config.ring_last_pairs() and convert and not (rehearse or skip_compute)
@@ -94,8 +94,8 @@ class RingPasses:
         def pair(p, q_side, kv, q_out, k_out, last):
             q_, do_, lse_, delta_ = q_side
             be.backward_block(q_[:, p.q], kv[0][:, p.k], kv[1][:, p.k], do_[:, p.q], lse_[:, :, p.q], delta_[:, :, p.q],
-                              q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=plan.scale,
-                              causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=plan.mask,
+                              q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=d.scale,
+                              causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=d.mask,
                               dq_out=outs[0].rows(p.q) if last["q"] else None,
                               dk_out=outs[1].rows(p.k) if last["kv"] else None,
                               dv_out=outs[2].rows(p.k) if last["kv"] else None)
@@ -116,14 +116,16 @@ class UlyssesPasses(RingPasses):
 
     def __init__(self, plan):
         super().__init__(plan)
-        self.ranges = ulysses_heads(plan.heads, plan.kv_heads, plan.topo.per_node)
+        d = plan.decomposition
+        self.ranges = ulysses_heads(d.heads, d.kv_heads, d.topo.per_node)
 
     def forward(self, q, k, v, **mode):
         plan, ranges = self.plan, self.ranges
-        node, local = ulysses.node_transport(plan), plan.topo.local
+        node, local = plan.decomposition.node_transport(plan.xp), plan.decomposition.topo.local
         qn, kn, vn = ulysses.to_node(node, ranges, local, [(q, 0, 1, 2), (k, 1, 1, 2), (v, 1, 1, 2)])
         o_n, lse_n = super().forward(qn, kn, vn, **mode)
-        o, lse = plan.xp.zeros(q.shape, o_n.dtype), plan.xp.zeros((q.shape[0], plan.heads, q.shape[1]), lse_n.dtype)
+        o, lse = plan.xp.zeros(q.shape, o_n.dtype), plan.xp.zeros((q.shape[0], plan.decomposition.heads, q.shape[1]),
+                                                                   lse_n.dtype)
         ulysses.from_node(node, ranges, local, [(o_n, o, 0, 1, 2), (lse_n, lse, 0, 2, 1)])
         return o, lse
 
@@ -131,7 +133,7 @@ class UlyssesPasses(RingPasses):
         """delta here, then as the forward: all-to-all in, the ring over the rails, all-to-all back
         (the gradients of a K/V head shared by several ranks summed in float32)."""
         plan, ranges = self.plan, self.ranges
-        node, local, xp = ulysses.node_transport(plan), plan.topo.local, plan.xp
+        node, local, xp = plan.decomposition.node_transport(plan.xp), plan.decomposition.topo.local, plan.xp
         delta = plan.backend.delta(do, o)
         arrays = [(q, 0, 1, 2), (k, 1, 1, 2), (v, 1, 1, 2), (do, 0, 1, 2), (lse, 0, 2, 1), (delta, 0, 2, 1)]
         qn, kn, vn, don, lsen, deltan = ulysses.to_node(node, ranges, local, arrays)
@@ -144,14 +146,14 @@ class UlyssesPasses(RingPasses):
 
 def for_plan(plan):
     """The passes of the plan's scheme."""
-    return UlyssesPasses(plan) if plan.scheme.name == "ulysses_ring" else RingPasses(plan)
+    return UlyssesPasses(plan) if plan.decomposition.scheme.name == "ulysses_ring" else RingPasses(plan)
 
 
 def _lanes(plan, transport, far, inner=None):
-    """(near, far, inner) transports: the plan's, or the caller's (``far`` defaults to
+    """(near, far, inner) transports: the decomposition's, or the caller's (``far`` defaults to
     ``transport``, ``inner`` to ``far``)."""
     if transport is None:
-        return plan.transports()
+        return plan.decomposition.transports(plan.xp)
     return transport, transport if far is None else far, inner
 
 
@@ -166,8 +168,9 @@ def _add(into, part):
 
 def _pairs(plan, visit):
     """The block pairs of a visit: its query rows against its keys (rows local to the query shard)."""
-    return visit_pairs(plan.pieces(visit.q_shard), held_pieces(plan.pieces(visit.kv_shard), visit.keys), plan.causal,
-                       visit.rows, plan.mask)
+    d = plan.decomposition
+    return visit_pairs(d.pieces(visit.q_shard), held_pieces(d.pieces(visit.kv_shard), visit.keys), d.causal,
+                       visit.rows, d.mask)
 
 
 @contextmanager
@@ -176,7 +179,8 @@ def _metered(meter, plan, steps):
     if meter is None:
         yield
         return
-    meter.begin(sum(p.visible(plan.mask) for step in steps for visit in step.visits for p in _pairs(plan, visit)))
+    mask = plan.decomposition.mask
+    meter.begin(sum(p.visible(mask) for step in steps for visit in step.visits for p in _pairs(plan, visit)))
     try:
         yield
     finally:
@@ -248,7 +252,7 @@ def _visits(plan, pair, meter=None, rehearse=False, finals=None, clock=None):
                 # each part holds its own query rows but all the pair's keys: only the last finishes those
                 pair(part, q_data, kv_data, q_out, k_out, last if i == len(cut) - 1 else dict(last, kv=False))
                 if meter is not None:
-                    meter.done(part.visible(plan.mask))
+                    meter.done(part.visible(plan.decomposition.mask))
 
     return compute
 
@@ -293,7 +297,7 @@ class _Finals:
         self.rest = np.ones(n_rows, bool)
         if not enabled:
             return
-        rank = plan.scheme.comm.rank
+        rank = plan.decomposition.scheme.comm.rank
         combines = {}   # step -> the rows of this rank's own partials folded in at its end (None: all)
         for index, step in enumerate(steps):
             for t in step.recvs:

@@ -7,7 +7,6 @@ receives only the K/V heads its query heads read, and a K/V head is sent to seve
 when Hkv < w (w/Hkv copies of it cross the node's links, the price of sharing). ``from_node``
 is the way back: each rank's tokens of every head, results of a shared K/V head summed.
 """
-from ..transport import make_transport
 
 
 def _rows(x, axis, r):
@@ -60,6 +59,3 @@ def from_node(transport, ranges, local, arrays):
     for out, heads, r, piece in back:
         _rows(out, heads, r)[...] += piece
 
-
-def node_transport(plan):
-    return make_transport(plan.transport_name, plan.topo.node_comm, plan.xp)

@@ -1,9 +1,11 @@
 """The run job: `burst-hpc run`, usable from Python, as one linear body.
 
-    inspect the input once -> decide the layout and transport once -> create the output (its path
-    checked there) -> read this rank's shards -> check them -> plan the call once -> set up the
-    passes -> run the passes -> write -> publish -> verify (the published file records the outcome)
-    -> the report (report.py: the summary line, the output's attributes, the --json file)
+    inspect the input once -> its Decomposition (plan/decomposition.py: layout, topology, scheme,
+    transport and backward ring, decided once in one agreement) -> create the output (its path
+    checked there) -> read this rank's shards -> check them -> bind the decomposition to the backend
+    and set up the passes -> run the passes -> write -> publish -> verify (the published file
+    records the outcome) -> the report (report.py: the summary line, the output's attributes, the
+    --json file)
 
 Each phase (report.PHASES) is timed between barriers (:class:`Phases`); the set-up rehearses the
 passes (passes.py) so the timed passes do not pay for first use (kernel loads, communicators,
@@ -30,17 +32,13 @@ from .. import config, io
 from . import report, safety, verify
 from ..plan import masks
 from ..plan.accounting import attention_flops, visible_pairs
-from ..plan.callplan import CallPlan
 from ..collective import agree, describe, one_fails_all, world
-from ..plan.costmodel import choose_layout
-from ..plan.layout import make_layout
-from ..device import HOW_TO_GET_CUPY, array_device, array_module, gpu_count, gpus_shared, select_device
+from ..plan.decomposition import Decomposition
+from ..device import HOW_TO_GET_CUPY, array_device, array_module, gpu_count, select_device
 from ..dtypes import dtype_name
 from ..errors import BackendError, BurstError, say
 from ..engine.passes import ComputeClock
 from .progress import Progress
-from ..plan.topology import topology
-from ..transport import choose_transport
 
 
 @dataclass
@@ -135,8 +133,8 @@ def run(options, comm=None):
     names = ("q", "k", "v", "do") if options.backward else ("q", "k", "v")
     clock = Phases(comm)
 
-    # inspect once; decide the layout and the transport once
-    error, spec, mask, layout, transport, xp, backend = None, None, None, options.layout, None, np, None
+    # inspect once
+    error, spec, xp, backend = None, None, np, None
     interval = device = versions = None
     try:
         if rank == 0 and options.json is not None:
@@ -145,35 +143,16 @@ def run(options, comm=None):
         xp, backend = setup_backend(options.backend, comm)
         device, versions = report.device_name(xp), report.versions(xp)
         spec = io.inspect_input(options.input, names)
-        mask = masks.make(spec.seqlen, options.causal, options.window, spec.cu_seqlens)
     except Exception as e:  # noqa: BLE001 - agreed below
         error = e
     agree(comm, error)
     clock.xp = xp
     clock.add("setup", time.perf_counter() - clock.start)  # the backend's start; agree() met every rank
-    shared = gpus_shared(comm, xp.cuda.Device() if backend == "cuda" else None)  # collective: NCCL refuses that
-    topo = None
-    try:
-        if layout is None and size > 1:   # collective (every rank is here): the nodes to price for
-            topo = topology(comm, options.ranks_per_node)
-    except Exception as e:  # noqa: BLE001 - the same on every rank
-        error = e
-    try:
-        if error is not None:
-            raise error
-        transport = choose_transport(options.transport, backend == "cuda", shared)
-        if layout is not None:
-            layout = make_layout(layout, spec.seqlen, size, masks.counting(spec.seqlen, options.causal, mask))
-        else:   # the job shards the file itself: the layout predicted fastest
-            layout = choose_layout(spec.seqlen, size, causal=options.causal, cu_seqlens=spec.cu_seqlens,
-                                   window=options.window, heads=spec.heads, kv_heads=spec.kv_heads,
-                                   head_dim=spec.head_dim, dtype=spec.dtype, batch=spec.batch, backend=backend,
-                                   ranks_per_node=topo.per_node if topo is not None and topo.nodes > 1 else None,
-                                   scheme=options.scheme, backward=options.backward)
-    except Exception as e:  # noqa: BLE001
-        error = e
-    agree(comm, error)
-    scale = options.scale if options.scale is not None else spec.head_dim ** -0.5
+
+    # the decomposition: layout, topology, scheme, transport and backward ring, decided once
+    with clock("setup"):
+        d = decomposition_of(comm, spec, options, backend)
+    layout, transport, scale, mask = d.layout, d.transport_name, d.scale, d.mask
     pairs = visible_pairs(spec.seqlen, options.causal, mask)
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]
     shown = options.progress if options.progress is not None else flops[0] > 2e11 or sys.stderr.isatty()
@@ -186,18 +165,8 @@ def run(options, comm=None):
         for line in safety.stale_note(options.output):
             sys.stderr.write(line + "\n")
     datasets = io.output_datasets(spec, options.backward)
-    attrs = {"kind": "outputs", "causal": bool(options.causal), "scale": float(scale),
-             "source": os.path.abspath(options.input), "batch": spec.batch, "seqlen": spec.seqlen,
-             "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
-             "dtype": dtype_name(spec.dtype), "backward": bool(options.backward), "run_ranks": size,
-             "run_layout": layout.kind, "run_backend": backend, "run_transport": transport,
-             "window": "none" if options.window is None else f"{options.window[0]},{options.window[1]}",
-             "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
-    attrs.update(verify.pending_attrs(datasets, options.verify))
-    attrs.update(report.pending_attrs())
-    attrs.update(report.fixed_attrs(facts))
-    out = io.OutputFile.create(options.output, comm, datasets, attrs, inputs=[options.input],
-                               overwrite=options.overwrite)
+    out = io.OutputFile.create(options.output, comm, datasets, output_attrs(options, spec, d, backend, datasets, facts),
+                               inputs=[options.input], overwrite=options.overwrite)
     try:
         # read and check this rank's shards, onto the device
         with clock("read"):
@@ -212,12 +181,9 @@ def run(options, comm=None):
             progress(f"{mask}: ring steps {masks.ring_steps(mask, layout)} of {size}, "
                      f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
 
-        # plan the call once, set up its passes (and --verify's costs), run them
+        # bind the decomposition to the backend, set up its passes (and --verify's costs), run them
         with clock("setup"):
-            plan = CallPlan(comm, dev["q"], dev["k"], dev["v"], options.causal, scale, layout, transport,
-                            backward=(dev["do"], None, None, options.backward_ring) if options.backward else None,
-                            cu_seqlens=spec.cu_seqlens, window=options.window, scheme=options.scheme,
-                            ranks_per_node=options.ranks_per_node)
+            plan = d.bind(dev["q"], ("fwd", "bwd") if options.backward else ("fwd",))
             rates = _verify_rates(options, spec, scale, xp, comm) if options.verify else None
         facts.update(scheme=plan.scheme.name, backward_ring=plan.ring)
         results, ranks = _passes(plan, dev, options, progress, xp, clock)
@@ -250,6 +216,33 @@ def run(options, comm=None):
     summary += [report.seconds_text(facts["seconds"]), f"-> {options.output}"]
     _publish_report(options, comm, facts)
     return Outcome("  ".join(summary), verified, facts)
+
+
+def output_attrs(options, spec, d, backend, datasets, facts):
+    """The output file's attributes at its creation: the run's sizes and choices, and the entries
+    --verify and the report fill in later."""
+    attrs = {"kind": "outputs", "causal": bool(options.causal), "scale": float(d.scale),
+             "source": os.path.abspath(options.input), "batch": spec.batch, "seqlen": spec.seqlen,
+             "heads": spec.heads, "kv_heads": spec.kv_heads, "head_dim": spec.head_dim,
+             "dtype": dtype_name(spec.dtype), "backward": bool(options.backward), "run_ranks": d.size,
+             "run_layout": d.layout.kind, "run_backend": backend, "run_transport": d.transport_name,
+             "window": "none" if options.window is None else f"{options.window[0]},{options.window[1]}",
+             "documents": 0 if spec.cu_seqlens is None else len(spec.cu_seqlens) - 1}
+    attrs.update(verify.pending_attrs(datasets, options.verify))
+    attrs.update(report.pending_attrs())
+    attrs.update(report.fixed_attrs(facts))
+    return attrs
+
+
+def decomposition_of(comm, spec, options, backend):
+    """Collective: the Decomposition of the input ``spec`` with the run's options: the layout named,
+    or the one predicted fastest (the job shards the file itself)."""
+    return Decomposition(comm, seqlen=spec.seqlen, heads=spec.heads, kv_heads=spec.kv_heads, head_dim=spec.head_dim,
+                         dtype=spec.dtype, batch=spec.batch, causal=options.causal, scale=options.scale,
+                         cu_seqlens=spec.cu_seqlens, window=options.window,
+                         layout="auto" if options.layout is None else options.layout, scheme=options.scheme,
+                         transport=options.transport, backward_ring=options.backward_ring,
+                         ranks_per_node=options.ranks_per_node, backend=backend, backward=options.backward)
 
 
 def _passes(plan, dev, options, progress, xp, clock):

@@ -142,7 +142,7 @@ class Prediction:
 
 
 def backward_side(pr, layout, mask=None):
-    """The side a call's backward ring sends around (backward_ring 'auto', callplan.choose_backward_ring):
+    """The side a call's backward ring sends around (backward_ring 'auto', decisions.choose_backward_ring):
     the one moving fewer bytes over the steps that have work."""
     from . import masks
 
@@ -163,7 +163,7 @@ def zigzag(pr, cl):
 
 
 def auto_schemes(layout, cl):
-    """The schemes ``scheme='auto'`` chooses among in ``layout`` (callplan.resolve_scheme): the chunks
+    """The schemes ``scheme='auto'`` chooses among in ``layout`` (decisions.settled_scheme): the chunks
     layout's gather; else the flat ring on one node, and on several the schemes across nodes too."""
     if layout.kind == "chunks":
         return ("gather",)
@@ -202,7 +202,7 @@ def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     for each scale: hiding_tokens asks many at once)."""
     from .workload import KINDS, account
 
-    # the gather schedule's backward moves keys and values (callplan.gather_backward_ring)
+    # the gather schedule's backward moves keys and values (decisions.gather_backward_ring)
     direction = "backward" if backward and scheme == "gather" else direction_of(pr, layout, mask, backward)
     acc = account(layout, pr.causal, mask, scheme, direction, cl.per_node if cl.nodes > 1 else None)
     heads, kv_heads = pr.heads, pr.kv_heads
