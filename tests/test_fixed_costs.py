@@ -9,6 +9,7 @@ import pytest
 import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.accounting import visible_pairs
+from burst_hpc.plan.layout import layouts_for, make_layout
 from burst_hpc.plan.rates import GPU_RATES, Rates, rates_for
 from burst_hpc.plan.workload import account, documents
 
@@ -40,7 +41,7 @@ def documents_setting(tokens):
 def predicted_tflops(rates, tokens, layout):
     """(forward, forward+backward) TFLOP/s per GPU as bench_documents.py counts them, predicted."""
     pr, mask, pairs = documents_setting(tokens)
-    p = costmodel.predict("ring", pr, costmodel.Cluster(1, RANKS), rates, layout, mask)
+    p = costmodel.predict("ring", pr, costmodel.Cluster(1, RANKS), rates, make_layout(layout, pr.seqlen, RANKS), mask)
     flops = 4.0 * pairs * 64 * 128 / RANKS / 1e12
     return flops / p.fwd.time, flops * 3.5 / p.fwdbwd
 
@@ -67,14 +68,15 @@ def test_without_fixed_costs_the_model_ranks_balanced_first_where_it_is_slowest(
     assert max(got, key=got.get) == "balanced"
 
 
-def test_choose_layout_picks_the_fastest_measured_layout():
-    """choose_layout (and so the job's default) prices with the fixed costs: contiguous at 8k tokens
-    per GPU, balanced at 32k, as measured."""
+def test_the_pick_among_the_measured_layouts_is_the_fastest_measured():
+    """The cost model's pick (costmodel.best, as choose_layout and scheme='auto' pick) with the fixed
+    costs, among the layouts the table measured: contiguous at 8k tokens per GPU, balanced at 32k.
+    (The chunks layout, not in the table, is priced beside them by choose_layout.)"""
     for tokens, fastest in ((8192, "contiguous"), (32768, "balanced")):
         pr, mask, _ = documents_setting(tokens)
-        chosen = burst_hpc.choose_layout(pr.seqlen, RANKS, causal=True, cu_seqlens=mask.cu_seqlens, heads=64,
-                                         kv_heads=8, rates=rates_for("cuda", "NVIDIA H200"))
-        assert chosen == fastest
+        layouts = layouts_for(pr.seqlen, RANKS, mask, tuple(MEASURED[tokens]))
+        pick, _ = costmodel.best(pr, costmodel.Cluster(1, RANKS), rates_for("cuda", "NVIDIA H200"), mask, layouts)
+        assert pick.layout.kind == fastest
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag", "balanced"])
@@ -87,8 +89,9 @@ def test_each_launch_step_and_message_pays_its_fixed_cost_once(layout, backward)
     pr, mask, _ = documents_setting(256)
     cl = costmodel.Cluster(1, RANKS)
     free = Rates("free", 1e30, 1e30, 1e30, 1e30, 0.0, 0.0)
-    direction = costmodel.direction_of(pr, RANKS, layout, mask, backward)
-    acc = account(pr.seqlen, RANKS, True, mask, layout, "ring", direction, None)
+    layout = make_layout(layout, pr.seqlen, RANKS)
+    direction = costmodel.direction_of(pr, layout, mask, backward)
+    acc = account(layout, True, mask, "ring", direction, None)
 
     def seconds(**fixed):
         return costmodel.pass_prediction("ring", pr, cl, replace(free, **fixed), layout, mask, backward).time
@@ -107,9 +110,9 @@ def test_block_calls_follow_the_engines_block_pairs():
     diagonal pieces and the full pair between), 1 elsewhere (its two full pairs share a side and are
     fused into one call); contiguous 1 a visible pair, none for a hidden one (the keys after the
     queries: a forward ring that carries them still steps)."""
-    zigzag = account(64 * RANKS, RANKS, True, None, "zigzag", "ring", "forward", None)
+    zigzag = account(make_layout("zigzag", 64 * RANKS, RANKS), True, None, "ring", "forward", None)
     assert (zigzag.launches[0] == 3).all() and (zigzag.launches[1:] == 1).all()
-    contiguous = account(64 * RANKS, RANKS, True, None, "contiguous", "ring", "forward", None)
+    contiguous = account(make_layout("contiguous", 64 * RANKS, RANKS), True, None, "ring", "forward", None)
     assert (contiguous.launches[0] == 1).all()
     assert (contiguous.launches[1:] == (contiguous.work[1:] > 0)).all() and contiguous.launches[1:].min() == 0
 
@@ -151,6 +154,6 @@ def test_a_measured_step_cost_moves_the_pick():
 
     pr, mask, _ = documents_setting(32768)
     kw = dict(causal=True, cu_seqlens=mask.cu_seqlens, heads=64, kv_heads=8)
-    assert burst_hpc.choose_layout(pr.seqlen, RANKS, **kw) == "balanced"   # built-in H100 rates
+    assert burst_hpc.choose_layout(pr.seqlen, RANKS, **kw).kind in ("balanced", "chunks")   # built-in H100 rates
     calibrate.save("H100", {"step_us": 1e6})
-    assert burst_hpc.choose_layout(pr.seqlen, RANKS, **kw) == "contiguous"
+    assert burst_hpc.choose_layout(pr.seqlen, RANKS, **kw).kind == "contiguous"
