@@ -3,8 +3,9 @@ D = 128, Hq = 64, Hkv = 8, 8k tokens per GPU, causal, two document distributions
 to S/4 (drawn from --seed) and MagiAttention's real-world lengths (bench_packed.magi_packs). For each
 layout it times the forward, the backward alone and forward+backward and reports TFLOP/s per GPU over
 the visible pairs at the slowest rank's pace (4 Hq D per visible pair forward, 2.5x that backward,
-3.5x forward+backward: FlashAttention's count and MagiAttention's agree), next to the schedule's own
-account (workload.work_of: critical path / mean work) and the cost model's prediction
+3.5x forward+backward: FlashAttention's count and MagiAttention's agree), each layout (contiguous,
+zigzag, balanced, chunks) with the scheme ``scheme='auto'`` runs it with (chunks: gather), next to the
+schedule's own account (workload.account: critical path / mean work) and the cost model's prediction
 (costmodel.pass_prediction: this GPU's rates with the fixed costs `burst-hpc compile` measured,
 else the built-in ones; --ranks-per-node a node), marking the default
 layout and choose_layout's pick for each pass. Launch it at 1, 2, 4 and 8 GPUs for the table in
@@ -29,7 +30,7 @@ from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.rates import rates_for
 from burst_hpc.plan.accounting import visible_pairs
 from burst_hpc.plan.layout import LAYOUTS, default_kind, make_layout
-from burst_hpc.plan.workload import documents, work_of
+from burst_hpc.plan.workload import account, documents
 
 import bench_packed
 import evidence
@@ -118,15 +119,16 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
         choice = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=H, kv_heads=Hkv, head_dim=D,
                                          dtype=np.dtype(dtype), backend="numpy" if args.cpu else "cuda",
                                          ranks_per_node=per_node if P > per_node else None,
-                                         backward=pass_ != "fwd")
+                                         backward=pass_ != "fwd", rates=rates)
         picked[pass_] = getattr(choice, "kind", choice)
     rows, first = [], None
     for layout in args.layouts.split(","):
-        mine = {name: xp.asarray(burst_hpc.shard(x, r, P, layout)).astype(dtype) for name, x in full.items()}
-        kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=layout)
-        placed = make_layout(layout, S, P, mask)
-        work = work_of(placed, True, mask, "forward")
-        row = {"dist": dist, "layout": layout, "P": P, "tokens": S, "documents": len(cu) - 1,
+        placed = make_layout(layout, S, P, mask)   # the chunks layout places tokens by the mask
+        mine = {name: xp.asarray(placed.shard(x, r)).astype(dtype) for name, x in full.items()}
+        scheme = costmodel.pick(problem, cluster, rates, placed, mask)   # what scheme='auto' runs
+        kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=placed, scheme=scheme)
+        work = account(placed, True, mask, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None).work
+        row = {"dist": dist, "layout": layout, "scheme": scheme, "P": P, "tokens": S, "documents": len(cu) - 1,
                "longest": int(np.diff(cu).max()), "device": device, "steps": int(work.shape[0]),
                "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()),
                "default": layout == default_kind(True), "picked": [p for p in passes if picked[p] == layout]}
@@ -142,7 +144,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
 
             seconds = timed(comm, run, args.iters, args.warmup, xp)
             directions = {"fwd": (False,), "bwd": (True,), "fwdbwd": (False, True)}[pass_]
-            pred = [costmodel.pass_prediction("ring", problem, cluster, rates, placed, mask, b) for b in directions]
+            pred = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, mask, b) for b in directions]
             predicted = sum(p.time for p in pred)
             row[pass_] = seconds
             row[f"{pass_}_tflops_per_gpu"] = flops * PASS_FLOPS[pass_] / P / seconds / 1e12
@@ -151,7 +153,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
         if args.check:
             gathered = comm.gather(o.get() if hasattr(o, "get") else o)
             if r == 0:
-                whole = burst_hpc.unshard(gathered, layout).astype(np.float64)
+                whole = placed.unshard(gathered).astype(np.float64)
                 first = whole if first is None else first
                 row["max_diff_vs_first"] = float(np.abs(whole - first).max())
         rows.append(row)
@@ -169,8 +171,8 @@ def table(rows, args, device, passes):
              "3.5x the forward's count: FlashAttention's and MagiAttention's conventions agree); (prediction) the cost "
              "model's; **bold**: the fastest layout measured; d: the default layout (layout=None), c: "
              "choose_layout's pick for that pass\n",
-             "| documents | layout | critical path / mean | steps | " + " | ".join(passes) + " |",
-             "|---|---|---|---|" + "---|" * len(passes)]
+             "| documents | layout | scheme | critical path / mean | steps | " + " | ".join(passes) + " |",
+             "|---|---|---|---|---|" + "---|" * len(passes)]
     for dist in dict.fromkeys(row["dist"] for row in rows):
         group = [row for row in rows if row["dist"] == dist]
         best = {p: max(row[p + "_tflops_per_gpu"] for row in group) for p in passes}
@@ -182,7 +184,7 @@ def table(rows, args, device, passes):
                 marks = ("d" if row["default"] else "") + ("c" if p in row["picked"] else "")
                 cells.append(f"{text} ({row[p + '_predicted_tflops_per_gpu']:.3g}){' ' + marks if marks else ''}")
             lines.append(f"| {dist} ({row['documents']}, longest {row['longest']}) | {row['layout']} | "
-                         f"{row['critical_over_mean']:.2f} | {row['steps']} | " + " | ".join(cells) + " |")
+                         f"{row['scheme']} | {row['critical_over_mean']:.2f} | {row['steps']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

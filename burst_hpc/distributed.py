@@ -33,21 +33,24 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         Key j visible from query i only when j <= i (global positions).
     scale : float, optional
         Score scale (default D ** -0.5).
-    layout : Layout or {'contiguous', 'zigzag', 'balanced'}, optional
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}, optional
         How the shards were cut (burst_hpc.shard; a name is made into a Layout of the call's sequence
         and ranks). Default: zigzag when causal, contiguous otherwise,
         whatever ``cu_seqlens`` and ``window`` hold (a default never changes with the data). The
         layout the cost model predicts fastest for this call is ``burst_hpc.choose_layout(...)``:
         shard by it and pass it here. 'balanced' shards are contiguous ones (natural token order)
-        with the visible work (causal, documents, windows) balanced by the schedule.
+        with the visible work (causal, documents, windows) balanced by the schedule; 'chunks' shards
+        are chunks placed by the mask (``burst_hpc.shard(..., causal=, cu_seqlens=, window=)``).
     transport : {'auto', 'host', 'mpi', 'nccl', 'staged'}
         How shards travel (auto: the fastest available, logged).
     cu_seqlens : 1-D integer array, optional
         Global document offsets [0, ..., S] of a packed sequence, the same on every rank.
     window : (int, int), optional
         (left, right) sliding window, -1 unbounded (flash-attn's meaning).
-    scheme : {'auto', 'ring', 'double_ring', 'ulysses_ring'}
-        How shards cross nodes (auto: the cost model's pick; 'ring' on one node).
+    scheme : {'auto', 'ring', 'double_ring', 'ulysses_ring', 'gather'}
+        How shards move: across nodes, or 'gather' (each rank receives only the keys and values its
+        queries see). auto: 'gather' for the chunks layout, else 'ring' on one node, else the cost
+        model's pick.
     ranks_per_node : int, optional
         Overrides the node detection (or BURST_HPC_RANKS_PER_NODE): one host can act as several nodes.
     on_step : callable, optional

@@ -36,8 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
-LAYOUTS = (None, "contiguous", "zigzag", "balanced")
+SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring", "gather")
+LAYOUTS = (None, "contiguous", "zigzag", "balanced", "chunks")
 HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 72)
 GPU_HEAD_DIMS = (32, 48, 64, 80, 96, 128, 160, 256)
 
@@ -55,6 +55,7 @@ LEGITIMATE = (
     r"splits the \d+ query heads over the \d+ ranks of a node, and \d+ does not divide \d+",
     r"gives each rank \d+ query heads, which neither holds whole GQA groups of \d+ nor divides one",
     r"does not split over \d+ ranks with the \w+ layout: it must be a multiple of \d+",
+    r"scheme 'gather' sends keys and values to the queries that see them, and dK/dV home; backward_ring='q' runs",
 )
 
 
@@ -118,6 +119,9 @@ def draw(seed, ranks, backend="numpy", dtype=None, last_pairs=False):
         c.seqlen += parts * int(rng.choice([0, 16, 40]) if backend == "cuda" else rng.integers(16, 80))
     c.scale = None if rng.random() < 0.8 else float(rng.uniform(0.05, 1.0))
     c.backward_ring = str(rng.choice(["auto", "q", "kv"]))
+    gathers = c.scheme == "gather" or (c.scheme == "auto" and c.layout == "chunks")
+    if gathers and c.backward_ring == "q" and rng.random() < 0.8:   # mostly a ring it runs (q is refused)
+        c.backward_ring = "auto"
     if rng.random() < 0.45:
         c.cu_seqlens = documents(rng, c.seqlen, ranks)
     if rng.random() < 0.4:
@@ -247,15 +251,17 @@ def run_case(comm, case, xp=np):
     assert P == case.ranks
     layout = shard_layout(case)
     q, k, v, do = inputs(case)
+    placed = dict(causal=case.causal, window=case.window,   # the chunks layout places tokens by the mask
+                  cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     try:
-        burst_hpc.make_layout(layout, case.seqlen, P)
+        burst_hpc.make_layout(layout, case.seqlen, P, burst_hpc.plan.layout.placement_mask(case.seqlen, **placed))
     except burst_hpc.LayoutError:
         layout_for_shards = "contiguous"   # the call must refuse the case's layout
     else:
         layout_for_shards = layout
 
     def mine(x, axis=1):
-        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis)
+        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis, **placed)
 
     kw = dict(comm=comm, causal=case.causal, scale=case.scale, layout=case.layout, scheme=case.scheme,
               ranks_per_node=case.ranks_per_node, window=case.window,
@@ -275,7 +281,13 @@ def run_case(comm, case, xp=np):
     if case.disagree is not None and case.disagree[1] == "backward_ring":
         refused_alike(comm, case, dev, backward_kw,
                       lambda arrays, args: burst_hpc.burst_attention_backward(arrays[3], *arrays[:3], *got, **args))
-    grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, **backward_kw)
+    try:
+        grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, **backward_kw)
+    except Exception as e:  # noqa: BLE001 - judged by refusal() (the gather scheme refuses the q-ring)
+        error = e
+    message = refusal(comm, error)
+    if message is not None:
+        return f"refused: {message}"
     ours = dict(zip(("o", "lse", "dq", "dk", "dv"), [to_host(x) for x in (*got, *grads)]))
     if case.poison is not None:
         problems = nonfinite_problems(case, ours, q, k, v, do, mine)

@@ -21,6 +21,7 @@ def test_rows_for_every_layout_pass_and_distribution(comm, tmp_path):
         return
     rows = [json.loads(line) for line in open(out) if line.startswith("{")]
     assert [(r["dist"], r["layout"]) for r in rows] == [("uniform", lay) for lay in LAYOUTS]
+    assert [r["scheme"] for r in rows] == ["ring", "ring", "ring", "gather"]
     for row in rows:
         assert row["P"] == comm.size and row["device"] == "CPU" and row["max_diff_vs_first"] < 1e-4
         for pass_ in bench_documents.PASSES:

@@ -10,7 +10,7 @@ from burst_hpc.cli import main
 from burst_hpc.plan.costmodel import Cluster, Problem
 from burst_hpc.plan.memory import peak_memory
 from burst_hpc.plan.rates import GPU_RATES, Rates
-from burst_hpc.plan.layout import make_layout
+from burst_hpc.plan.layout import LAYOUTS, make_layout, placement_mask
 
 M = 1 << 20
 # the per-pair and per-byte rates alone: what the overlap formulas speak of (tests/test_fixed_costs.py
@@ -174,7 +174,7 @@ def plan_rows(capsys, *args):
     rows, pick = {}, None
     for line in capsys.readouterr().out.splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]
-        if line.startswith("|") and cells[0] in ("contiguous", "zigzag", "balanced"):
+        if line.startswith("|") and cells[0] in LAYOUTS:
             rows[(cells[0], cells[1])] = cells[2:-1]
             if cells[-1] == "**pick**":
                 pick = (cells[0], cells[1])
@@ -203,7 +203,7 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
     rows, pick = plan_rows(capsys, *args)
     timed = {key: float(cells[2]) for key, cells in rows.items() if cells[2] != "-"}
     assert pick is not None and timed[pick] == min(timed.values()), (pick, timed)
-    for layout in ("contiguous", "zigzag", "balanced"):
+    for layout in LAYOUTS:
         alone, _ = plan_rows(capsys, *args, "--layout", layout)
         assert alone == {key: cells for key, cells in rows.items() if key[0] == layout}
     def value(name, kind, default=None):
@@ -215,10 +215,12 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
     heads = value("--heads", int, 8)
     kv_heads = value("--kv-heads", int, heads)
     gbps = value("--inter-gbps", float, GPU_RATES["H100"].inter_gbps)
-    chosen = burst_hpc.choose_layout(seqlen, nodes * per_node, causal="--causal" in extra or window is not None,
+    causal = "--causal" in extra or window is not None
+    chosen = burst_hpc.choose_layout(seqlen, nodes * per_node, causal=causal,
                                      cu_seqlens=cu, window=window, heads=heads, kv_heads=kv_heads,
                                      ranks_per_node=per_node, rates=replace(GPU_RATES["H100"], inter_gbps=gbps))
-    assert chosen.kind == pick[0] and chosen == make_layout(pick[0], seqlen, nodes * per_node)
+    placed = placement_mask(seqlen, causal, cu, window)   # the chunks layout places tokens by it
+    assert chosen.kind == pick[0] and chosen == make_layout(pick[0], seqlen, nodes * per_node, placed)
 
 
 def test_the_plan_of_issue_37_picks_what_it_shows_fastest(capsys):

@@ -8,6 +8,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.errors import BurstError, LayoutError
+from burst_hpc.plan import masks
 from burst_hpc.plan.layout import LAYOUTS, Layout, as_layout, default_kind, layout_indices, make_layout, shard, unshard
 
 from burst_testing import BF16
@@ -35,17 +36,17 @@ def test_shard_unshard_round_trip(layout, size, axis, rng, seed):
     seqlen = chunks * int(rng.integers(1, 6))
     x = _array(rng, (2, 3, 4, 5), axis, seqlen)
     ctx = f"seed={seed} layout={layout} P={size} S={seqlen} axis={axis}"
-    shards = [shard(x, r, size, layout, axis=axis) for r in range(size)]
+    shards = [shard(x, r, size, layout, axis=axis, causal=True) for r in range(size)]   # chunks: placed by it
     seen = []
     for r, part in enumerate(shards):
-        idx = layout_indices(seqlen, r, size, layout)
+        idx = layout_indices(seqlen, r, size, layout, causal=True)
         assert part.shape[axis] == seqlen // size, ctx
         np.testing.assert_array_equal(part, np.take(x, idx, axis=axis), err_msg=f"{ctx} rank={r}")
         assert part.dtype == x.dtype, ctx
         seen.append(idx)
     # every token is owned by exactly one rank
     np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(seqlen), err_msg=ctx)
-    back = unshard(shards, layout, axis=axis)
+    back = unshard(shards, layout, axis=axis, causal=True)
     assert back.shape == x.shape and back.dtype == x.dtype, ctx
     np.testing.assert_array_equal(back, x, err_msg=ctx)
 
@@ -53,8 +54,8 @@ def test_shard_unshard_round_trip(layout, size, axis, rng, seed):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_low_precision_and_public_names(layout, rng, seed):
     x = _array(rng, (1, 1, 2, 8), 1, 24, BF16)
-    shards = [burst_hpc.shard(x, r, 3, layout) for r in range(3)]
-    back = burst_hpc.unshard(shards, layout)
+    shards = [burst_hpc.shard(x, r, 3, layout, causal=True) for r in range(3)]
+    back = burst_hpc.unshard(shards, layout, causal=True)
     assert back.dtype == BF16
     np.testing.assert_array_equal(back.view(np.uint16), x.view(np.uint16), err_msg=f"seed={seed}")
 
@@ -160,7 +161,7 @@ def test_bad_arguments_raise_layout_error():
 def test_shard_is_a_copy(rng):
     x = rng.standard_normal((1, 8, 2))
     for layout in LAYOUTS:
-        part = shard(x, 0, 2, layout)
+        part = shard(x, 0, 2, layout, causal=False)
         part[...] = 0
         assert np.all(x != 0), layout
 
@@ -181,8 +182,11 @@ def test_a_layout_is_a_value():
     assert make_layout("zigzag", 8, 1).pieces(0) == make_layout("contiguous", 8, 1).pieces(0)
     assert make_layout("zigzag", 8, 1) != make_layout("contiguous", 8, 1)
     assert pickle.loads(pickle.dumps(a)) == a and hash(pickle.loads(pickle.dumps(a))) == hash(a)
-    assert {kind: make_layout(kind, 8, 2).balances_by_schedule for kind in LAYOUTS} == \
-        {"contiguous": False, "zigzag": False, "balanced": True}
+    causal = masks.Mask(8, True, None, None)   # the chunks layout places tokens by it
+    assert {kind: make_layout(kind, 8, 2, causal).balances_by_schedule for kind in LAYOUTS} == \
+        {"contiguous": False, "zigzag": False, "balanced": True, "chunks": False}
+    chunks = make_layout("chunks", 8, 2, causal)
+    assert pickle.loads(pickle.dumps(chunks)) == chunks and pickle.loads(pickle.dumps(chunks)).grain == chunks.grain
     assert (a.kind, a.seqlen, a.size, a.local) == ("zigzag", 16, 4, 4)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.kind = "contiguous"
@@ -222,5 +226,5 @@ def test_public_functions_take_a_layout_or_a_name(rng):
         layout.shard(np.zeros((1, 24, 2)), 0)
     with pytest.raises(LayoutError, match=r"each of the layout's 3 ranks; got 2"):
         layout.unshard(shards[:2])
-    with pytest.raises(LayoutError, match=r"layout must be a Layout or one of contiguous, zigzag, balanced; got 3"):
+    with pytest.raises(LayoutError, match=r"layout must be a Layout or one of contiguous, zigzag, balanced, chunks; got 3"):
         as_layout(3, 12, 3)

@@ -24,8 +24,8 @@ import numpy as np
 from .. import config
 from . import ulysses
 from .merge import merge_into
-from .ring import Side, run
-from ..plan.schedule import visit_pairs
+from .ring import Side, row_runs, run
+from ..plan.schedule import held_pieces, visit_pairs
 from ..plan.schemes import ulysses_heads
 
 REHEARSAL_KEYS = 256
@@ -169,7 +169,8 @@ def _add(into, part):
 def _pairs(plan, visit):
     """The block pairs of a visit: its query rows against its keys (rows local to the query shard)."""
     d = plan.decomposition
-    return visit_pairs(d.pieces(visit.q_shard), d.pieces(visit.kv_shard), d.causal, visit.rows, d.mask)
+    return visit_pairs(d.pieces(visit.q_shard), held_pieces(d.pieces(visit.kv_shard), visit.keys), d.causal,
+                       visit.rows, d.mask)
 
 
 @contextmanager
@@ -314,7 +315,8 @@ class _Finals:
                         pairs.append((call, i, rows.stop - rows.start))
                 call += 1
             for rows in combines.get(index, ()):
-                last[slice(*rows) if rows else slice(None)] = len(pairs)
+                for run in row_runs(rows) if rows else ((0, n_rows),):
+                    last[slice(*run)] = len(pairs)
                 pairs.append(None)
         counts = np.bincount(last[last >= 0], minlength=len(pairs))
         for event, where in enumerate(pairs):

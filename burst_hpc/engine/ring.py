@@ -34,18 +34,50 @@ class Side:
     travelling_axes: tuple = None   # the token axis of each travelling array (None: 1 for all)
     results_axes: tuple = None      # the token axis of each result array (None: 1 for all)
 
+    def axes(self, which):
+        return getattr(self, which + "_axes") or (1,) * len(getattr(self, which))
+
     def cut(self, which, rows):
         """Views of rows (lo, hi) of the ``which`` ("travelling" or "results") arrays (all: None)."""
         arrays = getattr(self, which)
         if rows is None:
             return arrays
-        axes = getattr(self, which + "_axes") or (1,) * len(arrays)
-        return [a[(slice(None),) * axis + (slice(*rows),)] for a, axis in zip(arrays, axes)]
+        return [a[(slice(None),) * axis + (slice(*rows),)] for a, axis in zip(arrays, self.axes(which))]
+
+    def packed(self, xp, rows):
+        """Contiguous copies of the travelling arrays' ``rows`` (row_runs), the runs one after another."""
+        parts = [self.cut("travelling", run) for run in row_runs(rows)]
+        if len(parts) == 1:
+            return [xp.ascontiguousarray(a) for a in parts[0]]
+        return [xp.concatenate(runs, axis=axis) for runs, axis in zip(zip(*parts), self.axes("travelling"))]
+
+    def blank(self, xp, which, rows):
+        """New arrays like the ``which`` arrays, of ``rows``' count of tokens (None: all)."""
+        count = size_class(rows)
+        return [xp.empty(a.shape if count is None else a.shape[:axis] + (count,) + a.shape[axis + 1:], a.dtype)
+                for a, axis in zip(getattr(self, which), self.axes(which))]
+
+    def fold(self, rows, part):
+        """Combine ``part`` (a partial of this rank's own shard, holding ``rows`` one run after
+        another; None: every row) into the results."""
+        if rows is None:
+            return self.combine(self.results, part)
+        offset = 0
+        for lo, hi in row_runs(rows):
+            piece = [a[(slice(None),) * axis + (slice(offset, offset + hi - lo),)]
+                     for a, axis in zip(part, self.axes("results"))]
+            self.combine(self.cut("results", (lo, hi)), piece)
+            offset += hi - lo
+
+
+def row_runs(rows):
+    """A transfer's ``rows`` as (lo, hi) runs: one run (lo, hi), or already several ((lo, hi), ...)."""
+    return tuple(rows) if isinstance(rows[0], tuple) else (tuple(rows),)
 
 
 def size_class(rows):
     """Buffers of one kind and side are reused among those of the same rows (None: a whole shard)."""
-    return None if rows is None else rows[1] - rows[0]
+    return None if rows is None else sum(hi - lo for lo, hi in row_runs(rows))
 
 
 def uses(visit, side, shard):
@@ -119,8 +151,7 @@ class _Pool:
         spare = self.free.get((kind, side, size_class(rows)))
         if spare:
             return spare.pop()
-        like = self.sides[side].cut("travelling" if kind == "data" else "results", rows)
-        return [self.xp.empty(a.shape, a.dtype) for a in like]
+        return self.sides[side].blank(self.xp, "travelling" if kind == "data" else "results", rows)
 
     def give(self, kind, side, arrays, rows=None):
         self.free.setdefault((kind, side, size_class(rows)), []).append(arrays)
@@ -152,7 +183,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None,
         if t.rows is None:
             return travelling(t.side, t.shard)
         assert t.shard == rank, "only a shard's owner sends some of its rows"
-        return [transport.xp.ascontiguousarray(a) for a in sides[t.side].cut("travelling", t.rows)]
+        return sides[t.side].packed(transport.xp, t.rows)
 
     def travelling(side, shard):
         return sides[side].travelling if shard == rank else data[(side, shard)]
@@ -191,6 +222,7 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None,
             q_out, k_out = results("q", visit.q_shard), results("kv", visit.kv_shard)
             rows = None if visit.q_shard == rank else data_rows[("q", visit.q_shard)]
             assert q_out is sides["q"].results or returned.get(("q", visit.q_shard)) == rows, "query rows disagree"
+            assert visit.kv_shard == rank or data_rows[("kv", visit.kv_shard)] == visit.keys, "key rows disagree"
             if not skip_compute:
                 compute(visit, travelling("q", visit.q_shard), travelling("kv", visit.kv_shard), q_out, k_out,
                         0 if rows is None else rows[0])
@@ -210,8 +242,10 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None,
             elif t.shard != rank and key not in partials:   # a relay: the arriving partial is kept
                 partials[key] = part
             else:                            # folded into this rank's results, or its partial of that shard
-                into = sides[t.side].cut("results", t.rows) if t.shard == rank else partials[key]
-                sides[t.side].combine(into, part)
+                if t.shard == rank:
+                    sides[t.side].fold(t.rows, part)
+                else:
+                    sides[t.side].combine(partials[key], part)
                 pool.give("partial", t.side, part, t.rows)
         for _, side, shard in ends.get(index, ()):   # received shards whose last use was this step
             pool.give("data", side, data.pop((side, shard)), data_rows.pop((side, shard)))

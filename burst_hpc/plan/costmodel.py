@@ -29,10 +29,11 @@ import numpy as np
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from ..errors import BurstError, LayoutError
 from .layout import Layout, layouts_for, make_layout
+from .masks import counting
 from .rates import rates_for
 
 
-SCHEMES = ("ring", "double_ring", "ulysses_ring")
+SCHEMES = ("ring", "double_ring", "ulysses_ring", "gather")
 MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
 
@@ -146,6 +147,14 @@ def zigzag(pr, cl):
     return make_layout("zigzag", pr.seqlen, cl.ranks)
 
 
+def auto_schemes(layout, cl):
+    """The schemes ``scheme='auto'`` chooses among in ``layout`` (decisions.settled_scheme): the chunks
+    layout's gather; else the flat ring on one node, and on several the schemes across nodes too."""
+    if layout.kind == "chunks":
+        return ("gather",)
+    return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
+
+
 def fits(scheme, pr, cl, layout=None, masked=False):
     """None when ``scheme`` runs this problem in ``layout`` (a Layout; None: zigzag; ``masked``: with
     documents or a window), else why not (the reason the library gives)."""
@@ -153,7 +162,7 @@ def fits(scheme, pr, cl, layout=None, masked=False):
 
     try:
         layout = zigzag(pr, cl) if layout is None else layout
-        if scheme == "ring":
+        if scheme in ("ring", "gather"):
             return None
         check_node_layout(scheme, layout, pr.causal, masked)
         if scheme == "ulysses_ring":
@@ -179,7 +188,8 @@ def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
     the fixed costs add (the same pass priced without them, subtracted)."""
     from .workload import KINDS, account
 
-    direction = direction_of(pr, layout, mask, backward)
+    # the gather schedule's backward moves keys and values (decisions.gather_backward_ring)
+    direction = "backward" if backward and scheme == "gather" else direction_of(pr, layout, mask, backward)
     acc = account(layout, pr.causal, mask, scheme, direction, cl.per_node if cl.nodes > 1 else None)
     heads, kv_heads = pr.heads, pr.kv_heads
     if scheme == "ulysses_ring":
@@ -296,7 +306,7 @@ def options(pr, cl, rates, mask=None, layouts=None, schemes=SCHEMES):
     """{(layout kind, scheme): Prediction, or the reason it does not run}, for every pair asked;
     ``layouts`` {kind: Layout or why the length does not split in it} (layout.layouts_for; None: every kind)."""
     out = {}
-    layouts = layouts_for(pr.seqlen, cl.ranks, mask) if layouts is None else layouts
+    layouts = layouts_for(pr.seqlen, cl.ranks, counting(pr.seqlen, pr.causal, mask)) if layouts is None else layouts
     for kind, layout in layouts.items():
         for scheme in schemes:
             why = layout if isinstance(layout, str) else fits(scheme, pr, cl, layout, mask is not None)
@@ -306,10 +316,10 @@ def options(pr, cl, rates, mask=None, layouts=None, schemes=SCHEMES):
 
 def pick(pr, cl, rates, layout=None, mask=None, backward=True, margin=MARGIN):
     """The scheme ``scheme='auto'`` runs in ``layout`` (a Layout, None: zigzag): the least predicted
-    time (forward+backward, or the forward alone) among those that fit; the flat ring unless another
-    beats it by more than ``margin``; one node: ring."""
+    time (forward+backward, or the forward alone) among those that fit (``auto_schemes``); the flat
+    ring unless another beats it by more than ``margin``; one node: ring (the chunks layout: gather)."""
     layout = zigzag(pr, cl) if layout is None else layout
-    found = options(pr, cl, rates, mask, {layout.kind: layout}, SCHEMES if cl.nodes > 1 else ("ring",))
+    found = options(pr, cl, rates, mask, {layout.kind: layout}, auto_schemes(layout, cl))
     picked = _pick(found, backward, margin)
     if layout.kind not in picked:
         raise BurstError(found[(layout.kind, "ring")])
@@ -333,8 +343,11 @@ def best(pr, cl, rates, mask=None, layouts=None, scheme="auto", backward=True):
     named), the least time among them; on a tie the call's default layout (zigzag when causal,
     contiguous otherwise: one rank holds every layout alike). ``layouts`` as ``options`` takes them.
     (Prediction, ``options``' output of the pairs priced.)"""
-    schemes = SCHEMES if scheme == "auto" and cl.nodes > 1 else ("ring",) if scheme == "auto" else (scheme,)
-    found = options(pr, cl, rates, mask, layouts, schemes)
+    layouts = layouts_for(pr.seqlen, cl.ranks, counting(pr.seqlen, pr.causal, mask)) if layouts is None else layouts
+    found = {}
+    for kind, layout in layouts.items():
+        schemes = (scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str) else auto_schemes(layout, cl)
+        found.update(options(pr, cl, rates, mask, {kind: layout}, schemes))
     picked = _pick(found, backward, MARGIN)
     if not picked:   # no layout splits the sequence, or the scheme named runs none that does
         raise LayoutError("; ".join(dict.fromkeys(why for why in found.values())))
@@ -400,7 +413,8 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
     Returns
     -------
     Layout
-        Of kind 'contiguous', 'zigzag' or 'balanced': shard by it and pass it as ``layout=``.
+        Of kind 'contiguous', 'zigzag', 'balanced' or 'chunks' (placed by the mask): shard by it and
+        pass it as ``layout=``.
 
     Raises
     ------

@@ -51,11 +51,13 @@ def settled_transport(request, everyone):
 
 
 def settled_scheme(request, topo, layout, everyone):
-    """The concrete scheme: the one named, or for 'auto' 'ring' on one node and otherwise the cost
-    model's fastest of those that fit (costmodel.pick), priced with each GPU model's rates:
-    RankMismatchError where ranks on different GPU models would pick differently."""
+    """The concrete scheme: the one named, or for 'auto' 'gather' for the chunks layout, 'ring' on one
+    node and otherwise the cost model's fastest of those that fit (costmodel.pick), priced with each
+    GPU model's rates: RankMismatchError where ranks on different GPU models would pick differently."""
     if request.scheme != "auto":
         return request.scheme
+    if layout.kind == "chunks":
+        return "gather"
     if topo is None or topo.nodes == 1:
         return "ring"
     from . import costmodel
@@ -82,6 +84,16 @@ def check_backward_ring(name):
     if name not in BACKWARD_RINGS:
         raise BurstError(f"unknown backward_ring {name!r}; use one of {', '.join(BACKWARD_RINGS)}")
     return name
+
+
+def gather_backward_ring(name):
+    """The gather scheme's backward moves keys and values (and their gradients home): 'kv' for
+    'auto' or 'kv'; 'q' is refused."""
+    if check_backward_ring(name) == "q":
+        raise BurstError("scheme 'gather' sends keys and values to the queries that see them, and dK/dV home; "
+                         "backward_ring='q' runs on the other schemes: use backward_ring='auto' or 'kv', "
+                         "or scheme='ring'")
+    return "kv"
 
 
 def choose_backward_ring(name, heads, kv_heads, head_dim, itemsize, q_steps=1, kv_steps=1, size=1):

@@ -21,7 +21,8 @@ from .. import config
 from . import masks
 from ..backends import get_backend
 from ..collective import agree, check_comm, describe, one_fails_all, world
-from .decisions import check_backward_ring, choose_backward_ring, machine_facts, settled_scheme, settled_transport
+from .decisions import (check_backward_ring, choose_backward_ring, gather_backward_ring, machine_facts, settled_scheme,
+                        settled_transport)
 from ..device import array_device
 from ..dtypes import accum_dtype, dtype_name, parse_dtype
 from ..engine import passes
@@ -217,11 +218,14 @@ class Decomposition:
             self.layout = self.fastest_layout(everyone[0]["device"])
         else:
             self.layout = as_layout(default_kind(r.causal) if r.layout is None or auto else r.layout, r.seqlen,
-                                    self.size, r.mask)
-        self.ring = choose_backward_ring(r.backward_ring, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize,
-                                         *(masks.ring_steps(r.mask, self.layout, queries_travel)
-                                           for queries_travel in (True, False)), self.size)
+                                    self.size, masks.counting(r.seqlen, r.causal, r.mask))   # chunks: placed by it
         name = settled_scheme(r, self.topo, self.layout, everyone)
+        if name == "gather":
+            self.ring = gather_backward_ring(r.backward_ring)
+        else:
+            self.ring = choose_backward_ring(r.backward_ring, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize,
+                                             *(masks.ring_steps(r.mask, self.layout, queries_travel)
+                                               for queries_travel in (True, False)), self.size)
         self.scheme = make_scheme(name, self.comm, self.topo, self.layout, r.causal, r.mask)
 
     def fastest_layout(self, device_name):

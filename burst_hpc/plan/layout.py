@@ -5,6 +5,10 @@
   which balances causal work across ranks. One rank holds the whole sequence in one run (any S).
 - balanced: the tokens of contiguous (natural order, one run per rank); the visible work
   (causal, documents, windows) is balanced by the schedule instead (balance.py).
+- chunks: S is cut into chunks dealt to ranks by the mask so each rank's visible work is
+  balanced, documents kept on one rank where that costs no balance (placement.py); a rank's
+  chunks in natural order. It needs the call's mask (make_layout's ``mask``; ``shard``,
+  ``unshard`` and ``layout_indices`` take it as causal, cu_seqlens, window).
 
 A rank's shard is described by its pieces: (global_start, length) runs, in local order. Names turn
 into a :class:`Layout` once, at the edge (:func:`make_layout`, :func:`as_layout`); every layer below
@@ -17,7 +21,7 @@ import numpy as np
 from ..device import array_module
 from ..errors import LayoutError
 
-LAYOUTS = ("contiguous", "zigzag", "balanced")
+LAYOUTS = ("contiguous", "zigzag", "balanced", "chunks")
 
 
 @dataclass(frozen=True, eq=False, repr=False)
@@ -30,18 +34,22 @@ class Layout:
     Attributes
     ----------
     kind : str
-        'contiguous', 'zigzag' or 'balanced'.
+        'contiguous', 'zigzag', 'balanced' or 'chunks'.
     seqlen, size, local : int
         Tokens in the sequence, ranks, and tokens a rank.
     balances_by_schedule : bool
         Whether the visible work of a masked call is balanced by the schedule (the balanced layout's
         helpers, balance.py) rather than by the placement of tokens.
+    grain : int
+        Tokens every run is made of: the chunks layout's chunk, else the largest length that
+        divides every run and start (what the gather schedule sends whole).
     """
     kind: str
     seqlen: int
     size: int
     runs: tuple = field(repr=False)   # runs[rank]: that rank's pieces
     balances_by_schedule: bool = False
+    chunk: int = None                 # the chunks layout's chunk (None: grain is the runs' gcd)
 
     def __post_init__(self):
         object.__setattr__(self, "key", (self.kind, self.seqlen, self.size, self.runs))
@@ -57,11 +65,17 @@ class Layout:
         return f"Layout({self.kind!r}, seqlen={self.seqlen}, size={self.size})"
 
     def __reduce__(self):   # rebuilt where unpickled: a string's hash differs from process to process
-        return Layout, (self.kind, self.seqlen, self.size, self.runs, self.balances_by_schedule)
+        return Layout, (self.kind, self.seqlen, self.size, self.runs, self.balances_by_schedule, self.chunk)
 
     @property
     def local(self):
         return self.seqlen // self.size
+
+    @property
+    def grain(self):
+        if self.chunk is not None:
+            return self.chunk
+        return int(np.gcd.reduce([x for runs in self.runs for run in runs for x in run]))
 
     def is_default(self, causal):
         """Whether this is the layout a call names none gets (:func:`default_kind`)."""
@@ -173,7 +187,8 @@ def make_layout(kind, seqlen, size, mask=None):
     seqlen, size : int
         Tokens in the whole sequence and ranks.
     mask : masks.Mask, optional
-        The call's mask, for placements that follow it (the three kinds here place tokens without it).
+        The call's mask, plain causal and full attention included (``placement_mask``): the chunks
+        layout places tokens by it (the other kinds place them without it).
 
     Returns
     -------
@@ -192,12 +207,45 @@ def make_layout(kind, seqlen, size, mask=None):
     parts = _parts(size, kind)
     if seqlen % parts:
         raise _split_error(seqlen, size, kind)
+    if kind == "chunks" and size > 1:
+        return _chunks(seqlen, size, mask)
     chunk = seqlen // parts
     if parts == size:
         runs = tuple(((r * chunk, chunk),) for r in range(size))
     else:
         runs = tuple(((r * chunk, chunk), ((2 * size - 1 - r) * chunk, chunk)) for r in range(size))
     return Layout(kind, seqlen, size, runs, balances_by_schedule=kind == "balanced")
+
+
+def _chunks(seqlen, size, mask):
+    """The chunks layout of ``mask`` (placement.place)."""
+    if mask is None or mask.seqlen != seqlen:
+        raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal, cu_seqlens and "
+                          "window (as burst_attention takes them), or shard by the Layout burst_hpc.choose_layout "
+                          "returns")
+    from .placement import place
+
+    found = place(mask, size)
+    return Layout("chunks", seqlen, size, tuple(found.pieces(r) for r in range(size)), chunk=found.chunk)
+
+
+def placement_mask(seqlen, causal=False, cu_seqlens=None, window=None):
+    """The masks.Mask a call's layout is placed by (the chunks layout's): the call's mask, plain
+    causal and full attention included (MaskError if bad)."""
+    from . import masks
+
+    return masks.counting(seqlen, causal, masks.make(seqlen, causal, window, cu_seqlens))
+
+
+def _named(layout, seqlen, size, causal, cu_seqlens, window):
+    """``layout`` as a Layout, a name placed by the mask given (only the chunks layout reads it, and
+    needs ``causal`` said: shards placed by another mask than the call's would be wrong, silently)."""
+    if layout != "chunks":
+        return as_layout(layout, seqlen, size)
+    if causal is None:
+        raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal (and cu_seqlens, "
+                          "window) with it, or shard by the Layout burst_hpc.choose_layout or make_layout returns")
+    return as_layout(layout, seqlen, size, placement_mask(seqlen, causal, cu_seqlens, window))
 
 
 def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS):
@@ -225,7 +273,7 @@ def as_layout(layout, seqlen, size, mask=None):
     return layout
 
 
-def layout_indices(seqlen, rank, size, layout):
+def layout_indices(seqlen, rank, size, layout, *, causal=None, cu_seqlens=None, window=None):
     """Global token indices of rank ``rank``'s shard, in local order.
 
     Parameters
@@ -234,7 +282,10 @@ def layout_indices(seqlen, rank, size, layout):
         Tokens in the whole sequence.
     rank, size : int
         This rank and the number of ranks.
-    layout : Layout or {'contiguous', 'zigzag', 'balanced'}
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
+    causal, cu_seqlens, window
+        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
+        ``causal``); the other layouts do not read it.
 
     Returns
     -------
@@ -245,10 +296,10 @@ def layout_indices(seqlen, rank, size, layout):
     LayoutError
         ``seqlen`` does not split over ``size`` ranks in ``layout``.
     """
-    return as_layout(layout, seqlen, size).indices(rank)
+    return _named(layout, seqlen, size, causal, cu_seqlens, window).indices(rank)
 
 
-def shard(x, rank, size, layout, axis=1):
+def shard(x, rank, size, layout, axis=1, *, causal=None, cu_seqlens=None, window=None):
     """Rank ``rank``'s shard of the global array ``x``.
 
     Parameters
@@ -256,8 +307,11 @@ def shard(x, rank, size, layout, axis=1):
     x : array (NumPy or CuPy)
         The whole sequence along ``axis`` (1 for q, k, v; 2 for lse).
     rank, size : int
-    layout : Layout or {'contiguous', 'zigzag', 'balanced'}
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     axis : int
+    causal, cu_seqlens, window
+        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
+        ``causal``); the other layouts do not read it.
 
     Returns
     -------
@@ -273,18 +327,21 @@ def shard(x, rank, size, layout, axis=1):
     >>> mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
     """
     axis = normalize_axis(axis, x.ndim)
-    return as_layout(layout, x.shape[axis], size).shard(x, rank, axis)
+    return _named(layout, x.shape[axis], size, causal, cu_seqlens, window).shard(x, rank, axis)
 
 
-def unshard(shards, layout, axis=1):
+def unshard(shards, layout, axis=1, *, causal=None, cu_seqlens=None, window=None):
     """The global array from every rank's shard: the inverse of ``shard``.
 
     Parameters
     ----------
     shards : sequence of arrays
         ``shards[r]`` from rank r (e.g. ``comm.gather(o)`` on rank 0).
-    layout : Layout or {'contiguous', 'zigzag', 'balanced'}
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     axis : int
+    causal, cu_seqlens, window
+        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
+        ``causal``); the other layouts do not read it.
 
     Returns
     -------
@@ -299,7 +356,8 @@ def unshard(shards, layout, axis=1):
     if not shards:
         raise LayoutError("unshard needs the shard of at least one rank; got none")
     axis = normalize_axis(axis, shards[0].ndim)
-    return as_layout(layout, shards[0].shape[axis] * len(shards), len(shards)).unshard(shards, axis)
+    seqlen = shards[0].shape[axis] * len(shards)
+    return _named(layout, seqlen, len(shards), causal, cu_seqlens, window).unshard(shards, axis)
 
 
 def relayout(x, source, target, transport, axis=1):

@@ -174,6 +174,12 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
     return Mask(seqlen, causal, window, cu_seqlens)
 
 
+def counting(seqlen, causal, mask):
+    """``mask``, or for plain causal or full attention (None) the Mask that counts their pairs (and
+    places the chunks layout's tokens)."""
+    return mask if mask is not None else Mask(seqlen, causal, None, None)
+
+
 def block_counts(mask, rows, keys):
     """int64 (S / rows, S / keys): the visible (query, key) pairs of every block of ``rows`` query
     rows against every block of ``keys`` keys (``mask`` a Mask: plain causal or full attention

@@ -117,15 +117,14 @@ def block_pairs(q_pieces, k_pieces, causal, mask=None):
 
 def visit_pairs(q_pieces, k_pieces, causal, rows=None, mask=None):
     """The block pairs of one visit; ``rows`` (lo, hi) keeps only those local query rows (a piece
-    of a chunk pair in the balanced schedule; a shard of one piece only)."""
+    of a chunk pair in the balanced schedule, a step's share of a shard in the gather schedule)."""
     if rows is None:
         return block_pairs(q_pieces, k_pieces, causal, mask)
-    ((start, n),) = q_pieces
     lo, hi = rows
     if lo >= hi:
         return ()
     return tuple(replace(p, q=slice(p.q.start + lo, p.q.stop + lo))
-                 for p in block_pairs(((start + lo, hi - lo),), k_pieces, causal, mask))
+                 for p in block_pairs(held_pieces(q_pieces, (rows,)), k_pieces, causal, mask))
 
 
 @dataclass(frozen=True)
@@ -133,6 +132,24 @@ class Visit:
     q_shard: int         # whose queries (this rank's own: the query-side results are its own)
     kv_shard: int        # whose keys and values
     rows: tuple = None   # (lo, hi): only these local query rows of q_shard; None: all of them
+    keys: tuple = None   # ((lo, hi), ...): only these runs of kv_shard's local rows, received one after
+    #                      another (the gather schedule, gather.py); None: the whole shard
+
+
+def held_pieces(pieces, keys=None):
+    """The (global_start, length) pieces of the local rows ``keys`` ((lo, hi) runs, in order; None:
+    every row) of a shard of ``pieces``: the pieces of a buffer holding those rows one after another."""
+    if keys is None:
+        return tuple(pieces)
+    out = []
+    for lo, hi in keys:
+        offset = 0
+        for start, n in pieces:
+            a, b = max(lo, offset), min(hi, offset + n)
+            if a < b:
+                out.append((start + a - offset, b - a))
+            offset += n
+    return tuple(out)
 
 
 @dataclass(frozen=True)
@@ -142,7 +159,8 @@ class Transfer:
     side: str            # the side that travels, or the side whose results the partial holds
     shard: int           # whose tokens
     due: int = None      # the step at whose end it completes (None: the step that posts it)
-    rows: tuple = None   # (lo, hi): only these local rows of the query side (None: the whole shard)
+    rows: tuple = None   # (lo, hi): only these local rows of the query side (None: the whole shard); or
+    #                      ((lo, hi), ...): these runs of either side, one after another (gather.py)
     inner: bool = False  # due steps later, inside a node: on the inner lane (ring.run), not the far one
 
 
@@ -153,7 +171,8 @@ class Step:
     recvs: tuple
 
 
-def _step(visits, sends, recvs):
+def make_step(visits, sends, recvs):
+    """A Step of these visits and transfers, the transfers in the order both ends post them."""
     # both ends order a peer's transfers the same way (data, then partials), so the transports
     # can match messages by their position among those exchanged with that peer
     order = lambda t: (t.what, t.side, t.shard, t.peer, -1 if t.due is None else t.due)  # noqa: E731
@@ -206,7 +225,7 @@ def plain_ring_steps(rank, size, side, returns, count=None):
             sends.append(Transfer(home, "partial", side, home))
             recvs.append(Transfer(visitor, "partial", side, rank))
         if t < count or carries:
-            out.append(_step([ring_visit(side, rank, (rank - t) % size)] if t < count else [], sends, recvs))
+            out.append(make_step([ring_visit(side, rank, (rank - t) % size)] if t < count else [], sends, recvs))
     return tuple(out)
 
 
@@ -342,7 +361,7 @@ def work_steps(rank, size, near, returns, mask, nodes=None):
         if receiver == rank:
             recvs[t].append(Transfer(sender, what, side, shard, due, rows, inner))
     mine = list(plan[rank]) + [()] * (count - len(plan[rank]))
-    return tuple(_step([Visit(i, j, None if (lo, hi) == (0, chunk) else (lo, hi)) for i, j, lo, hi in mine[t]],
+    return tuple(make_step([Visit(i, j, None if (lo, hi) == (0, chunk) else (lo, hi)) for i, j, lo, hi in mine[t]],
                        sends[t], recvs[t]) for t in range(count))
 
 
@@ -402,5 +421,5 @@ def double_ring_steps(position, nodes, per_node, side, returns, rounds=None):
             sends.append(Transfer(home, "partial", side, home))
             recvs.append(Transfer(at(n + rounds - 1, l), "partial", side, position))
         if in_round or sends or recvs:
-            out.append(_step([ring_visit(side, position, at(n - o, l - t))] if in_round else [], sends, recvs))
+            out.append(make_step([ring_visit(side, position, at(n - o, l - t))] if in_round else [], sends, recvs))
     return tuple(out)

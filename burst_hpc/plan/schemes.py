@@ -9,16 +9,19 @@ loop of ring.py.
   rails (schedule.double_ring_steps); positions are node by node (topology).
 - ``ulysses_ring``: all-to-all over heads inside the node (ulysses.py), then a flat ring over the
   rails whose shards are whole nodes' tokens for 1/w of the heads, then all-to-all back.
-- ``auto``: one node -> ``ring``; several -> the cost model's pick (costmodel.pick).
+- ``gather``: every rank keeps its queries; the keys and values another rank's queries see go
+  straight to it from their owner, and only those (gather.py); the chunks layout's scheme.
+- ``auto``: the chunks layout -> ``gather``; else one node -> ``ring``, several -> the cost
+  model's pick (costmodel.pick).
 """
 import numpy as np
 
-from . import masks
+from . import gather, masks
 from ..errors import LayoutError, TopologyError
 from .schedule import balanced_by_schedule, double_ring_steps, plain_ring_steps, steps as flat_steps
 from .topology import inner_lane
 
-SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
+SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring", "gather")
 NODE_SCHEMES = ("double_ring", "ulysses_ring")
 
 
@@ -125,6 +128,15 @@ class UlyssesRing(Flat):
         return plain_ring_steps(self.position, nodes, near, returns, count)
 
 
+class Gather(Flat):
+    name = "gather"
+
+    def steps(self, near, returns):
+        assert near == "kv", "the gather schedule moves keys and values"
+        return gather.steps(self.position, self.layout, masks.counting(self.layout.seqlen, self.causal, self.mask),
+                            tuple(returns))
+
+
 def check_node_layout(name, layout, causal, masked=False):
     """Refuse the balanced layout's work-aware schedule (causal, documents, windows) off the flat ring."""
     if layout.balances_by_schedule and (causal or masked):
@@ -163,6 +175,8 @@ def make(name, comm, topo, layout, causal, mask):
     """The scheme object for a resolved ``name`` (not 'auto'), ranks holding tokens by ``layout``."""
     if name == "ring":
         return Flat(comm, layout, causal, mask, topo)
+    if name == "gather":
+        return Gather(comm, layout, causal, mask, topo)
     return {"double_ring": DoubleRing, "ulysses_ring": UlyssesRing}[name](topo, layout, causal, mask)
 
 

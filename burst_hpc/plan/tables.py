@@ -19,6 +19,7 @@ from .rates import rates_for
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 from ..errors import BurstError, MaskError, ShapeError
 from .layout import LAYOUTS, layouts_for
+from .masks import counting
 
 
 def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, cu_seqlens=None):
@@ -50,8 +51,9 @@ def table(pr, cl, rates, mask=None, layout=None):
     """The Markdown table of every (layout, scheme) (``layout``'s alone when one is given) and the
     pick: (text, costmodel.Prediction), the fastest predicted forward+backward (costmodel.best: what
     a call with scheme='auto' in the layout costmodel.choose_layout names runs)."""
-    layouts = layouts_for(pr.seqlen, cl.ranks, mask, LAYOUTS if layout is None else (layout,))
-    pick, found = costmodel.best(pr, cl, rates, mask, layouts, scheme="auto" if cl.nodes > 1 else "ring")
+    placed = counting(pr.seqlen, pr.causal, mask)   # the chunks layout places tokens by it
+    layouts = layouts_for(pr.seqlen, cl.ranks, placed, LAYOUTS if layout is None else (layout,))
+    pick, found = costmodel.best(pr, cl, rates, mask, layouts)
     head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | fixed costs (ms) fwd / bwd | "
             "steps fwd / bwd | critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | "
             "peak GiB/rank fwd / bwd | hides from (tokens/GPU) fwd / fwd+bwd | |")

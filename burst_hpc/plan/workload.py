@@ -10,7 +10,7 @@ import numpy as np
 from . import balance, masks, schedule
 from ..errors import BurstError, MaskError
 from .layout import as_layout
-from .schedule import balanced_by_schedule, double_ring_steps, plain_ring_steps, steps as schedule_steps
+from .schedule import balanced_by_schedule, double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
 
 # near side, returned sides: the forward, the backward's kv-ring and its q-ring
 DIRECTIONS = {"forward": ("kv", ("q",)), "backward": ("kv", ("kv", "q")), "backward-q": ("q", ("kv", "q"))}
@@ -26,7 +26,7 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         Tokens in the whole sequence and ranks.
     causal, window, cu_seqlens
         The mask, as burst_attention takes it.
-    layout : Layout or {'contiguous', 'zigzag', 'balanced'}
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     direction : {'forward', 'backward', 'backward-q'}
         The forward ring, or the backward's kv-ring or q-ring.
 
@@ -41,7 +41,7 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         A bad mask, or a length that does not split over ``size`` ranks in ``layout``.
     """
     mask = masks.make(seqlen, causal, window, cu_seqlens)
-    layout = as_layout(layout, seqlen, size, mask)
+    layout = as_layout(layout, seqlen, size, masks.counting(seqlen, causal, mask))
     if direction not in DIRECTIONS:
         raise BurstError(f"direction must be one of {', '.join(DIRECTIONS)}; got {direction!r}")
     return work_of(layout, bool(causal), mask, direction).copy()
@@ -53,11 +53,6 @@ def work_of(layout, causal, mask, direction, per_node=None):
     ``per_node`` ranks a node, rank order node by node: None, one node), cached and read-only: the
     flat ring's account."""
     return account(layout, causal, mask, "ring", direction, per_node).work
-
-
-def plain_mask(seqlen, causal, mask):
-    """``mask``, or for plain causal or full attention (None) the Mask that counts their pairs."""
-    return mask if mask is not None else masks.Mask(seqlen, causal, None, None)
 
 
 KINDS = (("data", "kv"), ("data", "q"), ("partial", "q"), ("partial", "kv"))   # (what, side) of a transfer
@@ -86,19 +81,21 @@ class Account:
 
 @lru_cache(maxsize=64)
 def account(layout, causal, mask, scheme, direction, per_node=None):
-    """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring')
+    """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring', 'gather')
     over the ranks of ``layout`` (a layout.Layout), ``per_node`` a node (None: one node), from the
     schedules the engine runs (schedule.py, schemes.py)."""
     from .schemes import position_pairs, work_rounds
 
     near, returns = DIRECTIONS[direction]
     seqlen, size = layout.seqlen, layout.size
-    counted = plain_mask(seqlen, causal, mask)
+    counted = masks.counting(seqlen, causal, mask)
     w = size if per_node is None else per_node
     nodes = size // w
     shard = seqlen // size
     if scheme == "ring" and balanced_by_schedule(layout, causal, mask):
         return _balanced_account(counted, size, near, returns, node_list(size, per_node), per_node)
+    if scheme == "gather":
+        return _gather_account(counted, layout, returns, per_node)
     if scheme == "ring":
         template = schedule_steps(layout, causal, 0, near, returns, mask, None)
         pairs = masks.pair_work(counted, layout), pair_launches(counted, layout)
@@ -177,6 +174,31 @@ def _seen(mask, first_row, end_row, first_key, end_key):
     return (first < last).astype(np.int64)
 
 
+def _gather_account(mask, layout, returns, per_node):
+    """The Account of the gather schedule (gather.plan), every rank's ends listed."""
+    from . import gather
+
+    count, tasks, moves = gather.plan(mask, layout, returns)
+    _, seen, _ = gather.sight(mask, layout)
+    work, launches = (np.zeros((count, layout.size), np.int64) for _ in range(2))
+    for r, mine in enumerate(tasks):
+        for t, visits in enumerate(mine):
+            work[t, r] = sum(w for _, _, w in visits)
+            # the block calls the engine makes for each visit (engine.passes: visit_pairs over the held keys)
+            launches[t, r] = sum(len(schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
+                layout.pieces(shard), None if shard == r else seen[r][shard]), mask.causal, rows, mask))
+                for shard, rows, w in visits if w)
+    work.setflags(write=False)
+    launches.setflags(write=False)
+    ends = {}
+    for posted, due, sender, receiver, what, _, rows in moves:
+        far = per_node is not None and sender // per_node != receiver // per_node
+        tokens = sum(hi - lo for lo, hi in rows)
+        for end, rank in (("out", sender), ("in", receiver)):
+            ends.setdefault(posted, []).append((due, rank, far, end, what, "kv", tokens))
+    return Account(work, launches, _in_order(ends))
+
+
 def _in_order(ends):
     """``ends`` ({posted: [(due, rank, far, 'out'/'in', what, side, tokens)]}) as Account.ends."""
     rows = [(t, rank, far, end == "out", due, n, KINDS.index((what, side)), tokens)
@@ -221,12 +243,9 @@ def node_list(size, per_node):
 
 def visit_work(mask, layout, visit):
     """Visible pairs of one visit (schedule.Visit), ranks holding tokens by ``layout``."""
-    q_pieces = layout.pieces(visit.q_shard)
-    if visit.rows is not None:
-        ((start, _),) = q_pieces
-        q_pieces = [(start + visit.rows[0], visit.rows[1] - visit.rows[0])]
+    q_pieces = held_pieces(layout.pieces(visit.q_shard), None if visit.rows is None else (visit.rows,))
     return sum(mask.visible_count(qs, ql, ks, kl) for qs, ql in q_pieces
-               for ks, kl in layout.pieces(visit.kv_shard))
+               for ks, kl in held_pieces(layout.pieces(visit.kv_shard), visit.keys))
 
 
 @lru_cache(maxsize=32)
