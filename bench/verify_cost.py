@@ -21,7 +21,9 @@ import tempfile
 
 from mpi4py import MPI
 
-from burst_hpc import io, job, verify
+from burst_hpc import io
+from burst_hpc.job import verify
+from burst_hpc.job.run import RunOptions, run
 from burst_hpc.dtypes import parse_dtype
 
 
@@ -56,10 +58,10 @@ def main():
                             with_grad=True, documents=args.documents)
             comm.Barrier()
             for rep in range(args.reps):
-                options = job.RunOptions(src, os.path.join(work, f"out{seqlen}.h5"), causal=True,
-                                         window=None if args.window is None else (args.window, 0),
-                                         backward=not args.no_backward, backend=args.backend, verify=True,
-                                         verify_rows=args.verify_rows, overwrite=True, progress=False)
+                options = RunOptions(src, os.path.join(work, f"out{seqlen}.h5"), causal=True,
+                                     window=None if args.window is None else (args.window, 0),
+                                     backward=not args.no_backward, backend=args.backend, verify=True,
+                                     verify_rows=args.verify_rows, overwrite=True, progress=False)
                 profile = cProfile.Profile() if args.profile and comm.rank == 0 and rep == args.reps - 1 else None
                 if profile is not None:
                     resident = verify.verify_resident
@@ -71,7 +73,7 @@ def main():
                         finally:
                             profile.disable()
                     verify.verify_resident = profiled
-                outcome = job.run(options, comm)
+                outcome = run(options, comm)
                 if profile is not None:
                     verify.verify_resident = resident
             facts = outcome.report

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from burst_hpc import io
+from burst_hpc.plan.schemes import SCHEMES
 from test_cli import ENV, MPIEXEC, leftovers, needs_mpiexec
 
 HANG_S = 60   # these end in about two seconds; a launch still running then hangs
@@ -111,8 +112,9 @@ def test_a_rank_whose_command_line_does_not_parse_meets_the_others_in_the_agreem
     r = mpmd(run_line(files), run_line(files, "--scheme", "bogus"))
     assert r.returncode == 2, r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("burst-hpc: error:")]
-    assert errors == ["burst-hpc: error: argument --scheme: invalid choice: 'bogus' (choose from 'auto', 'ring', "
-                      "'double_ring', 'ulysses_ring') (rank 1)"], r.stderr
+    choices = ", ".join(f"'{name}'" for name in SCHEMES)
+    assert errors == [f"burst-hpc: error: argument --scheme: invalid choice: 'bogus' (choose from {choices}) (rank 1)"], \
+        r.stderr
     assert not files["dst"].exists() and not leftovers(files["dst"].parent)
 
 

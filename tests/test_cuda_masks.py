@@ -21,7 +21,7 @@ import burst_hpc  # noqa: E402
 from burst_hpc.plan import masks  # noqa: E402
 from burst_hpc.backends import cuda, get_backend  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
-from burst_hpc.job.verify import plain_attention  # noqa: E402
+from burst_hpc.tolerance import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 
