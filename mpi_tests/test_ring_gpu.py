@@ -233,8 +233,10 @@ def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, do
     ref_grads = attention_backward_reference(do, q, k, v, **kw)
     used = layout or default_kind(causal)
 
+    placed = dict(kw)   # the chunks layout places tokens by the mask
+
     def mine(x):
-        return burst_hpc.shard(x, r, P, used, **kw)   # the chunks layout places tokens by the mask
+        return burst_hpc.shard(x, r, P, used, **placed)
 
     dq_, dk_, dv_, ddo = (to_device(mine(x)) for x in (q, k, v, do))
     kw["ranks_per_node"] = per_node
