@@ -73,7 +73,7 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
     message each, and nothing else (no partial comes back). Backward: the same K/V, and dK, dV (float64
     here) of those runs go home once."""
     seed, cu, q, k, v, do = draw(comm, "capped")
-    kw = dict(causal=True, cu_seqlens=cu)
+    kw = dict(causal=True, cu_seqlens=cu, window=None)
     P, r = comm.size, comm.rank
 
     def mine(x):
@@ -106,7 +106,7 @@ def test_gather_refuses_the_q_ring_on_every_rank(comm):
     _, _, q, k, v, do = draw(comm, None)
 
     def mine(x):
-        return burst_hpc.shard(x, comm.rank, comm.size, "chunks", causal=True)
+        return burst_hpc.shard(x, comm.rank, comm.size, "chunks", causal=True, cu_seqlens=None, window=None)
 
     o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=True, layout="chunks")
     raises_everywhere(comm, BurstError, lambda: burst_hpc.burst_attention_backward(

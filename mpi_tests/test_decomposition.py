@@ -106,3 +106,33 @@ def test_arrays_of_another_kind_than_the_decomposition_is_for_fail_alike(comm):
     q = Device()
     message = raises_everywhere(comm, burst_hpc.BackendError, lambda: d.attention(q, q, q))
     assert "made for backend='numpy' arrays; got CuPy arrays (make one with backend='cuda')" in message, message
+
+
+def test_ranks_that_price_for_different_passes_fail_alike(comm):
+    """``backward`` decides what 'auto' prices (forward alone or forward+backward): before, it was left
+    out of the agreement, so ranks could place tokens differently and the pass hung."""
+    if comm.size == 1:
+        pytest.skip("needs ranks that differ")
+    seqlen = 384 * comm.size
+    cu = np.array([0, 499 * seqlen // 768, 717 * seqlen // 768, seqlen])
+    message = raises_everywhere(comm, RankMismatchError, lambda: burst_hpc.Decomposition(
+        comm, seqlen=seqlen, heads=2, head_dim=8, dtype="float64", causal=True, cu_seqlens=cu, layout="auto",
+        backward=comm.rank != 0))
+    assert "backward" in message
+
+
+def test_every_rank_prices_with_one_machines_fixed_costs(comm, tmp_path_factory, monkeypatch):
+    """The fixed costs `burst-hpc compile` keeps are per node (beside the kernel cache): a node that
+    measured other ones must not make its ranks pick another layout or scheme than the rest."""
+    from burst_hpc.plan import calibrate
+
+    cache = tmp_path_factory.mktemp(f"cache{comm.rank}")
+    monkeypatch.setenv("CUPY_CACHE_DIR", str(cache))
+    if comm.rank % 2:   # these nodes measured no fixed cost at all: priced alone they pick otherwise
+        calibrate.save("cpu", {"intra_latency_us": 0.0, "step_us": 0.0, "fwd_launch_us": 0.0, "bwd_launch_us": 0.0})
+    seqlen = 128 * comm.size
+    cu = np.array([0, 40, 100, 130, seqlen])
+    d = burst_hpc.Decomposition(comm, seqlen=seqlen, heads=2, head_dim=8, dtype="float64", causal=True, cu_seqlens=cu,
+                                layout="auto")
+    picks = comm.allgather((d.layout.key, d.scheme.name))
+    assert all(pick == picks[0] for pick in picks), picks

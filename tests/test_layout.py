@@ -36,17 +36,17 @@ def test_shard_unshard_round_trip(layout, size, axis, rng, seed):
     seqlen = chunks * int(rng.integers(1, 6))
     x = _array(rng, (2, 3, 4, 5), axis, seqlen)
     ctx = f"seed={seed} layout={layout} P={size} S={seqlen} axis={axis}"
-    shards = [shard(x, r, size, layout, axis=axis, causal=True) for r in range(size)]   # chunks: placed by it
+    shards = [shard(x, r, size, layout, axis=axis, causal=True, cu_seqlens=None, window=None) for r in range(size)]   # chunks: placed by it
     seen = []
     for r, part in enumerate(shards):
-        idx = layout_indices(seqlen, r, size, layout, causal=True)
+        idx = layout_indices(seqlen, r, size, layout, causal=True, cu_seqlens=None, window=None)
         assert part.shape[axis] == seqlen // size, ctx
         np.testing.assert_array_equal(part, np.take(x, idx, axis=axis), err_msg=f"{ctx} rank={r}")
         assert part.dtype == x.dtype, ctx
         seen.append(idx)
     # every token is owned by exactly one rank
     np.testing.assert_array_equal(np.sort(np.concatenate(seen)), np.arange(seqlen), err_msg=ctx)
-    back = unshard(shards, layout, axis=axis, causal=True)
+    back = unshard(shards, layout, axis=axis, causal=True, cu_seqlens=None, window=None)
     assert back.shape == x.shape and back.dtype == x.dtype, ctx
     np.testing.assert_array_equal(back, x, err_msg=ctx)
 
@@ -54,8 +54,8 @@ def test_shard_unshard_round_trip(layout, size, axis, rng, seed):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_round_trip_low_precision_and_public_names(layout, rng, seed):
     x = _array(rng, (1, 1, 2, 8), 1, 24, BF16)
-    shards = [burst_hpc.shard(x, r, 3, layout, causal=True) for r in range(3)]
-    back = burst_hpc.unshard(shards, layout, causal=True)
+    shards = [burst_hpc.shard(x, r, 3, layout, causal=True, cu_seqlens=None, window=None) for r in range(3)]
+    back = burst_hpc.unshard(shards, layout, causal=True, cu_seqlens=None, window=None)
     assert back.dtype == BF16
     np.testing.assert_array_equal(back.view(np.uint16), x.view(np.uint16), err_msg=f"seed={seed}")
 
@@ -161,7 +161,7 @@ def test_bad_arguments_raise_layout_error():
 def test_shard_is_a_copy(rng):
     x = rng.standard_normal((1, 8, 2))
     for layout in LAYOUTS:
-        part = shard(x, 0, 2, layout, causal=False)
+        part = shard(x, 0, 2, layout, causal=False, cu_seqlens=None, window=None)
         part[...] = 0
         assert np.all(x != 0), layout
 
@@ -228,3 +228,25 @@ def test_public_functions_take_a_layout_or_a_name(rng):
         layout.unshard(shards[:2])
     with pytest.raises(LayoutError, match=r"layout must be a Layout or one of contiguous, zigzag, balanced, chunks; got 3"):
         as_layout(3, 12, 3)
+
+
+def test_chunks_layouts_with_the_same_runs_but_other_chunks_differ():
+    """The gather schedule sends a chunks layout's runs whole in chunks (grain): two placements with the
+    same runs but other chunks move different messages, so they must not agree or share a cached plan."""
+    runs = (((48, 64),), ((0, 48), (112, 16)))
+    a, b = (Layout("chunks", 128, 2, runs, chunk=chunk) for chunk in (16, 8))
+    assert a != b and a.key != b.key and a.grain == 16 and b.grain == 8
+
+
+@pytest.mark.parametrize("unsaid", ["cu_seqlens", "window"])
+def test_sharding_by_the_chunks_name_needs_the_whole_mask_said(unsaid):
+    """A caller who shards by the name and leaves the documents (or the window) out would get shards
+    placed by another mask than the call's: refused, not silently wrong. None says 'the call has none'."""
+    x = np.arange(2 * 128 * 3, dtype=np.float32).reshape(2, 128, 3)
+    said = dict(causal=True, cu_seqlens=np.array([0, 40, 128]), window=None)
+    said.pop(unsaid)
+    with pytest.raises(LayoutError, match="pass the call's causal, cu_seqlens and window"):
+        shard(x, 0, 2, "chunks", **said)
+    with pytest.raises(LayoutError, match="pass the call's causal, cu_seqlens and window"):
+        layout_indices(128, 0, 2, "chunks", **said)
+    assert shard(x, 0, 2, "chunks", causal=True, cu_seqlens=None, window=None).shape == (2, 64, 3)

@@ -65,7 +65,7 @@ def test_layout_functions_follow_the_placement():
     seqlen = size * local
     cu = documents(np.random.default_rng(3), seqlen, "capped", longest=seqlen // 4)
     mask = masks.make(seqlen, True, None, cu)
-    kw = dict(causal=True, cu_seqlens=cu)
+    kw = dict(causal=True, cu_seqlens=cu, window=None)
     x = np.random.default_rng(0).standard_normal((2, seqlen, 3))
     parts = [shard(x, r, size, "chunks", **kw) for r in range(size)]
     np.testing.assert_array_equal(unshard(parts, "chunks", **kw), x)

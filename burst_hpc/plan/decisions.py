@@ -29,7 +29,12 @@ def machine_facts(request):
             picks.append(("ok", choose_transport(request.transport, request.backend == "cuda", shared)))
         except TransportError as e:
             picks.append(("error", str(e)))
-    return {"gpu": location, "device": device, "transport": tuple(picks)}   # [shared]: the pick then
+    from . import calibrate
+
+    # the fixed costs measured on this machine: every decision prices with one rank's, never each its own
+    fixed = calibrate.load(calibrate.device_model(request.backend, device)) or {}
+    return {"gpu": location, "device": device, "transport": tuple(picks),   # [shared]: the pick then
+            "fixed": fixed}
 
 
 def settled_transport(request, everyone):
@@ -67,10 +72,10 @@ def settled_scheme(request, topo, layout, everyone):
                                 request.dtype.itemsize, request.causal)
     cluster = costmodel.Cluster(topo.nodes, topo.per_node)
     picks = {}
-    for facts in everyone:
+    for facts in everyone:   # each GPU model priced with the fixed costs of the first rank that has it
         if facts["device"] not in picks:
-            picks[facts["device"]] = costmodel.pick(problem, cluster, rates_for(request.backend, facts["device"]),
-                                                    layout, request.mask, request.backward)
+            rates = rates_for(request.backend, facts["device"], facts["fixed"])
+            picks[facts["device"]] = costmodel.pick(problem, cluster, rates, layout, request.mask, request.backward)
     chosen = [picks[facts["device"]] for facts in everyone]
     for rank, name in enumerate(chosen):
         if name != chosen[0]:

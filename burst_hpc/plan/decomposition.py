@@ -96,7 +96,8 @@ class Request:
                 "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), "causal": self.causal,
                 "window": None if self.mask is None else self.mask.window, "scale": self.scale, "layout": layout,
                 "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
-                "ranks_per_node": self.ranks_per_node, "emulated network": self.network}
+                "ranks_per_node": self.ranks_per_node, "emulated network": self.network, "backend": self.backend,
+                "backward": self.backward}
 
 
 class Decomposition:
@@ -215,7 +216,7 @@ class Decomposition:
             self.topo = topology(self.comm, r.ranks_per_node)   # collective: one allgather
         self.transport_name = settled_transport(r, everyone)
         if auto and self.size > 1:
-            self.layout = self.fastest_layout(everyone[0]["device"])
+            self.layout = self.fastest_layout(everyone[0])
         else:
             self.layout = as_layout(default_kind(r.causal) if r.layout is None or auto else r.layout, r.seqlen,
                                     self.size, masks.counting(r.seqlen, r.causal, r.mask))   # chunks: placed by it
@@ -228,8 +229,9 @@ class Decomposition:
                                                for queries_travel in (True, False)), self.size)
         self.scheme = make_scheme(name, self.comm, self.topo, self.layout, r.causal, r.mask)
 
-    def fastest_layout(self, device_name):
-        """The Layout the cost model predicts fastest (costmodel.choose_layout), priced with rank 0's rates."""
+    def fastest_layout(self, facts):
+        """The Layout the cost model predicts fastest (costmodel.choose_layout), priced with the rates of
+        the machine whose ``facts`` are given (rank 0's: its GPU model and the fixed costs measured there)."""
         from .costmodel import choose_layout
         from .rates import rates_for
 
@@ -239,7 +241,7 @@ class Decomposition:
                              r.mask.cu_seqlens, window=None if r.mask is None else r.mask.window, heads=r.heads,
                              kv_heads=r.kv_heads, head_dim=r.head_dim, dtype=r.dtype, batch=r.batch,
                              ranks_per_node=per_node, scheme=r.scheme, backward=r.backward,
-                             rates=rates_for(r.backend, device_name))
+                             rates=rates_for(r.backend, facts["device"], facts["fixed"]))
 
     def shard(self, x, axis=1):
         """This rank's shard of the global array ``x`` (NumPy or CuPy, the tokens along ``axis``)."""

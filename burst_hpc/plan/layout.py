@@ -28,7 +28,8 @@ LAYOUTS = ("contiguous", "zigzag", "balanced", "chunks")
 class Layout:
     """Which global tokens each of ``size`` ranks holds of a sequence of ``seqlen`` tokens.
 
-    Immutable and hashable; equal when ``kind``, ``seqlen``, ``size`` and every rank's pieces are.
+    Immutable and hashable; equal when ``kind``, ``seqlen``, ``size``, every rank's pieces and the
+    chunk (the chunks layout's) are.
     Made by :func:`make_layout`. Every rank holds ``local`` tokens.
 
     Attributes
@@ -52,7 +53,9 @@ class Layout:
     chunk: int = None                 # the chunks layout's chunk (None: grain is the runs' gcd)
 
     def __post_init__(self):
-        object.__setattr__(self, "key", (self.kind, self.seqlen, self.size, self.runs))
+        # the chunk too: the gather schedule sends runs whole in chunks (grain), so two placements with the same
+        # runs but other chunks move different messages
+        object.__setattr__(self, "key", (self.kind, self.seqlen, self.size, self.runs, self.chunk))
         object.__setattr__(self, "hashed", hash(self.key))
 
     def __eq__(self, other):
@@ -237,14 +240,24 @@ def placement_mask(seqlen, causal=False, cu_seqlens=None, window=None):
     return masks.counting(seqlen, causal, masks.make(seqlen, causal, window, cu_seqlens))
 
 
+class _Unsaid:
+    def __repr__(self):
+        return "unsaid"
+
+
+UNSAID = _Unsaid()   # a mask argument the caller did not pass (None is a value: no documents, no window)
+
+
 def _named(layout, seqlen, size, causal, cu_seqlens, window):
     """``layout`` as a Layout, a name placed by the mask given (only the chunks layout reads it, and
-    needs ``causal`` said: shards placed by another mask than the call's would be wrong, silently)."""
+    needs the call's whole mask said - causal, cu_seqlens and window, None where the call has none:
+    shards placed by another mask than the call's would be wrong, silently)."""
     if layout != "chunks":
         return as_layout(layout, seqlen, size)
-    if causal is None:
-        raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal (and cu_seqlens, "
-                          "window) with it, or shard by the Layout burst_hpc.choose_layout or make_layout returns")
+    if causal is None or cu_seqlens is UNSAID or window is UNSAID:
+        raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal, cu_seqlens and "
+                          "window with it (None where the call has none), or shard by the Layout "
+                          "burst_hpc.choose_layout or make_layout returns")
     return as_layout(layout, seqlen, size, placement_mask(seqlen, causal, cu_seqlens, window))
 
 
@@ -273,7 +286,7 @@ def as_layout(layout, seqlen, size, mask=None):
     return layout
 
 
-def layout_indices(seqlen, rank, size, layout, *, causal=None, cu_seqlens=None, window=None):
+def layout_indices(seqlen, rank, size, layout, *, causal=None, cu_seqlens=UNSAID, window=UNSAID):
     """Global token indices of rank ``rank``'s shard, in local order.
 
     Parameters
@@ -285,7 +298,7 @@ def layout_indices(seqlen, rank, size, layout, *, causal=None, cu_seqlens=None, 
     layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     causal, cu_seqlens, window
         The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
-        ``causal``); the other layouts do not read it.
+        all three said, None where the call has none); the other layouts do not read it.
 
     Returns
     -------
@@ -299,7 +312,7 @@ def layout_indices(seqlen, rank, size, layout, *, causal=None, cu_seqlens=None, 
     return _named(layout, seqlen, size, causal, cu_seqlens, window).indices(rank)
 
 
-def shard(x, rank, size, layout, axis=1, *, causal=None, cu_seqlens=None, window=None):
+def shard(x, rank, size, layout, axis=1, *, causal=None, cu_seqlens=UNSAID, window=UNSAID):
     """Rank ``rank``'s shard of the global array ``x``.
 
     Parameters
@@ -311,7 +324,7 @@ def shard(x, rank, size, layout, axis=1, *, causal=None, cu_seqlens=None, window
     axis : int
     causal, cu_seqlens, window
         The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
-        ``causal``); the other layouts do not read it.
+        all three said, None where the call has none); the other layouts do not read it.
 
     Returns
     -------
@@ -330,7 +343,7 @@ def shard(x, rank, size, layout, axis=1, *, causal=None, cu_seqlens=None, window
     return _named(layout, x.shape[axis], size, causal, cu_seqlens, window).shard(x, rank, axis)
 
 
-def unshard(shards, layout, axis=1, *, causal=None, cu_seqlens=None, window=None):
+def unshard(shards, layout, axis=1, *, causal=None, cu_seqlens=UNSAID, window=UNSAID):
     """The global array from every rank's shard: the inverse of ``shard``.
 
     Parameters
@@ -341,7 +354,7 @@ def unshard(shards, layout, axis=1, *, causal=None, cu_seqlens=None, window=None
     axis : int
     causal, cu_seqlens, window
         The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
-        ``causal``); the other layouts do not read it.
+        all three said, None where the call has none); the other layouts do not read it.
 
     Returns
     -------

@@ -42,17 +42,18 @@ GPU_RATES = {
 }
 
 
-def rates_for(backend_name, device_name=None):
+def rates_for(backend_name, device_name=None, measured=None):
     """The rates for this call's device: the built-in rates of the GPU model named in ``device_name``
-    (else H100's; the NumPy backend: 'cpu'), with the fixed costs measured on this machine where
-    `burst-hpc compile` kept them (calibrate.load), and the network's rate and latency of
+    (else H100's; the NumPy backend: 'cpu'), with the fixed costs ``measured`` ({field: us}; None: those
+    measured on this machine where `burst-hpc compile` kept them, calibrate.load - a decision every rank
+    makes alike passes one machine's instead), and the network's rate and latency of
     BURST_HPC_EMULATE_NETWORK when it is set."""
     from . import calibrate
     from ..config import emulated_network as setting
 
     model = calibrate.device_model(backend_name, device_name)
     rates = GPU_RATES.get(model, GPU_RATES["cpu" if backend_name != "cuda" else "H100"])
-    measured = calibrate.load(model)
+    measured = calibrate.load(model) if measured is None else measured
     if measured:
         rates = replace(rates, **measured)
     network = setting()
