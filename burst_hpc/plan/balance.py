@@ -106,7 +106,8 @@ class _Deal:
     rank (node) holds or will receive, the query rows going to each rank, the bytes on each NIC."""
 
     def __init__(self, mask, size, near, returns, nodes):
-        self.prefix, self.unit = prefix, _ = block_work(mask, size)
+        prefix, self.unit = block_work(mask, size)
+        self.prefix = prefix
         self.size = size
         chunk = mask.seqlen // size
         blocks = prefix.shape[1] - 1
