@@ -124,7 +124,7 @@ def library_call(args):
         times["plan"].append(t1 - t0)
         times["forward"].append(t2 - t1)
         if args.backward:
-            back = plan_of(comm, q, k, v, True, None, layout, "auto", backward=(do, o, lse, "auto"), **options)
+            back = plan_of(comm, q, k, v, True, None, layout, "auto", backward=callplan.Backward(do, o, lse), **options)
             t3 = time.perf_counter()
             with array_device(q), one_fails_all(comm, "call_overhead"):
                 back.passes.backward(back.ring, do, q, k, v, o, lse)

@@ -154,6 +154,8 @@ def cmd_plan(args):
 
     from .plan import calibrate, tables
     from .plan.costmodel import Cluster
+    from .plan.layout import LAYOUTS, layouts_for
+    from .plan.masks import counting
     from .plan.rates import GPU_RATES
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
@@ -175,7 +177,9 @@ def cmd_plan(args):
                                                "bwd_launch_us", "step_us") if getattr(args, f) is not None}
     rates = replace(rates, **overrides)
     cluster = Cluster(nodes, per_node)
-    text, pick = _collective(tables.table, problem, cluster, rates, mask, args.layout)
+    layouts = _collective(layouts_for, problem.seqlen, cluster.ranks, counting(problem.seqlen, problem.causal, mask),
+                          LAYOUTS if args.layout is None else (args.layout,))   # chunks: placed by the mask
+    text, pick = _collective(tables.table, problem, cluster, rates, mask, layouts)
     if rank == 0:
         print(tables.describe(problem, cluster, rates, mask))
         print(text)

@@ -12,7 +12,7 @@ every rank in one collective, bound to their backend; callplan.plan_call reuses
 a repeated call's) and its passes (passes.py), run so that an error on some ranks ends every rank
 (collective.one_fails_all).
 """
-from .plan.callplan import plan_call
+from .plan.callplan import Backward, plan_call
 from .collective import check_comm, one_fails_all, world
 from .device import array_device
 
@@ -133,7 +133,7 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
         dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
     """
     comm = world() if comm is None else check_comm(comm)
-    plan = plan_call(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
+    plan = plan_call(comm, q, k, v, causal, scale, layout, transport, backward=Backward(do, o, lse, backward_ring),
                      cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node)
     with array_device(q), one_fails_all(comm, "burst_attention_backward"):
         return plan.passes.backward(plan.ring, do, q, k, v, o, lse, on_step=on_step)

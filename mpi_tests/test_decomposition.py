@@ -136,3 +136,24 @@ def test_every_rank_prices_with_one_machines_fixed_costs(comm, tmp_path_factory,
                                 layout="auto")
     picks = comm.allgather((d.layout.key, d.scheme.name))
     assert all(pick == picks[0] for pick in picks), picks
+
+
+def test_topology_state_goes_with_the_communicator(comm):
+    """What the topology finds of a communicator is kept on it (an MPI attribute), not by the address of
+    one Python handle: another handle of the same communicator finds the same Topology and inner lane
+    (no second collective split), a duplicate its own."""
+    from mpi4py import MPI
+
+    from burst_hpc.plan.topology import inner_lane, topology
+
+    mine = comm.Dup()
+    other = mine.Dup()
+    try:
+        same = MPI.Comm.f2py(mine.py2f())
+        assert same is not mine
+        assert topology(same) is topology(mine)
+        assert inner_lane(same) is inner_lane(mine)
+        assert topology(other) is not topology(mine) and inner_lane(other) is not inner_lane(mine)
+    finally:
+        other.Free()
+        mine.Free()

@@ -5,7 +5,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.plan import masks
-from burst_hpc.plan.callplan import plan_arrays
+from burst_hpc.plan.callplan import Backward, plan_arrays
 from burst_hpc.plan.layout import default_kind
 from burst_hpc.errors import MaskError, RankMismatchError
 from burst_hpc.reference import attention_backward_reference, attention_reference
@@ -142,7 +142,7 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
     for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **kw)):
         np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")
     auto = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto",
-                       backward=(mine(do), o, lse, "auto"), window=(3, 0))
+                       backward=Backward(mine(do), o, lse), window=(3, 0))
     assert auto.ring == ("kv" if P > 2 else "q")  # MHA takes the q-ring, unless its P steps lose
 
 

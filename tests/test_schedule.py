@@ -7,7 +7,7 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from burst_hpc.plan import balance, masks, schedule
+from burst_hpc.plan import balance, masks, schedule, workplan
 from burst_hpc.engine import ring
 from burst_hpc.plan.layout import layout_indices, make_layout
 from burst_hpc.engine.ring import lifetimes
@@ -235,7 +235,7 @@ def network(request, monkeypatch):
     if request.param == "free":
         monkeypatch.setattr(balance, "WORTH", float("inf"))
         monkeypatch.setattr(balance, "NIC_SHARE", float("inf"))
-    caches = (balance.assign, balance.work_plan, schedule.work_transfers, schedule.transfers_of, schedule.work_steps,
+    caches = (balance.assign, workplan.work_plan, schedule.work_transfers, schedule.transfers_of, schedule.work_steps,
               schedule.steps)
     for f in caches:
         f.cache_clear()
@@ -279,7 +279,7 @@ def check_random_mask(size, per_node, near, returns, seed):
 
 def test_balanced_plain_causal_is_even_at_every_step():
     """The plain causal mask on contiguous shards: every rank and step within a few % of the mean."""
-    from burst_hpc.plan.balance import work_plan
+    from burst_hpc.plan.workplan import work_plan
 
     for size in (4, 8, 16):
         mask = masks.Mask(1024 * size, True, None, None)

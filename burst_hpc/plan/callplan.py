@@ -25,11 +25,32 @@ from .layout import Layout, check_kind
 from ..validate import check_like, check_qkv, check_same_kind
 
 
+@dataclass(frozen=True, eq=False)
+class Backward:
+    """The backward pass's own arguments to a call's plan: dO, the forward pass's (o, lse) (None:
+    the caller makes them with this plan's forward pass, as the run job does) and the backward ring
+    setting (burst_attention_backward's ``backward_ring``)."""
+    do: object
+    o: object = None
+    lse: object = None
+    ring: str = "auto"
+
+    @property
+    def arrays(self):
+        """{name: array} of the arrays given (do, and o, lse unless the plan's forward makes them)."""
+        return {name: x for name, x in (("do", self.do), ("o", self.o), ("lse", self.lse)) if x is not None}
+
+    @property
+    def passes(self):
+        """The passes the plan prepares: the backward alone, or the forward too when it makes (o, lse)."""
+        return ("bwd",) if self.o is not None else ("fwd", "bwd")
+
+
 def plan_arrays(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
                 scheme="auto", ranks_per_node=None):
     """Collective: the CallPlan of a call on this rank's shards q, k, v (the Decomposition of their
-    shapes, bound to their backend). ``backward``: (do, o, lse, backward_ring) for the backward pass,
-    checked too (o and lse may be None when the caller makes them with this plan's forward pass)."""
+    shapes, bound to their backend). ``backward``: a Backward for the backward pass, its arrays
+    checked too; None: the forward pass alone."""
     error, request, call = None, None, None
     try:
         request, call = arrays_request(comm.size, q, k, v, causal, scale, layout, transport, backward, cu_seqlens,
@@ -38,8 +59,7 @@ def plan_arrays(comm, q, k, v, causal, scale, layout, transport, backward=None, 
         error = as_burst_error(e)
     with array_device(q):   # the GPU whose facts the agreement gathers, and whose kernels are prepared
         decomposition = Decomposition.agreed(comm, request, error, call)
-        return decomposition.bind(q, ("fwd",) if backward is None else ("bwd",) if backward[1] is not None
-                                  else ("fwd", "bwd"))
+        return decomposition.bind(q, ("fwd",) if backward is None else backward.passes)
 
 
 def arrays_request(size, q, k, v, causal, scale, layout, transport, backward, cu_seqlens, window, scheme,
@@ -48,7 +68,7 @@ def arrays_request(size, q, k, v, causal, scale, layout, transport, backward, cu
     for bad arrays."""
     arrays = {"q": q, "k": k, "v": v}
     if backward is not None:
-        arrays.update((name, x) for name, x in zip(("do", "o", "lse"), backward[:3]) if x is not None)
+        arrays.update(backward.arrays)
     check_same_kind(**arrays)
     b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
     if sq != sk:
@@ -56,19 +76,18 @@ def arrays_request(size, q, k, v, causal, scale, layout, transport, backward, cu
     if layout is not None and not isinstance(layout, Layout):
         check_kind(layout)   # a call's shards are cut already: no 'auto'
     if backward is not None:
-        do, o, lse, _ = backward
-        check_like("do", do, q.shape, q.dtype)
-        if o is not None:  # None: the caller's own forward pass makes them (the run job)
-            check_like("o", o, q.shape, q.dtype)
-            check_like("lse", lse, (b, hq, sq), np.float32)
+        check_like("do", backward.do, q.shape, q.dtype)
+        if backward.o is not None:
+            check_like("o", backward.o, q.shape, q.dtype)
+            check_like("lse", backward.lse, (b, hq, sq), np.float32)
     on_device = type(q).__module__.startswith("cupy")
     request = Request.checked(size, seqlen=sq * size, heads=hq, kv_heads=hkv, head_dim=d, dtype=q.dtype, batch=b,
                               causal=causal, scale=scale, cu_seqlens=cu_seqlens, window=window, layout=layout,
                               scheme=scheme, transport=transport,
-                              backward_ring="auto" if backward is None else backward[3],
+                              backward_ring="auto" if backward is None else backward.ring,
                               ranks_per_node=ranks_per_node, backend="cuda" if on_device else "numpy",
                               backward=backward is not None)
-    call = {"pass": "forward" if backward is None else "backward" if backward[1] is not None
+    call = {"pass": "forward" if backward is None else "backward" if backward.o is not None
             else "forward and backward", "arrays": "cupy" if on_device else "numpy", "q shape": q.shape,
             "k shape": k.shape}
     return request, call
@@ -139,9 +158,9 @@ def call_key(comm, q, k, v, causal, scale, layout, transport, backward=None, cu_
     one that fails to read): such a call is planned anew. Never raises, so no rank leaves the
     collective that follows."""
     try:
-        arrays = (q, k, v) if backward is None else (q, k, v, *backward[:3])
+        arrays = (q, k, v) if backward is None else (q, k, v, backward.do, backward.o, backward.lse)
         options = plain((causal, scale, layout, transport, window, scheme, ranks_per_node,
-                         None if backward is None else backward[3]))
+                         None if backward is None else backward.ring))
         shared = (comm.size, tuple(array_facts(x) for x in arrays), offsets_facts(cu_seqlens), options)
         device = q.device.id if type(q).__module__.startswith("cupy") else None
         local = (id(comm), device, config.plan_settings())

@@ -350,11 +350,8 @@ def unshard(shards, layout, axis=1, *, causal=None, cu_seqlens=UNSAID, window=UN
     ----------
     shards : sequence of arrays
         ``shards[r]`` from rank r (e.g. ``comm.gather(o)`` on rank 0).
-    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
-    axis : int
-    causal, cu_seqlens, window
-        The call's mask, as burst_attention takes it: a name 'chunks' is placed by it (and needs
-        all three said, None where the call has none); the other layouts do not read it.
+    layout, axis, causal, cu_seqlens, window
+        As :func:`shard` takes them.
 
     Returns
     -------

@@ -33,7 +33,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import balance, masks
+from . import masks, workplan
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ def work_transfers(mask, size, near, returns, nodes=None):
     posted (one bound for its node's summer completes when posted: the sum leaves sooner), on the
     inner lane (Transfer.inner): a rank that many others send to (a busy owner) then takes them in
     under two steps of compute, and never behind the network's transfers."""
-    plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
+    plan, _ = workplan.work_plan(mask, size, near, returns, None, nodes)
     chunk = mask.seqlen // size
     first, last = {}, {}   # (computing rank, side, shard) -> first use; the same -> last contribution
     rows = {}              # (computing rank, "q", shard) -> the query rows it needs of that shard
@@ -346,10 +346,10 @@ def transfers_of(mask, size, near, returns, nodes=None):
 
 @lru_cache(maxsize=256)
 def work_steps(rank, size, near, returns, mask, nodes=None):
-    """The balanced schedule seen by ``rank`` (balance.work_plan: any mask, contiguous shards):
+    """The balanced schedule seen by ``rank`` (workplan.work_plan: any mask, contiguous shards):
     each step's visits of chunk pieces, the data they need arriving the step before from its
     owner, each partial sent home after the last visit adding to it (work_transfers)."""
-    plan, _ = balance.work_plan(mask, size, near, returns, None, nodes)
+    plan, _ = workplan.work_plan(mask, size, near, returns, None, nodes)
     count, _ = work_transfers(mask, size, near, returns, nodes)
     chunk = mask.seqlen // size
     sends, recvs = [[] for _ in range(count)], [[] for _ in range(count)]

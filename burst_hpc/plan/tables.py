@@ -18,8 +18,6 @@ from .memory import peak_memory
 from .rates import rates_for
 from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
 from ..errors import BurstError, MaskError, ShapeError
-from .layout import LAYOUTS, layouts_for
-from .masks import counting
 
 
 def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, cu_seqlens=None):
@@ -47,12 +45,11 @@ def _tokens(n):
     return f"{n / 1024:.0f}k" if n >= 1024 else str(n)
 
 
-def table(pr, cl, rates, mask=None, layout=None):
-    """The Markdown table of every (layout, scheme) (``layout``'s alone when one is given) and the
-    pick: (text, costmodel.Prediction), the fastest predicted forward+backward (costmodel.best: what
-    a call with scheme='auto' in the layout costmodel.choose_layout names runs)."""
-    placed = counting(pr.seqlen, pr.causal, mask)   # the chunks layout places tokens by it
-    layouts = layouts_for(pr.seqlen, cl.ranks, placed, LAYOUTS if layout is None else (layout,))
+def table(pr, cl, rates, mask, layouts):
+    """The Markdown table of every (layout, scheme) of ``layouts`` ({kind: Layout or why the length does
+    not split in it}, layout.layouts_for) and the pick: (text, costmodel.Prediction), the fastest
+    predicted forward+backward (costmodel.best: what a call with scheme='auto' in the layout
+    costmodel.choose_layout names runs)."""
     pick, found = costmodel.best(pr, cl, rates, mask, layouts)
     head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | fixed costs (ms) fwd / bwd | "
             "steps fwd / bwd | critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | "

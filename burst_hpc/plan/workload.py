@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import balance, masks, schedule
+from . import masks, schedule, workplan
 from ..errors import BurstError, MaskError
 from .layout import as_layout
 from .schedule import balanced_by_schedule, double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
@@ -144,7 +144,7 @@ def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
 
 
 def _balanced_account(mask, size, near, returns, nodes, per_node):
-    plan, work = balance.work_plan(mask, size, near, returns, None, nodes)
+    plan, work = workplan.work_plan(mask, size, near, returns, None, nodes)
     count, moves = schedule.work_transfers(mask, size, near, returns, nodes)
     full, calls = np.zeros((count, size), np.int64), np.zeros((count, size), np.int64)
     full[:len(work)] = work
