@@ -130,7 +130,7 @@ def test_every_rank_prices_with_one_machines_fixed_costs(comm, tmp_path_factory,
     monkeypatch.setenv("CUPY_CACHE_DIR", str(cache))
     if comm.rank % 2:   # these nodes measured no fixed cost at all: priced alone they pick otherwise
         calibrate.save("cpu", {"intra_latency_us": 0.0, "step_us": 0.0, "fwd_launch_us": 0.0, "bwd_launch_us": 0.0})
-    seqlen = 128 * comm.size
+    seqlen = 128 * max(2, comm.size)
     cu = np.array([0, 40, 100, 130, seqlen])
     d = burst_hpc.Decomposition(comm, seqlen=seqlen, heads=2, head_dim=8, dtype="float64", causal=True, cu_seqlens=cu,
                                 layout="auto")
