@@ -73,6 +73,20 @@ def test_open_transports_are_kept(comm):
     assert all(a is b for a, b in zip(first, d.transports(np)))   # not new transports each pass
 
 
+def test_decompositions_over_one_communicator_share_its_transports(comm):
+    """A training loop with new documents every step plans anew each time, and the plan cache keeps the
+    plans: their transports (streams, pinned buffers on the GPU) are one set per communicator, not one
+    set per plan."""
+    made = set()
+    for seed in range(5):
+        cu = np.unique(np.concatenate([[0, S_PER_RANK * comm.size],
+                                       np.random.default_rng(seed).integers(1, S_PER_RANK * comm.size, 3)]))
+        d = burst_hpc.Decomposition(comm, seqlen=S_PER_RANK * comm.size, heads=H, kv_heads=HKV, head_dim=D,
+                                    dtype="float32", causal=True, cu_seqlens=cu, layout="chunks")
+        made.update(id(t) for t in d.transports(np) if t is not None)
+    assert len(made) == 1, made
+
+
 def test_ranks_that_build_different_decompositions_fail_alike(comm):
     if comm.size == 1:
         pytest.skip("needs two ranks to disagree")

@@ -29,7 +29,7 @@ from ..engine import passes
 from ..errors import BackendError, BurstError, ShapeError, TransportError
 from .layout import Layout, as_layout, check_kind, default_kind
 from .schemes import check_scheme, make as make_scheme
-from .topology import ranks_per_node_setting, topology
+from .topology import held, ranks_per_node_setting, topology
 from ..transport import TRANSPORTS, make_transport
 from ..transport.emulated import EmulatedNetwork, Nic
 from ..validate import check_like, check_same_kind, resolve_scale
@@ -98,6 +98,17 @@ class Request:
                 "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
                 "ranks_per_node": self.ranks_per_node, "emulated network": self.network, "backend": self.backend,
                 "backward": self.backward}
+
+
+def open_transport(name, comm, xp):
+    """The open transport of kind ``name`` over ``comm`` for arrays of module ``xp``: one for each
+    (communicator, kind, array module), kept on the communicator (topology.held) and shared by every
+    decomposition over it, so the plans a cache keeps do not each hold streams and pinned buffers."""
+    state = held(comm)
+    key = ("transport", name, xp.__name__)
+    if key not in state:
+        state[key] = make_transport(name, comm, xp)
+    return state[key]
 
 
 class Decomposition:
@@ -200,7 +211,6 @@ class Decomposition:
         except BurstError as e:   # decided from agreed values and every rank's facts: the same on every rank
             e.agreed = True
             raise
-        self.open = {}    # array module -> the transports (near, far, inner), made on first use
         self.plans = {}   # (array kind, device, backward) -> its CallPlan (callplan.bound_call)
 
     def decide(self, request, everyone):
@@ -269,14 +279,13 @@ class Decomposition:
         transfers between nodes that complete steps after they are posted (the double ring's network
         lane, the balanced schedule's far transfers); the one for the balanced schedule's transfers
         inside a node due steps later (None: none). Each over its own communicator, so none queues
-        behind another's (NCCL); made once and kept open. With BURST_HPC_EMULATE_NETWORK all are held
+        behind another's (NCCL); made once and kept open (open_transport). With BURST_HPC_EMULATE_NETWORK all are held
         to one emulated NIC between nodes (a new one each pass)."""
-        if xp not in self.open:
-            near = make_transport(self.transport_name, self.scheme.comm, xp)
-            far, inner = (None if comm is None else make_transport(self.transport_name, comm, xp)
-                          for comm in (self.scheme.far_comm, self.scheme.inner_comm))
-            self.open[xp] = (near, near if far is None else far, inner)
-        near, far, inner = self.open[xp]
+        name = self.transport_name
+        near = open_transport(name, self.scheme.comm, xp)
+        far, inner = (None if comm is None else open_transport(name, comm, xp)
+                      for comm in (self.scheme.far_comm, self.scheme.inner_comm))
+        far = near if far is None else far
         if self.network is None:
             return near, far, inner
         nic = Nic(*self.network)
@@ -285,10 +294,9 @@ class Decomposition:
                 None if inner is None else EmulatedNetwork(inner, self.scheme.remote, nic))
 
     def node_transport(self, xp):
-        """The transport over this rank's node (ulysses_ring's all-to-alls), made once and kept open."""
-        if ("node", xp) not in self.open:
-            self.open[("node", xp)] = make_transport(self.transport_name, self.topo.node_comm, xp)
-        return self.open[("node", xp)]
+        """The transport over this rank's node (ulysses_ring's all-to-alls), made once and kept open
+        (open_transport)."""
+        return open_transport(self.transport_name, self.topo.node_comm, xp)
 
     def bind(self, q, directions=("fwd", "bwd")):
         """The CallPlan of this decomposition for arrays like ``q`` (collective on the GPU: the kernels
