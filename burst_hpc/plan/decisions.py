@@ -59,14 +59,15 @@ def settled_scheme(request, topo, layout, everyone):
     """The concrete scheme: the one named, or for 'auto' 'gather' for the chunks layout, 'ring' on one
     node and otherwise the cost model's fastest of those that fit (costmodel.pick), priced with each
     GPU model's rates: RankMismatchError where ranks on different GPU models would pick differently."""
-    if request.scheme != "auto":
-        return request.scheme
-    if layout.kind == "chunks":
-        return "gather"
-    if topo is None or topo.nodes == 1:
-        return "ring"
     from . import costmodel
     from .rates import rates_for
+
+    if request.scheme != "auto":
+        return request.scheme
+    nodes, per_node = (1, layout.size) if topo is None else (topo.nodes, topo.per_node)
+    candidates = costmodel.auto_schemes(layout, costmodel.Cluster(nodes, per_node))
+    if len(candidates) == 1:   # nothing to price: the chunks layout's gather, the flat ring on one node
+        return candidates[0]
 
     problem = costmodel.Problem(request.batch, request.seqlen, request.heads, request.kv_heads, request.head_dim,
                                 request.dtype.itemsize, request.causal)
