@@ -385,7 +385,10 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
                   backward=True, rates=None):
     """The layout the cost model predicts fastest for a call: the one to shard by and to pass as
     ``layout=`` (a call that names none uses zigzag when causal, contiguous otherwise, whatever the
-    mask).
+    mask). A local computation, priced with the fixed costs measured on this node unless ``rates``
+    are given: nodes that measured differently can pick differently (a call with the layouts mixed
+    fails on every rank), so compute it on one rank and broadcast it, or let
+    ``Decomposition(layout='auto')`` decide it for every rank alike.
 
     Parameters
     ----------
