@@ -1,15 +1,19 @@
 """Where a call spends its host time.
 
-The library call (default), under mpiexec: a masked ``burst_attention`` call (causal, packed documents
-up to S/4, the balanced layout unless --layout says otherwise) made many times with the same shapes and
-mask, as a training loop makes it, timed phase by phase on the host: the plan (callplan: checks, the
-layout decision, the schedule, the agreement across ranks), the forward pass and, with --backward, the
-backward call's plan and pass. Two ways: ``uncached`` plans every call anew (callplan.plan_arrays, what
-every call did before the plan cache), ``cached`` as the library does (callplan.plan_call: the first
-call plans, the others reuse its plan). Medians over --calls calls, each started between barriers, of
-the slowest rank; then cProfile's costliest host functions of each way (rank 0).
+The library call (default), under mpiexec: a ``burst_attention`` call (causal; --mask documents, the
+default: packed documents up to S/4; the balanced layout unless --layout says otherwise) made many times
+with the same shapes and mask, as a training loop makes it, timed phase by phase on the host: the plan
+(callplan: checks, the layout decision, the schedule, the agreement across ranks), the forward pass and,
+with --backward, the backward call's plan and pass. Three ways: ``uncached`` plans every call anew
+(callplan.plan_arrays, what every call did before the plan cache), ``cached`` as the library does
+(callplan.plan_call: the first call plans, the others reuse its plan), ``api`` the public calls
+themselves (burst_hpc.burst_attention and burst_attention_backward, whole: their plan is in "forward"
+and "backward"). Medians over --calls calls, each started between barriers, of the slowest rank; then
+cProfile's costliest host functions of each way (rank 0).
 
     mpiexec -n 2 python3 bench/call_overhead.py --backend numpy --host-only
+    mpiexec -n 2 python3 bench/call_overhead.py --backend numpy --tokens-per-rank 256 --head-dim 8 \
+        --backward --layout chunks --ways api   # tiny arrays: a cached call's host time
     mpiexec -n 2 python3 bench/call_overhead.py --backend cuda [--heads 1] [--head-dim 128] [--backward]
 
 --host-only replaces the backend's block calls (forward_block, backward_block) by no-ops: the host
@@ -47,7 +51,7 @@ from burst_hpc.collective import one_fails_all  # noqa: E402
 from burst_hpc.device import array_device  # noqa: E402
 from burst_hpc.plan.workload import documents  # noqa: E402
 
-WAYS = ("uncached", "cached")
+WAYS = ("uncached", "cached", "api")
 
 
 def main(argv=None):
@@ -60,7 +64,9 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=None, help="default: --heads")
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--layout", default="balanced", help="a layout, or 'default' (the library's pick)")
+    ap.add_argument("--mask", choices=("documents", "causal"), default="documents", help="causal: no documents")
     ap.add_argument("--longest", type=float, default=0.25, help="the longest document, a share of S")
+    ap.add_argument("--ways", default=",".join(WAYS), help=f"comma-separated, of {', '.join(WAYS)}")
     ap.add_argument("--backward", action="store_true", help="also the backward call of each step")
     ap.add_argument("--calls", type=int, default=None, help="default: 50 (--block: 200)")
     ap.add_argument("--warmup", type=int, default=3)
@@ -73,6 +79,8 @@ def main(argv=None):
     ap.add_argument("--s", type=int, default=4096)
     ap.add_argument("--causal", action="store_true")
     args = ap.parse_args(argv)
+    if not set(args.ways.split(",")) <= set(WAYS):
+        ap.error(f"--ways: each of {', '.join(WAYS)}")
     args.heads = args.heads or (32 if args.block else 1)
     args.calls = args.calls or (200 if args.block else 50)
     if args.block:
@@ -96,7 +104,8 @@ def library_call(args):
     else:
         xp, dtype = np, np.dtype(np.float32)
     S, H, Hkv, D = args.tokens_per_rank * P, args.heads, args.kv_heads or args.heads, args.head_dim
-    cu = documents(np.random.default_rng(args.seed), S, "capped", longest=max(1, int(S * args.longest)))
+    cu = None if args.mask == "causal" else documents(np.random.default_rng(args.seed), S, "capped",
+                                                      longest=max(1, int(S * args.longest)))
     layout = None if args.layout == "default" else args.layout
     options = dict(cu_seqlens=cu, window=None, scheme="auto", ranks_per_node=None)
     rng = np.random.default_rng([args.seed, 7])
@@ -107,14 +116,30 @@ def library_call(args):
         shard = callplan.plan_arrays(comm, *local, True, None, None, "auto", **options).layout
     else:
         shard = layout
-    q, k, v, do = (xp.asarray(burst_hpc.shard(full[name], r, P, shard)).astype(dtype) for name in ("q", "k", "v", "do"))
+    q, k, v, do = (xp.asarray(burst_hpc.shard(full[name], r, P, shard, causal=True, cu_seqlens=cu)).astype(dtype)
+                   for name in ("q", "k", "v", "do"))
 
     def sync():
         if cuda:
             cupy.cuda.get_current_stream().synchronize()
 
+    def api_call(times):
+        """One training step's public calls, each timed whole on the host."""
+        t0 = time.perf_counter()
+        o, lse = burst_hpc.burst_attention(q, k, v, causal=True, layout=layout, **options)
+        t1 = time.perf_counter()
+        times["forward"].append(t1 - t0)
+        if args.backward:
+            burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True, layout=layout, **options)
+            times["backward"].append(time.perf_counter() - t1)
+        sync()
+        times["wall"].append(time.perf_counter() - t0)
+
     def one_call(plan_of, times):
-        """One training step's calls, each phase timed on the host (``plan_of``: plan_arrays or plan_call)."""
+        """One training step's calls, each phase timed on the host (``plan_of``: plan_arrays or plan_call;
+        None: the public calls, ``api_call``)."""
+        if plan_of is None:
+            return api_call(times)
         t0 = time.perf_counter()
         plan = plan_of(comm, q, k, v, True, None, layout, "auto", **options)
         t1 = time.perf_counter()
@@ -136,10 +161,11 @@ def library_call(args):
 
     rows = []
     with no_kernels(args.host_only, cuda):
-        for way in WAYS:
-            cache = callplan.PlanCache()
-            plan_of = callplan.plan_arrays if way == "uncached" else (
-                lambda *a, **kw: callplan.plan_call(*a, cache=cache, **kw))
+        for way in args.ways.split(","):
+            cache = callplan.PLANS if way == "api" else callplan.PlanCache()
+            cache.clear()
+            plan_of = {"uncached": callplan.plan_arrays, "api": None}.get(
+                way, lambda *a, **kw: callplan.plan_call(*a, cache=cache, **kw))
             times = {name: [] for name in ("plan", "forward", "backward plan", "backward", "wall")}
             for _ in range(args.warmup):
                 one_call(plan_of, {name: [] for name in times})
@@ -154,7 +180,7 @@ def library_call(args):
             host = sum(ms for name, ms in slowest.items() if name != "wall")
             rows.append(dict(way=way, ranks=P, backend=args.backend, host_only=args.host_only, layout=shard,
                              tokens_per_rank=args.tokens_per_rank, heads=H, kv_heads=Hkv, head_dim=D,
-                             documents=len(cu) - 1, backward=args.backward, calls=args.calls,
+                             documents=0 if cu is None else len(cu) - 1, backward=args.backward, calls=args.calls,
                              host_ms=host, gpu_ms=gpu, hits=cache.hits, misses=cache.misses,
                              **{name.replace(" ", "_") + "_ms": ms for name, ms in slowest.items()}))
             if r == 0 and profile and not args.json:
@@ -167,7 +193,8 @@ def library_call(args):
             phases = ", ".join(f"{name} {row[name.replace(' ', '_') + '_ms']:.3f} ms" for name in
                                ("plan", "forward", "backward plan", "backward") if name.replace(" ", "_") + "_ms" in row)
             gpu = "" if row["gpu_ms"] is None else f"; kernels {row['gpu_ms']:.3f} ms of GPU time"
-            print(f"call_overhead: P={P} {args.backend}{' host-only' if args.host_only else ''} layout={args.layout}->{shard} "
+            print(f"call_overhead: P={P} {args.backend}{' host-only' if args.host_only else ''} {args.mask} "
+                  f"layout={args.layout}->{shard} "
                   f"{args.tokens_per_rank} tokens/rank H={H}/{Hkv} D={D} {row['documents']} documents, "
                   f"{row['way']}: host {row['host_ms']:.3f} ms per step ({phases}); wall {row['wall_ms']:.3f} ms"
                   f"{gpu} (median of {args.calls}, slowest rank; plan cache {row['hits']} hits, "
