@@ -9,7 +9,7 @@ with --backward, the backward call's plan and pass. Three ways: ``uncached`` pla
 (callplan.plan_call: the first call plans, the others reuse its plan), ``api`` the public calls
 themselves (burst_hpc.burst_attention and burst_attention_backward, whole: their plan is in "forward"
 and "backward"). Medians over --calls calls, each started between barriers, of the slowest rank; then
-cProfile's costliest host functions of each way (rank 0).
+cProfile's costliest host functions of each way and the Python function calls of a step (rank 0).
 
     mpiexec -n 2 python3 bench/call_overhead.py --backend numpy --host-only
     mpiexec -n 2 python3 bench/call_overhead.py --backend numpy --tokens-per-rank 256 --head-dim 8 \
@@ -173,8 +173,8 @@ def library_call(args):
                 comm.Barrier()
                 one_call(plan_of, times)
             gpu = kernel_ms(lambda: one_call(plan_of, {n: [] for n in times})) if cuda and not args.host_only else None
-            profile = profiled(args.profile, lambda: [one_call(plan_of, {n: [] for n in times}) for _ in range(10)],
-                               ("tottime", "cumulative"))
+            profile, calls = profiled(args.profile, lambda: [one_call(plan_of, {n: [] for n in times})
+                                                             for _ in range(10)], ("tottime", "cumulative"))
             medians = {name: statistics.median(t) * 1e3 for name, t in times.items() if t}
             slowest = {name: max(comm.allgather(ms)) for name, ms in medians.items()}
             host = sum(ms for name, ms in slowest.items() if name != "wall")
@@ -182,6 +182,7 @@ def library_call(args):
                              tokens_per_rank=args.tokens_per_rank, heads=H, kv_heads=Hkv, head_dim=D,
                              documents=0 if cu is None else len(cu) - 1, backward=args.backward, calls=args.calls,
                              host_ms=host, gpu_ms=gpu, hits=cache.hits, misses=cache.misses,
+                             python_calls=None if calls is None else calls / 10,
                              **{name.replace(" ", "_") + "_ms": ms for name, ms in slowest.items()}))
             if r == 0 and profile and not args.json:
                 print(f"== {way}: cProfile of 10 calls, rank 0 ==\n{profile}")
@@ -193,11 +194,12 @@ def library_call(args):
             phases = ", ".join(f"{name} {row[name.replace(' ', '_') + '_ms']:.3f} ms" for name in
                                ("plan", "forward", "backward plan", "backward") if name.replace(" ", "_") + "_ms" in row)
             gpu = "" if row["gpu_ms"] is None else f"; kernels {row['gpu_ms']:.3f} ms of GPU time"
+            python = "" if row["python_calls"] is None else f"; {row['python_calls']:.0f} Python calls per step"
             print(f"call_overhead: P={P} {args.backend}{' host-only' if args.host_only else ''} {args.mask} "
                   f"layout={args.layout}->{shard} "
                   f"{args.tokens_per_rank} tokens/rank H={H}/{Hkv} D={D} {row['documents']} documents, "
                   f"{row['way']}: host {row['host_ms']:.3f} ms per step ({phases}); wall {row['wall_ms']:.3f} ms"
-                  f"{gpu} (median of {args.calls}, slowest rank; plan cache {row['hits']} hits, "
+                  f"{gpu}{python} (median of {args.calls}, slowest rank; plan cache {row['hits']} hits, "
                   f"{row['misses']} misses)")
     return rows
 
@@ -253,10 +255,10 @@ def kernel_ms(fn, samples=5):
 
 
 def profiled(lines, fn, orders=("tottime",)):
-    """cProfile's ``lines`` costliest functions while ``fn`` runs, by each of ``orders`` (own time,
-    cumulative time), as text ('' for 0 lines)."""
+    """(text, calls): cProfile's ``lines`` costliest functions while ``fn`` runs, by each of ``orders``
+    (own time, cumulative time), and the Python function calls it made ('' and None for 0 lines)."""
     if not lines:
-        return ""
+        return "", None
     prof = cProfile.Profile()
     prof.enable()
     fn()
@@ -264,7 +266,7 @@ def profiled(lines, fn, orders=("tottime",)):
     text = io.StringIO()
     for order in orders:
         pstats.Stats(prof, stream=text).sort_stats(order).print_stats(lines)
-    return text.getvalue()
+    return text.getvalue(), sum(stat[1] for stat in pstats.Stats(prof).stats.values())
 
 
 def block_call(args):
@@ -298,7 +300,7 @@ def block_call(args):
     alone = statistics.median(cupy_sample(call, 1) for _ in range(20))
     queued = statistics.median(cupy_sample(call, 20) for _ in range(5))
 
-    profile = profiled(12, lambda: [call() for _ in range(args.calls)])
+    profile, _ = profiled(12, lambda: [call() for _ in range(args.calls)])
     cupy.cuda.Device().synchronize()
     flops = 4 * args.s * args.s * args.heads * args.d / (2 if args.causal else 1)
     print(profile)
