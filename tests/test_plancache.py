@@ -6,11 +6,10 @@ import pytest
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc.engine import passes, ring
 from burst_hpc.plan import callplan
-from burst_hpc.plan.decomposition import Decomposition
 from burst_hpc.errors import BurstError, DTypeError, MaskError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
+from call_counts import ONCE_PER_PLAN, counted
 
 S = 48
 CU = np.array([0, 5, 17, 18, 40, S])
@@ -230,28 +229,10 @@ def test_an_argument_without_a_key_is_planned_and_refused_as_before():
     assert (callplan.PLANS.hits, callplan.PLANS.misses, len(callplan.PLANS)) == (0, 3, 0)
 
 
-def counted(monkeypatch, *where):
-    """{name: calls so far} of each (owner, name) in ``where``, counted from now on."""
-    counts = {}
-    for owner, name in where:
-        kept = getattr(owner, name)
-        counts[name] = 0
-
-        def call(*args, _kept=kept, _name=name, **kwargs):
-            counts[_name] += 1
-            return _kept(*args, **kwargs)
-
-        monkeypatch.setattr(owner, name, call)
-    return counts
-
-
-# what a plan works out once for its passes (engine/passes.py, _Program): the schedule's steps, the engine's
-# route through them and the block pairs of every visit; a repeated call must decide none of it again
-ONCE_PER_PLAN = ((Decomposition, "steps"), (passes, "_pairs"), (ring, "lifetimes"))
-
 
 @pytest.mark.parametrize("layout, cu", [("zigzag", None), (None, CU), ("balanced", CU), ("chunks", CU)])
 def test_a_repeated_call_decides_nothing_again(monkeypatch, layout, cu):
+    """What a plan works out once for its passes (call_counts.ONCE_PER_PLAN) is not worked out again."""
     counts = counted(monkeypatch, *ONCE_PER_PLAN)
     q, k, v, do = inputs()
     kw = dict(comm=MPI.COMM_SELF, causal=True, layout=layout, cu_seqlens=cu)
