@@ -178,7 +178,8 @@ def library_call(args):
             medians = {name: statistics.median(t) * 1e3 for name, t in times.items() if t}
             slowest = {name: max(comm.allgather(ms)) for name, ms in medians.items()}
             host = sum(ms for name, ms in slowest.items() if name != "wall")
-            rows.append(dict(way=way, ranks=P, backend=args.backend, host_only=args.host_only, layout=shard,
+            rows.append(dict(way=way, ranks=P, backend=args.backend, host_only=args.host_only,
+                             layout=shard if isinstance(shard, str) else shard.kind,
                              tokens_per_rank=args.tokens_per_rank, heads=H, kv_heads=Hkv, head_dim=D,
                              documents=0 if cu is None else len(cu) - 1, backward=args.backward, calls=args.calls,
                              host_ms=host, gpu_ms=gpu, hits=cache.hits, misses=cache.misses,
