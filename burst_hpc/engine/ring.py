@@ -159,21 +159,28 @@ class _Pool:
 
 class Route:
     """Rank ``rank``'s way through ``steps``, worked out once (a plan keeps it for every pass it runs):
-    the buffers' lifetimes (``lifetimes``) and each step's transfers grouped into the exchanges the
-    engine posts (:meth:`exchanges`)."""
+    the buffers' lifetimes (``lifetimes``), each step's transfers grouped into the exchanges the engine
+    posts and those that complete at its end (:meth:`lanes`)."""
 
     def __init__(self, steps, rank):
         self.steps, self.rank = steps, rank
         self.ends, self.returned, _ = lifetimes(steps, rank)
-        self._exchanges = {}
+        self._lanes = {}
 
-    def exchanges(self, inner):
-        """For each step: ((due step, lane), ((direction 'out' or 'in', Transfer), ...)) in posting order,
-        one exchange each; lane 0 the ring transport (due at the step), 1 the far one, 2 the inner one
-        (only when there is an ``inner`` transport: else its transfers go on the far lane)."""
-        if inner not in self._exchanges:
-            self._exchanges[inner] = tuple(self._grouped(index, step, inner) for index, step in enumerate(self.steps))
-        return self._exchanges[inner]
+    def lanes(self, inner):
+        """(exchanges, completions), each a tuple over steps. exchanges: ((due step, lane), ((direction
+        'out' or 'in', Transfer), ...)) in posting order, one exchange each; lane 0 the ring transport
+        (due at the step), 1 the far one, 2 the inner one (only when there is an ``inner`` transport:
+        else its transfers go on the far lane). completions: the (direction, Transfer) due at the step's
+        end, sends first (their buffers are free then), else in posting order."""
+        if inner not in self._lanes:
+            exchanges = tuple(self._grouped(index, step, inner) for index, step in enumerate(self.steps))
+            completing = [[] for _ in self.steps]
+            for groups in exchanges:
+                for (due, _), transfers in groups:
+                    completing[due] += transfers
+            self._lanes[inner] = exchanges, tuple(tuple(sorted(c, key=lambda d: d[0] == "in")) for c in completing)
+        return self._lanes[inner]
 
     @staticmethod
     def _grouped(index, step, inner):
@@ -201,11 +208,11 @@ def run(transport, far, route, sides, compute, skip_compute=False, on_step=None,
     (None: ``far``), so they never queue behind (NCCL) the network's."""
     rank, steps, ends, returned = route.rank, route.steps, route.ends, route.returned
     assert rank == transport.rank, "the route of another rank"
-    exchanges = route.exchanges(inner is not None)
+    exchanges, completions = route.lanes(inner is not None)
     pool = _Pool(transport.xp, sides)
     data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard, peer) -> arrays
     data_rows = {}                          # (side, shard) -> the rows of it received (None: all)
-    waiting = {}                            # step -> [(handle, transfers completed then)]
+    waiting = {}                            # step -> [(handle, the sends it holds)]
 
     def payload(t):
         if t.what == "partial":
@@ -242,7 +249,7 @@ def run(transport, far, route, sides, compute, skip_compute=False, on_step=None,
                     arriving[key] = pool.take(t.what, t.side, t.rows)
                     recvs.append((t.peer, arriving[key]))
             # the sends stay referenced until they complete: a row cut is a copy made for the send
-            waiting.setdefault(due, []).append(((transport, far, inner)[lane].exchange(sends, recvs), transfers, sends))
+            waiting.setdefault(due, []).append(((transport, far, inner)[lane].exchange(sends, recvs), sends))
         for visit in step.visits:
             q_out, k_out = results("q", visit.q_shard), results("kv", visit.kv_shard)
             rows = None if visit.q_shard == rank else data_rows[("q", visit.q_shard)]
@@ -251,11 +258,9 @@ def run(transport, far, route, sides, compute, skip_compute=False, on_step=None,
             if not skip_compute:
                 compute(visit, travelling("q", visit.q_shard), travelling("kv", visit.kv_shard), q_out, k_out,
                         0 if rows is None else rows[0])
-        done = []
-        for handle, transfers, _ in waiting.pop(index, ()):
+        for handle, _ in waiting.pop(index, ()):
             handle.wait()
-            done += transfers
-        for direction, t in sorted(done, key=lambda d: d[0] == "in"):   # sends first: their buffers are free
+        for direction, t in completions[index]:
             key = (t.side, t.shard)
             if direction == "out":
                 if t.what == "partial":
