@@ -162,8 +162,8 @@ def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
                             if k_out:
                                 k_out[0][b, q_pos[a]] += 1
 
-            ring.run(ThreadTransport(r, size, queues), ThreadTransport(r, size, queues, 1), plans[r], sides, compute,
-                     inner=ThreadTransport(r, size, queues, 2))
+            ring.run(ThreadTransport(r, size, queues), ThreadTransport(r, size, queues, 1), ring.Route(plans[r], r),
+                     sides, compute, inner=ThreadTransport(r, size, queues, 2))
             out[r] = (sides["q"].results[0], sides["kv"].results[0] if "kv" in returns else None,
                       pools[threading.get_ident()])
         except BaseException as e:  # reported by the main thread

@@ -24,7 +24,7 @@ import numpy as np
 from .. import config
 from . import ulysses
 from .merge import merge_into
-from .ring import Side, row_runs, run
+from .ring import Route, Side, row_runs, run
 from ..plan.schedule import held_pieces, visit_pairs
 from ..plan.schemes import ulysses_heads
 
@@ -39,6 +39,13 @@ class RingPasses:
 
     def __init__(self, plan):
         self.plan = plan
+        self.programs = {}   # (near, returns) -> its _Program, made on the plan's first pass
+
+    def program(self, near, returns):
+        """The _Program of the schedule of ``near`` and ``returns`` (Decomposition.steps), made once."""
+        if (near, returns) not in self.programs:
+            self.programs[(near, returns)] = _Program(self.plan, near, returns)
+        return self.programs[(near, returns)]
 
     def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None, meter=None,
                 rehearse=False, inner=None, clock=None):
@@ -51,10 +58,10 @@ class RingPasses:
                  "q": Side(_contiguous(xp, q), [o, lse], (0, -xp.inf), lambda into, part: merge_into(*into, *part),
                            results_axes=(1, 2))}
 
-        steps = d.steps("kv", ("q",))
+        program = self.program("kv", ("q",))
         # the last pair of a row writes the output in q's dtype (nothing to convert where it is the accumulator's)
         enabled = config.ring_last_pairs() and not (rehearse or skip_compute or q.dtype == plan.acc)
-        final = _Finals(plan, steps, "q", q.shape[1], enabled)
+        final = program.finals("q", q.shape[1], enabled)
         out = _Output(xp, q)
 
         def pair(p, q_side, kv, q_out, _k_out, last):
@@ -62,9 +69,9 @@ class RingPasses:
                              scale=d.scale, causal=p.causal, q_start=p.q_start, k_start=p.k_start, mask=d.mask,
                              out=out.rows(p.q) if last["q"] else None)
 
-        with _metered(meter, plan, steps):
+        with _metered(meter, plan, program):
             near, far, inner = _lanes(plan, transport, far, inner)
-            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse, {"q": final}, clock),
+            run(near, far, program.route, sides, _visits(plan, program, pair, meter, rehearse, {"q": final}, clock),
                 skip_compute=skip_compute,
                 on_step=on_step, inner=inner)
         if q.dtype == plan.acc:
@@ -84,11 +91,11 @@ class RingPasses:
                  "q": Side(_contiguous(xp, q, do, lse.astype(xp.float32, copy=False), delta), [dq], (0,), _add,
                            travelling_axes=(1, 1, 2, 2))}
 
-        steps = d.steps(ring, ("kv", "q"))
+        program = self.program(ring, ("kv", "q"))
         # the last pair of a row writes its gradient in the input's dtype (unless float32 is kept, or is the dtype)
         convert = cast and q.dtype != acc
         enabled = config.ring_last_pairs() and convert and not (rehearse or skip_compute)
-        finals = {side: _Finals(plan, steps, side, x.shape[1], enabled) for side, x in (("q", q), ("kv", k))}
+        finals = {side: program.finals(side, x.shape[1], enabled) for side, x in (("q", q), ("kv", k))}
         outs = [_Output(xp, x) for x in (q, k, v)]
 
         def pair(p, q_side, kv, q_out, k_out, last):
@@ -100,10 +107,10 @@ class RingPasses:
                               dk_out=outs[1].rows(p.k) if last["kv"] else None,
                               dv_out=outs[2].rows(p.k) if last["kv"] else None)
 
-        with _metered(meter, plan, steps):
+        with _metered(meter, plan, program):
             near, far, inner = _lanes(plan, transport, far, inner)
-            run(near, far, steps, sides, _visits(plan, pair, meter, rehearse, finals, clock), skip_compute=skip_compute,
-                on_step=on_step, inner=inner)
+            run(near, far, program.route, sides, _visits(plan, program, pair, meter, rehearse, finals, clock),
+                skip_compute=skip_compute, on_step=on_step, inner=inner)
         if not convert:
             return dq, dk, dv
         for out, grad, side in zip(outs, (dq, dk, dv), ("q", "kv", "kv")):
@@ -173,14 +180,45 @@ def _pairs(plan, visit):
                        visit.rows, d.mask)
 
 
+class _Program:
+    """What the passes of a plan read of one schedule (Decomposition.steps of ``near`` and ``returns``),
+    worked out on its first pass and kept with the plan, so that a repeated call (a training loop's)
+    decides nothing again: the steps, this rank's route through them (ring.Route), the block pairs of
+    every visit in the engine's order (visit call number i: the i-th visit of the steps), and which
+    pairs finish rows (_Finals)."""
+
+    def __init__(self, plan, near, returns):
+        self.steps = plan.decomposition.steps(near, returns)
+        self.route = Route(self.steps, plan.decomposition.scheme.comm.rank)
+        self.pairs = tuple(_pairs(plan, visit) for step in self.steps for visit in step.visits)
+        self._moved, self._finals = {}, {}
+
+    def visit_pairs(self, call, offset):
+        """The block pairs of visit call ``call``, their query rows local to a buffer holding the shard's
+        rows from ``offset`` on (a transfer of some rows only)."""
+        if not offset:
+            return self.pairs[call]
+        if (call, offset) not in self._moved:
+            self._moved[(call, offset)] = tuple(replace(p, q=slice(p.q.start - offset, p.q.stop - offset))
+                                                for p in self.pairs[call])
+        return self._moved[(call, offset)]
+
+    def finals(self, side, n_rows, enabled):
+        """The _Finals of ``side`` for a shard of ``n_rows`` rows (``enabled``: as _Finals takes it)."""
+        key = (side, n_rows, enabled)
+        if key not in self._finals:
+            self._finals[key] = _Finals(self, side, n_rows, enabled)
+        return self._finals[key]
+
+
 @contextmanager
-def _metered(meter, plan, steps):
-    """The pass inside ``meter``'s begin (with this rank's work over ``steps``) and end."""
+def _metered(meter, plan, program):
+    """The pass inside ``meter``'s begin (with this rank's work over ``program``'s pairs) and end."""
     if meter is None:
         yield
         return
     mask = plan.decomposition.mask
-    meter.begin(sum(p.visible(mask) for step in steps for visit in step.visits for p in _pairs(plan, visit)))
+    meter.begin(sum(p.visible(mask) for pairs in program.pairs for p in pairs))
     try:
         yield
     finally:
@@ -217,8 +255,9 @@ class ComputeClock:
         return self.host
 
 
-def _visits(plan, pair, meter=None, rehearse=False, finals=None, clock=None):
-    """The engine's compute: every block pair of the visit's query rows against its keys.
+def _visits(plan, program, pair, meter=None, rehearse=False, finals=None, clock=None):
+    """The engine's compute: every block pair of the visit's query rows against its keys (``program``:
+    the _Program of the pass's schedule).
     ``pair(p, q_side, kv, q_out, k_out, last)`` runs one block pair, ``last`` {side: whether it is the last to
     write its rows of this rank's own results on that side} (``finals``: {side: _Finals}); ``meter`` is told
     the work of each; ``rehearse``: the rehearsal's pairs only (the module's docstring); ``clock`` (a
@@ -237,10 +276,9 @@ def _visits(plan, pair, meter=None, rehearse=False, finals=None, clock=None):
 
     def visit_pairs(visit, q_data, kv_data, q_out, k_out, offset):
         call = next(calls)
-        for index, p in enumerate(_pairs(plan, visit)):
+        # q_data and q_out hold the rows from ``offset`` on
+        for index, p in enumerate(program.visit_pairs(call, offset)):
             last = {side: final.last(call, index) for side, final in finals.items()}
-            if offset:   # q_data and q_out hold the rows from ``offset`` on
-                p = replace(p, q=slice(p.q.start - offset, p.q.stop - offset))
             if rehearse:
                 kind = (p.causal, p.q.stop - p.q.start, min(p.k.stop - p.k.start, REHEARSAL_KEYS))
                 if kind in rehearsed:
@@ -292,12 +330,12 @@ class _Finals:
     BURST_HPC_RING_LAST_PAIRS: not yet run on GPUs; the outputs then exist beside the ring's last buffers, a
     shard of them more at the peak): no pair is the last, every row is converted at the end."""
 
-    def __init__(self, plan, steps, side, n_rows, enabled=True):
+    def __init__(self, program, side, n_rows, enabled=True):
         self.finals = set()
         self.rest = np.ones(n_rows, bool)
         if not enabled:
             return
-        rank = plan.decomposition.scheme.comm.rank
+        steps, rank = program.steps, program.route.rank
         combines = {}   # step -> the rows of this rank's own partials folded in at its end (None: all)
         for index, step in enumerate(steps):
             for t in step.recvs:
@@ -309,7 +347,7 @@ class _Finals:
         for index, step in enumerate(steps):
             for visit in step.visits:
                 if (visit.q_shard if side == "q" else visit.kv_shard) == rank:
-                    for i, p in enumerate(_pairs(plan, visit)):
+                    for i, p in enumerate(program.pairs[call]):
                         rows = p.q if side == "q" else p.k
                         last[rows] = len(pairs)
                         pairs.append((call, i, rows.stop - rows.start))

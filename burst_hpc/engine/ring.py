@@ -157,8 +157,44 @@ class _Pool:
         self.free.setdefault((kind, side, size_class(rows)), []).append(arrays)
 
 
-def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None, inner=None):
-    """Run this rank's ``steps`` (schedule.Step). ``sides``: {"kv": Side, "q": Side};
+class Route:
+    """Rank ``rank``'s way through ``steps``, worked out once (a plan keeps it for every pass it runs):
+    the buffers' lifetimes (``lifetimes``), each step's transfers grouped into the exchanges the engine
+    posts and those that complete at its end (:meth:`lanes`)."""
+
+    def __init__(self, steps, rank):
+        self.steps, self.rank = steps, rank
+        self.ends, self.returned, _ = lifetimes(steps, rank)
+        self._lanes = {}
+
+    def lanes(self, inner):
+        """(exchanges, completions), each a tuple over steps. exchanges: ((due step, lane), ((direction
+        'out' or 'in', Transfer), ...)) in posting order, one exchange each; lane 0 the ring transport
+        (due at the step), 1 the far one, 2 the inner one (only when there is an ``inner`` transport:
+        else its transfers go on the far lane). completions: the (direction, Transfer) due at the step's
+        end, sends first (their buffers are free then), else in posting order."""
+        if inner not in self._lanes:
+            exchanges = tuple(self._grouped(index, step, inner) for index, step in enumerate(self.steps))
+            completing = [[] for _ in self.steps]
+            for groups in exchanges:
+                for (due, _), transfers in groups:
+                    completing[due] += transfers
+            self._lanes[inner] = exchanges, tuple(tuple(sorted(c, key=lambda d: d[0] == "in")) for c in completing)
+        return self._lanes[inner]
+
+    @staticmethod
+    def _grouped(index, step, inner):
+        groups = {}
+        for direction, transfers in (("out", step.sends), ("in", step.recvs)):
+            for t in transfers:
+                due = index if t.due is None else t.due
+                lane = 0 if due == index else 2 if t.inner and inner else 1
+                groups.setdefault((due, lane), []).append((direction, t))
+        return tuple((key, tuple(group)) for key, group in sorted(groups.items()))
+
+
+def run(transport, far, route, sides, compute, skip_compute=False, on_step=None, inner=None):
+    """Run this rank's steps (schedule.Step) by their ``route`` (Route). ``sides``: {"kv": Side, "q": Side};
     ``compute(visit, q_data, kv_data, q_out, k_out, offset)`` adds the visit's block pairs into the
     query-side and key-side results ``q_out``, ``k_out`` (this rank's own results, or the partial
     of another rank's shard); ``q_data`` and ``q_out`` hold the query shard's rows from ``offset``
@@ -170,12 +206,13 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None,
     the ``far`` transport (the same as ``transport`` where nothing is due later); the balanced
     schedule's transfers inside a node due steps later (Transfer.inner) on the ``inner`` transport
     (None: ``far``), so they never queue behind (NCCL) the network's."""
-    rank = transport.rank
+    rank, steps, ends, returned = route.rank, route.steps, route.ends, route.returned
+    assert rank == transport.rank, "the route of another rank"
+    exchanges, completions = route.lanes(inner is not None)
     pool = _Pool(transport.xp, sides)
-    ends, returned, _ = lifetimes(steps, rank)
     data, partials, arriving = {}, {}, {}   # (side, shard) -> arrays; (what, side, shard, peer) -> arrays
     data_rows = {}                          # (side, shard) -> the rows of it received (None: all)
-    waiting = {}                            # step -> [(handle, transfers completed then)]
+    waiting = {}                            # step -> [(handle, the sends it holds)]
 
     def payload(t):
         if t.what == "partial":
@@ -201,12 +238,9 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None,
         return partials[key]
 
     for index, step in enumerate(steps):
-        groups = {}   # (due step, lane: 0 transport, 1 far, 2 inner) -> (sends, recvs, [(direction, transfer)])
-        for direction, transfers in (("out", step.sends), ("in", step.recvs)):
-            for t in transfers:
-                due = index if t.due is None else t.due
-                lane = 0 if due == index else 2 if t.inner and inner is not None else 1
-                sends, recvs, done = groups.setdefault((due, lane), ([], [], []))
+        for (due, lane), transfers in exchanges[index]:
+            sends, recvs = [], []
+            for direction, t in transfers:
                 if direction == "out":
                     sends.append((t.peer, payload(t)))
                 else:
@@ -214,10 +248,8 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None,
                     assert key not in arriving, f"{key} received twice at once"
                     arriving[key] = pool.take(t.what, t.side, t.rows)
                     recvs.append((t.peer, arriving[key]))
-                done.append((direction, t))
-        for (due, lane), (sends, recvs, done) in sorted(groups.items()):
             # the sends stay referenced until they complete: a row cut is a copy made for the send
-            waiting.setdefault(due, []).append(((transport, far, inner)[lane].exchange(sends, recvs), done, sends))
+            waiting.setdefault(due, []).append(((transport, far, inner)[lane].exchange(sends, recvs), sends))
         for visit in step.visits:
             q_out, k_out = results("q", visit.q_shard), results("kv", visit.kv_shard)
             rows = None if visit.q_shard == rank else data_rows[("q", visit.q_shard)]
@@ -226,11 +258,9 @@ def run(transport, far, steps, sides, compute, skip_compute=False, on_step=None,
             if not skip_compute:
                 compute(visit, travelling("q", visit.q_shard), travelling("kv", visit.kv_shard), q_out, k_out,
                         0 if rows is None else rows[0])
-        done = []
-        for handle, transfers, _ in waiting.pop(index, ()):
+        for handle, _ in waiting.pop(index, ()):
             handle.wait()
-            done += transfers
-        for direction, t in sorted(done, key=lambda d: d[0] == "in"):   # sends first: their buffers are free
+        for direction, t in completions[index]:
             key = (t.side, t.shard)
             if direction == "out":
                 if t.what == "partial":

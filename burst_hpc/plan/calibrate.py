@@ -119,14 +119,15 @@ def _least_us(call, xp):
 def _step_us(transport, xp):
     """Microseconds per step of the engine's plain ring over ``transport`` (a loopback alone: the
     engine's own bookkeeping), 1-token shards, no kernels."""
-    from ..engine.ring import Side, run
+    from ..engine.ring import Route, Side, run
     from .schedule import plain_ring_steps
 
     size = max(2, transport.size)
     steps = plain_ring_steps(transport.rank, size, "kv", ("q",))
+    route = Route(steps, transport.rank)
     sides = {"kv": Side([xp.zeros((1, 1, 1, 8), np.float16)] * 2, []), "q": Side([], [])}
     ring = transport if transport.size > 1 else Loopback(xp)
-    return _least_us(lambda: run(ring, ring, steps, sides, None, skip_compute=True), xp) / len(steps)
+    return _least_us(lambda: run(ring, ring, route, sides, None, skip_compute=True), xp) / len(steps)
 
 
 def _message_us(transport, xp):

@@ -97,8 +97,9 @@ PLAN_CACHE_SIZE = 32   # distinct calls whose plans are kept (a training step ma
 
 
 class PlanCache:
-    """The plans of recent calls by their CallKey, the least recently used dropped beyond ``maxsize``
-    (0: keep none). ``hits`` and ``misses`` count plan_call's outcomes on this rank."""
+    """The plans of recent calls by their CallKey, each with the key's digest (what the ranks compare,
+    worked out once per plan), the least recently used dropped beyond ``maxsize`` (0: keep none).
+    ``hits`` and ``misses`` count plan_call's outcomes on this rank."""
 
     def __init__(self, maxsize=PLAN_CACHE_SIZE):
         self.maxsize = maxsize
@@ -106,11 +107,11 @@ class PlanCache:
         self.hits = self.misses = 0
 
     def get(self, key):
-        """The plan kept for ``key`` (now the most recently used), or None."""
-        plan = self.plans.get(key)
-        if plan is not None:
+        """(plan, digest) kept for ``key`` (now the most recently used), or None."""
+        kept = self.plans.get(key)
+        if kept is not None:
             self.plans.move_to_end(key)
-        return plan
+        return kept
 
     def put(self, key, plan):
         """Keep ``plan`` for ``key`` in place of any plan kept for the same shared arguments (a plan
@@ -118,7 +119,7 @@ class PlanCache:
         together last may be reused), dropping the least recently used beyond ``maxsize``."""
         for old in [k for k in self.plans if k.shared == key.shared]:
             del self.plans[old]
-        self.plans[key] = plan
+        self.plans[key] = (plan, key.digest())
         self.plans.move_to_end(key)
         while len(self.plans) > self.maxsize:
             self.plans.popitem(last=False)
@@ -214,12 +215,12 @@ def plan_call(comm, q, k, v, causal, scale, layout, transport, backward=None, cu
     arguments equal to these, and the digests show every rank passes the same ones again."""
     key = call_key(comm, q, k, v, causal, scale, layout, transport, backward, cu_seqlens, window, scheme,
                    ranks_per_node)
-    plan = None if key is None else cache.get(key)
-    if comm.size > 1 and not same_everywhere(comm, None if plan is None else key.digest()):
-        plan = None   # every rank reuses its plan, or every rank plans anew (and checks, and agrees)
-    if plan is not None:
+    kept = None if key is None else cache.get(key)
+    if comm.size > 1 and not same_everywhere(comm, None if kept is None else kept[1]):
+        kept = None   # every rank reuses its plan, or every rank plans anew (and checks, and agrees)
+    if kept is not None:
         cache.hits += 1
-        return plan
+        return kept[0]
     cache.misses += 1
     plan = plan_arrays(comm, q, k, v, causal, scale, layout, transport, backward, cu_seqlens, window, scheme,
                        ranks_per_node)
