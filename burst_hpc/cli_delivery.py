@@ -48,7 +48,8 @@ class Parser(argparse.ArgumentParser):
             try:   # ranks whose command line runs a command wait in its agreement: meet them there
                 agree_command({"the command": "--help or --version"})
             except BurstError as e:
-                say_once(lambda: say(str(e)))
+                text = str(e)
+                say_once(lambda: say(text))
                 sys.exit(EXIT_ERROR)
         super().exit(status, message)
 

@@ -353,8 +353,8 @@ class _Finals:
                         pairs.append((call, i, rows.stop - rows.start))
                 call += 1
             for rows in combines.get(index, ()):
-                for run in row_runs(rows) if rows else ((0, n_rows),):
-                    last[slice(*run)] = len(pairs)
+                for rows_run in row_runs(rows) if rows else ((0, n_rows),):
+                    last[slice(*rows_run)] = len(pairs)
                 pairs.append(None)
         counts = np.bincount(last[last >= 0], minlength=len(pairs))
         for event, where in enumerate(pairs):
