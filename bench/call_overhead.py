@@ -116,7 +116,8 @@ def library_call(args):
         shard = callplan.plan_arrays(comm, *local, True, None, None, "auto", **options).layout
     else:
         shard = layout
-    q, k, v, do = (xp.asarray(burst_hpc.shard(full[name], r, P, shard, causal=True, cu_seqlens=cu)).astype(dtype)
+    mask = dict(causal=True, cu_seqlens=cu, window=None)   # the chunks layout places tokens by it
+    q, k, v, do = (xp.asarray(burst_hpc.shard(full[name], r, P, shard, **mask)).astype(dtype)
                    for name in ("q", "k", "v", "do"))
 
     def sync():

@@ -169,7 +169,7 @@ def test_a_repeated_call_decides_nothing_again_on_any_rank(comm, monkeypatch, la
     q, k, v, do = (rng.standard_normal((1, S, h, 8)) for h in (4, 2, 2, 4))
     cu = offsets(S, 5) if documents else None
     kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=layout)
-    mine = [burst_hpc.shard(x, r, P, layout or "zigzag", causal=True, cu_seqlens=cu) for x in (q, k, v, do)]
+    mine = [burst_hpc.shard(x, r, P, layout or "zigzag", causal=True, cu_seqlens=cu, window=None) for x in (q, k, v, do)]
 
     def step():
         o, lse = burst_hpc.burst_attention(*mine[:3], **kw)
