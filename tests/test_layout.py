@@ -9,7 +9,8 @@ import pytest
 import burst_hpc
 from burst_hpc.errors import BurstError, LayoutError
 from burst_hpc.plan import masks
-from burst_hpc.plan.layout import LAYOUTS, Layout, as_layout, check_layout, default_kind, layout_indices, make_layout, shard, unshard
+from burst_hpc.plan.layout import (LAYOUTS, Layout, as_layout, check_layout, default_kind, layout_indices, make_layout,
+                                   shard, unshard)
 
 from burst_testing import BF16
 
