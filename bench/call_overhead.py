@@ -112,8 +112,9 @@ def library_call(args):
     full = {name: rng.standard_normal((1, S, h, D)).astype(np.float32)
             for name, h in (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
     if layout is None:   # shard as the library's pick for this call (the plan on these shapes says which)
-        local = (xp.asarray(x[:, :S // P]).astype(dtype) for x in (full["q"], full["k"], full["v"]))
-        shard = callplan.plan_arrays(comm, *local, True, None, None, "auto", **options).layout
+        local = [xp.asarray(x[:, :S // P]).astype(dtype) for x in (full["q"], full["k"], full["v"])]
+        shard = callplan.plan_arrays(comm, local[0], callplan.checked_call(P, *local, True, None, None, "auto",
+                                                                           **options)).layout
     else:
         shard = layout
     mask = dict(causal=True, cu_seqlens=cu, window=None)   # the chunks layout places tokens by it
@@ -142,7 +143,7 @@ def library_call(args):
         if plan_of is None:
             return api_call(times)
         t0 = time.perf_counter()
-        plan = plan_of(comm, q, k, v, True, None, layout, "auto", **options)
+        plan = plan_of(comm, q, callplan.checked_call(P, q, k, v, True, None, layout, "auto", **options))
         t1 = time.perf_counter()
         with array_device(q), one_fails_all(comm, "call_overhead"):
             o, lse = plan.passes.forward(q, k, v)
@@ -150,7 +151,8 @@ def library_call(args):
         times["plan"].append(t1 - t0)
         times["forward"].append(t2 - t1)
         if args.backward:
-            back = plan_of(comm, q, k, v, True, None, layout, "auto", backward=callplan.Backward(do, o, lse), **options)
+            back = plan_of(comm, q, callplan.checked_call(P, q, k, v, True, None, layout, "auto",
+                                                          backward=callplan.Backward(do, o, lse), **options))
             t3 = time.perf_counter()
             with array_device(q), one_fails_all(comm, "call_overhead"):
                 back.passes.backward(back.ring, do, q, k, v, o, lse)

@@ -23,7 +23,7 @@ methods in the same order. bench/bench_ring.py is the worked example.
 """
 from .backends import get_backend
 from .collective import world
-from .plan.callplan import plan_arrays
+from .plan.callplan import checked_call, plan_arrays
 from .plan.decisions import choose_backward_ring
 from .device import array_device
 from .errors import BurstError
@@ -73,8 +73,9 @@ class RingBenchmark:
         as burst_attention's; the bytes counted are those of the scheme's ring (``bytes_to``: per
         peer, ranks of ``network_peer``'s numbering), not of Ulysses' all-to-alls."""
         self.q, self.k, self.v = q, k, v
-        self._plan = plan_arrays(world() if comm is None else comm, q, k, v, causal, scale, layout, transport,
-                                 scheme=scheme, ranks_per_node=ranks_per_node)
+        comm = world() if comm is None else comm
+        self._plan = plan_arrays(comm, q, checked_call(comm.size, q, k, v, causal, scale, layout, transport,
+                                                       scheme=scheme, ranks_per_node=ranks_per_node))
         d = self._plan.decomposition
         self.scheme = d.scheme
         if backend is not None:

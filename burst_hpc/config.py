@@ -86,7 +86,7 @@ PLAN_SETTINGS = ("BURST_HPC_RANKS_PER_NODE", "BURST_HPC_NODE_ID", "BURST_HPC_EMU
 
 def plan_settings():
     """The raw text of every setting a call's plan reads (nodes, network, transport, kernel family),
-    as a tuple: part of the key its plan is kept under (callplan.CallKey)."""
+    as a tuple: part of the key its Decomposition is kept under (decomposition.DecompositionKey)."""
     return tuple(_value(name) for name in PLAN_SETTINGS)
 
 

@@ -7,12 +7,12 @@ bytes. With the balanced layout and a causal mask, documents or a window the sch
 the visible work of every chunk pair to ranks instead (balance.py): a piece of rows runs on a
 rank the data travels to, which returns its partials (o, lse), dq or dk, dv to their owners.
 
-Each call is its plan (callplan.plan_arrays: the Decomposition of the shards' shapes, checked and agreed by
-every rank in one collective, bound to their backend; callplan.plan_call reuses
-a repeated call's) and its passes (passes.py), run so that an error on some ranks ends every rank
-(collective.one_fails_all).
+Each call is its plan (callplan.checked_call checks the arguments into the Decomposition's request;
+callplan.plan_arrays builds the Decomposition of the shards' shapes, agreed by every rank in one
+collective, bound to their backend; callplan.plan_call reuses a repeated call's) and its passes
+(passes.py), run so that an error on some ranks ends every rank (collective.one_fails_all).
 """
-from .plan.callplan import Backward, plan_call
+from .plan.callplan import Backward, checked_call, plan_call
 from .collective import check_comm, one_fails_all, world
 from .device import array_device
 
@@ -91,8 +91,9 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         o, lse = burst_hpc.burst_attention(fast(q), fast(k), fast(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     comm = world() if comm is None else check_comm(comm)
-    plan = plan_call(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
-                     scheme=scheme, ranks_per_node=ranks_per_node)
+    call = checked_call(comm.size, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
+                        scheme=scheme, ranks_per_node=ranks_per_node)
+    plan = plan_call(comm, q, call)
     with array_device(q), one_fails_all(comm, "burst_attention"):
         return plan.passes.forward(q, k, v, on_step=on_step)
 
@@ -133,8 +134,10 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
         dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
     """
     comm = world() if comm is None else check_comm(comm)
-    plan = plan_call(comm, q, k, v, causal, scale, layout, transport, backward=Backward(do, o, lse, backward_ring),
-                     cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node)
+    call = checked_call(comm.size, q, k, v, causal, scale, layout, transport,
+                        backward=Backward(do, o, lse, backward_ring), cu_seqlens=cu_seqlens, window=window,
+                        scheme=scheme, ranks_per_node=ranks_per_node)
+    plan = plan_call(comm, q, call)
     with array_device(q), one_fails_all(comm, "burst_attention_backward"):
         return plan.passes.backward(plan.ring, do, q, k, v, o, lse, on_step=on_step)
 

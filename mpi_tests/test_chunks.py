@@ -8,7 +8,7 @@ import pytest
 import burst_hpc
 from burst_hpc.errors import BurstError
 from burst_hpc.plan import gather, masks
-from burst_hpc.plan.callplan import plan_arrays
+from burst_hpc.plan.callplan import checked_call, plan_arrays
 from burst_hpc.plan.workload import documents
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -79,7 +79,9 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
     def mine(x):
         return burst_hpc.shard(x, r, P, layout, **kw)
 
-    plan = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, layout, "auto", cu_seqlens=cu, scheme="gather")
+    shards = [mine(x) for x in (q, k, v)]
+    plan = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, layout, "auto", cu_seqlens=cu,
+                                                     scheme="gather"))
     _, seen, _ = gather.sight(masks.counting(plan.layout.seqlen, True, plan.mask), plan.layout)
 
     def expected(receiver):

@@ -137,34 +137,38 @@ def test_read_shards_with_spec_does_not_inspect_again(comm, workdir, monkeypatch
 
 
 def test_missing_file_and_dataset(comm, workdir):
+    contiguous = make_layout("contiguous", 4 * comm.size, comm.size)
     _expect_same_error(comm, FileError, "does not exist",
-                       lambda: io.read_shards(os.path.join(workdir, "nope.h5"), comm, "contiguous"))
+                       lambda: io.read_shards(os.path.join(workdir, "nope.h5"), comm, contiguous))
     src = os.path.join(workdir, "nodo.h5")
     arrays = _global_inputs(comm, 4 * comm.size, np.float32)
     del arrays["do"]
     _write_inputs(comm, src, arrays)
     _expect_same_error(comm, FileError, "'do' is missing",
-                       lambda: io.read_shards(src, comm, "zigzag", names=("q", "k", "v", "do")))
+                       lambda: io.read_shards(src, comm, contiguous, names=("q", "k", "v", "do")))
 
 
 def test_bad_inputs(comm, workdir):
     arrays = _global_inputs(comm, 4 * comm.size, np.float32)
+    contiguous = make_layout("contiguous", 4 * comm.size, comm.size)
     bad_shape = dict(arrays, k=arrays["k"][:, :-1], v=arrays["v"][:, :-1])
     src = os.path.join(workdir, "shape.h5")
     _write_inputs(comm, src, bad_shape)
-    _expect_same_error(comm, ShapeError, "tokens", lambda: io.read_shards(src, comm, "contiguous"))
+    _expect_same_error(comm, ShapeError, "tokens", lambda: io.read_shards(src, comm, contiguous))
 
     src = os.path.join(workdir, "int.h5")
     _write_inputs(comm, src, {n: a.astype(np.int32) for n, a in arrays.items()})
-    _expect_same_error(comm, DTypeError, "unsupported dtype int32", lambda: io.read_shards(src, comm, "contiguous"))
+    _expect_same_error(comm, DTypeError, "unsupported dtype int32", lambda: io.read_shards(src, comm, contiguous))
 
     odd = _global_inputs(comm, 2 * comm.size + 1, np.float32)
     src = os.path.join(workdir, "odd.h5")
     _write_inputs(comm, src, odd)
-    if comm.size > 1:
-        _expect_same_error(comm, LayoutError, "does not split", lambda: io.read_shards(src, comm, "zigzag"))
-    else:  # one rank owns the whole sequence: nothing to split
-        assert io.read_shards(src, comm, "zigzag")[1]["q"].shape[1] == 3
+    # a Layout of another length, or a name (the edge makes names into Layouts, make_layout): refused alike
+    _expect_same_error(comm, LayoutError, f"is of {2 * comm.size} tokens",
+                       lambda: io.read_shards(src, comm, make_layout("zigzag", 2 * comm.size, comm.size)))
+    _expect_same_error(comm, LayoutError, "layout must be a Layout", lambda: io.read_shards(src, comm, "zigzag"))
+    if comm.size == 1:   # one rank owns the whole sequence: any length splits
+        assert io.read_shards(src, comm, make_layout("zigzag", 3, 1))[1]["q"].shape[1] == 3
 
 
 def test_unwritable_output_leaves_nothing(comm, workdir):
@@ -188,7 +192,7 @@ def test_failed_write_leaves_nothing(comm, workdir):
 
     def write():
         try:
-            out.write({"o": o, "lse": lse}, "contiguous")
+            out.write({"o": o, "lse": lse}, make_layout("contiguous", seqlen, comm.size))
             out.commit()
         except BaseException:
             out.abort()

@@ -5,7 +5,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.plan import masks
-from burst_hpc.plan.callplan import Backward, plan_arrays
+from burst_hpc.plan.callplan import Backward, checked_call, plan_arrays
 from burst_hpc.plan.layout import default_kind
 from burst_hpc.errors import MaskError, RankMismatchError
 from burst_hpc.reference import attention_backward_reference, attention_reference
@@ -122,7 +122,8 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
     def mine(x):
         return burst_hpc.shard(x, comm.rank, P, "contiguous")
 
-    plan = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto", window=(3, 0))
+    shards = [mine(x) for x in (q, k, v)]
+    plan = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, "contiguous", "auto", window=(3, 0)))
     steps = min(P, 2)
     assert masks.ring_steps(plan.mask, plan.layout, False) == steps and plan.layout.kind == "contiguous"
     assert masks.ring_steps(plan.mask, plan.layout, True) == P  # queries travel forward: later queries come last
@@ -141,8 +142,8 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
         assert counting.exchanges == (0 if P == 1 else P + 1)
     for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **kw)):
         np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")
-    auto = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto",
-                       backward=Backward(mine(do), o, lse), window=(3, 0))
+    auto = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, "contiguous", "auto",
+                                                     backward=Backward(mine(do), o, lse), window=(3, 0)))
     assert auto.ring == ("kv" if P > 2 else "q")  # MHA takes the q-ring, unless its P steps lose
 
 

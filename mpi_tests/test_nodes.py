@@ -125,12 +125,13 @@ def test_unequal_nodes_give_one_error_everywhere(comm, monkeypatch):
 
 def test_auto_keeps_the_flat_ring_on_one_node_and_schemes_agree(comm):
     """One node -> ring (nothing changes); any pick gives the same results."""
-    from burst_hpc.plan.callplan import plan_arrays
+    from burst_hpc.plan.callplan import checked_call, plan_arrays
 
     q, k, v, _, _ = problem(comm, 1, 8, 4, 2, 8)
     mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
     kv = burst_hpc.shard(k, comm.rank, comm.size, "zigzag")
-    plan = plan_arrays(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
+    plan = plan_arrays(comm, mine, checked_call(comm.size, mine, kv, kv, True, None, None, "auto",
+                                                ranks_per_node=comm.size))
     assert plan.scheme.name == "ring"
     run_and_check(comm, "auto", cases(comm.size)[0][1], "zigzag", True, 4, 2, rings=("q",))
 

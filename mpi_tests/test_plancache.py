@@ -9,6 +9,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.plan import callplan
+from burst_hpc.plan.decomposition import DecompositionKey
 from burst_hpc.errors import RankMismatchError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -130,8 +131,8 @@ def test_only_the_plan_every_rank_made_together_last_is_reused(comm, monkeypatch
     q, k, v = (rng.standard_normal((1, S, h, 8)) for h in (2, 1, 1))
 
     def call():
-        plan = callplan.plan_call(comm, *(burst_hpc.shard(x, r, P, "balanced") for x in (q, k, v)), True, None,
-                                  "balanced", "auto")
+        shards = [burst_hpc.shard(x, r, P, "balanced") for x in (q, k, v)]
+        plan = callplan.plan_call(comm, shards[0], callplan.checked_call(P, *shards, True, None, "balanced", "auto"))
         return comm.allgather(plan.decomposition.topo.nodes)
 
     monkeypatch.delenv("BURST_HPC_NODE_ID", raising=False)
@@ -163,7 +164,7 @@ def test_a_repeated_call_decides_nothing_again_on_any_rank(comm, monkeypatch, la
     """What a plan works out once (call_counts.ONCE_PER_PLAN: the steps, the engine's route, the block
     pairs), and the digest the ranks compare, is not worked out again by a repeated call on any rank:
     each call's work is the key, one allreduce and the passes."""
-    counts = counted(monkeypatch, *ONCE_PER_PLAN, (callplan.CallKey, "digest"))
+    counts = counted(monkeypatch, *ONCE_PER_PLAN, (DecompositionKey, "digest"))
     rng, _ = shared_rng(comm)
     P, r, S = comm.size, comm.rank, LOCAL * comm.size
     q, k, v, do = (rng.standard_normal((1, S, h, 8)) for h in (4, 2, 2, 4))

@@ -9,7 +9,8 @@ import pytest
 import burst_hpc
 from burst_hpc.errors import BurstError, LayoutError
 from burst_hpc.plan import masks
-from burst_hpc.plan.layout import LAYOUTS, Layout, as_layout, default_kind, layout_indices, make_layout, shard, unshard
+from burst_hpc.plan.layout import (LAYOUTS, Layout, as_layout, check_layout, default_kind, layout_indices, make_layout,
+                                   shard, unshard)
 
 from burst_testing import BF16
 
@@ -185,6 +186,8 @@ def test_a_layout_is_a_value():
     causal = masks.Mask(8, True, None, None)   # the chunks layout places tokens by it
     assert {kind: make_layout(kind, 8, 2, causal).balances_by_schedule for kind in LAYOUTS} == \
         {"contiguous": False, "zigzag": False, "balanced": True, "chunks": False}
+    assert {kind: make_layout(kind, 8, 2, causal).placed_by_mask for kind in LAYOUTS} == \
+        {"contiguous": False, "zigzag": False, "balanced": False, "chunks": True}
     chunks = make_layout("chunks", 8, 2, causal)
     assert pickle.loads(pickle.dumps(chunks)) == chunks and pickle.loads(pickle.dumps(chunks)).grain == chunks.grain
     assert (a.kind, a.seqlen, a.size, a.local) == ("zigzag", 16, 4, 4)
@@ -228,6 +231,12 @@ def test_public_functions_take_a_layout_or_a_name(rng):
         layout.unshard(shards[:2])
     with pytest.raises(LayoutError, match=r"layout must be a Layout or one of contiguous, zigzag, balanced, chunks; got 3"):
         as_layout(3, 12, 3)
+    # below the edge a Layout is taken as it is, never made of a name (io.read_shards, OutputFile.write)
+    assert check_layout(layout, 12, 3) is layout
+    with pytest.raises(LayoutError, match=r"layout must be a Layout \(make_layout makes one of a name\); got 'zigzag'"):
+        check_layout("zigzag", 12, 3)
+    with pytest.raises(LayoutError, match=r"is of 12 tokens over 3 ranks; the call's sequence is 12 tokens over 2"):
+        check_layout(layout, 12, 2)
 
 
 def test_chunks_layouts_with_the_same_runs_but_other_chunks_differ():

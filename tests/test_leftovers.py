@@ -79,14 +79,16 @@ def test_sigkill_leaves_a_stale_temp_that_is_named_and_cleaned(tmp_path, long_in
 JOB = """# a job written with the documented Python API (docs/USAGE.md), which waits before publishing
 import sys, time
 from mpi4py import MPI
-from burst_hpc import io, burst_attention
+from burst_hpc import io, burst_attention, make_layout
 
 comm = MPI.COMM_WORLD
-spec, shards = io.read_shards(sys.argv[1], comm, "contiguous", names=("q", "k", "v"))
-o, lse = burst_attention(shards["q"], shards["k"], shards["v"], comm, layout="contiguous")
+spec = io.inspect_input(sys.argv[1], ("q", "k", "v"))
+layout = make_layout("contiguous", spec.seqlen, comm.size)
+_, shards = io.read_shards(sys.argv[1], comm, layout, names=("q", "k", "v"), spec=spec)
+o, lse = burst_attention(shards["q"], shards["k"], shards["v"], comm, layout=layout)
 out = io.OutputFile.create(sys.argv[2], comm, io.output_datasets(spec, backward=False), {"causal": False})
 try:
-    out.write({"o": o, "lse": lse}, "contiguous")
+    out.write({"o": o, "lse": lse}, layout)
     if comm.rank == 0:
         print("written", flush=True)
     time.sleep(600)

@@ -261,15 +261,16 @@ def test_the_call_default_never_depends_on_the_mask(causal):
     or window: the caller shards by it before the call (issue 37)."""
     from mpi4py import MPI
 
-    from burst_hpc.plan.callplan import plan_arrays
+    from burst_hpc.plan.callplan import checked_call, plan_arrays
 
     seqlen = 4096
     q, k, v = (np.zeros((1, seqlen, 2, 8)) for _ in range(3))
     want = "zigzag" if causal else "contiguous"
     for cu in (None, [0, 4000, seqlen], [0, 96, seqlen], [0, 2048, seqlen], [0, 1, seqlen]):
         for window in (None, (128, 0), (3, 5)):
-            plan = plan_arrays(MPI.COMM_SELF, q, k, v, causal, None, None, "auto",
-                               cu_seqlens=None if cu is None else np.array(cu), window=window)
+            plan = plan_arrays(MPI.COMM_SELF, q, checked_call(1, q, k, v, causal, None, None, "auto",
+                                                              cu_seqlens=None if cu is None else np.array(cu),
+                                                              window=window))
             assert plan.layout.kind == want and plan.layout.is_default(causal), (cu, window)
 
 

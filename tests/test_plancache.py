@@ -1,12 +1,15 @@
-"""The plan cache of the library calls (callplan.plan_call) on one rank: a repeated call reuses its plan
-(the layout decision and the checks skipped), any change to what a plan depends on plans anew, bad
-arguments are refused as without a cache, and cached results equal uncached ones and the float64 oracle."""
+"""The plan cache of the library calls (callplan.plan_call) on one rank: it keeps Decompositions by their own
+key (decomposition.DecompositionKey), so a repeated call, or any call whose arguments check to an equal
+Decomposition, reuses its plan (the layout decision and the schedule skipped), a call that differs in any
+value the ranks agree on plans anew, bad arguments are refused as without a cache, and cached results
+equal uncached ones and the float64 oracle."""
 import numpy as np
 import pytest
 from mpi4py import MPI
 
 import burst_hpc
 from burst_hpc.plan import callplan
+from burst_hpc.plan.decomposition import Request
 from burst_hpc.errors import BurstError, DTypeError, MaskError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from call_counts import ONCE_PER_PLAN, counted
@@ -81,7 +84,6 @@ def test_cached_and_uncached_results_are_identical():
 
 CHANGES = {   # name: (the arguments of the changed call, what the oracle needs to know of them)
     "offsets, same shape": dict(cu_seqlens=np.array([0, 6, 17, 18, 40, S])),
-    "offsets, int32": dict(cu_seqlens=CU.astype(np.int32)),
     "no documents": dict(cu_seqlens=None),
     "a window": dict(window=(5, 0)),
     "not causal": dict(causal=False),
@@ -101,6 +103,61 @@ def test_a_changed_argument_plans_anew(change, decisions):
     check_oracle(q, k, v, o, lse, **{name: changed.get(name) for name in ("causal", "cu_seqlens", "window", "scale")})
     forward(q, k, v, **changed)
     assert callplan.PLANS.hits == 1
+
+
+EQUAL = {   # name: arguments whose checked values equal the base call's (causal, CU): the same Decomposition
+    "offsets, int32": dict(cu_seqlens=CU.astype(np.int32)),
+    "offsets, a list": dict(cu_seqlens=CU.tolist()),
+    "the default scale said": dict(scale=8 ** -0.5),
+    "causal as 1": dict(causal=1),
+    "an unbounded window": dict(window=(-1, -1)),
+    "a window as an array": dict(window=np.array([-1, -1])),
+}
+
+
+@pytest.mark.parametrize("change", sorted(EQUAL))
+def test_calls_that_make_equal_decompositions_share_one_plan(change, decisions):
+    q, k, v, _ = inputs()
+    base = dict(cu_seqlens=CU, causal=True)
+    first = forward(q, k, v, **base)
+    again = forward(q, k, v, **dict(base, **EQUAL[change]))
+    assert (callplan.PLANS.hits, callplan.PLANS.misses, len(callplan.PLANS), len(decisions)) == (1, 1, 1, 1)
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+
+
+def request(size=1, **change):
+    return Request.checked(size, **dict(dict(seqlen=S, heads=4, kv_heads=2, head_dim=8, dtype="float64",
+                                             causal=True, cu_seqlens=CU), **change))
+
+
+AGREED_CHANGES = [dict(seqlen=2 * S, cu_seqlens=np.array([0, 7, 2 * S])), dict(batch=2), dict(heads=8),
+                  dict(kv_heads=4), dict(head_dim=16), dict(dtype="float32"), dict(causal=False), dict(window=(5, 0)),
+                  dict(scale=0.5), dict(layout="balanced"), dict(layout="auto"), dict(scheme="ring"),
+                  dict(transport="host"), dict(backward_ring="q"), dict(ranks_per_node=1), dict(backend="cuda"),
+                  dict(backward=False), dict(cu_seqlens=np.array([0, 6, 17, 18, 40, S]))]
+
+
+def test_a_request_differing_in_any_agreed_value_has_another_key(monkeypatch):
+    """Every value the ranks agree on (Request.agreement) is in the Decomposition's key: each change below
+    gives a key of its own, and together they change every agreed value (a value added to the agreement
+    without a change here fails the last assertion)."""
+    comm = MPI.COMM_SELF
+    base = request()
+    signature, arrays = base.agreement()
+    others = [request(**change) for change in AGREED_CHANGES] + [request(size=2)]
+    monkeypatch.setenv("BURST_HPC_EMULATE_NETWORK", "50,5")
+    others.append(request())
+    changed = set()
+    for other in others:
+        theirs, their_arrays = other.agreement()
+        changed |= {name for name in signature if theirs[name] != signature[name]}
+        if not np.array_equal(their_arrays["cu_seqlens"], arrays["cu_seqlens"]):
+            changed.add("cu_seqlens")
+    keys = {base.key(comm)} | {other.key(comm) for other in others}
+    assert len(keys) == len(others) + 1
+    assert len({key.shared for key in keys}) == len(keys)   # told apart by what the ranks compare, too
+    assert changed == set(signature) | {"cu_seqlens"}
 
 
 @pytest.mark.parametrize("change", ["shape", "dtype", "heads"])
@@ -166,8 +223,9 @@ def test_the_cache_keeps_the_most_recently_used():
     q, k, v, _ = inputs()
     cache = callplan.PlanCache(maxsize=2)
 
-    def plan(window):
-        return callplan.plan_call(MPI.COMM_SELF, q, k, v, True, None, None, "auto", window=window, cache=cache)
+    def plan(window=None, cache=cache):
+        return callplan.plan_call(MPI.COMM_SELF, q, callplan.checked_call(1, q, k, v, True, None, None, "auto",
+                                                                          window=window), cache=cache)
 
     first = plan((1, 0))
     plan((2, 0))
@@ -178,8 +236,8 @@ def test_the_cache_keeps_the_most_recently_used():
     plan((2, 0))
     assert (cache.hits, cache.misses) == (2, 4)
     nothing = callplan.PlanCache(maxsize=0)
-    callplan.plan_call(MPI.COMM_SELF, q, k, v, True, None, None, "auto", cache=nothing)
-    callplan.plan_call(MPI.COMM_SELF, q, k, v, True, None, None, "auto", cache=nothing)
+    plan(cache=nothing)
+    plan(cache=nothing)
     assert len(nothing) == 0 and nothing.misses == 2
 
 
@@ -198,36 +256,37 @@ def test_another_communicator_plans_anew():
 
 def test_a_setting_changes_the_key(monkeypatch):
     q, k, v, _ = inputs()
-    key = callplan.call_key(MPI.COMM_SELF, q, k, v, True, None, None, "auto", cu_seqlens=CU)
+
+    def key():
+        return callplan.checked_call(1, q, k, v, True, None, None, "auto", cu_seqlens=CU).key(MPI.COMM_SELF)
+
+    before = key()
+    assert key() == before and key().digest() == before.digest()
     monkeypatch.setenv("BURST_HPC_EMULATE_NETWORK", "50,5")
-    assert callplan.call_key(MPI.COMM_SELF, q, k, v, True, None, None, "auto", cu_seqlens=CU) != key
+    assert key() != before
 
 
-def test_keys_tell_argument_types_apart():
+def test_a_call_key_is_its_decompositions_key():
+    """The key a call is looked up by is the key of the Decomposition planned for it (one home for what
+    identifies a plan), and the cache keeps that Decomposition, with the plan bound to it."""
     q, k, v, _ = inputs()
-
-    def key(**kw):
-        return callplan.call_key(MPI.COMM_SELF, q, k, v, kw.pop("causal", True), kw.pop("scale", None), None, "auto",
-                                 **kw)
-
-    assert key(scale=1) != key(scale=1.0) != key(scale=True)
-    assert key(window=(1, 0)) != key(window=(True, 0))
-    assert key(causal=1) != key(causal=True) != key(causal=np.True_)
-    assert key(window=(1, 0)) != key(window=[1, 0]) != key(window=(np.int64(1), 0))
-    assert key(cu_seqlens=CU) == key(cu_seqlens=CU.copy()) != key(cu_seqlens=CU.astype(np.int32))
-    assert key(cu_seqlens=CU).digest() == key(cu_seqlens=CU.copy()).digest()
-    assert key(window=object()) is None   # not a plain argument: planned anew every call
-    assert key(cu_seqlens=[0, 2 ** 70]) is None   # unreadable as an integer array
+    call = callplan.checked_call(1, q, k, v, True, None, "balanced", "auto", cu_seqlens=CU, window=(3, 0))
+    plan = callplan.plan_call(MPI.COMM_SELF, q, call)
+    assert plan.decomposition.key == call.key(MPI.COMM_SELF)
+    (kept, digest), = callplan.PLANS.kept.values()
+    assert kept is plan.decomposition and digest == call.key(MPI.COMM_SELF).digest()
+    assert plan in kept.plans.values() and callplan.plan_call(MPI.COMM_SELF, q, call) is plan
 
 
-def test_an_argument_without_a_key_is_planned_and_refused_as_before():
+def test_a_bad_argument_has_no_key_and_is_refused_on_every_call():
     q, k, v, _ = inputs()
-    with pytest.raises(MaskError, match="1-D integer array"):
-        forward(q, k, v, cu_seqlens=[0, 2 ** 70])
-    forward(q, k, v, window=np.array([3, 0]))   # a window as an array: no key, planned every call
-    forward(q, k, v, window=np.array([3, 0]))
-    assert (callplan.PLANS.hits, callplan.PLANS.misses, len(callplan.PLANS)) == (0, 3, 0)
-
+    for bad in (dict(cu_seqlens=[0, 2 ** 70]), dict(window=object()), dict(window=(True, 0))):
+        call = callplan.checked_call(1, q, k, v, True, None, None, "auto", **bad)
+        assert call.key(MPI.COMM_SELF) is None and call.request is None
+        for _ in range(2):
+            with pytest.raises(MaskError):
+                forward(q, k, v, **bad)
+    assert (callplan.PLANS.hits, callplan.PLANS.misses, len(callplan.PLANS)) == (0, 6, 0)
 
 
 @pytest.mark.parametrize("layout, cu", [("zigzag", None), (None, CU), ("balanced", CU), ("chunks", CU)])

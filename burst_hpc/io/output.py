@@ -24,7 +24,7 @@ from .. import config
 from ..job import owner, publish, safety
 from ..collective import abort_job, agree, describe
 from ..errors import BurstError, FileError, ShapeError, size_text
-from ..plan.layout import as_layout
+from ..plan.layout import check_layout
 from .format import GRADS, TOKEN_AXIS, create_dataset, stamp, stored_dtype, write_slab
 
 # writes go straight to the file (no chunk cache): a failed write (disk full, quota) raises at the
@@ -131,8 +131,8 @@ class OutputFile:
         stamp(f, attrs)
 
     def write(self, shards, layout):
-        """Write this rank's shards ``{name: array}`` (local order of ``layout``, a plan.layout.Layout or
-        a layout's name) into their token slabs."""
+        """Write this rank's shards ``{name: array}`` (local order of ``layout``, a plan.layout.Layout)
+        into their token slabs."""
         import h5py
 
         err = None
@@ -192,7 +192,7 @@ class OutputFile:
             if array.dtype != np.dtype(dtype):
                 array = array.astype(dtype)
             offset = 0
-            for start, stop in as_layout(layout, shape[axis], self.size).slabs(self.rank):
+            for start, stop in check_layout(layout, shape[axis], self.size).slabs(self.rank):
                 src = (slice(None),) * axis + (slice(offset, offset + stop - start),)
                 dst = (slice(None),) * axis + (slice(start, stop),)
                 write_slab(f[name], dst, array[src])

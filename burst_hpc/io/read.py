@@ -13,7 +13,7 @@ import numpy as np
 from ..collective import agree
 from ..dtypes import accum_dtype, dtype_name, largest_magnitude, nonfinite
 from ..errors import DTypeError, FileError, MaskError, ShapeError
-from ..plan.layout import as_layout
+from ..plan.layout import check_layout
 from .format import INPUTS, dataset_dtype, read_slab
 
 
@@ -138,7 +138,7 @@ def read_shards(path, comm, layout, names=("q", "k", "v"), spec=None):
     """(InputSpec, {name: this rank's shard}) for ``names``; collective, errors agreed on every rank.
 
     Each rank reads only its own token slabs in ``layout`` (a plan.layout.Layout of the file's length
-    over the ranks of ``comm``, or a layout's name: both zigzag halves) with the file opened read-only.
+    over the ranks of ``comm``: both zigzag halves) with the file opened read-only.
     ``spec``: the file's InputSpec from :func:`inspect_input` (on this rank, with ``need`` covering
     ``names``), so the file is not inspected again; None inspects it here.
     """
@@ -150,7 +150,7 @@ def read_shards(path, comm, layout, names=("q", "k", "v"), spec=None):
                 spec = _inspect(f, path, names)
             else:
                 _check_inspected(spec, path, names)
-            layout = as_layout(layout, spec.seqlen, size)
+            check_layout(layout, spec.seqlen, size)
             for name in names:
                 shards[name] = read_tokens(f[name], layout.slabs(rank), spec.dtype)
     except Exception as e:  # noqa: BLE001 - every failure is agreed across ranks below

@@ -4,7 +4,8 @@
   topology, scheme, transport and backward ring), built from shapes and agreed by every rank in one
   collective; ``CallPlan``, a decomposition bound to the arrays' backend; :mod:`.decisions`: the
   decisions made from what was agreed;
-- :mod:`.callplan`: the plan of a call from its arrays, and the cache of plans;
+- :mod:`.callplan`: the plan of a call from its arrays (its arguments checked into the
+  decomposition's request), and the cache that keeps decompositions by their key;
 - :mod:`.layout`: ``Layout``, which global tokens each rank holds (contiguous, zigzag, balanced),
   its pieces, indices, HDF5 slabs, ``shard`` and ``unshard``;
 - :mod:`.masks`: causal, documents and windows as intervals of visible keys;

@@ -150,7 +150,7 @@ def zigzag(pr, cl):
 def auto_schemes(layout, cl):
     """The schemes ``scheme='auto'`` chooses among in ``layout`` (decisions.settled_scheme): the chunks
     layout's gather; else the flat ring on one node, and on several the schemes across nodes too."""
-    if layout.kind == "chunks":
+    if layout.placed_by_mask:
         return ("gather",)
     return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
 

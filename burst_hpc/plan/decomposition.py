@@ -13,6 +13,7 @@ The decomposition owns the layout (layout.Layout), the topology, the scheme, the
 backward ring, the schedules (cached by the scheme and schedule.py) and its open transports; the
 passes run on it once it is bound to the arrays' backend (callplan.CallPlan).
 """
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,6 +99,36 @@ class Request:
                 "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
                 "ranks_per_node": self.ranks_per_node, "emulated network": self.network, "backend": self.backend,
                 "backward": self.backward}
+
+    def agreement(self, call=None):
+        """(signature, arrays): what every rank must pass alike, as collective.agree compares it: the
+        arguments by name (``call``'s entries, more of a library call's own, first) and the document
+        offsets (compared by digest)."""
+        return dict(call or {}, **self.signature()), {"cu_seqlens": None if self.mask is None else self.mask.cu_seqlens}
+
+    def key(self, comm, call=None):
+        """The DecompositionKey of this request over ``comm`` (``call`` as :meth:`agreement` takes it): the
+        agreed signature, the mask's key (the document offsets by content) and the ranks."""
+        signature, _ = self.agreement(call)
+        mask = None if self.mask is None else self.mask.key
+        return DecompositionKey((self.size, tuple(signature.items()), mask), (id(comm), config.plan_settings()))
+
+
+@dataclass(frozen=True)
+class DecompositionKey:
+    """What identifies a Decomposition, hashable (the plan cache keeps decompositions by it,
+    callplan.PlanCache). ``shared``: what its ranks agreed on (the request's signature, values as
+    checked: scale resolved, dtype by name, layout as said; the mask's key: document offsets by
+    content), the same on every rank whose arguments agree whatever their Python types (1 or True,
+    int32 or int64 offsets); ``local``: this rank's communicator (its id:
+    the decomposition holds it alive, so the id is not reused while the key is) and BURST_HPC_*
+    settings (config.plan_settings)."""
+    shared: tuple
+    local: tuple
+
+    def digest(self):
+        """16 bytes from ``shared``, the same on every rank that agrees: what the ranks compare."""
+        return hashlib.blake2b(repr(self.shared).encode(), digest_size=16).digest()
 
 
 def open_transport(name, comm, xp):
@@ -199,22 +230,27 @@ class Decomposition:
 
     def settle(self, comm, request, error=None, call=None):
         """Collective: agree on ``request`` (one allgather, with each rank's machine), then decide."""
-        facts, signature = None, None
+        facts, signature, arrays = None, None, {"cu_seqlens": None}
         if request is not None:
             try:
                 facts = machine_facts(request)
-                signature = dict(call or {}, **request.signature())
+                signature, arrays = request.agreement(call)
             except Exception as e:  # noqa: BLE001
                 error = as_burst_error(e)
-        offsets = None if request is None or request.mask is None else request.mask.cu_seqlens
-        everyone = agree(comm, error, signature, {"cu_seqlens": offsets}, facts=facts)
-        self.comm, self.rank, self.size, self.request = comm, comm.rank, comm.size, request
+        everyone = agree(comm, error, signature, arrays, facts=facts)
+        self.comm, self.rank, self.size, self.request, self.call = comm, comm.rank, comm.size, request, call
         try:
             self.decide(request, everyone)
         except BurstError as e:   # decided from agreed values and every rank's facts: the same on every rank
             e.agreed = True
             raise
-        self.plans = {}   # (array kind, device, backward) -> its CallPlan (callplan.bound_call)
+        self.plans = {}   # binding(q, directions) -> its CallPlan (bound)
+
+    @property
+    def key(self):
+        """What identifies this decomposition (DecompositionKey: what its ranks agreed on, its
+        communicator and the settings)."""
+        return self.request.key(self.comm, self.call)
 
     def decide(self, request, everyone):
         """The layout, topology, transport, scheme and backward ring, from the agreed ``request`` and
@@ -306,6 +342,14 @@ class Decomposition:
         of the passes ``directions`` are compiled once per node)."""
         return CallPlan(self, get_backend(q), directions)
 
+    def bound(self, q, directions):
+        """The CallPlan of this decomposition for arrays like ``q`` and the passes ``directions``: bound
+        once (:meth:`bind`, collective on the GPU) and kept in ``plans`` by :func:`binding`."""
+        key = binding(q, directions)
+        if key not in self.plans:
+            self.plans[key] = self.bind(q, directions)
+        return self.plans[key]
+
     def attention(self, q, k, v, on_step=None):
         """This rank's (o, lse) of exact attention (burst_attention's result) on its shards of q, k, v."""
         return bound_call(self, "forward", (q, k, v), on_step)
@@ -341,6 +385,12 @@ class CallPlan:
     size = property(lambda self: self.decomposition.size)
 
 
+def binding(q, directions):
+    """What a CallPlan binds a decomposition to: the module of arrays like ``q``, their device and the
+    passes ``directions`` it prepares."""
+    return type(q).__module__, getattr(getattr(q, "device", None), "id", None), tuple(directions)
+
+
 def bound_call(decomposition, name, arrays, on_step=None):
     """Collective: the forward (``arrays`` q, k, v) or backward (do, q, k, v, o, lse) pass ``name`` on
     ``decomposition`` (Decomposition.attention): the arrays checked against it, the verdict agreed
@@ -362,10 +412,7 @@ def bound_call(decomposition, name, arrays, on_step=None):
     except Exception as e:  # noqa: BLE001
         error = as_burst_error(e)
     agree(d.comm, error, {"pass": name, "arrays": type(q).__module__.split(".")[0]})
-    key = (type(q).__module__, getattr(getattr(q, "device", None), "id", None), backward)
-    if key not in d.plans:
-        d.plans[key] = d.bind(q, ("bwd",) if backward else ("fwd",))
-    plan = d.plans[key]
+    plan = d.bound(q, ("bwd",) if backward else ("fwd",))
     with array_device(q), one_fails_all(d.comm, f"Decomposition.attention{'_backward' if backward else ''}"):
         if backward:
             return plan.passes.backward(d.ring, *arrays, on_step=on_step)
@@ -377,4 +424,4 @@ def as_burst_error(error):
     return error if isinstance(error, BurstError) else BurstError(describe(error))
 
 
-__all__ = ["Decomposition", "CallPlan", "Request"]
+__all__ = ["Decomposition", "CallPlan", "Request", "DecompositionKey"]

@@ -41,6 +41,9 @@ class Layout:
     balances_by_schedule : bool
         Whether the visible work of a masked call is balanced by the schedule (the balanced layout's
         helpers, balance.py) rather than by the placement of tokens.
+    placed_by_mask : bool
+        Whether the tokens were placed by the mask (the chunks layout): a rank's chunks lie anywhere
+        in the sequence, so ``scheme='auto'`` moves them by 'gather' (costmodel.auto_schemes).
     grain : int
         Tokens every run is made of: the chunks layout's chunk, else the largest length that
         divides every run and start (what the gather schedule sends whole).
@@ -79,6 +82,10 @@ class Layout:
         if self.chunk is not None:
             return self.chunk
         return int(np.gcd.reduce([x for runs in self.runs for run in runs for x in run]))
+
+    @property
+    def placed_by_mask(self):
+        return self.kind == "chunks"
 
     def is_default(self, causal):
         """Whether this is the layout a call names none gets (:func:`default_kind`)."""
@@ -275,11 +282,19 @@ def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS):
 
 def as_layout(layout, seqlen, size, mask=None):
     """``layout`` (a Layout or a kind's name) as the Layout of ``seqlen`` tokens over ``size`` ranks:
-    a name made into one here, a Layout checked to be of these sizes."""
-    if not isinstance(layout, Layout):
-        if not isinstance(layout, str):
-            raise LayoutError(f"layout must be a Layout or one of {', '.join(LAYOUTS)}; got {layout!r}")
+    a name made into one here, a Layout checked to be of these sizes (:func:`check_layout`)."""
+    if isinstance(layout, str):
         return make_layout(layout, seqlen, size, mask)
+    if not isinstance(layout, Layout):
+        raise LayoutError(f"layout must be a Layout or one of {', '.join(LAYOUTS)}; got {layout!r}")
+    return check_layout(layout, seqlen, size)
+
+
+def check_layout(layout, seqlen, size):
+    """``layout`` when it is a Layout of ``seqlen`` tokens over ``size`` ranks, else a LayoutError:
+    what the layers below the edge take (a name is made into a Layout there, :func:`as_layout`)."""
+    if not isinstance(layout, Layout):
+        raise LayoutError(f"layout must be a Layout (make_layout makes one of a name); got {layout!r}")
     if (layout.seqlen, layout.size) != (seqlen, size):
         raise LayoutError(f"{layout!r} is of {layout.seqlen} tokens over {layout.size} ranks; the call's sequence "
                           f"is {seqlen} tokens over {size} ranks")
