@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ import pytest
 from burst_hpc.backends import padding
 from burst_hpc.backends.cuda import FAMILIES, contract, launch
 from burst_hpc.backends.cuda.backend import route
+from burst_hpc.errors import BackendError
 
 CUDA = Path(__file__).resolve().parents[1] / "cuda"
 INPUT_DTYPES = {"bfloat16": np.dtype("bfloat16"), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
@@ -86,6 +88,86 @@ def test_every_routed_kernel_is_listed():
 def test_routes():
     assert [route(d, (64, 128)) for d in (32, 64, 100, 128, 129)] == ["padded", "native", "padded", "native", "wide"]
     assert routed_width("sm90", "bwd", 200) == 256 and routed_width("sm80", "bwd", 200) is None
+
+
+# ---- the kernels' arguments -----------------------------------------------------------------------------------
+def compiled_layout(header, structs):
+    """{struct: (sizeof, {field path: offset})} of the structs in the C header ``header``, from a host program
+    g++ compiles (the layout nvcc gives a kernel parameter is the host's), for the fields ``params_dtype`` names."""
+    lines = ["#include <cstdio>", f'#include "{header}"', "int main() {"]
+    for struct in structs:
+        lines.append(f'  {{ {struct} x; std::printf("{struct} sizeof %zu\\n", sizeof x);')
+
+        def walk(dtype, path):
+            for name in dtype.names:
+                sub = dtype.fields[name][0]
+                if sub.names:
+                    walk(sub, f"{path}{name}.")
+                else:
+                    lines.append(f'    std::printf("{struct} {path}{name} %td\\n", '
+                                 f'(char*)&x.{path}{name} - (char*)&x);')
+
+        walk(contract.params_dtype(struct), "")
+        lines.append("  }")
+    lines.append("}")
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "layout.cpp").write_text("\n".join(lines))
+        subprocess.run(["g++", "-std=c++17", "-o", f"{tmp}/layout", f"{tmp}/layout.cpp"], check=True, timeout=120)
+        out = subprocess.run([f"{tmp}/layout"], capture_output=True, text=True, check=True).stdout
+    layout = {struct: [0, {}] for struct in structs}
+    for struct, field, value in (line.split() for line in out.splitlines()):
+        if field == "sizeof":
+            layout[struct][0] = int(value)
+        else:
+            layout[struct][1][field] = int(value)
+    return {struct: tuple(v) for struct, v in layout.items()}
+
+
+def record_layout(dtype, at=0, path=""):
+    """{field path: offset} of a NumPy record, nested records flattened as a.b."""
+    fields = {}
+    for name in dtype.names:
+        sub, offset = dtype.fields[name][:2]
+        fields.update(record_layout(sub, at + offset, f"{path}{name}.") if sub.names
+                      else {f"{path}{name}": at + offset})
+    return fields
+
+
+def assert_records_match_the_compiler(header, structs):
+    compiled = compiled_layout(header, structs)
+    for struct in structs:
+        dtype = contract.params_dtype(struct)
+        assert compiled[struct] == (dtype.itemsize, record_layout(dtype)), struct
+
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the compiler's struct layout)")
+
+
+@needs_gxx
+def test_kernel_args_records_are_laid_out_as_the_structs():
+    assert_records_match_the_compiler(CUDA / contract.HEADER, ["PairParams", "KvOut", *contract.PARAMS.values()])
+    for (family, direction), struct in contract.PARAMS.items():  # each family kernel takes its struct by value
+        assert f"const __grid_constant__ {struct} args" in (CUDA / contract.SOURCES[family, direction]).read_text()
+
+
+@needs_gxx
+def test_kernel_args_layout_rules(tmp_path, monkeypatch):
+    """The layout cases the header may grow into: a base's tail padding (not reused by the derived struct's
+    fields), a nested struct, several names to a declaration, 4-byte fields before 8-byte ones."""
+    (tmp_path / contract.HEADER).write_text("""typedef long long i64;
+struct Tail { i64 a; int b; };          // 12 bytes of fields, sizeof 16
+struct Derived : Tail { int c; };       // c at 16, not 12
+struct Inner { int x; };
+struct Outer : Inner { const unsigned char* p; Inner in; float f, g; int *r, s; i64 t; Derived d; };
+""")
+    monkeypatch.setenv("BURST_HPC_CUDA_DIR", str(tmp_path))
+    assert record_layout(contract.params_dtype("Derived"))["c"] == 16
+    assert_records_match_the_compiler(tmp_path / contract.HEADER, ["Tail", "Derived", "Inner", "Outer"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / contract.HEADER).write_text("struct Bad { char c; };\n")
+    monkeypatch.setenv("BURST_HPC_CUDA_DIR", str(tmp_path / "bad"))
+    with pytest.raises(BackendError, match="type char"):
+        contract.params_dtype("Bad")
 
 
 # ---- the preprocessed text ------------------------------------------------------------------------------------

@@ -1,5 +1,6 @@
 """Kernel arguments, shared by both families' launches: inputs as 16-bit arrays the kernels can read,
-float32 accumulators they can write, strides, mask bounds, and the GPU's size for the schedules.
+float32 accumulators they can write, strides, mask bounds, each family kernel's arguments as one record of its
+contract.cuh struct (``kernel_args``), and the GPU's size for the schedules.
 
 Every launch goes on CuPy's current stream; nothing here synchronizes the device.
 """
@@ -8,6 +9,7 @@ import functools
 import numpy as np
 
 from ...errors import BackendError
+from . import contract
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: they take scale * log2(e)
 
@@ -124,6 +126,40 @@ def mask_args(mask, q_start, sq, k_start):
         return (np.uint64(0), np.uint64(0), np.int64(0))
     lo, hi = mask.device_intervals(cupy)
     return (lo[q_start:q_start + sq], hi[q_start:q_start + sq], np.int64(k_start))
+
+
+def address(x):
+    """What a kernel argument field holds for x: a device array's address, 0 for None (a null pointer), else x."""
+    if x is None:
+        return 0
+    ptr = getattr(getattr(x, "data", None), "ptr", None)
+    return x if ptr is None else ptr
+
+
+def set_fields(args, **fields):
+    """Set fields of the kernel arguments ``args`` by name (``address`` of each value)."""
+    for name, value in fields.items():
+        args[name] = address(value)
+
+
+def set_array(args, name, x, stride_fields):
+    """Field ``name`` of ``args`` = x's device address, and the fields ``stride_fields`` (names, in x's axis
+    order) = its strides in elements; x None: they stay null and zero."""
+    if x is not None:
+        set_fields(args, **{name: x}, **dict(zip(stride_fields.split(), strides(x))))
+
+
+def kernel_args(struct, q, k, *, scale, q_start, k_start, mask, **fields):
+    """A kernel's arguments: a one-element array of contract.cuh's ``struct`` (CuPy passes a one-element NumPy
+    array by value, as the struct's bytes), zero but for its block pair (PairParams: shapes from q and k, the
+    scale, q_start - k_start, the mask's bounds) and ``fields`` (``set_fields``)."""
+    b, sq, hq, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    mlo, mhi, kofs = mask_args(mask, q_start, sq, k_start)
+    args = np.zeros(1, contract.params_dtype(struct))
+    set_fields(args, mlo=mlo, mhi=mhi, kofs=kofs, off=int(q_start) - int(k_start), Sq=sq, Sk=sk, B=b, Hq=hq,
+               Hkv=hkv, group=hq // hkv, scale=scale, sl2=scale * LOG2E, **fields)
+    return args
 
 
 @functools.cache
