@@ -96,7 +96,7 @@ test-phdf5: $(PHDF5_STAMP)
 	  timeout $(MPI_TIMEOUT) $(PHDF5_MPIEXEC) -n $$n $(PHDF5_PY) -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests/test_io.py; \
 	done; \
 	echo "== CLI I/O guarantees with parallel HDF5 =="; \
-	$(PHDF5_PY) -m pytest -q -p no:cacheprovider tests/test_jobsafety.py
+	$(PHDF5_PY) -m pytest -q -p no:cacheprovider tests/test_jobsafety.py tests/test_leftovers.py
 
 # sm90 sources need the arch-specific target (plain -arch=sm_90a gives no sm_90a code with nvcc 13);
 # one line per kernel: registers and spills from the ptxas report; ptxas warnings in full, its numbered

@@ -8,15 +8,20 @@ the rest);
 ``zigzag_forward(q, k, v)`` and ``zigzag_backward(do, q, k, v, o, lse)`` run the ring on zigzag
 shards. Checked against the oracle in mpi_tests/test_ring.py (CPU) and test_ring_gpu.py.
 """
-from burst_hpc.layout import relayout
+from burst_hpc.plan.layout import make_layout, relayout
+
+
+def placed(x, axis, exchange, *kinds):
+    """The Layouts of ``kinds`` for the sequence whose shard on this rank is ``x``."""
+    return [make_layout(kind, x.shape[axis] * exchange.size, exchange.size) for kind in kinds]
 
 
 def to_zigzag(exchange, *arrays, axis=1):
-    return [relayout(x, "contiguous", "zigzag", exchange, axis=axis) for x in arrays]
+    return [relayout(x, *placed(x, axis, exchange, "contiguous", "zigzag"), exchange, axis=axis) for x in arrays]
 
 
 def to_contiguous(exchange, *arrays, axis=1):
-    return [relayout(x, "zigzag", "contiguous", exchange, axis=axis) for x in arrays]
+    return [relayout(x, *placed(x, axis, exchange, "zigzag", "contiguous"), exchange, axis=axis) for x in arrays]
 
 
 def forward(exchange, zigzag_forward, q, k, v):

@@ -20,12 +20,13 @@ rank has handed to the network so far (ring: every exchange; collectives: what l
 import numpy as np
 
 import burst_hpc
-from burst_hpc.backends import get_backend
+from burst_hpc.backends import backward_ends, forward_ends, get_backend
 from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.collective import agree
 from burst_hpc.dtypes import accum_dtype
 from burst_hpc.errors import BurstError
-from burst_hpc.merge import array_module, merge_weights
+from burst_hpc.device import array_module
+from burst_hpc.engine.merge import merge_weights
 from burst_hpc.validate import check_qkv, resolve_scale
 
 METHODS = ("burst", "untiled-ring", "allgather-kv", "ulysses")
@@ -73,8 +74,13 @@ class UntiledBackend:
         if mask is not None:
             raise BurstError("the untiled baseline knows plain causal masks only, not documents or windows")
 
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None):
+    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None, first=False,
+                      out=None):
         self._plain(mask)
+        forward_ends(self.xp, lambda o, lse: self._forward(q, k, v, o, lse, scale, causal, q_start, k_start), o, lse,
+                     first=first, out=out)
+
+    def _forward(self, q, k, v, o, lse, scale, causal, q_start, k_start):
         xp, acc = self.xp, o.dtype
         group = q.shape[2] // k.shape[2]
         for b in range(q.shape[0]):
@@ -92,8 +98,15 @@ class UntiledBackend:
                 lse[b, h] = merged
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
-                       mask=None):
+                       mask=None, o=None, **ends):
         self._plain(mask)
+
+        def run(delta, dq, dk, dv):
+            self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start)
+
+        backward_ends(self.xp, run, self.delta, do, o, delta, dq, dk, dv, **ends)
+
+    def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start):
         xp, acc = self.xp, dq.dtype
         group = q.shape[2] // k.shape[2]
         for b in range(q.shape[0]):
@@ -194,7 +207,7 @@ class _Collective:
             self.batch, self.local, _, self.heads, self.kv_heads, self.head_dim = check_qkv(q, k, v)
             self.size, self.rank = comm.size, comm.rank
             self.seqlen = self.local * self.size
-            self.pieces = burst_hpc.layout.pieces(self.seqlen, self.rank, self.size, layout)
+            self.pieces = burst_hpc.plan.layout.as_layout(layout, self.seqlen, self.size).pieces(self.rank)
             self.check()
         except BurstError as e:
             error = e

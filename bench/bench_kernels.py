@@ -47,8 +47,8 @@ import cupy
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from burst_hpc import masks  # noqa: E402
-from burst_hpc.accounting import attention_flops, visible_pairs  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
+from burst_hpc.plan.accounting import attention_flops, visible_pairs  # noqa: E402
 from burst_hpc.backends import cuda  # noqa: E402
 from timing import cupy_sample, torch_sample  # noqa: E402
 

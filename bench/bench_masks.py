@@ -21,7 +21,8 @@ import numpy as np
 import burst_hpc
 import evidence
 from bench_ring import gpu_job, timed
-from burst_hpc import masks
+from burst_hpc.plan import masks
+from burst_hpc.plan.layout import make_layout
 
 
 def pair_flops(visible_pairs, heads, dim, backward):
@@ -76,9 +77,9 @@ def main():
         kw = dict(comm=comm, causal=True, layout=layout, transport=args.transport, cu_seqlens=docs, window=window)
         o, lse = burst_hpc.burst_attention(q, k, v, **kw)
         row = {"run": label, "layout": layout, "P": P, "tokens": S,
-               "steps": masks.ring_steps(mask, P, layout), "pairs": visible_pairs(mask, S, True)}
+               "steps": masks.ring_steps(mask, make_layout(layout, S, P)), "pairs": visible_pairs(mask, S, True)}
         if mask is not None:
-            work = masks.rank_work(mask, P, layout)
+            work = masks.rank_work(mask, make_layout(layout, S, P))
             row["imbalance"] = max(work) / (sum(work) / P)
         for pass_ in args.passes.split(","):
             backward = pass_ == "fwdbwd"

@@ -18,7 +18,9 @@ import numpy as np
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc import costmodel
+from burst_hpc.plan import costmodel
+from burst_hpc.plan.rates import Rates
+from burst_hpc.plan.accounting import attention_flops, visible_pairs
 from burst_hpc.benchmark import RingBenchmark
 from burst_hpc.dtypes import parse_dtype
 from burst_hpc.config import emulated_network as setting
@@ -78,8 +80,9 @@ def main():
     fwd_compute = next(r[2][1] for r in rows if r[:2] == ("ring", "fwd"))
     all_compute = next(r[2][1] for r in rows if r[:2] == ("ring", "fwdbwd"))
     network = setting()
-    rates = costmodel.Rates("this run", pr.flops() / cl.ranks / fwd_compute / 1e12,
-                            pr.flops(True) / cl.ranks / max(all_compute - fwd_compute, 1e-12) / 1e12,
+    flops = [attention_flops(1, args.heads, args.head_dim, visible_pairs(pr.seqlen, args.causal), b) for b in (0, 1)]
+    rates = Rates("this run", flops[0] / cl.ranks / fwd_compute / 1e12,
+                            flops[1] / cl.ranks / max(all_compute - fwd_compute, 1e-12) / 1e12,
                             args.intra_gbps, network[0] / 1e9 if network else args.inter_gbps, 10.0,
                             network[1] * 1e6 if network else 10.0)
     if comm.rank:
@@ -97,9 +100,9 @@ def main():
         full, compute = result
         p = costmodel.predict(scheme, pr, cl, replace(rates))
         predicted = p.fwd.time if name == "fwd" else p.fwdbwd
-        exposed = p.fwd.exposed if name == "fwd" else p.exposed_fwdbwd
+        exposed = p.fwd.exposed if name == "fwd" else p.exposed
         print(f"| {scheme} | {name} | {full:.4g} | {compute:.4g} | {max(full - compute, 0) / full:.1%} | "
-              f"{predicted:.4g} | {exposed / predicted:.1%} |")
+              f"{predicted:.4g} | {exposed:.1%} |")
 
 
 if __name__ == "__main__":

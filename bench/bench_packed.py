@@ -20,13 +20,20 @@ backward, 3.5x forward+backward. MagiAttention counts the same (calculate_attn_f
 2.5x, a causal document of L tokens has area L(L+1)/2, as visible_pairs counts), so one figure serves both
 conventions. FA3's figures are read off MagiAttention's H100 chart (fwd+bwd derived from the two).
 
-Then a torch.profiler trace of our calls names every kernel they launch; "outside" is the share of a call's timed
-length not spent in attention kernels (attn_fwd*/attn_bwd* with a head-dim tag; delta, casts, fills, memsets and
-gaps all count as outside), and "attention kernels alone" our rate were nothing outside them.
+Each of our passes is also queued behind a kernel that keeps the GPU busy: "GPU alone" is our rate without launch
+gaps between calls (every kernel of the call counted), "host ms" the host's time to issue one call. Where the host
+ms exceed the timed call's length, the call is host-bound.
+
+After every set is timed (a torch.profiler session leaves CUPTI attached and slows the host side of every call
+after it; TEARDOWN_CUPTI=1 is set unless given), a torch.profiler trace of our calls names every kernel they
+launch; "outside" is the share of a call's timed length not spent in attention kernels (attn_fwd*/attn_bwd* with a
+head-dim tag; delta, casts, fills, memsets and gaps all count as outside), and "attention kernels alone" our rate
+were nothing outside them.
 
     python3 bench/bench_packed.py [--seqs 8192,16384,32768] [--dists uniform,magi] [--sets 2] [--reps 10]
                                   [--impls ours,varlen_attn,flex] [--md out.md] [--json out.json]
-    python3 bench/bench_packed.py --dry-run        # no GPU: the document sets, FLOP counts and FA3 figures
+    python3 bench/bench_packed.py --dry-run        # no GPU: the document sets, FLOP counts, FA3 figures, and the
+                                                   # share of useful pairs in the kernels' tiles (TILE_SHAPES)
 """
 import argparse
 import csv
@@ -47,9 +54,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from burst_hpc import masks  # noqa: E402
-from burst_hpc.accounting import BACKWARD_FLOPS, attention_flops, visible_pairs  # noqa: E402
-from burst_hpc.workload import documents  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
+from burst_hpc.plan.accounting import BACKWARD_FLOPS, attention_flops, visible_pairs  # noqa: E402
+from burst_hpc.plan.workload import documents  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 64, 8, 128
 PASSES = ("fwd", "bwd", "fwd+bwd")
@@ -64,6 +71,10 @@ FA3_H100 = {8192: (483, 318), 16384: (543, 375), 32768: (583, 425)}
 CHECK_TOLERANCE = 2e-2
 ATTENTION_KERNEL = re.compile(r"^attn_(fwd|bwd)\w*_d\d+")
 PROFILED_CALLS = 3
+HOST_SAMPLES = 3
+# tile shapes (query rows x keys) whose share of useful pairs --dry-run shows: the sm90 forward's (D = 128), the
+# same with the 8 query heads of a K/V group packed into its 128 rows (PackGQA: 16 positions), the backward's
+TILE_SHAPES = {"fwd 128 x 128": (128, 128), "fwd PackGQA 16 x 128": (16, 128), "bwd 64 x 128": (64, 128)}
 
 
 # ---------------------------------------------------------------- document sets and FLOPs (no GPU)
@@ -178,10 +189,9 @@ def median_ms(sample, fn, warm, reps):
     return statistics.median(sample(fn) for _ in range(reps))
 
 
-def time_ours(q, k, v, do, cu, reps):
-    """({pass: ms}, (o, dq, dk, dv), {pass: {kernel: us per call}}) of burst_hpc's public calls."""
+def our_calls(q, k, v, do, cu):
+    """{pass: fn} of burst_hpc's public calls on these inputs (the backward's o, lse from one forward call)."""
     import burst_hpc
-    from timing import cupy_sample
 
     kw = dict(causal=True, cu_seqlens=cu)
 
@@ -196,9 +206,24 @@ def time_ours(q, k, v, do, cu, reps):
     def fwdbwd():
         burst_hpc.attention_backward(do, q, k, v, *fwd(), **kw)
 
-    ms = {"fwd": median_ms(cupy_sample, fwd, 3, reps), "bwd": median_ms(cupy_sample, bwd, 2, reps),
-          "fwd+bwd": median_ms(cupy_sample, fwdbwd, 2, reps)}
-    return ms, (o,) + bwd(), {"fwd": kernel_times(fwd), "bwd": kernel_times(bwd)}
+    return {"fwd": fwd, "bwd": bwd, "fwd+bwd": fwdbwd}
+
+
+def time_ours(q, k, v, do, cu, reps):
+    """({pass: ms}, (o, dq, dk, dv), {pass: (host ms, GPU ms) per call}) of burst_hpc's public calls: the timed
+    call, its outputs, and each pass queued behind a busy GPU (the host's issue time; the GPU's time without
+    launch gaps), the median of HOST_SAMPLES."""
+    from timing import cupy_host_and_gpu_sample, cupy_sample
+
+    calls = our_calls(q, k, v, do, cu)
+    warm = {"fwd": 3, "bwd": 2, "fwd+bwd": 2}
+    ms = {p: median_ms(cupy_sample, fn, warm[p], reps) for p, fn in calls.items()}
+    split = {}
+    for p, fn in calls.items():
+        samples = [cupy_host_and_gpu_sample(fn) for _ in range(HOST_SAMPLES)]
+        split[p] = tuple(statistics.median(x) for x in zip(*samples))
+    o = calls["fwd"]()[0]
+    return ms, (o,) + calls["bwd"](), split
 
 
 def kernel_times(fn, calls=PROFILED_CALLS):
@@ -345,8 +370,8 @@ def measure_set(torch, seqlen, cu, impls, reps):
     flops = pass_flops(mask)
     q, k, v, do = bf16_inputs(seqlen)
     result = {"ms": {}, "diffs": {}, "ok": {}, "errors": {}}
-    ms, ours_out, kernels = time_ours(q, k, v, do, cu, reps)
-    result["ms"]["ours"], result["kernels"] = ms, kernels
+    ms, ours_out, result["split"] = time_ours(q, k, v, do, cu, reps)
+    result["ms"]["ours"] = ms
     reference = tuple(as_torch(torch, x)[0] for x in ours_out)
     for impl in impls:
         if impl == "ours":
@@ -363,14 +388,28 @@ def measure_set(torch, seqlen, cu, impls, reps):
         result["ok"][impl] = all(rel <= CHECK_TOLERANCE for _, rel in diffs.values())
         del fn, inputs, outputs
     result["tflops"] = {impl: {p: flops[p] / t / 1e9 for p, t in ms.items()} for impl, ms in result["ms"].items()}
-    result["outside"] = {p: outside_share(kernels[p], result["ms"]["ours"][p] * 1e3) for p in ("fwd", "bwd")}
-    both = {name: kernels["fwd"].get(name, 0.0) + kernels["bwd"].get(name, 0.0)
-            for name in set(kernels["fwd"]) | set(kernels["bwd"])}
-    result["outside"]["fwd+bwd"] = outside_share(both, result["ms"]["ours"]["fwd+bwd"] * 1e3)
+    result["gpu_tflops"] = {p: flops[p] / gpu / 1e9 for p, (_, gpu) in result["split"].items()}
     del q, k, v, do, ours_out, reference
     cupy.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
     return result
+
+
+def profile_set(seqlen, cu, result):
+    """Our calls' kernels on one set ({pass: {kernel: us per call}}) and the share of each timed pass outside
+    attention kernels, into ``result``. Runs after every set is timed: a torch.profiler session leaves CUPTI
+    attached to the process, which would slow the host side of every call timed after it."""
+    import cupy
+
+    q, k, v, do = bf16_inputs(seqlen)
+    calls = our_calls(q, k, v, do, cu)
+    kernels = result["kernels"] = {p: kernel_times(calls[p]) for p in ("fwd", "bwd")}
+    result["outside"] = {p: outside_share(kernels[p], result["ms"]["ours"][p] * 1e3) for p in ("fwd", "bwd")}
+    both = {name: kernels["fwd"].get(name, 0.0) + kernels["bwd"].get(name, 0.0)
+            for name in set(kernels["fwd"]) | set(kernels["bwd"])}
+    result["outside"]["fwd+bwd"] = outside_share(both, result["ms"]["ours"]["fwd+bwd"] * 1e3)
+    del q, k, v, do, calls
+    cupy.get_default_memory_pool().free_all_blocks()
 
 
 # ---------------------------------------------------------------- the report
@@ -385,16 +424,30 @@ def plan(args):
     return {(s, kind): document_sets(kind, s, args.sets) for s in args.seqs for kind in args.dists}
 
 
+def tile_use(mask, rows, keys):
+    """The share of the (query, key) pairs a kernel computes that ``mask`` leaves visible, when it runs blocks of
+    ``rows`` queries against the tiles of ``keys`` keys that some row of the block sees (the interval kernels do:
+    a block's visible keys are one run of tiles), every tile whole; None unless both divide the sequence."""
+    if mask.seqlen % rows or mask.seqlen % keys:
+        return None
+    counts = masks.block_counts(mask, rows, keys)
+    return float(counts.sum()) / (np.count_nonzero(counts) * rows * keys)
+
+
 def dry_run(sets):
     lines = ["| S | documents | set | count | longest | mean | fwd GFLOP | bwd GFLOP | fwd+bwd GFLOP | FA3 published "
-             "fwd / bwd / fwd+bwd |", "|---" * 10 + "|"]
+             "fwd / bwd / fwd+bwd | " + " | ".join(f"pairs used, {name}" for name in TILE_SHAPES) + " |",
+             "|---" * (10 + len(TILE_SHAPES)) + "|"]
     for (seqlen, kind), cus in sets.items():
         fa3 = fa3_published(seqlen)
         for index, cu in enumerate(cus):
-            d, flops = describe(cu), pass_flops(masks.make(seqlen, True, None, cu))
+            mask = masks.make(seqlen, True, None, cu)
+            d, flops = describe(cu), pass_flops(mask)
             lines.append(f"| {seqlen} | {kind} | {index} | {d['documents']} | {d['longest']} | {d['mean']:.0f} | "
                          + " | ".join(f"{flops[p] / 1e9:.1f}" for p in PASSES) + " | "
-                         + (" / ".join(f"{fa3[p]:.0f}" for p in PASSES) if fa3 else "-") + " |")
+                         + (" / ".join(f"{fa3[p]:.0f}" for p in PASSES) if fa3 else "-") + " | "
+                         + " | ".join(f"{use:.0%}" if use is not None else "-"
+                                      for use in (tile_use(mask, *shape) for shape in TILE_SHAPES.values())) + " |")
     return "\n".join(lines)
 
 
@@ -412,7 +465,7 @@ def report(results, args, device, versions):
     peers = [i for i in args.impls if i != "ours"]
     head = ["S", "documents (per set)", "pass"] + list(args.impls) + ["FA3 (published)"]
     head += [f"ours / {p}" for p in peers] + ["ours / FA3", "ours outside attention kernels",
-                                               "ours, attention kernels alone"]
+                                               "ours, attention kernels alone", "ours, GPU alone", "ours, host ms"]
     lines = [f"{datetime.date.today().isoformat()}, {device}, {versions}: `{command()}` (bf16, B = 1, Hq = {HEADS}, "
              f"Hkv = {KV_HEADS}, D = {HEAD_DIM}, causal documents; TFLOP/s over the visible pairs, backward 2.5x "
              f"forward (ours = MagiAttention's count), mean over {args.sets} document sets of the median of "
@@ -429,7 +482,10 @@ def report(results, args, device, versions):
                                                             for i in args.impls]
             cells.append(f"{fa3[p]:.0f}" if fa3 else "-")
             cells += [ratio(rates.get("ours"), rates[i]) for i in peers]
-            cells += [ratio(rates.get("ours"), fa3.get(p)), f"{outside:.0%}", f"{alone:.0f}"]
+            gpu = statistics.mean(r["gpu_tflops"][p] for r in rows)
+            host = statistics.mean(r["split"][p][0] for r in rows)
+            cells += [ratio(rates.get("ours"), fa3.get(p)), f"{outside:.0%}", f"{alone:.0f}", f"{gpu:.0f}",
+                      f"{host:.2f}"]
             lines.append("| " + " | ".join(cells) + " |")
     wrong = [(key, impl, r["diffs"][impl]) for key, rows in results.items() for r in rows
              for impl, ok in r["ok"].items() if not ok]
@@ -483,6 +539,8 @@ def main(argv=None):
         print(dry_run(sets))
         return sets
     import cupy
+
+    os.environ.setdefault("TEARDOWN_CUPTI", "1")   # the profiler lets CUPTI go when it ends (Kineto's switch)
     import torch
 
     device = cupy.cuda.runtime.getDeviceProperties(0)["name"].decode()
@@ -501,9 +559,13 @@ def main(argv=None):
             rows.append(row)
             print(json.dumps({"S": seqlen, "documents": kind, "set": index, **row["describe"],
                               "tflops": {i: {p: round(t, 1) for p, t in r.items()} for i, r in row["tflops"].items()},
-                              "outside": {p: round(x, 3) for p, x in row["outside"].items()},
+                              "ours_host_ms": {p: round(h, 3) for p, (h, _) in row["split"].items()},
+                              "ours_gpu_tflops": {p: round(t, 1) for p, t in row["gpu_tflops"].items()},
                               "max_rel_diff": {i: max(rel for _, rel in d.values()) for i, d in row["diffs"].items()},
                               "errors": row["errors"]}), flush=True)
+    for (seqlen, kind), rows in results.items():   # profiled last: see profile_set
+        for cu, row in zip(sets[seqlen, kind], rows):
+            profile_set(seqlen, cu, row)
     md = report(results, args, device, versions)
     print("\n" + md, flush=True)
     if args.md:

@@ -26,7 +26,7 @@ from mpi4py import MPI
 
 import burst_hpc
 from burst_hpc.benchmark import NoExchange, RingBenchmark
-from burst_hpc.accounting import backward_ring_bytes
+from burst_hpc.plan.accounting import backward_ring_bytes
 from burst_hpc.dtypes import parse_dtype
 from burst_hpc.transport import make_transport
 
@@ -54,7 +54,8 @@ def gpu_job(args):
     return comm, parse_dtype(args.dtype), args.kv_heads or args.heads
 
 
-def main():
+def _arguments():
+    """The benchmark's command line."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     evidence.problem_arguments(ap)
     ap.add_argument("--batch", type=int, default=1)
@@ -69,7 +70,38 @@ def main():
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--single", action="store_true", help="also time one GPU on the whole sequence")
     ap.add_argument("--out", default=None, help="append JSON lines and a markdown table here (rank 0)")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def _write_table(args, rows, singles, P, kv_heads):
+    """Rank 0: the markdown table of ``rows`` (and the one-GPU times ``singles``), printed and appended to --out."""
+    n = args.tokens_per_rank
+    S = n * P
+    dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
+    header = (f"\n### Ring, {P} x {dev}, {datetime.date.today()}: {'causal' if args.causal else 'non-causal'} "
+              f"{args.dtype}, B={args.batch}, H={args.heads}, Hkv={kv_heads}, D={args.head_dim}, "
+              f"{n} tokens per GPU ({S} total)\n\n`mpirun -np {P} python {' '.join(sys.argv)}`\n\n"
+              "| transport | layout | pass | ring | time (s) | compute only (s) | comm only (s) | TFLOP/s/GPU | overlap | "
+              "efficiency vs 1 GPU | peak GiB/rank |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = []
+    for row in rows:
+        eff = f"{singles[row['pass']] / (P * row['full']):.1%}" if row["pass"] in singles else "-"
+        fmt = lambda key: f"{row[key]:.3f}" if key in row else "-"  # noqa: E731
+        lines.append(f"| {row['transport']} | {row['layout']} | {row['pass']} | {row['ring']} | {fmt('full')} | "
+                     f"{fmt('compute')} | {fmt('comm')} | {row['tflops_per_gpu']:.0f} | "
+                     f"{format(row['overlap'], '.1%') if 'overlap' in row else '-'} | {eff} | {row['peak_gib']:.1f} |")
+    if singles:
+        lines.append(f"\nOne GPU, whole sequence ({S} tokens): " +
+                     ", ".join(f"{p} {t:.3f} s" for p, t in singles.items()))
+    table = header + "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        with open(args.out, "a") as f:
+            f.write(table)
+
+
+def main():
+    args = _arguments()
 
     comm, dtype, kv_heads = gpu_job(args)
     P, r = comm.size, comm.rank
@@ -143,27 +175,7 @@ def main():
         singles = comm.bcast(singles)
     if r != 0:
         return
-    dev = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
-    header = (f"\n### Ring, {P} x {dev}, {datetime.date.today()}: {'causal' if args.causal else 'non-causal'} "
-              f"{args.dtype}, B={args.batch}, H={args.heads}, Hkv={kv_heads}, D={args.head_dim}, "
-              f"{n} tokens per GPU ({S} total)\n\n`mpirun -np {P} python {' '.join(sys.argv)}`\n\n"
-              "| transport | layout | pass | ring | time (s) | compute only (s) | comm only (s) | TFLOP/s/GPU | overlap | "
-              "efficiency vs 1 GPU | peak GiB/rank |\n|---|---|---|---|---|---|---|---|---|---|---|\n")
-    lines = []
-    for row in rows:
-        eff = f"{singles[row['pass']] / (P * row['full']):.1%}" if row["pass"] in singles else "-"
-        fmt = lambda key: f"{row[key]:.3f}" if key in row else "-"  # noqa: E731
-        lines.append(f"| {row['transport']} | {row['layout']} | {row['pass']} | {row['ring']} | {fmt('full')} | "
-                     f"{fmt('compute')} | {fmt('comm')} | {row['tflops_per_gpu']:.0f} | "
-                     f"{format(row['overlap'], '.1%') if 'overlap' in row else '-'} | {eff} | {row['peak_gib']:.1f} |")
-    if singles:
-        lines.append(f"\nOne GPU, whole sequence ({S} tokens): " +
-                     ", ".join(f"{p} {t:.3f} s" for p, t in singles.items()))
-    table = header + "\n".join(lines) + "\n"
-    print(table)
-    if args.out:
-        with open(args.out, "a") as f:
-            f.write(table)
+    _write_table(args, rows, singles, P, kv_heads)
 
 
 if __name__ == "__main__":

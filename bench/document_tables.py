@@ -1,7 +1,7 @@
 """The tables of docs/RING.md, "Packed documents": each layout's balance from the schedule's own
 account (burst_hpc.schedule_work) for documents up to S/4 (MagiAttention's benchmark) and for
 long-tailed (lognormal, median 2k tokens) lengths, three seeds each, 8k tokens per rank; and the
-cost model's prediction step by step (costmodel.step_prediction, H100 rates, 8 GPUs a node) in
+cost model's prediction step by step (costmodel.pass_prediction, H100 rates, 8 GPUs a node) in
 MagiAttention's setting (bf16, D = 128, Hq = 64, Hkv = 8). No GPU needed.
 
     python bench/document_tables.py [--ranks 8,16,32,64] [--seeds 3]
@@ -11,10 +11,14 @@ import argparse
 import numpy as np
 
 import burst_hpc
-from burst_hpc import costmodel, masks
-from burst_hpc.workload import documents
+from burst_hpc.plan import costmodel, masks
+from burst_hpc.plan.accounting import visible_pairs
+from burst_hpc.plan.rates import GPU_RATES
+from burst_hpc.plan.layout import make_layout
+from burst_hpc.plan.workload import documents
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
+PREDICTED = LAYOUTS + ("chunks",)
 
 
 def document_set(kind, seqlen, seed):
@@ -45,25 +49,35 @@ def balance_table(kind, ranks_list, seeds, causal, tokens):
     return "\n".join(lines)
 
 
-def prediction_table(ranks_list, tokens, per_node=8):
-    rates = costmodel.GPU_RATES["H100"]
+# MagiAttention's published figures in this setting (8 x H100 a node; docs/source/blog/cp_benchmark.md and the
+# charts under assets/magi_attn/exp/distributed/h100/varlen_causal_mask/): GPUs -> (forward, backward) TFLOP/s per GPU
+MAGI_PUBLISHED = {8: (458, 360), 16: (426, 371), 32: (315, 333), 64: (237, 264)}
+
+
+def prediction_table(ranks_list, tokens, per_node=8, rates_name="H100"):
+    rates = GPU_RATES[rates_name]
     lines = [f"\nPredicted, documents up to S/4 (seed 0), causal, bf16, D = 128, Hq = 64, Hkv = 8, {tokens} tokens "
-             f"per GPU, {per_node} GPUs a node, H100 rates ({rates.fwd_tflops:g} / {rates.bwd_tflops:g} TFLOP/s, "
-             f"{rates.intra_gbps:g} GB/s NVLink, {rates.inter_gbps:g} GB/s network): TFLOP/s per GPU over the "
-             f"visible pairs at the slowest rank's pace, forward / backward, and the share of the time spent "
-             f"waiting for transfers\n",
-             "| GPUs | " + " | ".join(f"{layout}: TFLOP/s fwd / bwd (exposed fwd / bwd)" for layout in LAYOUTS) + " |",
-             "|---|" + "---|" * len(LAYOUTS)]
+             f"per GPU, {per_node} GPUs a node, {rates_name} rates ({rates.fwd_tflops:g} / {rates.bwd_tflops:g} TFLOP/s, "
+             f"{rates.intra_gbps:g} GB/s NVLink, {rates.inter_gbps:g} GB/s network, the built-in fixed costs): TFLOP/s "
+             f"per GPU over the visible pairs at the slowest rank's pace, forward / backward, each layout with the "
+             f"scheme scheme='auto' runs it with; MagiAttention's published figures beside them\n",
+             "| GPUs | " + " | ".join(f"{layout}: fwd / bwd (scheme)" for layout in PREDICTED) +
+             " | MagiAttention (published) fwd / bwd |",
+             "|---|" + "---|" * (len(PREDICTED) + 1)]
     for ranks in ranks_list:
         seqlen = tokens * ranks
         mask = masks.make(seqlen, True, None, document_set("up to S/4", seqlen, 0))
         problem = costmodel.Problem(1, seqlen, 64, 8, 128, 2, True)
+        cluster = costmodel.Cluster(max(1, ranks // per_node), min(ranks, per_node))
+        flops = 4.0 * visible_pairs(seqlen, True, mask) * 64 * 128 / ranks / 1e12
         cells = []
-        for layout in LAYOUTS:
-            preds = [costmodel.step_prediction(problem, ranks, rates, layout, mask, b, per_node) for b in (False, True)]
-            flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * p.mean / p.time for b, p in zip((False, True), preds)]
-            cells.append(f"{flops[0]:.0f} / {flops[1]:.0f} ({preds[0].exposed:.0%} / {preds[1].exposed:.0%})")
-        lines.append(f"| {ranks} | " + " | ".join(cells) + " |")
+        for layout in PREDICTED:
+            placed = make_layout(layout, seqlen, ranks, mask)
+            scheme = costmodel.pick(problem, cluster, rates, placed, mask)
+            preds = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, mask, b) for b in (False, True)]
+            cells.append(f"{flops / preds[0].time:.0f} / {flops * 2.5 / preds[1].time:.0f} ({scheme})")
+        magi = MAGI_PUBLISHED.get(ranks)
+        lines.append(f"| {ranks} | " + " | ".join(cells) + f" | {'%d / %d' % magi if magi else '-'} |")
     return "\n".join(lines)
 
 
@@ -72,12 +86,15 @@ def main(argv=None):
     ap.add_argument("--ranks", default="8,16,32,64")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--tokens-per-rank", type=int, default=8192)
+    ap.add_argument("--predicted", action="store_true", help="the prediction table alone")
+    ap.add_argument("--rates", default="H100", choices=sorted(GPU_RATES), help="built-in rates to predict with")
     args = ap.parse_args(argv)
     ranks = [int(x) for x in args.ranks.split(",")]
-    for kind in ("up to S/4", "lognormal"):
-        for causal in (True, False):
-            print(balance_table(kind, ranks, args.seeds, causal, args.tokens_per_rank))
-    print(prediction_table(ranks, args.tokens_per_rank))
+    if not args.predicted:
+        for kind in ("up to S/4", "lognormal"):
+            for causal in (True, False):
+                print(balance_table(kind, ranks, args.seeds, causal, args.tokens_per_rank))
+    print(prediction_table(ranks, args.tokens_per_rank, rates_name=args.rates))
 
 
 if __name__ == "__main__":

@@ -17,13 +17,13 @@ import time
 import ml_dtypes
 import numpy as np
 
-from burst_hpc.accounting import attention_flops, visible_pairs
+from burst_hpc.plan.accounting import attention_flops, visible_pairs
 
 GRADS = ("dq", "dk", "dv")
 
 
 def flops(seqlen, heads, dim, causal, backward):
-    """The FlashAttention count (burst_hpc.accounting) of the forward, or of forward + backward."""
+    """The FlashAttention count (burst_hpc.plan.accounting) of the forward, or of forward + backward."""
     pairs = visible_pairs(seqlen, causal)
     return attention_flops(1, heads, dim, pairs) + (attention_flops(1, heads, dim, pairs, True) if backward else 0)
 

@@ -22,7 +22,7 @@ import numpy as np
 from mpi4py import MPI
 
 from burst_hpc import io
-from burst_hpc.layout import pieces
+from burst_hpc.plan.layout import make_layout
 
 H, D = 16, 128
 ROW = H * D * 4  # bytes per token
@@ -61,6 +61,7 @@ def raw(comm, path, data, offset):
 
 def hdf5(comm, path, data, seqlen, mpio):
     spec = {"o": ((1, seqlen, H, D), np.float32)}
+    layout = make_layout("contiguous", seqlen, comm.size)
 
     def write():
         os.environ["BURST_HPC_HDF5_MPIO"] = "1" if mpio else "0"
@@ -70,7 +71,7 @@ def hdf5(comm, path, data, seqlen, mpio):
         out = io.OutputFile.create(path, comm, spec, overwrite=True)
         assert out.mpio == mpio
         try:
-            out.write({"o": data}, "contiguous")
+            out.write({"o": data}, layout)
             out.commit()
         except BaseException:
             out.abort()
@@ -79,10 +80,9 @@ def hdf5(comm, path, data, seqlen, mpio):
     def read():
         import h5py
 
-        runs = pieces(seqlen, comm.rank, comm.size, "contiguous")
         kwargs = {"driver": "mpio", "comm": comm} if mpio else {}
         with h5py.File(path, "r", **kwargs) as f:
-            got = io.read_tokens(f["o"], runs, np.float32)
+            got = io.read_tokens(f["o"], layout.slabs(comm.rank), np.float32)
         assert got.shape == data.shape
 
     return write, read

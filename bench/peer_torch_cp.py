@@ -32,7 +32,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.experimental import context_parallel
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import burst_hpc.layout
+import burst_hpc.plan.layout
 import evidence
 
 try:  # the options moved between torch releases
@@ -167,7 +167,7 @@ def reference_shards(args, rank, world, local):
         cupy.get_default_memory_pool().free_all_blocks()
     except ImportError:
         want = evidence.reference(*inputs, True)
-    shard = lambda x: burst_hpc.layout.shard(x, rank, world, "zigzag")  # noqa: E731
+    shard = lambda x: burst_hpc.plan.layout.shard(x, rank, world, "zigzag")  # noqa: E731
     return [shard(x) for x in inputs], {name: shard(x) for name, x in want.items()}
 
 

@@ -23,7 +23,8 @@ import cupy
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from burst_hpc import masks, reference  # noqa: E402
+from burst_hpc.plan import masks
+from burst_hpc import reference  # noqa: E402
 from burst_hpc.backends.cuda import CudaBackend  # noqa: E402
 
 

@@ -7,8 +7,8 @@ received, for the zigzag and balanced layouts (causal), forward and both backwar
 import argparse
 
 import evidence
-from burst_hpc.layout import pieces
-from burst_hpc.schedule import steps, visit_pairs
+from burst_hpc.plan.layout import make_layout
+from burst_hpc.plan.schedule import steps, visit_pairs
 
 
 def token_bytes(heads, kv_heads, dim, itemsize):
@@ -29,7 +29,8 @@ def visible(q_start, nq, k_start, nk):
 def table(layout, size, local, near, returns, sizes, pass_):
     """[(step, [work per rank], [bytes received per rank])]"""
     seqlen = local * size
-    plans = [steps(layout, True, r, size, near, returns, None, seqlen) for r in range(size)]
+    placed = make_layout(layout, seqlen, size)
+    plans = [steps(placed, True, r, near, returns) for r in range(size)]
     rows = []
     for t in range(len(plans[0])):
         work, received = [], []
@@ -37,7 +38,7 @@ def table(layout, size, local, near, returns, sizes, pass_):
             step = plans[r][t]
             done = 0
             for v in step.visits:
-                qp, kp = (tuple(pieces(seqlen, x, size, layout)) for x in (v.q_shard, v.kv_shard))
+                qp, kp = (placed.pieces(x) for x in (v.q_shard, v.kv_shard))
                 for p in visit_pairs(qp, kp, True, v.rows):
                     nq, nk = p.q.stop - p.q.start, p.k.stop - p.k.start
                     done += visible(p.q_start, nq, p.k_start, nk) if p.causal else nq * nk

@@ -53,3 +53,21 @@ def torch_gpu_sample(torch, fn, calls=BATCH, busy_ms=5.0):
     """The same with torch's CUDA events (torch's current stream must be CuPy's, the legacy default one)."""
     gpu_busy(busy_ms)
     return torch_sample(torch, fn, calls)
+
+
+def cupy_host_and_gpu_sample(fn, calls=BATCH, busy_ms=20.0):
+    """(host ms, GPU ms) per call of ``calls`` calls queued behind gpu_busy(busy_ms): the host's time to issue a
+    call (perf_counter, no synchronization inside) and the GPU's time to run it with no launch gaps between
+    calls (events; exact while the host issues the calls faster than busy_ms)."""
+    import time
+
+    gpu_busy(busy_ms)
+    a, b = cupy.cuda.Event(), cupy.cuda.Event()
+    a.record()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - t0) * 1e3 / calls
+    b.record()
+    b.synchronize()
+    return host, cupy.cuda.get_elapsed_time(a, b) / calls

@@ -1,5 +1,5 @@
 """Single-device attention: NumPy arrays run on the CPU backend, CuPy arrays on the CUDA kernels."""
-from . import masks
+from .plan import masks
 from .backends import get_backend
 from .dtypes import accum_dtype
 from .validate import check_like, check_qkv, check_same_kind, resolve_scale

@@ -23,7 +23,8 @@ methods in the same order. bench/bench_ring.py is the worked example.
 """
 from .backends import get_backend
 from .collective import world
-from .callplan import CallPlan, choose_backward_ring
+from .plan.callplan import plan_arrays
+from .plan.decisions import choose_backward_ring
 from .device import array_device
 from .errors import BurstError
 
@@ -72,17 +73,17 @@ class RingBenchmark:
         as burst_attention's; the bytes counted are those of the scheme's ring (``bytes_to``: per
         peer, ranks of ``network_peer``'s numbering), not of Ulysses' all-to-alls."""
         self.q, self.k, self.v = q, k, v
-        self._plan = CallPlan(world() if comm is None else comm, q, k, v, causal, scale, layout, transport,
-                           scheme=scheme, ranks_per_node=ranks_per_node)
-        self.scheme = self._plan.scheme
+        self._plan = plan_arrays(world() if comm is None else comm, q, k, v, causal, scale, layout, transport,
+                                 scheme=scheme, ranks_per_node=ranks_per_node)
+        d = self._plan.decomposition
+        self.scheme = d.scheme
         if backend is not None:
             self._plan.backend = get_backend(q, backend)
-        self.transport_name, self.layout = self._plan.transport_name, self._plan.layout
-        self.backward_ring = choose_backward_ring(backward_ring, self._plan.heads, self._plan.kv_heads,
-                                                  self._plan.head_dim, q.dtype.itemsize)
+        self.transport_name, self.layout = d.transport_name, d.layout
+        self.backward_ring = choose_backward_ring(backward_ring, d.heads, d.kv_heads, d.head_dim, q.dtype.itemsize)
         counted = {}   # id of a transport -> its _Counted (near and far may be one)
         self._near, self._far, self._inner = (None if t is None else counted.setdefault(id(t), _Counted(t))
-                                              for t in self._plan.transports())
+                                              for t in d.transports(self._plan.xp))
         self._lanes = tuple(counted.values())
         self._no_exchange = NoExchange(self._near)
 

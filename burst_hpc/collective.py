@@ -56,6 +56,28 @@ def abort_world(code=1):
         comm.Abort(code)
 
 
+_BEFORE_ABORT = []  # what this process undoes before it ends the job (job/safety.py: its temporary files)
+
+
+def before_abort(cleanup):
+    """Have ``cleanup()`` run first whenever this process ends the whole job (:func:`abort_job`). The
+    job's file handling registers the removal of its temporary files here, so this module, below it,
+    never imports it."""
+    if cleanup not in _BEFORE_ABORT:
+        _BEFORE_ABORT.append(cleanup)
+
+
+def abort_job(message):
+    """End the whole job now from this rank: the clean-ups of :func:`before_abort`, ``message`` as one
+    error line, then MPI_Abort (a plain exit for one process). For failures after which the ranks
+    cannot agree (they wait in different collectives)."""
+    for cleanup in _BEFORE_ABORT:
+        cleanup()
+    errors.say(message)
+    abort_world(1)
+    os._exit(1)
+
+
 def mpi_problem():
     """None when mpi4py loads an MPI library; else what is missing, in one line."""
     try:
@@ -107,18 +129,19 @@ def describe(error):
     return str(error) if isinstance(error, BurstError) else f"{type(error).__name__}: {error}"
 
 
-def agree(comm, error=None, signature=None, arrays=None):
+def agree(comm, error=None, signature=None, arrays=None, facts=None):
     """Collective. If any rank has an error, raise the lowest failing rank's on every rank, as
     the same BurstError subclass and with the same text (marked ``agreed = True``). Then, if
     ``signature`` (a dict) differs between ranks, raise RankMismatchError everywhere.
     ``arrays`` ({name: 1-D array or None}) must be equal on every rank too: they are compared by
-    digest, and a mismatch names the first position where they differ."""
+    digest, and a mismatch names the first position where they differ. ``facts``: anything this
+    rank tells the others in the same collective; returns every rank's, by rank."""
     mine = None if error is None else (type(error).__name__, describe(error), 0 if comm is None else comm.rank)
     if arrays:   # compared first: the mask's offsets decide other entries (the default layout)
         signature = dict({name: _digest(a) for name, a in arrays.items()}, **(signature or {}))
     single = comm is None or comm.size == 1
-    gathered = [(mine, signature)] if single else comm.allgather((mine, signature))
-    failed = [e for e, _ in gathered if e is not None]
+    gathered = [(mine, signature, facts)] if single else comm.allgather((mine, signature, facts))
+    failed = [e for e, _, _ in gathered if e is not None]
     if failed:
         name, message, rank = failed[0]
         cls = getattr(errors, name, None)
@@ -129,9 +152,9 @@ def agree(comm, error=None, signature=None, arrays=None):
         agreed = cls(message)
         agreed.agreed = True
         raise agreed from error
-    if any(theirs is not None for _, theirs in gathered):
+    if any(theirs is not None for _, theirs, _ in gathered):
         first = gathered[0][1] or {}
-        for rank, (_, theirs) in enumerate(gathered):
+        for rank, (_, theirs, _) in enumerate(gathered):
             theirs = theirs or {}
             for key in dict.fromkeys([*first, *theirs]):   # the same keys in the same order on every rank
                 if theirs.get(key) != first.get(key):
@@ -143,6 +166,7 @@ def agree(comm, error=None, signature=None, arrays=None):
                     mismatch = RankMismatchError(f"{text}; every rank must pass matching arguments")
                     mismatch.agreed = True
                     raise mismatch
+    return [theirs for _, _, theirs in gathered]
 
 
 def check_comm(comm):
@@ -185,8 +209,6 @@ def one_fails_all(comm, what):
     except (Exception, KeyboardInterrupt) as error:
         if comm is None or comm.size == 1:
             raise
-        from .jobsafety import abort_job
-
         sys.stderr.write(traceback.format_exc())
         abort_job(f"rank {comm.rank} failed inside {what}: {describe(error)}; ending every rank of the job "
                   f"(the others would wait for this one forever)")

@@ -1,4 +1,5 @@
-"""GPU selection: one rank per GPU, by node-local rank; and how to get CuPy, the GPU path's one extra."""
+"""GPU selection: one rank per GPU, by node-local rank; the array module and device of an array; and how
+to get CuPy, the GPU path's one extra."""
 
 # the packages of pyproject.toml's extras cuda12 and cuda13 (burst-hpc itself is not on the public index)
 HOW_TO_GET_CUPY = ("install the CuPy wheel for the driver's CUDA major version (nvidia-smi shows it): "
@@ -43,8 +44,36 @@ def gpus_shared(comm, device=None):
     return len(set(used)) < len(used)
 
 
+def array_module(x):
+    """The array module of ``x``: CuPy for a CuPy array, else NumPy."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy
+    import numpy
+
+    return numpy
+
+
 def array_device(x):
     """A CuPy array's device, as a context to enter; nothing to enter for a NumPy array."""
     import contextlib
 
     return x.device if type(x).__module__.startswith("cupy") else contextlib.nullcontext()
+
+
+def to_host(x):
+    """A NumPy array of ``x``: a copy from the GPU for a CuPy array, ``x`` itself for a NumPy array."""
+    if type(x).__module__.startswith("cupy"):
+        import cupy
+
+        return cupy.asnumpy(x)
+    import numpy
+
+    return numpy.asarray(x)
+
+
+def sync(xp):
+    """Wait for the GPU's queued work (nothing on NumPy)."""
+    if xp.__name__ != "numpy":
+        xp.cuda.Device().synchronize()

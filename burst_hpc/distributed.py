@@ -7,11 +7,12 @@ bytes. With the balanced layout and a causal mask, documents or a window the sch
 the visible work of every chunk pair to ranks instead (balance.py): a piece of rows runs on a
 rank the data travels to, which returns its partials (o, lse), dq or dk, dv to their owners.
 
-Each call is its plan (callplan.CallPlan: checked and agreed by every rank; callplan.plan_call reuses
+Each call is its plan (callplan.plan_arrays: the Decomposition of the shards' shapes, checked and agreed by
+every rank in one collective, bound to their backend; callplan.plan_call reuses
 a repeated call's) and its passes (passes.py), run so that an error on some ranks ends every rank
 (collective.one_fails_all).
 """
-from .callplan import plan_call
+from .plan.callplan import Backward, plan_call
 from .collective import check_comm, one_fails_all, world
 from .device import array_device
 
@@ -32,20 +33,24 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         Key j visible from query i only when j <= i (global positions).
     scale : float, optional
         Score scale (default D ** -0.5).
-    layout : {'contiguous', 'zigzag', 'balanced'}, optional
-        How the shards were cut (burst_hpc.shard). Default: zigzag when causal, contiguous otherwise;
-        with documents or a window masks.call_layout's pick for this call's shape
-        (costmodel.CallShape.of_call: the cost model's faster of balanced and the plain pick). 'balanced' shards are contiguous ones
-        (natural token order) with the visible work (causal, documents, windows) balanced by the
-        schedule.
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}, optional
+        How the shards were cut (burst_hpc.shard; a name is made into a Layout of the call's sequence
+        and ranks). Default: zigzag when causal, contiguous otherwise,
+        whatever ``cu_seqlens`` and ``window`` hold (a default never changes with the data). The
+        layout the cost model predicts fastest for this call is ``burst_hpc.choose_layout(...)``:
+        shard by it and pass it here. 'balanced' shards are contiguous ones (natural token order)
+        with the visible work (causal, documents, windows) balanced by the schedule; 'chunks' shards
+        are chunks placed by the mask (``burst_hpc.shard(..., causal=, cu_seqlens=, window=)``).
     transport : {'auto', 'host', 'mpi', 'nccl', 'staged'}
         How shards travel (auto: the fastest available, logged).
     cu_seqlens : 1-D integer array, optional
         Global document offsets [0, ..., S] of a packed sequence, the same on every rank.
     window : (int, int), optional
         (left, right) sliding window, -1 unbounded (flash-attn's meaning).
-    scheme : {'auto', 'ring', 'double_ring', 'ulysses_ring'}
-        How shards cross nodes (auto: the cost model's pick; 'ring' on one node).
+    scheme : {'auto', 'ring', 'double_ring', 'ulysses_ring', 'gather'}
+        How shards move: across nodes, or 'gather' (each rank receives only the keys and values its
+        queries see). auto: 'gather' for the chunks layout, else 'ring' on one node, else the cost
+        model's pick.
     ranks_per_node : int, optional
         Overrides the node detection (or BURST_HPC_RANKS_PER_NODE): one host can act as several nodes.
     on_step : callable, optional
@@ -78,8 +83,12 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         from mpi4py import MPI
         import burst_hpc
         r, P = MPI.COMM_WORLD.rank, MPI.COMM_WORLD.size
-        mine = lambda x: burst_hpc.shard(x, r, P, "zigzag")
-        o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True, layout="zigzag")
+        mine = lambda x: burst_hpc.shard(x, r, P, "zigzag")   # causal: the default layout
+        o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), causal=True)
+        # packed documents: the layout predicted fastest, the same on every rank
+        layout = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=q.shape[2], kv_heads=k.shape[2])
+        fast = lambda x: layout.shard(x, r)
+        o, lse = burst_hpc.burst_attention(fast(q), fast(k), fast(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     comm = world() if comm is None else check_comm(comm)
     plan = plan_call(comm, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
@@ -124,7 +133,7 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
         dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
     """
     comm = world() if comm is None else check_comm(comm)
-    plan = plan_call(comm, q, k, v, causal, scale, layout, transport, backward=(do, o, lse, backward_ring),
+    plan = plan_call(comm, q, k, v, causal, scale, layout, transport, backward=Backward(do, o, lse, backward_ring),
                      cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node)
     with array_device(q), one_fails_all(comm, "burst_attention_backward"):
         return plan.passes.backward(plan.ring, do, q, k, v, o, lse, on_step=on_step)

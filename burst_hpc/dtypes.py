@@ -7,7 +7,7 @@ import ml_dtypes
 import numpy as np
 
 from .errors import DTypeError
-from .merge import array_module
+from .device import array_module
 
 bfloat16 = np.dtype(ml_dtypes.bfloat16)
 SUPPORTED = (np.dtype(np.float16), bfloat16, np.dtype(np.float32), np.dtype(np.float64))

@@ -1,5 +1,6 @@
 """The project's exception types (all derive from BurstError, a ValueError, so callers can catch one),
-and the one writer of the lines the command prints about them ("burst-hpc: error: ...")."""
+the one writer of the lines the command prints about them ("burst-hpc: error: ...") and the one
+way those lines write a size (size_text)."""
 import sys
 
 
@@ -12,6 +13,18 @@ def say(message, kind="error"):
         sys.stdout.flush()
     except Exception:  # noqa: BLE001
         pass
+
+
+SIZE_UNITS = ("B", "KB", "MB", "GB", "TB", "PB", "EB")
+
+
+def size_text(nbytes):
+    """A byte count for people, in decimal units (1 KB = 1000 B): '950 B', '4.19 MB', '109 TB'. Every
+    message that prints a size says it so."""
+    value, unit = float(nbytes), 0
+    while abs(value) >= 999.5 and unit < len(SIZE_UNITS) - 1:
+        value, unit = value / 1000, unit + 1
+    return f"{value:.0f} B" if unit == 0 else f"{value:.3g} {SIZE_UNITS[unit]}"
 
 
 class BurstError(ValueError):
@@ -56,3 +69,7 @@ class MpiError(BurstError):
 
 class TopologyError(BurstError):
     """The ranks do not form equal nodes, or a scheme does not fit the nodes or the heads."""
+
+
+class UsageError(BurstError):
+    """A command line does not parse (on some rank of the job: every rank exits with the usage status)."""

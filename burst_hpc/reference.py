@@ -2,7 +2,7 @@
 
 Masks use global positions: query i sits at q_start + i, key j at k_start + j. So a block cut
 from a longer sequence can be checked on its own. Each mask is built densely from its
-definition (DESIGN.md), on purpose independently of burst_hpc.masks and the kernels:
+definition (DESIGN.md), on purpose independently of burst_hpc.plan.masks and the kernels:
 causal hides later keys, ``window=(left, right)`` hides keys more than left before or right
 after the query (-1: unbounded), ``cu_seqlens`` hides keys of other documents. Rows with every
 key hidden give o = 0, lse = -inf and zero gradients.
@@ -47,6 +47,29 @@ def visible(q_pos, k_pos, causal=False, window=None, cu_seqlens=None):
         document = lambda pos: np.searchsorted(cu, pos, side="right")  # the document holding each position
         seen &= document(i) == document(j)
     return seen
+
+
+def meets(positions, start, stop, causal=False, window=None, cu_seqlens=None, as_keys=False):
+    """Boolean (len(positions),): whether the query at each position sees some key of the run
+    [start, stop) of consecutive positions; ``as_keys``: whether the key at each position is seen by
+    some query of the run. From the definitions, like :func:`visible` (``visible(...).any(1)`` for a
+    run of keys), at the cost of one position each."""
+    p = np.asarray(positions, np.int64)
+    lo, hi = np.full_like(p, start), np.full_like(p, stop - 1)   # the other side's positions it can meet
+    if causal:                          # key j <= query i
+        lo, hi = (np.maximum(lo, p), hi) if as_keys else (lo, np.minimum(hi, p))
+    if window is not None:              # i - left <= j <= i + right
+        left, right = window
+        below, above = (right, left) if as_keys else (left, right)
+        if below != -1:
+            lo = np.maximum(lo, p - below)
+        if above != -1:
+            hi = np.minimum(hi, p + above)
+    if cu_seqlens is not None:          # the same document
+        cu = np.asarray(cu_seqlens)
+        document = np.searchsorted(cu, p, side="right") - 1
+        lo, hi = np.maximum(lo, cu[document]), np.minimum(hi, cu[document + 1] - 1)
+    return lo <= hi
 
 
 def _probabilities(q, k, scale, causal, q_start, k_start, window=None, cu_seqlens=None):

@@ -5,19 +5,23 @@ documents (random cuts, one-token documents, cuts on shard and chunk edges), win
 0 and -1 included), GQA/MQA ratio, head dim (native or not), batch, scale, backward ring, and the
 simulated nodes (``ranks_per_node``, 1-4 nodes) over the ranks it is launched on. Every rank draws
 the same case. A call must either match the oracle within the FlashAttention tolerance (forward
-and backward, verify.tolerance), or be refused with the same clear message on every rank, one of
+and backward, burst_hpc.tolerance), or be refused with the same clear message on every rank, one of
 the refusals this module lists as legitimate. On several ranks a share of the cases first makes the
 call with one rank passing another value of one argument (``Case.disagree``): every rank must then
 raise the same RankMismatchError naming it, within DISAGREE_LIMIT_S (a hang ends the job with the
-reproducer), before the case runs as drawn. Anything else is a failure, reported as one line
-that reproduces the case.
+reproducer), before the case runs as drawn. On NumPy a share of the cases (``Case.last_pairs``) then
+also runs in bfloat16 with the ring's last-pair path on (BURST_HPC_RING_LAST_PAIRS=1, which acts on
+16-bit inputs only) and must match the same run with it off bit for bit. Anything else is a failure,
+reported as one line that reproduces the case.
 
     make test                                  a fixed set of seeds (mpi_tests/test_randomized.py)
     python mpi_tests/randomized.py --cases N   a soak: N cases spread over 1-8 ranks
     mpiexec -n P python -m mpi4py mpi_tests/randomized.py --seed S [--count C]   C cases on P ranks
+    ... --last-pairs                           every case with the last-pair path on too
 
 On a GPU (``--backend cuda``) the inputs are CuPy arrays in bfloat16 or float16 (ranks may share the
-GPU) and the kernels run; the oracle stays in float64 on the host.
+GPU) and the kernels run; the oracle stays in float64 on the host. There ``--last-pairs`` makes the
+calls themselves run with the last-pair path on.
 """
 import argparse
 import faulthandler
@@ -27,12 +31,13 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
 
-SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring")
-LAYOUTS = (None, "contiguous", "zigzag", "balanced")
+SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring", "gather")
+LAYOUTS = (None, "contiguous", "zigzag", "balanced", "chunks")
 HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 72)
 GPU_HEAD_DIMS = (32, 48, 64, 80, 96, 128, 160, 256)
 
@@ -41,6 +46,8 @@ DISAGREEMENTS = ("scheme", "layout", "causal", "window", "scale", "cu_seqlens", 
                  "backward_ring")
 DISAGREE_SHARE = 0.3
 DISAGREE_LIMIT_S = 60   # they end in milliseconds; a rank still in the call then hangs
+# the share of the NumPy cases also run in bfloat16 with the last-pair path on (Case.last_pairs)
+LAST_PAIRS_SHARE = 0.25
 
 # the only refusals a drawn case may meet: each names what does not fit and what to use instead
 LEGITIMATE = (
@@ -48,6 +55,7 @@ LEGITIMATE = (
     r"splits the \d+ query heads over the \d+ ranks of a node, and \d+ does not divide \d+",
     r"gives each rank \d+ query heads, which neither holds whole GQA groups of \d+ nor divides one",
     r"does not split over \d+ ranks with the \w+ layout: it must be a multiple of \d+",
+    r"scheme 'gather' sends keys and values to the queries that see them, and dK/dV home; backward_ring='q' runs",
 )
 
 
@@ -72,11 +80,13 @@ class Case:
     backward_ring: str = "auto"
     poison: tuple = None   # (tensor, value, batch, token, head, dim): one non-finite input element
     disagree: tuple = None  # (rank, argument, value): that rank first passes this value instead
+    last_pairs: bool = False  # also with BURST_HPC_RING_LAST_PAIRS=1 (run_case)
 
     def line(self):
         """The one-line reproducer."""
         script = "mpi_tests/randomized.py"
         extra = "" if self.backend == "numpy" else f" --backend {self.backend} --dtype {self.dtype}"
+        extra += " --last-pairs" if self.last_pairs else ""
         return (f"mpiexec -n {self.ranks} python -m mpi4py {script} --seed {self.seed}{extra}   # "
                 f"B={self.batch} S={self.seqlen} Hq={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
                 f"{self.dtype} causal={self.causal} layout={self.layout} scheme={self.scheme} "
@@ -84,8 +94,9 @@ class Case:
                 f"scale={self.scale} backward_ring={self.backward_ring} poison={self.poison} disagree={self.disagree}")
 
 
-def draw(seed, ranks, backend="numpy", dtype=None):
-    """The case of ``seed`` on ``ranks`` ranks (the same on every rank)."""
+def draw(seed, ranks, backend="numpy", dtype=None, last_pairs=False):
+    """The case of ``seed`` on ``ranks`` ranks (the same on every rank); ``last_pairs``: with the last-pair
+    path on too, whatever the draw."""
     rng = np.random.default_rng([seed, ranks])
     c = Case(seed, ranks, backend)
     c.dtype = dtype or str(rng.choice(["float64", "float32"]))
@@ -108,6 +119,9 @@ def draw(seed, ranks, backend="numpy", dtype=None):
         c.seqlen += parts * int(rng.choice([0, 16, 40]) if backend == "cuda" else rng.integers(16, 80))
     c.scale = None if rng.random() < 0.8 else float(rng.uniform(0.05, 1.0))
     c.backward_ring = str(rng.choice(["auto", "q", "kv"]))
+    gathers = c.scheme == "gather" or (c.scheme == "auto" and c.layout == "chunks")
+    if gathers and c.backward_ring == "q" and rng.random() < 0.8:   # mostly a ring it runs (q is refused)
+        c.backward_ring = "auto"
     if rng.random() < 0.45:
         c.cu_seqlens = documents(rng, c.seqlen, ranks)
     if rng.random() < 0.4:
@@ -120,12 +134,15 @@ def draw(seed, ranks, backend="numpy", dtype=None):
     other = np.random.default_rng([seed, ranks, 2])   # its own stream: the cases drawn above stay as they were
     if ranks > 1 and other.random() < DISAGREE_SHARE:
         c.disagree = disagreement(other, c)
+    path = np.random.default_rng([seed, ranks, 3])   # its own stream too
+    c.last_pairs = last_pairs or (backend == "numpy" and path.random() < LAST_PAIRS_SHARE)
     return c
 
 
 def disagreement(rng, c):
     """(rank, argument, value): an argument of case ``c`` and a value of it that changes the call."""
-    from burst_hpc import config, masks
+    from burst_hpc import config
+    from burst_hpc.plan import masks
 
     name = str(rng.choice(DISAGREEMENTS))
     if name == "scheme":
@@ -176,22 +193,10 @@ def window_side(rng, seqlen):
 # ------------------------------------------------------------------------------------------- checking
 
 def shard_layout(case):
-    """The layout the inputs are sharded in: the case's, or the default the library picks."""
-    from burst_hpc import masks
-    from burst_hpc.costmodel import CallShape
-    from burst_hpc.dtypes import parse_dtype
+    """The layout the inputs are sharded in: the case's, or the call's default (never the mask's)."""
+    from burst_hpc.plan.layout import default_kind
 
-    if case.layout is not None:
-        return case.layout
-    try:
-        mask = masks.make(case.seqlen, case.causal, case.window,
-                          None if case.cu_seqlens is None else np.array(case.cu_seqlens))
-    except Exception:  # noqa: BLE001 - the call itself is then refused
-        mask = None
-    per_node = case.ranks_per_node if case.ranks_per_node and case.ranks_per_node < case.ranks else None
-    shape = CallShape.of_call((case.batch, case.seqlen // case.ranks, case.heads, case.head_dim), case.kv_heads,
-                              parse_dtype(case.dtype).itemsize, case.backend, per_node)
-    return masks.call_layout(mask, case.causal, case.ranks, shape, case.scheme)
+    return default_kind(case.causal) if case.layout is None else case.layout
 
 
 def inputs(case):
@@ -210,13 +215,13 @@ def inputs(case):
 
 def expected(case, q, k, v, do):
     """(oracle, plain): float64 oracle and the plain same-precision results, global."""
-    from burst_hpc import verify
+    from burst_hpc import tolerance as rule
 
     kw = dict(causal=case.causal, scale=case.scale, window=case.window,
               cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     f64 = [x.astype(np.float64) for x in (q, k, v, do)]
-    oracle = verify.plain_attention(*f64[:3], do=f64[3], **kw)
-    plain = verify.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
+    oracle = rule.plain_attention(*f64[:3], do=f64[3], **kw)
+    plain = rule.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
     return oracle, plain
 
 
@@ -240,20 +245,23 @@ def run_case(comm, case, xp=np):
     """Check one case on every rank of ``comm``. Returns 'ok' or 'refused: ...'; raises AssertionError
     (on every rank: verdicts are agreed) when a result is wrong."""
     import burst_hpc
+    from burst_hpc.device import to_host
 
     P, r = comm.size, comm.rank
     assert P == case.ranks
     layout = shard_layout(case)
     q, k, v, do = inputs(case)
+    placed = dict(causal=case.causal, window=case.window,   # the chunks layout places tokens by the mask
+                  cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     try:
-        burst_hpc.layout.check_split(case.seqlen, P, layout)
+        burst_hpc.make_layout(layout, case.seqlen, P, burst_hpc.plan.layout.placement_mask(case.seqlen, **placed))
     except burst_hpc.LayoutError:
         layout_for_shards = "contiguous"   # the call must refuse the case's layout
     else:
         layout_for_shards = layout
 
     def mine(x, axis=1):
-        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis)
+        return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis, **placed)
 
     kw = dict(comm=comm, causal=case.causal, scale=case.scale, layout=case.layout, scheme=case.scheme,
               ranks_per_node=case.ranks_per_node, window=case.window,
@@ -273,29 +281,85 @@ def run_case(comm, case, xp=np):
     if case.disagree is not None and case.disagree[1] == "backward_ring":
         refused_alike(comm, case, dev, backward_kw,
                       lambda arrays, args: burst_hpc.burst_attention_backward(arrays[3], *arrays[:3], *got, **args))
-    grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, **backward_kw)
-    ours = dict(zip(("o", "lse", "dq", "dk", "dv"), [_host(x) for x in (*got, *grads)]))
+    try:
+        grads = burst_hpc.burst_attention_backward(dev[3], *dev[:3], *got, **backward_kw)
+    except Exception as e:  # noqa: BLE001 - judged by refusal() (the gather scheme refuses the q-ring)
+        error = e
+    message = refusal(comm, error)
+    if message is not None:
+        return f"refused: {message}"
+    ours = dict(zip(("o", "lse", "dq", "dk", "dv"), [to_host(x) for x in (*got, *grads)]))
     if case.poison is not None:
         problems = nonfinite_problems(case, ours, q, k, v, do, mine)
     else:
         problems = finite_problems(case, ours, q, k, v, do, mine)
+    if case.last_pairs and case.backend == "numpy":
+        problems += last_pairs_problems(case, [mine(x) for x in (q, k, v, do)], kw)
     every = comm.allgather(problems)
     bad = [f"rank {rank}: " + ", ".join(p) for rank, p in enumerate(every) if p]
     assert not bad, "; ".join(bad)
     return "ok"
 
 
+def last_pairs_problems(case, shards, kw):
+    """Where the call (arguments ``kw``) on this rank's ``shards`` (q, k, v, do) in bfloat16 with the last-pair
+    path on differs from the same call with it off (both backwards take the latter's o and lse). They must
+    be the same bit for bit: the path only moves the one rounding of each output to where its rows are last
+    written. NaN matches NaN (a non-finite case's payloads may differ). Not against float32 on the same
+    values: those runs differ from bfloat16's now and then in float32 rounding, path or not (seed 930054
+    on 8 ranks: lse in 45 of 192 elements)."""
+    import burst_hpc
+    from burst_hpc.dtypes import bfloat16
+
+    q, k, v, do = (x.astype(bfloat16) for x in shards)
+    results, base = [], None
+    try:
+        for on in (False, True):
+            with last_pairs_path(on):
+                o, lse = burst_hpc.burst_attention(q, k, v, **kw)
+                if base is None:
+                    base = o, lse
+                grads = burst_hpc.burst_attention_backward(do, q, k, v, *base, backward_ring=case.backward_ring, **kw)
+            results.append([o, lse, *grads])
+    except Exception as e:  # noqa: BLE001 - the drawn call ran, so this one must too
+        return [f"last pairs: {type(e).__name__}: {e}"]
+    problems = []
+    for name, off, on in zip(("o", "lse", "dq", "dk", "dv"), *results):
+        bits = f"u{off.dtype.itemsize}"
+        differ = (off.view(bits) != on.view(bits)) & ~(np.isnan(off) & np.isnan(on))
+        if differ.any():
+            problems.append(f"last pairs: {name} differs from the path off in {int(differ.sum())} of {differ.size} "
+                            "elements")
+    return problems
+
+
+@contextmanager
+def last_pairs_path(on):
+    """BURST_HPC_RING_LAST_PAIRS on or off inside, as it was after."""
+    name = "BURST_HPC_RING_LAST_PAIRS"
+    before = os.environ.get(name)
+    os.environ[name] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = before
+
+
 def refused_alike(comm, case, arrays, kw, call):
     """``call(arrays, kw)`` with the case's disagreement on its rank must raise, on every rank and within
     DISAGREE_LIMIT_S, the same RankMismatchError naming the argument (AssertionError otherwise; a rank
     still in the call then prints the reproducer and ends the job)."""
+    from burst_hpc.device import to_host
     from burst_hpc.dtypes import parse_dtype
 
     rank, name, value = case.disagree
     if comm.rank == rank:
         if name == "dtype":   # cast on the host, then onto the device as inputs() does
             xp = sys.modules[type(arrays[0]).__module__.split(".")[0]]
-            arrays = [xp.asarray(_host(x).astype(parse_dtype(value))) for x in arrays]
+            arrays = [xp.asarray(to_host(x).astype(parse_dtype(value))) for x in arrays]
         else:
             kw = dict(kw, **{name: np.array(value) if name == "cu_seqlens" and value is not None else value})
 
@@ -326,10 +390,10 @@ def refused_alike(comm, case, arrays, kw, call):
 
 def finite_problems(case, ours, q, k, v, do, mine):
     """What is out of tolerance against the float64 oracle."""
-    from burst_hpc import verify
+    from burst_hpc import tolerance as rule
 
     oracle, plain = expected(case, q, k, v, do)
-    grad_scale = max(verify.max_abs(g) for g in oracle[2:])
+    grad_scale = max(rule.max_abs(g) for g in oracle[2:])
     problems = []
     for index, name in enumerate(("o", "lse", "dq", "dk", "dv")):
         axis = 2 if name == "lse" else 1
@@ -345,7 +409,7 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
     rows where it is finite too. The CUDA kernels promise the exact rows for o and lse with the element
     in q or k; elsewhere (v, the gradients) at least the oracle's rows, since a partly masked tile
     multiplies a hidden pair's weight 0 by its operand (docs/KERNELS.md, "Non-finite inputs")."""
-    from burst_hpc import verify
+    from burst_hpc import tolerance as rule
     from burst_hpc.reference import attention_backward_reference, attention_reference
 
     kw = dict(causal=case.causal, scale=case.scale, window=case.window,
@@ -353,10 +417,10 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
     f64 = [x.astype(np.float64) for x in (q, k, v, do)]
     oracle = (*attention_reference(*f64[:3], **kw), *attention_backward_reference(f64[3], *f64[:3], **kw))
     # the plain computation multiplies a hidden pair's weight 0 by its operand: NaN where the oracle has
-    # a number, which says nothing of rounding (verify.check takes the same view)
+    # a number, which says nothing of rounding (job.verify.check takes the same view)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        plain = verify.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
-    grad_scale = max(verify.max_abs(g) for g in oracle[2:])
+        plain = rule.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
+    grad_scale = max(rule.max_abs(g) for g in oracle[2:])
     problems = []
     for index, name in enumerate(("o", "lse", "dq", "dk", "dv")):
         axis = 2 if name == "lse" else 1
@@ -379,11 +443,11 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
 def out_of_tolerance(name, got, ref, low, grad_scale, case, what=None):
     """['WHAT err E > tol T'] when output ``name`` ``got`` is farther from the oracle ``ref`` than
     :func:`tolerance` allows, given the plain same-precision result ``low``; [] when within."""
-    from burst_hpc import verify
+    from burst_hpc import tolerance as rule
 
-    tol = tolerance(name, verify.max_err(low, ref), verify.max_abs(ref), grad_scale, case)
-    err = verify.max_err(got, ref)
-    return [] if verify.passes(err, tol) else [f"{what or name} err {err:.3g} > tol {tol:.3g}"]
+    tol = tolerance(name, rule.max_err(low, ref), rule.max_abs(ref), grad_scale, case)
+    err = rule.max_err(got, ref)
+    return [] if rule.passes(err, tol) else [f"{what or name} err {err:.3g} > tol {tol:.3g}"]
 
 
 def _nonfinite_rows(x, name):
@@ -399,42 +463,35 @@ def _expand_rows(rows, like, name):
 
 
 def tolerance(name, plain_err, ref_max, grad_scale, case):
-    """verify.tolerance (FlashAttention's rule), with two floors for what the plain computation can get
+    """burst_hpc.tolerance.tolerance (FlashAttention's rule), with two floors for what the plain computation can get
     right by luck: gradients are judged against the scale of all three (a window of (0, 0) makes dk
     exactly 0 in the plain formulas, from rounding errors ours need not share), dk and dv sum over a
     GQA group; and float64 inputs meet a float32 lse."""
+    from burst_hpc import tolerance as rule
+
     dtype = np.dtype(case.dtype)
-    tol = verify_module().tolerance(name, plain_err, ref_max, dtype)
+    tol = rule.tolerance(name, plain_err, ref_max, dtype)
     if name in ("dq", "dk", "dv"):
         group = case.heads // case.kv_heads if name != "dq" else 1
-        floor = verify_module().ATOL["float32" if dtype == np.float64 else case.dtype]
+        floor = rule.ATOL["float32" if dtype == np.float64 else case.dtype]
         tol += floor * np.sqrt(group) * max(1.0, grad_scale)
     elif name == "o" and dtype == np.float64:
-        tol += verify_module().LSE_ATOL * max(1.0, ref_max)
+        tol += rule.LSE_ATOL * max(1.0, ref_max)
     return tol
 
 
-def verify_module():
-    from burst_hpc import verify
-
-    return verify
-
-
-def _host(x):
-    return x.get() if hasattr(x, "get") else np.asarray(x)
-
-
-def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
-    """Run the cases of ``seeds``; returns (counts, failures) with one reproducer line per failure."""
+def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None, last_pairs=False):
+    """Run the cases of ``seeds`` (``last_pairs``: each with the last-pair path on too); returns (counts,
+    failures) with one reproducer line per failure."""
     xp = np
     if backend == "cuda":
         import cupy as xp
         import burst_hpc
 
         burst_hpc.select_device(comm)
-    counts, failures = {"ok": 0, "refused": 0, "disagreed": 0, "ran": {}, "refusals": {}}, []
+    counts, failures = {"ok": 0, "refused": 0, "disagreed": 0, "last_pairs": 0, "ran": {}, "refusals": {}}, []
     for seed in seeds:
-        case = draw(seed, comm.size, backend, dtype)
+        case = draw(seed, comm.size, backend, dtype, last_pairs)
         if log is not None and comm.rank == 0:
             log(f"case {case.line()}")
         try:
@@ -444,6 +501,7 @@ def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
             continue
         counts["ok" if outcome == "ok" else "refused"] += 1
         counts["disagreed"] += case.disagree is not None
+        counts["last_pairs"] += outcome == "ok" and case.last_pairs
         tally = counts["ran"] if outcome == "ok" else counts["refusals"]
         what = f"{case.scheme}/{shard_layout(case)}" if outcome == "ok" else outcome[len("refused: "):][:60]
         tally[what] = tally.get(what, 0) + 1
@@ -452,8 +510,9 @@ def run_seeds(comm, seeds, backend="numpy", dtype=None, log=None):
 
 # ------------------------------------------------------------------------------------------- soak
 
-def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
-    """``cases`` cases spread over 1..max_ranks ranks, in mpiexec launches of ``batch`` cases each."""
+def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch, last_pairs=False):
+    """``cases`` cases spread over 1..max_ranks ranks, in mpiexec launches of ``batch`` cases each
+    (``last_pairs``: each with the last-pair path on too)."""
     here = os.path.dirname(os.path.abspath(__file__))
     mpiexec = os.environ.get("MPIEXEC") or os.path.join(os.path.dirname(sys.executable), "mpiexec")
     if not os.path.exists(mpiexec):
@@ -462,7 +521,7 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
                OMPI_MCA_rmaps_base_oversubscribe="1", PRTE_MCA_rmaps_default_mapping_policy=":oversubscribe",
                OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")])))
-    done, refused, failed, seed, start = 0, 0, [], first_seed, time.time()
+    done, refused, last, failed, seed, start = 0, 0, 0, [], first_seed, time.time()
     tallies = {"ran": {}, "refusals": {}}
     ranks = 1
     while done < cases:
@@ -471,6 +530,8 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
                "--seed", str(seed), "--count", str(count), "--backend", backend]
         if dtype:
             cmd += ["--dtype", dtype]
+        if last_pairs:
+            cmd += ["--last-pairs"]
         try:
             result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
             out, code = result.stdout + result.stderr, result.returncode
@@ -479,6 +540,7 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
         summary = re.search(r"randomized: (\d+) ok, (\d+) refused, (\d+) failed", out)
         if summary:
             refused += int(summary.group(2))
+            last += int(re.search(r"(\d+) with the last-pair path on too", out).group(1))
         for name, items in re.findall(r"^randomized (ran|refusals): (.*)$", out, re.M):
             for item in filter(None, items.split(" | ")):
                 what, _, n = item.rpartition(" ")
@@ -490,7 +552,8 @@ def soak(cases, first_seed, max_ranks, timeout, backend, dtype, batch):
                           + " | ".join(out.strip().splitlines()[-6:]))
         done += count
         seed += count
-        print(f"soak: {done}/{cases} cases, {ranks} rank(s), {refused} refused, {len(failed)} failure lines, "
+        print(f"soak: {done}/{cases} cases, {ranks} rank(s), {refused} refused, {last} with the last-pair path, "
+              f"{len(failed)} failure lines, "
               f"{time.time() - start:.0f}s", flush=True)
         ranks = ranks % max_ranks + 1
     for name, tally in tallies.items():
@@ -508,24 +571,30 @@ def main():
     parser.add_argument("--timeout", type=int, default=900, help="soak: seconds per launch before it counts as a hang")
     parser.add_argument("--backend", choices=("numpy", "cuda"), default="numpy")
     parser.add_argument("--dtype", default=None, help="input dtype (numpy: float64/float32 drawn; cuda: bfloat16)")
+    parser.add_argument("--last-pairs", action="store_true",
+                        help="every case with the ring's last-pair path on too (numpy: against it off, bit for bit; "
+                             "cuda: the calls themselves)")
     args = parser.parse_args()
     dtype = args.dtype or ("bfloat16" if args.backend == "cuda" else None)
     if args.cases is not None:
         failed = soak(args.cases, args.seed or int(time.time()) % 100000 * 1000, args.max_ranks, args.timeout,
-                      args.backend, dtype, args.batch)
+                      args.backend, dtype, args.batch, args.last_pairs)
         print("\n".join(failed) if failed else "soak: no failures")
         return 1 if failed else 0
+    if args.last_pairs and args.backend == "cuda":   # the inputs are 16-bit there: the path acts on the calls
+        os.environ["BURST_HPC_RING_LAST_PAIRS"] = "1"
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
     seed = 0 if args.seed is None else args.seed
     log = (lambda s: print(s, flush=True))
-    counts, failures = run_seeds(comm, range(seed, seed + args.count), args.backend, dtype, log=log)
+    counts, failures = run_seeds(comm, range(seed, seed + args.count), args.backend, dtype, log, args.last_pairs)
     if comm.rank == 0:
         for f in failures:
             print(f, flush=True)
         print(f"randomized: {counts['ok']} ok, {counts['refused']} refused, {len(failures)} failed "
-              f"on {comm.size} rank(s); {counts['disagreed']} with ranks disagreeing first, refused alike",
+              f"on {comm.size} rank(s); {counts['disagreed']} with ranks disagreeing first, refused alike; "
+              f"{counts['last_pairs']} with the last-pair path on too",
               flush=True)
         for name in ("ran", "refusals"):
             print(f"randomized {name}: " + " | ".join(f"{k} {n}" for k, n in sorted(counts[name].items())), flush=True)

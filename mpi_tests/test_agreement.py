@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 
 import burst_hpc
-from burst_hpc import callplan, io
+from burst_hpc.plan import callplan
+from burst_hpc import io
 from burst_hpc.errors import BurstError, RankMismatchError
-from burst_hpc.job import RunOptions, run
+from burst_hpc.job.run import RunOptions, run
 from test_ring import local_inputs, raises_everywhere
 
 LOCAL = 8
@@ -134,7 +135,7 @@ def test_ranks_that_cut_their_hosts_otherwise_fail_alike_in_the_topology(comm, m
     same error on every rank; before, those ranks built different nodes, or one split the
     communicator while the others waited."""
     from burst_hpc.errors import TopologyError
-    from burst_hpc.topology import topology
+    from burst_hpc.plan.topology import topology
 
     if comm.rank == 1:
         monkeypatch.setenv("BURST_HPC_RANKS_PER_NODE", "1")

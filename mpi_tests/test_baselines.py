@@ -8,7 +8,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.benchmark import RingBenchmark
-from burst_hpc.accounting import backward_ring_bytes
+from burst_hpc.plan.accounting import backward_ring_bytes
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import BurstError
 from burst_hpc.reference import attention_backward_reference, attention_reference

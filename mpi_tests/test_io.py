@@ -14,7 +14,7 @@ import pytest
 from burst_hpc import io
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import BurstError, DTypeError, FileError, LayoutError, ShapeError
-from burst_hpc.layout import LAYOUTS, shard
+from burst_hpc.plan.layout import LAYOUTS, make_layout, placement_mask, shard
 
 
 @pytest.fixture
@@ -41,6 +41,13 @@ def _write_inputs(comm, path, arrays):
     comm.Barrier()
 
 
+def _placed(kind, seqlen, size):
+    """The Layout of ``kind``, placed by causal documents (the chunks layout places tokens by them; the
+    other layouts ignore them)."""
+    mask = placement_mask(seqlen, causal=True, cu_seqlens=np.array([0, 3, seqlen // 2 + 1, seqlen]))
+    return make_layout(kind, seqlen, size, mask)
+
+
 def _same(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a.view(np.uint8), b.view(np.uint8))
 
@@ -53,6 +60,7 @@ def test_round_trip(comm, workdir, layout, dtype):
     src = os.path.join(workdir, f"in-{layout}.h5")
     _write_inputs(comm, src, arrays)
 
+    layout = _placed(layout, seqlen, comm.size)
     spec, shards = io.read_shards(src, comm, layout, names=("q", "k", "v", "do"))
     assert (spec.batch, spec.seqlen, spec.heads, spec.kv_heads, spec.head_dim) == (2, seqlen, 4, 2, 8)
     assert spec.dtype == np.dtype(dtype) and spec.has_grad
@@ -60,7 +68,7 @@ def test_round_trip(comm, workdir, layout, dtype):
         assert _same(part, shard(arrays[name], comm.rank, comm.size, layout)), name
 
     # write the shards back (o := q's shard, dq/dk/dv := do/k/v, lse := a rank-and-position code)
-    dst = os.path.join(workdir, f"out-{layout}.h5")
+    dst = os.path.join(workdir, f"out-{layout.kind}.h5")
     lse_global = np.arange(2 * 4 * seqlen, dtype=np.float32).reshape(2, 4, seqlen)
     out = io.OutputFile.create(dst, comm, io.output_datasets(spec, backward=True), {"causal": False}, inputs=[src])
     assert not os.path.exists(dst)
@@ -116,6 +124,7 @@ def test_read_shards_with_spec_does_not_inspect_again(comm, workdir, monkeypatch
 
     monkeypatch.setattr(read, "_inspect", inspected_again)
     monkeypatch.setattr(read, "inspect_input", inspected_again)
+    layout = _placed(layout, seqlen, comm.size)
     got, shards = io.read_shards(src, comm, layout, names, spec=spec)
     assert got is spec
     for name in names:
@@ -123,7 +132,8 @@ def test_read_shards_with_spec_does_not_inspect_again(comm, workdir, monkeypatch
 
     narrow = io.InputSpec(src, spec.batch, seqlen, spec.heads, spec.kv_heads, spec.head_dim, spec.dtype,
                           ("q", "k", "v"), {})
-    _expect_same_error(comm, FileError, "'do' is missing", lambda: io.read_shards(src, comm, layout, names, spec=narrow))
+    _expect_same_error(comm, FileError, "'do' is missing",
+                       lambda: io.read_shards(src, comm, layout, names, spec=narrow))
 
 
 def test_missing_file_and_dataset(comm, workdir):
@@ -200,10 +210,11 @@ def test_mpio_and_token_passing_write_the_same(comm, workdir, layout, monkeypatc
     arrays = _global_inputs(comm, seqlen, bfloat16)
     spec = io.InputSpec("x", 2, seqlen, 4, 2, 8, np.dtype(bfloat16), ("q", "k", "v", "do"), {})
     lse = np.arange(2 * 4 * seqlen, dtype=np.float32).reshape(2, 4, seqlen)
+    layout = _placed(layout, seqlen, comm.size)
     paths = {}
     for mpio in ([False, True] if h5py.get_config().mpi else [False]):
         monkeypatch.setenv("BURST_HPC_HDF5_MPIO", "1" if mpio else "0")
-        dst = os.path.join(workdir, f"out-{layout}-{mpio}.h5")
+        dst = os.path.join(workdir, f"out-{layout.kind}-{mpio}.h5")
         out = io.OutputFile.create(dst, comm, io.output_datasets(spec, backward=True))
         assert out.mpio == (mpio and comm.size > 1)
         try:

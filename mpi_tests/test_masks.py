@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 
 import burst_hpc
-from burst_hpc import masks
-from burst_hpc.callplan import CallPlan
-from burst_hpc.costmodel import CallShape
+from burst_hpc.plan import masks
+from burst_hpc.plan.callplan import Backward, plan_arrays
+from burst_hpc.plan.layout import default_kind
 from burst_hpc.errors import MaskError, RankMismatchError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -61,7 +61,7 @@ def test_forward_and_both_backward_rings(comm, docs, window, causal, layout):
 @pytest.mark.parametrize("draw", range(6))
 def test_balanced_schedule_on_random_documents_and_windows(comm, draw, local):
     """The work-aware schedule (pieces of rows on other ranks, partials home) on random masks."""
-    from burst_hpc.workload import documents
+    from burst_hpc.plan.workload import documents
 
     rng, seed = shared_rng(comm)
     seqlen = local * comm.size
@@ -82,8 +82,7 @@ def check_against_oracle(comm, rng, seed, seqlen, cu, window, causal, layout):
     kw = dict(causal=causal, cu_seqlens=cu, window=window)
     ref_o, ref_lse = attention_reference(q, k, v, **kw)
     ref_grads = attention_backward_reference(do, q, k, v, **kw)
-    shape = CallShape.of_call((1, seqlen // P, 4, 8), 2, 8)   # the call's own pick: priced on its shard
-    used = layout or masks.call_layout(masks.make(seqlen, causal, window, cu), causal, P, shape)
+    used = layout or default_kind(causal)
     ctx = f"seed {seed} {kw} layout {used}"
 
     def mine(x, axis=1):
@@ -123,16 +122,16 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
     def mine(x):
         return burst_hpc.shard(x, comm.rank, P, "contiguous")
 
-    plan = CallPlan(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto", window=(3, 0))
+    plan = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto", window=(3, 0))
     steps = min(P, 2)
-    assert masks.ring_steps(plan.mask, P, plan.layout, False) == steps and plan.layout == "contiguous"
-    assert masks.ring_steps(plan.mask, P, plan.layout, True) == P  # queries travel forward: later queries come last
-    counting = CountingTransport(plan.transport())
+    assert masks.ring_steps(plan.mask, plan.layout, False) == steps and plan.layout.kind == "contiguous"
+    assert masks.ring_steps(plan.mask, plan.layout, True) == P  # queries travel forward: later queries come last
+    counting = CountingTransport(plan.decomposition.transports(plan.xp)[0])
     o, lse = plan.passes.forward(mine(q), mine(k), mine(v), transport=counting)
     assert counting.exchanges == steps - 1
     ref_o, _ = attention_reference(q, k, v, **kw)
     np.testing.assert_allclose(o, mine(ref_o), atol=1e-10, err_msg=f"seed {seed}")
-    counting = CountingTransport(plan.transport())
+    counting = CountingTransport(plan.decomposition.transports(plan.xp)[0])
     grads = plan.passes.backward(ring, mine(do), mine(q), mine(k), mine(v), o, lse, transport=counting)
     # every step of a ring of P > 1 exchanges once, and one more exchange brings the carried
     # accumulators home (straight to their owner when the ring stopped early)
@@ -142,8 +141,8 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
         assert counting.exchanges == (0 if P == 1 else P + 1)
     for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **kw)):
         np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")
-    auto = CallPlan(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto",
-                    backward=(mine(do), o, lse, "auto"), window=(3, 0))
+    auto = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, "contiguous", "auto",
+                       backward=Backward(mine(do), o, lse), window=(3, 0))
     assert auto.ring == ("kv" if P > 2 else "q")  # MHA takes the q-ring, unless its P steps lose
 
 
@@ -192,3 +191,25 @@ def test_ranks_with_different_documents_or_windows_fail_on_every_rank(comm):
                       match=r"ranks disagree on window: rank 0 has \(3, 0\), rank 1 has \(2, 0\)")
     o, lse = burst_hpc.burst_attention(q, k, v, comm=comm, window=(3, 0), causal=True)  # the ring still works
     assert np.isfinite(lse).all()
+
+
+@pytest.mark.parametrize("cu,window", [((0, 4000), None), ((0, 96), None), ((0, 2048), None), ((0, 1), None),
+                                       (None, (128, 0))])
+def test_the_default_layout_is_zigzag_whatever_the_mask(comm, cu, window):
+    """Shards cut in zigzag (the causal default, README) and a causal call naming no layout: right
+    whatever the documents or the window (issue 37: some offsets used to switch the call to
+    contiguous shards, max |o - ref| 0.35-3.7, no error)."""
+    rng, seed = shared_rng(comm)
+    P, seqlen = comm.size, 4080   # a multiple of 2P for 1..5 ranks
+    offsets = None if cu is None else np.array([*cu, seqlen])
+    q, k, v = (rng.standard_normal((1, seqlen, 1, 8)) for _ in range(3))
+    ref_o, ref_lse = comm.bcast(attention_reference(q, k, v, causal=True, cu_seqlens=offsets, window=window)
+                                if comm.rank == 0 else None)
+
+    def mine(x, axis=1):
+        return burst_hpc.shard(x, comm.rank, P, "zigzag", axis=axis)
+
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=True, cu_seqlens=offsets,
+                                       window=window)
+    np.testing.assert_allclose(o, mine(ref_o), atol=1e-10, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(lse, mine(ref_lse, axis=2), rtol=1e-6, err_msg=f"seed {seed}")

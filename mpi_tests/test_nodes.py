@@ -8,9 +8,9 @@ import pytest
 from mpi4py import MPI
 
 import burst_hpc
-import burst_hpc.topology
+import burst_hpc.plan.topology
 from burst_hpc.errors import LayoutError, TopologyError
-from burst_hpc.masks import random_documents
+from burst_hpc.plan.masks import random_documents
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import problem
 
@@ -85,9 +85,9 @@ def test_ranks_out_of_node_order(comm, scheme, monkeypatch):
     """The launcher placed ranks round-robin over the nodes (rank r on node r % N)."""
     for nodes, w in cases(comm.size):
         monkeypatch.setenv("BURST_HPC_NODE_ID", str(comm.rank % nodes))
-        topo = burst_hpc.topology.topology(comm)
+        topo = burst_hpc.plan.topology.topology(comm)
         assert (topo.nodes, topo.per_node) == (nodes, w)
-        assert topo.layout.order[topo.position] == comm.rank and topo.node == comm.rank % nodes
+        assert topo.arrangement.order[topo.position] == comm.rank and topo.node == comm.rank % nodes
         assert topo.rail.size == nodes and topo.node_comm.size == w
         run_and_check(comm, scheme, None, "zigzag", True, 2 * w, w)
 
@@ -125,12 +125,12 @@ def test_unequal_nodes_give_one_error_everywhere(comm, monkeypatch):
 
 def test_auto_keeps_the_flat_ring_on_one_node_and_schemes_agree(comm):
     """One node -> ring (nothing changes); any pick gives the same results."""
-    from burst_hpc.callplan import CallPlan
+    from burst_hpc.plan.callplan import plan_arrays
 
     q, k, v, _, _ = problem(comm, 1, 8, 4, 2, 8)
     mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
     kv = burst_hpc.shard(k, comm.rank, comm.size, "zigzag")
-    plan = CallPlan(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
+    plan = plan_arrays(comm, mine, kv, kv, True, None, None, "auto", ranks_per_node=comm.size)
     assert plan.scheme.name == "ring"
     run_and_check(comm, "auto", cases(comm.size)[0][1], "zigzag", True, 4, 2, rings=("q",))
 
@@ -139,7 +139,8 @@ def test_auto_keeps_the_flat_ring_on_one_node_and_schemes_agree(comm):
 @pytest.mark.parametrize("backward", [False, True])
 def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
     """Counted by the benchmark transport (the scheme's ring; Ulysses' all-to-alls stay inside)."""
-    from burst_hpc import costmodel
+    from burst_hpc.plan import costmodel
+    from burst_hpc.plan.rates import GPU_RATES
     from burst_hpc.benchmark import RingBenchmark
 
     for nodes, w in cases(comm.size):
@@ -155,7 +156,9 @@ def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
         else:
             sent = bench.network_bytes()
         pr = costmodel.Problem(1, q.shape[1], hq, hkv, 8, 4, True)
-        model = costmodel.predict_pass(scheme, pr, costmodel.Cluster(nodes, w), costmodel.GPU_RATES["cpu"], backward)
+        cluster = costmodel.Cluster(nodes, w)
+        model = costmodel.pass_prediction(scheme, pr, cluster, GPU_RATES["cpu"], costmodel.zigzag(pr, cluster),
+                                          None, backward)
         assert comm.allreduce(sent, op=max_op()) == model.network
 
 
@@ -170,7 +173,8 @@ def test_peak_memory_matches_the_cost_model(comm, scheme, backward):
     one call with its kernels skipped (the ring's buffers, accumulators and outputs)."""
     import tracemalloc
 
-    from burst_hpc import costmodel
+    from burst_hpc.plan import costmodel
+    from burst_hpc.plan.memory import peak_memory
     from burst_hpc.benchmark import RingBenchmark
 
     for nodes, w in cases(comm.size):
@@ -188,7 +192,7 @@ def test_peak_memory_matches_the_cost_model(comm, scheme, backward):
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
         pr = costmodel.Problem(1, q.shape[1], hq, hkv, d, 4, True)
-        model = costmodel.peak_memory(scheme, pr, costmodel.Cluster(nodes, w), backward)
+        model = peak_memory(scheme, pr, costmodel.Cluster(nodes, w), backward)
         measured = comm.allreduce(peak, op=max_op()) + inputs
         assert abs(measured - model) <= 0.05 * model, (measured, model)
 
@@ -207,11 +211,11 @@ def test_emulated_network_holds_transfers_between_nodes(comm, monkeypatch):
 
 def test_plan_measures_rates_under_mpiexec(comm):
     """`burst-hpc plan --measure`: one kernel timing and one ping-pong over each link class."""
-    from burst_hpc import costmodel, plan
+    from burst_hpc.plan import costmodel, tables
 
     nodes, w = cases(comm.size)[0]
     pr = costmodel.Problem(1, 64 * comm.size, 2, 2, 16, 4, True)
-    rates, topo = plan.measure(comm, pr, w, tokens=128, nbytes=1 << 16)
+    rates, topo = tables.measure(comm, pr, w, tokens=128, nbytes=1 << 16)
     assert (topo.nodes, topo.per_node) == (nodes, w)
     assert min(rates.fwd_tflops, rates.bwd_tflops, rates.intra_gbps, rates.inter_gbps) > 0
     assert rates == comm.bcast(rates)   # every rank holds the same rates

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import burst_hpc
-from burst_hpc import masks
+from burst_hpc.plan import masks
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import shared_rng
 

@@ -1,14 +1,20 @@
 """The plan cache across ranks (callplan.plan_call): a repeated call reuses its plan on every rank (results
 as the float64 oracle's and as an uncached call's), and ranks that pass different arguments after
 their plans were kept get the same clear error on every rank as without a cache, never a hang."""
+import pathlib
+import sys
+
 import numpy as np
 import pytest
 
 import burst_hpc
-from burst_hpc import callplan
+from burst_hpc.plan import callplan
 from burst_hpc.errors import RankMismatchError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "tests"))
+from call_counts import ONCE_PER_PLAN, counted  # noqa: E402
 
 LOCAL = 16
 
@@ -126,7 +132,7 @@ def test_only_the_plan_every_rank_made_together_last_is_reused(comm, monkeypatch
     def call():
         plan = callplan.plan_call(comm, *(burst_hpc.shard(x, r, P, "balanced") for x in (q, k, v)), True, None,
                                   "balanced", "auto")
-        return comm.allgather(plan.topo.nodes)
+        return comm.allgather(plan.decomposition.topo.nodes)
 
     monkeypatch.delenv("BURST_HPC_NODE_ID", raising=False)
     monkeypatch.delenv("BURST_HPC_RANKS_PER_NODE", raising=False)
@@ -150,3 +156,28 @@ def test_same_everywhere_is_the_same_verdict_on_every_rank(comm):
     assert not same_everywhere(comm, None if last else digest)
     high = bytes(8) + b"\x80" + bytes(7)   # differs in the second half only
     assert same_everywhere(comm, high if last else bytes(16)) == (comm.size == 1)
+
+
+@pytest.mark.parametrize("layout, documents", [("zigzag", False), (None, True), ("balanced", True), ("chunks", True)])
+def test_a_repeated_call_decides_nothing_again_on_any_rank(comm, monkeypatch, layout, documents):
+    """What a plan works out once (call_counts.ONCE_PER_PLAN: the steps, the engine's route, the block
+    pairs), and the digest the ranks compare, is not worked out again by a repeated call on any rank:
+    each call's work is the key, one allreduce and the passes."""
+    counts = counted(monkeypatch, *ONCE_PER_PLAN, (callplan.CallKey, "digest"))
+    rng, _ = shared_rng(comm)
+    P, r, S = comm.size, comm.rank, LOCAL * comm.size
+    q, k, v, do = (rng.standard_normal((1, S, h, 8)) for h in (4, 2, 2, 4))
+    cu = offsets(S, 5) if documents else None
+    kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=layout)
+    mine = [burst_hpc.shard(x, r, P, layout or "zigzag", causal=True, cu_seqlens=cu, window=None) for x in (q, k, v, do)]
+
+    def step():
+        o, lse = burst_hpc.burst_attention(*mine[:3], **kw)
+        burst_hpc.burst_attention_backward(mine[3], *mine[:3], o, lse, **kw)
+
+    step()
+    first = dict(counts)
+    assert first["steps"] == 2 and first["_pairs"] > 0 and first["lifetimes"] == 2 and first["digest"] == 2
+    for _ in range(3):
+        step()
+    assert counts == first and callplan.PLANS.hits == 6

@@ -1,6 +1,7 @@
 """The randomized differential check (mpi_tests/randomized.py) on a fixed set of seeds, on however many
 ranks this runs (make test: 1-5 ranks, then 6 and 8 as simulated nodes), on several ranks with some
-cases where the ranks first disagree on one argument. Each failure is reported as one line that
+cases where the ranks first disagree on one argument, and with some also run in bfloat16 with the
+ring's last-pair path on, against it off bit for bit. Each failure is reported as one line that
 reproduces it; a soak of any size: ``python mpi_tests/randomized.py --cases N``."""
 import os
 
@@ -17,6 +18,7 @@ def test_random_cases_match_the_oracle_or_are_refused_alike(comm):
     assert counts["ok"] >= len(FIXED_SEEDS) // 2, counts   # the draw mostly makes cases that run
     if comm.size > 1:   # and some where one rank first passes another value of one argument
         assert counts["disagreed"] >= len(FIXED_SEEDS) // 10, counts
+    assert counts["last_pairs"] >= len(FIXED_SEEDS) // 10, counts   # and some with the last-pair path on too
 
 
 def test_finite_rows_of_a_nonfinite_case_meet_the_flashattention_rule():

@@ -9,7 +9,7 @@ cupy = pytest.importorskip("cupy")
 pytestmark = pytest.mark.skipif(gpu_count() < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc.costmodel import CallShape  # noqa: E402
+from burst_hpc.plan.layout import default_kind  # noqa: E402
 from burst_hpc.dtypes import bfloat16  # noqa: E402
 from burst_hpc.errors import TransportError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
@@ -208,13 +208,15 @@ def test_gpu_alltoall_around_zigzag(comm, alltoall_zigzag):
 @pytest.mark.parametrize("layout,window,documents,per_node", [
     ("zigzag", None, 7, None), ("contiguous", (150, 0), None, None), ("contiguous", (100, 0), 5, None),
     (None, (40, 40), 3, None), ("balanced", None, 5, 1), ("balanced", (100, 0), 3, 1), ("balanced", None, 5, None),
-    ("balanced", None, 4, 2)])
+    ("balanced", None, 4, 2), ("chunks", None, 7, None), ("chunks", (100, 0), 5, 1)])
 def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, documents, per_node):
     """Interval-masked kernels through the ring (shortened by the window where it can be); the
     balanced layout with every rank a node: transfers between nodes posted steps ahead on the far
     lane, several in flight at once; on one node (None) and two ranks a node: transfers inside a
-    node a step ahead (data) or a step late (partials) on the inner lane, beside the far lane's."""
-    from burst_hpc import masks
+    node a step ahead (data) or a step late (partials) on the inner lane, beside the far lane's; the
+    chunks layout's gather scheme (packed runs of keys, posted steps before they are due; its
+    backward the kv side only)."""
+    from burst_hpc.plan import masks
 
     if transport not in device_transports(comm):
         pytest.skip(f"{transport} not usable here")
@@ -229,11 +231,12 @@ def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, do
     q, k, v, do = (rng.standard_normal((1, S, h, dim)).astype(dtype) for h in (4, 2, 2, 4))
     ref_o, _ = attention_reference(q, k, v, **kw)
     ref_grads = attention_backward_reference(do, q, k, v, **kw)
-    shape = CallShape.of_call((1, local, 4, dim), 2, 2, "cuda", per_node)   # the call's own pick: priced on its shard
-    used = layout or masks.call_layout(masks.make(S, causal, window, cu), causal, P, shape)
+    used = layout or default_kind(causal)
+
+    placed = dict(kw)   # the chunks layout places tokens by the mask
 
     def mine(x):
-        return burst_hpc.shard(x, r, P, used)
+        return burst_hpc.shard(x, r, P, used, **placed)
 
     dq_, dk_, dv_, ddo = (to_device(mine(x)) for x in (q, k, v, do))
     kw["ranks_per_node"] = per_node
@@ -241,7 +244,7 @@ def test_gpu_ring_with_documents_and_windows(comm, transport, layout, window, do
     err = np.abs(to_host(o, dtype) - mine(ref_o)).max()
     base = np.abs(ref_o.astype(dtype).astype(np.float64) - ref_o).max()
     assert err <= 2 * base + 2e-3, f"forward {err} vs {base} (seed {seed})"
-    for ring in ("q", "kv"):
+    for ring in ("kv",) if layout == "chunks" else ("q", "kv"):
         grads = burst_hpc.burst_attention_backward(ddo, dq_, dk_, dv_, o, lse, comm=comm, layout=layout,
                                                    transport=transport, backward_ring=ring, **kw)
         for name, got, want in zip("dq dk dv".split(), grads, ref_grads):

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from burst_hpc.layout import LAYOUTS, layout_indices, shard, unshard
+from burst_hpc.plan.layout import LAYOUTS, layout_indices, shard, unshard
+
+PLAIN = dict(causal=True, cu_seqlens=None, window=None)   # the mask the chunks layout is placed by
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -40,18 +42,19 @@ def _global_array(comm, dtype, axis, ndim=4):
 def test_shard_allgather_unshard(comm, layout, dtype, axis):
     seed, x = _global_array(comm, dtype, axis)
     ctx = f"seed={seed} rank={comm.rank}/{comm.size} layout={layout} shape={x.shape} axis={axis}"
-    mine = np.ascontiguousarray(shard(x, comm.rank, comm.size, layout, axis=axis))
+    mine = np.ascontiguousarray(shard(x, comm.rank, comm.size, layout, axis=axis, **PLAIN))
     # buffer path: fixed-size shards gathered as raw bytes (works for bfloat16 too)
     recv = np.empty((comm.size,) + mine.shape, mine.dtype)
     comm.Allgather(mine.view(np.uint8), recv.reshape(comm.size, -1).view(np.uint8))
     # object path, and the owned token indices, gathered alongside
     objects = comm.allgather(mine)
-    indices = comm.allgather(layout_indices(x.shape[axis], comm.rank, comm.size, layout))
+    indices = comm.allgather(layout_indices(x.shape[axis], comm.rank, comm.size, layout, **PLAIN))
 
-    back = unshard(list(recv), layout, axis=axis)
+    back = unshard(list(recv), layout, axis=axis, **PLAIN)
     assert back.dtype == x.dtype and back.shape == x.shape, ctx
     np.testing.assert_array_equal(back.view(np.uint8), x.view(np.uint8), err_msg=ctx)
-    np.testing.assert_array_equal(unshard(objects, layout, axis=axis).view(np.uint8), x.view(np.uint8), err_msg=ctx)
+    np.testing.assert_array_equal(unshard(objects, layout, axis=axis, **PLAIN).view(np.uint8), x.view(np.uint8),
+                                  err_msg=ctx)
     np.testing.assert_array_equal(np.sort(np.concatenate(indices)), np.arange(x.shape[axis]), err_msg=ctx)
     np.testing.assert_array_equal(mine.view(np.uint8), np.take(x, indices[comm.rank], axis=axis).view(np.uint8),
                                   err_msg=ctx)
@@ -61,11 +64,11 @@ def test_shard_allgather_unshard(comm, layout, dtype, axis):
 def test_gather_to_root_and_agree(comm, layout):
     """comm.gather to rank 0, which unshards and checks; every rank learns the verdict."""
     seed, x = _global_array(comm, np.float64, 1)
-    mine = shard(x, comm.rank, comm.size, layout)
+    mine = shard(x, comm.rank, comm.size, layout, **PLAIN)   # the chunks layout places tokens by the mask
     parts = comm.gather(mine, root=0)
     verdict = None
     if comm.rank == 0:
-        verdict = bool(np.array_equal(unshard(parts, layout), x))
+        verdict = bool(np.array_equal(unshard(parts, layout, **PLAIN), x))
     verdict = comm.bcast(verdict, root=0)
     assert verdict, f"seed={seed} size={comm.size} layout={layout}: gathered shards do not rebuild the array"
 
@@ -80,14 +83,15 @@ def test_ranks_agree_on_the_seed(comm):
 @pytest.mark.parametrize("source,target", [("contiguous", "zigzag"), ("zigzag", "balanced"), ("zigzag", "zigzag")])
 @pytest.mark.parametrize("axis", [1, 2])
 def test_relayout_moves_shards_between_layouts(comm, source, target, axis):
-    from burst_hpc.layout import relayout
+    from burst_hpc.plan.layout import make_layout, relayout
     from burst_hpc.transport import make_transport
 
     seed, x = _global_array(comm, BF16, axis)
     t = make_transport("host", comm, np)
     mine = shard(x, comm.rank, comm.size, source, axis=axis)
-    moved = relayout(mine, source, target, t, axis=axis)
-    back = relayout(moved, target, source, t, axis=axis)
+    placed = {kind: make_layout(kind, x.shape[axis], comm.size) for kind in (source, target)}
+    moved = relayout(mine, placed[source], placed[target], t, axis=axis)
+    back = relayout(moved, placed[target], placed[source], t, axis=axis)
     ctx = f"seed={seed} rank={comm.rank}/{comm.size} {source}->{target} axis={axis}"
     np.testing.assert_array_equal(moved.view(np.uint16), shard(x, comm.rank, comm.size, target, axis=axis).view(np.uint16),
                                   err_msg=ctx)

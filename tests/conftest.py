@@ -4,11 +4,11 @@ Randomness: every test that takes the ``seed``/``rng`` fixtures draws a fresh se
 On failure the seed is printed (report section "burst seed"); rerun with
 ``BURST_TEST_SEED=<seed> pytest ...`` to reproduce it.
 
-Tolerances follow the FlashAttention rule (DESIGN.md, Conventions): against the float64 oracle,
-our error must be at most 2x (forward) / 3x (gradients) the error of a plain implementation
-that works in the same precision as the inputs (``plain_forward`` / ``plain_backward`` below,
-written like eager PyTorch: every matmul/softmax result rounded to the input dtype), plus a
-small floor relative to the size of the reference values.
+Tolerances follow the FlashAttention rule (DESIGN.md, Conventions), the library's
+(``burst_hpc.tolerance``): against the float64 oracle, our error must be at most 2x (forward) / 3x
+(gradients) the error of a plain implementation that works in the same precision as the inputs
+(``tolerance.plain_attention``: every product rounded to the input dtype), plus a small floor relative
+to the size of the reference values.
 """
 import os
 import secrets
@@ -17,6 +17,10 @@ import sys
 import ml_dtypes
 import numpy as np
 import pytest
+
+from burst_hpc import tolerance
+from burst_hpc.dtypes import dtype_name
+from burst_hpc.tolerance import max_abs, max_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 FP16 = np.dtype(np.float16)
@@ -30,7 +34,7 @@ DTYPE_IDS = ["fp16", "bf16", "fp32", "fp64"]
 sys.modules.setdefault("burst_testing", sys.modules[__name__])
 
 # floor of the tolerance, relative to max(1, max |reference|)
-FLOOR = {FP16: 1e-4, BF16: 1e-3, FP32: 1e-5, FP64: 1e-12}
+FLOOR = {dtype: tolerance.ATOL[dtype_name(dtype)] for dtype in DTYPES}
 
 
 @pytest.fixture
@@ -70,85 +74,18 @@ def f64(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# plain same-precision implementation: the baseline of the tolerance rule
-
-
-def _round(x, dtype):
-    return np.asarray(x).astype(dtype).astype(np.float32 if dtype != FP64 else np.float64)
-
-
-def _work(dtype):
-    return np.float64 if dtype == FP64 else np.float32
-
-
-def _bhsd(x):
-    return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
-
-
-def _bshd(x):
-    return x.transpose(0, 2, 1, 3)
-
-
-def _plain_probs(q, k, scale, causal, q_start, k_start, dtype):
-    w = _work(dtype)
-    group = q.shape[2] // k.shape[2]
-    qw = _bhsd(q.astype(w))
-    kw = _bhsd(np.repeat(k.astype(w), group, axis=2))
-    s = _round(qw @ kw.swapaxes(-1, -2), dtype)                        # matmul output in dtype
-    s = _round(s * w(scale), dtype)
-    if causal:
-        q_pos = q_start + np.arange(q.shape[1])
-        k_pos = k_start + np.arange(k.shape[1])
-        s = np.where(k_pos[None, :] > q_pos[:, None], -np.inf, s)
-    m = s.max(-1, keepdims=True) if s.shape[-1] else np.full(s.shape[:-1] + (1,), -np.inf, w)
-    m = np.where(np.isneginf(m), 0, m)
-    e = np.exp(s - m)
-    tot = e.sum(-1, keepdims=True)
-    p = _round(e / np.where(tot > 0, tot, 1), dtype)                   # softmax output in dtype
-    with np.errstate(divide="ignore"):
-        lse = (np.log(tot) + m)[..., 0]
-    return p, lse, group
+# the tolerance rule and its plain same-precision baseline: the library's (burst_hpc.tolerance)
 
 
 def plain_forward(q, k, v, causal=False, scale=None, q_start=0, k_start=0):
-    """(o, lse) computed eagerly in the precision of q (returned in float32/float64)."""
-    dtype = np.dtype(q.dtype)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p, lse, group = _plain_probs(q, k, scale, causal, q_start, k_start, dtype)
-    vw = _bhsd(np.repeat(v.astype(_work(dtype)), group, axis=2))
-    return _bshd(_round(p @ vw, dtype)), lse
+    """(o, lse) of the plain computation in the precision of q (returned in float32/float64)."""
+    return tolerance.plain_attention(q, k, v, causal=causal, scale=scale, lowp=q.dtype, q_start=q_start,
+                                     k_start=k_start)[:2]
 
 
 def plain_backward(do, q, k, v, causal=False, scale=None, q_start=0, k_start=0):
-    """(dq, dk, dv) of sum(do * o) computed eagerly in the precision of q."""
-    dtype = np.dtype(q.dtype)
-    w = _work(dtype)
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    p, _, group = _plain_probs(q, k, scale, causal, q_start, k_start, dtype)
-    qw, dow = _bhsd(q.astype(w)), _bhsd(do.astype(w))
-    kw = _bhsd(np.repeat(k.astype(w), group, axis=2))
-    vw = _bhsd(np.repeat(v.astype(w), group, axis=2))
-    dv = _bshd(_round(p.swapaxes(-1, -2) @ dow, dtype))
-    dp = _round(dow @ vw.swapaxes(-1, -2), dtype)
-    ds = _round(p * (dp - _round((p * dp).sum(-1, keepdims=True), dtype)), dtype)
-    dq = _bshd(_round(_round(ds @ kw, dtype) * w(scale), dtype))
-    dk = _bshd(_round(_round(ds.swapaxes(-1, -2) @ qw, dtype) * w(scale), dtype))
-    b, sk, h, d = dk.shape
-    dk = _round(dk.reshape(b, sk, h // group, group, d).sum(3), dtype)
-    dv = _round(dv.reshape(b, sk, h // group, group, d).sum(3), dtype)
-    return dq, dk, dv
-
-
-# ---------------------------------------------------------------------------------------------
-# comparisons
-
-
-def max_err(got, ref):
-    """Max |got - ref| over finite reference entries (0 for empty arrays)."""
-    got, ref = f64(got), f64(ref)
-    if ref.size == 0:
-        return 0.0
-    return float(np.max(np.abs(got - ref)))
+    """(dq, dk, dv) of the plain computation in the precision of q."""
+    return tolerance.plain_attention(q, k, v, do, causal, scale, q.dtype, q_start=q_start, k_start=k_start)[2:]
 
 
 def assert_lse_close(got, ref, tol, ctx):
@@ -164,18 +101,17 @@ def assert_lse_close(got, ref, tol, ctx):
         assert err <= tol, f"{ctx}: lse max error {err:.3e} > {tol:.3e}"
 
 
-def assert_rule(name, got, ref, plain, factor, dtype, ctx, floor=None):
-    """FlashAttention-style check: err(got) <= factor * err(plain) + floor * max(1, max|ref|)."""
+def assert_rule(name, got, ref, plain, dtype, ctx, floor=None):
+    """The tolerance rule (burst_hpc.tolerance): err(got) <= FACTOR[name] * err(plain) + floor * max(1, max|ref|),
+    the floor ATOL[dtype] unless given; ``got`` must be finite."""
     got64, ref64 = f64(got), f64(ref)
     assert got64.shape == ref64.shape, f"{ctx}: {name} shape {got64.shape} != {ref64.shape}"
     assert np.isfinite(got64).all(), f"{ctx}: {name} has non-finite values"
-    scale = max(1.0, float(np.max(np.abs(ref64))) if ref64.size else 1.0)
-    floor = FLOOR[np.dtype(dtype)] if floor is None else floor
-    base = max_err(plain, ref64)
-    tol = factor * base + floor * scale
+    base, ref_max = max_err(plain, ref64), max_abs(ref64)
+    tol = tolerance.tolerance(name, base, ref_max, dtype) if floor is None else \
+        tolerance.FACTOR[name] * base + floor * max(1.0, ref_max)
     err = max_err(got64, ref64)
-    assert err <= tol, (f"{ctx}: {name} max error {err:.3e} > {factor} x plain {base:.3e} + floor "
-                        f"{floor * scale:.3e}")
+    assert err <= tol, f"{ctx}: {name} max error {err:.3e} > tolerance {tol:.3e} (plain {base:.3e})"
     return err, base
 
 

@@ -162,7 +162,7 @@ def main():
     launches = []
     sys.modules["cupy"] = _fake_cupy(launches)
     sys.path.insert(0, str(REPO))
-    from burst_hpc import masks
+    from burst_hpc.plan import masks
     from burst_hpc.backends.cuda import FAMILIES, CudaBackend, contract, tma
 
     class _Maps:  # the tensor maps: the arrays and box rows only, at a made-up device address

@@ -6,7 +6,7 @@ import pytest
 
 import burst_hpc
 from burst_hpc.errors import LayoutError, MaskError
-from burst_hpc.workload import documents
+from burst_hpc.plan.workload import documents
 
 TOKENS = 8192
 
@@ -70,9 +70,10 @@ def test_schedule_work_refuses_bad_arguments():
 @pytest.mark.parametrize("causal", [True, False])
 def test_schedule_work_counts_the_schedules_visits(layout, causal):
     """schedule_work's account equals a direct count of every visit of every rank's steps."""
-    from burst_hpc import masks
-    from burst_hpc.schedule import steps
-    from burst_hpc.workload import visit_work
+    from burst_hpc.plan import masks
+    from burst_hpc.plan.schedule import steps
+    from burst_hpc.plan.layout import make_layout
+    from burst_hpc.plan.workload import visit_work
 
     size, seqlen = 6, 6 * 40
     cu = document_set("capped", seqlen, 3)
@@ -80,7 +81,8 @@ def test_schedule_work_counts_the_schedules_visits(layout, causal):
         mask = masks.make(seqlen, causal, window, cu)
         work = burst_hpc.schedule_work(seqlen, size, causal=causal, window=window, cu_seqlens=cu, layout=layout,
                                        direction="backward")
+        placed = make_layout(layout, seqlen, size)
         for r in range(size):
-            plan = steps(layout, causal, r, size, "kv", ("kv", "q"), mask, seqlen)
+            plan = steps(placed, causal, r, "kv", ("kv", "q"), mask)
             assert len(plan) == len(work)
-            assert [sum(visit_work(mask, seqlen, size, layout, v) for v in s.visits) for s in plan] == list(work[:, r])
+            assert [sum(visit_work(mask, placed, v) for v in s.visits) for s in plan] == list(work[:, r])

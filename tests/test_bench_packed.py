@@ -11,7 +11,7 @@ import bench_packed  # noqa: E402
 from bench_packed import (combined_rate, document_sets, is_attention_kernel, magi_packs, outside_share,  # noqa: E402
                           pass_flops, read_length_table)
 
-from burst_hpc import masks  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 
 
 def test_length_table_reads_bins_at_their_midpoints():
@@ -103,13 +103,29 @@ def test_report_leaves_a_wrong_peer_out_of_the_ratios():
     row = {"tflops": rates, "ok": {"varlen_attn": True, "flex": False},
            "diffs": {"varlen_attn": {"o": (0.01, 0.004)}, "flex": {"o": (3.0, 0.9)}},
            "outside": {"fwd": 0.5, "bwd": 0.25, "fwd+bwd": 0.2}, "describe": {"documents": 10},
+           "gpu_tflops": {"fwd": 380.0, "bwd": 260.0, "fwd+bwd": 290.0},
+           "split": {"fwd": (0.21, 0.43), "bwd": (0.3, 2.0), "fwd+bwd": (0.5, 2.4)},
            "kernels": {"fwd": {"attn_fwd_sm90_bf16_d128_m2_interval": 475.0, "cupy_copy__float32_bfloat16": 319.0},
                        "bwd": {"attn_delta": 256.0}}}
     md = bench_packed.report({(8192, "magi"): [row]}, args, "H100", "torch x")
     fwd = next(line for line in md.splitlines() if "| fwd |" in line).split(" | ")
-    # S, documents, pass, ours, varlen, flex, FA3, ours/varlen, ours/flex, ours/FA3, outside, alone
+    # S, documents, pass, ours, varlen, flex, FA3, ours/varlen, ours/flex, ours/FA3, outside, alone, GPU alone, host
     assert fwd[3:7] == ["200", "100", "-", "483"]
     assert fwd[7:10] == ["2.00x", "-", "0.41x"]
-    assert fwd[10:12] == ["50%", "400 |"]
+    assert fwd[10:14] == ["50%", "400", "380", "0.21 |"]
     assert "WRONG: flex at (8192, 'magi')" in md
     assert "| fwd | *`attn_fwd_sm90_bf16_d128_m2_interval` | 475 |" in md
+
+
+def test_tile_use_counts_whole_tiles_of_visible_blocks():
+    from burst_hpc.plan import masks
+
+    # plain causal 8k in 128 x 128 tiles: 64 * 65 / 2 tiles computed, S (S + 1) / 2 pairs visible
+    causal = masks.Mask(8192, True, None, None)
+    assert bench_packed.tile_use(causal, 128, 128) == pytest.approx(8192 * 8193 / 2 / (2080 * 128 * 128))
+    # documents of 100, 100 and 56 tokens in one 256-key tile: each block of 16 rows computes the whole tile
+    docs = masks.make(256, True, None, np.array([0, 100, 200, 256]))
+    visible = 100 * 101 + 56 * 57 // 2
+    assert bench_packed.tile_use(docs, 16, 256) == pytest.approx(visible / (16 * 16 * 256))
+    assert bench_packed.tile_use(docs, 16, 8) > bench_packed.tile_use(docs, 16, 256)
+    assert bench_packed.tile_use(docs, 128, 96) is None   # 96 does not divide 256

@@ -13,10 +13,9 @@ import h5py
 import numpy as np
 import pytest
 
-from burst_hpc import io, masks
-from burst_hpc.costmodel import CallShape
+import burst_hpc
+from burst_hpc import io
 from burst_hpc.dtypes import bfloat16
-from burst_hpc.layout import default_layout
 from burst_hpc.reference import attention_reference
 
 BIN = Path(sys.executable).parent
@@ -99,7 +98,10 @@ def test_run_writes_and_verifies(tmp_path, ranks, causal, dtype, layout):
     lines = [line for line in r.stdout.splitlines() if line.startswith("burst-hpc run:")]
     assert len(lines) == 1, r.stdout  # one summary line, from rank 0
     line = lines[0]
-    for needle in (f"tokens={seqlen}", f"ranks={ranks}", f"layout={layout or default_layout(causal)}", "TFLOP/s",
+    # the job's default: the layout choose_layout names for it (it shards the file itself)
+    layout = layout or burst_hpc.choose_layout(seqlen, ranks, causal=causal, heads=4, kv_heads=2, head_dim=16,
+                                               dtype=dtype, backend="numpy").kind
+    for needle in (f"tokens={seqlen}", f"ranks={ranks}", f"layout={layout}", "TFLOP/s",
                    "transport=host", "verify=PASS(full)", "dk="):
         assert needle in line, line
     # the file holds the outputs in global token order, whatever the layout
@@ -113,7 +115,7 @@ def test_run_writes_and_verifies(tmp_path, ranks, causal, dtype, layout):
     assert out["dk"].shape == (1, seqlen, 2, 16)
     with h5py.File(dst, "r") as f:
         assert bool(f.attrs["causal"]) == causal and f.attrs["run_ranks"] == ranks
-        assert f.attrs["run_layout"] == (layout or default_layout(causal))
+        assert f.attrs["run_layout"] == layout
         assert abs(f.attrs["scale"] - 16 ** -0.5) < 1e-12 and f.attrs["burst_hpc_version"]
     assert not leftovers(tmp_path)
 
@@ -131,9 +133,9 @@ def test_packed_run_with_window_writes_and_verifies(tmp_path):
     line = [line for line in r.stdout.splitlines() if line.startswith("burst-hpc run:")][0]
     data, out = io.read_global(src), io.read_global(dst)
     cu = data["cu_seqlens"]
-    # the default layout: the cost model's pick for this job's shape (masks.call_layout)
-    shape = CallShape.of_call((1, seqlen // 2, 2, 16), 2, 4, "numpy", None, True)
-    layout = masks.call_layout(masks.make(seqlen, True, (20, 0), cu), True, 2, shape)
+    # the default layout: the one choose_layout names for this job (the job shards the file itself)
+    layout = burst_hpc.choose_layout(seqlen, 2, causal=True, cu_seqlens=cu, window=(20, 0), heads=2, kv_heads=2,
+                                     head_dim=16, dtype="float32", backend="numpy").kind
     for needle in ("documents=6", "window=20,0", f"layout={layout}", "verify=PASS(full)"):
         assert needle in line, line
     assert cu[0] == 0 and cu[-1] == seqlen and len(cu) == 7
@@ -163,7 +165,7 @@ BAD_INPUTS = {
     "shape-mismatch": (lambda: dict(random_qkv(16), k=random_qkv(16, hkv=3)["k"]), [], "k and v must have the same shape"),
     "heads-mismatch": (lambda: dict(random_qkv(16, hq=3, hkv=2)), [], "multiple of key/value heads"),
     "unsupported-dtype": (lambda: {k: a.astype(np.int16) for k, a in random_qkv(16).items()}, [], "unsupported dtype int16"),
-    "no-split": (lambda: random_qkv(18), ["--causal"], "does not split over 2 ranks"),
+    "no-split": (lambda: random_qkv(17), ["--causal"], "does not split over 2 ranks"),   # in any layout
     "bad-documents": (lambda: dict(random_qkv(16), cu_seqlens=np.array([0, 5, 5, 16])), ["--causal"],
                       "dataset 'cu_seqlens': cu_seqlens must be strictly increasing"),
     "short-documents": (lambda: dict(random_qkv(16), cu_seqlens=np.array([0, 5, 12])), [],

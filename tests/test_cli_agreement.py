@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from burst_hpc import io
+from burst_hpc.plan.schemes import SCHEMES
 from test_cli import ENV, MPIEXEC, leftovers, needs_mpiexec
 
 HANG_S = 60   # these end in about two seconds; a launch still running then hangs
@@ -106,11 +107,26 @@ def test_display_options_may_differ(files):
 @needs_mpiexec
 def test_a_rank_whose_command_line_does_not_parse_meets_the_others_in_the_agreement(files):
     """Before, the ranks that parsed waited in the job for the one that did not, which gave up after
-    cli.SAY_WAIT_S (30 s) and wrote its own line; now every rank meets in the agreement and rank 0
+    cli_delivery.SAY_WAIT_S (30 s) and wrote its own line; now every rank meets in the agreement and rank 0
     says which rank's command line is bad."""
     r = mpmd(run_line(files), run_line(files, "--scheme", "bogus"))
     assert r.returncode == 2, r.stdout + r.stderr
     errors = [line for line in r.stderr.splitlines() if line.startswith("burst-hpc: error:")]
-    assert errors == ["burst-hpc: error: argument --scheme: invalid choice: 'bogus' (choose from 'auto', 'ring', "
-                      "'double_ring', 'ulysses_ring') (rank 1)"], r.stderr
+    choices = ", ".join(f"'{name}'" for name in SCHEMES)
+    assert errors == [f"burst-hpc: error: argument --scheme: invalid choice: 'bogus' (choose from {choices}) (rank 1)"], \
+        r.stderr
     assert not files["dst"].exists() and not leftovers(files["dst"].parent)
+
+
+@needs_mpiexec
+@pytest.mark.parametrize("asks", [("run", "--help"), ("--version",)])
+def test_help_or_version_on_one_rank_meets_the_others_in_the_agreement(files, asks):
+    """Before, a rank asking for --help (or --version) printed it and left, and the others waited for it in
+    the command's agreement until killed."""
+    r = mpmd(run_line(files), asks)
+    assert r.returncode == 1, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("burst-hpc: error:")]
+    assert errors == ["burst-hpc: error: ranks disagree on the command: rank 0 has 'run', rank 1 has '--help or "
+                      "--version'; every rank must pass matching arguments"], r.stderr
+    assert not files["dst"].exists() and not leftovers(files["dst"].parent)
+

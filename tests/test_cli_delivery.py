@@ -56,7 +56,7 @@ def test_refusal_before_mpi_reaches_the_user(ranks):
 def test_plan_under_mpiexec_prints_one_table():
     r = mpirun(2, "plan", "--seqlen", 4096, "--nodes", 2, "--gpus-per-node", 4)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert r.stdout.count("auto picks:") == 1 and r.stdout.count("| ring |") == 1, r.stdout
+    assert r.stdout.count("pick: layout") == 1 and r.stdout.count("| contiguous | ring |") == 1, r.stdout
 
 
 @needs_mpiexec

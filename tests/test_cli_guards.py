@@ -7,8 +7,9 @@ import h5py
 import numpy as np
 import pytest
 
-from burst_hpc import io, verify
-from burst_hpc.cli import build_parser
+from burst_hpc import io
+from burst_hpc.job import verify
+from burst_hpc.cli_parser import build_parser
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_cli import leftovers, random_qkv, write_input, burst, mpirun, needs_mpiexec
 

@@ -11,7 +11,8 @@ import pytest
 
 from burst_hpc import io
 from burst_hpc.errors import FileError, TopologyError
-from burst_hpc.topology import arrange
+from burst_hpc.plan.layout import make_layout
+from burst_hpc.plan.topology import arrange
 from test_cli import leftovers, write_input, burst, mpirun, needs_mpiexec
 
 HUGE = "99999999999999999999"
@@ -31,32 +32,26 @@ def _refused(r, needle, code, launched=False):
 
 
 PLAN = ["plan", "--seqlen", "4096"]
-BAD_PLAN_ARGS = [
-    # (arguments after `plan --seqlen 4096`, what the error line says)
-    (["--seqlen", "0"], "argument --seqlen: expected a whole number > 0; got '0'"),
-    (["--seqlen", "-4096"], "argument --seqlen: expected a whole number > 0; got '-4096'"),
-    (["--seqlen", HUGE], f"argument --seqlen: expected a whole number > 0; got '{HUGE}', more than the largest"),
-    (["--heads", "0"], "argument --heads: expected a whole number > 0"),
-    (["--heads", "nan"], "argument --heads: expected a whole number > 0; got 'nan'"),
-    (["--kv-heads", "0"], "argument --kv-heads: expected a whole number > 0"),
-    (["--head-dim", "0"], "argument --head-dim: expected a whole number > 0"),
-    (["--batch", "0"], "argument --batch: expected a whole number > 0"),
-    (["--documents", "0"], "argument --documents: expected a whole number > 0"),
-    (["--nodes", "0"], "argument --nodes: expected a whole number > 0"),
-    (["--gpus-per-node", "-8"], "argument --gpus-per-node: expected a whole number > 0"),
-    (["--ranks-per-node", "0"], "argument --ranks-per-node: expected a whole number > 0"),
-    (["--fwd-tflops", "0"], "argument --fwd-tflops: expected a finite number > 0; got '0'"),
-    (["--fwd-tflops", "nan"], "argument --fwd-tflops: expected a finite number > 0; got 'nan'"),
-    (["--bwd-tflops", "-1"], "argument --bwd-tflops: expected a finite number > 0"),
-    (["--intra-gbps", "inf"], "argument --intra-gbps: expected a finite number > 0"),
-    (["--inter-gbps", "0", "--nodes", "2"], "argument --inter-gbps: expected a finite number > 0"),
-    (["--inter-gbps", "1e999"], "argument --inter-gbps: expected a finite number > 0; got '1e999'"),
-    (["--inter-latency-us", "-1"], "argument --inter-latency-us: expected a finite number >= 0"),
-    (["--intra-latency-us", "nan"], "argument --intra-latency-us: expected a finite number >= 0"),
-    (["--window", "-2"], "argument --window: expected a window size: a whole number >= 0, or -1 for unbounded"),
+WHOLE, SEED = "a whole number > 0", "a whole number >= 0"
+RATE, LATENCY = "a finite number > 0", "a finite number >= 0"
+WINDOW = "a window size: a whole number >= 0, or -1 for unbounded"
+LARGEST = ", more than the largest"
+
+
+def _bad(flag, value, expected, more=""):
+    """(``--flag value``, the error line that refuses it)."""
+    return ["--" + flag, value], f"argument --{flag}: expected {expected}; got '{value}'{more}"
+
+
+POSITIVE_PLAN_FLAGS = ("seqlen", "heads", "kv-heads", "head-dim", "batch", "documents", "nodes", "ranks-per-node")
+BAD_PLAN_ARGS = [_bad(flag, "0", WHOLE) for flag in POSITIVE_PLAN_FLAGS] + [
+    _bad("seqlen", "-4096", WHOLE), _bad("seqlen", HUGE, WHOLE, LARGEST), _bad("heads", "nan", WHOLE),
+    _bad("gpus-per-node", "-8", WHOLE), _bad("fwd-tflops", "0", RATE), _bad("fwd-tflops", "nan", RATE),
+    _bad("bwd-tflops", "-1", RATE), _bad("intra-gbps", "inf", RATE), _bad("inter-gbps", "1e999", RATE),
+    _bad("inter-latency-us", "-1", LATENCY), _bad("intra-latency-us", "nan", LATENCY), _bad("window", "-2", WINDOW),
+    _bad("window", HUGE, WINDOW, LARGEST),
+    (["--inter-gbps", "0", "--nodes", "2"], f"argument --inter-gbps: expected {RATE}; got '0'"),
     (["--dtype", "int8"], "argument --dtype: unsupported dtype 'int8'; use one of float16, bfloat16, float32, float64"),
-    (["--window", HUGE], f"argument --window: expected a window size: a whole number >= 0, or -1 for unbounded; "
-                         f"got '{HUGE}', more than the largest"),
 ]
 
 
@@ -69,8 +64,8 @@ BAD_PLAN_PROBLEMS = [
     # the balanced layout splits like contiguous: S a multiple of P (not of 2P), and it is checked
     (["--seqlen", "1000", "--nodes", "3", "--layout", "balanced"],
      "sequence length 1000 does not split over 24 ranks with the balanced layout: it must be a multiple of 24"),
-    (["--seqlen", "21", "--gpus-per-node", "3", "--causal"],
-     "sequence length 21 does not split over 3 ranks with the zigzag layout: it must be a multiple of 6"),
+    (["--seqlen", "22", "--gpus-per-node", "3", "--causal"],   # in no layout (zigzag's row alone would say why)
+     "sequence length 22 does not split over 3 ranks with the contiguous layout: it must be a multiple of 3"),
     (["--gpus-per-node", "3", "--causal", "--layout", "zigzag"],   # S = 4096 on 3 ranks: what fits, what to pad to
      "sequence length 4096 does not split over 3 ranks with the zigzag layout: it must be a multiple of 6 (two chunks "
      "a rank); the balanced and contiguous layouts need only a multiple of 3: pad the sequence to 4098, which splits "
@@ -78,7 +73,7 @@ BAD_PLAN_PROBLEMS = [
     (["--heads", "6", "--kv-heads", "4"], "--heads 6 must be a multiple of --kv-heads 4"),
     (["--documents", "5000"], "--documents 5000: more documents than the 4096 tokens of --seqlen"),
     (["--cu-seqlens", "/nonexistent/offsets.txt"], "cannot read cu_seqlens from /nonexistent/offsets.txt"),
-    (["--fwd-tflops", "1e300"], "the cost model leaves the floating-point range with these sizes and rates"),
+    (["--fwd-tflops", "1e300", "--fwd-launch-us", "0"], "the cost model leaves the floating-point range with these sizes and rates"),
 ]
 
 
@@ -95,12 +90,12 @@ def test_plan_accepts_edge_values(args):
     assert r.returncode == 0 and not r.stderr, r.stdout + r.stderr
     table = r.stdout.split("| ring |")[1]
     assert "nan" not in table and "inf" not in table and float(table.split("|")[0]) > 0, r.stdout
-    assert "auto picks: " in r.stdout
+    assert "pick: layout " in r.stdout
 
 
 def test_plan_from_real_document_lengths(tmp_path):
-    """--cu-seqlens (text, .npy, HDF5 input) and drawn --doc-lengths: the per-layout table from the
-    schedule's own account, the balanced layout's critical path near the mean."""
+    """--cu-seqlens (text, .npy, HDF5 input) and drawn --doc-lengths: the table from the schedule's
+    own account, the balanced layout's critical path near the mean."""
     offsets = np.array([0, 3000, 3100, 3500, 4096])
     (tmp_path / "cu.txt").write_text(" ".join(map(str, offsets)))
     np.save(tmp_path / "cu.npy", offsets)
@@ -110,24 +105,16 @@ def test_plan_from_real_document_lengths(tmp_path):
     for source in ("cu.txt", "cu.npy", "in.h5"):
         r = burst(*PLAN, "--causal", "--gpus-per-node", "4", "--cu-seqlens", tmp_path / source)
         assert r.returncode == 0 and not r.stderr, r.stdout + r.stderr
-        tables.append(r.stdout.split("layouts (")[1])
+        tables.append(r.stdout)
     assert tables[0] == tables[1] == tables[2]
-    rows = {line.split("|")[1].strip(): line.split("|")[2:] for line in tables[0].splitlines() if line.startswith("| ")}
-    assert float(rows["balanced"][0]) <= 1.10 < float(rows["contiguous"][0])
+    rows = {line.split("|")[1].strip(): line.split("|")[3:] for line in tables[0].splitlines() if "| ring |" in line}
+    assert float(rows["balanced"][6]) <= 1.10 < float(rows["contiguous"][6])   # critical path / mean
     r = burst(*PLAN, "--causal", "--documents", "7", "--doc-lengths", "lognormal", "--seed", "3")
     assert r.returncode == 0 and "| balanced |" in r.stdout, r.stdout + r.stderr
 
 
-BAD_GEN_ARGS = [
-    (["--kv-heads", "0"], "argument --kv-heads: expected a whole number > 0; got '0'"),
-    (["--seed", "-1"], "argument --seed: expected a whole number >= 0; got '-1'"),
-    (["--seed", HUGE], "argument --seed: expected a whole number >= 0; got"),
-    (["--seqlen", "0"], "argument --seqlen: expected a whole number > 0"),
-    (["--heads", "-8"], "argument --heads: expected a whole number > 0"),
-    (["--head-dim", "0"], "argument --head-dim: expected a whole number > 0"),
-    (["--batch", HUGE], "argument --batch: expected a whole number > 0"),
-    (["--documents", "0"], "argument --documents: expected a whole number > 0"),
-]
+BAD_GEN_ARGS = [_bad(flag, "0", WHOLE) for flag in ("kv-heads", "seqlen", "head-dim", "documents")] + [
+    _bad("heads", "-8", WHOLE), _bad("batch", HUGE, WHOLE, LARGEST), _bad("seed", "-1", SEED), _bad("seed", HUGE, SEED)]
 
 
 @pytest.mark.parametrize("args,needle", BAD_GEN_ARGS, ids=[" ".join(a) for a, _ in BAD_GEN_ARGS])
@@ -142,6 +129,23 @@ def test_gen_takes_dtype_names_in_any_case(tmp_path):
     assert "Hq=8 Hkv=2" in r.stdout and "bfloat16" in r.stdout, r.stdout
     with h5py.File(tmp_path / "in.h5", "r") as f:
         assert f["q"].attrs["dtype"] == "bfloat16" and f["k"].shape == (1, 16, 2, 8)
+
+
+def test_gen_says_sizes_in_human_units(tmp_path):
+    """A file larger than any disk: refused before any write, the sizes in KB/MB/GB/TB/PB, not millions of MB
+    (3 tensors x 1e12 tokens x 8 heads x 64 x 2 bytes, and the file's own, about 3.1e15 bytes)."""
+    r = burst("gen", tmp_path / "in.h5", "--seqlen", 10 ** 12, "--heads", 8, "--head-dim", 64, "--quiet")
+    _refused(r, "not enough space for output", 1)
+    assert re.search(r"it needs about 3\.\d+ PB, .* has \d+(\.\d+)? [KMGTP]?B free", r.stderr), r.stderr
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("nbytes,text", [(0, "0 B"), (999, "999 B"), (1000, "1 KB"), (4194304, "4.19 MB"),
+                                         (83.7e9, "83.7 GB"), (1.09167254967e17, "109 PB"), (2.5e12, "2.5 TB")])
+def test_sizes_have_one_way_to_be_said(nbytes, text):
+    from burst_hpc.errors import size_text
+
+    assert size_text(nbytes) == text
 
 
 BAD_RUN_ARGS = [
@@ -192,17 +196,18 @@ def _shards(scale=1.0, names=("q", "k", "v"), seqlen=32, dtype=np.float32):
 def test_check_finite_refuses_inputs_whose_sums_overflow(scale, needle):
     shards = _shards(scale, ("q", "k", "v", "do"))
     with pytest.raises(FileError) as info:
-        io.check_finite("in.h5", shards, None, "contiguous", 32)
+        io.check_finite("in.h5", shards, None, make_layout("contiguous", 32, 1))
     text = str(info.value)
     assert text.startswith("in.h5: ") and re.search(needle, text) and "float32 sums overflow at 3.4e+38" in text, text
     assert "--allow-nonfinite" in text and info.value.agreed
 
 
 def test_check_finite_keeps_large_inputs_that_fit():
-    io.check_finite("in.h5", _shards(1e17), None, "contiguous", 32)       # scores up to ~1e36
-    io.check_finite("in.h5", _shards(1e30, dtype=np.float64), None, "contiguous", 32)  # float64 sums
+    whole = make_layout("contiguous", 32, 1)
+    io.check_finite("in.h5", _shards(1e17), None, whole)       # scores up to ~1e36
+    io.check_finite("in.h5", _shards(1e30, dtype=np.float64), None, whole)  # float64 sums
     with pytest.raises(FileError, match="scores"):  # a larger --scale moves the bound
-        io.check_finite("in.h5", _shards(1e17), None, "contiguous", 32, scale=1e4)
+        io.check_finite("in.h5", _shards(1e17), None, whole, scale=1e4)
 
 
 @needs_mpiexec
@@ -246,12 +251,12 @@ SPELLINGS = {"bfloat16": ["bfloat16", "BF16", "bf16"], "float16": ["float16", "f
 def test_every_verb_takes_the_same_dtype_spellings(name):
     """gen, plan and compile parse --dtype in one place (dtypes.parse_dtype's names and aliases); compile
     refuses only what the kernels do not run (float64), naming the dtypes they take."""
-    from burst_hpc import cli
+    from burst_hpc.cli_parser import build_parser
     from burst_hpc.dtypes import ALIASES, SUPPORTED_NAMES
 
     assert set(SPELLINGS) == set(SUPPORTED_NAMES)
     assert set(ALIASES) <= {spelling.lower() for spellings in SPELLINGS.values() for spelling in spellings}
-    parser = cli.build_parser()
+    parser = build_parser()
     for spelling in SPELLINGS[name]:
         assert parser.parse_args(["gen", "x.h5", "--seqlen", "8", "--dtype", spelling]).dtype == name
         assert parser.parse_args([*PLAN, "--dtype", spelling]).dtype == name

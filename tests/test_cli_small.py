@@ -155,3 +155,19 @@ def test_one_cupy_install_hint_the_extras_agree_with(tmp_path):
         assert not re.search(r"burst[-_]hpc\[cuda", text), path
         if path.suffix == ".py" and path.name != "device.py":
             assert "cupy-cuda" not in text, path
+
+
+@needs_mpiexec
+def test_progress_says_the_mask_in_words(tmp_path):
+    """--progress names the mask as a person would ('causal, 3 documents (longest N tokens), window (100, 0)'),
+    never a Python repr."""
+    import h5py
+
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    assert burst("gen", src, "--seqlen", 512, "--heads", 2, "--head-dim", 8, "--documents", 3).returncode == 0
+    with h5py.File(src, "r") as f:
+        longest = int(np.diff(f["cu_seqlens"][...]).max())
+    r = mpirun(2, "run", src, dst, "--causal", "--window", "100", "--backend", "numpy", "--progress")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert f"] causal, 3 documents (longest {longest} tokens), window (100, 0): ring steps " in r.stderr, r.stderr
+    assert "Mask(" not in r.stderr, r.stderr

@@ -112,3 +112,48 @@ def test_a_window_is_taken_from_the_output(job, tmp_path):
         assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
     r = mpirun(3, "verify", src, dst, "--window", "50", "--quiet")
     assert r.returncode == 1 and "was written with window = (100, 0), not (50, 0)" in r.stderr, r.stderr
+
+
+def _without_attributes(src, dst):
+    """A copy of output ``src`` holding its datasets alone, as another program might write it."""
+    with h5py.File(src, "r") as f, h5py.File(dst, "w") as g:
+        for name in f:
+            g.create_dataset(name, data=f[name][...])
+            g[name].attrs.update(f[name].attrs)   # a bfloat16 dataset's own dtype attribute stays
+
+
+@needs_mpiexec
+def test_an_output_that_records_no_mask_is_refused_unless_it_is_said(job, tmp_path):
+    """No guess: without the causal attribute the check refuses (one line, exit 1) until --causal or
+    --no-causal says the mask; said right it passes, said wrong it fails."""
+    src, good = job
+    dst = tmp_path / "bare.h5"
+    _without_attributes(good, dst)
+    r = mpirun(2, "verify", src, dst, "--rows", ROWS, "--quiet")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert r.stderr.count("does not record the mask it was computed with") == 1, r.stderr
+    assert "--causal or --no-causal" in r.stderr, r.stderr
+    r = mpirun(2, "verify", src, dst, "--rows", ROWS, "--quiet", "--causal")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    r = mpirun(1, "verify", src, dst, "--rows", ROWS, "--quiet", "--no-causal")
+    assert r.returncode == 3 and "FAIL" in r.stdout, r.stdout + r.stderr
+
+
+@needs_mpiexec
+def test_verify_takes_the_scale(job, tmp_path):
+    """A run with --scale 0.5: checked with the scale it records, or the same given; another scale given is
+    refused. Without attributes --scale is the only way to say it (the default head_dim**-0.5 fails)."""
+    src, _ = job
+    dst, bare = tmp_path / "out.h5", tmp_path / "bare.h5"
+    r = mpirun(2, "run", src, dst, "--causal", "--backward", "--scale", "0.5", "--backend", "numpy", "--quiet")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for flags in ([], ["--scale", "0.5"]):
+        r = mpirun(2, "verify", src, dst, "--rows", ROWS, "--quiet", *flags)
+        assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    r = mpirun(2, "verify", src, dst, "--scale", "0.3", "--quiet")
+    assert r.returncode == 1 and r.stderr.count("was written with scale = 0.5, not 0.3") == 1, r.stderr
+    _without_attributes(dst, bare)
+    r = mpirun(1, "verify", src, bare, "--rows", ROWS, "--quiet", "--causal", "--scale", "0.5")
+    assert r.returncode == 0 and "PASS" in r.stdout, r.stdout + r.stderr
+    r = mpirun(1, "verify", src, bare, "--rows", ROWS, "--quiet", "--causal")
+    assert r.returncode == 3 and "FAIL" in r.stdout, r.stdout + r.stderr

@@ -26,11 +26,11 @@ _NGPU = gpu_count()
 pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc import masks  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 from burst_hpc.backends import cuda, get_backend  # noqa: E402
 from burst_hpc.errors import BackendError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference  # noqa: E402
-from burst_hpc.verify import plain_attention  # noqa: E402
+from burst_hpc.tolerance import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 _FAMILIES = cuda.kernel_families() if _NGPU else ()
@@ -184,6 +184,17 @@ def _check_backward(s, d, causal, hq, hkv, b=2):
         _check(name, got - i0, p, r, 3)
 
 
+def _offset_problem(shape, causal, q_start):
+    """bfloat16 (q, k, v) of ``shape`` (B, Sq, Sk, Hq, Hkv, D), the queries at ``q_start``, their scale, the
+    float64 oracle's (o, lse) and the plain bfloat16 computation's o."""
+    b, sq, sk, hq, hkv, d = shape
+    q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
+    scale = d ** -0.5
+    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
+    pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    return q, k, v, scale, ref_o, ref_lse, pl_o
+
+
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 def test_forward_every_sm90_tile_height(d, causal):
@@ -193,11 +204,8 @@ def test_forward_every_sm90_tile_height(d, causal):
     if _family != "sm90":
         pytest.skip("tile heights are a property of the sm90 forward")  # the sm80 forward has one
     be = _be()
-    b, sq, sk, hq, hkv = 2, 333, 517, 6, 2
-    q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
-    scale, q_start = d ** -0.5, 200
-    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
-    pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    q_start = 200
+    q, k, v, scale, ref_o, ref_lse, pl_o = _offset_problem((2, 333, 517, 6, 2, d), causal, q_start)
     heights = be.kernels.tile_heights(d)
     assert heights, f"no sm90 forward shape for D={d}"
     for rows in heights:
@@ -241,11 +249,8 @@ def test_sm90_forward_key_splits(d, causal):
     if _family != "sm90":
         pytest.skip("key splits belong to the persistent sm90 forward")
     be = _be()
-    b, sq, sk, hq, hkv = 1, 333, 1100, 4, 2
-    q, k, v = (_rand((b, n, h, d), BF16) for n, h in ((sq, hq), (sk, hkv), (sk, hkv)))
-    scale, q_start = d ** -0.5, 700
-    ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal, q_start=q_start)
-    pl_o, _, _ = ref_forward(q, k, v, scale, causal, q_start=q_start, dtype=cupy.float32, rnd=_rounder(BF16))
+    q_start = 700
+    q, k, v, scale, ref_o, ref_lse, pl_o = _offset_problem((1, 333, 1100, 4, 2, d), causal, q_start)
     for rows in be.kernels.tile_heights(d):
         for parts in (2, 3):
             be.kernels.forced_tile_height, be.kernels.forced_key_splits = rows, parts

@@ -5,7 +5,7 @@
 
 Rule (FlashAttention style, as tests/test_cuda_kernels.py): against the float64 oracle (the
 dense boolean mask of burst_hpc.reference), the error of our result is at most 2x (forward) /
-3x (gradients) the error of a plain same-precision implementation (burst_hpc.verify.plain_attention,
+3x (gradients) the error of a plain same-precision implementation (burst_hpc.tolerance.plain_attention,
 each product rounded to bf16) plus a small floor. Fresh random inputs every run; the seed is printed.
 """
 import numpy as np
@@ -18,10 +18,10 @@ _NGPU = gpu_count()
 pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc import masks  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 from burst_hpc.backends import cuda, get_backend  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
-from burst_hpc.verify import plain_attention  # noqa: E402
+from burst_hpc.tolerance import plain_attention  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 

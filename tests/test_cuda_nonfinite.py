@@ -27,7 +27,7 @@ _NGPU = gpu_count()
 pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 
 import burst_hpc  # noqa: E402
-from burst_hpc import masks  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 from burst_hpc.backends import cuda  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
 

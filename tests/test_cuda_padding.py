@@ -49,7 +49,7 @@ def test_padded_head_dim_forward_backward(rng, family, d, causal, dtype):
     o_plain, _ = plain_forward(q, k, v, causal, scale, q_start, k_start)
     visible = np.isfinite(lse_ref)[0, 0] if causal else np.ones(sq, bool)
     ctx = f"{family} D={d} {'causal' if causal else 'full'} {dtype}"
-    assert_rule("o", cupy.asnumpy(o)[:, visible], o_ref[:, visible], o_plain[:, visible], 2, dtype, ctx)
+    assert_rule("o", cupy.asnumpy(o)[:, visible], o_ref[:, visible], o_plain[:, visible], dtype, ctx)
     assert_lse_close(cupy.asnumpy(lse), lse_ref, 1e-3, ctx)
 
     o[:, ~cupy.asarray(visible)] = 0  # rows that see nothing hold o = 0, as the library's running o starts
@@ -61,7 +61,7 @@ def test_padded_head_dim_forward_backward(rng, family, d, causal, dtype):
     ref = attention_backward_reference(do, q, k, v, causal, scale, q_start, k_start)
     plain = plain_backward(do, q, k, v, causal, scale, q_start, k_start)
     for name, got, start, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), init, ref, plain):
-        assert_rule(name, cupy.asnumpy(got - start), r, p, 3, dtype, ctx)
+        assert_rule(name, cupy.asnumpy(got - start), r, p, dtype, ctx)
 
 
 @pytest.mark.parametrize("d", [80, 96, 192])
@@ -73,12 +73,12 @@ def test_padded_head_dim_through_the_api(rng, d):
     assert o.shape == (b, s, hq, d) and o.dtype == BF16
     o_ref, _ = attention_reference(q, k, v, True)
     o_plain, _ = plain_forward(q, k, v, True)
-    assert_rule("o", cupy.asnumpy(o), o_ref, o_plain, 2, BF16, f"api D={d}")
+    assert_rule("o", cupy.asnumpy(o), o_ref, o_plain, BF16, f"api D={d}")
     grads = burst_hpc.attention_backward(*(cupy.asarray(x) for x in (do, q, k, v)), o, lse, causal=True)
     o_host = cupy.asnumpy(o)
     ref = attention_backward_reference(do, q, k, v, True)
     plain = plain_backward(do, q, k, v, True)
     for name, got, r, p in zip(("dq", "dk", "dv"), grads, ref, plain):
         assert got.shape[-1] == d
-        assert_rule(name, cupy.asnumpy(got), r, p, 3, BF16, f"api D={d}")
+        assert_rule(name, cupy.asnumpy(got), r, p, BF16, f"api D={d}")
     assert np.isfinite(o_host.astype(np.float32)).all()

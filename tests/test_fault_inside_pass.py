@@ -35,7 +35,7 @@ API_JOB = textwrap.dedent("""
 CLI_JOB = textwrap.dedent("""
     import os, sys
     from burst_hpc.backends import numpy_backend
-    from burst_hpc.passes import REHEARSAL_KEYS
+    from burst_hpc.engine.passes import REHEARSAL_KEYS
     rank = int(os.environ.get("OMPI_COMM_WORLD_RANK", "0"))
     stage = sys.argv.pop(1)
     calls = []

@@ -4,8 +4,11 @@ import os
 import numpy as np
 import pytest
 
-from burst_hpc import cli, io, verify
+from burst_hpc import cli, io, tolerance
+from burst_hpc.cli_delivery import EXIT_MISMATCH
+from burst_hpc.job import verify
 from burst_hpc.dtypes import bfloat16
+from burst_hpc.plan.layout import make_layout
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
 
@@ -32,7 +35,7 @@ def test_read_shards_with_spec_reads_without_inspecting(tmp_path, monkeypatch):
     io.write_global(src, {"q": q, "k": k, "v": v, "do": do})
     spec = io.inspect_input(src, ("q", "k", "v", "do"))
     monkeypatch.setattr(read, "_inspect", lambda *args: pytest.fail("the input was inspected again"))
-    got, shards = io.read_shards(src, None, "zigzag", ("q", "k", "v", "do"), spec=spec)
+    got, shards = io.read_shards(src, None, make_layout("zigzag", spec.seqlen, 1), ("q", "k", "v", "do"), spec=spec)
     assert got is spec
     for name, want in zip(("q", "k", "v", "do"), (q, k, v, do)):
         assert np.array_equal(shards[name].view(np.uint16), want.view(np.uint16)), name
@@ -55,7 +58,7 @@ def test_every_writer_stamps_the_format(tmp_path):
 @pytest.mark.parametrize("causal", [False, True])
 def test_plain_float64_matches_oracle(causal):
     q, k, v, do = _inputs(dtype=np.float64)
-    o, lse, dq, dk, dv = verify.plain_attention(q, k, v, do, causal, 0.3)
+    o, lse, dq, dk, dv = tolerance.plain_attention(q, k, v, do, causal, 0.3)
     ro, rlse = attention_reference(q, k, v, causal, 0.3)
     rdq, rdk, rdv = attention_backward_reference(do, q, k, v, causal, 0.3)
     for ours, ref in ((o, ro), (lse, rlse), (dq, rdq), (dk, rdk), (dv, rdv)):
@@ -65,7 +68,7 @@ def test_plain_float64_matches_oracle(causal):
 def test_mismatch_exits_3_and_marks_the_output_failed(tmp_path, monkeypatch):
     """The CLI in-process on one rank, with a broken attention: exit 3, the output published (before
     verification) and marked verify = 'fail' with the errors; a good run marks it 'pass'."""
-    from burst_hpc.passes import RingPasses
+    from burst_hpc.engine.passes import RingPasses
 
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     io.generate(src, 1, 32, 2, 1, 8, np.float32, seed=0)
@@ -76,7 +79,7 @@ def test_mismatch_exits_3_and_marks_the_output_failed(tmp_path, monkeypatch):
         return o + 1, lse
 
     monkeypatch.setattr(RingPasses, "forward", broken)
-    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == cli.EXIT_MISMATCH
+    assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == EXIT_MISMATCH
     assert dst.exists() and not list(tmp_path.glob("*.tmp*"))
     marks = verify.recorded(dst)
     assert marks["verify"] == "fail" and marks["verify_mode"] == "full", marks

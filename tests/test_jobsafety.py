@@ -1,12 +1,11 @@
 """A job's life on a shared machine, through real mpiexec and real HDF5 files (issues 20, 24):
-two jobs racing for one output name, SIGTERM / SIGINT / SIGKILL at a random moment, stale
-temporary files and the lock that tells a running job's from a dead one's, a time limit during
---verify, and a file system that fills up while a job writes.
+two jobs racing for one output name, SIGTERM / SIGINT at a random moment, a time limit during
+--verify, and a file system that fills up while a job writes (stale temporary files and their lock:
+test_leftovers.py).
 
 BURST_RACE_REPS (default 1) repeats each race; bench/job_safety.py runs the long versions.
 """
 import errno
-import json
 import os
 import random
 import re
@@ -19,7 +18,8 @@ import h5py
 import numpy as np
 import pytest
 
-from burst_hpc import config, io, jobsafety, verify
+from burst_hpc import config, io
+from burst_hpc.job import owner, publish, verify
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import FileError
 from burst_hpc.reference import attention_reference
@@ -36,7 +36,7 @@ def _temps(directory):
 
 def _temp_outputs(directory):
     """Temporary files without their lock files."""
-    return [p for p in _temps(directory) if not p.endswith(jobsafety.LOCK_SUFFIX)]
+    return [p for p in _temps(directory) if not p.endswith(owner.LOCK_SUFFIX)]
 
 
 def _popen(args, ranks=None):
@@ -114,13 +114,13 @@ def test_two_gens_race_for_one_output(tmp_path):
 
 def test_publish_never_replaces(tmp_path, monkeypatch):
     final = tmp_path / "out.h5"
-    a, b = jobsafety.temp_name(final), jobsafety.temp_name(final)
+    a, b = owner.temp_name(final), owner.temp_name(final)
     for path, text in ((a, "first"), (b, "second")):
         with open(path, "w") as f:
             f.write(text)
-    jobsafety.publish(a, final)
+    publish.publish(a, final)
     with pytest.raises(FileError, match="appeared while this job ran") as info:
-        jobsafety.publish(b, final)
+        publish.publish(b, final)
     kept = re.search(r"kept as '([^']+)'", str(info.value))[1]
     assert final.read_text() == "first" and open(kept).read() == "second"
     assert not _temps(tmp_path)
@@ -130,14 +130,14 @@ def test_publish_never_replaces(tmp_path, monkeypatch):
         raise OSError(errno.EPERM, "Operation not permitted")
 
     monkeypatch.setattr(os, "link", no_link)
-    c = jobsafety.temp_name(final)
+    c = owner.temp_name(final)
     with open(c, "w") as f:
         f.write("third")
     with pytest.raises(FileExistsError):
-        jobsafety.link_noreplace(c, final)
-    jobsafety.link_noreplace(c, tmp_path / "other.h5")
+        publish.link_noreplace(c, final)
+    publish.link_noreplace(c, tmp_path / "other.h5")
     assert (tmp_path / "other.h5").read_text() == "third" and final.read_text() == "first"
-    jobsafety.publish(kept, final, overwrite=True)  # --overwrite replaces, on purpose
+    publish.publish(kept, final, overwrite=True)  # --overwrite replaces, on purpose
     assert final.read_text() == "second"
 
 
@@ -216,243 +216,17 @@ def test_signal_ends_every_rank_and_removes_temp(tmp_path, long_input, target, s
         assert f"stopped by {sig.name}" in err and "no output written" in err, err
 
 
-# --------------------------------------------------------------------------- stale temporary files
-
-HOLDER = """import sys, time
-from burst_hpc import jobsafety
-jobsafety.hold(sys.argv[1])
-open(sys.argv[1], "wb").write(b"x")
-print("ready", flush=True)
-time.sleep(120)
-"""
-
-
-def _holder(tmp_path, tmp):
-    """A process that holds the lock of temporary file ``tmp`` (as a job's rank 0 does) and waits."""
-    script = tmp_path / "holder.py"
-    script.write_text(HOLDER)
-    proc = subprocess.Popen([sys.executable, str(script), str(tmp)], env=ENV, stdout=subprocess.PIPE, text=True)
-    assert proc.stdout.readline().strip() == "ready"
-    return proc
-
-
-def _sidecar(tmp, **record):
-    """A temporary file and a lock file that nobody holds, recording ``record`` as its owner."""
-    with open(tmp, "wb") as f:
-        f.write(b"x")
-    with open(jobsafety.lock_path(tmp), "w") as f:
-        json.dump(record, f)
-
-
-@needs_mpiexec
-def test_sigkill_leaves_a_stale_temp_that_is_named_and_cleaned(tmp_path, long_input):
-    gone, _ = stop_run_at_random(tmp_path, long_input, "mpiexec", signal.SIGKILL, ranks=2, latest=0.5,
-                                 flags=["--causal", "--backward"])
-    # SIGKILL of mpiexec: the ranks die with it (or a moment later), their temporary file stays
-    (stale,) = _temp_outputs(tmp_path)
-    assert _temps(tmp_path) == [stale, stale + jobsafety.LOCK_SUFFIX]  # and the lock file nobody holds now
-    dst = tmp_path / "out.h5"
-    # a live job's temporary file (its writer holds the lock) and one of another host
-    live_tmp = tmp_path / f"out.h5.tmp-{jobsafety.host_tag()}-{os.getpid()}-0123abcd"
-    live = _holder(tmp_path, live_tmp)
-    try:
-        other_tmp = tmp_path / "out.h5.tmp-othernode-4242-89abcdef"
-        other_tmp.write_bytes(b"x")
-        r = burst("gen", dst, "--seqlen", 64, "--heads", 2, "--head-dim", 8, "--quiet")
-        assert r.returncode == 0, r.stderr
-        notes = [line for line in r.stderr.splitlines() if line.startswith("burst-hpc: note:")]
-        assert len(notes) == 2, r.stderr
-        assert stale in r.stderr and f"burst-hpc clean {dst}" in r.stderr, r.stderr
-        assert str(other_tmp) in r.stderr and "host othernode" in r.stderr and live_tmp.name not in r.stderr
-        assert f"burst-hpc clean --force {dst}" in r.stderr, r.stderr
-        r = burst("clean", dst)
-        assert r.returncode == 0, r.stderr
-        assert f"removed {tmp_path / stale} and its lock file" in r.stdout, r.stdout
-        assert "a running job owns it" in r.stdout, r.stdout
-        assert "cannot tell from this host whether its job runs" in r.stdout, r.stdout
-        live_files = [live_tmp.name, live_tmp.name + jobsafety.LOCK_SUFFIX]
-        assert _temps(tmp_path) == sorted(live_files + [other_tmp.name])
-    finally:
-        live.kill()
-        live.wait()
-    r = burst("clean", dst)  # its owner is gone now
-    assert f"removed {live_tmp} and its lock file" in r.stdout and _temps(tmp_path) == [other_tmp.name], r.stdout
-
-
-JOB = """# a job written with the documented Python API (docs/USAGE.md), which waits before publishing
-import sys, time
-from mpi4py import MPI
-from burst_hpc import io, burst_attention
-
-comm = MPI.COMM_WORLD
-spec, shards = io.read_shards(sys.argv[1], comm, "contiguous", names=("q", "k", "v"))
-o, lse = burst_attention(shards["q"], shards["k"], shards["v"], comm, layout="contiguous")
-out = io.OutputFile.create(sys.argv[2], comm, io.output_datasets(spec, backward=False), {"causal": False})
-try:
-    out.write({"o": o, "lse": lse}, "contiguous")
-    if comm.rank == 0:
-        print("written", flush=True)
-    time.sleep(600)
-    out.commit()
-except BaseException:
-    out.abort()
-    raise
-"""
-
-
-def _children(pid):
-    out = subprocess.run(["ps", "-e", "-o", "pid=,ppid="], capture_output=True, text=True).stdout
-    pairs = [tuple(map(int, line.split())) for line in out.splitlines()]
-    found, todo = [], [pid]
-    while todo:
-        parent = todo.pop()
-        for child, ppid in pairs:
-            if ppid == parent:
-                found.append(child)
-                todo.append(child)
-    return found
-
-
-@needs_mpiexec
-def test_clean_never_removes_a_running_python_api_job(tmp_path):
-    """Issue 24: a job that is not 'burst-hpc' (a script using io.OutputFile) holds its temporary file
-    by the lock; clean keeps it while the job runs, and removes it once the job is SIGKILLed."""
-    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
-    assert burst("gen", src, "--seqlen", 64, "--heads", 2, "--head-dim", 8, "--dtype", "float32",
-                 "--quiet").returncode == 0
-    (tmp_path / "job.py").write_text(JOB)
-    proc = subprocess.Popen([MPIEXEC, "-n", "2", sys.executable, "job.py", "in.h5", "out.h5"], cwd=tmp_path, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        assert proc.stdout.readline().strip() == "written", proc.stderr.read()
-        (tmp,) = _temp_outputs(tmp_path)
-        owner = int(re.search(r"\.tmp-.+-(\d+)-[0-9a-f]{8}$", tmp)[1])
-        with open(f"/proc/{owner}/cmdline", "rb") as f:
-            assert b"burst" not in f.read().lower()  # nothing in its command line says what it is
-        assert _temps(tmp_path) == [tmp, tmp + jobsafety.LOCK_SUFFIX]
-        for flags in ([], ["--force"]):
-            r = burst("clean", dst, *flags)
-            assert r.returncode == 0, r.stderr
-            assert f"kept {tmp_path / tmp}: a running job owns it (pid {owner} on this host holds its lock)" \
-                in r.stdout, r.stdout
-            assert _temps(tmp_path) == [tmp, tmp + jobsafety.LOCK_SUFFIX], r.stdout
-        assert jobsafety.stale_note(dst) == []  # run and gen would not point at it either
-        family = _children(proc.pid)  # the launcher's helpers and the ranks
-        assert owner in family
-        for pid in family:  # SIGKILL: no clean-up of any kind runs
-            os.kill(pid, signal.SIGKILL)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.communicate(timeout=60)
-        deadline = time.time() + 30
-        while any(_running(pid) for pid in family) and time.time() < deadline:
-            time.sleep(0.05)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    assert _temps(tmp_path) == [tmp, tmp + jobsafety.LOCK_SUFFIX]  # SIGKILL left both behind
-    r = burst("clean", dst)
-    assert r.returncode == 0, r.stderr
-    assert f"removed {tmp_path / tmp} and its lock file (no process holds its lock: pid {owner} is gone)" \
-        in r.stdout, r.stdout
-    assert _temps(tmp_path) == [] and not dst.exists()
-
-
-def test_a_reused_pid_is_not_taken_for_the_owner(tmp_path, monkeypatch):
-    """The lock decides: a pid that runs but holds no lock (whatever its start time) is not the owner.
-    Where the file system has no locks, the pid and its start time decide."""
-    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    try:
-        host, pid = jobsafety.host_tag(), other.pid
-        start, boot = jobsafety.owner_record(pid)["start"], jobsafety.owner_record()["boot"]
-        assert start is not None  # /proc is there
-        dst = tmp_path / "out.h5"
-        reused = tmp_path / f"out.h5.tmp-{host}-{pid}-0000aaaa"  # pid now another process: started later
-        unlocked = tmp_path / f"out.h5.tmp-{host}-{pid}-0000bbbb"  # the same process, but no lock held
-        no_lock_file = tmp_path / f"out.h5.tmp-{host}-{pid}-0000cccc"  # an older burst-hpc's file
-        _sidecar(reused, host=host, pid=pid, start=start - 100, boot=boot)
-        _sidecar(unlocked, host=host, pid=pid, start=start, boot=boot)
-        no_lock_file.write_bytes(b"x")
-        r = burst("clean", dst)
-        assert r.returncode == 0, r.stderr
-        assert f"removed {reused} and its lock file (no process holds its lock: pid {pid} is now another " \
-               "process, started after the job's)" in r.stdout, r.stdout
-        assert f"removed {unlocked} and its lock file (no process holds its lock: pid {pid} runs but does not " \
-               "hold it)" in r.stdout, r.stdout
-        assert f"kept {no_lock_file}: cannot tell whether its job runs" in r.stdout, r.stdout
-        assert _temps(tmp_path) == [no_lock_file.name]
-        r = burst("clean", dst, "--force")
-        assert f"removed {no_lock_file} (no lock file, and pid {pid} on this host runs" in r.stdout, r.stdout
-        assert _temps(tmp_path) == []
-
-        # a file system without locks (ENOLCK): the recorded start time tells the owner from a reused pid
-        monkeypatch.setattr(jobsafety, "_try_lock", lambda path: ("untestable", None))
-        _sidecar(reused, host=host, pid=pid, start=start - 100, boot=boot)
-        _sidecar(unlocked, host=host, pid=pid, start=start, boot=boot)
-        lines = jobsafety.clean(dst)
-        assert f"removed {reused} and its lock file (pid {pid} is now another process, started after the " \
-               "job's; no file locks here)" in lines, lines
-        assert f"kept {unlocked}: a running job owns it (pid {pid} on this host runs, with the same start time; " \
-               "no file locks here)" in lines, lines
-        assert _temps(tmp_path) == [unlocked.name, unlocked.name + jobsafety.LOCK_SUFFIX]
-    finally:
-        other.kill()
-        other.wait()
-    assert jobsafety.clean(dst) == [f"removed {unlocked} and its lock file (pid {pid} is gone; no file locks here)"]
-
-
-def test_another_hosts_file_is_kept_unless_force(tmp_path):
-    """A lock seen free says nothing about another host's job (its locks may stay on that host):
-    listed and kept, removed with --force; a lock seen held is a live job's, kept even with --force."""
-    dst = tmp_path / "out.h5"
-    free = tmp_path / "out.h5.tmp-othernode-4242-89abcdef"
-    held = tmp_path / "out.h5.tmp-othernode-4343-0123abcd"
-    _sidecar(free, host="othernode", pid=4242, start=1, boot="b")
-    holder = _holder(tmp_path, held)
-    try:
-        r = burst("clean", dst)
-        assert r.returncode == 0, r.stderr
-        assert f"kept {free}: cannot tell from this host whether its job runs (owned by pid 4242 on host " \
-               "othernode; no lock on it is seen from here" in r.stdout, r.stdout
-        assert f"burst-hpc clean --force {dst}" in r.stdout, r.stdout
-        assert f"kept {held}: a running job owns it (pid 4343 on host othernode holds its lock)" in r.stdout
-        both = sorted(p + s for p in (free.name, held.name) for s in ("", jobsafety.LOCK_SUFFIX))
-        assert _temps(tmp_path) == both
-        r = burst("clean", dst, "--force", "--dry-run")
-        assert f"would remove {free} and its lock file" in r.stdout and _temps(tmp_path) == both, r.stdout
-        r = burst("clean", dst, "--force")
-        assert f"removed {free} and its lock file (owned by pid 4242 on host othernode" in r.stdout, r.stdout
-        assert f"kept {held}: a running job owns it" in r.stdout, r.stdout
-        assert _temps(tmp_path) == [held.name, held.name + jobsafety.LOCK_SUFFIX]
-    finally:
-        holder.kill()
-        holder.wait()
-
-
-def test_lone_and_own_lock_files(tmp_path):
-    """A lock file left without its temporary file (killed between the two) is removed when stale; a
-    process never probes (and so never drops) the locks it holds itself."""
-    dst = tmp_path / "out.h5"
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    lone = jobsafety.lock_path(tmp_path / f"out.h5.tmp-{jobsafety.host_tag()}-{dead.pid}-0123abcd")
-    with open(lone, "w") as f:
-        f.write("{}")
-    mine = jobsafety.temp_name(dst)
-    jobsafety.hold(mine)
-    try:
-        with open(mine, "wb") as f:
-            f.write(b"x")
-        for _ in range(2):  # probing twice: a probe that dropped our lock would find it free the second time
-            states = {path: state for path, state, _ in jobsafety.temp_files(dst)}
-            assert states == {str(lone): "stale", mine: "live"}, states
-        r = burst("clean", dst)  # another process sees the lock held
-        assert f"removed {lone} (no process holds its lock: pid {dead.pid} is gone)" in r.stdout, r.stdout
-        assert f"kept {mine}: a running job owns it" in r.stdout, r.stdout
-    finally:
-        os.remove(mine)
-        jobsafety.release(mine)
-    assert _temps(tmp_path) == []
+def test_a_job_ended_from_one_rank_removes_its_temporary_file(tmp_path):
+    """collective.abort_job (a pass failing on one rank, a failed parallel HDF5 write) runs the job's
+    clean-up first: the temporary file it tracks and its lock file are gone, one error line is said.
+    One process, so no launcher's SIGTERM to the other ranks removes the file instead."""
+    tmp = tmp_path / "out.h5.tmp-test"
+    script = (f"from burst_hpc.collective import abort_job\nfrom burst_hpc.job import owner, safety\n"
+              f"owner.hold({str(tmp)!r})\nopen({str(tmp)!r}, 'wb').close()\nsafety.track({str(tmp)!r})\n"
+              f"abort_job('ending the job')\n")
+    r = subprocess.run([sys.executable, "-c", script], env=ENV, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stderr.endswith("burst-hpc: error: ending the job\n"), r.stderr
+    assert _temps(tmp_path) == [], os.listdir(tmp_path)
 
 
 # --------------------------------------------------------------------------- a time limit during --verify
@@ -570,15 +344,3 @@ def test_info_names_the_write_path():
     assert len(line) == 1, r.stdout
     expected = "parallel HDF5 (mpio driver)" if h5py.get_config().mpi else "rank-ordered token passing"
     assert expected in line[0], line
-
-
-def test_clean_dry_run_and_help(tmp_path):
-    dead = subprocess.Popen([sys.executable, "-c", "pass"])
-    dead.wait()
-    stale = tmp_path / f"out.h5.tmp-{jobsafety.host_tag()}-{dead.pid}-0123abcd"
-    stale.write_bytes(b"x")
-    r = burst("clean", tmp_path / "out.h5", "--dry-run")
-    assert r.returncode == 0 and f"would remove {stale}" in r.stdout and stale.exists(), r.stdout
-    assert "no temporary files" in burst("clean", tmp_path / "other.h5").stdout
-    r = burst("clean", "--help")
-    assert r.returncode == 0 and "--dry-run" in r.stdout and "never removed" in " ".join(r.stdout.split())

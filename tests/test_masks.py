@@ -6,7 +6,8 @@ import itertools
 import numpy as np
 import pytest
 
-from burst_hpc import MaskError, ShapeError, attention, attention_backward, masks
+from burst_hpc import MaskError, ShapeError, attention, attention_backward
+from burst_hpc.plan import masks
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.reference import attention_backward_reference, attention_reference, visible
 
@@ -211,10 +212,11 @@ def test_random_documents_fill_the_sequence(rng):
 def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
     """Block pairs with a Mask cover each visible (query, key) pair once and mask only where needed;
     ring_steps is 1 + the last step at which some rank sees something, for either travelling side."""
-    from burst_hpc.layout import layout_indices, pieces
-    from burst_hpc.schedule import block_pairs
+    from burst_hpc.plan.layout import layout_indices, make_layout
+    from burst_hpc.plan.schedule import block_pairs
 
     seqlen = 12 * size
+    placed = make_layout(layout, seqlen, size)
     window = [None, (int(rng.integers(0, 30)), 0), (int(rng.integers(0, 15)), int(rng.integers(0, 15)))][seed % 3]
     docs = documents(rng, seqlen) if window is None or rng.random() < 0.5 else None
     causal = bool(rng.integers(2))
@@ -231,8 +233,7 @@ def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
                     last[queries_travel] = step
             q_pos, k_pos = layout_indices(seqlen, rank, size, layout), layout_indices(seqlen, source, size, layout)
             covered = np.zeros((q_pos.size, k_pos.size), int)
-            for p in block_pairs(tuple(pieces(seqlen, rank, size, layout)), tuple(pieces(seqlen, source, size, layout)),
-                                 causal, mask):
+            for p in block_pairs(placed.pieces(rank), placed.pieces(source), causal, mask):
                 block = dense[np.ix_(q_pos[p.q], k_pos[p.k])]
                 assert p.causal == (not block.all()), ctx  # unmasked only where wholly visible
                 assert q_pos[p.q][0] == p.q_start and k_pos[p.k][0] == p.k_start
@@ -240,55 +241,47 @@ def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
             seen = dense[np.ix_(q_pos, k_pos)]
             assert covered.max(initial=0) <= 1 and np.all(covered[seen] == 1), ctx
     for queries_travel in (False, True):
-        assert masks.ring_steps(mask, size, layout, queries_travel) == last[queries_travel] + 1, ctx
+        assert masks.ring_steps(mask, placed, queries_travel) == last[queries_travel] + 1, ctx
 
 
-def test_default_layout():
-    """Windows: contiguous (equal work, fewer ring steps). One document is plain causal: zigzag
-    (balanced, and both layouts run every step). Short documents: contiguous unless zigzag is
-    clearly lighter on the busiest rank."""
+def test_short_documents_end_the_contiguous_ring_early():
+    """Documents of 16 tokens across every chunk boundary: two steps in contiguous shards, every
+    step in zigzag ones (their second chunks meet every other rank's)."""
     seqlen, size = 64 * 8, 8
-    assert masks.default_layout(masks.make(seqlen, True, (40, 0)), size) == "contiguous"
-    assert masks.default_layout(masks.make(seqlen, True, None, np.array([0, seqlen])), size) == "zigzag"
-    # documents of 16 tokens across every chunk boundary: equal work, but zigzag needs every step
     short = masks.make(seqlen, True, None, np.concatenate([[0], np.arange(8, seqlen, 16), [seqlen]]))
-    assert masks.ring_steps(short, size, "contiguous") == 2 and masks.ring_steps(short, size, "zigzag") == size
-    assert masks.default_layout(short, size) == "contiguous"
-    assert masks.default_layout(masks.make(60, True, (5, 0)), 4) == "contiguous"  # 60 does not split in 8
+    from burst_hpc.plan.layout import make_layout
+
+    assert masks.ring_steps(short, make_layout("contiguous", seqlen, size)) == 2
+    assert masks.ring_steps(short, make_layout("zigzag", seqlen, size)) == size
 
 
-def test_default_layout_follows_the_predicted_time():
-    """With the call's shape the default takes balanced only where the cost model predicts the call
-    faster with it: documents up to S/4 on 8 ranks shorten the critical path 2.2x with it, but
-    at 64 tokens per rank over two nodes its moves cost more than they save; at 8k tokens on one
-    node it is faster. Without a shape the critical path decides (balanced in both)."""
-    from burst_hpc.costmodel import CallShape
-    from burst_hpc.workload import documents, work_of
+@pytest.mark.parametrize("causal", [True, False])
+def test_the_call_default_never_depends_on_the_mask(causal):
+    """A call naming no layout runs zigzag when causal, contiguous otherwise, whatever its documents
+    or window: the caller shards by it before the call (issue 37)."""
+    from mpi4py import MPI
 
-    def critical(mask, layout):
-        return work_of(mask.seqlen, 8, True, mask, layout, "forward").max(axis=1).sum()
+    from burst_hpc.plan.callplan import plan_arrays
 
-    for tokens, per_node, backward, want in ((64, 4, True, "contiguous"), (64, 4, False, "contiguous"),
-                                             (8192, None, True, "balanced"), (8192, None, False, "balanced")):
-        seqlen = 8 * tokens
-        mask = masks.make(seqlen, True, None, documents(np.random.default_rng(0), seqlen, "capped", longest=seqlen // 4))
-        assert critical(mask, "balanced") < masks.BALANCED_MARGIN * min(critical(mask, x) for x in ("contiguous", "zigzag"))
-        assert masks.default_layout(mask, 8) == "balanced"
-        shape = CallShape(1, 64, 8, 128, 2, backward, per_node)
-        seconds = {layout: shape.seconds(mask, 8, layout) for layout in ("contiguous", "zigzag", "balanced")}
-        faster = seconds["balanced"] < min(seconds["contiguous"], seconds["zigzag"])
-        assert faster == (want == "balanced"), seconds
-        assert masks.default_layout(mask, 8, shape) == want
-        assert masks.call_layout(mask, True, 8, shape) == want
+    seqlen = 4096
+    q, k, v = (np.zeros((1, seqlen, 2, 8)) for _ in range(3))
+    want = "zigzag" if causal else "contiguous"
+    for cu in (None, [0, 4000, seqlen], [0, 96, seqlen], [0, 2048, seqlen], [0, 1, seqlen]):
+        for window in (None, (128, 0), (3, 5)):
+            plan = plan_arrays(MPI.COMM_SELF, q, k, v, causal, None, None, "auto",
+                               cu_seqlens=None if cu is None else np.array(cu), window=window)
+            assert plan.layout.kind == want and plan.layout.is_default(causal), (cu, window)
 
 
-@pytest.mark.parametrize("scheme", ["double_ring", "ulysses_ring"])
-def test_default_layout_is_one_the_named_scheme_takes(scheme):
-    """The node schemes refuse the balanced schedule, so a call naming one gets the plain pick where
-    balanced would otherwise be the default (not a refusal of a layout the user never chose)."""
-    from burst_hpc.workload import documents
-
-    seqlen = 8 * 1024
-    mask = masks.make(seqlen, True, None, documents(np.random.default_rng(0), seqlen, "capped", longest=seqlen // 4))
-    assert masks.call_layout(mask, True, 8) == masks.call_layout(mask, True, 8, scheme="ring") == "balanced"
-    assert masks.call_layout(mask, True, 8, scheme=scheme) in ("contiguous", "zigzag")
+@pytest.mark.parametrize("causal,window,cu,text", [
+    (True, (128, 0), np.array([0, 100, 1000, 4096]), "causal, 3 documents (longest 3096 tokens), window (128, 0)"),
+    (False, (-1, 64), None, "window (unbounded, 64)"),
+    (False, None, np.array([0, 4096]), "1 document (longest 4096 tokens)"),
+    (True, None, None, "causal"),
+    (False, None, None, "no mask"),
+])
+def test_a_mask_is_said_in_words(causal, window, cu, text):
+    """What --progress prints of the mask: words, not a repr."""
+    assert masks.describe(causal, window, cu) == text
+    if window is not None or cu is not None:
+        assert str(masks.make(4096, causal, window, cu)) == text

@@ -4,7 +4,8 @@ import itertools
 import numpy as np
 import pytest
 
-from burst_hpc.merge import array_module, merge, merge_into, merge_weights
+from burst_hpc.device import array_module
+from burst_hpc.engine.merge import merge, merge_into, merge_weights
 from burst_hpc.reference import attention_reference
 
 from burst_testing import assert_lse_close, qkv

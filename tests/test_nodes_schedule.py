@@ -4,10 +4,11 @@ rail and at most one partial per rank and inner round) and the bytes each link c
 equal to the cost model's formula."""
 import pytest
 
-from burst_hpc import costmodel
-from burst_hpc.ring import lifetimes
-from burst_hpc.schedule import double_ring_steps, plain_ring_steps
-from burst_hpc.topology import arrange
+from burst_hpc.plan import costmodel
+from burst_hpc.plan.rates import GPU_RATES
+from burst_hpc.engine.ring import lifetimes
+from burst_hpc.plan.schedule import double_ring_steps, plain_ring_steps
+from burst_hpc.plan.topology import arrange
 from burst_hpc.errors import TopologyError
 
 SHAPES = [(2, 2), (2, 3), (3, 2), (2, 4), (4, 2), (3, 3), (1, 4), (4, 1)]
@@ -51,36 +52,45 @@ def test_double_ring_sends_one_message_per_rank_and_inner_round_on_its_rail(node
             assert sum(t.what == "data" for _, t in out) <= 1 and sum(t.what == "partial" for _, t in out) <= 1
 
 
-def network_bytes(steps, position, w, data_bytes, partial_bytes):
-    return sum(data_bytes if t.what == "data" else partial_bytes
-               for s in steps for t in s.sends if t.peer // w != position // w)
+def network_bytes(steps, position, w, sizes):
+    """Bytes ``position`` sends to other nodes (``sizes``: {(what, side): bytes} of a transfer)."""
+    return sum(sizes[(t.what, t.side)] for s in steps for t in s.sends if t.peer // w != position // w)
 
 
 @pytest.mark.parametrize("nodes,w", [(2, 2), (3, 2), (2, 4), (4, 2), (8, 4)])
 @pytest.mark.parametrize("backward", [False, True])
 @pytest.mark.parametrize("hq,hkv", [(8, 8), (8, 2)])
 def test_bytes_on_the_network_equal_the_cost_model(nodes, w, backward, hq, hkv):
+    """The busiest GPU's bytes over the network, counted off every rank's schedule, equal the cost
+    model's (costmodel.predict), for the backward ring the call picks (q-ring for MHA here)."""
+    from burst_hpc.plan.accounting import transfer_bytes
+    from burst_hpc.plan.workload import DIRECTIONS
+
     pr = costmodel.Problem(2, 64 * nodes * w, hq, hkv, 16, 2, True)
     cl = costmodel.Cluster(nodes, w)
     n = pr.batch * pr.seqlen // cl.ranks
-    data, partial = costmodel.token_bytes(pr, backward)
-    near = "kv" if not backward or data == 2 * hkv * 16 * 2 else "q"
-    returns = ("kv", "q") if backward else ("q",)
-    rates = costmodel.GPU_RATES["H100"]
+    zigzag = costmodel.zigzag(pr, cl)
+    near, returns = DIRECTIONS[costmodel.direction_of(pr, zigzag, None, backward)]
+    assert near == ("q" if backward and hq == hkv else "kv")
+    rates = GPU_RATES["H100"]
+
+    def model(scheme):
+        return costmodel.pass_prediction(scheme, pr, cl, rates, zigzag, None, backward).network
+
+    def sizes(heads, kv_heads, tokens):
+        return {key: tokens * x for key, x in transfer_bytes(heads, kv_heads, 16, 2, backward).items()}
+
     # double ring: every rank alike
     for p in range(cl.ranks):
-        got = network_bytes(double_ring_steps(p, nodes, w, near, returns), p, w, n * data, n * partial)
-        assert got == costmodel.predict_pass("double_ring", pr, cl, rates, backward).network
+        assert network_bytes(double_ring_steps(p, nodes, w, near, returns), p, w, sizes(hq, hkv, n)) == model("double_ring")
     # flat ring: the busiest rank is a node's last one
-    flat = max(network_bytes(plain_ring_steps(p, cl.ranks, near, returns), p, w, n * data, n * partial)
+    flat = max(network_bytes(plain_ring_steps(p, cl.ranks, near, returns), p, w, sizes(hq, hkv, n))
                for p in range(cl.ranks))
-    assert flat == costmodel.predict_pass("ring", pr, cl, rates, backward).network
+    assert flat == model("ring")
     # ulysses: a flat ring over the rails of node shards (w n tokens, 1/w of the heads)
     hq_l, hk_l = hq // w, costmodel.ulysses_kv_heads(pr, w)
-    d_l, p_l = costmodel.token_bytes(pr, backward, hq_l, hk_l)
-    near_l = "kv" if not backward or d_l == 2 * hk_l * 16 * 2 else "q"
-    got = network_bytes(plain_ring_steps(0, nodes, near_l, returns), 0, 1, w * n * d_l, w * n * p_l)
-    assert got == costmodel.predict_pass("ulysses_ring", pr, cl, rates, backward).network
+    got = network_bytes(plain_ring_steps(0, nodes, near, returns), 0, 1, sizes(hq_l, hk_l, w * n))
+    assert got == model("ulysses_ring")
 
 
 def test_double_ring_buffers():
@@ -91,8 +101,8 @@ def test_double_ring_buffers():
 
 
 def test_arrange_orders_ranks_node_by_node():
-    layout = arrange(["b", "a", "b", "a", "c", "c"])
-    assert (layout.nodes, layout.per_node, layout.order) == (3, 2, (0, 2, 1, 3, 4, 5))
+    arrangement = arrange(["b", "a", "b", "a", "c", "c"])
+    assert (arrangement.nodes, arrangement.per_node, arrangement.order) == (3, 2, (0, 2, 1, 3, 4, 5))
     assert arrange(["h"] * 8, ranks_per_node=4).order == tuple(range(8))
     with pytest.raises(TopologyError, match="same number of ranks"):
         arrange([0, 0, 1])

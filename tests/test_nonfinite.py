@@ -7,7 +7,8 @@ visible pairs. Fresh random inputs and positions every run; the seed is in every
 import numpy as np
 import pytest
 
-from burst_hpc import attention, attention_backward, masks
+from burst_hpc import attention, attention_backward
+from burst_hpc.plan import masks
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.reference import attention_backward_reference, attention_reference
 

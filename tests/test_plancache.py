@@ -6,9 +6,10 @@ import pytest
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc import callplan, masks
+from burst_hpc.plan import callplan
 from burst_hpc.errors import BurstError, DTypeError, MaskError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
+from call_counts import ONCE_PER_PLAN, counted
 
 S = 48
 CU = np.array([0, 5, 17, 18, 40, S])
@@ -23,15 +24,15 @@ def fresh_cache():
 
 @pytest.fixture
 def decisions(monkeypatch):
-    """How many times a plan decided the layout of a masked call (masks.call_layout)."""
+    """How many times a call was planned (the layout, the schedule and the checks decided)."""
     calls = []
-    decide = masks.call_layout
+    planned = callplan.plan_arrays
 
     def counted(*args, **kwargs):
         calls.append(args)
-        return decide(*args, **kwargs)
+        return planned(*args, **kwargs)
 
-    monkeypatch.setattr(masks, "call_layout", counted)
+    monkeypatch.setattr(callplan, "plan_arrays", counted)
     return calls
 
 
@@ -226,3 +227,23 @@ def test_an_argument_without_a_key_is_planned_and_refused_as_before():
     forward(q, k, v, window=np.array([3, 0]))   # a window as an array: no key, planned every call
     forward(q, k, v, window=np.array([3, 0]))
     assert (callplan.PLANS.hits, callplan.PLANS.misses, len(callplan.PLANS)) == (0, 3, 0)
+
+
+
+@pytest.mark.parametrize("layout, cu", [("zigzag", None), (None, CU), ("balanced", CU), ("chunks", CU)])
+def test_a_repeated_call_decides_nothing_again(monkeypatch, layout, cu):
+    """What a plan works out once for its passes (call_counts.ONCE_PER_PLAN) is not worked out again."""
+    counts = counted(monkeypatch, *ONCE_PER_PLAN)
+    q, k, v, do = inputs()
+    kw = dict(comm=MPI.COMM_SELF, causal=True, layout=layout, cu_seqlens=cu)
+
+    def step():
+        o, lse = burst_hpc.burst_attention(q, k, v, **kw)
+        burst_hpc.burst_attention_backward(do, q, k, v, o, lse, **kw)
+
+    step()
+    first = dict(counts)
+    assert first["steps"] == 2 and first["_pairs"] > 0 and first["lifetimes"] == 2   # a forward, a backward
+    for _ in range(3):
+        step()
+    assert counts == first and callplan.PLANS.hits == 6

@@ -102,7 +102,7 @@ def test_readme_make_test_line_names_the_ranks_the_makefile_runs():
 def test_head_dims_the_docs_say_run_natively_are_the_kernels():
     """README and 'run --help' say which head dims the kernels run natively as the kernel sources list them."""
     from burst_hpc.backends.cuda.contract import native_widths
-    from burst_hpc.cli import FILE_FORMAT
+    from burst_hpc.cli_parser import FILE_FORMAT
 
     everywhere, hopper = native_widths("sm80", "fwd"), native_widths("sm90", "fwd")
     assert native_widths("sm80", "bwd") == everywhere and native_widths("sm90", "bwd") == hopper

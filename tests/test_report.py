@@ -4,18 +4,23 @@ work; progress lines inside a long pass, counted in visible pairs."""
 import json
 import re
 import time
+from types import SimpleNamespace
 
 import h5py
 import numpy as np
 import pytest
 from mpi4py import MPI
+import burst_hpc
 
-from burst_hpc import callplan, config, passes, report
+from burst_hpc.plan import decomposition
+from burst_hpc import config
+from burst_hpc.engine import passes
+from burst_hpc.job import report
 from burst_hpc.backends.numpy_backend import NumpyBackend
-from burst_hpc.callplan import CallPlan
-from burst_hpc.job import RunOptions, run
-from burst_hpc.progress import PassMeter, Progress
-from burst_hpc.schedule import BlockPair
+from burst_hpc.plan.callplan import Backward, plan_arrays
+from burst_hpc.job.run import RunOptions, run
+from burst_hpc.job.progress import PassMeter, Progress
+from burst_hpc.plan.schedule import BlockPair
 
 from test_cli import burst, leftovers, mpirun, needs_mpiexec
 
@@ -49,9 +54,12 @@ def test_summary_json_and_attributes_agree(tmp_path):
     assert all(seconds[name] > 0 for name in SECONDS), seconds
     assert seconds["total"] >= sum(seconds[name] for name in report.PHASES)
     # the choices are the run's, as the summary line says them
+    # the job shards the file itself, by the layout the cost model picks for it
+    picked = burst_hpc.choose_layout(96, 2, causal=True, heads=4, kv_heads=2, head_dim=16, dtype="bfloat16",
+                                     backend="numpy").kind
     choices = (facts["backend"], facts["layout"], facts["transport"], facts["scheme"])
-    assert choices == ("numpy", "zigzag", "host", "ring")
-    for needle in ("backend=numpy", "layout=zigzag", "transport=host", "verify=PASS"):
+    assert choices == ("numpy", picked, "host", "gather" if picked == "chunks" else "ring")
+    for needle in ("backend=numpy", f"layout={picked}", "transport=host", "verify=PASS"):
         assert needle in line
     sizes = facts["sizes"]
     assert (sizes["seqlen"], sizes["heads"], sizes["kv_heads"], sizes["head_dim"], sizes["dtype"], sizes["ranks"]) == \
@@ -59,19 +67,47 @@ def test_summary_json_and_attributes_agree(tmp_path):
     assert facts["causal"] is True and facts["backward"] is True and facts["warmup"] is False
     assert facts["verify"]["outcome"] == "pass" and set(facts["verify"]["max_err"]) == {"o", "lse", "dq", "dk", "dv"}
     assert facts["device"].startswith("cpu") and facts["versions"]["burst_hpc"] and facts["versions"]["mpi"]
-    for name in ("forward", "backward"):
+    for name, short in (("forward", "fwd"), ("backward", "bwd")):
         assert facts["tflops"][name] == pytest.approx(facts["flops"][name] / seconds[name] / 1e12)
-    assert f"fwd {seconds['forward']:.3f}s" in line and f"bwd {seconds['backward']:.3f}s" in line
+        # per rank (per GPU on a cuda run): the job's rate over the ranks, in the summary too
+        assert facts["tflops_per_rank"][name] == pytest.approx(facts["tflops"][name] / 2)
+        assert f"{short} {seconds[name]:.3f}s {facts['tflops'][name]:.3g} TFLOP/s " \
+               f"({facts['tflops_per_rank'][name]:.3g}/rank)" in line, line
+        # each rank's pass: its block kernels within it, the rest exposed
+        assert len(facts["ranks"]) == 2
+        for entry in facts["ranks"]:
+            assert 0 < entry[f"{name}_compute_s"] <= entry[f"{name}_s"], entry
+            assert entry[f"{name}_exposed"] == pytest.approx(1 - entry[f"{name}_compute_s"] / entry[f"{name}_s"])
+    assert facts["verify"]["rows"] == 96 // 2 and facts["verify"]["predicted_s"] > 0   # full: every token of a rank
     # the same facts in the output's attributes
     with h5py.File(dst, "r") as f:
         for name in SECONDS:
             assert f.attrs[f"seconds_{name}"] == pytest.approx(seconds[name]), name
         for name in ("forward", "backward"):
             assert f.attrs[f"tflops_{name}"] == pytest.approx(facts["tflops"][name])
-        assert f.attrs["run_scheme"].decode() == "ring" and f.attrs["run_backend"] == "numpy"
+        assert f.attrs["run_scheme"].decode() == facts["scheme"] and f.attrs["run_backend"] == "numpy"
         assert f.attrs["run_device"] == facts["device"] and not f.attrs["run_warmup"]
         assert json.loads(f.attrs["run_versions"]) == facts["versions"]
+        # the sizes, mask and choices as the report has them, the mask read back as verify reads it
+        assert {name: f.attrs[name] for name in ("batch", "seqlen", "heads", "kv_heads", "head_dim", "dtype")} == \
+            {name: sizes[name] for name in ("batch", "seqlen", "heads", "kv_heads", "head_dim", "dtype")}
+        assert (f.attrs["run_ranks"], f.attrs["run_layout"], f.attrs["source"]) == (2, picked, facts["input"])
+        assert report.recorded_mask(dict(f.attrs)) == (True, None, pytest.approx(16 ** -0.5))
     assert not leftovers(tmp_path)
+
+
+def test_an_output_reads_back_the_mask_it_was_made_with():
+    """report.output_attrs writes the mask, report.recorded_mask (burst-hpc verify) reads it: one schema."""
+    spec = SimpleNamespace(batch=1, seqlen=64, heads=4, kv_heads=2, head_dim=16, dtype=np.dtype(np.float32),
+                           cu_seqlens=np.array([0, 40, 64]))
+    choices = {"layout": "contiguous", "transport": "host", "backend": "numpy"}
+    for causal, window in ((True, None), (False, (8, 0)), (False, (-1, 3))):
+        options = RunOptions("in.h5", "out.h5", causal=causal, window=window)
+        facts = report.start(options, spec, 2, choices, "cpu x86_64", {"burst_hpc": "0"}, 100, (1.0, None))
+        attrs = report.output_attrs(facts, 0.25)
+        assert report.recorded_mask(attrs) == (causal, window, 0.25)
+        assert attrs["documents"] == 2 and attrs["run_layout"] == "contiguous"
+    assert report.recorded_mask({}) == (None, None, None)   # written by another program: nothing recorded
 
 
 @needs_mpiexec
@@ -130,7 +166,7 @@ def test_first_use_costs_go_to_the_setup_not_the_passes(tmp_path, monkeypatch, w
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     _gen(src, 512)
     backend = FirstUseCosts()
-    monkeypatch.setattr(callplan, "get_backend", lambda q: backend)
+    monkeypatch.setattr(decomposition, "get_backend", lambda q: backend)
     outcome = run(RunOptions(str(src), str(dst), causal=True, backward=True, backend="numpy", warmup=warmup,
                              progress=False), MPI.COMM_SELF)
     seconds = outcome.report["seconds"]
@@ -141,12 +177,11 @@ def test_first_use_costs_go_to_the_setup_not_the_passes(tmp_path, monkeypatch, w
     assert f"setup {seconds['setup']:.3f}" in outcome.summary
 
 
-def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous"):
+def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous", dtype=np.float32):
     rng = np.random.default_rng(0)
-    q = rng.standard_normal((1, seqlen, heads, d)).astype(np.float32)
-    k, v, do = (rng.standard_normal(q.shape).astype(np.float32) for _ in range(3))
-    plan = CallPlan(MPI.COMM_SELF, q, k, v, causal, None, layout, "auto",
-                    backward=(do, None, None, "kv"))
+    q = rng.standard_normal((1, seqlen, heads, d)).astype(dtype)
+    k, v, do = (rng.standard_normal(q.shape).astype(dtype) for _ in range(3))
+    plan = plan_arrays(MPI.COMM_SELF, q, k, v, causal, None, layout, "auto", backward=Backward(do, ring="kv"))
     plan.backend = backend
     return plan, q, k, v, do
 
@@ -167,9 +202,15 @@ def test_rehearsal_runs_each_kind_of_pair_once_on_its_first_keys():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_row_parts_of_the_meter_change_no_bit(causal):
-    """The NumPy backend's pairs cut into row parts for the meter give the same bits."""
-    plan, q, k, v, do = _plan(1000, causal, NumpyBackend(block_q=32, block_k=64))
+@pytest.mark.parametrize("last_pairs", [False, True])
+def test_row_parts_of_the_meter_change_no_bit(causal, last_pairs, monkeypatch):
+    """The NumPy backend's pairs cut into row parts for the meter give the same bits, also where the last
+    pair of some rows writes the outputs (BURST_HPC_RING_LAST_PAIRS, 16-bit inputs): a pair's row parts
+    share its keys, so only its last part may finish dk and dv."""
+    if last_pairs:
+        monkeypatch.setenv("BURST_HPC_RING_LAST_PAIRS", "1")
+    plan, q, k, v, do = _plan(1000, causal, NumpyBackend(block_q=32, block_k=64),
+                              dtype=np.float16 if last_pairs else np.float32)
     progress = Progress(False, 60)
     meter = PassMeter(progress, "forward", np)
     whole = plan.passes.forward(q, k, v)

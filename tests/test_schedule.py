@@ -7,10 +7,15 @@ from unittest import mock
 import numpy as np
 import pytest
 
-from burst_hpc import balance, masks, ring, schedule
-from burst_hpc.layout import layout_indices, pieces
-from burst_hpc.ring import lifetimes
-from burst_hpc.schedule import block_pairs, steps, visit_pairs
+from burst_hpc.plan import balance, masks, schedule, workplan
+from burst_hpc.engine import ring
+from burst_hpc.plan.layout import layout_indices, make_layout
+from burst_hpc.engine.ring import lifetimes
+from burst_hpc.plan.schedule import block_pairs, steps, visit_pairs
+
+
+def pieces(seqlen, rank, size, kind):
+    return make_layout(kind, seqlen, size).pieces(rank)
 
 
 def visible_pairs(q_pieces, k_pieces):
@@ -157,8 +162,8 @@ def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
                             if k_out:
                                 k_out[0][b, q_pos[a]] += 1
 
-            ring.run(ThreadTransport(r, size, queues), ThreadTransport(r, size, queues, 1), plans[r], sides, compute,
-                     inner=ThreadTransport(r, size, queues, 2))
+            ring.run(ThreadTransport(r, size, queues), ThreadTransport(r, size, queues, 1), ring.Route(plans[r], r),
+                     sides, compute, inner=ThreadTransport(r, size, queues, 2))
             out[r] = (sides["q"].results[0], sides["kv"].results[0] if "kv" in returns else None,
                       pools[threading.get_ident()])
         except BaseException as e:  # reported by the main thread
@@ -195,7 +200,7 @@ def visible(mask, causal, i, j):
 def check_schedule(layout, size, near, returns, seqlen, causal=True, mask=None, nodes=None):
     """Runs every rank's steps and checks the results, the messages and the buffers (``nodes``: the
     node of each rank, for the balanced schedule)."""
-    plans = [steps(layout, causal, r, size, near, returns, mask, seqlen, nodes) for r in range(size)]
+    plans = [steps(make_layout(layout, seqlen, size), causal, r, near, returns, mask, nodes) for r in range(size)]
     assert len({len(p) for p in plans}) == 1, "every rank runs the same number of steps"
 
     def pieces_of(r):
@@ -230,7 +235,7 @@ def network(request, monkeypatch):
     if request.param == "free":
         monkeypatch.setattr(balance, "WORTH", float("inf"))
         monkeypatch.setattr(balance, "NIC_SHARE", float("inf"))
-    caches = (balance.assign, balance.work_plan, schedule.work_transfers, schedule.transfers_of, schedule.work_steps,
+    caches = (balance.assign, workplan.work_plan, schedule.work_transfers, schedule.transfers_of, schedule.work_steps,
               schedule.steps)
     for f in caches:
         f.cache_clear()
@@ -274,7 +279,7 @@ def check_random_mask(size, per_node, near, returns, seed):
 
 def test_balanced_plain_causal_is_even_at_every_step():
     """The plain causal mask on contiguous shards: every rank and step within a few % of the mean."""
-    from burst_hpc.balance import work_plan
+    from burst_hpc.plan.workplan import work_plan
 
     for size in (4, 8, 16):
         mask = masks.Mask(1024 * size, True, None, None)
@@ -286,7 +291,7 @@ def test_balanced_plain_causal_is_even_at_every_step():
 def test_a_shortened_ring_sends_each_partial_straight_home(size):
     """Documents or a window can stop the ring after T < P steps (masks.ring_steps): the last
     exchange sends each carried partial to its owner, one message each way."""
-    from burst_hpc.schedule import Transfer, plain_ring_steps
+    from burst_hpc.plan.schedule import Transfer, plain_ring_steps
 
     for count in range(1, size + 1):
         plans = [plain_ring_steps(r, size, "kv", ("kv", "q"), count) for r in range(size)]
@@ -305,7 +310,7 @@ def test_key_chunks_cross_the_network_once_per_node(network):
     """Across nodes a key chunk goes from its owner to one rank of each other node; the ranks there
     that need it a step later get it from that rank (schedule.relays), and the schedule still
     computes every visible pair once with every partial home."""
-    from burst_hpc.schedule import work_transfers
+    from burst_hpc.plan.schedule import work_transfers
 
     size, per_node = 8, 2
     nodes = tuple(r // per_node for r in range(size))
@@ -330,7 +335,7 @@ def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
     INNER_LEAD steps early (a relay: once it has it) and a partial going home is due INNER_LAG steps
     late, on the inner lane
     (Transfer.inner); one bound for its node's summer completes in the step that posts it."""
-    from burst_hpc.schedule import INNER_LAG, INNER_LEAD, LEAD, work_transfers
+    from burst_hpc.plan.schedule import INNER_LAG, INNER_LEAD, LEAD, work_transfers
 
     size, per_node = 16, 4
     nodes = tuple(r // per_node for r in range(size))
@@ -353,7 +358,7 @@ def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
                 assert due == min(count - 1, t + LEAD)
         assert early and inner_early, (near, returns)
         for r in range(size):
-            for step in steps("balanced", True, r, size, near, returns, mask, seqlen, nodes):
+            for step in steps(make_layout("balanced", seqlen, size), True, r, near, returns, mask, nodes):
                 for x in step.sends + step.recvs:
                     assert x.inner == (x.due is not None and nodes[x.peer] == nodes[r])
 
@@ -362,7 +367,7 @@ def test_key_partials_are_summed_inside_a_node_before_they_cross(network):
     """Across nodes the dK/dV partials of one key chunk leave a node once: the node's other
     contributors send theirs over the node's links to the one that contributes last, which has them
     before it sends the sum home (the engine adds them, check_schedule counts every pair home)."""
-    from burst_hpc.schedule import work_transfers
+    from burst_hpc.plan.schedule import work_transfers
 
     size, per_node = 8, 2
     nodes = tuple(r // per_node for r in range(size))
@@ -389,7 +394,7 @@ def test_one_node_data_is_posted_a_step_before_it_is_due():
     """On one node data leaves its owner INNER_LEAD steps before the step it is due at (the first
     pieces arrive under two steps of compute, not one) and partials are due INNER_LAG steps after
     they are posted, all of those on the inner lane; the engine still computes every pair once."""
-    from burst_hpc.schedule import INNER_LAG, INNER_LEAD, work_transfers
+    from burst_hpc.plan.schedule import INNER_LAG, INNER_LEAD, work_transfers
 
     size = 8
     mask = masks.make(size * 64, True, None, masks.random_documents(np.random.default_rng(7), size * 64, 3))
@@ -400,5 +405,5 @@ def test_one_node_data_is_posted_a_step_before_it_is_due():
             assert t == (max(0, due - INNER_LEAD) if what == "data" else due - min(INNER_LAG, count - 1 - t))
         assert any(due > t for t, *_, due in moves)
         for r in range(size):
-            for step in steps("balanced", True, r, size, near, returns, mask, size * 64):
+            for step in steps(make_layout("balanced", size * 64, size), True, r, near, returns, mask):
                 assert all(x.inner == (x.due is not None) for x in step.sends + step.recvs)

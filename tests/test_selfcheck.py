@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from burst_hpc import cli, device, selfcheck
+from burst_hpc import cli, device
+from burst_hpc.cli_delivery import EXIT_MISMATCH
+from burst_hpc.job import selfcheck
 from burst_hpc.backends import numpy_backend
 from test_cli import burst, mpirun, needs_mpiexec
 
@@ -57,9 +59,9 @@ def test_check_under_mpiexec_runs_the_ring():
 class _Wrong(numpy_backend.NumpyBackend):
     """A backend with a small error in o: the rule must catch it."""
 
-    def forward_block(self, q, k, v, o, lse, **kwargs):
-        super().forward_block(q, k, v, o, lse, **kwargs)
-        o[:, -1] += 0.05
+    def forward_block(self, q, k, v, o, lse, out=None, **kwargs):
+        super().forward_block(q, k, v, o, lse, out=out, **kwargs)
+        (o if out is None else out)[:, -1] += 0.05   # the block contract: a last pair writes out, not o
 
 
 class _Crashing(numpy_backend.NumpyBackend):
@@ -82,4 +84,4 @@ def test_wrong_or_crashing_backend_fails(monkeypatch):
     assert selfcheck.main(MPI.COMM_SELF, out=lines.append) is False
     text = "\n".join(lines)
     assert " FAIL " in text and "0 passed" in text and text.rstrip().endswith("FAIL")
-    assert cli.main(["check"]) == cli.EXIT_MISMATCH
+    assert cli.main(["check"]) == EXIT_MISMATCH

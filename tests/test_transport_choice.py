@@ -1,8 +1,8 @@
 """Transport choice and the CUDA-awareness guard (no GPU needed)."""
 import pytest
 
-from burst_hpc.accounting import backward_ring_bytes
-from burst_hpc.callplan import choose_backward_ring
+from burst_hpc.plan.accounting import backward_ring_bytes
+from burst_hpc.plan.decisions import choose_backward_ring
 from burst_hpc.errors import TransportError
 from burst_hpc.transport import choose_transport, cuda_aware_mpi
 

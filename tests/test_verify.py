@@ -1,4 +1,4 @@
-"""The sampled check (burst_hpc.verify.check) on one process: its sums equal the float64 oracle under
+"""The sampled check (burst_hpc.job.verify.check) on one process: its sums equal the float64 oracle under
 every mask, corrupted outputs fail naming what failed, NaN and Inf that match the oracle pass, the
 predicted cost is announced, and the run job's budget sizes the sample."""
 import re
@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from burst_hpc import verify
+from burst_hpc import tolerance
+from burst_hpc.job import verify, verify_cost, verify_sums, verify_warm
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
@@ -50,7 +51,7 @@ def _check(inputs, outputs, mask_args, dtype, rows=S, **kwargs):
 @pytest.fixture(params=["full", "sampled"])
 def sampled(request, monkeypatch):
     """Both modes, with key blocks of 7 tokens (several blocks, one ragged)."""
-    monkeypatch.setattr(verify, "BLOCK_ELEMENTS", {"numpy": 7 * B * HQ * S, "cuda": 7 * B * HQ * S})
+    monkeypatch.setattr(verify_cost, "BLOCK_ELEMENTS", {"numpy": 7 * B * HQ * S, "cuda": 7 * B * HQ * S})
     if request.param == "sampled":
         monkeypatch.setattr(verify, "FULL_LIMIT", 10)
     return request.param == "sampled"
@@ -114,7 +115,7 @@ def test_the_predicted_cost_is_announced_first(monkeypatch):
     report = _check(inputs, outputs, mask_args, bfloat16, rows=11, announce=lines.append)
     assert report["ok"] and len(lines) == 1, lines
     assert re.fullmatch(r"verify: 11 rows and 11 key columns per rank against 40 tokens \(sampled 11 rows\+cols/rank, "
-                        r"CPU float64\), about \d+\.\ds", lines[0]), lines
+                        r"CPU float64\), about \d\S*s", lines[0]), lines
     assert report["predicted_s"] > 0
 
 
@@ -131,7 +132,7 @@ def test_the_budget_sizes_the_sample(monkeypatch):
 def test_rounding_matches_numpy_casts(dtype):
     x = np.random.default_rng(3).standard_normal(100000) * np.logspace(-40, 38, 100000)
     x = np.concatenate([x, [np.inf, -np.inf, np.nan, 0.0, -0.0, 1 + 2 ** -8, 1 + 3 * 2 ** -8, 65504.0, 1e-39]])
-    _, rnd = verify.rounder(dtype, np)
+    _, rnd = verify_sums.rounder(dtype, np)
     with np.errstate(over="ignore"):
         want = x.astype(np.float32).astype(dtype).astype(np.float32)
         assert np.array_equal(rnd(x), want, equal_nan=True)
@@ -139,10 +140,10 @@ def test_rounding_matches_numpy_casts(dtype):
 
 def test_max_err_counts_nonfinite_against_nonfinite_as_no_error():
     ref = np.array([1.0, np.nan, np.inf, -np.inf])
-    assert verify.max_err(np.array([1.5, np.inf, np.nan, -np.inf]), ref) == 0.5
-    assert verify.max_err(np.array([1.0, 0.0, np.inf, -np.inf]), ref) == np.inf
-    assert verify.max_err(np.array([np.nan, np.nan, np.inf, -np.inf]), ref) == np.inf
-    assert verify.max_err(np.array([-np.inf, np.nan, np.inf, -np.inf]), ref) == np.inf
+    assert tolerance.max_err(np.array([1.5, np.inf, np.nan, -np.inf]), ref) == 0.5
+    assert tolerance.max_err(np.array([1.0, 0.0, np.inf, -np.inf]), ref) == np.inf
+    assert tolerance.max_err(np.array([np.nan, np.nan, np.inf, -np.inf]), ref) == np.inf
+    assert tolerance.max_err(np.array([-np.inf, np.nan, np.inf, -np.inf]), ref) == np.inf
 
 
 def _gpu():
@@ -188,10 +189,10 @@ def test_alone_runs_the_sampled_check(monkeypatch):
 
 
 def test_warming_checks_its_problems(monkeypatch):
-    """verify.warm's problems pass their own check (here on the host, one shape; burst-hpc compile runs
+    """verify_warm.warm's problems pass their own check (here on the host, one shape; burst-hpc compile runs
     every one on the GPU)."""
-    monkeypatch.setattr(verify, "WARM_SHAPES", verify.WARM_SHAPES[1:2])
-    assert verify.warm([bfloat16], xp=np) > 0
+    monkeypatch.setattr(verify_warm, "WARM_SHAPES", verify_warm.WARM_SHAPES[1:2])
+    assert verify_warm.warm([bfloat16], xp=np) > 0
 
 
 WARMED = """
@@ -199,14 +200,14 @@ import os, sys
 import numpy as np
 sys.path.insert(0, {tests!r})
 import test_verify as t
-from burst_hpc import verify
+from burst_hpc.job import verify, verify_warm
 from burst_hpc.dtypes import bfloat16
 import cupy
 
 def compiled():
     return {{os.path.join(d, f) for d, _, fs in os.walk(os.environ["CUPY_CACHE_DIR"]) for f in fs}}
 
-verify.warm([bfloat16])
+verify_warm.warm([bfloat16])
 before = compiled()
 verify.FULL_LIMIT = 10
 inputs, outputs, mask_args = t._problem(bfloat16, "documents+window", seed=3)
@@ -231,3 +232,116 @@ def test_after_warming_a_verification_compiles_nothing(tmp_path):
     assert out.returncode == 0, out.stderr
     line = out.stdout.strip().splitlines()[-1]
     assert re.fullmatch(r"warmed [1-9]\d* new \[\]", line), line
+
+
+# --------------------------------------------------------------------------- what the check costs (its model)
+
+MASK_CASES = {"none": (False, None, None), "causal": (True, None, None), "window": (True, (8, 0), None),
+              "window both sides": (False, (5, 3), None), "documents": (True, None, np.array([0, 7, 30, 41, 64])),
+              "documents+window": (False, (4, -1), np.array([0, 20, 64]))}
+
+
+@pytest.mark.parametrize("mask", MASK_CASES)
+def test_meets_is_the_dense_masks_any(mask):
+    """reference.meets (one test per sample) finds the samples the dense mask finds: rows that see a key of
+    a run, keys a query of the run sees."""
+    from burst_hpc.reference import meets, visible
+
+    causal, window, cu = MASK_CASES[mask]
+    positions = np.random.default_rng(1).choice(64, 40, replace=False)
+    for start, stop in ((0, 64), (0, 1), (10, 19), (30, 31), (50, 64), (6, 8)):
+        run = np.arange(start, stop)
+        rows = visible(positions, run, causal, window, cu).any(1)
+        cols = visible(run, positions, causal, window, cu).any(0)
+        assert np.array_equal(meets(positions, start, stop, causal, window, cu), rows), (start, stop)
+        assert np.array_equal(meets(positions, start, stop, causal, window, cu, as_keys=True), cols), (start, stop)
+
+
+def test_blocks_are_runs_of_consecutive_tokens():
+    """A zigzag shard's two chunks are never mixed in one block; every token is in one block."""
+    positions = np.concatenate([np.arange(16, 32), np.arange(96, 112)])   # rank 1 of 4, zigzag, S = 128
+    spans = verify_cost.block_spans(positions, 6)
+    assert spans == [(0, 6), (6, 12), (12, 16), (16, 22), (22, 28), (28, 32)]
+    for lo, hi in spans:
+        assert np.all(np.diff(positions[lo:hi]) == 1)
+
+
+@pytest.mark.parametrize("mask", MASK_CASES)
+def test_the_prediction_counts_what_the_loop_runs(mask):
+    """Blocks.seconds adds, per block, the fixed parts of each pass that has an active sample, its part
+    per active sample and its per-pair part times the block's tokens times its active samples: the
+    rectangles the loop computes, found as the dense mask finds them."""
+    from burst_hpc.reference import visible
+
+    causal, window, cu = MASK_CASES[mask]
+    spec = SimpleNamespace(seqlen=64, cu_seqlens=cu)
+    positions = np.concatenate([np.arange(8, 16), np.arange(48, 56)])   # zigzag, rank 1 of 4
+    blocks = verify_cost.Blocks(positions, 5, spec, causal, window)
+    samples = np.array([0, 3, 9, 17, 30, 33, 50, 63])
+    rates = verify_cost.Rates(keys=(1.0, 10.0, 3.0, 100.0), queries=(1000.0, 1e4, 3e3, 1e5))
+    fixed, pairs = blocks.seconds(rates, samples)
+    want_fixed = want_pairs = 0.0
+    for lo, hi in blocks.spans:
+        keys = positions[lo:hi]
+        rows = visible(samples, keys, causal, window, cu).any(1).sum()
+        cols = visible(keys, samples, causal, window, cu).any(0).sum()
+        want_fixed += (1.0 + 10.0 * len(keys)) * (rows > 0) + (1000.0 + 1e4 * len(keys)) * (cols > 0)
+        want_pairs += (3.0 + 100.0 * len(keys)) * rows + (3e3 + 1e5 * len(keys)) * cols
+    assert fixed == pytest.approx(want_fixed) and pairs == pytest.approx(want_pairs)
+
+
+def test_the_prediction_scales_with_samples_and_the_mask():
+    """Pairs scale with samples x keys: every sample is active in every block without a mask (the whole
+    rectangle), twice the samples twice the pairs; causal about half of it, a narrow window far less."""
+    spec = SimpleNamespace(seqlen=4096, cu_seqlens=None)
+    positions = np.arange(1024, 2048)
+    rates = verify_cost.Rates(keys=(0.0, 0.0, 0.0, 1.0), queries=(0.0, 0.0, 0.0, 1.0))
+    samples = np.linspace(0, 4095, 64).astype(np.int64)
+
+    def pairs(causal, window, samples=samples, width=128):
+        return verify_cost.Blocks(positions, width, spec, causal, window).seconds(rates, samples)[1]
+
+    full = pairs(False, None)
+    assert full == 2 * 64 * 1024                                     # rows and columns, every one active
+    assert pairs(False, None, np.concatenate([samples, samples])) == 2 * full
+    assert 0.4 * full < pairs(True, None) < 0.6 * full
+    assert pairs(True, (16, 0)) < 0.15 * full                        # a sample meets a block or two
+    assert pairs(True, (16, 0), width=16) < pairs(True, (16, 0), width=128)   # smaller blocks, tighter rectangles
+    keys_only = verify_cost.Rates(keys=(0.0, 0.0, 0.0, 1.0))              # forward only: no columns
+    assert verify_cost.Blocks(positions, 128, spec, False, None).seconds(keys_only, samples)[1] == 64 * 1024
+
+
+def test_the_budget_takes_the_samples_that_fit():
+    """budget_rows: (budget - the blocks' fixed parts) / the expected seconds of one sample of each rank,
+    at most asked; each rank's samples come from its own tokens, which matters under a window."""
+    spec = SimpleNamespace(seqlen=1024, cu_seqlens=None)
+    grids = [np.arange(0, 512, 8), np.arange(512, 1024, 8)]            # 2 ranks, contiguous
+    blocks = verify_cost.Blocks(np.arange(512, 1024), 128, spec, False, None)   # rank 1: 4 blocks, no mask: all active
+    rates = verify_cost.Rates(keys=(1.0, 0.0, 0.0, 1e-3))                   # 1 s a block, 1 ms a (token, sample) pair
+    per_sample = 512 * 1e-3 * 2                                        # 2 ranks draw as many each
+    assert blocks.budget_rows(rates, grids, 4.0 + 10 * per_sample, 100) == 10
+    assert blocks.budget_rows(rates, grids, 4.0 + 10 * per_sample, 7) == 7
+    assert blocks.budget_rows(rates, grids, 1.0, 100) == 0            # the floor (LEAST_ROWS) is the check's
+    # a narrow window: rank 1's samples meet one of its blocks (3 of its 64 grid points two), rank 0's none:
+    # (64 + 3) blocks of 128 tokens over 64 samples, at 1 ms a pair
+    windowed = verify_cost.Blocks(np.arange(512, 1024), 128, spec, True, (8, 0))
+    assert windowed.budget_rows(rates, grids, 4.0 + 10 * per_sample, 1000) == int(10 * per_sample / (67 * 0.128 / 64))
+
+
+def test_calibration_fits_per_block_token_and_pair(monkeypatch):
+    """measure recovers the four parts of each pass from its timed blocks: on a clock that a block of c
+    tokens and T samples advances by exactly a + t c + s T + p T c, the fit is exact."""
+    truth = {"keys": (2e-3, 3e-6, 13e-6, 5e-8), "queries": (4e-3, 7e-6, 17e-6, 11e-8)}
+    now = [0.0]
+
+    def ticking(name):
+        def add(self, pos, *arrays):
+            a, t, s, p = truth[name]
+            now[0] += a + t * len(pos) + s * len(self.positions) + p * len(self.positions) * len(pos)
+        return add
+
+    monkeypatch.setattr(verify_sums.Samples, "add_keys", ticking("keys"))
+    monkeypatch.setattr(verify_sums.Samples, "add_queries", ticking("queries"))
+    monkeypatch.setattr(verify_cost.time, "perf_counter", lambda: now[0])
+    fitted = verify_cost.measure(_spec(bfloat16), SCALE, True, np)
+    assert fitted == pytest.approx(np.array([truth["keys"], truth["queries"]]), rel=1e-6)

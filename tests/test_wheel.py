@@ -10,6 +10,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,16 @@ def installed(tmp_path_factory):
 def test_wheel_version_is_the_package_version(installed):
     _, _, wheel, _ = installed
     assert wheel.name.startswith(f"burst_hpc-{burst_hpc.__version__}-"), wheel.name
+
+
+def test_wheel_holds_every_module_of_the_tree(installed):
+    """pyproject.toml names the packages one by one: a folder left off that list would be missing only
+    from installed copies (the checkout's editable install still finds it)."""
+    _, src, wheel, _ = installed
+    tree = {p.relative_to(src).as_posix() for p in (src / "burst_hpc").rglob("*.py")}
+    with zipfile.ZipFile(wheel) as whl:
+        held = {name for name in whl.namelist() if name.startswith("burst_hpc/") and name.endswith(".py")}
+    assert tree == held, f"not in the wheel: {sorted(tree - held)}; only in the wheel: {sorted(held - tree)}"
 
 
 def test_installed_backend_finds_every_kernel_source(installed):

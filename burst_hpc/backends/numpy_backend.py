@@ -17,7 +17,7 @@ import numpy as np
 
 from . import backward_ends, forward_ends
 from ..dtypes import accum_dtype
-from ..merge import merge_into
+from ..engine.merge import merge_into
 
 
 def _grouped(x, n_kv, acc):

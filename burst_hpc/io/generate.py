@@ -29,7 +29,7 @@ def generate(path, batch, seqlen, heads, kv_heads, head_dim, dtype, seed=0, with
         raise ShapeError(f"query heads ({heads}) must be a multiple of key/value heads ({kv_heads})")
     cu_seqlens = None
     if documents is not None:
-        from ..masks import random_documents
+        from ..plan.masks import random_documents
 
         cu_seqlens = random_documents(np.random.default_rng([int(seed), 1 << 20]), seqlen, documents)
     names = ("q", "k", "v", "do") if with_grad else ("q", "k", "v")

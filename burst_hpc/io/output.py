@@ -3,7 +3,7 @@ built under a temporary name and published once complete (:class:`OutputFile` fo
 job; :func:`write_new` and :func:`write_global` for one process).
 
 The output is built under a temporary name next to the final one (``OUT.tmp-<host>-<pid>-<tag>``,
-see jobsafety) and published only once every rank has written its part, so a failure never leaves a
+see job/owner.py) and published only once every rank has written its part, so a failure never leaves a
 file under the output's name; publishing never replaces a file that appeared under that name while
 the job ran (unless ``overwrite``). Rank 0 holds the lock of the temporary file's sidecar
 (``OUT.tmp-...lock``) from before the file exists until it is published or removed, so
@@ -20,10 +20,11 @@ import os
 
 import numpy as np
 
-from .. import config, jobsafety
-from ..collective import agree, describe
-from ..errors import BurstError, FileError, ShapeError
-from ..layout import pieces
+from .. import config
+from ..job import owner, publish, safety
+from ..collective import abort_job, agree, describe
+from ..errors import BurstError, FileError, ShapeError, size_text
+from ..plan.layout import as_layout
 from .format import GRADS, TOKEN_AXIS, create_dataset, stamp, stored_dtype, write_slab
 
 # writes go straight to the file (no chunk cache): a failed write (disk full, quota) raises at the
@@ -96,18 +97,18 @@ class OutputFile:
         if rank == 0:
             try:
                 tmp = check_output_path(path, inputs, overwrite)
-                jobsafety.hold(tmp)  # rank 0 owns the file: its lock says the job runs
+                owner.hold(tmp)  # rank 0 owns the file: its lock says the job runs
                 check_space(os.path.dirname(tmp), bytes_needed(datasets), f"output {path!r}")
             except Exception as e:  # noqa: BLE001
                 err = e
                 if tmp is not None:
-                    jobsafety.release(tmp)
+                    owner.release(tmp)
         if comm is not None and comm.size > 1:
             tmp = comm.bcast(tmp, root=0)
         agree(comm, err)
         self = cls(path, tmp, comm, dict(datasets), mpio)
         self.overwrite = overwrite
-        jobsafety.track(tmp)  # every rank: a signal on any rank removes it
+        safety.track(tmp)  # every rank: a signal on any rank removes it
         err = None
         try:
             if mpio:
@@ -130,7 +131,8 @@ class OutputFile:
         stamp(f, attrs)
 
     def write(self, shards, layout):
-        """Write this rank's shards ``{name: array}`` (local layout order) into their token runs."""
+        """Write this rank's shards ``{name: array}`` (local order of ``layout``, a plan.layout.Layout or
+        a layout's name) into their token slabs."""
         import h5py
 
         err = None
@@ -177,7 +179,7 @@ class OutputFile:
             raise
         except Exception as e:  # noqa: BLE001
             _NEVER_CLOSED.append(f)  # its close is collective: it must not run at garbage collection
-            jobsafety.abort_job(f"{_io_failure(what, e, self.tmp)}; parallel HDF5 cannot go on after a failed "
+            abort_job(f"{_io_failure(what, e, self.tmp)}; parallel HDF5 cannot go on after a failed "
                                 "collective write, so the job is stopped")
 
     def _write_mine(self, f, shards, layout):
@@ -189,13 +191,12 @@ class OutputFile:
             array = np.asarray(array)
             if array.dtype != np.dtype(dtype):
                 array = array.astype(dtype)
-            seqlen = shape[axis]
             offset = 0
-            for start, n in pieces(seqlen, self.rank, self.size, layout):
-                src = (slice(None),) * axis + (slice(offset, offset + n),)
-                dst = (slice(None),) * axis + (slice(start, start + n),)
+            for start, stop in as_layout(layout, shape[axis], self.size).slabs(self.rank):
+                src = (slice(None),) * axis + (slice(offset, offset + stop - start),)
+                dst = (slice(None),) * axis + (slice(start, stop),)
                 write_slab(f[name], dst, array[src])
-                offset += n
+                offset += stop - start
             if offset != array.shape[axis]:
                 raise ShapeError(f"output {name!r}: shard has {array.shape[axis]} tokens, layout gives {offset}")
 
@@ -208,14 +209,14 @@ class OutputFile:
             self.comm.Barrier()
         if self.rank == 0:
             try:
-                jobsafety.publish(self.tmp, self.path, self.overwrite)
+                publish.publish(self.tmp, self.path, self.overwrite)
             except FileError as e:
                 err = e
             except OSError as e:
                 err = FileError(f"cannot move the finished output to {self.path!r}: {e}")
             if err is None or getattr(err, "kept", None):
-                jobsafety.release(self.tmp)  # published or kept: the temporary name is gone
-        jobsafety.untrack(self.tmp)  # published, kept or gone: no longer ours to remove
+                owner.release(self.tmp)  # published or kept: the temporary name is gone
+        safety.untrack(self.tmp)  # published, kept or gone: no longer ours to remove
         if getattr(err, "kept", None):
             self.done = True  # the result lives under the kept name: abort must not touch it
         try:
@@ -232,13 +233,13 @@ class OutputFile:
 
     def _remove(self):
         if self.tmp:
-            jobsafety.untrack(self.tmp)
+            safety.untrack(self.tmp)
         if self.rank == 0 and not self.done and self.tmp:
             try:
                 os.remove(self.tmp)
             except OSError:
                 pass
-            jobsafety.release(self.tmp)  # after the file: its lock guards it until it is gone
+            owner.release(self.tmp)  # after the file: its lock guards it until it is gone
 
 
 _NEVER_CLOSED = []
@@ -269,8 +270,8 @@ def check_space(directory, needed, what):
         return
     free = _free_bytes(directory)
     if free is not None and free < needed:
-        raise FileError(f"not enough space for {what}: it needs about {needed / 1e6:.1f} MB, "
-                        f"{directory} has {free / 1e6:.1f} MB free")
+        raise FileError(f"not enough space for {what}: it needs about {size_text(needed)}, "
+                        f"{directory} has {size_text(free)} free")
 
 
 def _full(path):
@@ -286,7 +287,7 @@ def _io_failure(what, error, path=None):
     OS-level failure also marks HDF5 as broken, so the process exits without its exit handler."""
     if isinstance(error, BurstError):
         return FileError(f"{what}: {error}")
-    jobsafety.note_hdf5_failure()
+    safety.note_hdf5_failure()
     text = str(error)
     if "errno = 28" in text or getattr(error, "errno", None) == 28 or _full(path):
         reason = "the file system is full (No space left on device)"
@@ -315,7 +316,7 @@ def check_output_path(path, inputs=(), overwrite=False):
         raise FileError(f"cannot write output {path!r}: directory {parent!r} is not writable")
     if os.path.lexists(full) and not overwrite:
         raise FileError(f"output {path!r} already exists; pass --overwrite to replace it (or choose another name)")
-    return jobsafety.temp_name(full)
+    return owner.temp_name(full)
 
 
 def output_datasets(spec, backward):
@@ -352,8 +353,8 @@ def write_new(path, fill, overwrite=False, needed=0):
     tmp = check_output_path(path, overwrite=overwrite)
     held = tmp
     try:
-        jobsafety.hold(held)
-        jobsafety.track(tmp)
+        owner.hold(held)
+        safety.track(tmp)
         check_space(os.path.dirname(tmp), needed, f"output {path!r}")
         failure = None
         try:
@@ -366,13 +367,13 @@ def write_new(path, fill, overwrite=False, needed=0):
         if failure is not None:
             raise failure
         try:
-            jobsafety.publish(tmp, path, overwrite)
+            publish.publish(tmp, path, overwrite)
         except FileError:
             tmp = None  # lost a race: the result stays under the name the message gives
             raise
     finally:
         if tmp is not None:
-            jobsafety.untrack(tmp)
+            safety.untrack(tmp)
             if os.path.exists(tmp):
                 os.remove(tmp)
-        jobsafety.release(held)
+        owner.release(held)

@@ -13,7 +13,7 @@ import numpy as np
 from ..collective import agree
 from ..dtypes import accum_dtype, dtype_name, largest_magnitude, nonfinite
 from ..errors import DTypeError, FileError, MaskError, ShapeError
-from ..layout import check_split, pieces
+from ..plan.layout import as_layout
 from .format import INPUTS, dataset_dtype, read_slab
 
 
@@ -109,7 +109,7 @@ def _documents(f, path, seqlen):
         return None
     if not isinstance(f["cu_seqlens"], h5py.Dataset):
         raise FileError(f"{path}: 'cu_seqlens' is a group, not a dataset")
-    from ..masks import check_cu_seqlens
+    from ..plan.masks import check_cu_seqlens
 
     try:
         return check_cu_seqlens(f["cu_seqlens"][()], seqlen)
@@ -125,11 +125,11 @@ def _plain(value):
     return value
 
 
-def read_tokens(ds, runs, dtype, token_axis=1):
-    """The token runs ``[(start, length), ...]`` of a dataset, concatenated along ``token_axis``."""
+def read_tokens(ds, slabs, dtype, token_axis=1):
+    """The token slabs ``[(start, stop), ...]`` of a dataset (Layout.slabs), concatenated along ``token_axis``."""
     parts = []
-    for start, n in runs:
-        index = (slice(None),) * token_axis + (slice(start, start + n),)
+    for start, stop in slabs:
+        index = (slice(None),) * token_axis + (slice(start, stop),)
         parts.append(read_slab(ds, index, dtype))
     return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=token_axis)
 
@@ -137,7 +137,8 @@ def read_tokens(ds, runs, dtype, token_axis=1):
 def read_shards(path, comm, layout, names=("q", "k", "v"), spec=None):
     """(InputSpec, {name: this rank's shard}) for ``names``; collective, errors agreed on every rank.
 
-    Each rank reads only its own token runs (both zigzag halves) with the file opened read-only.
+    Each rank reads only its own token slabs in ``layout`` (a plan.layout.Layout of the file's length
+    over the ranks of ``comm``, or a layout's name: both zigzag halves) with the file opened read-only.
     ``spec``: the file's InputSpec from :func:`inspect_input` (on this rank, with ``need`` covering
     ``names``), so the file is not inspected again; None inspects it here.
     """
@@ -149,10 +150,9 @@ def read_shards(path, comm, layout, names=("q", "k", "v"), spec=None):
                 spec = _inspect(f, path, names)
             else:
                 _check_inspected(spec, path, names)
-            check_split(spec.seqlen, size, layout)
-            runs = pieces(spec.seqlen, rank, size, layout)
+            layout = as_layout(layout, spec.seqlen, size)
             for name in names:
-                shards[name] = read_tokens(f[name], runs, spec.dtype)
+                shards[name] = read_tokens(f[name], layout.slabs(rank), spec.dtype)
     except Exception as e:  # noqa: BLE001 - every failure is agreed across ranks below
         err = e
     agree(comm, err)
@@ -181,7 +181,7 @@ def _first_nonfinite(x, block_tokens=4096):
     return None
 
 
-def check_finite(path, shards, comm, layout, seqlen, scale=None):
+def check_finite(path, shards, comm, layout, scale=None):
     """Collective: refuse NaN and Inf in the input shards (this rank's tokens of each dataset), and
     finite values so large that the kernels' sums overflow (:func:`check_range`; ``scale``: the
     softmax scale of the run, default head_dim**-0.5).
@@ -189,17 +189,12 @@ def check_finite(path, shards, comm, layout, seqlen, scale=None):
     Every rank raises the same FileError, naming the dataset and the first non-finite value in the
     file's order (datasets q, k, v, do; then batch, token, head, dim with global token positions)."""
     rank, size = (comm.rank, comm.size) if comm is not None else (0, 1)
-    runs = pieces(seqlen, rank, size, layout)
     largest = largest_magnitudes(shards)   # one pass over the data; NaN or Inf when a shard holds one
     mine = None
     for order, name in enumerate(INPUTS):
         if name in shards and not math.isfinite(largest[name]):
             (b, t, *rest), value = _first_nonfinite(shards[name])
-            for start, n in runs:  # local token t -> its position in the file
-                if t < n:
-                    break
-                t -= n
-            mine = (order, b, start + t, *rest, name, value)
+            mine = (order, b, int(layout.indices(rank)[t]), *rest, name, value)
             largest = None
             break
     everyone = [(mine, largest)] if size == 1 else comm.allgather((mine, largest))
@@ -213,7 +208,7 @@ def check_finite(path, shards, comm, layout, seqlen, scale=None):
         raise error
     largest = {name: max(theirs[name] for _, theirs in everyone) for name in largest}
     head_dim = shards["q"].shape[-1]
-    check_range(path, largest, head_dim, seqlen, head_dim ** -0.5 if scale is None else scale, shards["q"].dtype)
+    check_range(path, largest, head_dim, layout.seqlen, head_dim ** -0.5 if scale is None else scale, shards["q"].dtype)
 
 
 def largest_magnitudes(shards):

@@ -19,8 +19,6 @@ node's ranks, which compile their shares in parallel, then agree before any of t
 builds it. Nothing here but ``CupyCompiler`` needs CuPy.
 """
 import contextlib
-import errno
-import fcntl
 import hashlib
 import json
 import os
@@ -37,11 +35,10 @@ import numpy as np
 from ... import config
 from ...device import HOW_TO_GET_CUPY
 from ...errors import BackendError, BurstError
+from ...locking import lock_exclusive
 from .contract import DELTA_SOURCE, SOURCES, KernelTable, cuda_dir, header, instances, table_symbols
 
 ENTRY_SUFFIX = ".json"
-_BUSY = (errno.EAGAIN, errno.EACCES)  # another process holds the lock
-_NO_LOCKS = (errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EINVAL)  # no locks here
 
 
 def inline_source(name, root):
@@ -269,21 +266,9 @@ class KernelCache:
         with inside:
             fd = os.open(f"{path}.lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
             try:
-                # polled, not a blocking wait: that fails with EDEADLK when threads of two processes hold
-                # and wait for two entries (POSIX locks belong to processes); backing off to 0.5 s spares a
-                # shared file system's lock server the polls of a thousand waiting nodes
-                pause = 0.01
-                while True:
-                    try:
-                        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                        break
-                    except OSError as e:
-                        if e.errno in _NO_LOCKS:
-                            break
-                        if e.errno not in _BUSY:
-                            raise
-                    time.sleep(pause)
-                    pause = min(0.5, pause * 1.5)
+                # backing off to 0.5 s spares a shared file system's lock server the polls of a thousand
+                # waiting nodes
+                lock_exclusive(fd, longest_pause=0.5)
                 yield
             finally:
                 os.close(fd)  # drops the lock
@@ -346,7 +331,7 @@ def node_share(comm, ranks_per_node=None):
     """Collective: (this rank's place among its node's ranks, the node's ranks); (0, 1) alone."""
     if comm is None or comm.size == 1:
         return 0, 1
-    from ...topology import topology
+    from ...plan.topology import topology
 
     try:
         topo = topology(comm, ranks_per_node)

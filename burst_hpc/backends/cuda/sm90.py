@@ -306,7 +306,7 @@ _ORDERS = OrderedDict()
 
 
 def _every_tile_sees_keys(mask, causal, q_start, sq, k_start, sk, bm, bn):
-    """Whether every forward query tile of bm rows sees some key (the kernel visits only those that do)."""
+    """Whether the kernel visits every forward query tile of bm rows (it skips those that see no key)."""
     if mask is not None:
         return _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[1]
     # causal: the first tile sees the fewest keys, the key k_start when its last row is at or after it
@@ -315,22 +315,32 @@ def _every_tile_sees_keys(mask, causal, q_start, sq, k_start, sk, bm, bn):
 
 def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
     """The forward's interval schedule: (the query blocks of bm rows ordered by their key tiles of bn (from
-    the mask's bounds), most first, as an int32 device array; whether every block sees a key); a few are
-    kept (a ring repeats them)."""
+    the mask's bounds), most first, as an int32 device array; whether the kernel visits every block); a few
+    are kept (a ring repeats them)."""
     import cupy
 
     key = (mask, int(q_start), sq, int(k_start), sk, bm, bn, cupy.cuda.Device().id)
     order = _ORDERS.get(key)
     if order is None:
-        lo, hi = mask.rows(q_start, sq)
-        first = np.arange(0, sq, bm)
-        last = np.minimum(first + bm, sq) - 1
-        begin = np.clip(lo[first] - k_start, 0, sk) // bn
-        end = -(-np.clip(hi[last] - k_start, 0, sk) // bn)
-        order = (cupy.asarray(np.argsort(-(end - begin), kind="stable").astype(np.int32)), bool((end > begin).all()))
+        tiles = interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn)
+        order = (cupy.asarray(np.argsort(-tiles, kind="stable").astype(np.int32)), bool((tiles > 0).all()))
         _ORDERS[key] = order
         if len(_ORDERS) > 64:
             _ORDERS.popitem(last=False)
     else:
         _ORDERS.move_to_end(key)
     return order
+
+
+def interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn):
+    """int64 per forward query block of bm rows: the key tiles of bn the interval kernel loads for it, 0 where it
+    skips the block (its TileScheduler, tile_keys in common.cuh): the keys [lo of the block's first row, hi of
+    its last row) clipped to the shard's [0, sk), counted in tokens before they are rounded out to tiles (a
+    block past a shard whose length is no multiple of bn sees nothing there, though its rounded tiles would
+    meet)."""
+    lo, hi = mask.rows(q_start, sq)
+    first = np.arange(0, sq, bm)
+    last = np.minimum(first + bm, sq) - 1
+    begin = np.clip(lo[first] - int(k_start), 0, sk)
+    end = np.clip(hi[last] - int(k_start), 0, sk)
+    return np.where(end > begin, -(-end // bn) - begin // bn, 0)

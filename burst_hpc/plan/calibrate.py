@@ -1,0 +1,195 @@
+"""The cost model's fixed costs measured on the machine it runs on (issue 36): a block call's launch
+on a tiny block (forward and backward), a ring step's fixed cost and a small message's latency over
+the call's transport, kept beside the kernel cache (config.kernel_cache_dir) in a small JSON file
+named by the device model and this library's version. ``burst-hpc compile`` measures them (the
+CUDA backend on a GPU; the NumPy backend without one, which is how the tests measure them);
+rates.rates_for reads them over its built-in defaults (rates.GPU_RATES); rates given
+outright (``choose_layout(rates=...)``, ``burst-hpc plan``'s overrides) still win.
+
+A launch: the least over ROUNDS of the mean of REPEATS back-to-back block calls of one 64-row tile
+of one head, the device drained after the last (the call's work is a few microseconds: the rest is
+its fixed cost). A step:
+a step of the ring engine (ring.run) over the transport with 1-token shards and no kernels (measured
+alike), less one message. A message: ranks 0 and 1 exchanging a small message each way at once, the
+way a ring step does (none on one rank: the built-in latency stays)."""
+import json
+import os
+import re
+import socket
+import time
+
+import numpy as np
+
+from .. import __version__, config
+from ..errors import BurstError
+
+FIXED = ("fwd_launch_us", "bwd_launch_us", "step_us", "intra_latency_us")   # the Rates fields measured here
+REPEATS = 10
+ROUNDS = 5
+
+
+def device_model(backend_name, device_name=None):
+    """The name the built-in rates and the measured fixed costs are kept under: 'H100' or 'H200' for
+    those GPUs, the device's own name for another GPU, 'cpu' for the NumPy backend."""
+    if backend_name != "cuda":
+        return "cpu"
+    for model in ("H200", "H100"):
+        if device_name and model in device_name:
+            return model
+    return device_name or "H100"
+
+
+def path(model):
+    """Where the fixed costs of ``model`` measured with this version are kept."""
+    slug = re.sub(r"[^A-Za-z0-9_.-]+", "-", model)
+    return os.path.join(config.kernel_cache_dir(), f"fixed-costs-{slug}-{__version__}.json")
+
+
+def load(model):
+    """{Rates field: microseconds} measured for ``model``, or None where none were (or the file does not
+    read as such: it is then ignored, as the built-in defaults are a sound answer)."""
+    try:
+        with open(path(model)) as f:
+            costs = json.load(f)
+    except (OSError, ValueError):
+        return None
+    if not isinstance(costs, dict) or not all(isinstance(costs.get(k), (int, float)) for k in costs) \
+            or not set(costs) <= set(FIXED):
+        return None
+    return {k: float(v) for k, v in costs.items() if np.isfinite(v) and v >= 0}
+
+
+def save(model, costs):
+    """Keep ``costs`` for ``model`` (atomically: a reader sees the old file or the new one)."""
+    target = path(model)
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    temporary = f"{target}.{os.getpid()}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(costs, f, indent=1, sort_keys=True)
+    os.replace(temporary, target)
+    return target
+
+
+def measure(backend, transport, xp, comm=None, head_dim=128, dtype="bfloat16"):
+    """Collective on ``comm`` (the ranks of ``transport``; None: one rank): {Rates field: microseconds}
+    of this machine, the same on every rank (the slowest rank's figures). ``backend`` a block backend,
+    ``xp`` its array module; the block calls on ``head_dim`` and ``dtype`` (a kernel `compile` built)."""
+    from ..dtypes import parse_dtype
+
+    rng = np.random.default_rng(0)
+    dtype = parse_dtype(dtype) if xp is not np else np.float32   # NumPy: the CPU path's float32
+    q, k, v, do = (xp.asarray(rng.standard_normal((1, 64, 1, head_dim)).astype(dtype)) for _ in range(4))
+    o, dq, dk, dv = (xp.zeros(q.shape, np.float32) for _ in range(4))
+    lse, delta = (xp.zeros((1, 1, 64), np.float32) for _ in range(2))
+    scale = head_dim ** -0.5
+    forward = lambda: backend.forward_block(q, k, v, o, lse, scale=scale, causal=True)  # noqa: E731
+    backward = lambda: backend.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale,  # noqa: E731
+                                              causal=True)
+    costs = {"fwd_launch_us": _least_us(forward, xp), "bwd_launch_us": _least_us(backward, xp)}
+    message = _message_us(transport, xp) if transport.size > 1 else None
+    costs["step_us"] = max(0.0, _step_us(transport, xp) - (message or 0.0))
+    if message is not None:
+        costs["intra_latency_us"] = message
+    if comm is not None and comm.size > 1:
+        every = comm.allgather(costs)
+        costs = {name: max(c[name] for c in every) for name in costs}
+    return {name: float(value) for name, value in costs.items()}
+
+
+def _drain(xp):
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()
+
+
+def _least_us(call, xp):
+    """Microseconds per call: the least over ROUNDS of the mean of REPEATS back-to-back calls (after one
+    to warm up), so that a busy host's stalls do not count as fixed costs."""
+    call()
+    _drain(xp)
+    rounds = []
+    for _ in range(ROUNDS):
+        start = time.perf_counter()
+        for _ in range(REPEATS):
+            call()
+        _drain(xp)
+        rounds.append((time.perf_counter() - start) / REPEATS * 1e6)
+    return min(rounds)
+
+
+def _step_us(transport, xp):
+    """Microseconds per step of the engine's plain ring over ``transport`` (a loopback alone: the
+    engine's own bookkeeping), 1-token shards, no kernels."""
+    from ..engine.ring import Route, Side, run
+    from .schedule import plain_ring_steps
+
+    size = max(2, transport.size)
+    steps = plain_ring_steps(transport.rank, size, "kv", ("q",))
+    route = Route(steps, transport.rank)
+    sides = {"kv": Side([xp.zeros((1, 1, 1, 8), np.float16)] * 2, []), "q": Side([], [])}
+    ring = transport if transport.size > 1 else Loopback(xp)
+    return _least_us(lambda: run(ring, ring, route, sides, None, skip_compute=True), xp) / len(steps)
+
+
+def _message_us(transport, xp):
+    """Microseconds one small message takes: ranks 0 and 1 send each other one at once (the others wait)."""
+    buffer, into = xp.zeros(8, np.float16), xp.zeros(8, np.float16)
+    peer = {0: 1, 1: 0}.get(transport.rank)
+
+    def ping_pong():
+        if peer is not None:
+            transport.exchange([(peer, [buffer])], [(peer, [into])]).wait()
+            _drain(xp)
+
+    return _least_us(ping_pong, xp)
+
+
+class Loopback:
+    """A transport of one rank whose sends arrive as its own receives (the engine's steps alone)."""
+    rank, size = 0, 1
+
+    def __init__(self, xp):
+        self.xp = xp
+
+    def exchange(self, sends, recvs):
+        for (_, out), (_, into) in zip(sends, recvs):
+            for a, b in zip(out, into):
+                b[...] = a
+        return self
+
+    def wait(self):
+        _drain(self.xp)
+
+
+def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bfloat16"):
+    """Collective on ``comm`` (None: this process alone): measure this machine's fixed costs with
+    ``backend_name`` ('numpy' or 'cuda') over ``transport`` (block calls on ``head_dim`` and ``dtype``)
+    and keep them (one rank a host writes the figures every rank agreed on). Returns (model, costs,
+    file)."""
+    from ..backends import get_backend
+    from ..collective import agree
+    from ..transport import choose_transport, make_transport
+
+    error = None
+    try:
+        if backend_name == "cuda":
+            import cupy as xp
+
+            device = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"].decode()
+        else:
+            xp, device = np, None
+        backend = get_backend(xp.zeros(1), backend_name)
+        ring = Loopback(xp) if comm is None or comm.size == 1 else \
+            make_transport(choose_transport(transport, xp is not np), comm, xp)
+    except Exception as e:  # noqa: BLE001
+        error = e if isinstance(e, BurstError) else BurstError(f"cannot measure the fixed costs here: {e}")
+    if comm is not None:
+        agree(comm, error)
+    elif error is not None:
+        raise error
+    model = device_model(backend_name, device)
+    costs = measure(backend, ring, xp, comm, head_dim, dtype)
+    if comm is None or comm.size == 1:
+        return model, costs, save(model, costs)
+    hosts = comm.allgather(socket.gethostname())
+    written = save(model, costs) if hosts.index(hosts[comm.rank]) == comm.rank else None   # one rank a host
+    return model, costs, comm.bcast(written)

@@ -1,0 +1,240 @@
+"""Masks on global token positions: causal, sliding window and documents (packed sequences).
+
+Key j is visible from query i when each given mask allows it (DESIGN.md, the math):
+- causal: j <= i;
+- window (left, right), flash-attn's ``window_size``: i - left <= j <= i + right, -1 unbounded;
+- documents, ``cu_seqlens`` = [0, ..., S] (flash-attn's varlen offsets): doc(i) == doc(j).
+
+Together they leave each query row one interval of visible keys [lo(i), hi(i)):
+
+    lo(i) = max(doc_start(i), i - left)
+    hi(i) = min(doc_end(i), i + right + 1, i + 1 if causal)
+
+Both ends never decrease with i, and i itself is always inside. So a block of query rows meets a
+block of keys [k0, k1) as one of: hidden (no row's interval meets the keys), full (every row's
+interval covers them: no mask) or masked; and a kernel needs only two int32 arrays, lo and hi,
+indexed by global query position (docs/KERNELS.md, "Masks").
+"""
+import hashlib
+from functools import lru_cache
+
+import numpy as np
+
+from ..errors import MaskError
+
+
+LARGEST_WINDOW = 2 ** 62     # masks add window sizes to token positions in int64
+
+
+def check_window(window):
+    """None, or the window as a (left, right) pair of ints >= -1 (-1: unbounded on that side), each at
+    most LARGEST_WINDOW."""
+    if window is None:
+        return None
+    try:
+        left, right = window
+        left, right = _integer(left), _integer(right)
+    except (TypeError, ValueError):
+        raise MaskError(f"window must be a (left, right) pair of integers (-1: unbounded); got {window!r}") from None
+    if left < -1 or right < -1:
+        raise MaskError(f"window sizes must be >= 0, or -1 for unbounded; got ({left}, {right})")
+    if max(left, right) > LARGEST_WINDOW:
+        raise MaskError(f"window sizes must be at most {LARGEST_WINDOW} (-1: unbounded); got ({left}, {right})")
+    return None if (left, right) == (-1, -1) else (left, right)
+
+
+def _integer(x):
+    if isinstance(x, (bool, np.bool_)) or not isinstance(x, (int, np.integer)):
+        raise TypeError
+    return int(x)
+
+
+def check_cu_seqlens(cu_seqlens, seqlen):
+    """None, or the document offsets as an int64 array [0, ..., seqlen], strictly increasing."""
+    if cu_seqlens is None:
+        return None
+    if type(cu_seqlens).__module__.startswith("cupy"):
+        cu_seqlens = cu_seqlens.get()
+    offsets = np.asarray(cu_seqlens)
+    if offsets.ndim != 1 or offsets.size < 2 or not np.issubdtype(offsets.dtype, np.integer):
+        raise MaskError(f"cu_seqlens must be a 1-D integer array [0, ..., S] of document offsets; "
+                        f"got {offsets.dtype} with shape {offsets.shape}")
+    offsets = offsets.astype(np.int64)
+    if offsets[0] != 0 or offsets[-1] != seqlen:
+        raise MaskError(f"cu_seqlens must start at 0 and end at the sequence length {seqlen}; "
+                        f"got {offsets[0]} ... {offsets[-1]}")
+    if np.any(np.diff(offsets) <= 0):
+        at = int(np.argmax(np.diff(offsets) <= 0))
+        raise MaskError(f"cu_seqlens must be strictly increasing (every document at least one token); "
+                        f"entry {at + 1} is {offsets[at + 1]} after {offsets[at]}")
+    return offsets
+
+
+class Mask:
+    """The agreed mask of one call on a sequence of ``seqlen`` tokens, with documents or a window.
+    (Plain causal and full attention need no Mask: ``make`` returns None for them.)"""
+
+    def __init__(self, seqlen, causal, window, cu_seqlens):
+        self.seqlen, self.causal, self.window, self.cu_seqlens = seqlen, bool(causal), window, cu_seqlens
+        self.key = (seqlen, self.causal, window, None if cu_seqlens is None else hashlib.sha256(cu_seqlens.tobytes()).hexdigest())
+
+    def __eq__(self, other):
+        return isinstance(other, Mask) and self.key == other.key
+
+    def __hash__(self):
+        return hash(self.key)
+
+    def __repr__(self):
+        docs = "none" if self.cu_seqlens is None else f"{self.cu_seqlens.size - 1}"
+        return f"Mask(seqlen={self.seqlen}, causal={self.causal}, window={self.window}, documents={docs})"
+
+    def __str__(self):
+        return describe(self.causal, self.window, self.cu_seqlens)
+
+    @property
+    def intervals(self):
+        """(lo, hi): int64 arrays over global query positions; row i sees keys lo[i] <= j < hi[i]."""
+        return _intervals(self)
+
+    def rows(self, q_start, n):
+        """(lo, hi) of the n query rows from global position q_start."""
+        lo, hi = self.intervals
+        return lo[q_start:q_start + n], hi[q_start:q_start + n]
+
+    def classify(self, q_start, q_len, k_start, k_len):
+        """'hidden', 'full' or 'masked' for queries [q_start, +q_len) against keys [k_start, +k_len)."""
+        lo, hi = self.rows(q_start, q_len)
+        k_end = k_start + k_len
+        if q_len == 0 or k_len == 0:
+            return "hidden"
+        if lo[-1] <= k_start and hi[0] >= k_end:  # the tightest row still covers every key
+            return "full"
+        # rows whose interval ends after k_start and starts before k_end: since each row sees
+        # itself, any such row sees a key of the block
+        first = np.searchsorted(hi, k_start, side="right")
+        last = np.searchsorted(lo, k_end, side="left")
+        return "masked" if first < last else "hidden"
+
+    def visible_count(self, q_start, q_len, k_start, k_len):
+        """How many (query, key) pairs of the two blocks are visible: the work they cost."""
+        lo, hi = self.rows(q_start, q_len)
+        return int(np.clip(np.minimum(hi, k_start + k_len) - np.maximum(lo, k_start), 0, None).sum())
+
+    def device_intervals(self, xp):
+        """(lo, hi) as int32 arrays on ``xp``'s current device: the kernels' view of the mask."""
+        return _device_intervals(self, xp, xp.cuda.Device().id)
+
+
+def describe(causal, window=None, cu_seqlens=None):
+    """The mask in words, for people: 'causal, 12 documents (longest 900 tokens), window (128, 0)';
+    'no mask' for full attention."""
+    parts = ["causal"] if causal else []
+    if cu_seqlens is not None:
+        count, longest = len(cu_seqlens) - 1, int(np.diff(cu_seqlens).max())
+        parts.append(f"{count} document{'s' if count != 1 else ''} (longest {longest} tokens)")
+    if window is not None:
+        parts.append("window ({}, {})".format(*("unbounded" if side == -1 else side for side in window)))
+    return ", ".join(parts) or "no mask"
+
+
+# Bounded caches (a training loop meets new document offsets every batch): only the intervals
+# of the last few masks are kept; a Mask itself holds just its offsets.
+@lru_cache(maxsize=4)
+def _intervals(mask):
+    i = np.arange(mask.seqlen, dtype=np.int64)
+    lo, hi = np.zeros_like(i), np.full_like(i, mask.seqlen)
+    if mask.cu_seqlens is not None:
+        doc = np.searchsorted(mask.cu_seqlens, i, side="right") - 1
+        lo, hi = mask.cu_seqlens[doc], mask.cu_seqlens[doc + 1]
+    if mask.window is not None:
+        left, right = mask.window
+        if left >= 0:
+            lo = np.maximum(lo, i - left)
+        if right >= 0:
+            hi = np.minimum(hi, i + right + 1)
+    if mask.causal:
+        hi = np.minimum(hi, i + 1)
+    return lo, hi
+
+
+@lru_cache(maxsize=4)
+def _device_intervals(mask, xp, device):
+    return tuple(xp.asarray(x.astype(np.int32)) for x in _intervals(mask))
+
+
+def make(seqlen, causal=False, window=None, cu_seqlens=None):
+    """The Mask for these arguments (validated; MaskError if bad), or None when only causal or
+    nothing is asked: those keep the plain kernels."""
+    window = check_window(window)
+    cu_seqlens = check_cu_seqlens(cu_seqlens, seqlen)
+    if window is None and cu_seqlens is None:
+        return None
+    if seqlen >= 2 ** 31:
+        raise MaskError(f"documents and windows need a sequence shorter than 2**31 tokens; got {seqlen}")
+    return Mask(seqlen, causal, window, cu_seqlens)
+
+
+def counting(seqlen, causal, mask):
+    """``mask``, or for plain causal or full attention (None) the Mask that counts their pairs (and
+    places the chunks layout's tokens)."""
+    return mask if mask is not None else Mask(seqlen, causal, None, None)
+
+
+def block_counts(mask, rows, keys):
+    """int64 (S / rows, S / keys): the visible (query, key) pairs of every block of ``rows`` query
+    rows against every block of ``keys`` keys (``mask`` a Mask: plain causal or full attention
+    too, Mask(seqlen, causal, None, None)). The row intervals never shrink, so the pairs of a block
+    of rows with the keys before a point come from prefix sums and searchsorted, without visiting
+    the rows one by one."""
+    lo, hi = mask.intervals
+    lo_sums, span_sums = (np.concatenate([[0], np.cumsum(x)]) for x in (lo, hi - lo))
+    starts = np.arange(0, mask.seqlen, rows, dtype=np.int64)[:, None]     # (row block, 1)
+    ends = np.arange(0, mask.seqlen + 1, keys, dtype=np.int64)[None, :]    # (1, key boundary)
+    done = np.clip(np.searchsorted(hi, ends, side="right"), starts, starts + rows)   # rows seeing no key past x
+    begun = np.clip(np.searchsorted(lo, ends, side="right"), starts, starts + rows)  # rows seeing a key before x
+    # visible pairs of each block of rows with the keys before each boundary x
+    before = span_sums[done] - span_sums[starts] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
+    return np.diff(before, axis=1)
+
+
+@lru_cache(maxsize=16)
+def pair_work(mask, layout):
+    """(size, size) int64, read-only: the visible (query, key) pairs of rank a's queries against rank
+    b's keys, ranks holding tokens by ``layout`` (a layout.Layout; ``mask`` as block_counts takes it)."""
+    owner = [layout.pieces(r) for r in range(layout.size)]
+    piece = int(np.gcd.reduce([n for runs in owner for start, n in runs] + [start for runs in owner for start, _ in runs]))
+    blocks = block_counts(mask, piece, piece)
+    index = [[i for start, n in runs for i in range(start // piece, (start + n) // piece)] for runs in owner]
+    rows = np.array([blocks[i].sum(axis=0) for i in index])                           # (rank, key piece)
+    out = np.stack([rows[:, i].sum(axis=1) for i in index], axis=1).astype(np.int64)   # (rank, rank)
+    out.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=64)
+def ring_steps(mask, layout, queries_travel=False):
+    """How many ring steps have work: 1 + the last step t at which some rank has a visible pair.
+    At step t rank r holds the travelling shard of rank (r - t) mod P: its keys (forward and
+    kv-ring), or its queries (q-ring, ``queries_travel``). Every rank computes the same number."""
+    size = layout.size
+    if mask is None:
+        return size
+    pairs = pair_work(mask, layout)
+    rank = np.arange(size)
+    busy = [t for t in range(1, size)
+            if (pairs[(rank - t) % size, rank] if queries_travel else pairs[rank, (rank - t) % size]).any()]
+    return 1 + (busy[-1] if busy else 0)
+
+
+def rank_work(mask, layout):
+    """Visible (query, key) pairs each rank computes over a whole ring (its queries against every
+    shard's keys): the per-rank work, whose max over mean is the imbalance."""
+    return tuple(int(x) for x in pair_work(mask, layout).sum(axis=1))
+
+
+def random_documents(rng, seqlen, count):
+    """cu_seqlens of ``count`` documents of random lengths (at least 1 token each) filling seqlen."""
+    if not 1 <= count <= seqlen:
+        raise MaskError(f"cannot pack {count} documents into {seqlen} tokens (need 1 <= documents <= tokens)")
+    cuts = np.sort(rng.choice(np.arange(1, seqlen), size=count - 1, replace=False))
+    return np.concatenate([[0], cuts, [seqlen]]).astype(np.int64)

@@ -1,0 +1,323 @@
+"""The work and the traffic of a call's schedule, step by step: ``schedule_work`` (public: tests,
+plots and the cost model share this one account), the bytes each rank sends and receives at each
+step, and the document sets the balance figures and the planner draw (equal, uniform, lognormal
+lengths; MagiAttention's "up to S/4")."""
+from dataclasses import dataclass, replace
+from functools import lru_cache
+
+import numpy as np
+
+from . import masks, schedule, workplan
+from ..errors import BurstError, MaskError
+from .layout import as_layout
+from .schedule import balanced_by_schedule, double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
+
+# near side, returned sides: the forward, the backward's kv-ring and its q-ring
+DIRECTIONS = {"forward": ("kv", ("q",)), "backward": ("kv", ("kv", "q")), "backward-q": ("q", ("kv", "q"))}
+
+
+def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, layout="balanced",
+                  direction="forward"):
+    """The visible (query, key) pairs each rank computes at each step of the ring.
+
+    Parameters
+    ----------
+    seqlen, size : int
+        Tokens in the whole sequence and ranks.
+    causal, window, cu_seqlens
+        The mask, as burst_attention takes it.
+    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
+    direction : {'forward', 'backward', 'backward-q'}
+        The forward ring, or the backward's kv-ring or q-ring.
+
+    Returns
+    -------
+    int64 array (steps, ranks). Its column sums are each rank's work; ``work.max(1).sum()`` is
+    the critical path (what a ring waits for: the busiest rank of every step).
+
+    Raises
+    ------
+    MaskError, LayoutError
+        A bad mask, or a length that does not split over ``size`` ranks in ``layout``.
+    """
+    mask = masks.make(seqlen, causal, window, cu_seqlens)
+    layout = as_layout(layout, seqlen, size, masks.counting(seqlen, causal, mask))
+    if direction not in DIRECTIONS:
+        raise BurstError(f"direction must be one of {', '.join(DIRECTIONS)}; got {direction!r}")
+    return work_of(layout, bool(causal), mask, direction).copy()
+
+
+@lru_cache(maxsize=32)
+def work_of(layout, causal, mask, direction, per_node=None):
+    """schedule_work on checked arguments (``layout`` a layout.Layout; ``mask`` a masks.Mask or None;
+    ``per_node`` ranks a node, rank order node by node: None, one node), cached and read-only: the
+    flat ring's account."""
+    return account(layout, causal, mask, "ring", direction, per_node).work
+
+
+KINDS = (("data", "kv"), ("data", "q"), ("partial", "q"), ("partial", "kv"))   # (what, side) of a transfer
+
+
+@dataclass(frozen=True, eq=False)
+class Account:
+    """A pass of one scheme as its schedule runs it (``account``): what the cost model prices.
+
+    ``work`` (steps, ranks) int64: the visible (query, key) pairs each rank computes at each step
+    (Ulysses: for its share of the heads, on its node's tokens); ``launches`` (steps, ranks) int64:
+    the block calls it makes for them (schedule.block_pairs: one per block pair the engine runs, each
+    with its fixed cost). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
+    the step that posts it, then by link end, then as the engine posts them (by due step):
+    ``posted``, ``due``, ``rank``, ``far`` (between nodes), ``out`` (the sender's end, else the
+    receiver's), ``kind`` (an index into KINDS) and ``tokens``. A ring and a double ring are the
+    same at every rank up to a rotation, so only some ranks' ends are listed (the ranks of one
+    node for the ring: whether a neighbour is across the network depends on the local rank; one
+    rank for the double ring and Ulysses, whose rails are alike); the balanced schedule lists
+    every rank's. Every row of ``ends`` is one message at one end: the count of messages a step
+    posts, and their bytes, are what the cost model charges a link for."""
+    work: np.ndarray
+    launches: np.ndarray
+    ends: dict
+
+
+@lru_cache(maxsize=64)
+def account(layout, causal, mask, scheme, direction, per_node=None):
+    """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring', 'gather')
+    over the ranks of ``layout`` (a layout.Layout), ``per_node`` a node (None: one node), from the
+    schedules the engine runs (schedule.py, schemes.py)."""
+    from .schemes import position_pairs, work_rounds
+
+    near, returns = DIRECTIONS[direction]
+    seqlen, size = layout.seqlen, layout.size
+    counted = masks.counting(seqlen, causal, mask)
+    w = size if per_node is None else per_node
+    nodes = size // w
+    shard = seqlen // size
+    if scheme == "ring" and balanced_by_schedule(layout, causal, mask):
+        return _balanced_account(counted, size, near, returns, node_list(size, per_node), per_node)
+    if scheme == "gather":
+        return _gather_account(counted, layout, returns, per_node)
+    if scheme == "ring":
+        template = schedule_steps(layout, causal, 0, near, returns, mask, None)
+        pairs = masks.pair_work(counted, layout), pair_launches(counted, layout)
+        return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
+    if scheme == "double_ring":
+        rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
+                             lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
+        template = double_ring_steps(0, nodes, w, near, returns, rounds)
+        pairs = masks.pair_work(counted, layout), pair_launches(counted, layout)
+        return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
+                        shard, w, 1)
+    if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
+        count = work_rounds(position_pairs(mask, layout, range(size), w), nodes, near == "q",
+                            lambda p, o: [(p - o) % nodes])
+        template = plain_ring_steps(0, nodes, near, returns, count)
+        pairs = position_pairs(counted, layout, range(size), w)
+        calls = position_launches(counted, layout, w)
+        node_account = _rotated(template, (pairs, calls), lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
+        return replace(node_account, work=np.repeat(node_account.work, w, axis=1),
+                       launches=np.repeat(node_account.launches, w, axis=1))
+    raise BurstError(f"unknown scheme {scheme!r}")
+
+
+def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
+    """The Account of a schedule that every position runs rotated (``rotate(x, r)``: what position
+    0's ``x`` is at position r), from position 0's steps ``template`` and the visible pairs and the
+    block calls of every (query, key) pair of shards ``pairs`` (two arrays); the link ends of
+    positions 0..``shown``-1 (ranks ``per_node`` a node), shards of ``tokens`` tokens."""
+    every = np.arange(positions)
+    work, launches = (np.zeros((len(template), positions), np.int64) for _ in range(2))
+    for t, step in enumerate(template):
+        for v in step.visits:
+            work[t] += pairs[0][rotate(v.q_shard, every), rotate(v.kv_shard, every)]
+            launches[t] += pairs[1][rotate(v.q_shard, every), rotate(v.kv_shard, every)]
+    ends = {}
+    for r in range(shown):
+        for t, step in enumerate(template):
+            for end, transfers in (("out", step.sends), ("in", step.recvs)):
+                for m in transfers:
+                    far = rotate(m.peer, r) // per_node != r // per_node
+                    ends.setdefault(t, []).append((t if m.due is None else m.due, r, far, end, m.what, m.side,
+                                                   tokens if m.rows is None else m.rows[1] - m.rows[0]))
+    work.setflags(write=False)
+    launches.setflags(write=False)
+    return Account(work, launches, _in_order(ends))
+
+
+def _balanced_account(mask, size, near, returns, nodes, per_node):
+    plan, work = workplan.work_plan(mask, size, near, returns, None, nodes)
+    count, moves = schedule.work_transfers(mask, size, near, returns, nodes)
+    full, calls = np.zeros((count, size), np.int64), np.zeros((count, size), np.int64)
+    full[:len(work)] = work
+    chunk = mask.seqlen // size
+    visits = np.array([(t, r, i * chunk + lo, i * chunk + hi, j * chunk) for r, steps in enumerate(plan)
+                       for t, step in enumerate(steps) for i, j, lo, hi in step], np.int64).reshape(-1, 5)
+    t, r, first_row, end_row, first_key = visits.T
+    np.add.at(calls, (t, r), _seen(mask, first_row, end_row, first_key, first_key + chunk))
+    full.setflags(write=False)
+    calls.setflags(write=False)
+    ends = {}
+    for posted, sender, receiver, what, side, _, rows, due in moves:
+        far = nodes is not None and nodes[sender] != nodes[receiver]
+        tokens = chunk if rows is None else rows[1] - rows[0]
+        for end, rank in (("out", sender), ("in", receiver)):
+            ends.setdefault(posted, []).append((due, rank, far, end, what, side, tokens))
+    return Account(full, calls, _in_order(ends))
+
+
+def _seen(mask, first_row, end_row, first_key, end_key):
+    """1 where some query row of [first_row, end_row) sees a key of [first_key, end_key), else 0 (arrays):
+    a visit of one piece against one piece makes one block call or none (Mask.classify, for many at
+    once: the rows' intervals never shrink)."""
+    lo, hi = mask.intervals
+    first = np.clip(np.searchsorted(hi, first_key, side="right"), first_row, end_row)
+    last = np.clip(np.searchsorted(lo, end_key, side="left"), first_row, end_row)
+    return (first < last).astype(np.int64)
+
+
+def _gather_account(mask, layout, returns, per_node):
+    """The Account of the gather schedule (gather.plan), every rank's ends listed."""
+    from . import gather
+
+    count, tasks, moves = gather.plan(mask, layout, returns)
+    _, seen, _ = gather.sight(mask, layout)
+    work, launches = (np.zeros((count, layout.size), np.int64) for _ in range(2))
+    for r, mine in enumerate(tasks):
+        for t, visits in enumerate(mine):
+            work[t, r] = sum(w for _, _, w in visits)
+            # the block calls the engine makes for each visit (engine.passes: visit_pairs over the held keys)
+            launches[t, r] = sum(len(schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
+                layout.pieces(shard), None if shard == r else seen[r][shard]), mask.causal, rows, mask))
+                for shard, rows, w in visits if w)
+    work.setflags(write=False)
+    launches.setflags(write=False)
+    ends = {}
+    for posted, due, sender, receiver, what, _, rows in moves:
+        far = per_node is not None and sender // per_node != receiver // per_node
+        tokens = sum(hi - lo for lo, hi in rows)
+        for end, rank in (("out", sender), ("in", receiver)):
+            ends.setdefault(posted, []).append((due, rank, far, end, what, "kv", tokens))
+    return Account(work, launches, _in_order(ends))
+
+
+def _in_order(ends):
+    """``ends`` ({posted: [(due, rank, far, 'out'/'in', what, side, tokens)]}) as Account.ends."""
+    rows = [(t, rank, far, end == "out", due, n, KINDS.index((what, side)), tokens)
+            for t, items in ends.items() for n, (due, rank, far, end, what, side, tokens) in enumerate(items)]
+    rows.sort(key=lambda row: row[:6])
+    columns = np.array(rows, np.int64).reshape(-1, 8).T
+    return {name: columns[n] for n, name in enumerate(("posted", "rank", "far", "out", "due", "order", "kind", "tokens"))
+            if name != "order"}
+
+
+@lru_cache(maxsize=16)
+def pair_launches(mask, layout):
+    """(size, size) int64, read-only: the block calls of rank a's queries against rank b's keys, as
+    the engine makes them (schedule.block_pairs: hidden pairs make none; ``mask`` as pair_work takes
+    it). Only the pairs with visible work are asked."""
+    size = layout.size
+    owned = [layout.pieces(r) for r in range(size)]
+    visible = masks.pair_work(mask, layout)
+    out = np.zeros((size, size), np.int64)
+    for a, b in zip(*np.nonzero(visible)):
+        out[a, b] = len(schedule.block_pairs(owned[a], owned[b], mask.causal, mask))
+    out.setflags(write=False)
+    return out
+
+
+def position_launches(mask, layout, per_node):
+    """pair_launches of Ulysses' positions (a node's ``per_node`` shards joined, schemes.position_pairs):
+    the block calls of every (query, key) pair of shards of the positions, summed. An upper bound: the
+    engine runs a position's joined pieces through one block_pairs, which fuses neighbouring full pairs
+    into fewer calls (counting those exactly takes seconds at 16 nodes of 8)."""
+    calls = pair_launches(mask, layout)
+    nodes = layout.size // per_node
+    return calls.reshape(nodes, per_node, nodes, per_node).sum(axis=(1, 3))
+
+
+def node_list(size, per_node):
+    """The node of each rank when ranks fill nodes of ``per_node`` in order (None: one node)."""
+    if per_node is None or per_node >= size:
+        return None
+    return tuple(r // per_node for r in range(size))
+
+
+def visit_work(mask, layout, visit):
+    """Visible pairs of one visit (schedule.Visit), ranks holding tokens by ``layout``."""
+    q_pieces = held_pieces(layout.pieces(visit.q_shard), None if visit.rows is None else (visit.rows,))
+    return sum(mask.visible_count(qs, ql, ks, kl) for qs, ql in q_pieces
+               for ks, kl in held_pieces(layout.pieces(visit.kv_shard), visit.keys))
+
+
+@lru_cache(maxsize=32)
+def schedule_traffic(layout, causal, mask, direction, per_node=None):
+    """Tokens each rank sends and receives at each step (of the transfers completing then), per
+    kind of transfer and link: {(what, side): ((sent, received) inside the node, (sent, received)
+    between nodes)}, int64 arrays (steps, ranks); ``per_node`` ranks a node (None: one node)."""
+    near, returns = DIRECTIONS[direction]
+    size = layout.size
+    plans = [schedule_steps(layout, causal, r, near, returns, mask, node_list(size, per_node)) for r in range(size)]
+    count = max(len(p) for p in plans)
+    out = {}
+    tokens = layout.local
+    for r, plan in enumerate(plans):
+        for t, step in enumerate(plan):
+            for index, transfers in enumerate((step.sends, step.recvs)):
+                for m in transfers:
+                    arrays = out.setdefault((m.what, m.side), tuple((np.zeros((count, size), np.int64),
+                                                                     np.zeros((count, size), np.int64)) for _ in "ab"))
+                    far = per_node is not None and m.peer // per_node != r // per_node
+                    arrays[far][index][t if m.due is None else m.due, r] += tokens if m.rows is None else m.rows[1] - m.rows[0]
+    return out
+
+
+@lru_cache(maxsize=32)
+def schedule_transfers(layout, causal, mask, direction, per_node=None):
+    """Every transfer of the schedule, once (from its sender's steps), in the order the engine posts
+    them: a tuple of (posted, due, sender, receiver, what, side, tokens), ``due`` the step at whose
+    end it completes, ``per_node`` ranks a node (None: one node)."""
+    near, returns = DIRECTIONS[direction]
+    size = layout.size
+    nodes = node_list(size, per_node)
+    tokens = layout.local
+    out = []
+    for r in range(size):
+        for t, step in enumerate(schedule_steps(layout, causal, r, near, returns, mask, nodes)):
+            for m in step.sends:
+                out.append((t, t if m.due is None else m.due, r, m.peer, m.what, m.side,
+                            tokens if m.rows is None else m.rows[1] - m.rows[0]))
+    return tuple(sorted(out, key=lambda m: m[:2]))
+
+
+def documents(rng, seqlen, lengths, count=None, longest=None, median=None):
+    """cu_seqlens of packed documents filling ``seqlen`` tokens, of ``lengths``:
+
+    - 'equal': ``count`` documents of (nearly) equal length;
+    - 'uniform': ``count`` documents cut at random places;
+    - 'lognormal': long-tailed lengths (sigma 1), ``count`` of them scaled to fill the sequence,
+      or with ``median`` tokens drawn until it is full;
+    - 'capped': lengths uniform in 1..``longest`` drawn until the sequence is full (MagiAttention's
+      benchmark: documents up to S/4)."""
+    if lengths == "equal":
+        _check_count(count, seqlen)
+        return np.linspace(0, seqlen, count + 1).round().astype(np.int64)
+    if lengths == "uniform":
+        _check_count(count, seqlen)
+        return masks.random_documents(rng, seqlen, count)
+    if lengths == "lognormal" and count is not None:
+        _check_count(count, seqlen)
+        weights = rng.lognormal(0.0, 1.0, count)
+        sizes = 1 + np.floor(weights / weights.sum() * (seqlen - count)).astype(np.int64)
+        sizes[np.argmax(sizes)] += seqlen - sizes.sum()
+        return np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+    if lengths in ("lognormal", "capped"):
+        cuts = [0]
+        while cuts[-1] < seqlen:
+            n = rng.lognormal(np.log(median), 1.0) if lengths == "lognormal" else rng.integers(1, longest + 1)
+            cuts.append(min(seqlen, cuts[-1] + max(1, int(n))))
+        return np.asarray(cuts, np.int64)
+    raise MaskError(f"document lengths must be equal, uniform, lognormal or capped; got {lengths!r}")
+
+
+def _check_count(count, seqlen):
+    if count is None or not 1 <= count <= seqlen:
+        raise MaskError(f"cannot pack {count} documents into {seqlen} tokens (need 1 <= documents <= tokens)")

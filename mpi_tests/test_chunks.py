@@ -1,0 +1,153 @@
+"""The chunks layout through the ring and the gather schedule, on the CPU path, against the float64
+oracle on the whole sequence; what the gather schedule moves, counted. Runs under mpiexec with 1..4 ranks."""
+import os
+
+import numpy as np
+import pytest
+
+import burst_hpc
+from burst_hpc.errors import BurstError
+from burst_hpc.plan import gather, masks
+from burst_hpc.plan.callplan import plan_arrays
+from burst_hpc.plan.workload import documents
+from burst_hpc.reference import attention_backward_reference, attention_reference
+from test_ring import raises_everywhere, shared_rng
+
+LOCAL = 32   # tokens per rank: chunks of 8 (four a rank)
+
+MASKS = [  # (documents, window, causal)
+    ("capped", None, True),      # MagiAttention's benchmark mask, small
+    ("capped", None, False),
+    (None, None, True),          # plain causal: the placement balances it like zigzag
+    (None, (5, 0), True),
+    (None, (3, 7), False),
+    ("capped", (6, 0), True),
+    (None, None, False),         # full attention: every rank sees every chunk
+]
+
+
+def draw(comm, docs):
+    rng, seed = shared_rng(comm)
+    seqlen = LOCAL * comm.size
+    cu = None if docs is None else documents(rng, seqlen, "capped", longest=max(1, seqlen // 4))
+    q, k, v, do = (rng.standard_normal((1, seqlen, h, 8)) for h in (4, 2, 2, 4))
+    return seed, cu, q, k, v, do
+
+
+@pytest.mark.parametrize("scheme", ["auto", "gather", "ring"])
+@pytest.mark.parametrize("docs,window,causal", MASKS)
+def test_chunks_forward_and_backward_match_the_oracle(comm, docs, window, causal, scheme):
+    seed, cu, q, k, v, do = draw(comm, docs)
+    kw = dict(causal=causal, cu_seqlens=cu, window=window)
+
+    def mine(x, axis=1):
+        return burst_hpc.shard(x, comm.rank, comm.size, "chunks", axis=axis, **kw)
+
+    ctx = f"seed {seed} {kw} scheme {scheme}"
+    ref_o, ref_lse = attention_reference(q, k, v, **kw)
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, layout="chunks", scheme=scheme, **kw)
+    np.testing.assert_allclose(o, mine(ref_o), atol=1e-10, err_msg=ctx)
+    np.testing.assert_allclose(lse, mine(ref_lse, axis=2), rtol=1e-6, err_msg=ctx)
+    grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm,
+                                               layout="chunks", scheme=scheme, **kw)
+    for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **kw)):
+        np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ctx}")
+
+
+class Counting:
+    """The real transport, counting every array sent and received by this rank (and its bytes)."""
+
+    def __init__(self, inner):
+        self.inner, self.sent, self.received = inner, [], []
+        self.xp, self.rank, self.size = inner.xp, inner.rank, inner.size
+
+    def exchange(self, sends, recvs):
+        self.sent += [(peer, a.shape[1], a.nbytes) for peer, arrays in sends for a in arrays]
+        self.received += [(peer, a.shape[1], a.nbytes) for peer, arrays in recvs for a in arrays]
+        return self.inner.exchange(sends, recvs)
+
+
+@pytest.mark.parametrize("layout", ["chunks", "zigzag"])
+def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
+    """Forward: from each other rank, K and V of the runs this rank's queries see (gather.sight), one
+    message each, and nothing else (no partial comes back). Backward: the same K/V, and dK, dV (float64
+    here) of those runs go home once."""
+    seed, cu, q, k, v, do = draw(comm, "capped")
+    kw = dict(causal=True, cu_seqlens=cu, window=None)
+    P, r = comm.size, comm.rank
+
+    def mine(x):
+        return burst_hpc.shard(x, r, P, layout, **kw)
+
+    plan = plan_arrays(comm, mine(q), mine(k), mine(v), True, None, layout, "auto", cu_seqlens=cu, scheme="gather")
+    _, seen, _ = gather.sight(masks.counting(plan.layout.seqlen, True, plan.mask), plan.layout)
+
+    def expected(receiver):
+        """(owner, tokens) of every K/V message ``receiver`` gets, by owner."""
+        return sorted((b, sum(hi - lo for lo, hi in seen[receiver][b])) for b in range(P)
+                      if b != receiver and seen[receiver][b])
+
+    counting = Counting(plan.decomposition.transports(plan.xp)[0])
+    o, lse = plan.passes.forward(mine(q), mine(k), mine(v), transport=counting)
+    kv_bytes = 2 * 8 * 8   # Hkv * D * float64, a token of K or of V
+    mine_in = expected(r)
+    assert sorted((p, n) for p, n, _ in counting.received) == sorted(mine_in * 2), f"seed {seed}"
+    assert sum(b for _, _, b in counting.received) == kv_bytes * sum(n for _, n in mine_in) * 2
+    assert sorted((p, n) for p, n, _ in counting.sent) == sorted(
+        (a, n) for a in range(P) for b, n in expected(a) if b == r for _ in range(2))
+    counting = Counting(plan.decomposition.transports(plan.xp)[0])
+    plan.passes.backward("kv", mine(do), mine(q), mine(k), mine(v), o, lse, transport=counting)
+    home = sorted((a, n) for a in range(P) for b, n in expected(a) if b == r)   # who sees this rank's runs
+    assert sorted((p, n) for p, n, _ in counting.received) == sorted(mine_in * 2 + home * 2), f"seed {seed}"
+    assert sorted((p, n) for p, n, _ in counting.sent) == sorted(home * 2 + mine_in * 2), f"seed {seed}"
+
+
+def test_gather_refuses_the_q_ring_on_every_rank(comm):
+    _, _, q, k, v, do = draw(comm, None)
+
+    def mine(x):
+        return burst_hpc.shard(x, comm.rank, comm.size, "chunks", causal=True, cu_seqlens=None, window=None)
+
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=True, layout="chunks")
+    raises_everywhere(comm, BurstError, lambda: burst_hpc.burst_attention_backward(
+        mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm, causal=True, layout="chunks", backward_ring="q"),
+        match="backward_ring='q' runs on the other schemes")
+
+
+def test_a_run_job_in_the_chunks_layout_writes_every_token_in_its_place(comm, tmp_path_factory):
+    """job.run with --layout chunks: each rank reads and writes its own chunks of the HDF5 files, and the
+    output (natural order) matches the float64 oracle on the whole sequence."""
+    from burst_hpc import io
+    from burst_hpc.job.run import RunOptions, run
+
+    where = comm.bcast(str(tmp_path_factory.mktemp("chunks")) if comm.rank == 0 else None)
+    src, dst = os.path.join(where, "in.h5"), os.path.join(where, "out.h5")
+    if comm.rank == 0:
+        io.generate(src, 1, LOCAL * comm.size, 4, 2, 8, np.float64, seed=2, with_grad=True, documents=5)
+    comm.Barrier()
+    run(RunOptions(src, dst, backend="numpy", causal=True, backward=True, layout="chunks", progress=False), comm)
+    if comm.rank == 0:
+        inputs, got = io.read_global(src), io.read_global(dst)
+        kw = dict(causal=True, cu_seqlens=inputs["cu_seqlens"])
+        o, lse = attention_reference(inputs["q"], inputs["k"], inputs["v"], **kw)
+        grads = attention_backward_reference(inputs["do"], inputs["q"], inputs["k"], inputs["v"], **kw)
+        for name, want in zip(("o", "lse", "dq", "dk", "dv"), (o, lse, *grads)):
+            np.testing.assert_allclose(got[name], want, atol=2e-5, rtol=1e-4, err_msg=name)
+    comm.Barrier()
+
+
+def test_a_decomposition_in_the_chunks_layout_runs_the_gather_scheme(comm):
+    """Decomposition(layout='chunks'): the placement of its mask, the gather scheme, arrays cut and run."""
+    seed, cu, q, k, v, do = draw(comm, "capped")
+    S = LOCAL * comm.size
+    d = burst_hpc.Decomposition(comm, seqlen=S, heads=4, kv_heads=2, head_dim=8, dtype="float64", causal=True,
+                                cu_seqlens=cu, layout="chunks")
+    assert d.layout == burst_hpc.make_layout("chunks", S, comm.size, masks.make(S, True, None, cu))
+    assert d.scheme.name == "gather" and d.ring == "kv"
+    mine = [d.shard(x) for x in (q, k, v, do)]
+    o, lse = d.attention(*mine[:3])
+    grads = d.attention_backward(mine[3], *mine[:3], o, lse)
+    np.testing.assert_allclose(o, d.shard(attention_reference(q, k, v, causal=True, cu_seqlens=cu)[0]), atol=1e-10,
+                               err_msg=f"seed {seed}")
+    for got, want in zip(grads, attention_backward_reference(do, q, k, v, causal=True, cu_seqlens=cu)):
+        np.testing.assert_allclose(got, d.shard(want), atol=2e-5, rtol=1e-4, err_msg=f"seed {seed}")

@@ -1,0 +1,139 @@
+"""The chunks layout's placement (plan/placement.py) and the gather schedule's sight (plan/gather.py)."""
+import numpy as np
+import pytest
+
+from burst_hpc.errors import LayoutError
+from burst_hpc.plan import gather, masks, placement
+from burst_hpc.plan.layout import layout_indices, make_layout, shard, unshard
+from burst_hpc.plan.workload import documents
+
+
+def capped(seed, size, local):
+    """MagiAttention's benchmark mask: causal documents of uniform length up to S/4."""
+    seqlen = size * local
+    cu = documents(np.random.default_rng(seed), seqlen, "capped", longest=seqlen // 4)
+    return masks.make(seqlen, True, None, cu)
+
+
+@pytest.mark.parametrize("size", [2, 4, 8])
+@pytest.mark.parametrize("seed", range(4))
+def test_area_is_balanced_on_the_issues_documents(seed, size):
+    mask = capped(seed, size, 8192)
+    found = placement.place(mask, size)
+    assert found.imbalance <= 1 + placement.TOLERANCE
+    assert found.chunk % placement.TILE == 0 and 8192 // found.chunk in placement.CHUNKS_PER_RANK
+    # every chunk once, the same count on every rank, the areas the mask's
+    chunks = sorted(c for owned in found.owned for c in owned)
+    assert chunks == list(range(size * 8192 // found.chunk))
+    assert len({len(owned) for owned in found.owned}) == 1
+    lo, hi = mask.intervals
+    for owned, area in zip(found.owned, found.area):
+        rows = np.concatenate([np.arange(c * found.chunk, (c + 1) * found.chunk) for c in owned])
+        assert area == (hi - lo)[rows].sum()
+
+
+def test_plain_causal_is_balanced_exactly():
+    mask = masks.Mask(4 * 2048, True, None, None)
+    assert placement.place(mask, 4).imbalance == 1.0
+
+
+def test_short_documents_stay_on_one_rank_when_balance_allows():
+    """Documents of 1, 2, 1, 2, 1, 1 chunks over two ranks of four chunks: each rank can hold one
+    document of two chunks and two of one at equal area, so none crosses ranks; dealing by area
+    alone splits the first of two chunks."""
+    size, chunk = 2, 4
+    cu = np.array([0, 1, 3, 4, 6, 7, 8]) * chunk
+    mask = masks.make(int(cu[-1]), True, None, cu)
+    found = placement.place_chunks(mask, size, chunk)
+    assert found.imbalance == 1.0
+    doc = np.searchsorted(cu, np.arange(8) * chunk, side="right") - 1   # the document of each chunk
+    assert all(len({r for r, owned in enumerate(found.owned) for c in owned if doc[c] == d}) == 1 for d in range(6))
+    loose, _ = placement.deal(masks.block_counts(mask, chunk, chunk).sum(axis=1), size)
+    assert {1, 2} not in [set(owned) & {1, 2} for owned in loose]   # what the swaps repair
+
+
+def test_a_document_longer_than_a_share_must_cross():
+    mask = masks.make(64, True, None, np.array([0, 40, 64]))
+    found = placement.place(mask, 2)
+    owner = {c: r for r, owned in enumerate(found.owned) for c in owned}
+    first_doc = {owner[c] for c in range(40 // found.chunk)}
+    assert first_doc == {0, 1}
+
+
+def test_layout_functions_follow_the_placement():
+    size, local = 4, 512
+    seqlen = size * local
+    cu = documents(np.random.default_rng(3), seqlen, "capped", longest=seqlen // 4)
+    mask = masks.make(seqlen, True, None, cu)
+    kw = dict(causal=True, cu_seqlens=cu, window=None)
+    x = np.random.default_rng(0).standard_normal((2, seqlen, 3))
+    parts = [shard(x, r, size, "chunks", **kw) for r in range(size)]
+    np.testing.assert_array_equal(unshard(parts, "chunks", **kw), x)
+    every = np.concatenate([layout_indices(seqlen, r, size, "chunks", **kw) for r in range(size)])
+    assert sorted(every) == list(range(seqlen))
+    for r in range(size):
+        assert make_layout("chunks", seqlen, size, mask).pieces(r) == placement.place(mask, size).pieces(r)
+        np.testing.assert_array_equal(parts[r], x[:, layout_indices(seqlen, r, size, "chunks", **kw)])
+    with pytest.raises(LayoutError, match="places tokens by the mask"):
+        make_layout("chunks", seqlen, size)
+    with pytest.raises(LayoutError, match="places tokens by the mask"):   # a name needs the call's mask said
+        shard(x, 0, size, "chunks")
+
+
+@pytest.mark.parametrize("layout", ["chunks", "zigzag", "contiguous"])
+@pytest.mark.parametrize("seed", range(3))
+def test_each_rank_receives_exactly_the_keys_its_queries_see(seed, layout):
+    """sight's runs against a brute force over the mask: the units of another rank's shard that hold
+    a key some query of this rank sees, no more, no fewer."""
+    size, local = 4, 64
+    rng = np.random.default_rng(seed)
+    seqlen = size * local
+    cu = documents(rng, seqlen, "capped", longest=seqlen // 4)
+    window = (int(rng.integers(0, seqlen // 2)), 0) if seed == 2 else None
+    mask = masks.make(seqlen, True, window, cu)
+    placed = make_layout(layout, seqlen, size, mask)
+    units, seen, unit = gather.sight(mask, placed)
+    lo, hi = mask.intervals
+    for a in range(size):
+        rows = np.concatenate([np.arange(s, s + n) for s, n in placed.pieces(a)])
+        visible = np.zeros(seqlen, bool)
+        for i in rows:
+            visible[lo[i]:hi[i]] = True
+        for b in range(size):
+            keys = np.concatenate([np.arange(s, s + n) for s, n in placed.pieces(b)])
+            wanted = {p // unit for p, key in enumerate(keys) if visible[key]}
+            got = {p // unit for lo_, hi_ in seen[a][b] for p in range(lo_, hi_)}
+            assert got == wanted, (a, b)
+
+
+@pytest.mark.parametrize("returns", [("q",), ("kv", "q")], ids=["forward", "backward"])
+def test_gather_steps_hold_equal_work_and_move_each_run_once(returns):
+    """The gather plan on the issue's documents (4 ranks, 8k tokens each): step 0 holds each rank's own
+    keys only, every step's busiest rank within 5% of the mean rank (the critical path the step
+    model prices), each rank's work all its visible pairs; each (receiver, owner) pair's keys move
+    once, posted at step 0 and due before their first use, and (backward) their dK/dV once, home
+    after their last use."""
+    size = 4
+    mask = capped(0, size, 8192)
+    layout = make_layout("chunks", mask.seqlen, size, mask)
+    count, tasks, moves = gather.plan(mask, layout, returns)
+    work = np.array([[sum(w for _, _, w in tasks[r][t]) if t < len(tasks[r]) else 0 for r in range(size)]
+                     for t in range(count)])
+    assert work.max(axis=1).sum() <= 1.05 * work.sum() / size
+    assert all(shard == r for r in range(size) for shard, _, _ in tasks[r][0])
+    assert list(work.sum(axis=0)) == list(masks.pair_work(mask, layout).sum(axis=1))
+    used = {}
+    for r in range(size):
+        for t, visits in enumerate(tasks[r]):
+            for shard, _, _ in visits:
+                if shard != r:
+                    used.setdefault((r, shard), []).append(t)
+    data = [(m[3], m[2]) for m in moves if m[4] == "data"]
+    assert sorted(data) == sorted(used) and len(set(data)) == len(data)
+    for posted, due, sender, receiver, what, _, _ in moves:
+        steps = used[(receiver, sender) if what == "data" else (sender, receiver)]
+        if what == "data":
+            assert posted == 0 and due == min(steps) - 1
+        else:
+            assert posted == max(steps) + 1 and due == count - 1
+    assert sum(m[4] == "partial" for m in moves) == (len(used) if "kv" in returns else 0)
