@@ -170,6 +170,42 @@ struct Outer : Inner { const unsigned char* p; Inner in; float f, g; int *r, s; 
         contract.params_dtype("Bad")
 
 
+class _DeviceArray:
+    """What a launch reads of a device array: its address (``data.ptr``), shape, strides and item size."""
+
+    def __init__(self, shape, ptr, itemsize=2):
+        self.shape, self.itemsize, self.data = shape, itemsize, type("Pointer", (), {"ptr": ptr})()
+        self.strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+
+
+def test_kernel_args_fill_their_record_by_name_without_reading_the_header(monkeypatch):
+    fill, sm80_fill = launch.KernelArgs("Bwd90Params"), launch.KernelArgs("Fwd80Params")
+    record = contract.params_dtype("Bwd90Params")
+
+    def unread():
+        raise AssertionError("a launch read the kernel sources: the record is read once, at KernelArgs()")
+
+    monkeypatch.setattr(contract, "cuda_dir", unread)  # per launch the host only fills (short pairs feel its time)
+    q, k = _DeviceArray((2, 70, 8, 64), 0x1000), _DeviceArray((2, 90, 4, 64), 0x2000)
+    dk, dv = _DeviceArray((2, 90, 4, 64), 0x3000), _DeviceArray((2, 90, 4, 64), 0x4000)
+    args = fill(q, k, scale=0.125, q_start=90, k_start=10, mask=None, hpb=2, chunk=3, order=None, tmaps=q,
+                kv=launch.array_fields(("dk", dk, "sb ss sh"), ("dv", dv, "")))
+    assert args.shape == (1,) and args.dtype == record
+    row = args[0]
+    assert [int(row[f]) for f in ("Sq", "Sk", "B", "Hq", "Hkv", "group", "off", "hpb", "chunk")] == [
+        70, 90, 2, 8, 4, 2, 80, 2, 3]
+    assert row["scale"] == np.float32(0.125) and row["sl2"] == np.float32(0.125 * launch.LOG2E)
+    assert (row["tmaps"], row["order"], row["rows"], row["mlo"], row["Sq_pad"]) == (0x1000, 0, 0, 0, 0)
+    assert [int(row["kv"][f]) for f in ("dk", "dv", "sb", "ss", "sh")] == [0x3000, 0x4000, 90 * 4 * 64, 4 * 64, 64]
+    with pytest.raises(BackendError, match="Bwd90Params have no field hbp"):
+        fill(q, k, scale=1.0, q_start=0, k_start=0, mask=None, hbp=2)
+    with pytest.raises(BackendError, match=r"Bwd90Params\.kv have no field dq"):
+        fill(q, k, scale=1.0, q_start=0, k_start=0, mask=None, kv={"dq": dk})
+    sm80 = sm80_fill(q, k, scale=1.0, q_start=0, k_start=0, mask=None,  # fields named q, k as the call's q, k
+                     **launch.array_fields(("q", q, "qsb qss qsh"), ("o", None, "osb oss osh")))
+    assert (sm80[0]["q"], sm80[0]["qsh"], sm80[0]["o"], sm80[0]["osb"]) == (0x1000, 64, 0, 0)
+
+
 # ---- the preprocessed text ------------------------------------------------------------------------------------
 def _preprocessed(source):
     return subprocess.run(["cpp", "-P", "-x", "c++", f"-I{CUDA}", str(CUDA / source)], capture_output=True,

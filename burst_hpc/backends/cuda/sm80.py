@@ -5,7 +5,6 @@ from . import launch
 from .contract import PARAMS, SOURCES, mask_mode
 
 FORWARD, BACKWARD = SOURCES["sm80", "fwd"], SOURCES["sm80", "bwd"]
-FORWARD_ARGS, BACKWARD_ARGS = PARAMS["sm80", "fwd"], PARAMS["sm80", "bwd"]
 
 
 class Sm80Kernels:
@@ -16,16 +15,18 @@ class Sm80Kernels:
 
     def __init__(self, modules):
         self.modules = modules
+        self.forward_args = launch.KernelArgs(PARAMS["sm80", "fwd"])
+        self.backward_args = launch.KernelArgs(PARAMS["sm80", "bwd"])
 
     def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask):
         b, sq, hq, d = q.shape
         kernel = self.modules.table(FORWARD).find(kind, d, mask_mode(causal, mask))
         kern = self.modules.kernel(FORWARD, kernel.name, kernel.smem_bytes)
         grid = (-(-sq // kernel.query_rows), hq, b)
-        args = launch.kernel_args(FORWARD_ARGS, q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask)
-        for name, x, stride_fields in (("q", q, "qsb qss qsh"), ("k", k, "ksb kss ksh"), ("v", v, "vsb vss vsh"),
-                                       ("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss")):
-            launch.set_array(args, name, x, stride_fields)
+        arrays = (("q", q, "qsb qss qsh"), ("k", k, "ksb kss ksh"), ("v", v, "vsb vss vsh"), ("o", o, "osb oss osh"),
+                  ("lse", lse, "lsb lsh lss"))
+        args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask,
+                                 **launch.array_fields(*arrays))
         kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
 
     def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask):
@@ -39,12 +40,10 @@ class Sm80Kernels:
         # 1-D grid; causal: heavy key blocks first inside chunks of order_g head slots (see attn_bwd.cu)
         slots = nsplit * b * hkv
         order_g = launch.heavy_first_heads(nkb, slots) if mode == "causal" else 1
-        args = launch.kernel_args(BACKWARD_ARGS, q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask,
-                                  hpb=hpb, atomic_kv=nsplit > 1, order_g=order_g)
-        for name, x, stride_fields in (
-                ("q", q, "qsb qss qsh"), ("k", k, "ksb kss ksh"), ("v", v, "vsb vss vsh"), ("dout", do, "gsb gss gsh"),
-                ("lse", lse, "lsb lsh lss"), ("delta", delta, "dsb dsh dss"), ("dq", dq, "qgsb qgss qgsh"),
-                ("dk", dk, "kgsb kgss kgsh"), ("dv", dv, "vgsb vgss vgsh")):
-            launch.set_array(args, name, x, stride_fields)
+        arrays = (("q", q, "qsb qss qsh"), ("k", k, "ksb kss ksh"), ("v", v, "vsb vss vsh"), ("dout", do, "gsb gss gsh"),
+                  ("lse", lse, "lsb lsh lss"), ("delta", delta, "dsb dsh dss"), ("dq", dq, "qgsb qgss qgsh"),
+                  ("dk", dk, "kgsb kgss kgsh"), ("dv", dv, "vgsb vgss vgsh"))
+        args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask, hpb=hpb,
+                                  atomic_kv=nsplit > 1, order_g=order_g, **launch.array_fields(*arrays))
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kern((nkb * slots, 1, 1), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)

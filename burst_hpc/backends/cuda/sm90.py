@@ -10,7 +10,6 @@ from .contract import PARAMS, SOURCES, mask_mode
 from .launch import mask_args, strides
 
 FORWARD, BACKWARD = SOURCES["sm90", "fwd"], SOURCES["sm90", "bwd"]
-FORWARD_ARGS, BACKWARD_ARGS = PARAMS["sm90", "fwd"], PARAMS["sm90", "bwd"]
 # the forward's schedule: K/V bytes a chunk of heads may keep in L2 (H100: 50 MB), and the throughput of
 # D = 64 with two consumer warpgroups relative to three (bench_kernels.py --fwd-shapes)
 L2_CHUNK_BYTES = 24 << 20
@@ -53,6 +52,8 @@ class Sm90Kernels:
 
     def __init__(self, modules):
         self.modules = modules
+        self.forward_args = launch.KernelArgs(PARAMS["sm90", "fwd"])
+        self.backward_args = launch.KernelArgs(PARAMS["sm90", "bwd"])
         self.forced_tile_height = None
         self.longest_first = False
         self.forced_order_heads = None
@@ -175,12 +176,11 @@ class Sm90Kernels:
         order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[0] if mask is not None else None
         locks = self.tile_locks(nmb * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else None
         grid = (min(nmb * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
-        args = launch.kernel_args(FORWARD_ARGS, q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask,
-                                  tmaps=maps, order=order, next_tile=self.tile_counter(), locks=locks, hchunk=hchunk,
-                                  nsplit=nsplit, cross_tile=self.cross_tile, first=first)
-        for name, x, stride_fields in (("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss"),
-                                       ("out", out, "tsb tss tsh")):
-            launch.set_array(args, name, x, stride_fields)
+        args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask, tmaps=maps,
+                                 order=order, next_tile=self.tile_counter(), locks=locks, hchunk=hchunk, nsplit=nsplit,
+                                 cross_tile=self.cross_tile, first=first,
+                                 **launch.array_fields(("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss"),
+                                                       ("out", out, "tsb tss tsh")))
         kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
 
     # ---- backward --------------------------------------------------------------------------------------
@@ -253,12 +253,9 @@ class Sm90Kernels:
         slots = nsplit * b * hkv
         chunk, order = self.backward_order(mask, causal, nkb, slots, ranges)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
-        args = launch.kernel_args(BACKWARD_ARGS, q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask,
-                                  tmaps=maps, rows=rows, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb,
-                                  chunk=chunk)
-        if kv_direct:
-            launch.set_array(args["kv"], "dk", dk_out, "sb ss sh")
-            launch.set_fields(args["kv"], dv=dv_out)
+        kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
+        args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask, tmaps=maps,
+                                  rows=rows, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, chunk=chunk, kv=kv)
         kern((nkb * slots,), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
         results = ((dq_w, dq, dq_out, first_q),) + (() if kv_direct else ((dk_w, dk, dk_out, first_kv),
                                                                           (dv_w, dv, dv_out, first_kv)))
