@@ -158,19 +158,29 @@ def _fake_cupy(launches):
     return cupy
 
 
-def main():
-    launches = []
-    sys.modules["cupy"] = _fake_cupy(launches)
-    sys.path.insert(0, str(REPO))
-    from burst_hpc.plan import masks
-    from burst_hpc.backends.cuda import FAMILIES, CudaBackend, contract, tma
+class _Maps:  # the tensor maps: the arrays and box rows only, at a made-up device address
+    def __init__(self, pairs):
+        self.pairs = pairs
+        self.data = _Pointer(1 << 40)
 
-    class _Maps:  # the tensor maps: the arrays and box rows only, at a made-up device address
-        def __init__(self, pairs):
-            self.pairs = pairs
-            self.data = _Pointer(1 << 40)
+
+def install(launches):
+    """Put the stand-in in CuPy's place for the burst_hpc found on sys.path (imported here: its tensor maps
+    are not encoded); each launch is appended to ``launches``. Returns the stand-in module."""
+    sys.modules["cupy"] = _fake_cupy(launches)
+    from burst_hpc.backends.cuda import tma
 
     tma.device_maps = lambda cupy, pairs: _Maps(pairs)
+    return sys.modules["cupy"]
+
+
+def main():
+    launches = []
+    sys.path.insert(0, str(REPO))
+    install(launches)
+    from burst_hpc.plan import masks
+    from burst_hpc.backends.cuda import FAMILIES, CudaBackend, contract
+
     rng = np.random.default_rng(0)
 
     def array(shape, dtype):

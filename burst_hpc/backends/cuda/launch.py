@@ -128,11 +128,14 @@ def mask_args(mask, q_start, sq, k_start):
     return (lo[q_start:q_start + sq], hi[q_start:q_start + sq], np.int64(k_start))
 
 
+_NUMBERS = (int, float, np.generic)
+
+
 def address(x):
     """What a kernel argument field holds for x: a device array's address, 0 for None (a null pointer), else x."""
     if x is None:
         return 0
-    if isinstance(x, (int, float, np.generic)):  # most fields: no attribute look-ups (a launch fills ~40)
+    if isinstance(x, _NUMBERS):  # most fields: no attribute look-ups
         return x
     ptr = getattr(getattr(x, "data", None), "ptr", None)
     return x if ptr is None else ptr
@@ -168,10 +171,10 @@ class KernelArgs:
         b, sq, hq, _ = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         mlo, mhi, kofs = mask_args(mask, q_start, sq, k_start)
+        fields.update(mlo=mlo, mhi=mhi, kofs=kofs, off=int(q_start) - int(k_start), Sq=sq, Sk=sk, B=b, Hq=hq, Hkv=hkv,
+                      group=hq // hkv, scale=scale, sl2=scale * LOG2E)
         args = np.zeros(1, self.dtype)
-        args[0] = self._record.row(dict(mlo=mlo, mhi=mhi, kofs=kofs, off=int(q_start) - int(k_start), Sq=sq, Sk=sk,
-                                        B=b, Hq=hq, Hkv=hkv, group=hq // hkv, scale=scale, sl2=scale * LOG2E,
-                                        **fields))
+        args[0] = self._record.row(fields)
         return args
 
 
@@ -187,11 +190,15 @@ class _Record:
     def row(self, values):
         """``values`` by field name (``address`` of each; a nested record's as a dict), zero where absent."""
         row = list(self.zeros)
+        index, nested = self.index, self.nested  # a launch fills some 50 fields: this loop is its host time
         for field, value in values.items():
-            i = self.index.get(field)
+            i = index.get(field)
             if i is None:
                 raise BackendError(f"the kernel arguments {self.name} have no field {field}")
-            row[i] = self.nested[field].row(value) if field in self.nested else address(value)
+            if field in nested:
+                row[i] = nested[field].row(value)
+            elif value is not None:
+                row[i] = value if isinstance(value, _NUMBERS) else address(value)
         return tuple(row)
 
 
