@@ -34,7 +34,7 @@ from burst_hpc.plan.workload import account, documents
 
 import bench_packed
 import evidence
-from evidence import timed
+from evidence import queued, timed
 
 
 PASSES = ("fwd", "bwd", "fwdbwd")
@@ -42,6 +42,11 @@ PASSES = ("fwd", "bwd", "fwdbwd")
 # MagiAttention's (calculate_attn_flops: backward 2.5x forward) agree, so one figure serves both conventions
 MAGI_MIN_TOKENS = 4096
 PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwdbwd": 3.5}
+TIMINGS = ("queued", "alone")
+TIMING_TEXT = {"queued": "Timed as MagiAttention times (an L2 flush and a device barrier queued before each call, "
+                         "CUDA events, mean of the slowest rank's)",
+               "alone": "Each call timed alone between device synchronisations and barriers (the host's time per "
+                        "call included; median)"}
 
 
 def document_set(dist, seqlen, seed, longest):
@@ -65,6 +70,10 @@ def main(argv=None):
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
     ap.add_argument("--passes", default=",".join(PASSES), help="fwd, bwd (backward alone), fwdbwd")
     ap.add_argument("--ranks-per-node", type=int, default=8, help="for the cost model's prediction (default 8)")
+    ap.add_argument("--timing", choices=TIMINGS, default="queued",
+                    help="queued: MagiAttention's protocol (evidence.queued: an L2 flush and a device barrier before "
+                         "each call, CUDA events, no host synchronisation in the loop); alone: each call between "
+                         "device synchronisations and barriers, the host's time per call included (evidence.timed)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
@@ -131,6 +140,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
         row = {"dist": dist, "layout": layout, "scheme": scheme, "P": P, "tokens": S, "documents": len(cu) - 1,
                "longest": int(np.diff(cu).max()), "device": device, "steps": int(work.shape[0]),
                "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()),
+               "timing": args.timing,
                "default": layout == default_kind(True), "picked": [p for p in passes if picked[p] == layout]}
         o, lse = burst_hpc.burst_attention(mine["q"], mine["k"], mine["v"], **kw)
         for pass_ in passes:
@@ -142,7 +152,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
                 if pass_ == "fwdbwd":
                     burst_hpc.burst_attention_backward(mine["do"], mine["q"], mine["k"], mine["v"], out, stats, **kw)
 
-            seconds = timed(comm, run, args.iters, args.warmup, xp)
+            seconds = (queued if args.timing == "queued" else timed)(comm, run, args.iters, args.warmup, xp)
             directions = {"fwd": (False,), "bwd": (True,), "fwdbwd": (False, True)}[pass_]
             pred = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, mask, b) for b in directions]
             predicted = sum(p.time for p in pred)
@@ -167,7 +177,7 @@ def table(rows, args, device, passes):
     lines = [f"\n### Packed documents, {first['P']} x {device}, {datetime.date.today()}: {first['tokens']} tokens, "
              f"H={args.heads}, Hkv={args.kv_heads or args.heads}, D={args.head_dim}, causal\n",
              f"`mpirun -np {first['P']} python bench/bench_documents.py {' '.join(sys.argv[1:])}`\n",
-             "TFLOP/s per GPU at the slowest rank's pace over the visible pairs (backward alone 2.5x, forward+backward "
+             f"{TIMING_TEXT[args.timing]}; TFLOP/s per GPU at the slowest rank's pace over the visible pairs (backward alone 2.5x, forward+backward "
              "3.5x the forward's count: FlashAttention's and MagiAttention's conventions agree); (prediction) the cost "
              "model's; **bold**: the fastest layout measured; d: the default layout (layout=None), c: "
              "choose_layout's pick for that pass\n",

@@ -59,6 +59,60 @@ def timed(comm, fn, iters, warmup, xp=np):
     return statistics.median(times)
 
 
+def queued(comm, fn, iters, warmup, xp=np, flush_bytes=256 * 10**6):
+    """Mean seconds per call of ``fn`` timed as MagiAttention's benchmark times its distributed attention
+    (magi_attention/benchmarking/bench.py, do_bench): before each call the GPU zeroes a 256 MB buffer (L2
+    flush) and all-reduces it across the ranks (a barrier on the device, NCCL), then CUDA events bracket the
+    call; the host is never synchronised inside the loop, so it issues a call while the GPU still flushes
+    and waits. Each call's time is the slowest rank's; the mean over ``iters``. On the CPU (``xp`` NumPy):
+    barriers and host clocks, as ``timed`` (mean instead of median)."""
+    if xp is np:
+        for _ in range(warmup):
+            fn()
+        times = []
+        for _ in range(iters):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn()
+            times.append(comm.allreduce(time.perf_counter() - t0, op=max_op()))
+        return statistics.mean(times)
+    from cupy.cuda import nccl
+
+    from burst_hpc.transport.nccl import communicator
+
+    devices = communicator(comm)   # the ring's own NCCL communicator on these ranks, if it runs NCCL
+    cache = xp.empty(flush_bytes // 4, xp.int32)
+    stream = xp.cuda.get_current_stream()
+
+    def barrier():
+        devices.allReduce(cache.data.ptr, cache.data.ptr, cache.size, nccl.NCCL_INT32, nccl.NCCL_SUM, stream.ptr)
+
+    fn()
+    xp.cuda.Device().synchronize()
+    for _ in range(warmup):
+        fn()
+    barrier()
+    events = []
+    for _ in range(iters):
+        cache.fill(0)
+        barrier()
+        start = stream.record()
+        fn()
+        events.append((start, stream.record()))
+    barrier()
+    xp.cuda.Device().synchronize()
+    mine = np.array([xp.cuda.get_elapsed_time(a, b) / 1e3 for a, b in events])
+    slowest = np.empty_like(mine)
+    comm.Allreduce(mine, slowest, op=max_op())
+    return float(slowest.mean())
+
+
+def max_op():
+    from mpi4py import MPI
+
+    return MPI.MAX
+
+
 def global_inputs(seed, seqlen, heads, kv_heads, dim, batch=1):
     """q, k, v, do of the whole sequence as bfloat16 NumPy arrays (B, S, H, D), the same for every
     process that passes the same seed: ours, the baselines and the peer see identical inputs."""

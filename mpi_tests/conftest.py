@@ -1,6 +1,7 @@
 """Every rank runs the same tests in the same order. A failure on one rank would leave the
 others waiting in a collective, so the failing rank prints its report and aborts the job."""
 import sys
+import time
 
 import pytest
 from mpi4py import MPI
@@ -30,7 +31,10 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if report.failed:
         rank = MPI.COMM_WORLD.rank
-        sys.stderr.write(f"\n[rank {rank}] FAILED {item.nodeid}\n{report.longreprtext}\n")
-        sys.stderr.flush()
+        # pytest captures stderr while a test runs: the report must get past it before the abort ends the job
+        with item.config.pluginmanager.getplugin("capturemanager").global_and_fixture_disabled():
+            sys.stderr.write(f"\n[rank {rank}] FAILED {item.nodeid}\n{report.longreprtext}\n")
+            sys.stderr.flush()
         if MPI.COMM_WORLD.size > 1:
+            time.sleep(1)   # mpirun forwards the report before the abort kills the job
             MPI.COMM_WORLD.Abort(1)

@@ -13,10 +13,12 @@ import bench_documents  # noqa: E402
 from burst_hpc.plan.layout import LAYOUTS  # noqa: E402
 
 
-def test_rows_for_every_layout_pass_and_distribution(comm, tmp_path):
+@pytest.mark.parametrize("timing", bench_documents.TIMINGS)
+def test_rows_for_every_layout_pass_and_distribution(comm, tmp_path, timing):
     out = comm.bcast(str(tmp_path / "rows.md") if comm.rank == 0 else None)
     bench_documents.main(["--cpu", "--tokens-per-rank", "32", "--heads", "4", "--kv-heads", "2", "--head-dim", "8",
-                          "--iters", "1", "--warmup", "0", "--check", "--dists", "uniform", "--out", out])
+                          "--iters", "2", "--warmup", "0", "--check", "--dists", "uniform", "--out", out,
+                          "--timing", timing])
     if comm.rank != 0:
         return
     rows = [json.loads(line) for line in open(out) if line.startswith("{")]
@@ -24,6 +26,7 @@ def test_rows_for_every_layout_pass_and_distribution(comm, tmp_path):
     assert [r["scheme"] for r in rows] == ["ring", "ring", "ring", "gather"]
     for row in rows:
         assert row["P"] == comm.size and row["device"] == "CPU" and row["max_diff_vs_first"] < 1e-4
+        assert row["timing"] == timing
         for pass_ in bench_documents.PASSES:
             assert row[pass_] > 0 and row[pass_ + "_tflops_per_gpu"] > 0 and row[pass_ + "_predicted_tflops_per_gpu"] > 0
     for dist in ("uniform",):
@@ -36,6 +39,7 @@ def test_rows_for_every_layout_pass_and_distribution(comm, tmp_path):
             group["contiguous"]["critical_over_mean"], group["zigzag"]["critical_over_mean"]) + 1e-9
     text = open(out).read()
     assert "| balanced |" in text and "| uniform (" in text and " d" in text
+    assert bench_documents.TIMING_TEXT[timing] in text
 
 
 def test_magi_lengths_are_their_packs_and_small_sequences_are_refused():

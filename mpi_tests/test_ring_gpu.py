@@ -125,6 +125,22 @@ def test_ranks_sharing_a_gpu_never_get_nccl(comm):
             burst_hpc.burst_attention(q, k, v, comm=comm, causal=True, transport="nccl")
 
 
+@pytest.mark.parametrize("transport", ["staged", "nccl"])
+def test_transport_follows_the_device(comm, transport):
+    """A call on another GPU than the last one over the same communicator opens transports of its own:
+    streams and NCCL communicators belong to the device they were made on."""
+    if comm.size == 1 or gpus_shared(comm, cupy.cuda.Device()):
+        pytest.skip("needs one GPU per rank")
+    if transport not in device_transports(comm):
+        pytest.skip(f"{transport} not usable here")
+    rng = np.random.default_rng(comm.rank)
+    for device in (comm.rank, (comm.rank + 1) % comm.size):
+        with cupy.cuda.Device(device):
+            q, k, v = (cupy.asarray(rng.standard_normal((1, 64, 2, 64)).astype(bfloat16)) for _ in range(3))
+            o, _ = burst_hpc.burst_attention(q, k, v, comm=comm, causal=True, transport=transport)
+            assert o.device.id == device and bool(cupy.isfinite(o.astype(cupy.float32)).all())
+
+
 def check_ring(comm, layout, causal, batch, heads, kv_heads, dim, local, run):
     """``run([q, k, v, do] shards on the device)`` -> (o, {ring: (dq, dk, dv)}), checked against the
     float64 oracle with the FlashAttention rule: at most 2x / 3x the error of storing the exact

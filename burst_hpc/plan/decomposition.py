@@ -102,10 +102,13 @@ class Request:
 
 def open_transport(name, comm, xp):
     """The open transport of kind ``name`` over ``comm`` for arrays of module ``xp``: one for each
-    (communicator, kind, array module), kept on the communicator (topology.held) and shared by every
-    decomposition over it, so the plans a cache keeps do not each hold streams and pinned buffers."""
+    (communicator, kind, array module, device), kept on the communicator (topology.held) and shared by
+    every decomposition over it, so the plans a cache keeps do not each hold streams and pinned buffers.
+    A GPU transport's streams and NCCL communicator belong to the device current when it opened, so a
+    call on another device opens its own."""
     state = held(comm)
-    key = ("transport", name, xp.__name__)
+    device = xp.cuda.Device().id if hasattr(xp, "cuda") else None
+    key = ("transport", name, xp.__name__, device)
     if key not in state:
         state[key] = make_transport(name, comm, xp)
     return state[key]
