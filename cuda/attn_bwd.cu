@@ -52,16 +52,7 @@ __device__ __forceinline__ int first_above(const int* __restrict__ a, int n, i64
 // query tiles whose rows see one of its keys (two binary searches: both bounds never decrease with r),
 // and each tile's bounds travel with its lse/delta through shared memory.
 template <int D, bool BF16, bool CAUSAL, bool IV>
-__device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u16* __restrict__ k,
-                                              const u16* __restrict__ v, const u16* __restrict__ dout,
-                                              const float* __restrict__ lse, const float* __restrict__ delta,
-                                              float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb,
-                                              i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 gsb, i64 gss, i64 gsh,
-                                              i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,
-                                              i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss,
-                                              i64 vgsh, int Sq, int Sk, int Hkv, int group, int hpb, float scale,
-                                              float sl2, i64 off, int atomic_kv, int order_g,
-                                              const int* __restrict__ mlo, const int* __restrict__ mhi, i64 kofs) {
+__device__ __forceinline__ void attn_bwd_k4x2(const Bwd80Params args) {
   using C = bwd80::Cfg<D>;
   constexpr int BM = C::BM, BN = C::BN, NT = C::THREADS;
   constexpr int DH = D / 2;   // dK/dV head-dim columns per warp
@@ -84,55 +75,59 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
   // 1-D grid over (key block, head slot): heads in chunks of order_g, key blocks slowest inside a chunk, so
   // under causal masks the heavy key blocks (they see the most queries) of a chunk start first, and a
   // chunk's Q, dO and dq stay few enough to share L2. order_g = 1: head after head, key blocks in order.
-  const int nkb = (Sk + BN - 1) / BN, nsplit = group / hpb;
+  const int nkb = (args.Sk + BN - 1) / BN, nsplit = args.group / args.hpb;
   const int nh = static_cast<int>(gridDim.x) / nkb;  // (batch, kv head, split) slots
   const int lin = blockIdx.x;
-  const int chunk = lin / (order_g * nkb);
-  const int rem = lin - chunk * order_g * nkb;
-  const int gc = min(order_g, nh - chunk * order_g);
-  const int slot = chunk * order_g + rem % gc;
+  const int chunk = lin / (args.order_g * nkb);
+  const int rem = lin - chunk * args.order_g * nkb;
+  const int gc = min(args.order_g, nh - chunk * args.order_g);
+  const int slot = chunk * args.order_g + rem % gc;
   const int n0 = (rem / gc) * BN;
   const int hs = slot % nsplit;
   const int bz = slot / nsplit;
-  const int b = bz / Hkv, hk = bz % Hkv;
-  const int h_first = hk * group + hs * hpb;
+  const int b = bz / args.Hkv, hk = bz % args.Hkv;
+  const int h_first = hk * args.group + hs * args.hpb;
 
-  int m_begin = 0, m_end = Sq;
+  int m_begin = 0, m_end = args.Sq;
   if (CAUSAL) {
-    const i64 first = static_cast<i64>(n0) - off;  // first query that sees key n0
-    if (first >= Sq) return;
+    const i64 first = static_cast<i64>(n0) - args.off;  // first query that sees key n0
+    if (first >= args.Sq) return;
     m_begin = first <= 0 ? 0 : static_cast<int>(first / BM) * BM;
   }
   if (IV) {
     // the rows that see a key of [n0, n_last]: mhi[r] > n0 and mlo[r] <= n_last (global positions)
-    const int first = first_above(mhi, Sq, kofs + n0);
-    m_end = first_above(mlo, Sq, kofs + min(n0 + BN, Sk) - 1);
+    const int first = first_above(args.mhi, args.Sq, args.kofs + n0);
+    m_end = first_above(args.mlo, args.Sq, args.kofs + min(n0 + BN, args.Sk) - 1);
     if (first >= m_end) return;
     m_begin = (first / BM) * BM;
   }
   const int nmt = (m_end - m_begin + BM - 1) / BM;
-  const int total = nmt * hpb;
+  const int total = nmt * args.hpb;
   if (total <= 0) return;
 
-  load_tile<BN, D, NT>(sK, k + b * ksb + hk * ksh + static_cast<i64>(n0) * kss, kss, Sk - n0, tid);
-  load_tile<BN, D, NT>(sV, v + b * vsb + hk * vsh + static_cast<i64>(n0) * vss, vss, Sk - n0, tid);
+  load_tile<BN, D, NT>(sK, args.k + b * args.ksb + hk * args.ksh + static_cast<i64>(n0) * args.kss, args.kss,
+                       args.Sk - n0, tid);
+  load_tile<BN, D, NT>(sV, args.v + b * args.vsb + hk * args.vsh + static_cast<i64>(n0) * args.vss, args.vss,
+                       args.Sk - n0, tid);
 
   auto load_q = [&](int it, int stage) {
     const int h = h_first + it / nmt;
     const int m0 = m_begin + (it % nmt) * BM;
-    load_tile<BM, D, NT>(sQ + stage * BM * D * 2, q + b * qsb + h * qsh + static_cast<i64>(m0) * qss, qss, Sq - m0,
+    load_tile<BM, D, NT>(sQ + stage * BM * D * 2,
+                         args.q + b * args.qsb + h * args.qsh + static_cast<i64>(m0) * args.qss, args.qss, args.Sq - m0,
                          tid);
-    load_tile<BM, D, NT>(sDO + stage * BM * D * 2, dout + b * gsb + h * gsh + static_cast<i64>(m0) * gss, gss,
-                         Sq - m0, tid);
+    load_tile<BM, D, NT>(sDO + stage * BM * D * 2,
+                         args.dout + b * args.gsb + h * args.gsh + static_cast<i64>(m0) * args.gss, args.gss,
+                         args.Sq - m0, tid);
     if (tid < BM) {
       const int r = m0 + tid;
-      const bool ok = r < Sq;
+      const bool ok = r < args.Sq;
       const i64 rr = ok ? r : 0;
-      cp_async4(smem_u32(sL + stage * BM + tid), lse + b * lsb + h * lsh + rr * lss, ok);
-      cp_async4(smem_u32(sDl + stage * BM + tid), delta + b * dsb + h * dsh + rr * dss, ok);
+      cp_async4(smem_u32(sL + stage * BM + tid), args.lse + b * args.lsb + h * args.lsh + rr * args.lss, ok);
+      cp_async4(smem_u32(sDl + stage * BM + tid), args.delta + b * args.dsb + h * args.dsh + rr * args.dss, ok);
       if (IV) {  // rows past Sq read 0, 0: nothing visible
-        cp_async4(smem_u32(sLo + stage * BM + tid), mlo + rr, ok);
-        cp_async4(smem_u32(sHi + stage * BM + tid), mhi + rr, ok);
+        cp_async4(smem_u32(sLo + stage * BM + tid), args.mlo + rr, ok);
+        cp_async4(smem_u32(sHi + stage * BM + tid), args.mhi + rr, ok);
       }
     }
   };
@@ -214,19 +209,20 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 
     // ---- P^T, dS^T = P^T (dP^T - delta); pack to 16 bits (A fragments) and store to shared memory
     const int qw0 = m0 + hh * 32;  // this warp's first query
-    const i64 kw0 = kofs + n0 + wk_lo;  // IV: global position of this warp's first key
+    const i64 kw0 = args.kofs + n0 + wk_lo;  // IV: global position of this warp's first key
     // IV: the bounds of rows past Sq read as 0 and break their order, so the test uses the warp's last valid row
-    const int last_row = min(hh * 32 + 31, Sq - 1 - m0);
-    const bool need_mask = (wk_max >= Sk) || (CAUSAL && static_cast<i64>(wk_max) > static_cast<i64>(qw0) + off) ||
+    const int last_row = min(hh * 32 + 31, args.Sq - 1 - m0);
+    const bool need_mask = (wk_max >= args.Sk) ||
+                           (CAUSAL && static_cast<i64>(wk_max) > static_cast<i64>(qw0) + args.off) ||
                            (IV && !(last_row >= hh * 32 && sLot[last_row] <= kw0 && sHit[hh * 32] >= kw0 + 32));
     // Mask by constant offsets: key (tile-local) kl = kt + i*16 + (e>>1)*8 and query qw0 + qt + nt*8 + (e&1),
     // with this thread's kt = wk_lo + (lane>>2), qt = (lane&3)*2. Hidden when n0 + kl >= Sk, or (causal)
     // n0 + kl > query + off  <=>  i*16 + (e>>1)*8 - nt*8 - (e&1) > cthr. Both thresholds fit an int after
     // clamping (the left sides lie in [-32, 32)).
-    const int kthr = Sk - n0 - wk_lo - (lane >> 2);
+    const int kthr = args.Sk - n0 - wk_lo - (lane >> 2);
     int cthr = 0;
     if (CAUSAL) {
-      const i64 t = static_cast<i64>(qw0) + (lane & 3) * 2 + off - n0 - wk_lo - (lane >> 2);
+      const i64 t = static_cast<i64>(qw0) + (lane & 3) * 2 + args.off - n0 - wk_lo - (lane >> 2);
       cthr = static_cast<int>(t < -64 ? -64 : (t > 64 ? 64 : t));
     }
     u32 pa[2][2][4], da[2][2][4];
@@ -241,7 +237,7 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 #pragma unroll
       for (int i = 0; i < 2; ++i)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) sT[i][nt][e] = fast_exp2(sT[i][nt][e] * sl2 - l2[e & 1]);
+        for (int e = 0; e < 4; ++e) sT[i][nt][e] = fast_exp2(sT[i][nt][e] * args.sl2 - l2[e & 1]);
     }
     // the mask as its own warp-uniform pass, so tiles off the diagonal and the tail skip it entirely
     if (need_mask) {
@@ -363,12 +359,13 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int row = m0 + wq * 32 + i * 16 + (lane >> 2) + rr * 8;
-          if (row < Sq) {
-            float* p = dq + b * qgsb + h * qgsh + static_cast<i64>(row) * qgss + wd * DQC + (lane & 3) * 2;
+          if (row < args.Sq) {
+            float* p = args.dq + b * args.qgsb + h * args.qgsh + static_cast<i64>(row) * args.qgss + wd * DQC +
+                       (lane & 3) * 2;
 #pragma unroll
             for (int t = 0; t < DQC / 8; ++t)
               atomicAdd(reinterpret_cast<float2*>(p + t * 8),
-                        make_float2(dqa[i][t][2 * rr] * scale, dqa[i][t][2 * rr + 1] * scale));
+                        make_float2(dqa[i][t][2 * rr] * args.scale, dqa[i][t][2 * rr + 1] * args.scale));
           }
         }
       }
@@ -382,16 +379,18 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 #pragma unroll
     for (int rr = 0; rr < 2; ++rr) {
       const int key = n0 + wk_lo + i * 16 + (lane >> 2) + rr * 8;
-      if (key < Sk) {
-        float* pk = dk + b * kgsb + hk * kgsh + static_cast<i64>(key) * kgss + hh * DH + (lane & 3) * 2;
-        float* pv = dv + b * vgsb + hk * vgsh + static_cast<i64>(key) * vgss + hh * DH + (lane & 3) * 2;
+      if (key < args.Sk) {
+        float* pk =
+            args.dk + b * args.kgsb + hk * args.kgsh + static_cast<i64>(key) * args.kgss + hh * DH + (lane & 3) * 2;
+        float* pv =
+            args.dv + b * args.vgsb + hk * args.vgsh + static_cast<i64>(key) * args.vgss + hh * DH + (lane & 3) * 2;
 #pragma unroll
         for (int t = 0; t < DH / 8; ++t) {
-          const float2 gk = make_float2(dka[i][t][2 * rr] * scale, dka[i][t][2 * rr + 1] * scale);
+          const float2 gk = make_float2(dka[i][t][2 * rr] * args.scale, dka[i][t][2 * rr + 1] * args.scale);
           const float2 gv = make_float2(dva[i][t][2 * rr], dva[i][t][2 * rr + 1]);
           float2* ak = reinterpret_cast<float2*>(pk + t * 8);
           float2* av = reinterpret_cast<float2*>(pv + t * 8);
-          if (atomic_kv) {
+          if (args.atomic_kv) {
             atomicAdd(ak, gk);
             atomicAdd(av, gv);
           } else {
@@ -410,18 +409,10 @@ __device__ __forceinline__ void attn_bwd_k4x2(const u16* __restrict__ q, const u
 }
 
 #define BH_BWD80_NAME(DT, MASK, D) attn_bwd_##DT##_d##D##_##MASK##_k4x2
-#define BH_BWD80_KERNEL(DT, MASK, D)                                                                              \
-  extern "C" __global__ void __launch_bounds__(bwd80::Cfg<D>::THREADS) BH_BWD80_NAME(DT, MASK, D)(                 \
-      const u16* q, const u16* k, const u16* v, const u16* dout, const float* lse, const float* delta,           \
-      float* dq, float* dk, float* dv, i64 qsb, i64 qss, i64 qsh, i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss,   \
-      i64 vsh, i64 gsb, i64 gss, i64 gsh, i64 lsb, i64 lsh, i64 lss, i64 dsb, i64 dsh, i64 dss, i64 qgsb,        \
-      i64 qgss, i64 qgsh, i64 kgsb, i64 kgss, i64 kgsh, i64 vgsb, i64 vgss, i64 vgsh, int Sq, int Sk, int Hkv,   \
-      int group, int hpb, float scale, float sl2, i64 off, int atomic_kv, int order_g, const int* mlo,           \
-      const int* mhi, i64 kofs) {                                                                                 \
-    attn_bwd_k4x2<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                   \
-        q, k, v, dout, lse, delta, dq, dk, dv, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, gsb, gss, gsh, lsb,   \
-        lsh, lss, dsb, dsh, dss, qgsb, qgss, qgsh, kgsb, kgss, kgsh, vgsb, vgss, vgsh, Sq, Sk, Hkv, group, hpb,   \
-        scale, sl2, off, atomic_kv, order_g, mlo, mhi, kofs);                                                    \
+#define BH_BWD80_KERNEL(DT, MASK, D)                                                  \
+  extern "C" __global__ void __launch_bounds__(bwd80::Cfg<D>::THREADS)                \
+      BH_BWD80_NAME(DT, MASK, D)(const __grid_constant__ Bwd80Params args) {          \
+    attn_bwd_k4x2<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(args); \
   }
 #define BH_BWD80_ROW(DT, MASK, D)                                                                          \
   {BH_STR(BH_BWD80_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, bwd80::Cfg<D>::BM,              \

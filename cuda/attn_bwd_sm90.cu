@@ -129,14 +129,6 @@ struct Walk {
   int t_lo, t_end, steps;        // the query tiles of each head, and tiles x heads
 };
 
-// The block contract's dk_out, dv_out (the last pair of these keys; the host passes them only when this CTA
-// holds the whole GQA group of its keys and the pair is the first too): scale * dK and dV go there in the
-// kernels' 16-bit type, straight from the registers, instead of being added into the float32 dk, dv. Null dk:
-// the float32 reductions. Rows 16-byte aligned; dk_out and dv_out share strides (elements).
-struct KvOut {
-  u16 *dk, *dv;
-  i64 sb, ss, sh;
-};
 }  // namespace bwd90
 
 // NCOL columns of a consumer's dK or dV (64 keys, accumulator layout: this thread's keys key0 and key0 + 8,
@@ -158,7 +150,7 @@ __device__ __forceinline__ void store_rows16(u16* at, i64 ss, const float* acc, 
 
 // A CTA whose keys no query tile sees, at the pair that writes dk_out, dv_out: zeros there (every thread)
 template <int D>
-__device__ __forceinline__ void zero_kv_out(const bwd90::KvOut& kv, int b, int hk, int n0, int Sk) {
+__device__ __forceinline__ void zero_kv_out(const KvOut& kv, int b, int hk, int n0, int Sk) {
   constexpr int BN = bwd90::Cfg<D>::BN, G = D / 8;
   for (int i = threadIdx.x; i < BN * G; i += blockDim.x) {
     const int key = n0 + i / G;
@@ -448,7 +440,7 @@ __device__ __forceinline__ void dq_writer_wide(const bwd90::Walk& w, const unsig
 template <bool BF16>
 __device__ __forceinline__ void store_dkdv_wide(const bwd90::Walk& w, int c, const float* acc_dk, const float* acc_dv,
                                                 const unsigned char* tdk, const unsigned char* tdv, float scale,
-                                                const bwd90::KvOut& kv, int Sk) {
+                                                const KvOut& kv, int Sk) {
   using namespace bwd90;
   constexpr int D = 256, HD = D / CONSUMERS;
   using L = Smem<D>;
@@ -487,7 +479,7 @@ __device__ __forceinline__ void store_dkdv_wide(const bwd90::Walk& w, int c, con
 // blocks when its M or N spans two of them.
 template <bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsigned char* tdk, const unsigned char* tdv,
-                                              int Sk, i64 off, float scale, float sl2, const bwd90::KvOut& kv) {
+                                              int Sk, i64 off, float scale, float sl2, const KvOut& kv) {
   using namespace bwd90;
   constexpr int D = 256, BN = Cfg<D>::BN, BM = Cfg<D>::BM;
   constexpr int NQ = BM / CONSUMERS;  // queries of S^T, dP^T per consumer
@@ -704,7 +696,7 @@ __device__ __forceinline__ void dq_writer(const bwd90::Walk& w, const unsigned c
 template <int D, bool BF16>
 __device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const float* acc_dk, const float* acc_dv,
                                            const unsigned char* tdk, const unsigned char* tdv, float scale,
-                                           const bwd90::KvOut& kv, int Sk) {
+                                           const KvOut& kv, int Sk) {
   using namespace bwd90;
   using L = Smem<D>;
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
@@ -742,7 +734,7 @@ __device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const f
 template <int D, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const unsigned char* tdk,
                                          const unsigned char* tdv, int Sk, i64 off, float scale, float sl2,
-                                         const bwd90::KvOut& kv) {
+                                         const KvOut& kv) {
   using namespace bwd90;
   using L = Smem<D>;
   constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
@@ -854,42 +846,36 @@ __device__ __forceinline__ int block_index_x() {
 
 // CTA lin's walk (its tile from KeyBlockTile, then the query tiles it sees); steps <= 0: nothing visible.
 template <int D, bool CAUSAL, bool IV>
-__device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char* smem_raw, int Sq_pad, int Sk,
-                                               int Hkv, int group, int hpb, i64 off, const int* ranges, int chunk,
-                                               const int* order) {
+__device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char* smem_raw, const Bwd90Params args) {
   using namespace bwd90;
   using L = Smem<D>;
   constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
   unsigned char* const at = smem_raw + (base - smem_u32(smem_raw));
-  const int nkb = (Sk + BN - 1) / BN, nsplit = group / hpb;
-  const KeyBlockTile tile = KeyBlockTile::at(lin, nkb, chunk, order, nsplit, Hkv);
+  const int nkb = (args.Sk + BN - 1) / BN, nsplit = args.group / args.hpb;
+  const KeyBlockTile tile = KeyBlockTile::at(lin, nkb, args.chunk, args.order, nsplit, args.Hkv);
   const int n0 = tile.kb * BN;
-  int t_lo = 0, t_end = Sq_pad / BM;  // the query tiles this CTA walks
+  int t_lo = 0, t_end = args.Sq_pad / BM;  // the query tiles this CTA walks
   if (CAUSAL) {  // query tiles in which no row sees key n0 or later are skipped
-    const i64 first_q = static_cast<i64>(n0) - off;  // the first query that sees key n0
+    const i64 first_q = static_cast<i64>(n0) - args.off;  // the first query that sees key n0
     t_lo = first_q <= 0 ? 0 : static_cast<int>(min(static_cast<i64>(t_end), first_q / BM));
   }
-  if (IV) t_lo = ranges[2 * tile.kb], t_end = ranges[2 * tile.kb + 1];
+  if (IV) t_lo = args.ranges[2 * tile.kb], t_end = args.ranges[2 * tile.kb + 1];
   // step order: query tiles t_lo.. of head h_first, then the next head
-  const int steps = n0 < Sk ? (t_end - t_lo) * hpb : 0;
+  const int steps = n0 < args.Sk ? (t_end - t_lo) * args.hpb : 0;
   return {base, reinterpret_cast<const float*>(at + L::kLse), reinterpret_cast<const float*>(at + L::kDelta),
           reinterpret_cast<const int*>(at + L::kKlo), reinterpret_cast<const int*>(at + L::kKhi), n0, tile.b,
-          tile.hk, tile.hk * group + tile.split * hpb, t_lo, t_end, steps};
+          tile.hk, tile.hk * args.group + tile.split * args.hpb, t_lo, t_end, steps};
 }
 
 template <int D, bool BF16, bool CAUSAL, bool IV>
-__device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad,
-                                              int Sk, int B, int Hq, int Hkv, int group, int hpb, float scale,
-                                              float sl2, i64 off, const int* ranges, int chunk, const int* order,
-                                              const bwd90::KvOut& kv) {
+__device__ __forceinline__ void attn_bwd_sm90(const Bwd90Params args) {
   using namespace bwd90;
   using L = Smem<D>;
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
-  const Walk walk = walk_of<D, CAUSAL, IV>(blockIdx.x, base, smem_raw, Sq_pad, Sk, Hkv, group, hpb, off, ranges, chunk,
-                                           order);
+  const Walk walk = walk_of<D, CAUSAL, IV>(blockIdx.x, base, smem_raw, args);
   if (walk.steps <= 0) {  // nothing visible: dq, dk, dv stay as they are; dk_out, dv_out get zeros
-    if (kv.dk != nullptr) zero_kv_out<D>(kv, walk.b, walk.hk, walk.n0, Sk);
+    if (args.kv.dk != nullptr) zero_kv_out<D>(args.kv, walk.b, walk.hk, walk.n0, args.Sk);
     return;
   }
 
@@ -908,15 +894,15 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   __syncthreads();
 
   const int wg = warpgroup_index(), lane = threadIdx.x % 32, warp = (threadIdx.x % 128) / 32;
-  const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256, *tdo = tmaps + 384, *tdq = tmaps + 512,
-                      *tdk = tmaps + 640, *tdv = tmaps + 768;
+  const unsigned char* const maps = args.tmaps;
+  const unsigned char *tq = maps, *tk = maps + 128, *tv = maps + 256, *tdo = maps + 384, *tdq = maps + 512,
+                      *tdk = maps + 640, *tdv = maps + 768;
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     warpgroup_reg_dealloc<Cfg<D>::kProducerRegs>();
     // the walk again, from a fresh read of the block index: cheaper for the 24-register producer than holding
     // the prologue's values across the role split
-    const Walk pw = walk_of<D, CAUSAL, IV>(block_index_x(), base, smem_raw, Sq_pad, Sk, Hkv, group, hpb, off,
-                                           ranges, chunk, order);
-    if (warp == 0 && lane == 0) load_walk<D, IV>(pw, tq, tk, tv, tdo, rows, B, Hq, Sq_pad);
+    const Walk pw = walk_of<D, CAUSAL, IV>(block_index_x(), base, smem_raw, args);
+    if (warp == 0 && lane == 0) load_walk<D, IV>(pw, tq, tk, tv, tdo, args.rows, args.B, args.Hq, args.Sq_pad);
     else if (warp == 1) {
       if constexpr (Cfg<D>::kWide) dq_writer_wide(pw, tdq, lane);
       else dq_writer<D>(pw, tdq, lane);
@@ -925,19 +911,17 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
   }
   // ------------------------------------------------------------------------------------ consumers
   warpgroup_reg_alloc<Cfg<D>::kConsumerRegs>();
-  if constexpr (Cfg<D>::kWide) consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, Sk, off, scale, sl2, kv);
-  else consumer<D, BF16, CAUSAL, IV>(walk, wg - 1, tdk, tdv, Sk, off, scale, sl2, kv);
+  if constexpr (Cfg<D>::kWide)
+    consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, args.Sk, args.off, args.scale, args.sl2, args.kv);
+  else
+    consumer<D, BF16, CAUSAL, IV>(walk, wg - 1, tdk, tdv, args.Sk, args.off, args.scale, args.sl2, args.kv);
 }
 
 #define BH_BWD90_NAME(DT, MASK, D) attn_bwd_sm90_##DT##_d##D##_##MASK
 #define BH_BWD90_KERNEL(DT, MASK, D)                                                                              \
-  extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1) BH_BWD90_NAME(DT, MASK, D)(                     \
-      const unsigned char* tmaps, const float* rows, int Sq, int Sq_pad, int Sk, int B, int Hq, int Hkv,          \
-      int group, int hpb, float scale, float sl2, i64 off, const int* ranges, int chunk, const int* order,        \
-      u16* dk_out, u16* dv_out, i64 ksb, i64 kss, i64 ksh) {                                                      \
-    attn_bwd_sm90<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                    \
-        tmaps, rows, Sq, Sq_pad, Sk, B, Hq, Hkv, group, hpb, scale, sl2, off, ranges, chunk, order,                 \
-        bwd90::KvOut{dk_out, dv_out, ksb, kss, ksh});                                                              \
+  extern "C" __global__ void __launch_bounds__(bwd90::THREADS, 1)                                                 \
+      BH_BWD90_NAME(DT, MASK, D)(const __grid_constant__ Bwd90Params args) {                                      \
+    attn_bwd_sm90<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(args);                             \
   }
 #define BH_BWD90_ROW(DT, MASK, D)                                                                      \
   {BH_STR(BH_BWD90_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, bwd90::Cfg<D>::BM,          \
@@ -947,10 +931,10 @@ __device__ __forceinline__ void attn_bwd_sm90(const unsigned char* tmaps, const 
 
 // The instances, listed once: each head dim X(D) in bf16 and f16 with the full, causal and interval masks,
 // named attn_bwd_sm90_<dtype>_d<D>_<mask>; the kernel table attn_bwd_sm90_kernels lists them with their
-// geometry. tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32) tensor maps, 128 bytes each; rows: the
-// table of attn_bwd_sm90_rows; ranges (interval only): the query tiles of each key block from
-// attn_bwd_sm90_ranges; chunk, order: the tile order (KeyBlockTile) over the 1-D grid of key blocks x head slots;
-// dk_out, dv_out (null: add into the float32 dk, dv), ksb, kss, ksh: bwd90::KvOut
+// geometry. The arguments (Bwd90Params, contract.cuh): tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32)
+// tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows (Sq_pad rows per head); ranges (interval
+// only): the query tiles of each key block from attn_bwd_sm90_ranges; chunk, order: the tile order
+// (KeyBlockTile) over the 1-D grid of key blocks x head slots; hpb: query heads per CTA; kv: KvOut
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
 BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)
 BH_KERNEL_TABLE(attn_bwd_sm90, BH_TABLE_ROWS(BH_BWD90_SHAPES, BH_BWD90_ROWS))

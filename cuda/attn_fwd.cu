@@ -36,12 +36,7 @@ struct Cfg {
 }  // namespace fwd80
 
 template <int D, bool BF16, bool CAUSAL, bool IV>
-__device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* __restrict__ k,
-                                         const u16* __restrict__ v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh,
-                                         i64 ksb, i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss,
-                                         i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int group, float sl2,
-                                         i64 off, const int* __restrict__ mlo, const int* __restrict__ mhi,
-                                         i64 kofs) {
+__device__ __forceinline__ void attn_fwd(const Fwd80Params args) {
   using C = fwd80::Cfg<D>;
   constexpr int BN = C::BN, MT = C::MT, NT = C::THREADS, WM = 16 * MT, BM = C::BM;
   extern __shared__ __align__(128) unsigned char smem[];
@@ -51,22 +46,22 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
 
   const int tid = threadIdx.x, lane = tid & 31, w = tid >> 5;
   const int mb = CAUSAL ? (gridDim.x - 1 - blockIdx.x) : blockIdx.x;  // heavy causal blocks first
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / group;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / args.group;
   const int m0 = mb * BM;
 
   int n_begin, n_end;
-  tile_keys<CAUSAL, IV>(m0, BM, Sq, Sk, off, mlo, mhi, kofs, &n_begin, &n_end);
+  tile_keys<CAUSAL, IV>(m0, BM, args.Sq, args.Sk, args.off, args.mlo, args.mhi, args.kofs, &n_begin, &n_end);
   if (n_end <= n_begin) return;  // nothing visible: (o, lse) stay as they are
   const int t_begin = n_begin / BN;
   const int ntiles = (n_end + BN - 1) / BN;
 
-  const u16* qg = q + b * qsb + h * qsh + static_cast<i64>(m0) * qss;
-  const u16* kg = k + b * ksb + hk * ksh;
-  const u16* vg = v + b * vsb + hk * vsh;
+  const u16* qg = args.q + b * args.qsb + h * args.qsh + static_cast<i64>(m0) * args.qss;
+  const u16* kg = args.k + b * args.ksb + hk * args.ksh;
+  const u16* vg = args.v + b * args.vsb + hk * args.vsh;
 
-  load_tile<BM, D, NT>(sQ, qg, qss, Sq - m0, tid);
-  load_tile<BN, D, NT>(sK, kg + t_begin * BN * kss, kss, Sk - t_begin * BN, tid);
-  load_tile<BN, D, NT>(sV, vg + t_begin * BN * vss, vss, Sk - t_begin * BN, tid);
+  load_tile<BM, D, NT>(sQ, qg, args.qss, args.Sq - m0, tid);
+  load_tile<BN, D, NT>(sK, kg + t_begin * BN * args.kss, args.kss, args.Sk - t_begin * BN, tid);
+  load_tile<BN, D, NT>(sV, vg + t_begin * BN * args.vss, args.vss, args.Sk - t_begin * BN, tid);
   cp_async_commit();
 
   float acc[MT][D / 8][4];
@@ -79,14 +74,14 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
   for (int m = 0; m < MT; ++m) mrow[m][0] = mrow[m][1] = -BH_INF, lrow[m][0] = lrow[m][1] = 0.f;
   const int row_lo = m0 + w * WM + (lane >> 2);  // rows row_lo + 16*m + 8*r
   // IV: the bounds are re-read (L1 hits) where needed rather than held: registers are at their limit
-  const int w_first = min(m0 + w * WM, Sq - 1), w_last = min(m0 + w * WM + WM, Sq) - 1;
+  const int w_first = min(m0 + w * WM, args.Sq - 1), w_last = min(m0 + w * WM + WM, args.Sq) - 1;
 
   for (int t = t_begin; t < ntiles; ++t) {
     const int st = (t - t_begin) & 1;
     if (t + 1 < ntiles) {
       const int n1 = (t + 1) * BN;
-      load_tile<BN, D, NT>(sK + (st ^ 1) * BN * D * 2, kg + n1 * kss, kss, Sk - n1, tid);
-      load_tile<BN, D, NT>(sV + (st ^ 1) * BN * D * 2, vg + n1 * vss, vss, Sk - n1, tid);
+      load_tile<BN, D, NT>(sK + (st ^ 1) * BN * D * 2, kg + n1 * args.kss, args.kss, args.Sk - n1, tid);
+      load_tile<BN, D, NT>(sV + (st ^ 1) * BN * D * 2, vg + n1 * args.vss, args.vss, args.Sk - n1, tid);
     }
     cp_async_commit();
     cp_async_wait<1>();
@@ -120,36 +115,36 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
     }
 
     const int n0 = t * BN;
-    const bool need_mask = (n0 + BN > Sk) ||
-                           (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(m0 + w * WM) + off) ||
-                           (IV && !(local_key(mlo[w_last], kofs, Sk) <= n0 &&
-                                    local_key(mhi[w_first], kofs, Sk) >= n0 + BN));
+    const bool need_mask = (n0 + BN > args.Sk) ||
+                           (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(m0 + w * WM) + args.off) ||
+                           (IV && !(local_key(args.mlo[w_last], args.kofs, args.Sk) <= n0 &&
+                                    local_key(args.mhi[w_first], args.kofs, args.Sk) >= n0 + BN));
     // scores are used as exp2(s * mul - max * mul); a non-positive scale is applied up front instead
-    float mul = sl2;
-    if (!(sl2 > 0.f)) {
+    float mul = args.sl2;
+    if (!(args.sl2 > 0.f)) {
       mul = 1.f;
 #pragma unroll
       for (int m = 0; m < MT; ++m)
 #pragma unroll
         for (int i = 0; i < BN / 8; ++i)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[m][i][e] *= sl2;
+          for (int e = 0; e < 4; ++e) s[m][i][e] *= args.sl2;
     }
     if (need_mask) {
       // hidden when (col - row) > off, col = n0 + i*8 + (lane&3)*2 + (e&1), row = row_lo + m*16 + (e>>1)*8
       const int cbase = n0 + (lane & 3) * 2;
-      const i64 dlim = off - static_cast<i64>(cbase) + row_lo;  // hidden when i*8+(e&1)-m*16-(e>>1)*8 > dlim
+      const i64 dlim = args.off - static_cast<i64>(cbase) + row_lo;  // hidden when i*8+(e&1)-m*16-(e>>1)*8 > dlim
       const int dl = static_cast<int>(max(static_cast<i64>(-4 * BN), min(static_cast<i64>(4 * BN), dlim)));
-      const int klim = Sk - cbase;  // key out of range when i*8 + (e&1) >= klim
+      const int klim = args.Sk - cbase;  // key out of range when i*8 + (e&1) >= klim
       int rlo[MT][2], rhi[MT][2];     // IV: this thread's rows see i*8 + (e&1) in [rlo, rhi)
       if (IV) {
 #pragma unroll
         for (int m = 0; m < MT; ++m)
 #pragma unroll
           for (int r = 0; r < 2; ++r) {
-            const int row = min(row_lo + m * 16 + r * 8, Sq - 1);
-            rlo[m][r] = local_key(mlo[row], kofs, Sk) - cbase;
-            rhi[m][r] = local_key(mhi[row], kofs, Sk) - cbase;
+            const int row = min(row_lo + m * 16 + r * 8, args.Sq - 1);
+            rlo[m][r] = local_key(args.mlo[row], args.kofs, args.Sk) - cbase;
+            rhi[m][r] = local_key(args.mhi[row], args.kofs, args.Sk) - cbase;
           }
       }
 #pragma unroll
@@ -252,7 +247,7 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = row_lo + m * 16 + r * 8;
-      lold[m][r] = (row < Sq) ? lse[b * lsb + h * lsh + row * lss] : -BH_INF;
+      lold[m][r] = (row < args.Sq) ? args.lse[b * args.lsb + h * args.lsh + row * args.lss] : -BH_INF;
     }
   __syncwarp();
 #pragma unroll
@@ -262,14 +257,14 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
       const int row = row_lo + m * 16 + r * 8;
       // nothing visible only when the row sum is exactly 0: a NaN sum (the row saw a NaN or Inf) is merged
       // and makes lb, ln and the row's o NaN
-      if (row < Sq && lrow[m][r] != 0.f) {
+      if (row < args.Sq && lrow[m][r] != 0.f) {
         const float lb = (mrow[m][r] + __log2f(lrow[m][r])) * BH_LN2;
         const float lo = lold[m][r];
         const bool fresh = lo == -BH_INF;  // nothing merged yet (a NaN lse is merged: the row stays NaN)
         const float ln = fresh ? lb : fmaxf(lo, lb) + log1pf(__expf(-fabsf(lo - lb)));
         const float wo = fresh ? 0.f : __expf(lo - ln);
         const float wb = __expf(lb - ln) / lrow[m][r];
-        float* op = o + b * osb + h * osh + row * oss + (lane & 3) * 2;
+        float* op = args.o + b * args.osb + h * args.osh + row * args.oss + (lane & 3) * 2;
 #pragma unroll
         for (int i = 0; i < D / 8; ++i) {
           float2 val = make_float2(acc[m][i][2 * r] * wb, acc[m][i][2 * r + 1] * wb);
@@ -280,21 +275,17 @@ __device__ __forceinline__ void attn_fwd(const u16* __restrict__ q, const u16* _
           }
           *reinterpret_cast<float2*>(op + i * 8) = val;
         }
-        if ((lane & 3) == 0) lse[b * lsb + h * lsh + row * lss] = ln;
+        if ((lane & 3) == 0) args.lse[b * args.lsb + h * args.lsh + row * args.lss] = ln;
       }
     }
   }
 }
 
 #define BH_FWD80_NAME(DT, MASK, D) attn_fwd_##DT##_d##D##_##MASK
-#define BH_FWD80_KERNEL(DT, MASK, D)                                                                            \
-  extern "C" __global__ void __launch_bounds__(fwd80::Cfg<D>::THREADS) BH_FWD80_NAME(DT, MASK, D)(              \
-      const u16* q, const u16* k, const u16* v, float* o, float* lse, i64 qsb, i64 qss, i64 qsh, i64 ksb,      \
-      i64 kss, i64 ksh, i64 vsb, i64 vss, i64 vsh, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,       \
-      int Sq, int Sk, int group, float sl2, i64 off, const int* mlo, const int* mhi, i64 kofs) {               \
-    attn_fwd<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                    \
-        q, k, v, o, lse, qsb, qss, qsh, ksb, kss, ksh, vsb, vss, vsh, osb, oss, osh, lsb, lsh, lss, Sq, Sk, group, \
-        sl2, off, mlo, mhi, kofs);                                                                             \
+#define BH_FWD80_KERNEL(DT, MASK, D)                                             \
+  extern "C" __global__ void __launch_bounds__(fwd80::Cfg<D>::THREADS)           \
+      BH_FWD80_NAME(DT, MASK, D)(const __grid_constant__ Fwd80Params args) {     \
+    attn_fwd<D, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(args); \
   }
 #define BH_FWD80_ROW(DT, MASK, D)                                                                      \
   {BH_STR(BH_FWD80_NAME(DT, MASK, D)), BH_DTYPE_##DT, D, BH_MASK_##MASK, fwd80::Cfg<D>::BM,          \

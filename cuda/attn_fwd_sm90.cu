@@ -299,12 +299,7 @@ struct ConsumerTile {
 };
 
 template <int D, int CONSUMERS, bool BF16, bool CAUSAL, bool IV>
-__device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss,
-                                              i64 osh, i64 lsb, i64 lsh, i64 lss, int Sq, int Sk, int B, int Hq,
-                                              int group, float sl2, i64 off, int hchunk, int nsplit,
-                                              int cross_tile, const int* order, const int* mlo, const int* mhi, i64 kofs,
-                                              int* next_tile, int* locks, int first, u16* out, i64 tsb, i64 tss,
-                                              i64 tsh) {
+__device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
   using namespace fwd90;
   using C = Cfg<D, CONSUMERS>;
   using L = Smem<D, CONSUMERS>;
@@ -312,8 +307,9 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   volatile int* const slot = reinterpret_cast<volatile int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kSlot);
-  const TileScheduler<BM, BN, CAUSAL, IV> sched{(Sq + BM - 1) / BM, Hq, B * Hq, hchunk, nsplit, Sq, Sk, order,
-                                                mlo, mhi, off, kofs, next_tile};
+  const TileScheduler<BM, BN, CAUSAL, IV> sched{(args.Sq + BM - 1) / BM, args.Hq, args.B * args.Hq, args.hchunk,
+                                                args.nsplit, args.Sq, args.Sk, args.order, args.mlo, args.mhi,
+                                                args.off, args.kofs, args.next_tile};
 
   if (threadIdx.x == 0) {
     for (int q = 0; q < QSTAGES; ++q) {
@@ -334,7 +330,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   if (wg == 0) {  // ---------------------------------------------------------------- producer
     warpgroup_reg_dealloc<C::PRODUCER_REGS>();
     if (threadIdx.x == 0) {
-      const unsigned char *tq = tmaps, *tk = tmaps + 128, *tv = tmaps + 256;
+      const unsigned char *tq = args.tmaps, *tk = args.tmaps + 128, *tv = args.tmaps + 256;
       tensormap_acquire(tq);
       tensormap_acquire(tk);
       tensormap_acquire(tv);
@@ -352,7 +348,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
           sched.retire();
           break;
         }
-        const int hk = tl.h / group;
+        const int hk = tl.h / args.group;
         mbar_arrive_expect_tx(L::q_full(base, qs), BM * D * 2);
 #pragma unroll
         for (int db = 0; db < D / 64; ++db)
@@ -401,17 +397,18 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     return slot[q_pipe.stage];
   };
   auto consumer_tile = [&](int idx) {
-    const CT ct(sched.tile(idx), q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, Sq, Sk, mlo, mhi,
-                kofs);
+    const CT ct(sched.tile(idx), q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, args.Sq, args.Sk,
+                args.mlo, args.mhi, args.kofs);
     q_pipe.advance();
     return ct;
   };
-  auto o_rows_of = [&](const Tile& tl) { return o + tl.b * osb + tl.h * osh; };
-  auto lse_rows_of = [&](const Tile& tl) { return lse + tl.b * lsb + tl.h * lsh; };
+  auto o_rows_of = [&](const Tile& tl) { return args.o + tl.b * args.osb + tl.h * args.osh; };
+  auto lse_rows_of = [&](const Tile& tl) { return args.lse + tl.b * args.lsb + tl.h * args.lsh; };
   // where the epilogue writes a tile's rows (out: this thread's first column as well)
   auto rows_of = [&](const Tile& tl) {
-    u16* const out_rows = out == nullptr ? nullptr : out + tl.b * tsb + tl.h * tsh + 2 * (lane % 4);
-    return FwdRows{o_rows_of(tl) + 2 * (lane % 4), oss, out_rows, tss, lse_rows_of(tl), lss, first != 0};
+    u16* const out_rows = args.out == nullptr ? nullptr : args.out + tl.b * args.tsb + tl.h * args.tsh + 2 * (lane % 4);
+    return FwdRows{o_rows_of(tl) + 2 * (lane % 4), args.oss, out_rows, args.tss,
+                   lse_rows_of(tl), args.lss, args.first != 0};
   };
 
   float acc[D / 2];
@@ -422,18 +419,18 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
   // (never with `first` or `out`: the host's rule), the parts of a query tile merge the same rows: one warpgroup
   // at a time holds its rows' lock.
   auto merge = [&](const CT& ct, const float* mm, float* ll) {
-    int* const lock = locks + ct.tl.id * CONSUMERS + cw;
-    if (nsplit > 1) {
+    int* const lock = args.locks + ct.tl.id * CONSUMERS + cw;
+    if (args.nsplit > 1) {
       if (leader)
         while (atomicCAS(lock, 0, 1) != 0) __nanosleep(100);
       __threadfence();
       named_barrier_sync(kMerge + cw, 128);
     }
-    if (nsplit > 1)
-      merge_rows<D, true, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, Sq);
+    if (args.nsplit > 1)
+      merge_rows<D, true, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, args.Sq);
     else
-      merge_rows<D, false, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, Sq);
-    if (nsplit > 1) {
+      merge_rows<D, false, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, args.Sq);
+    if (args.nsplit > 1) {
       __threadfence();
       named_barrier_sync(kMerge + cw, 128);
       if (leader) atomicExch(lock, 0);
@@ -452,8 +449,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     if (leader) mbar_arrive(L::k_empty(base, k_pipe.stage));
     if (ct.tl.ntiles == 1) mbar_arrive(L::q_empty(base, ct.qs));  // Q is read: the producer may refill it
     k_pipe.advance();
-    softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, ct.template needs_mask<CAUSAL>(0, Sk, off), ct.col0(0, lane),
-                                 ct.row0, Sk, off, ct.klo, ct.khi);
+    softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, args.sl2, ct.template needs_mask<CAUSAL>(0, args.Sk, args.off),
+                                 ct.col0(0, lane), ct.row0, args.Sk, args.off, ct.klo, ct.khi);
     pack_p<BN, BF16>(s, p);
   };
   auto zero_acc = [&] {
@@ -461,7 +458,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
   };
   auto prefetch = [&](const CT& ct) {  // the running (o, lse), unless the pair is the first to write them
-    if (!first) prefetch_rows<D>(o_rows_of(ct.tl), oss, lse_rows_of(ct.tl), lss, ct.row0, Sq, lane);
+    if (!args.first) prefetch_rows<D>(o_rows_of(ct.tl), args.oss, lse_rows_of(ct.tl), args.lss, ct.row0, args.Sq, lane);
   };
 
   int idx = next_index();
@@ -488,8 +485,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       fence_operands<BN / 2>(s);
       if (leader) mbar_arrive(L::k_empty(base, st));
       if (t + 1 == ntiles) mbar_arrive(L::q_empty(base, cur.qs));
-      softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, cur.template needs_mask<CAUSAL>(t, Sk, off),
-                                   cur.col0(t, lane), cur.row0, Sk, off, cur.klo, cur.khi);
+      softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, args.sl2, cur.template needs_mask<CAUSAL>(t, args.Sk, args.off),
+                                   cur.col0(t, lane), cur.row0, args.Sk, args.off, cur.klo, cur.khi);
       wgmma_wait<0>();
       fence_operands<D / 2>(acc);
       if (leader) mbar_arrive(L::v_empty(base, sp));
@@ -504,7 +501,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
     }
     // ---- the tile's end: its last P V, then the epilogue
     const int sp = v_pipe.stage;
-    const bool cross = QSTAGES == 2 && cross_tile != 0;
+    const bool cross = QSTAGES == 2 && args.cross_tile != 0;
     const int nidx = cross ? next_index() : 0;
     if (cross && nidx < sched.count()) {
       // the next tile's S_0 = Q K_0^T with this tile's last P V in one turn; the next tile's softmax runs
@@ -530,8 +527,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
       float l_end[2] = {l[0], l[1]};
       m[0] = m[1] = -BH_INF;
       l[0] = l[1] = 0.f;
-      softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, sl2, nxt.template needs_mask<CAUSAL>(0, Sk, off),
-                                   nxt.col0(0, lane), nxt.row0, Sk, off, nxt.klo, nxt.khi);
+      softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, args.sl2, nxt.template needs_mask<CAUSAL>(0, args.Sk, args.off),
+                                   nxt.col0(0, lane), nxt.row0, args.Sk, args.off, nxt.klo, nxt.khi);
       wgmma_wait<0>();
       fence_operands<D / 2>(acc);
       if (leader) mbar_arrive(L::v_empty(base, sp));
@@ -563,14 +560,9 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 
 #define BH_FWD90_NAME(DT, MASK, D, C) attn_fwd_sm90_##DT##_d##D##_m##C##_##MASK
 #define BH_FWD90_KERNEL(DT, MASK, D, C)                                                                            \
-  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1) BH_FWD90_NAME(DT, MASK, D, C)(        \
-      const unsigned char* tmaps, float* o, float* lse, i64 osb, i64 oss, i64 osh, i64 lsb, i64 lsh, i64 lss,      \
-      int Sq, int Sk, int B, int Hq, int group, float sl2, i64 off, int hchunk, int nsplit, int cross_tile,        \
-      const int* order, const int* mlo, const int* mhi, i64 kofs, int* next_tile, int* locks, int first,           \
-      u16* out, i64 tsb, i64 tss, i64 tsh) {                                                                       \
-    attn_fwd_sm90<D, C, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(                                 \
-        tmaps, o, lse, osb, oss, osh, lsb, lsh, lss, Sq, Sk, B, Hq, group, sl2, off, hchunk, nsplit, cross_tile,    \
-        order, mlo, mhi, kofs, next_tile, locks, first, out, tsb, tss, tsh);                                       \
+  extern "C" __global__ void __launch_bounds__(fwd90::Cfg<D, C>::THREADS, 1)                                       \
+      BH_FWD90_NAME(DT, MASK, D, C)(const __grid_constant__ Fwd90Params args) {                                    \
+    attn_fwd_sm90<D, C, BH_IS_BF16(DT), BH_IS_CAUSAL(MASK), BH_IS_INTERVAL(MASK)>(args);                           \
   }
 #define BH_FWD90_ROW(DT, MASK, D, C)                                                                         \
   {BH_STR(BH_FWD90_NAME(DT, MASK, D, C)), BH_DTYPE_##DT, D, BH_MASK_##MASK, fwd90::Cfg<D, C>::BM,          \
@@ -581,7 +573,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const unsigned char* tmaps, float*
 // The instances, listed once: each shape X(D, consumer warpgroups) in bf16 and f16 with the full, causal and
 // interval masks, named attn_fwd_sm90_<dtype>_d<D>_m<consumer warpgroups>_<mask>; the kernel table
 // attn_fwd_sm90_kernels lists them with their geometry (the host picks among a head dim's tile heights).
-// tmaps: the q, k, v tensor maps (128 bytes each, global memory); grid: one CTA per SM at most;
+// The arguments (Fwd90Params, contract.cuh): tmaps: the q, k, v tensor maps (128 bytes each, global memory);
+// grid: one CTA per SM at most;
 // hchunk, order: the schedule (order: interval only, the query blocks longest first); nsplit: the parts of
 // each query tile's key range (1: none); cross_tile: 1 for the cross-tile step (shapes with two Q buffers);
 // mlo, mhi, kofs: the interval bounds (null for full and causal);

@@ -2,10 +2,7 @@
 // No CUDA headers are included: half-precision data is handled as raw 16-bit words and converted
 // with PTX, so the source compiles the same under nvcc and NVRTC (cupy.RawModule).
 #pragma once
-
-typedef unsigned short u16;
-typedef unsigned int u32;
-typedef long long i64;
+#include "contract.cuh"
 
 #define BH_INF __int_as_float(0x7f800000)
 #define BH_LOG2E 1.4426950408889634f

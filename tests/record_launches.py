@@ -3,7 +3,8 @@ family x pass x head dim x input dtype x mask mode on a stand-in for CuPy, and p
 
 The stand-in holds arrays as NumPy arrays and compiles each kernel source with nvcc to PTX (no GPU): its
 modules define the kernels and the constant tables the PTX defines, a launch is recorded (name, grid, block,
-shared memory) instead of run, and asking for a kernel the PTX does not define fails as CuPy would. TMA tensor
+shared memory) instead of run, and asking for a kernel the PTX does not define fails as CuPy would, and so does
+(here) a launch whose arguments' bytes are not the sizes of the kernel's parameters in the PTX. TMA tensor
 maps are not encoded (no driver). Output: {"tables": the kernel tables as the backend decoded them,
 "entries": each source's kernels with their launch bounds, "calls": [{"call", "error", "launches"}],
 "prepared": {family: what CudaBackend.prepare did for a causal bf16 D = 128 call},
@@ -57,14 +58,33 @@ class _Global:
         return _Global(self.data, self.offset + n)
 
 
+def _argument_bytes(arg):
+    """The bytes CuPy passes for a kernel argument: a device array's address, a one-element NumPy array's
+    bytes (a struct by value), a NumPy scalar's bytes; a Python int or float as 8 bytes, None as a null
+    pointer."""
+    if isinstance(arg, ndarray) or arg is None or isinstance(arg, (int, float)) or hasattr(arg, "data") and \
+            isinstance(arg.data, _Pointer):
+        return 8
+    if isinstance(arg, np.ndarray):
+        if arg.size != 1:
+            raise TypeError(f"a NumPy array of shape {arg.shape} as a kernel argument (CuPy takes size one only)")
+        return arg.itemsize
+    if isinstance(arg, np.generic):
+        return arg.itemsize
+    raise TypeError(f"unsupported kernel argument type {type(arg)}")
+
+
 class _Kernel:
-    def __init__(self, name, launches):
-        self.name, self.launches = name, launches
+    def __init__(self, name, launches, params):
+        self.name, self.launches, self.params = name, launches, params
         self.max_dynamic_shared_size_bytes = 48 * 1024
 
     def __call__(self, grid, block, args, shared_mem=0):
         if shared_mem > self.max_dynamic_shared_size_bytes:
             raise RuntimeError(f"{self.name}: {shared_mem} bytes of shared memory, limit not raised")
+        sizes = [_argument_bytes(arg) for arg in args]
+        if sizes != self.params:  # the driver would read the kernel's parameters from the wrong bytes
+            raise TypeError(f"{self.name}: arguments of {sizes} bytes for parameters of {self.params} bytes")
         self.launches.append([self.name, list(grid), list(block), shared_mem])
 
 
@@ -93,10 +113,12 @@ def _fake_cupy(launches):
             text = _ptx(code, options)
             source = re.search(r'#line 1 "cuda/(\S+\.cu)"', code).group(1)
             # each kernel with its launch bound (.maxntid: the threads its __launch_bounds__ allows), or 0
-            self.entries = {
-                name: int(bound or 0)
-                for name, bound in re.findall(r"^\.visible \.entry (\w+)\([^)]*\)\s*(?:\.maxntid (\d+), 1, 1)?",
-                                              text, re.M)}
+            found = re.findall(r"^\.visible \.entry (\w+)\(([^)]*)\)\s*(?:\.maxntid (\d+), 1, 1)?", text, re.M)
+            self.entries = {name: int(bound or 0) for name, _, bound in found}
+            # each kernel's parameter sizes in bytes: a struct is .b8 name[bytes], a scalar or pointer .u64, .f32...
+            self.params = {name: [int(n) if n else int(bits) // 8 for bits, n in
+                                  re.findall(r"\.param (?:\.align \d+ )?\.[a-z](\d+) \w+(?:\[(\d+)\])?", params)]
+                           for name, params, _ in found}
             ENTRIES.setdefault(source, {}).update(self.entries)  # a source's builds: its table, one per instance
             self.globals = {}
             for name, size, body in re.findall(r"^\.const \.align \d+ \.b8 (\w+)\[(\d+)\] = \{([^}]*)\}", text, re.M):
@@ -108,7 +130,7 @@ def _fake_cupy(launches):
         def get_function(self, name):
             if name not in self.entries:
                 raise RuntimeError(f"CUDA_ERROR_NOT_FOUND: no kernel {name}")
-            return _Kernel(name, launches)
+            return _Kernel(name, launches, self.params[name])
 
         def get_global(self, name):
             return _Global(self.globals[name])
@@ -136,18 +158,29 @@ def _fake_cupy(launches):
     return cupy
 
 
-def main():
-    launches = []
-    sys.modules["cupy"] = _fake_cupy(launches)
-    sys.path.insert(0, str(REPO))
-    from burst_hpc.plan import masks
-    from burst_hpc.backends.cuda import FAMILIES, CudaBackend, contract, tma
+class _Maps:  # the tensor maps: the arrays and box rows only, at a made-up device address
+    def __init__(self, pairs):
+        self.pairs = pairs
+        self.data = _Pointer(1 << 40)
 
-    class _Maps:  # the tensor maps: the arrays and box rows only
-        def __init__(self, pairs):
-            self.pairs = pairs
+
+def install(launches):
+    """Put the stand-in in CuPy's place for the burst_hpc found on sys.path (imported here: its tensor maps
+    are not encoded); each launch is appended to ``launches``. Returns the stand-in module."""
+    sys.modules["cupy"] = _fake_cupy(launches)
+    from burst_hpc.backends.cuda import tma
 
     tma.device_maps = lambda cupy, pairs: _Maps(pairs)
+    return sys.modules["cupy"]
+
+
+def main():
+    launches = []
+    sys.path.insert(0, str(REPO))
+    install(launches)
+    from burst_hpc.plan import masks
+    from burst_hpc.backends.cuda import FAMILIES, CudaBackend, contract
+
     rng = np.random.default_rng(0)
 
     def array(shape, dtype):

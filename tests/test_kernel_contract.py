@@ -15,6 +15,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +24,7 @@ import pytest
 from burst_hpc.backends import padding
 from burst_hpc.backends.cuda import FAMILIES, contract, launch
 from burst_hpc.backends.cuda.backend import route
+from burst_hpc.errors import BackendError
 
 CUDA = Path(__file__).resolve().parents[1] / "cuda"
 INPUT_DTYPES = {"bfloat16": np.dtype("bfloat16"), "float16": np.dtype(np.float16), "float32": np.dtype(np.float32),
@@ -86,6 +88,122 @@ def test_every_routed_kernel_is_listed():
 def test_routes():
     assert [route(d, (64, 128)) for d in (32, 64, 100, 128, 129)] == ["padded", "native", "padded", "native", "wide"]
     assert routed_width("sm90", "bwd", 200) == 256 and routed_width("sm80", "bwd", 200) is None
+
+
+# ---- the kernels' arguments -----------------------------------------------------------------------------------
+def compiled_layout(header, structs):
+    """{struct: (sizeof, {field path: offset})} of the structs in the C header ``header``, from a host program
+    g++ compiles (the layout nvcc gives a kernel parameter is the host's), for the fields ``params_dtype`` names."""
+    lines = ["#include <cstdio>", f'#include "{header}"', "int main() {"]
+    for struct in structs:
+        lines.append(f'  {{ {struct} x; std::printf("{struct} sizeof %zu\\n", sizeof x);')
+
+        def walk(dtype, path):
+            for name in dtype.names:
+                sub = dtype.fields[name][0]
+                if sub.names:
+                    walk(sub, f"{path}{name}.")
+                else:
+                    lines.append(f'    std::printf("{struct} {path}{name} %td\\n", '
+                                 f'(char*)&x.{path}{name} - (char*)&x);')
+
+        walk(contract.params_dtype(struct), "")
+        lines.append("  }")
+    lines.append("}")
+    with tempfile.TemporaryDirectory() as tmp:
+        Path(tmp, "layout.cpp").write_text("\n".join(lines))
+        subprocess.run(["g++", "-std=c++17", "-o", f"{tmp}/layout", f"{tmp}/layout.cpp"], check=True, timeout=120)
+        out = subprocess.run([f"{tmp}/layout"], capture_output=True, text=True, check=True).stdout
+    layout = {struct: [0, {}] for struct in structs}
+    for struct, field, value in (line.split() for line in out.splitlines()):
+        if field == "sizeof":
+            layout[struct][0] = int(value)
+        else:
+            layout[struct][1][field] = int(value)
+    return {struct: tuple(v) for struct, v in layout.items()}
+
+
+def record_layout(dtype, at=0, path=""):
+    """{field path: offset} of a NumPy record, nested records flattened as a.b."""
+    fields = {}
+    for name in dtype.names:
+        sub, offset = dtype.fields[name][:2]
+        fields.update(record_layout(sub, at + offset, f"{path}{name}.") if sub.names
+                      else {f"{path}{name}": at + offset})
+    return fields
+
+
+def assert_records_match_the_compiler(header, structs):
+    compiled = compiled_layout(header, structs)
+    for struct in structs:
+        dtype = contract.params_dtype(struct)
+        assert compiled[struct] == (dtype.itemsize, record_layout(dtype)), struct
+
+
+needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ (the compiler's struct layout)")
+
+
+@needs_gxx
+def test_kernel_args_records_are_laid_out_as_the_structs():
+    assert_records_match_the_compiler(CUDA / contract.HEADER, ["PairParams", "KvOut", *contract.PARAMS.values()])
+    for (family, direction), struct in contract.PARAMS.items():  # each family kernel takes its struct by value
+        assert f"const __grid_constant__ {struct} args" in (CUDA / contract.SOURCES[family, direction]).read_text()
+
+
+@needs_gxx
+def test_kernel_args_layout_rules(tmp_path, monkeypatch):
+    """The layout cases the header may grow into: a base's tail padding (not reused by the derived struct's
+    fields), a nested struct, several names to a declaration, 4-byte fields before 8-byte ones."""
+    (tmp_path / contract.HEADER).write_text("""typedef long long i64;
+struct Tail { i64 a; int b; };          // 12 bytes of fields, sizeof 16
+struct Derived : Tail { int c; };       // c at 16, not 12
+struct Inner { int x; };
+struct Outer : Inner { const unsigned char* p; Inner in; float f, g; int *r, s; i64 t; Derived d; };
+""")
+    monkeypatch.setenv("BURST_HPC_CUDA_DIR", str(tmp_path))
+    assert record_layout(contract.params_dtype("Derived"))["c"] == 16
+    assert_records_match_the_compiler(tmp_path / contract.HEADER, ["Tail", "Derived", "Inner", "Outer"])
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / contract.HEADER).write_text("struct Bad { char c; };\n")
+    monkeypatch.setenv("BURST_HPC_CUDA_DIR", str(tmp_path / "bad"))
+    with pytest.raises(BackendError, match="type char"):
+        contract.params_dtype("Bad")
+
+
+class _DeviceArray:
+    """What a launch reads of a device array: its address (``data.ptr``), shape, strides and item size."""
+
+    def __init__(self, shape, ptr, itemsize=2):
+        self.shape, self.itemsize, self.data = shape, itemsize, type("Pointer", (), {"ptr": ptr})()
+        self.strides = tuple(int(np.prod(shape[i + 1:])) * itemsize for i in range(len(shape)))
+
+
+def test_kernel_args_fill_their_record_by_name_without_reading_the_header(monkeypatch):
+    fill, sm80_fill = launch.KernelArgs("Bwd90Params"), launch.KernelArgs("Fwd80Params")
+    record = contract.params_dtype("Bwd90Params")
+
+    def unread():
+        raise AssertionError("a launch read the kernel sources: the record is read once, at KernelArgs()")
+
+    monkeypatch.setattr(contract, "cuda_dir", unread)  # per launch the host only fills (short pairs feel its time)
+    q, k = _DeviceArray((2, 70, 8, 64), 0x1000), _DeviceArray((2, 90, 4, 64), 0x2000)
+    dk, dv = _DeviceArray((2, 90, 4, 64), 0x3000), _DeviceArray((2, 90, 4, 64), 0x4000)
+    args = fill(q, k, scale=0.125, q_start=90, k_start=10, mask=None, hpb=2, chunk=3, order=None, tmaps=q,
+                kv=launch.array_fields(("dk", dk, "sb ss sh"), ("dv", dv, "")))
+    assert args.shape == (1,) and args.dtype == record
+    row = args[0]
+    assert [int(row[f]) for f in ("Sq", "Sk", "B", "Hq", "Hkv", "group", "off", "hpb", "chunk")] == [
+        70, 90, 2, 8, 4, 2, 80, 2, 3]
+    assert row["scale"] == np.float32(0.125) and row["sl2"] == np.float32(0.125 * launch.LOG2E)
+    assert (row["tmaps"], row["order"], row["rows"], row["mlo"], row["Sq_pad"]) == (0x1000, 0, 0, 0, 0)
+    assert [int(row["kv"][f]) for f in ("dk", "dv", "sb", "ss", "sh")] == [0x3000, 0x4000, 90 * 4 * 64, 4 * 64, 64]
+    with pytest.raises(BackendError, match="Bwd90Params have no field hbp"):
+        fill(q, k, scale=1.0, q_start=0, k_start=0, mask=None, hbp=2)
+    with pytest.raises(BackendError, match=r"Bwd90Params\.kv have no field dq"):
+        fill(q, k, scale=1.0, q_start=0, k_start=0, mask=None, kv={"dq": dk})
+    sm80 = sm80_fill(q, k, scale=1.0, q_start=0, k_start=0, mask=None,  # fields named q, k as the call's q, k
+                     **launch.array_fields(("q", q, "qsb qss qsh"), ("o", None, "osb oss osh")))
+    assert (sm80[0]["q"], sm80[0]["qsh"], sm80[0]["o"], sm80[0]["osb"]) == (0x1000, 64, 0, 0)
 
 
 # ---- the preprocessed text ------------------------------------------------------------------------------------

@@ -7,7 +7,9 @@ Each fact has one home, in cuda/:
 - each family source's shape list, ``#define <FAMILY>_SHAPES(X) X(D, ...) ...`` (head dim first): its
   instances, so the head dims its family runs natively;
 - each source's kernel table ``<source>_kernels`` (``<source>_kernel_count`` rows), built by the compiler
-  from the same list: every kernel's name and geometry (tile rows and keys, threads, shared memory).
+  from the same list: every kernel's name and geometry (tile rows and keys, threads, shared memory);
+- each family kernel's arguments, one struct in ``contract.cuh`` passed by value (``params_dtype``: its NumPy
+  record, laid out as the compiler lays out the struct).
 The header and the shape lists are read as text; a table comes from the compiled module
 (``compile.Modules.table``) as bytes, decoded by ``KernelTable.from_bytes``.
 """
@@ -27,6 +29,9 @@ SOURCES = {("sm80", "fwd"): "attn_fwd.cu", ("sm80", "bwd"): "attn_bwd.cu",
            ("sm90", "fwd"): "attn_fwd_sm90.cu", ("sm90", "bwd"): "attn_bwd_sm90.cu"}
 DELTA_SOURCE = "attn_delta.cu"
 HEADER = "contract.cuh"
+# the arguments (a struct of contract.cuh, passed by value) of each (family, pass)'s kernels
+PARAMS = {("sm80", "fwd"): "Fwd80Params", ("sm80", "bwd"): "Bwd80Params",
+          ("sm90", "fwd"): "Fwd90Params", ("sm90", "bwd"): "Bwd90Params"}
 
 
 def cuda_dir():
@@ -76,6 +81,67 @@ def _header(root):
         variants=tuple(re.findall(r"K\((\w+), (\w+), __VA_ARGS__\)", expansion.group(1))),
         row=np.dtype([("name", f"S{defines['BH_NAME_BYTES']}")]
                      + [(field.strip(), "<i4") for field in fields.group(1).split(",")]))
+
+
+# ---- kernel arguments --------------------------------------------------------------------------------------
+_SCALARS = {"int": np.dtype("<i4"), "float": np.dtype("<f4"), "i64": np.dtype("<i8")}
+_POINTER = np.dtype("<u8")
+
+
+def params_dtype(struct):
+    """The NumPy record of contract.cuh's ``struct`` (a kernel's arguments): its fields by name, at the offsets
+    the compiler gives them (natural alignment, a base struct's fields first, then its own from the base's
+    size on), pointers as uint64 device addresses, a struct field as a nested record. CuPy passes a one-element
+    array of it by value (its bytes) for the kernel's struct parameter."""
+    return _params(cuda_dir(), struct)[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _struct_bodies(root):
+    text = re.sub(r"//[^\n]*", "", _read(root, HEADER))
+    return {name: (base, body) for name, base, body in
+            re.findall(r"^struct (\w+)(?:\s*:\s*(\w+))?\s*\{([^}]*)\};", text, re.M)}
+
+
+@functools.lru_cache(maxsize=None)
+def _params(root, struct):
+    """(record dtype, alignment) of ``struct``, from its declarations in contract.cuh."""
+    bodies = _struct_bodies(root)
+    if struct not in bodies:
+        raise BackendError(f"cuda/{HEADER} defines no struct {struct}")
+    base, body = bodies[struct]
+    names, formats, offsets, offset, align = [], [], [], 0, 1
+    if base:
+        record, align = _params(root, base)
+        for name in record.names:
+            names.append(name)
+            formats.append(record.fields[name][0])
+            offsets.append(record.fields[name][1])
+        offset = record.itemsize
+    for declaration in filter(None, (d.strip() for d in body.split(";"))):
+        m = re.fullmatch(r"(?:const\s+)?((?:unsigned\s+)?\w+)\s*((?:\*?\s*\w+\s*,\s*)*\*?\s*\w+)", declaration)
+        if m is None:
+            raise BackendError(f"cuda/{HEADER}, struct {struct}: cannot read the declaration {declaration!r}")
+        kind, declarators = m.groups()
+        for declarator in declarators.split(","):
+            name = declarator.strip().lstrip("*").strip()
+            if declarator.strip().startswith("*"):
+                field, field_align = _POINTER, _POINTER.itemsize
+            elif kind in _SCALARS:
+                field, field_align = _SCALARS[kind], _SCALARS[kind].itemsize
+            elif kind in bodies:
+                field, field_align = _params(root, kind)
+            else:
+                raise BackendError(f"cuda/{HEADER}, struct {struct}: field {name} has type {kind}, which is not "
+                                   f"int, float, i64, a pointer or a struct defined before it")
+            offset = -(-offset // field_align) * field_align
+            names.append(name)
+            formats.append(field)
+            offsets.append(offset)
+            offset += field.itemsize
+            align = max(align, field_align)
+    size = -(-offset // align) * align
+    return np.dtype({"names": names, "formats": formats, "offsets": offsets, "itemsize": size}), align
 
 
 def shapes(source):

@@ -1,5 +1,6 @@
 """Kernel arguments, shared by both families' launches: inputs as 16-bit arrays the kernels can read,
-float32 accumulators they can write, strides, mask bounds, and the GPU's size for the schedules.
+float32 accumulators they can write, strides, mask bounds, each family kernel's arguments as one record of its
+contract.cuh struct (``KernelArgs``), and the GPU's size for the schedules.
 
 Every launch goes on CuPy's current stream; nothing here synchronizes the device.
 """
@@ -8,6 +9,7 @@ import functools
 import numpy as np
 
 from ...errors import BackendError
+from . import contract
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: they take scale * log2(e)
 
@@ -118,12 +120,86 @@ def check_dims(q, k, widths):
 def mask_args(mask, q_start, sq, k_start):
     """Kernel arguments (mlo, mhi, kofs): the interval kernels read each query row's key bounds
     (masks.Mask, docs/KERNELS.md "Masks"); other modes take null pointers."""
-    import cupy
-
     if mask is None:
         return (np.uint64(0), np.uint64(0), np.int64(0))
+    import cupy
+
     lo, hi = mask.device_intervals(cupy)
     return (lo[q_start:q_start + sq], hi[q_start:q_start + sq], np.int64(k_start))
+
+
+_NUMBERS = (int, float, np.generic)
+
+
+def address(x):
+    """What a kernel argument field holds for x: a device array's address, 0 for None (a null pointer), else x."""
+    if x is None:
+        return 0
+    if isinstance(x, _NUMBERS):  # most fields: no attribute look-ups
+        return x
+    ptr = getattr(getattr(x, "data", None), "ptr", None)
+    return x if ptr is None else ptr
+
+
+def array_fields(*arrays):
+    """The argument fields of device arrays, each given as (name, x, stride_fields): field ``name``, x's address,
+    and ``stride_fields`` (names, in x's axis order), its strides in elements; none for x None (they stay null
+    and zero)."""
+    fields = {}
+    for name, x, stride_fields in arrays:
+        if x is not None:
+            fields[name] = x
+            fields.update(zip(stride_fields.split(), (s // x.itemsize for s in x.strides)))
+    return fields
+
+
+class KernelArgs:
+    """The arguments of one family kernel: contract.cuh's ``struct`` as a NumPy record (``contract.params_dtype``),
+    read from the header here, once; a launch only fills it (``__call__``, a few microseconds: it runs per block
+    pair, and at short lengths the host's time per launch nears the kernel's)."""
+
+    def __init__(self, struct):
+        self.struct = struct
+        self.dtype = contract.params_dtype(struct)
+        self._record = _Record(self.dtype, struct)
+
+    def __call__(self, q, k, /, *, scale, q_start, k_start, mask, **fields):  # /: the sm80 records have fields q, k
+        """A one-element array of the record (CuPy passes a one-element NumPy array by value, as the struct's
+        bytes): its block pair (PairParams: shapes from q and k, the scale, q_start - k_start, the mask's bounds)
+        and ``fields`` by name (a device array as its address, None as null, a nested struct's fields as a
+        dict), zero elsewhere."""
+        b, sq, hq, _ = q.shape
+        sk, hkv = k.shape[1], k.shape[2]
+        mlo, mhi, kofs = mask_args(mask, q_start, sq, k_start)
+        fields.update(mlo=mlo, mhi=mhi, kofs=kofs, off=int(q_start) - int(k_start), Sq=sq, Sk=sk, B=b, Hq=hq, Hkv=hkv,
+                      group=hq // hkv, scale=scale, sl2=scale * LOG2E)
+        args = np.zeros(1, self.dtype)
+        args[0] = self._record.row(fields)
+        return args
+
+
+class _Record:
+    """One NumPy record filled by field name: ``row`` is the tuple NumPy assigns to it."""
+
+    def __init__(self, dtype, name):
+        self.name = name
+        self.index = {field: i for i, field in enumerate(dtype.names)}
+        self.nested = {field: _Record(dtype[field], f"{name}.{field}") for field in dtype.names if dtype[field].names}
+        self.zeros = np.zeros((), dtype).item()
+
+    def row(self, values):
+        """``values`` by field name (``address`` of each; a nested record's as a dict), zero where absent."""
+        row = list(self.zeros)
+        index, nested = self.index, self.nested  # a launch fills some 50 fields: this loop is its host time
+        for field, value in values.items():
+            i = index.get(field)
+            if i is None:
+                raise BackendError(f"the kernel arguments {self.name} have no field {field}")
+            if field in nested:
+                row[i] = nested[field].row(value)
+            elif value is not None:
+                row[i] = value if isinstance(value, _NUMBERS) else address(value)
+        return tuple(row)
 
 
 @functools.cache

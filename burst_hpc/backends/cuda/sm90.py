@@ -6,8 +6,8 @@ from collections import OrderedDict
 import numpy as np
 
 from . import launch, tma
-from .contract import SOURCES, mask_mode
-from .launch import LOG2E, mask_args, strides
+from .contract import PARAMS, SOURCES, mask_mode
+from .launch import mask_args, strides
 
 FORWARD, BACKWARD = SOURCES["sm90", "fwd"], SOURCES["sm90", "bwd"]
 # the forward's schedule: K/V bytes a chunk of heads may keep in L2 (H100: 50 MB), and the throughput of
@@ -52,6 +52,8 @@ class Sm90Kernels:
 
     def __init__(self, modules):
         self.modules = modules
+        self.forward_args = launch.KernelArgs(PARAMS["sm90", "fwd"])
+        self.backward_args = launch.KernelArgs(PARAMS["sm90", "bwd"])
         self.forced_tile_height = None
         self.longest_first = False
         self.forced_order_heads = None
@@ -171,16 +173,15 @@ class Sm90Kernels:
         nmb = -(-sq // bm)
         kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
         hchunk = max(1, min(b * hq, L2_CHUNK_BYTES // max(1, kv_bytes_per_head)))
-        order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[0] if mask is not None else np.uint64(0)
-        locks = self.tile_locks(nmb * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else np.uint64(0)
+        order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[0] if mask is not None else None
+        locks = self.tile_locks(nmb * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else None
         grid = (min(nmb * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
-        o_args = (o, *strides(o)[:3]) if o is not None else (np.uint64(0), *(np.int64(0),) * 3)
-        out_args = (out, *strides(out)[:3]) if out is not None else (np.uint64(0), *(np.int64(0),) * 3)
-        args = (maps, o_args[0], lse, *o_args[1:], *strides(lse), np.int32(sq), np.int32(sk), np.int32(b),
-                np.int32(hq), np.int32(hq // hkv), np.float32(scale * LOG2E), np.int64(off), np.int32(hchunk),
-                np.int32(nsplit), np.int32(self.cross_tile), order, *mask_args(mask, q_start, sq, k_start),
-                self.tile_counter(), locks, np.int32(first), *out_args)
-        kern(grid, (kernel.threads,), args, shared_mem=kernel.smem_bytes)
+        args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask, tmaps=maps,
+                                 order=order, next_tile=self.tile_counter(), locks=locks, hchunk=hchunk, nsplit=nsplit,
+                                 cross_tile=self.cross_tile, first=first,
+                                 **launch.array_fields(("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss"),
+                                                       ("out", out, "tsb tss tsh")))
+        kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
 
     # ---- backward --------------------------------------------------------------------------------------
     def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask, o=None,
@@ -252,11 +253,10 @@ class Sm90Kernels:
         slots = nsplit * b * hkv
         chunk, order = self.backward_order(mask, causal, nkb, slots, ranges)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
-        kv_args = (dk_out, dv_out, *strides(dk_out)[:3]) if kv_direct else (np.uint64(0), *none)
-        args = (maps, rows, np.int32(sq), np.int32(sq_pad), np.int32(sk), np.int32(b), np.int32(hq), np.int32(hkv),
-                np.int32(group), np.int32(hpb), np.float32(scale), np.float32(scale * LOG2E),
-                np.int64(int(q_start) - int(k_start)), ranges, np.int32(chunk), order, *kv_args)
-        kern((nkb * slots,), (kernel.threads,), args, shared_mem=kernel.smem_bytes)
+        kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
+        args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask, tmaps=maps,
+                                  rows=rows, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, chunk=chunk, kv=kv)
+        kern((nkb * slots,), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
         results = ((dq_w, dq, dq_out, first_q),) + (() if kv_direct else ((dk_w, dk, dk_out, first_kv),
                                                                           (dv_w, dv, dv_out, first_kv)))
         for w, x, out, first in results:
