@@ -152,7 +152,7 @@ def run(options, comm=None):
     with clock("setup"):
         d = decomposition_of(comm, spec, options, backend)
     layout, transport, scale, mask = d.layout, d.transport_name, d.scale, d.mask
-    pairs = visible_pairs(spec.seqlen, options.causal, mask)
+    pairs = visible_pairs(mask)
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]
     shown = options.progress if options.progress is not None else flops[0] > 2e11 or sys.stderr.isatty()
     progress = Progress(rank == 0 and shown, interval)
@@ -178,7 +178,7 @@ def run(options, comm=None):
             dev = {name: xp.asarray(a) for name, a in shards.items()}
             del shards
         progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout.kind}, backend {backend}")
-        if mask is not None:
+        if mask.kind == "intervals":   # documents or a window: what they leave of the ring
             work = masks.rank_work(mask, layout)
             progress(f"{mask}: ring steps {masks.ring_steps(mask, layout)} of {size}, "
                      f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")

@@ -40,7 +40,7 @@ BACKENDS = ("numpy", "cuda")
 @dataclass(frozen=True)
 class Request:
     """A decomposition's arguments, checked on this rank (``Request.checked``); ``mask`` the
-    masks.Mask of causal, documents and window (None: plain causal or full attention)."""
+    masks.Mask of causal, documents and window, made here once for the whole call."""
     size: int
     seqlen: int
     batch: int
@@ -48,7 +48,6 @@ class Request:
     kv_heads: int
     head_dim: int
     dtype: np.dtype
-    causal: bool
     scale: float
     mask: object
     layout: object          # None (the default kind), 'auto' (the predicted fastest), a kind or a Layout
@@ -86,15 +85,15 @@ class Request:
             raise BurstError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
         mask = masks.make(int(seqlen), causal, window, cu_seqlens)
         return cls(size, int(seqlen), int(batch), int(heads), int(kv_heads), int(head_dim), np.dtype(parse_dtype(dtype)),
-                   bool(causal), resolve_scale(scale, head_dim), mask, layout, scheme, transport, backward_ring,
+                   resolve_scale(scale, head_dim), mask, layout, scheme, transport, backward_ring,
                    ranks_per_node_setting(ranks_per_node), backend, bool(backward), config.emulated_network())
 
     def signature(self):
         """What every rank must pass alike, by name (document offsets apart: agree compares them by digest)."""
         layout = self.layout.key if isinstance(self.layout, Layout) else self.layout
         return {"seqlen": self.seqlen, "batch": self.batch, "heads": self.heads, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), "causal": self.causal,
-                "window": None if self.mask is None else self.mask.window, "scale": self.scale, "layout": layout,
+                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), "causal": self.mask.causal,
+                "window": self.mask.window, "scale": self.scale, "layout": layout,
                 "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
                 "ranks_per_node": self.ranks_per_node, "emulated network": self.network, "backend": self.backend,
                 "backward": self.backward}
@@ -147,7 +146,7 @@ class Decomposition:
     layout : Layout
     rank, size, local : int
         This rank, the ranks, and the tokens each holds.
-    mask : masks.Mask or None
+    mask : masks.Mask
     scheme : the scheme object (schemes.py), ``scheme.name`` its name
     topo : topology.Topology or None (the flat ring on one node, not emulated)
     transport_name : str
@@ -203,7 +202,7 @@ class Decomposition:
                 signature = dict(call or {}, **request.signature())
             except Exception as e:  # noqa: BLE001
                 error = as_burst_error(e)
-        offsets = None if request is None or request.mask is None else request.mask.cu_seqlens
+        offsets = None if request is None else request.mask.cu_seqlens
         everyone = agree(comm, error, signature, {"cu_seqlens": offsets}, facts=facts)
         self.comm, self.rank, self.size, self.request = comm, comm.rank, comm.size, request
         try:
@@ -219,7 +218,7 @@ class Decomposition:
         r = request
         self.seqlen, self.local, self.batch, self.dtype = r.seqlen, r.seqlen // self.size, r.batch, r.dtype
         self.heads, self.kv_heads, self.head_dim = r.heads, r.kv_heads, r.head_dim
-        self.causal, self.scale, self.mask, self.network = r.causal, r.scale, r.mask, r.network
+        self.scale, self.mask, self.network = r.scale, r.mask, r.network
         auto = isinstance(r.layout, str) and r.layout == "auto"   # one rank: every layout holds the same
         self.topo = None
         if r.scheme != "ring" or r.ranks_per_node is not None or r.network or auto and self.size > 1:
@@ -228,8 +227,8 @@ class Decomposition:
         if auto and self.size > 1:
             self.layout = self.fastest_layout(everyone[0])
         else:
-            self.layout = as_layout(default_kind(r.causal) if r.layout is None or auto else r.layout, r.seqlen,
-                                    self.size, masks.counting(r.seqlen, r.causal, r.mask))   # chunks: placed by it
+            self.layout = as_layout(default_kind(r.mask.causal) if r.layout is None or auto else r.layout, r.seqlen,
+                                    self.size, r.mask)   # chunks: placed by it
         name = settled_scheme(r, self.topo, self.layout, everyone)
         if name == "gather":
             self.ring = gather_backward_ring(r.backward_ring)
@@ -237,21 +236,19 @@ class Decomposition:
             self.ring = choose_backward_ring(r.backward_ring, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize,
                                              *(masks.ring_steps(r.mask, self.layout, queries_travel)
                                                for queries_travel in (True, False)), self.size)
-        self.scheme = make_scheme(name, self.comm, self.topo, self.layout, r.causal, r.mask)
+        self.scheme = make_scheme(name, self.comm, self.topo, self.layout, r.mask)
 
     def fastest_layout(self, facts):
         """The Layout the cost model predicts fastest (costmodel.choose_layout), priced with the rates of
         the machine whose ``facts`` are given (rank 0's: its GPU model and the fixed costs measured there)."""
-        from .costmodel import choose_layout
+        from .costmodel import Problem, fastest_layout
         from .rates import rates_for
 
         r, topo = self.request, self.topo
         per_node = topo.per_node if topo is not None and topo.nodes > 1 else None
-        return choose_layout(r.seqlen, self.size, causal=r.causal, cu_seqlens=None if r.mask is None else
-                             r.mask.cu_seqlens, window=None if r.mask is None else r.mask.window, heads=r.heads,
-                             kv_heads=r.kv_heads, head_dim=r.head_dim, dtype=r.dtype, batch=r.batch,
-                             ranks_per_node=per_node, scheme=r.scheme, backward=r.backward,
-                             rates=rates_for(r.backend, facts["device"], facts["fixed"]))
+        problem = Problem(r.batch, r.seqlen, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize, r.mask)
+        return fastest_layout(problem, self.size, rates_for(r.backend, facts["device"], facts["fixed"]), per_node,
+                              r.scheme, r.backward)
 
     def shard(self, x, axis=1):
         """This rank's shard of the global array ``x`` (NumPy or CuPy, the tokens along ``axis``)."""
@@ -326,7 +323,7 @@ class CallPlan:
         d = self.decomposition = decomposition
         self.backend, self.xp, self.acc = backend, backend.xp, accum_dtype(d.dtype)
         if backend.name == "cuda":
-            backend.prepare(d.comm, d.dtype, d.head_dim, d.causal, d.mask is not None, directions)
+            backend.prepare(d.comm, d.dtype, d.head_dim, d.mask, directions)
         self.passes = passes.for_plan(self)
 
     # what the callers read of the decomposition
