@@ -210,8 +210,7 @@ def run(options, comm=None):
         del host
         with clock("verify"):
             passes_s = (clock.seconds["forward"], clock.seconds["backward"])
-            checked, line = _verify_published(options, comm, spec, dev, results, layout, scale, passes_s, progress,
-                                              rates)
+            checked, line = _verify_published(options, comm, spec, dev, results, d, passes_s, progress, rates)
         verified = checked["ok"]
         summary.append(line)
     facts.update(_outcome(clock.total(), flops, checked, size))
@@ -350,9 +349,9 @@ def _verify_rates(options, spec, scale, xp, comm):
     return rates
 
 
-def _verify_published(options, comm, spec, inputs, results, layout, scale, seconds, progress, rates):
-    """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs, on host
-    copies with BURST_HPC_VERIFY_ON_GPU=0):
+def _verify_published(options, comm, spec, inputs, results, decomposition, seconds, progress, rates):
+    """--verify after the output is published, on the shards the job holds (``decomposition``'s: on its GPU
+    for CuPy runs, on host copies with BURST_HPC_VERIFY_ON_GPU=0), under the run's mask:
     the output's attributes say verify = 'not finished' until rank 0 records the outcome (a job stopped
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
     cost at most verify.BUDGET of the passes' time (``seconds``), by ``rates`` (verify.Rates, from the
@@ -367,8 +366,8 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     announce = Progress(comm.rank == 0 and options.progress is not False)  # the predicted cost, unless --quiet
     announce.t0 = progress.t0
     try:
-        report = verify.verify_resident(inputs, results, layout.indices(comm.rank),
-                                        spec, comm, options.causal, scale, options.window,
+        d = decomposition
+        report = verify.verify_resident(inputs, results, d.indices(), spec, comm, d.mask, d.scale,
                                         rows=options.verify_rows or verify.ROWS, seed=options.verify_seed,
                                         budget_s=budget, announce=announce, progress=progress, rates=rates)
     except BurstError as e:

@@ -111,6 +111,11 @@ class Mask:
         return ", ".join(parts) or "no mask"
 
     @property
+    def arguments(self):
+        """{name: value}: the mask as burst_attention and the float64 oracle (reference.py) take it."""
+        return {"causal": self.causal, "window": self.window, "cu_seqlens": self.cu_seqlens}
+
+    @property
     def intervals(self):
         """(lo, hi): int64 arrays over global query positions; row i sees keys lo[i] <= j < hi[i]."""
         return _intervals(self)
