@@ -566,7 +566,8 @@ def test_forward_first_then_last_pair(d):
     scale, half = d ** -0.5, 400  # the first key block, keys 300.. (rows 0..299 see none of it)
     o, lse, out = _poison(q.shape, cupy.float32), _poison((b, hq, s), cupy.float32), _poison(q.shape, BF16)
     be = _be()
-    be.forward_block(q, k[:, 300:half], v[:, 300:half], o, lse, scale=scale, **plain_mask(True), k_start=300, first=True)
+    be.forward_block(q, k[:, 300:half], v[:, 300:half], o, lse, scale=scale, **plain_mask(True), k_start=300,
+                     first=True)
     assert bool(cupy.isneginf(lse[:, :, :300]).all())  # nothing yet: o is ignored there
     pieces = ((0, 300), (half, s))
     for i, (k0, k1) in enumerate(pieces):

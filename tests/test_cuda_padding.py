@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 import burst_hpc  # noqa: E402
 from burst_hpc.backends import cuda  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
-from burst_testing import BF16, FP16, assert_lse_close, assert_rule, plain_backward, plain_forward, plain_mask, randn  # noqa: E402
+from burst_testing import (BF16, FP16, assert_lse_close, assert_rule, plain_backward, plain_forward,  # noqa: E402
+                           plain_mask, randn)
 
 FAMILIES = list(cuda.kernel_families()) if _NGPU else []
 

@@ -119,7 +119,8 @@ def test_backward_block_with_float64_lse_is_tight(rng, seed):
     be = NumpyBackend(16, 16)
     o, lse = _fwd(be, q, k, v, 0.125, True, 20, 10)
     dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
-    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=0.125, **plain_mask(True), q_start=20, k_start=10)
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=0.125, **plain_mask(True), q_start=20,
+                      k_start=10)
     ref = attention_backward_reference(do, q, k, v, causal=True, scale=0.125, q_start=20, k_start=10)
     for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
         np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12, err_msg=f"seed={seed} {name}")
@@ -144,7 +145,8 @@ def test_key_blocks_merge_into_running_result(dtype, causal, rng, seed):
     o, lse = _empty_acc(be, 2, sq, hq, d, dtype)
     for part in order:
         k0, k1 = cuts[part], cuts[part + 1]
-        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=d ** -0.5, **plain_mask(causal), q_start=0, k_start=k0)
+        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=d ** -0.5, **plain_mask(causal), q_start=0,
+                         k_start=k0)
     _check_forward(o, lse, q, k, v, d ** -0.5, causal, 0, 0, ctx)
 
     o_in, lse_in = o.astype(dtype), lse.astype(np.float32)
@@ -196,7 +198,8 @@ def test_zigzag_halves_and_strided_views(dtype, rng, seed):
             offset = 0
             for q0, qn in runs:
                 be.forward_block(q[:, q0:q0 + qn], k[:, k0:k0 + kn], v[:, k0:k0 + kn], o[:, offset:offset + qn],
-                                 lse[:, :, offset:offset + qn], scale=d ** -0.5, **plain_mask(True), q_start=q0, k_start=k0)
+                                 lse[:, :, offset:offset + qn], scale=d ** -0.5, **plain_mask(True), q_start=q0,
+                                 k_start=k0)
                 offset += qn
     base = o.base
     assert np.all(base[:, 0] == sentinel) and np.all(base[:, n + 1:] == sentinel), ctx + ": wrote outside the view"

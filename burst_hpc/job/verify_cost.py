@@ -126,10 +126,12 @@ def measure(spec, scale, backward, xp):
     block = {name: device(4 * tokens, hk if name in ("k", "v") else hq) for name in ("q", "k", "v", "do", "o")}
     lse = xp.full((b, hq, 4 * tokens), 5.0, xp.float32)
 
-    def timed(t, c, causal=False, first=0):
+    full, causal = masks.make(shape.seqlen), masks.make(shape.seqlen, True)
+
+    def timed(t, c, mask=full, first=0):
         part = {name: x[:t] if name == "positions" else None if x is None else x[:, :, :t] if x.ndim == 3 else x[:, :t]
                 for name, x in gathered.items()}
-        check = Samples(part, shape, masks.make(shape.seqlen, causal), scale, xp)
+        check = Samples(part, shape, mask, scale, xp)
         pos, keys = np.arange(first, first + c), slice(first, first + c)
         sync(xp)
         begin = time.perf_counter()
@@ -143,7 +145,7 @@ def measure(spec, scale, backward, xp):
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for first in (0, 2 * tokens):   # causal: some samples see none of the keys, some keys no sample sees
-            timed(n, 16, causal=True, first=first)
+            timed(n, 16, causal, first)
         sizes = ((samples, tokens), (n, tokens), (samples, 4 * tokens), (n, 4 * tokens))
         base, more_samples, more_tokens, more_both = np.min([[timed(*size) for size in sizes] for _ in range(2)],
                                                             axis=0)

@@ -155,7 +155,8 @@ def auto_schemes(layout, cl):
 
 
 def fits(scheme, pr, cl, layout=None):
-    """None when ``scheme`` runs this problem in ``layout`` (a Layout; None: zigzag), else why not (the reason the library gives)."""
+    """None when ``scheme`` runs this problem in ``layout`` (a Layout; None: zigzag), else why not (the
+    reason the library gives)."""
     from .schemes import check_node_layout, ulysses_heads
 
     try:

@@ -91,10 +91,10 @@ class Request:
     def signature(self):
         """What every rank must pass alike, by name (document offsets apart: agree compares them by digest)."""
         layout = self.layout.key if isinstance(self.layout, Layout) else self.layout
+        mask = {name: value for name, value in self.mask.arguments.items() if name != "cu_seqlens"}
         return {"seqlen": self.seqlen, "batch": self.batch, "heads": self.heads, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), "causal": self.mask.causal,
-                "window": self.mask.window, "scale": self.scale, "layout": layout,
-                "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
+                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), **mask, "scale": self.scale,
+                "layout": layout, "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
                 "ranks_per_node": self.ranks_per_node, "emulated network": self.network, "backend": self.backend,
                 "backward": self.backward}
 

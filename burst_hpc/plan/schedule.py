@@ -179,8 +179,9 @@ def balanced_by_schedule(layout, mask):
 def steps(layout, rank, near, returns, mask, nodes=None):
     """This rank's steps, ranks holding tokens by ``layout`` (layout.Layout). ``near``: the side that
     travels on a plain ring, and the cheaper side for the balanced schedule to move; ``returns``:
-    the sides whose partials go back to their owners; ``mask``: the call's masks.Mask; ``nodes`` the node of each rank (the balanced schedule keeps its moves inside nodes where
-    it can; None: one node)."""
+    the sides whose partials go back to their owners; ``mask``: the call's masks.Mask; ``nodes`` the
+    node of each rank (the balanced schedule keeps its moves inside nodes where it can; None: one
+    node)."""
     size = layout.size
     if balanced_by_schedule(layout, mask):
         return work_steps(rank, size, near, returns, mask, nodes)
