@@ -64,7 +64,7 @@ class NumpyBackend:
     def __init__(self, block_q=128, block_k=128, xp=np):
         self.block_q = block_q
         self.block_k = block_k
-        self.xp = xp  # numpy, or cupy: then the masks of diagonal tiles are built on the host and copied
+        self.xp = xp  # numpy, or cupy: then the masks of partly masked tiles are built on the host and copied
 
     def key_tiles(self, q0, q1, n_keys, masked, q_start, k_start, mask):
         """Key tiles (k0, k1, hidden) with something visible to query rows q0..q1-1; ``hidden`` is

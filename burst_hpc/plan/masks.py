@@ -14,6 +14,13 @@ Both ends never decrease with i, and i itself is always inside. So a block of qu
 block of keys [k0, k1) as one of: hidden (no row's interval meets the keys), full (every row's
 interval covers them: no mask) or masked; and a kernel needs only two int32 arrays, lo and hi,
 indexed by global query position (docs/KERNELS.md, "Masks").
+
+A call's mask is one Mask, made here once (``make``) and handed down: the schedule, balance,
+placement, cost model, engine, block backends, kernels and verification read it through the Mask
+alone. A new mask of this model (each row one interval that holds the row itself, both ends never
+decreasing) is a field of Mask (in its ``key``, its words and ``arguments``; ``kind`` 'intervals'), a
+term of ``_intervals`` and an argument of ``make``; the float64 oracle (burst_hpc/reference.py)
+defines it again, independently.
 """
 import hashlib
 from functools import lru_cache

@@ -26,7 +26,7 @@ Each query piece against each key piece is, by the call's mask (masks.Mask.class
 - full: every query sees every key -> no mask;
 - masked: some keys are hidden -> the mask is applied inside the kernel on global positions.
 Full pairs that sit next to each other in local memory are fused into one call, so a
-zigzag step with no diagonal is a single kernel launch.
+zigzag step with no masked pair is a single kernel launch.
 """
 from dataclasses import dataclass, replace
 from functools import lru_cache

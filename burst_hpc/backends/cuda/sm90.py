@@ -287,7 +287,8 @@ class Sm90Kernels:
 
     def backward_order(self, mode, nkb, slots, ranges):
         """(head slots per chunk, key block order: a device array or a null pointer) of the backward's tile
-        order (attn_bwd_sm90.cu, KeyBlockTile). Longest first under a causal mask needs no table (key block n
+        order (attn_bwd_sm90.cu, KeyBlockTile) for the kernel instance ``mode`` (contract.mask_mode; ``ranges``
+        the interval kernels' query tile ranges per key block). Longest first under a causal mask needs no table (key block n
         sees the query tiles from n on); under interval masks the pre-pass attn_bwd_sm90_order ranks the key
         blocks by their query tiles, on the device."""
         import cupy
