@@ -76,14 +76,16 @@ class NumpyBackend:
                 yield k0, min(n_keys, k0 + self.block_k), None
             return
         lo, hi = (x - k_start for x in mask.rows(q_start + q0, q1 - q0))
-        k_begin, k_end = max(0, int(lo[0])), min(n_keys, int(hi[-1]))  # both ends never decrease
+        # both ends never decrease: the first row sees the fewest keys after, the last the fewest before
+        k_begin, k_end, tightest = max(0, int(lo[0])), min(n_keys, int(hi[-1])), (int(lo[-1]), int(hi[0]))
         for k0 in range(k_begin - k_begin % self.block_k, k_end, self.block_k):
             k1 = min(k_end, k0 + self.block_k)
-            keys = np.arange(k0, k1)
-            if lo[-1] <= k0 and hi[0] >= k1:
+            if tightest[0] <= k0 and tightest[1] >= k1:
                 yield k0, k1, None
-            elif (np.minimum(hi, k1) > np.maximum(lo, k0)).any():
-                yield k0, k1, self.xp.asarray(~((keys >= lo[:, None]) & (keys < hi[:, None])))
+            # some row's keys meet the tile: the rows ending after k0 are a suffix, those starting before k1 a prefix
+            elif np.searchsorted(hi, k0, side="right") < np.searchsorted(lo, k1, side="left"):
+                keys = np.arange(k0, k1)
+                yield k0, k1, self.xp.asarray((keys < lo[:, None]) | (keys >= hi[:, None]))
 
     def forward_block(self, q, k, v, o, lse, *, scale, masked=False, mask=None, q_start=0, k_start=0, first=False,
                       out=None):
