@@ -191,7 +191,7 @@ def _intervals(mask):
 
 @lru_cache(maxsize=4)
 def _device_intervals(mask, xp, device):
-    return tuple(xp.asarray(x.astype(np.int32)) for x in _intervals(mask))
+    return tuple(xp.asarray(x.astype(np.int32)) for x in mask.intervals)
 
 
 def make(seqlen, causal=False, window=None, cu_seqlens=None):
