@@ -84,3 +84,19 @@ def test_the_numpy_backend_masks_a_new_kind(rng, seed):
     want_o = np.einsum("bhqk,bkhd->bqhd", np.exp(s - want_lse[..., None]), v)
     np.testing.assert_allclose(lse, want_lse, rtol=1e-12, err_msg=f"seed={seed}")
     np.testing.assert_allclose(o, want_o, rtol=1e-10, atol=1e-12, err_msg=f"seed={seed}")
+
+
+@pytest.mark.parametrize("layout", ["zigzag", "balanced", "chunks"])
+def test_the_cost_model_prices_a_new_kind(layout):
+    """The Problem carries the mask: each pass's work is the new kind's visible pairs (the whole ring's)."""
+    from burst_hpc.plan import costmodel
+    from burst_hpc.plan.rates import GPU_RATES
+    from burst_hpc.plan.workload import account
+
+    mask = Prefix(4 * 256, 300)
+    placed = make_layout(layout, mask.seqlen, 4, mask)
+    problem = costmodel.Problem(1, mask.seqlen, 4, 4, 16, 2, mask)
+    prediction = costmodel.predict("gather" if layout == "chunks" else "ring", problem, costmodel.Cluster(1, 4),
+                                   GPU_RATES["H100"], placed)
+    assert prediction.fwd.time > 0 and prediction.bwd.time > 0
+    assert account(placed, mask, "ring", "forward").work.sum() == dense(mask.seqlen, mask.prefix).sum()
