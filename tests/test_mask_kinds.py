@@ -19,7 +19,6 @@ class Prefix(masks.Mask):
         super().__init__(seqlen, causal=True)
         self.prefix, self.kind = prefix, "intervals"
         self.key = self.key + (("prefix", prefix),)
-        self._hash = hash(self.key)
 
     @property
     def intervals(self):

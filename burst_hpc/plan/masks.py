@@ -90,7 +90,6 @@ class Mask:
         self.seqlen, self.causal, self.window, self.cu_seqlens = seqlen, bool(causal), window, cu_seqlens
         self.key = (seqlen, self.causal, window, None if cu_seqlens is None else hashlib.sha256(cu_seqlens.tobytes()).hexdigest())
         self.kind = "intervals" if window is not None or cu_seqlens is not None else "causal" if causal else "full"
-        self._hash = hash(self.key)   # the schedule's caches look a call's mask up at every block pair
 
     @property
     def is_full(self):
@@ -101,7 +100,7 @@ class Mask:
         return isinstance(other, Mask) and self.key == other.key
 
     def __hash__(self):
-        return self._hash
+        return hash(self.key)
 
     def __repr__(self):
         docs = "none" if self.cu_seqlens is None else f"{self.cu_seqlens.size - 1}"
