@@ -61,31 +61,31 @@ class UntiledBackend:
         do not cover bfloat16)."""
         return a.astype(acc, copy=False) @ b.astype(acc, copy=False)
 
-    def _scores(self, q, k, acc, scale, causal, q_start, k_start):
+    def _scores(self, q, k, acc, scale, masked, q_start, k_start):
         s = self._mm(q, k.T, acc) * acc.type(scale)
-        if causal:
+        if masked:
             xp = self.xp
             hidden = (k_start + xp.arange(k.shape[0]))[None, :] > (q_start + xp.arange(q.shape[0]))[:, None]
             s[hidden] = -xp.inf
         return s
 
     @staticmethod
-    def _plain(mask):
-        if mask is not None:
+    def _plain(masked, mask):
+        if masked and mask.kind != "causal":
             raise BurstError("the untiled baseline knows plain causal masks only, not documents or windows")
 
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None, first=False,
+    def forward_block(self, q, k, v, o, lse, *, scale, masked=False, mask=None, q_start=0, k_start=0, first=False,
                       out=None):
-        self._plain(mask)
-        forward_ends(self.xp, lambda o, lse: self._forward(q, k, v, o, lse, scale, causal, q_start, k_start), o, lse,
+        self._plain(masked, mask)
+        forward_ends(self.xp, lambda o, lse: self._forward(q, k, v, o, lse, scale, masked, q_start, k_start), o, lse,
                      first=first, out=out)
 
-    def _forward(self, q, k, v, o, lse, scale, causal, q_start, k_start):
+    def _forward(self, q, k, v, o, lse, scale, masked, q_start, k_start):
         xp, acc = self.xp, o.dtype
         group = q.shape[2] // k.shape[2]
         for b in range(q.shape[0]):
             for h in range(q.shape[2]):
-                s = self._scores(q[b, :, h], k[b, :, h // group], acc, scale, causal, q_start, k_start)
+                s = self._scores(q[b, :, h], k[b, :, h // group], acc, scale, masked, q_start, k_start)
                 row_max = s.max(-1)
                 safe_max = xp.where(xp.isneginf(row_max), 0, row_max)
                 p = xp.exp(s - safe_max[:, None])
@@ -97,22 +97,22 @@ class UntiledBackend:
                 o[b, :, h] = o[b, :, h] * w_old[:, None] + block_o * w_new[:, None]
                 lse[b, h] = merged
 
-    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
-                       mask=None, o=None, **ends):
-        self._plain(mask)
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked=False, mask=None, q_start=0,
+                       k_start=0, o=None, **ends):
+        self._plain(masked, mask)
 
         def run(delta, dq, dk, dv):
-            self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start)
+            self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, masked, q_start, k_start)
 
         backward_ends(self.xp, run, self.delta, do, o, delta, dq, dk, dv, **ends)
 
-    def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start):
+    def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, masked, q_start, k_start):
         xp, acc = self.xp, dq.dtype
         group = q.shape[2] // k.shape[2]
         for b in range(q.shape[0]):
             for h in range(q.shape[2]):
                 g = h // group
-                s = self._scores(q[b, :, h], k[b, :, g], acc, scale, causal, q_start, k_start)
+                s = self._scores(q[b, :, h], k[b, :, g], acc, scale, masked, q_start, k_start)
                 row_lse = lse[b, h].astype(acc)
                 p = xp.exp(s - xp.where(xp.isneginf(row_lse), 0, row_lse)[:, None])
                 p[xp.isneginf(row_lse)] = 0
@@ -213,6 +213,7 @@ class _Collective:
             error = e
         agree(comm, error)
         self.q, self.k, self.v, self.causal, self.layout = q, k, v, causal, layout
+        self.mask = burst_hpc.plan.masks.make(self.seqlen, causal)
         self.xp = array_module(q)
         self.backend = get_backend(q)
         self.acc = accum_dtype(q.dtype)
@@ -251,7 +252,8 @@ class AllGatherKV(_Collective):
         lse = xp.full((self.batch, self.heads, self.local), -xp.inf, self.acc)
         for rows, start in self._query_pieces():
             self.backend.forward_block(self.q[:, rows], keys, values, o[:, rows], lse[:, :, rows], scale=self.scale,
-                                       causal=self.causal, q_start=start, k_start=0)
+                                       masked=self.causal, mask=self.mask, q_start=start,
+                                       k_start=0)
         return o.astype(self.q.dtype), lse.astype(xp.float32)
 
     def backward(self, do, o, lse):
@@ -262,8 +264,8 @@ class AllGatherKV(_Collective):
         dkeys, dvalues = xp.zeros(keys.shape, self.acc), xp.zeros(values.shape, self.acc)
         for rows, start in self._query_pieces():
             self.backend.backward_block(self.q[:, rows], keys, values, do[:, rows], lse[:, :, rows], delta[:, :, rows],
-                                        dq[:, rows], dkeys, dvalues, scale=self.scale, causal=self.causal,
-                                        q_start=start, k_start=0)
+                                        dq[:, rows], dkeys, dvalues, scale=self.scale, masked=self.causal,
+                                        mask=self.mask, q_start=start, k_start=0)
         dk, dv = (self._scatter(g) for g in (dkeys, dvalues))
         return dq.astype(self.q.dtype), dk.astype(self.k.dtype), dv.astype(self.v.dtype)
 

@@ -115,12 +115,12 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
     P, r = comm.size, comm.rank
     S, H, Hkv, D = args.tokens_per_rank * P, args.heads, args.kv_heads or args.heads, args.head_dim
     mask = masks.make(S, True, None, cu)
-    flops = 4.0 * visible_pairs(S, True, mask) * H * D
+    flops = 4.0 * visible_pairs(mask) * H * D
     rng = np.random.default_rng([args.seed, 7])
     full = {name: rng.standard_normal((1, S, h, D)).astype(np.float32) for name, h in
             (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
     rates = rates_for("numpy" if args.cpu else "cuda", device)
-    problem = costmodel.Problem(1, S, H, Hkv, D, np.dtype(dtype).itemsize, True)
+    problem = costmodel.Problem(1, S, H, Hkv, D, np.dtype(dtype).itemsize, mask)
     per_node = min(P, args.ranks_per_node)
     cluster = costmodel.Cluster(max(1, P // per_node), per_node)
     picked = {}
@@ -134,9 +134,9 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
     for layout in args.layouts.split(","):
         placed = make_layout(layout, S, P, mask)   # the chunks layout places tokens by the mask
         mine = {name: xp.asarray(placed.shard(x, r)).astype(dtype) for name, x in full.items()}
-        scheme = costmodel.pick(problem, cluster, rates, placed, mask)   # what scheme='auto' runs
+        scheme = costmodel.pick(problem, cluster, rates, placed)   # what scheme='auto' runs
         kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=placed, scheme=scheme)
-        work = account(placed, True, mask, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None).work
+        work = account(placed, mask, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None).work
         row = {"dist": dist, "layout": layout, "scheme": scheme, "P": P, "tokens": S, "documents": len(cu) - 1,
                "longest": int(np.diff(cu).max()), "device": device, "steps": int(work.shape[0]),
                "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()),
@@ -154,7 +154,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
 
             seconds = (queued if args.timing == "queued" else timed)(comm, run, args.iters, args.warmup, xp)
             directions = {"fwd": (False,), "bwd": (True,), "fwdbwd": (False, True)}[pass_]
-            pred = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, mask, b) for b in directions]
+            pred = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, b) for b in directions]
             predicted = sum(p.time for p in pred)
             row[pass_] = seconds
             row[f"{pass_}_tflops_per_gpu"] = flops * PASS_FLOPS[pass_] / P / seconds / 1e12

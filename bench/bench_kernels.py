@@ -125,7 +125,7 @@ def main():
     for d in dims:
         for s in seqs:
             for causal in (False, True):
-                flops = attention_flops(1, H, d, visible_pairs(s, causal))
+                flops = attention_flops(1, H, d, visible_pairs(masks.make(s, causal)))
                 q, k, v, do = (cupy.random.standard_normal((B, s, H, d), dtype=cupy.float32).astype(BF16)
                                for _ in range(4))
                 o = cupy.zeros((B, s, H, d), cupy.float32)
@@ -172,14 +172,15 @@ def time_ours(be, q, k, v, do, o, lse, dq, dk, dv, causal, reps):
     scale = q.shape[-1] ** -0.5
 
     def fwd():
-        be.forward_block(q, k, v, o, lse, scale=scale, causal=causal)
+        be.forward_block(q, k, v, o, lse, scale=scale, masked=causal, mask=masks.make(q.shape[1], True))
 
     def bwd():
         dq.fill(0)
         dk.fill(0)
         dv.fill(0)
         delta = be.delta(do, o)
-        be.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale, causal=causal)
+        be.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale, masked=causal,
+                          mask=masks.make(q.shape[1], True))
 
     def fwdbwd():
         fwd()
@@ -222,7 +223,7 @@ def mask_cases(s):
     bounds = [0]
     while bounds[-1] < s:
         bounds.append(min(s, bounds[-1] + int(rng.integers(2048, 8193))))
-    return (("causal", None), (f"documents 2k-8k ({len(bounds) - 1})", masks.make(s, True, None, np.array(bounds))),
+    return (("causal", masks.make(s, True)), (f"documents 2k-8k ({len(bounds) - 1})", masks.make(s, True, None, np.array(bounds))),
             ("window 4096", masks.make(s, True, (4096, 0), None)))
 
 
@@ -235,11 +236,12 @@ def forward_shapes(args, B=1, H=32):
             o = cupy.zeros((B, s, H, d), cupy.float32)
             lse = cupy.full((B, H, s), -cupy.inf, cupy.float32)
             for causal in (False, True):
-                flops = attention_flops(1, H, d, visible_pairs(s, causal))
+                flops = attention_flops(1, H, d, visible_pairs(masks.make(s, causal)))
                 cells = []
                 for rows in be.kernels.tile_heights(d):
                     be.kernels.forced_tile_height = rows
-                    t = time_cupy(lambda: be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=causal), 3,
+                    t = time_cupy(lambda: be.forward_block(q, k, v, o, lse, scale=d ** -0.5, masked=causal,
+                                                          mask=masks.make(s, True)), 3,
                                   args.reps)
                     cells.append(f"BM={rows}: {flops / t / 1e9:.0f}")
                 be.kernels.forced_tile_height = None
@@ -277,16 +279,17 @@ def backward_orders(args, torch, B=1, H=32):
             lse = cupy.full((B, H, s), -cupy.inf, cupy.float32)
             dq, dk, dv = (cupy.zeros((B, s, H, d), cupy.float32) for _ in range(3))
             for causal in (False, True):
-                flops = attention_flops(1, H, d, visible_pairs(s, causal))
+                flops = attention_flops(1, H, d, visible_pairs(masks.make(s, causal)))
                 o.fill(0)
                 lse.fill(-cupy.inf)
-                be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=causal)
+                be.forward_block(q, k, v, o, lse, scale=d ** -0.5, masked=causal, mask=masks.make(s, True))
 
                 def bwd():
                     dq.fill(0)
                     dk.fill(0)
                     dv.fill(0)
-                    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=causal)
+                    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, masked=causal,
+                                      mask=masks.make(s, True))
 
                 cells = run_orders(flops, bwd)
                 line = f"D={d} S={s} causal={causal}: " + ", ".join(f"{n} {t:.0f}" for n, t in cells.items())
@@ -314,14 +317,14 @@ def backward_orders(args, torch, B=1, H=32):
     dq, dk, dv = (cupy.zeros((1, s, heads, d), cupy.float32) for _ in range(3))
     causal_rate = None
     for name, mask in mask_cases(s):
-        visible = mask.visible_count(0, s, 0, s) if mask is not None else s * (s + 1) // 2
+        visible = mask.visible_count(0, s, 0, s)
         flops = attention_flops(1, heads, d, visible)
         o.fill(0)
         lse.fill(-cupy.inf)
-        be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=True, mask=mask)
+        be.forward_block(q, k, v, o, lse, scale=d ** -0.5, masked=True, mask=mask)
 
         def bwd():
-            be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=True, mask=mask)
+            be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, masked=True, mask=mask)
 
         cells = run_orders(flops, bwd)
         causal_rate = causal_rate or cells
@@ -338,17 +341,17 @@ def mask_rows(families, torch, reps, dev, md_path, s=16384, d=128, heads=32):
     dq, dk, dv = (cupy.zeros((1, s, heads, d), cupy.float32) for _ in range(3))
     scale = d ** -0.5
     for name, mask in mask_cases(s):
-        visible = mask.visible_count(0, s, 0, s) if mask is not None else s * (s + 1) // 2
+        visible = mask.visible_count(0, s, 0, s)
         flops = attention_flops(1, heads, d, visible)
         row = {"case": name, "visible": visible / (s * s)}
         for family in families:
             be = cuda.CudaBackend.instance(family=family)
 
             def fwd():
-                be.forward_block(q, k, v, o, lse, scale=scale, causal=True, mask=mask)
+                be.forward_block(q, k, v, o, lse, scale=scale, masked=True, mask=mask)
 
             def bwd():
-                be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=scale, causal=True, mask=mask)
+                be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=scale, masked=True, mask=mask)
 
             row[family, "f"] = flops / time_cupy(fwd, 3, reps) / 1e9
             row[family, "b"] = 2.5 * flops / time_cupy(bwd, 2, reps) / 1e9
@@ -385,7 +388,7 @@ def torch_masked(torch, q, k, v, do, mask, flops, reps):
 
     tq, tk, tv, tdo = (tt(x) for x in (q, k, v, do))
     attn_mask, causal = None, True
-    if mask is not None:
+    if mask.kind == "intervals":
         lo, hi = mask.device_intervals(cupy)
         pos = cupy.arange(q.shape[1], dtype=cupy.int32)
         dense = (pos[None, :] >= lo[:, None]) & (pos[None, :] < hi[:, None])

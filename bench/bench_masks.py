@@ -30,9 +30,8 @@ def pair_flops(visible_pairs, heads, dim, backward):
     return 4.0 * visible_pairs * heads * dim * (3.5 if backward else 1.0)
 
 
-def visible_pairs(mask, seqlen, causal):
-    if mask is None:
-        return seqlen * (seqlen + 1) / 2 if causal else float(seqlen) ** 2
+def visible_pairs(mask):
+    """The visible (query, key) pairs of ``mask`` (a masks.Mask), counted exactly."""
     lo, hi = mask.intervals
     return float((hi - lo).sum())
 
@@ -77,8 +76,8 @@ def main():
         kw = dict(comm=comm, causal=True, layout=layout, transport=args.transport, cu_seqlens=docs, window=window)
         o, lse = burst_hpc.burst_attention(q, k, v, **kw)
         row = {"run": label, "layout": layout, "P": P, "tokens": S,
-               "steps": masks.ring_steps(mask, make_layout(layout, S, P)), "pairs": visible_pairs(mask, S, True)}
-        if mask is not None:
+               "steps": masks.ring_steps(mask, make_layout(layout, S, P)), "pairs": visible_pairs(mask)}
+        if mask.kind == "intervals":
             work = masks.rank_work(mask, make_layout(layout, S, P))
             row["imbalance"] = max(work) / (sum(work) / P)
         for pass_ in args.passes.split(","):

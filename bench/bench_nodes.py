@@ -18,7 +18,7 @@ import numpy as np
 from mpi4py import MPI
 
 import burst_hpc
-from burst_hpc.plan import costmodel
+from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.rates import Rates
 from burst_hpc.plan.accounting import attention_flops, visible_pairs
 from burst_hpc.benchmark import RingBenchmark
@@ -75,12 +75,12 @@ def main():
             rows.append((scheme, name, (timed(lambda: call("full")), timed(lambda: call("compute")))))
 
     pr = costmodel.Problem(1, n * comm.size, args.heads, kv_heads, args.head_dim, np.dtype(dtype).itemsize,
-                           args.causal)
+                           masks.make(n * comm.size, args.causal))
     cl = costmodel.Cluster(comm.size // w, w)
     fwd_compute = next(r[2][1] for r in rows if r[:2] == ("ring", "fwd"))
     all_compute = next(r[2][1] for r in rows if r[:2] == ("ring", "fwdbwd"))
     network = setting()
-    flops = [attention_flops(1, args.heads, args.head_dim, visible_pairs(pr.seqlen, args.causal), b) for b in (0, 1)]
+    flops = [attention_flops(1, args.heads, args.head_dim, visible_pairs(pr.mask), b) for b in (0, 1)]
     rates = Rates("this run", flops[0] / cl.ranks / fwd_compute / 1e12,
                             flops[1] / cl.ranks / max(all_compute - fwd_compute, 1e-12) / 1e12,
                             args.intra_gbps, network[0] / 1e9 if network else args.inter_gbps, 10.0,

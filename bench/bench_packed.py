@@ -133,7 +133,7 @@ def document_sets(kind, seqlen, sets):
 
 def pass_flops(mask, heads=HEADS, head_dim=HEAD_DIM):
     """{pass: FLOPs} of one call over ``mask``'s visible pairs (accounting's count, MagiAttention's too)."""
-    pairs = visible_pairs(mask.seqlen, True, mask)
+    pairs = visible_pairs(mask)
     forward, backward = (attention_flops(1, heads, head_dim, pairs, backward=b) for b in (False, True))
     return {"fwd": forward, "bwd": backward, "fwd+bwd": forward + backward}
 

@@ -47,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burst_hpc.plan import callplan  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 from burst_hpc.collective import one_fails_all  # noqa: E402
 from burst_hpc.device import array_device  # noqa: E402
 from burst_hpc.plan.workload import documents  # noqa: E402
@@ -288,7 +289,7 @@ def block_call(args):
     lse = cupy.full((1, args.heads, args.s), -cupy.inf, cupy.float32)
 
     def call():
-        be.forward_block(q, k, v, o, lse, scale=args.d ** -0.5, causal=args.causal)
+        be.forward_block(q, k, v, o, lse, scale=args.d ** -0.5, masked=args.causal, mask=masks.make(q.shape[1], True))
 
     for _ in range(5):
         call()

@@ -67,14 +67,14 @@ def prediction_table(ranks_list, tokens, per_node=8, rates_name="H100"):
     for ranks in ranks_list:
         seqlen = tokens * ranks
         mask = masks.make(seqlen, True, None, document_set("up to S/4", seqlen, 0))
-        problem = costmodel.Problem(1, seqlen, 64, 8, 128, 2, True)
+        problem = costmodel.Problem(1, seqlen, 64, 8, 128, 2, mask)
         cluster = costmodel.Cluster(max(1, ranks // per_node), min(ranks, per_node))
-        flops = 4.0 * visible_pairs(seqlen, True, mask) * 64 * 128 / ranks / 1e12
+        flops = 4.0 * visible_pairs(mask) * 64 * 128 / ranks / 1e12
         cells = []
         for layout in PREDICTED:
             placed = make_layout(layout, seqlen, ranks, mask)
-            scheme = costmodel.pick(problem, cluster, rates, placed, mask)
-            preds = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, mask, b) for b in (False, True)]
+            scheme = costmodel.pick(problem, cluster, rates, placed)
+            preds = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, b) for b in (False, True)]
             cells.append(f"{flops / preds[0].time:.0f} / {flops * 2.5 / preds[1].time:.0f} ({scheme})")
         magi = MAGI_PUBLISHED.get(ranks)
         lines.append(f"| {ranks} | " + " | ".join(cells) + f" | {'%d / %d' % magi if magi else '-'} |")

@@ -17,6 +17,7 @@ import time
 import ml_dtypes
 import numpy as np
 
+from burst_hpc.plan import masks
 from burst_hpc.plan.accounting import attention_flops, visible_pairs
 
 GRADS = ("dq", "dk", "dv")
@@ -24,7 +25,7 @@ GRADS = ("dq", "dk", "dv")
 
 def flops(seqlen, heads, dim, causal, backward):
     """The FlashAttention count (burst_hpc.plan.accounting) of the forward, or of forward + backward."""
-    pairs = visible_pairs(seqlen, causal)
+    pairs = visible_pairs(masks.make(seqlen, causal))
     return attention_flops(1, heads, dim, pairs) + (attention_flops(1, heads, dim, pairs, True) if backward else 0)
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from timing import cupy_gpu_sample, cupy_sample, torch_gpu_sample, torch_sample
 from burst_hpc.backends.cuda import CudaBackend
+from burst_hpc.plan import masks
 
 BF16 = np.dtype("bfloat16")
 
@@ -66,7 +67,8 @@ def main():
                     for name, value in switches.items():
                         setattr(be.kernels, name, value)
                     try:
-                        t = median_ms(sample, lambda: be.forward_block(q, k, v, o, lse, scale=d ** -0.5, causal=causal),
+                        t = median_ms(sample, lambda: be.forward_block(q, k, v, o, lse, scale=d ** -0.5, masked=causal,
+                                                                         mask=masks.make(q.shape[1], True)),
                                       args.reps)
                     finally:
                         for name, value in defaults.items():

@@ -13,6 +13,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burst_hpc.backends.cuda import CudaBackend, default_family  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 
 
 def main():
@@ -31,9 +32,10 @@ def main():
     for _ in range(2):  # the first of each is the warm-up (compilation, tensor maps)
         o = cupy.zeros(shape, cupy.float32)
         lse = cupy.full((1, args.heads, args.s), -cupy.inf, cupy.float32)
-        be.forward_block(q, k, v, o, lse, scale=scale, causal=args.causal)
+        be.forward_block(q, k, v, o, lse, scale=scale, masked=args.causal, mask=masks.make(q.shape[1], True))
         dq, dk, dv = (cupy.zeros(shape, cupy.float32) for _ in range(3))
-        be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=scale, causal=args.causal)
+        be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=scale, masked=args.causal,
+                          mask=masks.make(q.shape[1], True))
     cupy.cuda.runtime.deviceSynchronize()
     print(f"one_call: family {be.family} d={args.d} s={args.s} causal={args.causal} finite:",
           bool(cupy.isfinite(o).all() and cupy.isfinite(dq).all()))

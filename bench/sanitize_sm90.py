@@ -44,7 +44,7 @@ def main():
                 b, sq, sk, hq, hkv = 1, 200, 300, 4, 2
                 # interval: documents and a window over the 300 positions, the queries the last 200
                 window, cu = ((40, 0), np.array([0, 90, 137, 260, 300])) if mode == "interval" else (None, None)
-                mask = masks.make(sk, True, window, cu) if mode == "interval" else None
+                mask = masks.make(sk, True, window, cu)
                 q, k, v, do = (rng.standard_normal((b, n, h, d)).astype(np.float32)
                                for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))
                 dq_, dk_, dv_ = (cupy.zeros(x.shape, np.float32) for x in (q, k, v))
@@ -53,7 +53,7 @@ def main():
                 lse = cupy.full((b, hq, sq), -np.inf, np.float32)
                 scale = d ** -0.5
                 q_start = sk - sq if causal else 0  # the last queries see every key
-                be.forward_block(*dev[:3], o, lse, scale=scale, causal=causal, q_start=q_start, mask=mask)
+                be.forward_block(*dev[:3], o, lse, scale=scale, masked=causal, q_start=q_start, mask=mask)
                 # the same with each query tile's keys cut in two parts (key splits), and with the cross-tile
                 # step (16-bit probabilities round differently per part: the results agree to about 1e-3)
                 for name, value in (("forced_key_splits", 2), ("cross_tile", not be.kernels.cross_tile)):
@@ -61,7 +61,7 @@ def main():
                     default = getattr(be.kernels, name)
                     setattr(be.kernels, name, value)
                     try:
-                        be.forward_block(*dev[:3], o2, lse2, scale=scale, causal=causal, q_start=q_start, mask=mask)
+                        be.forward_block(*dev[:3], o2, lse2, scale=scale, masked=causal, q_start=q_start, mask=mask)
                     finally:
                         setattr(be.kernels, name, default)
                     err = float(cupy.abs(o2 - o).max() / max(float(cupy.abs(o).max()), 1e-6))
@@ -71,7 +71,7 @@ def main():
                         return 1
                 # the block contract's first and last pair at once: the 16-bit output from the epilogue
                 out, lse3 = cupy.empty(q.shape, dtype), cupy.empty_like(lse)
-                be.forward_block(*dev[:3], None, lse3, scale=scale, causal=causal, q_start=q_start, mask=mask,
+                be.forward_block(*dev[:3], None, lse3, scale=scale, masked=causal, q_start=q_start, mask=mask,
                                  first=True, out=out)
                 err = float(cupy.abs(out.astype(np.float32) - o).max() / max(float(cupy.abs(o).max()), 1e-6))
                 worst = max(worst, err)
@@ -89,7 +89,7 @@ def main():
                     be.kernels.longest_first, be.kernels.forced_order_heads = order, heads
                     for x in (dq_, dk_, dv_):
                         x.fill(0)
-                    be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, causal=causal, q_start=q_start,
+                    be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, masked=causal, q_start=q_start,
                                       mask=mask)
                     cupy.cuda.Device().synchronize()
                     for name, got, want in zip(("o", "dq", "dk", "dv"), (o, dq_, dk_, dv_), (ref_o, *grads)):
@@ -108,7 +108,7 @@ def main():
                     oh, lseh = out[:, :, :hq_].copy(), lse3[:, :hq_].copy()
                     outs = [cupy.empty(x.shape, dtype) for x in (qh, dev[1], dev[2])]
                     be.backward_block(qh, dev[1], dev[2], doh, lseh, None, None, None, None, scale=scale,
-                                      causal=causal, q_start=q_start, mask=mask, o=oh, first_q=True, first_kv=True,
+                                      masked=causal, q_start=q_start, mask=mask, o=oh, first_q=True, first_kv=True,
                                       dq_out=outs[0], dk_out=outs[1], dv_out=outs[2])
                     cupy.cuda.Device().synchronize()
                     if hq_ == hq:

@@ -13,6 +13,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burst_hpc import reference  # noqa: E402
 from burst_hpc.backends.cuda import CudaBackend  # noqa: E402
+from burst_hpc.plan import masks  # noqa: E402
 
 
 def main():
@@ -28,9 +29,10 @@ def main():
                 dev = [cupy.asarray(x).astype(np.dtype("bfloat16")) for x in (q, k, v, do)]
                 o = cupy.zeros((b, s, hq, d), np.float32)
                 lse = cupy.full((b, hq, s), -np.inf, np.float32)
-                be.forward_block(*dev[:3], o, lse, scale=d ** -0.5, causal=causal)
+                be.forward_block(*dev[:3], o, lse, scale=d ** -0.5, masked=causal, mask=masks.make(s, True))
                 grads = [cupy.zeros(x.shape, np.float32) for x in (q, k, v)]
-                be.backward_block(*dev, lse, be.delta(dev[3], o), *grads, scale=d ** -0.5, causal=causal)
+                be.backward_block(*dev, lse, be.delta(dev[3], o), *grads, scale=d ** -0.5, masked=causal,
+                                  mask=masks.make(s, True))
                 cupy.cuda.Device().synchronize()
                 host = [cupy.asnumpy(x.astype(np.float32)).astype(np.float64) for x in dev]
                 want = [reference.attention_reference(*host[:3], causal=causal)[0],

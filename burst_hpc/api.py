@@ -6,10 +6,9 @@ from .validate import check_like, check_qkv, check_same_kind, resolve_scale
 
 
 def _mask(q, k, v, causal, window, cu_seqlens):
-    """Checked shapes and the Mask (None: plain causal or full). Documents and windows are on the
-    positions of one sequence, so they need as many queries as keys, like causal."""
-    masked = causal or window is not None or cu_seqlens is not None
-    shapes = check_qkv(q, k, v, masked)
+    """Checked shapes and the call's masks.Mask. A mask is on the positions of one sequence, so it
+    needs as many queries as keys."""
+    shapes = check_qkv(q, k, v, causal or window is not None or cu_seqlens is not None)
     return shapes, masks.make(shapes[1], causal, window, cu_seqlens)
 
 
@@ -59,8 +58,8 @@ def attention(q, k, v, causal=False, scale=None, backend=None, cu_seqlens=None, 
     # one block pair, the first and the last: the output is written in q's dtype where it is computed
     o = be.xp.empty(q.shape, q.dtype)
     lse = be.xp.empty((b, hq, sq), accum_dtype(q.dtype))
-    be.forward_block(q, k, v, None, lse, scale=resolve_scale(scale, d), causal=causal or mask is not None,
-                     q_start=0, k_start=0, mask=mask, first=True, out=o)
+    be.forward_block(q, k, v, None, lse, scale=resolve_scale(scale, d), masked=not mask.is_full, mask=mask,
+                     first=True, out=o)
     return o, lse.astype(be.xp.float32, copy=False)
 
 
@@ -98,6 +97,6 @@ def attention_backward(do, q, k, v, o, lse, causal=False, scale=None, backend=No
     # written in their inputs' dtypes where they are last written
     dq, dk, dv = (be.xp.empty(x.shape, x.dtype) for x in (q, k, v))
     be.backward_block(q, k, v, do, lse, None, None, None, None, scale=resolve_scale(scale, d),
-                      causal=causal or mask is not None, q_start=0, k_start=0, mask=mask, o=o, first_q=True,
-                      first_kv=True, dq_out=dq, dk_out=dk, dv_out=dv)
+                      masked=not mask.is_full, mask=mask, o=o, first_q=True, first_kv=True, dq_out=dq, dk_out=dk,
+                      dv_out=dv)
     return dq, dk, dv

@@ -155,13 +155,12 @@ def cmd_plan(args):
     from .plan import calibrate, tables
     from .plan.costmodel import Cluster
     from .plan.layout import LAYOUTS, layouts_for
-    from .plan.masks import counting
     from .plan.rates import GPU_RATES
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
     cu_seqlens = _collective(tables.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,
                              args.cu_seqlens)
-    problem, mask = _collective(tables.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
+    problem = _collective(tables.problem, args.seqlen, args.batch, args.heads, args.kv_heads, args.head_dim,
                                 parse_dtype(args.dtype), args.causal, args.window, cu_seqlens)
     rank = rank_and_size()[0]
     if args.measure:
@@ -177,11 +176,11 @@ def cmd_plan(args):
                                                "bwd_launch_us", "step_us") if getattr(args, f) is not None}
     rates = replace(rates, **overrides)
     cluster = Cluster(nodes, per_node)
-    layouts = _collective(layouts_for, problem.seqlen, cluster.ranks, counting(problem.seqlen, problem.causal, mask),
+    layouts = _collective(layouts_for, problem.seqlen, cluster.ranks, problem.mask,
                           LAYOUTS if args.layout is None else (args.layout,))   # chunks: placed by the mask
-    text, pick = _collective(tables.table, problem, cluster, rates, mask, layouts)
+    text, pick = _collective(tables.table, problem, cluster, rates, layouts)
     if rank == 0:
-        print(tables.describe(problem, cluster, rates, mask))
+        print(tables.describe(problem, cluster, rates))
         print(text)
         print(f"pick: layout {pick.layout.kind}, scheme {pick.scheme} ({pick.fwdbwd:.3g} s forward+backward; "
               f"shard by it: burst_hpc.choose_layout)")

@@ -5,8 +5,9 @@ from .dtypes import check_supported, dtype_name
 from .errors import BurstError, DTypeError, ShapeError
 
 
-def check_qkv(q, k, v, causal=False):
-    """Validate q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D); return (B, Sq, Sk, Hq, Hkv, D)."""
+def check_qkv(q, k, v, masked=False):
+    """Validate q (B, Sq, Hq, D), k and v (B, Sk, Hkv, D), as many queries as keys when ``masked``
+    (a mask is on the positions of one sequence); return (B, Sq, Sk, Hq, Hkv, D)."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if getattr(x, "ndim", None) != 4:
             raise ShapeError(f"{name} must be rank 4 (batch, seqlen, heads, head_dim); got shape {getattr(x, 'shape', None)}")
@@ -20,7 +21,7 @@ def check_qkv(q, k, v, causal=False):
         raise ShapeError(f"query heads ({hq}) must be a multiple of key/value heads ({hkv})")
     if d == 0:
         raise ShapeError("head_dim must be positive")
-    if causal and sq != sk:
+    if masked and sq != sk:
         raise ShapeError(f"causal, document and window masks need as many queries as keys; got {sq} and {sk}")
     dtype = check_supported(q.dtype)
     for name, x in (("k", k), ("v", v)):

@@ -254,7 +254,7 @@ def run_case(comm, case, xp=np):
     placed = dict(causal=case.causal, window=case.window,   # the chunks layout places tokens by the mask
                   cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     try:
-        burst_hpc.make_layout(layout, case.seqlen, P, burst_hpc.plan.layout.placement_mask(case.seqlen, **placed))
+        burst_hpc.make_layout(layout, case.seqlen, P, burst_hpc.plan.masks.make(case.seqlen, **placed))
     except burst_hpc.LayoutError:
         layout_for_shards = "contiguous"   # the call must refuse the case's layout
     else:

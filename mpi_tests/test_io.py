@@ -14,7 +14,8 @@ import pytest
 from burst_hpc import io
 from burst_hpc.dtypes import bfloat16
 from burst_hpc.errors import BurstError, DTypeError, FileError, LayoutError, ShapeError
-from burst_hpc.plan.layout import LAYOUTS, make_layout, placement_mask, shard
+from burst_hpc.plan import masks
+from burst_hpc.plan.layout import LAYOUTS, make_layout, shard
 
 
 @pytest.fixture
@@ -44,7 +45,7 @@ def _write_inputs(comm, path, arrays):
 def _placed(kind, seqlen, size):
     """The Layout of ``kind``, placed by causal documents (the chunks layout places tokens by them; the
     other layouts ignore them)."""
-    mask = placement_mask(seqlen, causal=True, cu_seqlens=np.array([0, 3, seqlen // 2 + 1, seqlen]))
+    mask = masks.make(seqlen, causal=True, cu_seqlens=np.array([0, 3, seqlen // 2 + 1, seqlen]))
     return make_layout(kind, seqlen, size, mask)
 
 

@@ -10,6 +10,7 @@ from mpi4py import MPI
 import burst_hpc
 import burst_hpc.plan.topology
 from burst_hpc.errors import LayoutError, TopologyError
+from burst_hpc.plan import masks
 from burst_hpc.plan.masks import random_documents
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import problem
@@ -156,10 +157,10 @@ def test_bytes_over_the_network_equal_the_cost_model(comm, scheme, backward):
             sent = bench.network_bytes() - before
         else:
             sent = bench.network_bytes()
-        pr = costmodel.Problem(1, q.shape[1], hq, hkv, 8, 4, True)
+        pr = costmodel.Problem(1, q.shape[1], hq, hkv, 8, 4, masks.make(q.shape[1], True))
         cluster = costmodel.Cluster(nodes, w)
         model = costmodel.pass_prediction(scheme, pr, cluster, GPU_RATES["cpu"], costmodel.zigzag(pr, cluster),
-                                          None, backward)
+                                          backward)
         assert comm.allreduce(sent, op=max_op()) == model.network
 
 
@@ -192,7 +193,7 @@ def test_peak_memory_matches_the_cost_model(comm, scheme, backward):
             bench.forward("comm")
         _, peak = tracemalloc.get_traced_memory()
         tracemalloc.stop()
-        pr = costmodel.Problem(1, q.shape[1], hq, hkv, d, 4, True)
+        pr = costmodel.Problem(1, q.shape[1], hq, hkv, d, 4, masks.make(q.shape[1], True))
         model = peak_memory(scheme, pr, costmodel.Cluster(nodes, w), backward)
         measured = comm.allreduce(peak, op=max_op()) + inputs
         assert abs(measured - model) <= 0.05 * model, (measured, model)
@@ -215,7 +216,7 @@ def test_plan_measures_rates_under_mpiexec(comm):
     from burst_hpc.plan import costmodel, tables
 
     nodes, w = cases(comm.size)[0]
-    pr = costmodel.Problem(1, 64 * comm.size, 2, 2, 16, 4, True)
+    pr = costmodel.Problem(1, 64 * comm.size, 2, 2, 16, 4, masks.make(64 * comm.size, True))
     rates, topo = tables.measure(comm, pr, w, tokens=128, nbytes=1 << 16)
     assert (topo.nodes, topo.per_node) == (nodes, w)
     assert min(rates.fwd_tflops, rates.bwd_tflops, rates.intra_gbps, rates.inter_gbps) > 0

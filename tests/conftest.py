@@ -20,6 +20,7 @@ import pytest
 
 from burst_hpc import tolerance
 from burst_hpc.dtypes import dtype_name
+from burst_hpc.plan import masks
 from burst_hpc.tolerance import max_abs, max_err
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -75,6 +76,15 @@ def f64(x):
 
 # ---------------------------------------------------------------------------------------------
 # the tolerance rule and its plain same-precision baseline: the library's (burst_hpc.tolerance)
+
+
+CAUSAL = masks.Mask(1 << 40, causal=True)   # plain causal attention on any positions a test uses
+
+
+def plain_mask(causal):
+    """The block contract's mask keywords of a pair under plain causal attention (``causal``: the pair is
+    masked, keys after their query hidden on global positions) or of an unmasked pair."""
+    return dict(masked=bool(causal), mask=CAUSAL)
 
 
 def plain_forward(q, k, v, causal=False, scale=None, q_start=0, k_start=0):

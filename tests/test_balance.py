@@ -83,6 +83,6 @@ def test_schedule_work_counts_the_schedules_visits(layout, causal):
                                        direction="backward")
         placed = make_layout(layout, seqlen, size)
         for r in range(size):
-            plan = steps(placed, causal, r, "kv", ("kv", "q"), mask)
+            plan = steps(placed, r, "kv", ("kv", "q"), mask)
             assert len(plan) == len(work)
             assert [sum(visit_work(mask, placed, v) for v in s.visits) for s in plan] == list(work[:, r])

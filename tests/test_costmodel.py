@@ -5,12 +5,12 @@ from dataclasses import replace
 import pytest
 
 import burst_hpc
-from burst_hpc.plan import costmodel
+from burst_hpc.plan import costmodel, masks
 from burst_hpc.cli import main
 from burst_hpc.plan.costmodel import Cluster, Problem
 from burst_hpc.plan.memory import peak_memory
 from burst_hpc.plan.rates import GPU_RATES, Rates
-from burst_hpc.plan.layout import LAYOUTS, make_layout, placement_mask
+from burst_hpc.plan.layout import LAYOUTS, make_layout
 
 M = 1 << 20
 # the per-pair and per-byte rates alone: what the overlap formulas speak of (tests/test_fixed_costs.py
@@ -25,8 +25,8 @@ def no_measured_costs(tmp_path, monkeypatch):
     monkeypatch.setenv("CUPY_CACHE_DIR", str(tmp_path / "cache"))
 
 
-TARGETS = [(Problem(1, M, 32, 32, 128, 2, True), Cluster(16, 8)),    # 16 x 8 H100, MHA
-           (Problem(1, M, 32, 8, 128, 2, True), Cluster(32, 8))]     # 32 x 8 H100, GQA 4:1
+TARGETS = [(Problem(1, M, 32, 32, 128, 2, masks.make(M, True)), Cluster(16, 8)),    # 16 x 8 H100, MHA
+           (Problem(1, M, 32, 8, 128, 2, masks.make(M, True)), Cluster(32, 8))]     # 32 x 8 H100, GQA 4:1
 
 
 @pytest.mark.parametrize("pr,cl", TARGETS)
@@ -43,19 +43,19 @@ def test_targets_flat_ring_is_comm_bound_and_the_pick_hides(pr, cl):
 def test_auto_keeps_the_flat_ring_where_it_hides(nodes, tokens):
     """Enough tokens per GPU (the formula's 24k for causal MHA at 50 GB/s): the flat ring hides."""
     cl = Cluster(nodes, 8)
-    pr = Problem(1, tokens * cl.ranks, 32, 32, 128, 2, True)
+    pr = Problem(1, tokens * cl.ranks, 32, 32, 128, 2, masks.make(tokens * cl.ranks, True))
     assert costmodel.pick(pr, cl, H100_50) == "ring"
 
 
 def test_one_node_is_always_the_flat_ring():
-    pr = Problem(1, 8 * 4096, 32, 32, 128, 2, True)
+    pr = Problem(1, 8 * 4096, 32, 32, 128, 2, masks.make(8 * 4096, True))
     assert costmodel.pick(pr, Cluster(1, 8), replace(H100_50, intra_gbps=1.0)) == "ring"
 
 
 def test_thresholds_follow_the_formulas():
     """forward n >= c F / (g B): 2 * 590e12 / 50e9 = 23.6k tokens for causal MHA; GQA 4:1 a quarter;
     a two-level scheme divides B's requirement by w."""
-    pr, cl = Problem(1, M, 32, 32, 128, 2, True), Cluster(16, 8)
+    pr, cl = Problem(1, M, 32, 32, 128, 2, masks.make(M, True)), Cluster(16, 8)
     flat = costmodel.hiding_tokens("ring", pr, cl, H100_50)
     assert 20000 <= flat <= 24000
     gqa = costmodel.hiding_tokens("ring", replace(pr, kv_heads=8), cl, H100_50)
@@ -70,7 +70,7 @@ def test_predicts_the_single_node_ring_of_benchmarks(tokens, passes, measured):
     those runs (compute-only times) and the NVLink rate measured there (~300 GB/s), within 15%."""
     rates = Rates("H200 run", 305.0, 276.0, 300.0, 300.0) if tokens == 32768 else \
         Rates("H200 run", 321.0, 283.0, 300.0, 300.0)
-    pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, True), Cluster(1, 4)
+    pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, masks.make(4 * tokens, True)), Cluster(1, 4)
     p = costmodel.predict("ring", pr, cl, rates)
     got = p.fwd.time if passes == "fwd" else p.fwdbwd
     assert abs(got - measured) <= 0.15 * measured, (got, measured)
@@ -94,7 +94,7 @@ def test_peak_memory_matches_the_gpu_figures_of_benchmarks(tokens, fwd_gib, fwdb
     """4 x H200, causal bf16 H=32 D=128 zigzag (docs/BENCHMARKS.md, CuPy pool high-water mark per
     rank). bench_ring.py's pool also holds do (bf16) and the float32 buffer its inputs were drawn
     in (cached by the pool) during the forward row; the backward row is the call itself."""
-    pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, True), Cluster(1, 4)
+    pr, cl = Problem(1, 4 * tokens, 32, 32, 128, 2, masks.make(4 * tokens, True)), Cluster(1, 4)
     gib = 2 ** 30
     bench_extra = tokens * 32 * 128 * (2 + 4)
     assert abs((peak_memory("ring", pr, cl) + bench_extra) / gib - fwd_gib) <= 0.05 * fwd_gib
@@ -115,21 +115,21 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
 
     ranks, per_node, seqlen = 16, 4, 16 * 256
     rates = replace(GPU_RATES["H100"], **NO_FIXED)
-    pr = costmodel.Problem(1, seqlen, 64, 8, 128, 2, True)
     mask = masks.make(seqlen, True, None, masks.random_documents(np.random.default_rng(2), seqlen, 4))
+    pr = costmodel.Problem(1, seqlen, 64, 8, 128, 2, mask)
     direction = "backward" if backward else "forward"
     cluster = costmodel.Cluster(ranks // per_node, per_node)
     balanced = make_layout("balanced", seqlen, ranks)
-    got = costmodel.pass_prediction("ring", pr, cluster, rates, balanced, mask, backward)
+    got = costmodel.pass_prediction("ring", pr, cluster, rates, balanced, backward)
     sizes = transfer_bytes(64, 8, 128, 2, backward)
     load = {}
-    for _, _, sender, receiver, what, side, tokens in workload.schedule_transfers(balanced, True, mask, direction,
+    for _, _, sender, receiver, what, side, tokens in workload.schedule_transfers(balanced, mask, direction,
                                                                                 per_node):
         if sender // per_node != receiver // per_node:
             for end in ((sender, "out"), (receiver, "in")):
                 load[end] = load.get(end, 0.0) + sizes[(what, side)] * tokens / (rates.inter_gbps * 1e9)
     assert load and got.time >= max(load.values())
-    assert any(due > posted for posted, due, *_ in workload.schedule_transfers(balanced, True, mask, direction,
+    assert any(due > posted for posted, due, *_ in workload.schedule_transfers(balanced, mask, direction,
                                                                               per_node))
     assert got.time >= got.compute >= got.mean > 0
 
@@ -141,11 +141,11 @@ def test_step_prediction_charges_every_byte_and_every_pair(backward):
             schedule.LEAD = schedule.INNER_LEAD = schedule.INNER_LAG = 0
             for f in caches:
                 f.cache_clear()
-            late = costmodel.pass_prediction("ring", pr, cluster, rates, balanced, mask, backward)
+            late = costmodel.pass_prediction("ring", pr, cluster, rates, balanced, backward)
             # every transfer due in the step that posts it: each step costs the larger of its busiest
             # rank's kernels and the most any link carries then (a latency once per link and step)
-            work = workload.work_of(balanced, True, mask, direction, per_node)
-            traffic = workload.schedule_traffic(balanced, True, mask, direction, per_node)
+            work = workload.work_of(balanced, mask, direction, per_node)
+            traffic = workload.schedule_traffic(balanced, mask, direction, per_node)
             per_pair = costmodel.attention_flops(1, 64, 128, 1.0, backward) / (
                 (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12)
             charged = 0.0
@@ -219,7 +219,7 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
     chosen = burst_hpc.choose_layout(seqlen, nodes * per_node, causal=causal,
                                      cu_seqlens=cu, window=window, heads=heads, kv_heads=kv_heads,
                                      ranks_per_node=per_node, rates=replace(GPU_RATES["H100"], inter_gbps=gbps))
-    placed = placement_mask(seqlen, causal, cu, window)   # the chunks layout places tokens by it
+    placed = masks.make(seqlen, causal, window, cu)   # the chunks layout places tokens by it
     assert chosen.kind == pick[0] and chosen == make_layout(pick[0], seqlen, nodes * per_node, placed)
 
 
@@ -251,9 +251,9 @@ def test_the_account_of_a_rotated_schedule_is_every_ranks_own(scheme, layout, di
     mask = masks.make(seqlen, True, (20, 0), np.array([0, 7, 40, 41, 70, seqlen]))
     near, returns = workload.DIRECTIONS[direction]
     layout = make_layout(layout, seqlen, size)
-    acc = workload.account(layout, True, mask, scheme, direction, w)
+    acc = workload.account(layout, mask, scheme, direction, w)
     if scheme == "ring":
-        plans = [flat_steps(layout, True, r, near, returns, mask) for r in range(size)]
+        plans = [flat_steps(layout, r, near, returns, mask) for r in range(size)]
     else:
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])

@@ -31,6 +31,7 @@ from burst_hpc.backends import cuda, get_backend  # noqa: E402
 from burst_hpc.errors import BackendError  # noqa: E402
 from burst_hpc.reference import attention_backward_reference  # noqa: E402
 from burst_hpc.tolerance import plain_attention  # noqa: E402
+from burst_testing import plain_mask  # noqa: E402
 
 BF16 = np.dtype("bfloat16")
 _FAMILIES = cuda.kernel_families() if _NGPU else ()
@@ -126,7 +127,7 @@ def _run_forward(q, k, v, scale, causal, q_start=0, k_start=0, o=None, lse=None)
     if o is None:
         o = cupy.full((b, sq, hq, d), cupy.nan, cupy.float32)  # poison: every visible row must be written
         lse = cupy.full((b, hq, sq), -cupy.inf, cupy.float32)
-    _be().forward_block(q, k, v, o, lse, scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+    _be().forward_block(q, k, v, o, lse, scale=scale, **plain_mask(causal), q_start=q_start, k_start=k_start)
     return o, lse
 
 
@@ -177,7 +178,7 @@ def _check_backward(s, d, causal, hq, hkv, b=2):
     # poison: accumulators start from random values and must be *added* to
     init = [cupy.random.standard_normal(x.shape, dtype=cupy.float32) for x in (q, k, v)]
     dq, dk, dv = (x.copy() for x in init)
-    be.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale, causal=causal)
+    be.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale, **plain_mask(causal))
     ref = ref_backward(do, q, k, v, scale, causal)
     plain = ref_backward(do, q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
     for name, got, i0, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), init, ref, plain):
@@ -334,9 +335,9 @@ def _check_interval_backward(dt, d, hq, hkv):
     be = _be()
     o = cupy.zeros((2, seqlen, hq, d), cupy.float32)
     lse = cupy.full((2, hq, seqlen), -cupy.inf, cupy.float32)
-    be.forward_block(*dev[:3], o, lse, scale=scale, causal=True, mask=mask)
+    be.forward_block(*dev[:3], o, lse, scale=scale, masked=True, mask=mask)
     acc = [cupy.zeros(x.shape, cupy.float32) for x in (q, k, v)]
-    be.backward_block(*dev, lse, be.delta(dev[3], o), *acc, scale=scale, causal=True, mask=mask)
+    be.backward_block(*dev, lse, be.delta(dev[3], o), *acc, scale=scale, masked=True, mask=mask)
     kw = dict(causal=True, window=window, cu_seqlens=cu)
     plain = plain_attention(q, k, v, do, True, None, dt, window, cu)
     for name, got, want, base in zip(("dq", "dk", "dv"), acc, attention_backward_reference(do, q, k, v, **kw),
@@ -386,9 +387,9 @@ def test_views_offsets_and_merge(d, causal):
     o, lse = obig[:, 5:5 + sq], lbig[:, :, 5:5 + sq]
     be = _be()
     # the later key block first: the merge order must not matter
-    be.forward_block(q, k_all[:, sk1:], v_all[:, sk1:], o, lse, scale=scale, causal=causal,
+    be.forward_block(q, k_all[:, sk1:], v_all[:, sk1:], o, lse, scale=scale, **plain_mask(causal),
                      q_start=q_start, k_start=k_start + sk1)
-    be.forward_block(q, k_all[:, :sk1], v_all[:, :sk1], o, lse, scale=scale, causal=causal,
+    be.forward_block(q, k_all[:, :sk1], v_all[:, :sk1], o, lse, scale=scale, **plain_mask(causal),
                      q_start=q_start, k_start=k_start)
     ref_o, ref_lse, _ = ref_forward(q, k_all, v_all, scale, causal, q_start, k_start)
     pl_o, _, _ = ref_forward(q, k_all, v_all, scale, causal, q_start, k_start, cupy.float32, _rounder(BF16))
@@ -404,7 +405,7 @@ def test_views_offsets_and_merge(d, causal):
     dq, dk, dv = dqb[:, 8:], dkvb[:, :, 0], dkvb[:, :, 1]
     for lo, hi in ((0, sk1), (sk1, sk1 + sk2)):
         be.backward_block(q, k_all[:, lo:hi], v_all[:, lo:hi], do, lse, delta, dq[:, :], dk[:, lo:hi], dv[:, lo:hi],
-                          scale=scale, causal=causal, q_start=q_start, k_start=k_start + lo)
+                          scale=scale, **plain_mask(causal), q_start=q_start, k_start=k_start + lo)
     ref = ref_backward(do, q, k_all, v_all, scale, causal, q_start, k_start)
     plain = ref_backward(do, q, k_all, v_all, scale, causal, q_start, k_start, cupy.float32, _rounder(BF16))
     got = (dq - init[0][:, 8:], dk - init[1][:, :, 0], dv - init[1][:, :, 1])
@@ -420,12 +421,12 @@ def test_fully_masked_rows_untouched():
     o = cupy.random.standard_normal((b, 130, h, d), dtype=cupy.float32)
     lse = cupy.random.standard_normal((b, h, 130), dtype=cupy.float32)
     o0, l0 = o.copy(), lse.copy()
-    _be().forward_block(q, k, v, o, lse, scale=0.125, causal=True, q_start=0, k_start=100)
+    _be().forward_block(q, k, v, o, lse, scale=0.125, **plain_mask(True), q_start=0, k_start=100)
     vis = (cupy.arange(130) >= 100)
     assert bool((o[:, ~vis] == o0[:, ~vis]).all()) and bool((lse[:, :, ~vis] == l0[:, :, ~vis]).all())
     assert not bool((o[:, vis] == o0[:, vis]).all())
     # a block wholly hidden is a no-op
-    _be().forward_block(q, k, v, o, lse, scale=0.125, causal=True, q_start=0, k_start=1000)
+    _be().forward_block(q, k, v, o, lse, scale=0.125, **plain_mask(True), q_start=0, k_start=1000)
     assert bool(cupy.isfinite(o).all())
 
 
@@ -443,7 +444,7 @@ def test_other_input_types(dtype):
     _check("o", o, pl_o, ref_o, 2)
     be = _be()
     dq, dk, dv = (cupy.zeros(x.shape, cupy.float32) for x in (q, k, v))
-    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=True)
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, **plain_mask(True))
     ref = ref_backward(do, q, k, v, d ** -0.5, True)
     plain = ref_backward(*(x.astype(low) for x in (do, q, k, v)), d ** -0.5, True, dtype=cupy.float32,
                          rnd=_rounder(low))
@@ -526,7 +527,7 @@ def test_against_torch_sdpa(d, causal):
     o, lse = _run_forward(q, k, v, d ** -0.5, causal)
     be = _be()
     dq, dk, dv = (cupy.zeros(x.shape, cupy.float32) for x in (q, k, v))
-    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=causal)
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, **plain_mask(causal))
     ref_o, _, _ = ref_forward(q, k, v, d ** -0.5, causal)
     _check("o vs torch", o, c(to), ref_o, 2)
     ref = ref_backward(do, q, k, v, d ** -0.5, causal)
@@ -547,7 +548,7 @@ def test_forward_one_pair_writes_its_output(s, d, hq, hkv, causal):
     q, k, v = (_rand((b, s, h, d), BF16) for h in (hq, hkv, hkv))
     scale = d ** -0.5
     out, lse = _poison(q.shape, BF16), _poison((b, hq, s), cupy.float32)
-    _be().forward_block(q, k, v, None, lse, scale=scale, causal=causal, first=True, out=out)
+    _be().forward_block(q, k, v, None, lse, scale=scale, **plain_mask(causal), first=True, out=out)
     ref_o, ref_lse, _ = ref_forward(q, k, v, scale, causal)
     pl_o, _, _ = ref_forward(q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
     _check("o", out, pl_o, ref_o, 2)
@@ -565,11 +566,12 @@ def test_forward_first_then_last_pair(d):
     scale, half = d ** -0.5, 400  # the first key block, keys 300.. (rows 0..299 see none of it)
     o, lse, out = _poison(q.shape, cupy.float32), _poison((b, hq, s), cupy.float32), _poison(q.shape, BF16)
     be = _be()
-    be.forward_block(q, k[:, 300:half], v[:, 300:half], o, lse, scale=scale, causal=True, k_start=300, first=True)
+    be.forward_block(q, k[:, 300:half], v[:, 300:half], o, lse, scale=scale, **plain_mask(True), k_start=300,
+                     first=True)
     assert bool(cupy.isneginf(lse[:, :, :300]).all())  # nothing yet: o is ignored there
     pieces = ((0, 300), (half, s))
     for i, (k0, k1) in enumerate(pieces):
-        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=scale, causal=True, k_start=k0,
+        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=scale, **plain_mask(True), k_start=k0,
                          out=out if i == len(pieces) - 1 else None)
     ref_o, ref_lse, _ = ref_forward(q, k, v, scale, True)
     pl_o, _, _ = ref_forward(q, k, v, scale, True, dtype=cupy.float32, rnd=_rounder(BF16))
@@ -582,7 +584,7 @@ def test_forward_first_pair_rows_that_see_nothing():
     b, h, d = 1, 2, 64
     q, k, v = (_rand((b, n, h, d), BF16) for n in (300, 64, 64))
     out, lse = _poison(q.shape, BF16), _poison((b, h, 300), cupy.float32)
-    _be().forward_block(q, k, v, None, lse, scale=0.125, causal=True, k_start=200, first=True, out=out)
+    _be().forward_block(q, k, v, None, lse, scale=0.125, **plain_mask(True), k_start=200, first=True, out=out)
     vis = cupy.arange(300) >= 200
     assert bool((out[:, ~vis].astype(cupy.float32) == 0).all()) and bool(cupy.isneginf(lse[:, :, ~vis]).all())
     ref_o, ref_lse, _ = ref_forward(q, k, v, 0.125, True, 0, 200)
@@ -601,9 +603,9 @@ def test_backward_one_pair_writes_its_gradients(s, d, hq, hkv, causal):
     scale = d ** -0.5
     be = _be()
     o, lse = _poison(q.shape, BF16), _poison((b, hq, s), cupy.float32)
-    be.forward_block(q, k, v, None, lse, scale=scale, causal=causal, first=True, out=o)
+    be.forward_block(q, k, v, None, lse, scale=scale, **plain_mask(causal), first=True, out=o)
     dq, dk, dv = (_poison(x.shape, BF16) for x in (q, k, v))
-    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=scale, causal=causal, o=o, first_q=True,
+    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=scale, **plain_mask(causal), o=o, first_q=True,
                       first_kv=True, dq_out=dq, dk_out=dk, dv_out=dv)
     ref = ref_backward(do, q, k, v, scale, causal)
     plain = ref_backward(do, q, k, v, scale, causal, dtype=cupy.float32, rnd=_rounder(BF16))
@@ -658,9 +660,9 @@ def test_backward_one_pair_keys_no_query_sees():
     scale, k_start = d ** -0.5, 200
     be = _be()
     o, lse = _poison(q.shape, BF16), _poison((b, h, sq), cupy.float32)
-    be.forward_block(q, k, v, None, lse, scale=scale, causal=True, k_start=k_start, first=True, out=o)
+    be.forward_block(q, k, v, None, lse, scale=scale, **plain_mask(True), k_start=k_start, first=True, out=o)
     dq, dk, dv = (_poison(x.shape, BF16) for x in (q, k, v))
-    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=scale, causal=True, k_start=k_start, o=o,
+    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=scale, **plain_mask(True), k_start=k_start, o=o,
                       first_q=True, first_kv=True, dq_out=dq, dk_out=dk, dv_out=dv)
     ref = ref_backward(do, q, k, v, scale, True, 0, k_start)
     plain = ref_backward(do, q, k, v, scale, True, 0, k_start, dtype=cupy.float32, rnd=_rounder(BF16))

@@ -101,7 +101,7 @@ def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing():
         k, v = (rng.standard_normal((1, k_len, 2, d)).astype(BF16) for _ in range(2))
         o = cupy.zeros((1, q_len, 4, d), cupy.float32)
         lse = cupy.full((1, 4, q_len), -cupy.inf, cupy.float32)
-        be.forward_block(*(cupy.asarray(x) for x in (q, k, v)), o, lse, scale=d ** -0.5, causal=True,
+        be.forward_block(*(cupy.asarray(x) for x in (q, k, v)), o, lse, scale=d ** -0.5, masked=True,
                          q_start=q_start, k_start=k_start, mask=mask)
         kw = dict(causal=True, q_start=q_start, k_start=k_start, window=(300, 0), cu_seqlens=cu)
         ref_o, ref_lse = attention_reference(q, k, v, **kw)
@@ -115,7 +115,7 @@ def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing():
         poison = [rng.standard_normal(s).astype(np.float32) for s in ((1, q_len, 4, d), (1, k_len, 2, d), (1, k_len, 2, d))]
         acc = [cupy.asarray(p.copy()) for p in poison]
         be.backward_block(*(cupy.asarray(x) for x in (q, k, v, do)), cupy.asarray(ref_lse.astype(np.float32)),
-                          cupy.asarray(delta), *acc, scale=d ** -0.5, causal=True, q_start=q_start, k_start=k_start,
+                          cupy.asarray(delta), *acc, scale=d ** -0.5, masked=True, q_start=q_start, k_start=k_start,
                           mask=mask)
         for name, got, p, want in zip(("dq", "dk", "dv"), acc, poison,
                                       attention_backward_reference(do, q, k, v, **kw)):

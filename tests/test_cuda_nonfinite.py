@@ -31,7 +31,7 @@ from burst_hpc.plan import masks  # noqa: E402
 from burst_hpc.backends import cuda  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
 
-from burst_testing import BF16, assert_finite_like, poke_nonfinite  # noqa: E402
+from burst_testing import BF16, assert_finite_like, plain_mask, poke_nonfinite  # noqa: E402
 
 FP16 = np.dtype(np.float16)
 VALUES = {"nan": np.nan, "inf": np.inf, "-inf": -np.inf}
@@ -140,7 +140,7 @@ def test_running_nan_survives_the_epilogue_merge(family, nan_first):
     blocks = [(0, cut), (cut, seqlen)]
     for k0, k1 in blocks if nan_first else blocks[::-1]:
         be.forward_block(cupy.asarray(q), cupy.asarray(k[:, k0:k1]), cupy.asarray(v[:, k0:k1]), o, lse,
-                         scale=d ** -0.5, causal=True, q_start=0, k_start=k0)
+                         scale=d ** -0.5, **plain_mask(True), q_start=0, k_start=k0)
     ctx = f"seed={seed} cut {cut}, NaN block merged first: {nan_first}"
     ref_o, ref_lse = attention_reference(q, k, v, causal=True)
     assert np.isnan(ref_lse[:, :, cut:]).any() and np.isfinite(ref_lse).any(), ctx

@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(_NGPU < 1, reason="no GPU")
 import burst_hpc  # noqa: E402
 from burst_hpc.backends import cuda  # noqa: E402
 from burst_hpc.reference import attention_backward_reference, attention_reference  # noqa: E402
-from burst_testing import BF16, FP16, assert_lse_close, assert_rule, plain_backward, plain_forward, randn  # noqa: E402
+from burst_testing import (BF16, FP16, assert_lse_close, assert_rule, plain_backward, plain_forward,  # noqa: E402
+                           plain_mask, randn)
 
 FAMILIES = list(cuda.kernel_families()) if _NGPU else []
 
@@ -44,7 +45,7 @@ def test_padded_head_dim_forward_backward(rng, family, d, causal, dtype):
 
     o = cupy.full((b, sq, hq, d), cupy.nan, cupy.float32)  # poison: every visible row must be written
     lse = cupy.full((b, hq, sq), -cupy.inf, cupy.float32)
-    be.forward_block(qd, kd, vd, o, lse, scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+    be.forward_block(qd, kd, vd, o, lse, scale=scale, **plain_mask(causal), q_start=q_start, k_start=k_start)
     o_ref, lse_ref = attention_reference(q, k, v, causal, scale, q_start, k_start)
     o_plain, _ = plain_forward(q, k, v, causal, scale, q_start, k_start)
     visible = np.isfinite(lse_ref)[0, 0] if causal else np.ones(sq, bool)
@@ -56,7 +57,7 @@ def test_padded_head_dim_forward_backward(rng, family, d, causal, dtype):
     delta = be.delta(dod, o.astype(dtype))
     init = [cupy.random.standard_normal(x.shape, dtype=cupy.float32) for x in (qd, kd, vd)]
     dq, dk, dv = (x.copy() for x in init)  # gradients are added to what is there
-    be.backward_block(qd, kd, vd, dod, lse, delta, dq, dk, dv, scale=scale, causal=causal, q_start=q_start,
+    be.backward_block(qd, kd, vd, dod, lse, delta, dq, dk, dv, scale=scale, **plain_mask(causal), q_start=q_start,
                       k_start=k_start)
     ref = attention_backward_reference(do, q, k, v, causal, scale, q_start, k_start)
     plain = plain_backward(do, q, k, v, causal, scale, q_start, k_start)

@@ -35,13 +35,13 @@ def documents_setting(tokens):
     seqlen = tokens * RANKS
     cu = documents(np.random.default_rng(0), seqlen, "capped", longest=seqlen // 4)
     mask = masks.make(seqlen, True, None, cu)
-    return costmodel.Problem(1, seqlen, 64, 8, 128, 2, True), mask, visible_pairs(seqlen, True, mask)
+    return costmodel.Problem(1, seqlen, 64, 8, 128, 2, mask), mask, visible_pairs(mask)
 
 
 def predicted_tflops(rates, tokens, layout):
     """(forward, forward+backward) TFLOP/s per GPU as bench_documents.py counts them, predicted."""
     pr, mask, pairs = documents_setting(tokens)
-    p = costmodel.predict("ring", pr, costmodel.Cluster(1, RANKS), rates, make_layout(layout, pr.seqlen, RANKS), mask)
+    p = costmodel.predict("ring", pr, costmodel.Cluster(1, RANKS), rates, make_layout(layout, pr.seqlen, RANKS))
     flops = 4.0 * pairs * 64 * 128 / RANKS / 1e12
     return flops / p.fwd.time, flops * 3.5 / p.fwdbwd
 
@@ -75,7 +75,7 @@ def test_the_pick_among_the_measured_layouts_is_the_fastest_measured():
     for tokens, fastest in ((8192, "contiguous"), (32768, "balanced")):
         pr, mask, _ = documents_setting(tokens)
         layouts = layouts_for(pr.seqlen, RANKS, mask, tuple(MEASURED[tokens]))
-        pick, _ = costmodel.best(pr, costmodel.Cluster(1, RANKS), rates_for("cuda", "NVIDIA H200"), mask, layouts)
+        pick, _ = costmodel.best(pr, costmodel.Cluster(1, RANKS), rates_for("cuda", "NVIDIA H200"), layouts)
         assert pick.layout.kind == fastest
 
 
@@ -90,11 +90,11 @@ def test_each_launch_step_and_message_pays_its_fixed_cost_once(layout, backward)
     cl = costmodel.Cluster(1, RANKS)
     free = Rates("free", 1e30, 1e30, 1e30, 1e30, 0.0, 0.0)
     layout = make_layout(layout, pr.seqlen, RANKS)
-    direction = costmodel.direction_of(pr, layout, mask, backward)
-    acc = account(layout, True, mask, "ring", direction, None)
+    direction = costmodel.direction_of(pr, layout, backward)
+    acc = account(layout, mask, "ring", direction, None)
 
     def seconds(**fixed):
-        return costmodel.pass_prediction("ring", pr, cl, replace(free, **fixed), layout, mask, backward).time
+        return costmodel.pass_prediction("ring", pr, cl, replace(free, **fixed), layout, backward).time
 
     launch = "bwd_launch_us" if backward else "fwd_launch_us"
     assert seconds(**{launch: 1e6}) == pytest.approx(acc.launches.max(axis=1).sum())
@@ -110,9 +110,10 @@ def test_block_calls_follow_the_engines_block_pairs():
     diagonal pieces and the full pair between), 1 elsewhere (its two full pairs share a side and are
     fused into one call); contiguous 1 a visible pair, none for a hidden one (the keys after the
     queries: a forward ring that carries them still steps)."""
-    zigzag = account(make_layout("zigzag", 64 * RANKS, RANKS), True, None, "ring", "forward", None)
+    causal = masks.make(64 * RANKS, True)
+    zigzag = account(make_layout("zigzag", 64 * RANKS, RANKS), causal, "ring", "forward", None)
     assert (zigzag.launches[0] == 3).all() and (zigzag.launches[1:] == 1).all()
-    contiguous = account(make_layout("contiguous", 64 * RANKS, RANKS), True, None, "ring", "forward", None)
+    contiguous = account(make_layout("contiguous", 64 * RANKS, RANKS), causal, "ring", "forward", None)
     assert (contiguous.launches[0] == 1).all()
     assert (contiguous.launches[1:] == (contiguous.work[1:] > 0)).all() and contiguous.launches[1:].min() == 0
 

@@ -12,28 +12,28 @@ def kernels(monkeypatch):
     return k
 
 
-@pytest.mark.parametrize("heads,s,causal,want", [
-    (32, 4096, False, 1),  # 1024 query tiles: the SMs are full
-    (8, 2048, False, 1),   # 128 equal tiles on 132 SMs: parts would only add rounds
-    (8, 1024, False, 2),   # 64 tiles: half the SMs idle
-    (8, 2048, True, 2),    # 128 causal tiles, the longest twice the mean
-    (1, 4096, False, 4),   # 32 tiles of 32 key tiles
+@pytest.mark.parametrize("heads,s,mode,want", [
+    (32, 4096, "full", 1),    # 1024 query tiles: the SMs are full
+    (8, 2048, "full", 1),     # 128 equal tiles on 132 SMs: parts would only add rounds
+    (8, 1024, "full", 2),     # 64 tiles: half the SMs idle
+    (8, 2048, "causal", 2),   # 128 causal tiles, the longest twice the mean
+    (1, 4096, "full", 4),     # 32 tiles of 32 key tiles
 ])
-def test_key_split_fills_idle_sms(kernels, heads, s, causal, want):
-    assert kernels.key_split(128, 128, heads, s, s, causal, 0, None) == want
+def test_key_split_fills_idle_sms(kernels, heads, s, mode, want):
+    assert kernels.key_split(128, 128, heads, s, s, mode, 0) == want
 
 
 def test_key_split_off_masked_or_forced(kernels):
-    assert kernels.key_split(128, 128, 1, 4096, 4096, False, 0, object()) == 1  # interval masks: never
+    assert kernels.key_split(128, 128, 1, 4096, 4096, "interval", 0) == 1  # interval masks: never
     kernels.key_splits = False
-    assert kernels.key_split(128, 128, 1, 4096, 4096, False, 0, None) == 1
+    assert kernels.key_split(128, 128, 1, 4096, 4096, "full", 0) == 1
     kernels.forced_key_splits = 3
-    assert kernels.key_split(128, 128, 32, 4096, 4096, False, 0, None) == 3
+    assert kernels.key_split(128, 128, 32, 4096, 4096, "full", 0) == 3
 
 
 def test_key_split_nothing_visible(kernels):
     # a causal block pair whose keys all lie after the queries: no key tile to split
-    assert kernels.key_split(128, 128, 1, 256, 256, True, -1000, None) == 1
+    assert kernels.key_split(128, 128, 1, 256, 256, "causal", -1000) == 1
 
 
 def test_interval_tiles_match_the_kernels_visits():
@@ -54,7 +54,7 @@ def test_interval_tiles_match_the_kernels_visits():
         window = (int(rng.integers(-1, 200)), int(rng.integers(-1, 50))) if rng.random() < 0.7 else None
         cu = masks.random_documents(rng, s, int(rng.integers(1, min(s, 9) + 1))) if rng.random() < 0.7 else None
         mask = masks.make(s, bool(rng.random() < 0.8), window, cu)
-        if mask is None:
+        if mask.kind != "intervals":
             continue
         q0, k0 = (int(x) for x in rng.integers(0, s, 2))
         sq, sk = int(rng.integers(1, s - q0 + 1)), int(rng.integers(1, s - k0 + 1))
@@ -86,6 +86,6 @@ def test_interval_schedule_is_made_once_per_mask(monkeypatch):
     before = masks._intervals.cache_info().misses
     for _ in range(5):
         mask = masks.make(8192, True, None, np.array(offsets))
-        assert sm90._every_tile_sees_keys(mask, True, 0, 8192, 0, 8192, 128, 128)
+        assert sm90._every_tile_sees_keys("interval", mask, 0, 8192, 0, 8192, 128, 128)
     assert len(made) == 1
     assert masks._intervals.cache_info().misses - before <= 1

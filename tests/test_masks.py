@@ -43,9 +43,13 @@ def test_oracle_mask_is_the_definition():
 @pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_intervals_and_block_classes_match_the_oracle(causal, window, rng, seed):
+    """Every kind of mask (full, causal in closed form, the intervals of documents and windows) says
+    what the oracle says of rows, blocks and their visible pairs."""
     seqlen = int(rng.integers(1, 90))
-    docs = documents(rng, seqlen) if window is None or rng.random() < 0.7 else None
+    docs = documents(rng, seqlen) if rng.random() < 0.7 else None
     mask = masks.make(seqlen, causal, window, docs)
+    kind = "intervals" if window is not None or docs is not None else "causal" if causal else "full"
+    assert mask.kind == kind and mask.is_full == (kind == "full")
     dense = visible(np.arange(seqlen), np.arange(seqlen), causal, window, docs)
     lo, hi = mask.intervals
     keys = np.arange(seqlen)
@@ -57,6 +61,8 @@ def test_intervals_and_block_classes_match_the_oracle(causal, window, rng, seed)
         want = "hidden" if not block.any() else "full" if block.all() else "masked"
         assert mask.classify(q0, q1 - q0, k0, k1 - k0) == want, f"seed={seed} rows {q0}:{q1} keys {k0}:{k1}"
         assert mask.visible_count(q0, q1 - q0, k0, k1 - k0) == block.sum()
+        row_lo, row_hi = mask.rows(q0, q1 - q0)
+        np.testing.assert_array_equal((keys >= row_lo[:, None]) & (keys < row_hi[:, None]), dense[q0:q1])
 
 
 # plain full and causal attention (no documents, no window) are test_api's
@@ -144,7 +150,7 @@ def test_blocks_skip_hidden_tiles_and_mask_only_where_needed(rng, seed):
         assert visited.max() <= 1 and np.all(visited[seen] == 1), f"seed={seed}"
         q, k, v = qkv(rng, 1, q_len, k_len, 2, 1, 8)
         o, lse = np.zeros(q.shape), np.full((1, 2, q_len), -np.inf)
-        be.forward_block(q, k, v, o, lse, scale=0.3, causal=True, q_start=q_start, k_start=k_start, mask=mask)
+        be.forward_block(q, k, v, o, lse, scale=0.3, masked=True, mask=mask, q_start=q_start, k_start=k_start)
         ref_o, ref_lse = attention_reference(q, k, v, causal=True, scale=0.3, q_start=q_start, k_start=k_start,
                                              window=(37, 0), cu_seqlens=mask.cu_seqlens)
         assert not np.isnan(o).any()
@@ -218,7 +224,7 @@ def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
     seqlen = 12 * size
     placed = make_layout(layout, seqlen, size)
     window = [None, (int(rng.integers(0, 30)), 0), (int(rng.integers(0, 15)), int(rng.integers(0, 15)))][seed % 3]
-    docs = documents(rng, seqlen) if window is None or rng.random() < 0.5 else None
+    docs = documents(rng, seqlen) if rng.random() < 0.5 else None
     causal = bool(rng.integers(2))
     mask = masks.make(seqlen, causal, window, docs)
     dense = visible(np.arange(seqlen), np.arange(seqlen), causal, window, docs)
@@ -233,9 +239,9 @@ def test_ring_pairs_and_steps_match_the_oracle(layout, size, rng, seed):
                     last[queries_travel] = step
             q_pos, k_pos = layout_indices(seqlen, rank, size, layout), layout_indices(seqlen, source, size, layout)
             covered = np.zeros((q_pos.size, k_pos.size), int)
-            for p in block_pairs(placed.pieces(rank), placed.pieces(source), causal, mask):
+            for p in block_pairs(placed.pieces(rank), placed.pieces(source), mask):
                 block = dense[np.ix_(q_pos[p.q], k_pos[p.k])]
-                assert p.causal == (not block.all()), ctx  # unmasked only where wholly visible
+                assert p.masked == (not block.all()), ctx  # unmasked only where wholly visible
                 assert q_pos[p.q][0] == p.q_start and k_pos[p.k][0] == p.k_start
                 covered[p.q, p.k] += 1
             seen = dense[np.ix_(q_pos, k_pos)]
@@ -283,6 +289,4 @@ def test_the_call_default_never_depends_on_the_mask(causal):
 ])
 def test_a_mask_is_said_in_words(causal, window, cu, text):
     """What --progress prints of the mask: words, not a repr."""
-    assert masks.describe(causal, window, cu) == text
-    if window is not None or cu is not None:
-        assert str(masks.make(4096, causal, window, cu)) == text
+    assert str(masks.make(4096, causal, window, cu)) == text

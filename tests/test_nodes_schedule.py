@@ -4,7 +4,7 @@ rail and at most one partial per rank and inner round) and the bytes each link c
 equal to the cost model's formula."""
 import pytest
 
-from burst_hpc.plan import costmodel
+from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.rates import GPU_RATES
 from burst_hpc.engine.ring import lifetimes
 from burst_hpc.plan.schedule import double_ring_steps, plain_ring_steps
@@ -66,16 +66,16 @@ def test_bytes_on_the_network_equal_the_cost_model(nodes, w, backward, hq, hkv):
     from burst_hpc.plan.accounting import transfer_bytes
     from burst_hpc.plan.workload import DIRECTIONS
 
-    pr = costmodel.Problem(2, 64 * nodes * w, hq, hkv, 16, 2, True)
+    pr = costmodel.Problem(2, 64 * nodes * w, hq, hkv, 16, 2, masks.make(64 * nodes * w, True))
     cl = costmodel.Cluster(nodes, w)
     n = pr.batch * pr.seqlen // cl.ranks
     zigzag = costmodel.zigzag(pr, cl)
-    near, returns = DIRECTIONS[costmodel.direction_of(pr, zigzag, None, backward)]
+    near, returns = DIRECTIONS[costmodel.direction_of(pr, zigzag, backward)]
     assert near == ("q" if backward and hq == hkv else "kv")
     rates = GPU_RATES["H100"]
 
     def model(scheme):
-        return costmodel.pass_prediction(scheme, pr, cl, rates, zigzag, None, backward).network
+        return costmodel.pass_prediction(scheme, pr, cl, rates, zigzag, backward).network
 
     def sizes(heads, kv_heads, tokens):
         return {key: tokens * x for key, x in transfer_bytes(heads, kv_heads, 16, 2, backward).items()}

@@ -12,7 +12,7 @@ from burst_hpc.plan import masks
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
-from burst_testing import BF16, FP32, assert_finite_like, poke_nonfinite, qkv, randn
+from burst_testing import BF16, FP32, assert_finite_like, plain_mask, poke_nonfinite, qkv, randn
 from test_reference import naive_backward, naive_forward
 
 # no NumPy warning either: the arithmetic of NaN and Inf is expected, not a sign of a bug
@@ -37,13 +37,12 @@ def _mask_kwargs(rng, kind, seqlen):
 def _block_call(be, q, k, v, do, scale, kw, q_start=0, k_start=0):
     """(o, lse, dq, dk, dv) from one forward_block and one backward_block of ``be``."""
     mask = masks.make(q.shape[1], kw.get("causal", False), kw.get("window"), kw.get("cu_seqlens"))
-    causal = kw.get("causal", False) or mask is not None
     o = np.zeros(q.shape, np.float32)
     lse = np.full((q.shape[0], q.shape[2], q.shape[1]), -np.inf, np.float32)
-    be.forward_block(q, k, v, o, lse, scale=scale, causal=causal, q_start=q_start, k_start=k_start, mask=mask)
+    where = dict(scale=scale, masked=not mask.is_full, mask=mask, q_start=q_start, k_start=k_start)
+    be.forward_block(q, k, v, o, lse, **where)
     grads = [np.zeros(x.shape, np.float32) for x in (q, k, v)]
-    be.backward_block(q, k, v, do, lse, be.delta(do, o), *grads, scale=scale, causal=causal, q_start=q_start,
-                      k_start=k_start, mask=mask)
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), *grads, **where)
     return (o, lse, *grads)
 
 
@@ -89,19 +88,19 @@ def test_key_blocks_merged_in_any_order(where, mask, rng, seed):
     order = rng.permutation(len(cuts) - 1).tolist()
     ctx = f"seed={seed} {where}[{spots}]=nan cuts={cuts} order={order} {kw}"
     mask_ = masks.make(seqlen, kw["causal"], None, kw.get("cu_seqlens"))
-    causal = kw["causal"] or mask_ is not None
+    causal = not mask_.is_full
     be = NumpyBackend(16, 16)
     o = np.zeros(q.shape, np.float32)
     lse = np.full((1, hq, seqlen), -np.inf, np.float32)
     for i in order:
         k0, k1 = cuts[i], cuts[i + 1]
-        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=d ** -0.5, causal=causal, k_start=k0, mask=mask_)
+        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=d ** -0.5, masked=causal, k_start=k0, mask=mask_)
     grads = [np.zeros(x.shape, np.float32) for x in (q, k, v)]
     delta = be.delta(do, o)
     for i in order:
         k0, k1 = cuts[i], cuts[i + 1]
         be.backward_block(q, k[:, k0:k1], v[:, k0:k1], do, lse, delta, grads[0], grads[1][:, k0:k1],
-                          grads[2][:, k0:k1], scale=d ** -0.5, causal=causal, k_start=k0, mask=mask_)
+                          grads[2][:, k0:k1], scale=d ** -0.5, masked=causal, k_start=k0, mask=mask_)
     for name, got, want in zip(NAMES, (o, lse, *grads), _oracle(q, k, v, do, d ** -0.5, kw)):
         assert_finite_like(name, got, want, 1e-4, ctx)
 
@@ -214,6 +213,6 @@ def test_fully_masked_calls_are_untouched_by_nan(rng, seed):
     o = randn(rng, q.shape, FP32)
     lse = randn(rng, (1, 2, 9), FP32)
     saved = o.copy(), lse.copy()
-    be.forward_block(q, k, v, o, lse, scale=0.5, causal=True, q_start=0, k_start=20)
+    be.forward_block(q, k, v, o, lse, scale=0.5, **plain_mask(True), q_start=0, k_start=20)
     for got, want in zip((o, lse), saved):
         np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")

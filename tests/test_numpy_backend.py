@@ -14,7 +14,7 @@ from burst_hpc.plan.layout import make_layout
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
 from burst_testing import (BF16, DTYPE_IDS, DTYPES, FLOOR, FP32, FP64, assert_lse_close, assert_rule, f64, max_err,
-                      plain_backward, plain_forward, qkv, randn)
+                      plain_backward, plain_forward, plain_mask, qkv, randn)
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
@@ -42,7 +42,7 @@ def _empty_acc(be, b, s, h, d, dtype):
 
 def _fwd(be, q, k, v, scale, causal, q_start, k_start):
     o, lse = _empty_acc(be, q.shape[0], q.shape[1], q.shape[2], q.shape[3], q.dtype)
-    be.forward_block(q, k, v, o, lse, scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+    be.forward_block(q, k, v, o, lse, scale=scale, **plain_mask(causal), q_start=q_start, k_start=k_start)
     return o, lse
 
 
@@ -101,7 +101,7 @@ def test_backward_block_matches_oracle(dtype, heads, d, causal, tiles, rng, seed
     np.testing.assert_allclose(delta, np.einsum("bshd,bshd->bhs", f64(do), f64(o_in)), rtol=1e-5, atol=1e-5,
                                err_msg=ctx)
     dq, dk, dv = np.zeros(q.shape, acc), np.zeros(k.shape, acc), np.zeros(v.shape, acc)
-    be.backward_block(q, k, v, do, lse_in, delta, dq, dk, dv, scale=scale, causal=causal, q_start=q_start,
+    be.backward_block(q, k, v, do, lse_in, delta, dq, dk, dv, scale=scale, **plain_mask(causal), q_start=q_start,
                       k_start=k_start)
     ref = attention_backward_reference(do, q, k, v, causal=causal, scale=scale, q_start=q_start, k_start=k_start)
     plain = plain_backward(do, q, k, v, causal=causal, scale=scale, q_start=q_start, k_start=k_start)
@@ -119,7 +119,8 @@ def test_backward_block_with_float64_lse_is_tight(rng, seed):
     be = NumpyBackend(16, 16)
     o, lse = _fwd(be, q, k, v, 0.125, True, 20, 10)
     dq, dk, dv = (np.zeros(x.shape) for x in (q, k, v))
-    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=0.125, causal=True, q_start=20, k_start=10)
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=0.125, **plain_mask(True), q_start=20,
+                      k_start=10)
     ref = attention_backward_reference(do, q, k, v, causal=True, scale=0.125, q_start=20, k_start=10)
     for name, g, r in zip(("dq", "dk", "dv"), (dq, dk, dv), ref):
         np.testing.assert_allclose(g, r, rtol=1e-10, atol=1e-12, err_msg=f"seed={seed} {name}")
@@ -144,7 +145,8 @@ def test_key_blocks_merge_into_running_result(dtype, causal, rng, seed):
     o, lse = _empty_acc(be, 2, sq, hq, d, dtype)
     for part in order:
         k0, k1 = cuts[part], cuts[part + 1]
-        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=d ** -0.5, causal=causal, q_start=0, k_start=k0)
+        be.forward_block(q, k[:, k0:k1], v[:, k0:k1], o, lse, scale=d ** -0.5, **plain_mask(causal), q_start=0,
+                         k_start=k0)
     _check_forward(o, lse, q, k, v, d ** -0.5, causal, 0, 0, ctx)
 
     o_in, lse_in = o.astype(dtype), lse.astype(np.float32)
@@ -157,7 +159,7 @@ def test_key_blocks_merge_into_running_result(dtype, causal, rng, seed):
         for q0, q1 in ((q_cut, sq), (0, q_cut)):
             be.backward_block(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], do[:, q0:q1], lse_in[:, :, q0:q1],
                               delta[:, :, q0:q1], dq[:, q0:q1], dk[:, k0:k1], dv[:, k0:k1], scale=d ** -0.5,
-                              causal=causal, q_start=q0, k_start=k0)
+                              **plain_mask(causal), q_start=q0, k_start=k0)
     ref = attention_backward_reference(do, q, k, v, causal=causal, scale=d ** -0.5)
     plain = plain_backward(do, q, k, v, causal=causal, scale=d ** -0.5)
     floor = 1e-6 if dtype == FP64 else None
@@ -196,7 +198,8 @@ def test_zigzag_halves_and_strided_views(dtype, rng, seed):
             offset = 0
             for q0, qn in runs:
                 be.forward_block(q[:, q0:q0 + qn], k[:, k0:k0 + kn], v[:, k0:k0 + kn], o[:, offset:offset + qn],
-                                 lse[:, :, offset:offset + qn], scale=d ** -0.5, causal=True, q_start=q0, k_start=k0)
+                                 lse[:, :, offset:offset + qn], scale=d ** -0.5, **plain_mask(True), q_start=q0,
+                                 k_start=k0)
                 offset += qn
     base = o.base
     assert np.all(base[:, 0] == sentinel) and np.all(base[:, n + 1:] == sentinel), ctx + ": wrote outside the view"
@@ -219,7 +222,7 @@ def test_zigzag_halves_and_strided_views(dtype, rng, seed):
                 sl = slice(offset, offset + qn)
                 be.backward_block(q[:, q0:q0 + qn], k[:, k0:k0 + kn], v[:, k0:k0 + kn], do_r[:, sl], lse_in[:, :, sl],
                                   delta[:, :, sl], dq[:, sl], dk[:, k0:k0 + kn], dv[:, k0:k0 + kn],
-                                  scale=d ** -0.5, causal=True, q_start=q0, k_start=k0)
+                                  scale=d ** -0.5, **plain_mask(True), q_start=q0, k_start=k0)
                 offset += qn
     # the oracle on the rank's rows only (do = 0 elsewhere) gives this rank's share of dk, dv
     do_only = np.zeros(do.shape, np.float64)
@@ -238,13 +241,13 @@ def test_hidden_key_block_is_a_no_op(rng, seed):
     o = randn(rng, q.shape, FP32)
     lse = randn(rng, (2, 4, 20), FP32)
     o0, lse0 = o.copy(), lse.copy()
-    be.forward_block(q, k, v, o, lse, scale=0.1, causal=True, q_start=100, k_start=120)
+    be.forward_block(q, k, v, o, lse, scale=0.1, **plain_mask(True), q_start=100, k_start=120)
     np.testing.assert_array_equal(o, o0, err_msg=f"seed={seed}")
     np.testing.assert_array_equal(lse, lse0, err_msg=f"seed={seed}")
     dq, dk, dv = (randn(rng, x.shape, FP32) for x in (q, k, v))
     saved = [x.copy() for x in (dq, dk, dv)]
     do = randn(rng, q.shape, FP32)
-    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=0.1, causal=True, q_start=100,
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=0.1, **plain_mask(True), q_start=100,
                       k_start=120)
     for got, want in zip((dq, dk, dv), saved):
         np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")
@@ -262,7 +265,7 @@ def test_rows_that_see_nothing_and_large_scores(rng, seed):
     assert np.all(o[:, :10] == 0) and np.all(np.isneginf(lse[:, :, :10])), ctx
     _check_forward(o, lse, q, k, v, d ** -0.5, True, 0, 10, ctx)
     dq, dk, dv = (np.zeros(x.shape, np.float32) for x in (q, k, v))
-    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, causal=True, q_start=0,
+    be.backward_block(q, k, v, do, lse, be.delta(do, o), dq, dk, dv, scale=d ** -0.5, **plain_mask(True), q_start=0,
                       k_start=10)
     assert np.all(dq[:, :10] == 0), ctx
     ref = attention_backward_reference(do, q, k, v, causal=True, scale=d ** -0.5, k_start=10)
@@ -297,7 +300,7 @@ def test_first_and_last_pairs_of_a_block_grid(rng, seed):
     out = np.full(q.shape, np.nan, FP32)
     for qb in blocks:
         for j, kb in enumerate(blocks):
-            be.forward_block(q[:, qb], k[:, kb], v[:, kb], o[:, qb], lse[:, :, qb], scale=d ** -0.5, causal=True,
+            be.forward_block(q[:, qb], k[:, kb], v[:, kb], o[:, qb], lse[:, :, qb], scale=d ** -0.5, **plain_mask(True),
                              q_start=qb.start, k_start=kb.start, first=j == 0,
                              out=out[:, qb] if j == len(blocks) - 1 else None)
     ref_o, ref_lse = attention_reference(*(f64(x) for x in (q, k, v)), causal=True)
@@ -308,7 +311,7 @@ def test_first_and_last_pairs_of_a_block_grid(rng, seed):
     for i, qb in enumerate(blocks):
         for j, kb in enumerate(blocks):
             be.backward_block(q[:, qb], k[:, kb], v[:, kb], do[:, qb], lse[:, :, qb], None, grads[0][:, qb],
-                              grads[1][:, kb], grads[2][:, kb], scale=d ** -0.5, causal=True, q_start=qb.start,
+                              grads[1][:, kb], grads[2][:, kb], scale=d ** -0.5, **plain_mask(True), q_start=qb.start,
                               k_start=kb.start, o=out[:, qb], first_q=j == 0, first_kv=i == 0,
                               dq_out=outs[0][:, qb] if j == last else None,
                               dk_out=outs[1][:, kb] if i == last else None,
@@ -327,16 +330,16 @@ def test_one_pair_needs_no_accumulators(rng):
     q, k, v, do = (randn(rng, (b, s, h, d), BF16) for _ in range(4))
     be = NumpyBackend(16, 16)
     o, lse = np.empty(q.shape, BF16), np.empty((b, h, s), FP32)
-    be.forward_block(q, k, v, None, lse, scale=0.3, causal=True, first=True, out=o)
+    be.forward_block(q, k, v, None, lse, scale=0.3, **plain_mask(True), first=True, out=o)
     ref_o, _ = attention_reference(*(f64(x) for x in (q, k, v)), causal=True, scale=0.3)
     assert o.dtype == BF16 and max_err(o, ref_o) < 2e-2
     outs = [np.empty(x.shape, BF16) for x in (q, k, v)]
-    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=0.3, causal=True, o=o, first_q=True,
+    be.backward_block(q, k, v, do, lse, None, None, None, None, scale=0.3, **plain_mask(True), o=o, first_q=True,
                       first_kv=True, dq_out=outs[0], dk_out=outs[1], dv_out=outs[2])
     ref = attention_backward_reference(*(f64(x) for x in (do, q, k, v)), causal=True, scale=0.3)
     for got, want in zip(outs, ref):
         assert max_err(got, want) < 5e-2 * max(1.0, np.abs(want).max())
     with pytest.raises(BackendError, match="first and the last"):
-        be.forward_block(q, k, v, None, lse, scale=0.3, causal=True, out=o)
+        be.forward_block(q, k, v, None, lse, scale=0.3, **plain_mask(True), out=o)
     with pytest.raises(BackendError, match="delta or o"):
-        be.backward_block(q, k, v, do, lse, None, *outs, scale=0.3, causal=True)
+        be.backward_block(q, k, v, do, lse, None, *outs, scale=0.3, **plain_mask(True))

@@ -7,7 +7,7 @@ import pytest
 from burst_hpc.backends import padding
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.errors import BackendError
-from burst_testing import BF16, FP64, randn
+from burst_testing import BF16, FP64, plain_mask, randn
 
 WIDTHS = (64, 128)
 
@@ -38,7 +38,7 @@ def test_padded_blocks_match_the_true_head_dim(rng, d, dtype, causal):
     k, v = (randn(rng, (b, sk, hkv, d), dtype) for _ in range(2))
     do = randn(rng, (b, sq, hq, d), dtype)
     acc = np.float64 if dtype == FP64 else np.float32
-    kw = dict(scale=d ** -0.5, causal=causal, q_start=q_start)
+    kw = dict(scale=d ** -0.5, **plain_mask(causal), q_start=q_start)
     tol = dict(rtol=1e-12, atol=1e-12) if dtype == FP64 else dict(rtol=1e-5, atol=1e-5)
 
     # two key blocks merged into one running (o, lse): the second call starts from real running values

@@ -12,7 +12,7 @@ import pytest
 from mpi4py import MPI
 import burst_hpc
 
-from burst_hpc.plan import decomposition
+from burst_hpc.plan import decomposition, masks
 from burst_hpc import config
 from burst_hpc.engine import passes
 from burst_hpc.job import report
@@ -143,19 +143,19 @@ class FirstUseCosts(NumpyBackend):
         self.loaded = set()
         self.calls = []
 
-    def _first_use(self, direction, causal):
-        if (direction, causal) not in self.loaded:
-            self.loaded.add((direction, causal))
+    def _first_use(self, direction, masked):
+        if (direction, masked) not in self.loaded:
+            self.loaded.add((direction, masked))
             time.sleep(self.PAUSE)
 
     def forward_block(self, q, k, v, o, lse, **kw):
         self.calls.append(("fwd", q.shape[1], k.shape[1]))
-        self._first_use("fwd", kw["causal"])
+        self._first_use("fwd", kw["masked"])
         super().forward_block(q, k, v, o, lse, **kw)
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, **kw):
         self.calls.append(("bwd", q.shape[1], k.shape[1]))
-        self._first_use("bwd", kw["causal"])
+        self._first_use("bwd", kw["masked"])
         super().backward_block(q, k, v, do, lse, delta, dq, dk, dv, **kw)
 
 
@@ -226,11 +226,12 @@ def test_row_parts_of_the_meter_change_no_bit(causal, last_pairs, monkeypatch):
 
 
 def test_block_pair_visible_counts_the_mask():
+    causal = masks.make(110, True)
     pair = BlockPair(slice(0, 10), slice(0, 8), 100, 96, True)  # query 100 + i sees keys <= 100 + i
     brute = sum(1 for i in range(10) for j in range(8) if 96 + j <= 100 + i)
-    assert pair.visible() == brute
-    assert sum(pair.rows(lo, min(10, lo + 3)).visible() for lo in range(0, 10, 3)) == brute
-    assert BlockPair(slice(0, 10), slice(0, 8), 0, 0, False).visible() == 80
+    assert pair.visible(causal) == brute
+    assert sum(pair.rows(lo, min(10, lo + 3)).visible(causal) for lo in range(0, 10, 3)) == brute
+    assert BlockPair(slice(0, 10), slice(0, 8), 0, 0, False).visible(causal) == 80
 
 
 class SlowNumpy(NumpyBackend):

@@ -32,7 +32,7 @@ def covered_pairs(q_pieces, k_pieces, pairs):
     for p in pairs:
         for i, j in itertools.product(range(p.q.start, p.q.stop), range(p.k.start, p.k.stop)):
             a, b = q_pos[i], k_pos[j]
-            if not p.causal or b <= a:
+            if not p.masked or b <= a:
                 out.append((a, b))
     return out
 
@@ -43,7 +43,7 @@ def test_causal_pairs_cover_each_visible_pair_once(layout, size):
     seqlen = 4 * size
     for r, s in itertools.product(range(size), repeat=2):
         qp, kp = tuple(pieces(seqlen, r, size, layout)), tuple(pieces(seqlen, s, size, layout))
-        pairs = block_pairs(qp, kp, True)
+        pairs = block_pairs(qp, kp, masks.make(seqlen, True))
         covered = covered_pairs(qp, kp, pairs)
         assert len(covered) == len(set(covered))
         assert set(covered) == visible_pairs(qp, kp)
@@ -51,7 +51,7 @@ def test_causal_pairs_cover_each_visible_pair_once(layout, size):
             q_pos = [st + i for st, n in qp for i in range(n)]
             k_pos = [st + j for st, n in kp for j in range(n)]
             assert q_pos[p.q.start] == p.q_start and k_pos[p.k.start] == p.k_start
-            if p.causal:  # masked pairs must be contiguous in global positions
+            if p.masked:  # masked pairs must be contiguous in global positions
                 assert q_pos[p.q.stop - 1] - p.q_start == p.q.stop - 1 - p.q.start
                 assert k_pos[p.k.stop - 1] - p.k_start == p.k.stop - 1 - p.k.start
 
@@ -59,8 +59,8 @@ def test_causal_pairs_cover_each_visible_pair_once(layout, size):
 def test_non_causal_is_one_call_per_step():
     for layout in ("contiguous", "zigzag"):
         qp, kp = tuple(pieces(16, 0, 4, layout)), tuple(pieces(16, 2, 4, layout))
-        (pair,) = block_pairs(qp, kp, False)
-        assert (pair.q, pair.k, pair.causal) == (slice(0, 4), slice(0, 4), False)
+        (pair,) = block_pairs(qp, kp, masks.make(16))
+        assert (pair.q, pair.k, pair.masked) == (slice(0, 4), slice(0, 4), False)
 
 
 @pytest.mark.parametrize("size", [2, 3, 4, 8])
@@ -71,9 +71,10 @@ def test_zigzag_balances_causal_work_and_fuses_full_blocks(size):
         total = 0
         for step in range(size):
             s = (r - step) % size
-            pairs = block_pairs(tuple(pieces(seqlen, r, size, "zigzag")), tuple(pieces(seqlen, s, size, "zigzag")), True)
+            pairs = block_pairs(tuple(pieces(seqlen, r, size, "zigzag")), tuple(pieces(seqlen, s, size, "zigzag")),
+                                 masks.make(seqlen, True))
             if step > 0:
-                assert len(pairs) == 1 and not pairs[0].causal  # one unmasked kernel call
+                assert len(pairs) == 1 and not pairs[0].masked  # one unmasked kernel call
             total += sum((p.q.stop - p.q.start) * (p.k.stop - p.k.start) for p in pairs)
         work.append(total)
     assert len(set(work)) == 1, work  # every rank computes the same number of block entries
@@ -84,7 +85,7 @@ def test_contiguous_causal_is_unbalanced():
     work = [sum((p.q.stop - p.q.start) * (p.k.stop - p.k.start)
                 for s in range(size)
                 for p in block_pairs(tuple(pieces(seqlen, r, size, "contiguous")),
-                                     tuple(pieces(seqlen, s, size, "contiguous")), True)) for r in range(size)]
+                                     tuple(pieces(seqlen, s, size, "contiguous")), masks.make(seqlen, True))) for r in range(size)]
     assert work[0] < work[-1]
 
 
@@ -138,7 +139,7 @@ class CountingPool(ring._Pool):
         return super().take(kind, side, rows)
 
 
-def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
+def run_ranks(plans, seqlen, pieces_of, mask, returns):
     """Every rank's plan through ring.run; returns each rank's (query counts, key counts, pool)."""
     size = len(plans)
     queues = {"lock": threading.Lock()}
@@ -155,9 +156,9 @@ def run_ranks(plans, seqlen, pieces_of, causal, mask, returns):
                 assert len(q_data[0]) == len(q_out[0]) and (visit.rows is None or len(q_data[0]) >= visit.rows[1] - offset)
                 q_pos = [s + i for s, m in pieces_of(visit.q_shard) for i in range(m)]
                 k_pos = [s + i for s, m in pieces_of(visit.kv_shard) for i in range(m)]
-                for p in visit_pairs(pieces_of(visit.q_shard), pieces_of(visit.kv_shard), causal, visit.rows, mask):
+                for p in visit_pairs(pieces_of(visit.q_shard), pieces_of(visit.kv_shard), mask, visit.rows):
                     for a, b in itertools.product(range(p.q.start, p.q.stop), range(p.k.start, p.k.stop)):
-                        if not p.causal or visible(mask, causal, q_pos[a], k_pos[b]):
+                        if not p.masked or visible(mask, q_pos[a], k_pos[b]):
                             q_out[0][a - offset, k_pos[b]] += 1
                             if k_out:
                                 k_out[0][b, q_pos[a]] += 1
@@ -190,24 +191,23 @@ def _add(into, part):
         a += b
 
 
-def visible(mask, causal, i, j):
-    if mask is None:
-        return not causal or j <= i
+def visible(mask, i, j):
     lo, hi = mask.intervals
     return lo[i] <= j < hi[i]
 
 
-def check_schedule(layout, size, near, returns, seqlen, causal=True, mask=None, nodes=None):
-    """Runs every rank's steps and checks the results, the messages and the buffers (``nodes``: the
-    node of each rank, for the balanced schedule)."""
-    plans = [steps(make_layout(layout, seqlen, size), causal, r, near, returns, mask, nodes) for r in range(size)]
+def check_schedule(layout, size, near, returns, seqlen, mask=None, nodes=None):
+    """Runs every rank's steps and checks the results, the messages and the buffers (``mask``: plain
+    causal unless given; ``nodes``: the node of each rank, for the balanced schedule)."""
+    mask = masks.make(seqlen, True) if mask is None else mask
+    plans = [steps(make_layout(layout, seqlen, size), r, near, returns, mask, nodes) for r in range(size)]
     assert len({len(p) for p in plans}) == 1, "every rank runs the same number of steps"
 
     def pieces_of(r):
         return tuple(pieces(seqlen, r, size, layout))
 
-    results = run_ranks(plans, seqlen, pieces_of, causal, mask, returns)
-    truth = np.array([[visible(mask, causal, i, j) for j in range(seqlen)] for i in range(seqlen)], float)
+    results = run_ranks(plans, seqlen, pieces_of, mask, returns)
+    truth = np.array([[visible(mask, i, j) for j in range(seqlen)] for i in range(seqlen)], float)
     for r, (q_counts, k_counts, pool) in enumerate(results):
         tokens = layout_indices(seqlen, r, size, layout)
         np.testing.assert_array_equal(q_counts, truth[tokens], err_msg=f"rank {r} query side")
@@ -268,10 +268,10 @@ def check_random_mask(size, per_node, near, returns, seed):
     docs = masks.random_documents(rng, seqlen, int(rng.integers(1, seqlen // 2 + 1))) if rng.integers(3) else None
     window = (int(rng.integers(0, seqlen)), int(rng.integers(-1, 3))) if docs is None or rng.integers(2) else None
     mask = masks.make(seqlen, causal, window, docs)
-    if mask is None:
+    if mask.kind != "intervals":   # one document: the interval kernels' path, full attention included
         mask = masks.make(seqlen, causal, None, np.array([0, seqlen]))
     nodes = None if per_node is None else tuple(r // per_node for r in range(size))
-    plans = check_schedule("balanced", size, near, returns, seqlen, causal, mask, nodes)
+    plans = check_schedule("balanced", size, near, returns, seqlen, mask, nodes)
     assert all(not s.recvs or all(t.what == "data" for t in s.recvs) for s in (p[0] for p in plans))
     for r, plan in enumerate(plans):   # step 0 needs nothing from anyone
         assert all(v.q_shard == v.kv_shard == r for v in plan[0].visits)
@@ -316,7 +316,7 @@ def test_key_chunks_cross_the_network_once_per_node(network):
     nodes = tuple(r // per_node for r in range(size))
     mask = masks.make(size * 16, True, None, masks.random_documents(np.random.default_rng(3), size * 16, 2))
     for near, returns in PASSES:
-        check_schedule("balanced", size, near, returns, size * 16, True, mask, nodes)
+        check_schedule("balanced", size, near, returns, size * 16, mask, nodes)
         _, moves = work_transfers(mask, size, near, returns, nodes)
         data = [(t, sender, receiver, shard, due) for t, sender, receiver, what, side, shard, _, due in moves
                 if what == "data" and side == "kv"]
@@ -358,7 +358,7 @@ def test_transfers_between_nodes_are_posted_steps_before_they_are_due(network):
                 assert due == min(count - 1, t + LEAD)
         assert early and inner_early, (near, returns)
         for r in range(size):
-            for step in steps(make_layout("balanced", seqlen, size), True, r, near, returns, mask, nodes):
+            for step in steps(make_layout("balanced", seqlen, size), r, near, returns, mask, nodes):
                 for x in step.sends + step.recvs:
                     assert x.inner == (x.due is not None and nodes[x.peer] == nodes[r])
 
@@ -374,7 +374,7 @@ def test_key_partials_are_summed_inside_a_node_before_they_cross(network):
     mask = masks.make(size * 16, True, None, masks.random_documents(np.random.default_rng(3), size * 16, 2))
     summed = 0
     for near, returns in PASSES[1:]:
-        check_schedule("balanced", size, near, returns, size * 16, True, mask, nodes)
+        check_schedule("balanced", size, near, returns, size * 16, mask, nodes)
         count, moves = work_transfers(mask, size, near, returns, nodes)
         partials = [(t, sender, receiver, shard, due) for t, sender, receiver, what, side, shard, _, due in moves
                     if what == "partial" and side == "kv"]
@@ -399,11 +399,11 @@ def test_one_node_data_is_posted_a_step_before_it_is_due():
     size = 8
     mask = masks.make(size * 64, True, None, masks.random_documents(np.random.default_rng(7), size * 64, 3))
     for near, returns in PASSES:
-        check_schedule("balanced", size, near, returns, size * 64, True, mask, None)
+        check_schedule("balanced", size, near, returns, size * 64, mask, None)
         count, moves = work_transfers(mask, size, near, returns, None)
         for t, sender, receiver, what, side, shard, _, due in moves:
             assert t == (max(0, due - INNER_LEAD) if what == "data" else due - min(INNER_LAG, count - 1 - t))
         assert any(due > t for t, *_, due in moves)
         for r in range(size):
-            for step in steps(make_layout("balanced", size * 64, size), True, r, near, returns, mask):
+            for step in steps(make_layout("balanced", size * 64, size), r, near, returns, mask):
                 assert all(x.inner == (x.due is not None) for x in step.sends + step.recvs)

@@ -11,6 +11,7 @@ from mpi4py import MPI
 from burst_hpc import tolerance
 from burst_hpc.job import verify, verify_cost, verify_sums, verify_warm
 from burst_hpc.dtypes import bfloat16
+from burst_hpc.plan import masks
 from burst_hpc.reference import attention_backward_reference, attention_reference
 
 B, S, HQ, HKV, D, SCALE = 2, 40, 4, 2, 8, 0.3
@@ -44,8 +45,8 @@ def _problem(dtype, mask, seed=0, poke=None):
 
 def _check(inputs, outputs, mask_args, dtype, rows=S, **kwargs):
     causal, window, cu = mask_args
-    return verify.verify_resident(inputs, outputs, np.arange(S), _spec(dtype, cu), MPI.COMM_SELF, causal, SCALE,
-                                  window, rows=rows, **kwargs)
+    return verify.verify_resident(inputs, outputs, np.arange(S), _spec(dtype, cu), MPI.COMM_SELF,
+                                  masks.make(S, causal, window, cu), SCALE, rows=rows, **kwargs)
 
 
 @pytest.fixture(params=["full", "sampled"])
@@ -183,8 +184,8 @@ def test_alone_runs_the_sampled_check(monkeypatch):
 
     monkeypatch.setattr(verify, "FULL_LIMIT", 10)
     inputs, outputs, (causal, window, cu) = _problem(bfloat16, "documents+window")
-    report = verify.verify_resident(inputs, outputs, np.arange(S), _spec(bfloat16, cu), Alone(), causal, SCALE,
-                                    window, rows=9)
+    report = verify.verify_resident(inputs, outputs, np.arange(S), _spec(bfloat16, cu), Alone(),
+                                    masks.make(S, causal, window, cu), SCALE, rows=9)
     assert report["ok"] and report["mode"] == "sampled 9 rows+cols/rank", report
 
 
@@ -274,9 +275,8 @@ def test_the_prediction_counts_what_the_loop_runs(mask):
     from burst_hpc.reference import visible
 
     causal, window, cu = MASK_CASES[mask]
-    spec = SimpleNamespace(seqlen=64, cu_seqlens=cu)
     positions = np.concatenate([np.arange(8, 16), np.arange(48, 56)])   # zigzag, rank 1 of 4
-    blocks = verify_cost.Blocks(positions, 5, spec, causal, window)
+    blocks = verify_cost.Blocks(positions, 5, masks.make(64, causal, window, cu))
     samples = np.array([0, 3, 9, 17, 30, 33, 50, 63])
     rates = verify_cost.Rates(keys=(1.0, 10.0, 3.0, 100.0), queries=(1000.0, 1e4, 3e3, 1e5))
     fixed, pairs = blocks.seconds(rates, samples)
@@ -293,13 +293,12 @@ def test_the_prediction_counts_what_the_loop_runs(mask):
 def test_the_prediction_scales_with_samples_and_the_mask():
     """Pairs scale with samples x keys: every sample is active in every block without a mask (the whole
     rectangle), twice the samples twice the pairs; causal about half of it, a narrow window far less."""
-    spec = SimpleNamespace(seqlen=4096, cu_seqlens=None)
     positions = np.arange(1024, 2048)
     rates = verify_cost.Rates(keys=(0.0, 0.0, 0.0, 1.0), queries=(0.0, 0.0, 0.0, 1.0))
     samples = np.linspace(0, 4095, 64).astype(np.int64)
 
     def pairs(causal, window, samples=samples, width=128):
-        return verify_cost.Blocks(positions, width, spec, causal, window).seconds(rates, samples)[1]
+        return verify_cost.Blocks(positions, width, masks.make(4096, causal, window)).seconds(rates, samples)[1]
 
     full = pairs(False, None)
     assert full == 2 * 64 * 1024                                     # rows and columns, every one active
@@ -308,15 +307,14 @@ def test_the_prediction_scales_with_samples_and_the_mask():
     assert pairs(True, (16, 0)) < 0.15 * full                        # a sample meets a block or two
     assert pairs(True, (16, 0), width=16) < pairs(True, (16, 0), width=128)   # smaller blocks, tighter rectangles
     keys_only = verify_cost.Rates(keys=(0.0, 0.0, 0.0, 1.0))              # forward only: no columns
-    assert verify_cost.Blocks(positions, 128, spec, False, None).seconds(keys_only, samples)[1] == 64 * 1024
+    assert verify_cost.Blocks(positions, 128, masks.make(4096)).seconds(keys_only, samples)[1] == 64 * 1024
 
 
 def test_the_budget_takes_the_samples_that_fit():
     """budget_rows: (budget - the blocks' fixed parts) / the expected seconds of one sample of each rank,
     at most asked; each rank's samples come from its own tokens, which matters under a window."""
-    spec = SimpleNamespace(seqlen=1024, cu_seqlens=None)
     grids = [np.arange(0, 512, 8), np.arange(512, 1024, 8)]            # 2 ranks, contiguous
-    blocks = verify_cost.Blocks(np.arange(512, 1024), 128, spec, False, None)   # rank 1: 4 blocks, no mask: all active
+    blocks = verify_cost.Blocks(np.arange(512, 1024), 128, masks.make(1024))   # rank 1: 4 blocks, no mask: all active
     rates = verify_cost.Rates(keys=(1.0, 0.0, 0.0, 1e-3))                   # 1 s a block, 1 ms a (token, sample) pair
     per_sample = 512 * 1e-3 * 2                                        # 2 ranks draw as many each
     assert blocks.budget_rows(rates, grids, 4.0 + 10 * per_sample, 100) == 10
@@ -324,7 +322,7 @@ def test_the_budget_takes_the_samples_that_fit():
     assert blocks.budget_rows(rates, grids, 1.0, 100) == 0            # the floor (LEAST_ROWS) is the check's
     # a narrow window: rank 1's samples meet one of its blocks (3 of its 64 grid points two), rank 0's none:
     # (64 + 3) blocks of 128 tokens over 64 samples, at 1 ms a pair
-    windowed = verify_cost.Blocks(np.arange(512, 1024), 128, spec, True, (8, 0))
+    windowed = verify_cost.Blocks(np.arange(512, 1024), 128, masks.make(1024, True, (8, 0)))
     assert windowed.budget_rows(rates, grids, 4.0 + 10 * per_sample, 1000) == int(10 * per_sample / (67 * 0.128 / 64))
 
 

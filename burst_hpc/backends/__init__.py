@@ -4,16 +4,18 @@ Every backend implements the same three calls over one (query block, key block) 
 Shapes follow BSHD: q (B, Sq, Hq, D); k, v (B, Sk, Hkv, D) with Hq % Hkv == 0, query head h
 reading key/value head h // (Hq // Hkv). Inputs may be strided views along S (a zigzag half).
 
-    forward_block(q, k, v, o, lse, *, scale, causal, q_start, k_start, mask=None, first=False, out=None)
+    forward_block(q, k, v, o, lse, *, scale, masked=False, mask=None, q_start=0, k_start=0, first=False, out=None)
         o   float accumulator (B, Sq, Hq, D), the running *normalised* output
         lse float accumulator (B, Hq, Sq), the running natural-log sum-exp (-inf: nothing yet)
         Attends q to this key block and merges the result into (o, lse) in place (GAO merge).
-        causal: the pair needs a mask (False: every key is visible to every query). The mask is
-        ``mask`` (a masks.Mask: query q_start + i sees keys mask.intervals[0][.] <= k_start + j <
-        mask.intervals[1][.], documents and windows) when given, else plain causal: key position
-        k_start + j > query position q_start + i is hidden (global positions).
+        masked: the pair needs its mask applied (False: every key is visible to every query, and
+        ``mask`` is not read: the pair may be several runs fused in local memory). ``mask`` is the
+        call's masks.Mask, on global positions: query q_start + i sees the keys k_start + j inside
+        mask.rows(q_start, Sq)'s bounds (lo[i] <= k_start + j < hi[i]); its ``kind`` says how the
+        kernels apply it ('causal': key position k_start + j > q_start + i hidden, in closed form;
+        'intervals': documents, windows and the rest of the interval model, from lo and hi).
 
-    backward_block(q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask=None,
+    backward_block(q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked=False, mask=None, q_start=0, k_start=0,
                    o=None, first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None)
         lse, delta (B, Hq, Sq): the final forward lse and rowsum(do * o); delta None: the backend
         computes it from ``o`` (the forward's output, like do) in its own pre-pass.

@@ -3,9 +3,10 @@
 Each (query tile, key tile) pair is scored on its own, so no more than one tile of scores
 exists at a time. The same code runs on CuPy arrays (``NumpyBackend(xp=cupy)``): the CUDA
 backend's path for head dims wider than its kernels, where each tile is a batched cuBLAS product.
-Query heads are grouped under their key/value head (GQA) so a key tile is read once per group. Masks use global positions: plain causal from q_start/k_start, documents
-and windows from a masks.Mask (each row's visible key interval). Key tiles with nothing visible
-are never visited; tiles wholly visible are not masked.
+Query heads are grouped under their key/value head (GQA) so a key tile is read once per group. A
+masked pair reads each query row's visible key interval from the call's masks.Mask (global
+positions, any kind: causal, documents, windows). Key tiles with nothing visible are never visited;
+tiles wholly visible are not masked.
 
 Non-finite inputs propagate as in the float64 oracle (burst_hpc.reference): a NaN or Inf reaches the
 rows that see it and the gradients they feed, and no other. Only lse = -inf means "nothing seen" (a
@@ -63,43 +64,39 @@ class NumpyBackend:
     def __init__(self, block_q=128, block_k=128, xp=np):
         self.block_q = block_q
         self.block_k = block_k
-        self.xp = xp  # numpy, or cupy: then the masks of diagonal tiles are built on the host and copied
+        self.xp = xp  # numpy, or cupy: then the masks of partly masked tiles are built on the host and copied
 
-    def key_tiles(self, q0, q1, n_keys, causal, q_start, k_start, mask):
+    def key_tiles(self, q0, q1, n_keys, masked, q_start, k_start, mask):
         """Key tiles (k0, k1, hidden) with something visible to query rows q0..q1-1; ``hidden`` is
         None for tiles that need no mask, else the boolean (rows, keys) mask of hidden pairs.
-        An unmasked pair (``causal`` False) ignores ``mask``: it may be several runs fused in local
-        memory (schedule.block_pairs), whose rows are not at q_start + i."""
-        if not causal:
-            mask = None
-        if mask is not None:
-            lo, hi = (x - k_start for x in mask.rows(q_start + q0, q1 - q0))
-            k_begin, k_end = max(0, int(lo[0])), min(n_keys, int(hi[-1]))  # both ends never decrease
-        else:
-            k_begin, k_end = 0, n_keys if not causal else max(0, min(n_keys, q_start + q1 - k_start))
+        An unmasked pair (``masked`` False) does not read ``mask``: it may be several runs fused in
+        local memory (schedule.block_pairs), whose rows are not at q_start + i."""
+        if not masked:
+            for k0 in range(0, n_keys, self.block_k):
+                yield k0, min(n_keys, k0 + self.block_k), None
+            return
+        lo, hi = (x - k_start for x in mask.rows(q_start + q0, q1 - q0))
+        # both ends never decrease: the first row sees the fewest keys after, the last the fewest before
+        k_begin, k_end, tightest = max(0, int(lo[0])), min(n_keys, int(hi[-1])), (int(lo[-1]), int(hi[0]))
         for k0 in range(k_begin - k_begin % self.block_k, k_end, self.block_k):
             k1 = min(k_end, k0 + self.block_k)
-            keys = np.arange(k0, k1)
-            if mask is not None:
-                if lo[-1] <= k0 and hi[0] >= k1:
-                    yield k0, k1, None
-                elif (np.minimum(hi, k1) > np.maximum(lo, k0)).any():
-                    yield k0, k1, self.xp.asarray(~((keys >= lo[:, None]) & (keys < hi[:, None])))
-            elif causal and k_start + k1 - 1 > q_start + q0:
-                yield k0, k1, self.xp.asarray(k_start + keys[None, :] > q_start + np.arange(q0, q1)[:, None])
-            else:
+            if tightest[0] <= k0 and tightest[1] >= k1:
                 yield k0, k1, None
+            # some row's keys meet the tile: the rows ending after k0 are a suffix, those starting before k1 a prefix
+            elif np.searchsorted(hi, k0, side="right") < np.searchsorted(lo, k1, side="left"):
+                keys = np.arange(k0, k1)
+                yield k0, k1, self.xp.asarray((keys < lo[:, None]) | (keys >= hi[:, None]))
 
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None, first=False,
+    def forward_block(self, q, k, v, o, lse, *, scale, masked=False, mask=None, q_start=0, k_start=0, first=False,
                       out=None):
         def run(o, lse):
             # inf - inf is NaN where the inputs hold Inf, as it should be: no 'invalid value' warnings
             with np.errstate(invalid="ignore"):
-                self._forward(q, k, v, o, lse, scale, causal, q_start, k_start, mask)
+                self._forward(q, k, v, o, lse, scale, masked, q_start, k_start, mask)
 
         forward_ends(self.xp, run, o, lse, first=first, out=out, spend=True)
 
-    def _forward(self, q, k, v, o, lse, scale, causal, q_start, k_start, mask):
+    def _forward(self, q, k, v, o, lse, scale, masked, q_start, k_start, mask):
         xp = self.xp
         acc = o.dtype
         n_kv = k.shape[2]
@@ -110,7 +107,7 @@ class NumpyBackend:
             row_max = xp.full(shape, -xp.inf, acc)
             row_sum = xp.zeros(shape, acc)
             out = xp.zeros(qt.shape, acc)
-            for k0, k1, hidden in self.key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
+            for k0, k1, hidden in self.key_tiles(q0, q1, k.shape[1], masked, q_start, k_start, mask):
                 kt = _heads_first(k[:, k0:k1], acc)
                 vt = _heads_first(v[:, k0:k1], acc)
                 s = qt @ kt.swapaxes(-1, -2)
@@ -131,15 +128,15 @@ class NumpyBackend:
             b, hk, g, n = block_lse.shape
             merge_into(o[:, q0:q1], lse[:, :, q0:q1], _ungroup(block_o), block_lse.reshape(b, hk * g, n))
 
-    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
-                       mask=None, o=None, **ends):
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked=False, mask=None, q_start=0,
+                       k_start=0, o=None, **ends):
         def run(delta, dq, dk, dv):
             with np.errstate(invalid="ignore"):
-                self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask)
+                self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, masked, q_start, k_start, mask)
 
         backward_ends(self.xp, run, self.delta, do, o, delta, dq, dk, dv, spend=True, **ends)
 
-    def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, causal, q_start, k_start, mask):
+    def _backward(self, q, k, v, do, lse, delta, dq, dk, dv, scale, masked, q_start, k_start, mask):
         xp = self.xp
         acc = dq.dtype
         b, _, n_kv, d = k.shape
@@ -155,7 +152,7 @@ class NumpyBackend:
             lse_t = xp.where(visible, lse_t, 0)
             dq_t = xp.zeros(qt.shape, acc)
             rows_finite = _finite(xp, qt, dot)
-            for k0, k1, hidden in self.key_tiles(q0, q1, k.shape[1], causal, q_start, k_start, mask):
+            for k0, k1, hidden in self.key_tiles(q0, q1, k.shape[1], masked, q_start, k_start, mask):
                 kt = _heads_first(k[:, k0:k1], acc)
                 vt = _heads_first(v[:, k0:k1], acc)
                 s = (qt @ kt.swapaxes(-1, -2)) * acc.type(scale)

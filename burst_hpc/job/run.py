@@ -152,7 +152,7 @@ def run(options, comm=None):
     with clock("setup"):
         d = decomposition_of(comm, spec, options, backend)
     layout, transport, scale, mask = d.layout, d.transport_name, d.scale, d.mask
-    pairs = visible_pairs(spec.seqlen, options.causal, mask)
+    pairs = visible_pairs(mask)
     flops = [attention_flops(spec.batch, spec.heads, spec.head_dim, pairs, backward) for backward in (False, True)]
     shown = options.progress if options.progress is not None else flops[0] > 2e11 or sys.stderr.isatty()
     progress = Progress(rank == 0 and shown, interval)
@@ -178,7 +178,7 @@ def run(options, comm=None):
             dev = {name: xp.asarray(a) for name, a in shards.items()}
             del shards
         progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout.kind}, backend {backend}")
-        if mask is not None:
+        if mask.kind == "intervals":   # documents or a window: what they leave of the ring
             work = masks.rank_work(mask, layout)
             progress(f"{mask}: ring steps {masks.ring_steps(mask, layout)} of {size}, "
                      f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
@@ -210,8 +210,7 @@ def run(options, comm=None):
         del host
         with clock("verify"):
             passes_s = (clock.seconds["forward"], clock.seconds["backward"])
-            checked, line = _verify_published(options, comm, spec, dev, results, layout, scale, passes_s, progress,
-                                              rates)
+            checked, line = _verify_published(options, comm, spec, dev, results, d, passes_s, progress, rates)
         verified = checked["ok"]
         summary.append(line)
     facts.update(_outcome(clock.total(), flops, checked, size))
@@ -350,9 +349,9 @@ def _verify_rates(options, spec, scale, xp, comm):
     return rates
 
 
-def _verify_published(options, comm, spec, inputs, results, layout, scale, seconds, progress, rates):
-    """--verify after the output is published, on the shards the job holds (on its GPU for CuPy runs, on host
-    copies with BURST_HPC_VERIFY_ON_GPU=0):
+def _verify_published(options, comm, spec, inputs, results, decomposition, seconds, progress, rates):
+    """--verify after the output is published, on the shards the job holds (``decomposition``'s: on its GPU
+    for CuPy runs, on host copies with BURST_HPC_VERIFY_ON_GPU=0), under the run's mask:
     the output's attributes say verify = 'not finished' until rank 0 records the outcome (a job stopped
     meanwhile keeps its complete output, so marked). Without --verify-rows the sample is sized to
     cost at most verify.BUDGET of the passes' time (``seconds``), by ``rates`` (verify.Rates, from the
@@ -367,8 +366,8 @@ def _verify_published(options, comm, spec, inputs, results, layout, scale, secon
     announce = Progress(comm.rank == 0 and options.progress is not False)  # the predicted cost, unless --quiet
     announce.t0 = progress.t0
     try:
-        report = verify.verify_resident(inputs, results, layout.indices(comm.rank),
-                                        spec, comm, options.causal, scale, options.window,
+        d = decomposition
+        report = verify.verify_resident(inputs, results, d.indices(), spec, comm, d.mask, d.scale,
                                         rows=options.verify_rows or verify.ROWS, seed=options.verify_seed,
                                         budget_s=budget, announce=announce, progress=progress, rates=rates)
     except BurstError as e:

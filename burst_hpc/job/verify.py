@@ -19,6 +19,7 @@ from ..device import array_module, sync, to_host
 from ..dtypes import dtype_name, nonfinite
 from ..errors import BurstError, FileError, ShapeError
 from ..io.format import fixed_text, modify_attrs
+from ..plan import masks
 from ..tolerance import max_abs, max_err, passes, tolerance
 from .report import recorded_mask
 from .verify_cost import Blocks, Rates, block_width, device_kind, measure
@@ -74,8 +75,8 @@ def failures(report):
     return "; ".join(said)
 
 
-def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=ROWS, seed=0, xp=np, budget_s=None,
-          announce=None, progress=None, rates=None):
+def check(tokens, spec, comm, mask, scale, backward=False, rows=ROWS, seed=0, xp=np, budget_s=None, announce=None,
+          progress=None, rates=None):
     """Check a rank's outputs against the float64 oracle, on sampled tokens; collective.
 
     Parameters
@@ -83,9 +84,9 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
     tokens : verify_sums.Tokens
         This rank's tokens of the input (q, k, v, do) and of the output (o, lse, dq, dk, dv).
     spec : io.InputSpec
-        The input's shapes, dtype and documents (cu_seqlens mask the oracle as they masked the run).
-    causal, scale, window
-        The run's mask and softmax scale.
+        The input's shapes and dtype.
+    mask, scale
+        The run's masks.Mask (the oracle takes its ``arguments``) and softmax scale.
     backward : bool
         Check dq (sampled rows), dk and dv (sampled key columns) too.
     rows : int
@@ -108,7 +109,7 @@ def check(tokens, spec, comm, causal, scale, window=None, backward=False, rows=R
         'predicted_s' (announced before the loop: the seconds spent so far, the loop's blocks as
         :class:`verify_cost.Blocks` counts them, the reads) and 'seconds': the same on every rank.
     """
-    run = _Check(tokens, spec, comm, causal, scale, window, backward, xp)
+    run = _Check(tokens, spec, comm, mask, scale, backward, xp)
     rates = calibrate(spec, scale, backward, xp) if rates is None else rates
     count, mine, mode = run.sample_size(rows, budget_s, rates)
     run.gather_samples(mine, seed)
@@ -129,10 +130,10 @@ class _Check:
     """One rank's part of :func:`check`, phase by phase; each phase that can fail on some ranks ends
     where the ranks agree on the verdict, so a failure raises the same error on every rank."""
 
-    def __init__(self, tokens, spec, comm, causal, scale, window, backward, xp):
+    def __init__(self, tokens, spec, comm, mask, scale, backward, xp):
         self.start = time.perf_counter()
         self.tokens, self.spec, self.comm, self.xp = tokens, spec, comm, xp
-        self.causal, self.scale, self.window, self.backward = causal, scale, window, backward
+        self.mask, self.scale, self.backward = mask, scale, backward
         self.names = ["o", "lse"] + (["dq", "dk", "dv"] if backward else [])
         self.n_local = len(tokens.positions)
         self.full = spec.batch * spec.heads * spec.seqlen ** 2 <= FULL_LIMIT
@@ -146,8 +147,7 @@ class _Check:
         return self.comm.allreduce(value, op=getattr(MPI, op))
 
     def blocks(self, samples):
-        return Blocks(self.tokens.positions, block_width(self.spec, samples, self.xp), self.spec, self.causal,
-                      self.window)
+        return Blocks(self.tokens.positions, block_width(self.spec, samples, self.xp), self.mask)
 
     def sample_size(self, rows, budget_s, rates):
         """(samples per rank asked, this rank's samples, the mode's text): at most ``rows`` and what the
@@ -219,7 +219,7 @@ class _Check:
         failure, samples = None, None
         try:
             if self.total:
-                samples = Samples(self.gathered, self.spec, self.causal, self.scale, self.window, self.xp)
+                samples = Samples(self.gathered, self.spec, self.mask, self.scale, self.xp)
                 shown = time.perf_counter()
                 with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
                     for lo, hi in self.loop.spans:
@@ -268,15 +268,15 @@ class _Check:
         return err, err_plain, tol
 
 
-def verify_resident(inputs, outputs, positions, spec, comm, causal, scale, window=None, rows=ROWS, seed=0,
-                    budget_s=None, announce=None, progress=None, rates=None):
+def verify_resident(inputs, outputs, positions, spec, comm, mask, scale, rows=ROWS, seed=0, budget_s=None,
+                    announce=None, progress=None, rates=None):
     """Collective: the run job's check of the shards it holds (``inputs`` q, k, v (do) and ``outputs``
     o, lse (dq, dk, dv), NumPy or CuPy arrays in local layout order; ``positions`` their global token
-    indices), on the device they are on. See :func:`check`."""
+    indices) under the run's ``mask`` (a masks.Mask), on the device they are on. See :func:`check`."""
     arrays = dict(inputs, **outputs)
     xp = array_module(arrays["q"])
-    return check(Tokens.resident(arrays, positions), spec, comm, causal, scale, window, "dq" in outputs, rows, seed,
-                 xp, budget_s, announce, progress, rates)
+    return check(Tokens.resident(arrays, positions), spec, comm, mask, scale, "dq" in outputs, rows, seed, xp,
+                 budget_s, announce, progress, rates)
 
 
 def verify_output(input_path, output_path, comm, causal=None, window=None, backward=None, rows=ROWS, seed=0,
@@ -304,13 +304,14 @@ def verify_output(input_path, output_path, comm, causal=None, window=None, backw
         opened.append(inp)
         files.update({n: inp[n] for n in need})
         scale = spec.head_dim ** -0.5 if scale is None else scale
+        mask = masks.make(spec.seqlen, causal, window, spec.cu_seqlens)
     except Exception as e:  # noqa: BLE001
         error = e if isinstance(e, BurstError) else FileError(f"cannot verify {output_path}: {describe(e)}")
     try:
         agree(comm, error)
         start, stop = comm.rank * spec.seqlen // comm.size, (comm.rank + 1) * spec.seqlen // comm.size
-        return check(Tokens.stored(files, start, stop), spec, comm, causal, scale, window, backward, rows, seed, xp,
-                     None, announce, progress)
+        return check(Tokens.stored(files, start, stop), spec, comm, mask, scale, backward, rows, seed, xp, None,
+                     announce, progress)
     finally:
         for f in opened:
             f.close()

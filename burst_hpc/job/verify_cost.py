@@ -17,6 +17,7 @@ import numpy as np
 
 from ..device import sync
 from ..dtypes import dtype_name
+from ..plan import masks
 from ..reference import meets
 from .verify_sums import Samples
 
@@ -66,11 +67,11 @@ class Blocks:
     they cost: a sample is active in a block as a row when it sees one of the block's keys, as a
     column when one of the block's queries sees it (reference.meets, as the check itself finds them)."""
 
-    def __init__(self, positions, width, spec, causal, window):
+    def __init__(self, positions, width, mask):
         self.spans = block_spans(positions, width)
         positions = np.asarray(positions, np.int64)
         self.runs = [(int(positions[lo]), int(positions[hi - 1]) + 1) for lo, hi in self.spans]
-        self.mask = dict(causal=causal, window=window, cu_seqlens=spec.cu_seqlens)
+        self.mask = mask.arguments   # the run's masks.Mask, as the oracle takes it
 
     def active(self, samples):
         """(rows, cols): per block, how many of ``samples`` (global positions) are active rows, columns."""
@@ -107,8 +108,7 @@ def measure(spec, scale, backward, xp):
     samples = 16
     tokens = max(16, CALIBRATION_ELEMENTS[kind] // (b * hq * samples))
     rng = np.random.default_rng(0)
-    shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, cu_seqlens=None,
-                            seqlen=4 * tokens)
+    shape = SimpleNamespace(batch=b, heads=hq, kv_heads=hk, head_dim=d, dtype=spec.dtype, seqlen=4 * tokens)
 
     def host(t, h):
         return rng.standard_normal((b, t, h, d), np.float32).astype(spec.dtype)
@@ -126,10 +126,12 @@ def measure(spec, scale, backward, xp):
     block = {name: device(4 * tokens, hk if name in ("k", "v") else hq) for name in ("q", "k", "v", "do", "o")}
     lse = xp.full((b, hq, 4 * tokens), 5.0, xp.float32)
 
-    def timed(t, c, causal=False, first=0):
+    full, causal = masks.make(shape.seqlen), masks.make(shape.seqlen, True)
+
+    def timed(t, c, mask=full, first=0):
         part = {name: x[:t] if name == "positions" else None if x is None else x[:, :, :t] if x.ndim == 3 else x[:, :t]
                 for name, x in gathered.items()}
-        check = Samples(part, shape, causal, scale, None, xp)
+        check = Samples(part, shape, mask, scale, xp)
         pos, keys = np.arange(first, first + c), slice(first, first + c)
         sync(xp)
         begin = time.perf_counter()
@@ -143,7 +145,7 @@ def measure(spec, scale, backward, xp):
 
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         for first in (0, 2 * tokens):   # causal: some samples see none of the keys, some keys no sample sees
-            timed(n, 16, causal=True, first=first)
+            timed(n, 16, causal, first)
         sizes = ((samples, tokens), (n, tokens), (samples, 4 * tokens), (n, 4 * tokens))
         base, more_samples, more_tokens, more_both = np.min([[timed(*size) for size in sizes] for _ in range(2)],
                                                             axis=0)

@@ -124,8 +124,8 @@ class Tokens:
 class Samples:
     """The sums of every rank's sampled tokens against this rank's tokens, block by block (see above)."""
 
-    def __init__(self, gathered, spec, causal, scale, window, xp):
-        self.xp, self.causal, self.scale, self.window, self.cu = xp, causal, scale, window, spec.cu_seqlens
+    def __init__(self, gathered, spec, mask, scale, xp):
+        self.xp, self.scale, self.mask = xp, scale, mask.arguments   # the run's masks.Mask, as the oracle takes it
         self.batch, self.hkv, self.dim = spec.batch, spec.kv_heads, spec.head_dim
         self.group = spec.heads // spec.kv_heads
         self.plain_type, self.rnd = rounder(spec.dtype, xp)
@@ -147,7 +147,7 @@ class Samples:
             n: xp.zeros((b, hk, t, d), f64 if n in ("dk", "dv") else low) for n in ("dk", "dv", "dk_plain", "dv_plain")}
 
     def seen(self, q_pos, k_pos):
-        return visible(q_pos, k_pos, self.causal, self.window, self.cu)
+        return visible(q_pos, k_pos, **self.mask)
 
     def active(self, pos, as_keys):
         """The samples (indices) that meet the block of tokens ``pos``: as query rows that see one of its
@@ -155,7 +155,7 @@ class Samples:
         check's blocks) costs one test per sample; other blocks, the dense mask."""
         start, stop = int(pos[0]), int(pos[-1]) + 1
         if stop - start == len(pos) and np.all(np.diff(pos) == 1):
-            return np.flatnonzero(meets(self.positions, start, stop, self.causal, self.window, self.cu, as_keys))
+            return np.flatnonzero(meets(self.positions, start, stop, as_keys=as_keys, **self.mask))
         seen = self.seen(pos, self.positions).T if as_keys else self.seen(self.positions, pos)
         return np.flatnonzero(seen.any(1))
 

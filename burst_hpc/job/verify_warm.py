@@ -12,6 +12,7 @@ from ..collective import Alone, agree, describe
 from ..device import gpu_count, sync
 from ..dtypes import dtype_name, parse_dtype
 from ..errors import BurstError
+from ..plan import masks
 from ..reference import attention_backward_reference, attention_reference
 from .verify import check, failures
 from .verify_sums import Tokens
@@ -19,7 +20,7 @@ from .verify_sums import Tokens
 # warm's problems: CuPy compiles a kernel per operation, dtypes and dimensions left once it merges
 # contiguous ones and drops those of size 1, so batch 1 and 2, GQA and MHA, with and without documents
 WARM_SHAPES = ((1, 4, 1), (2, 4, 2), (1, 2, 2))          # (batch, query heads, key/value heads)
-WARM_MASKS = ((True, None, None), (False, (100, 30), np.array([0, 600, 1400, 2048])))   # (causal, window, cu_seqlens)
+WARM_MASKS = (masks.make(2048, True), masks.make(2048, False, (100, 30), np.array([0, 600, 1400, 2048])))
 
 
 def warm(dtypes, xp=None):
@@ -32,18 +33,17 @@ def warm(dtypes, xp=None):
     start = time.perf_counter()
     s, d = 2048, 16           # B Hq S^2 above FULL_LIMIT: the sampled check a job runs
     rng = np.random.default_rng(0)
-    for dtype, (b, hq, hk), (causal, window, cu) in itertools.product(dtypes, WARM_SHAPES, WARM_MASKS):
+    for dtype, (b, hq, hk), mask in itertools.product(dtypes, WARM_SHAPES, WARM_MASKS):
         host = {n: rng.standard_normal((b, s, hk if n in ("k", "v") else hq, d)).astype(dtype) for n in ("q", "k", "v", "do")}
         exact = {n: host[n].astype(np.float64) for n in host}
-        kw = dict(causal=causal, window=window, cu_seqlens=cu)
+        kw = mask.arguments
         o, lse = attention_reference(exact["q"], exact["k"], exact["v"], **kw)
         dq, dk, dv = attention_backward_reference(exact["do"], exact["q"], exact["k"], exact["v"], **kw)
         outputs = {"o": o.astype(dtype), "lse": lse.astype(np.float32), "dq": dq.astype(dtype), "dk": dk.astype(dtype),
                    "dv": dv.astype(dtype)}
-        spec = SimpleNamespace(batch=b, seqlen=s, heads=hq, kv_heads=hk, head_dim=d, dtype=np.dtype(dtype), cu_seqlens=cu)
+        spec = SimpleNamespace(batch=b, seqlen=s, heads=hq, kv_heads=hk, head_dim=d, dtype=np.dtype(dtype))
         arrays = {n: xp.asarray(x) for n, x in dict(host, **outputs).items()}
-        report = check(Tokens.resident(arrays, np.arange(s)), spec, Alone(), causal, d ** -0.5, window, True, 16,
-                       xp=xp)
+        report = check(Tokens.resident(arrays, np.arange(s)), spec, Alone(), mask, d ** -0.5, True, 16, xp=xp)
         if not report["ok"]:
             raise BurstError(f"the verification's own check failed on this GPU ({dtype_name(dtype)}): {failures(report)}")
     sync(xp)

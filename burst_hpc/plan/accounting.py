@@ -29,13 +29,13 @@ def cheaper_backward_ring(heads, kv_heads, head_dim, itemsize, q_steps=1, kv_ste
     return "q" if q_bytes < kv_bytes else "kv"
 
 
-def visible_pairs(seqlen, causal, mask=None):
-    """The (query, key) pairs a pass computes, by the FlashAttention convention: S^2, half of it when
-    causal; with documents or a window (``mask``, a masks.Mask) those of the visible pairs."""
-    if mask is not None:
+def visible_pairs(mask):
+    """The (query, key) pairs a pass computes under ``mask`` (a masks.Mask), by the FlashAttention
+    convention for full and causal masks: S^2, half of it when causal; else those of the visible pairs."""
+    if mask.kind == "intervals":
         lo, hi = mask.intervals
         return float((hi - lo).sum())
-    return float(seqlen) * seqlen * (0.5 if causal else 1.0)
+    return float(mask.seqlen) * mask.seqlen * (0.5 if mask.causal else 1.0)
 
 
 def attention_flops(batch, heads, head_dim, pairs, backward=False):

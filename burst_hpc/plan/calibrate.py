@@ -75,16 +75,16 @@ def measure(backend, transport, xp, comm=None, head_dim=128, dtype="bfloat16"):
     of this machine, the same on every rank (the slowest rank's figures). ``backend`` a block backend,
     ``xp`` its array module; the block calls on ``head_dim`` and ``dtype`` (a kernel `compile` built)."""
     from ..dtypes import parse_dtype
+    from . import masks
 
     rng = np.random.default_rng(0)
     dtype = parse_dtype(dtype) if xp is not np else np.float32   # NumPy: the CPU path's float32
     q, k, v, do = (xp.asarray(rng.standard_normal((1, 64, 1, head_dim)).astype(dtype)) for _ in range(4))
     o, dq, dk, dv = (xp.zeros(q.shape, np.float32) for _ in range(4))
     lse, delta = (xp.zeros((1, 1, 64), np.float32) for _ in range(2))
-    scale = head_dim ** -0.5
-    forward = lambda: backend.forward_block(q, k, v, o, lse, scale=scale, causal=True)  # noqa: E731
-    backward = lambda: backend.backward_block(q, k, v, do, lse, delta, dq, dk, dv, scale=scale,  # noqa: E731
-                                              causal=True)
+    where = dict(scale=head_dim ** -0.5, masked=True, mask=masks.make(64, causal=True))
+    forward = lambda: backend.forward_block(q, k, v, o, lse, **where)  # noqa: E731
+    backward = lambda: backend.backward_block(q, k, v, do, lse, delta, dq, dk, dv, **where)  # noqa: E731
     costs = {"fwd_launch_us": _least_us(forward, xp), "bwd_launch_us": _least_us(backward, xp)}
     message = _message_us(transport, xp) if transport.size > 1 else None
     costs["step_us"] = max(0.0, _step_us(transport, xp) - (message or 0.0))

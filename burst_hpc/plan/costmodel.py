@@ -1,8 +1,8 @@
 """Predicted time of a call across ranks and nodes (docs/RING.md, "Across nodes"): one model for
 every layout and scheme, read off the schedule the engine runs (workload.account), from
 
-- the problem: batch B, sequence S, heads Hq / Hkv, head dim D, bytes per element, causal, and the
-  mask (documents, window): which (query, key) pairs are visible, so which steps have work;
+- the problem: batch B, sequence S, heads Hq / Hkv, head dim D, bytes per element, and the
+  mask (causal, documents, window): which (query, key) pairs are visible, so which steps have work;
 - the cluster: nodes N of w ranks (P = N w), one GPU each;
 - rates: kernel FLOP/s forward and backward (the FlashAttention count: 4 Hq D per visible pair
   forward, 2.5x that backward), and per link class (NVLink inside a node, the network between
@@ -29,7 +29,6 @@ import numpy as np
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from ..errors import BurstError, LayoutError
 from .layout import Layout, layouts_for, make_layout
-from .masks import counting
 from .rates import rates_for
 
 
@@ -39,14 +38,14 @@ MARGIN = 0.02   # another scheme replaces the flat ring only when predicted fast
 
 @dataclass(frozen=True)
 class Problem:
-    """The shapes of a call over the whole sequence (the mask is priced alongside: ``predict``)."""
+    """The shapes of a call over the whole sequence and its mask (masks.Mask)."""
     batch: int
     seqlen: int
     heads: int
     kv_heads: int
     head_dim: int
-    itemsize: int = 2
-    causal: bool = True
+    itemsize: int
+    mask: object
 
 
 @dataclass(frozen=True)
@@ -126,20 +125,20 @@ class Prediction:
         return self.fwdbwd if backward else self.fwd.time
 
 
-def backward_side(pr, layout, mask=None):
+def backward_side(pr, layout):
     """The side a call's backward ring sends around (backward_ring 'auto', decisions.choose_backward_ring):
     the one moving fewer bytes over the steps that have work."""
     from . import masks
 
-    steps = [masks.ring_steps(mask, layout, queries_travel) for queries_travel in (True, False)]
+    steps = [masks.ring_steps(pr.mask, layout, queries_travel) for queries_travel in (True, False)]
     return cheaper_backward_ring(pr.heads, pr.kv_heads, pr.head_dim, pr.itemsize, *steps, layout.size)
 
 
-def direction_of(pr, layout, mask, backward):
+def direction_of(pr, layout, backward):
     """The workload direction of a pass (workload.DIRECTIONS)."""
     if not backward:
         return "forward"
-    return "backward" if backward_side(pr, layout, mask) == "kv" else "backward-q"
+    return "backward" if backward_side(pr, layout) == "kv" else "backward-q"
 
 
 def zigzag(pr, cl):
@@ -155,16 +154,16 @@ def auto_schemes(layout, cl):
     return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
 
 
-def fits(scheme, pr, cl, layout=None, masked=False):
-    """None when ``scheme`` runs this problem in ``layout`` (a Layout; None: zigzag; ``masked``: with
-    documents or a window), else why not (the reason the library gives)."""
+def fits(scheme, pr, cl, layout=None):
+    """None when ``scheme`` runs this problem in ``layout`` (a Layout; None: zigzag), else why not (the
+    reason the library gives)."""
     from .schemes import check_node_layout, ulysses_heads
 
     try:
         layout = zigzag(pr, cl) if layout is None else layout
         if scheme in ("ring", "gather"):
             return None
-        check_node_layout(scheme, layout, pr.causal, masked)
+        check_node_layout(scheme, layout, pr.mask)
         if scheme == "ulysses_ring":
             ulysses_heads(pr.heads, pr.kv_heads, cl.per_node)
     except BurstError as e:
@@ -172,25 +171,25 @@ def fits(scheme, pr, cl, layout=None, masked=False):
     return None
 
 
-def predict(scheme, pr, cl, rates, layout=None, mask=None, scale=1):
-    """The Prediction of ``scheme`` in ``layout`` (a Layout, None: zigzag; it must fit: ``fits``);
-    ``mask`` the call's masks.Mask (None: plain causal or full attention). ``scale``: the same
+def predict(scheme, pr, cl, rates, layout=None, scale=1):
+    """The Prediction of ``scheme`` in ``layout`` (a Layout, None: zigzag; it must fit: ``fits``).
+    ``scale``: the same
     schedule with ``scale`` times the tokens per GPU (work by its square, bytes by it;
     hiding_tokens' question)."""
     layout = zigzag(pr, cl) if layout is None else layout
-    return Prediction(scheme, layout, *(pass_prediction(scheme, pr, cl, rates, layout, mask, b, scale)
+    return Prediction(scheme, layout, *(pass_prediction(scheme, pr, cl, rates, layout, b, scale)
                                         for b in (False, True)))
 
 
-def pass_prediction(scheme, pr, cl, rates, layout, mask, backward, scale=1):
+def pass_prediction(scheme, pr, cl, rates, layout, backward, scale=1):
     """One pass of ``predict``; with ``scale`` an array, ``time`` and ``compute`` are arrays too (one
     for each scale: hiding_tokens asks many at once). ``fixed`` (scale 1 only, else 0): the seconds
     the fixed costs add (the same pass priced without them, subtracted)."""
     from .workload import KINDS, account
 
     # the gather schedule's backward moves keys and values (decisions.gather_backward_ring)
-    direction = "backward" if backward and scheme == "gather" else direction_of(pr, layout, mask, backward)
-    acc = account(layout, pr.causal, mask, scheme, direction, cl.per_node if cl.nodes > 1 else None)
+    direction = "backward" if backward and scheme == "gather" else direction_of(pr, layout, backward)
+    acc = account(layout, pr.mask, scheme, direction, cl.per_node if cl.nodes > 1 else None)
     heads, kv_heads = pr.heads, pr.kv_heads
     if scheme == "ulysses_ring":
         heads, kv_heads = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node)
@@ -302,24 +301,24 @@ def _all_to_alls(pr, cl, rates, backward, scale):
                for nbytes in (into, back))
 
 
-def options(pr, cl, rates, mask=None, layouts=None, schemes=SCHEMES):
+def options(pr, cl, rates, layouts=None, schemes=SCHEMES):
     """{(layout kind, scheme): Prediction, or the reason it does not run}, for every pair asked;
     ``layouts`` {kind: Layout or why the length does not split in it} (layout.layouts_for; None: every kind)."""
     out = {}
-    layouts = layouts_for(pr.seqlen, cl.ranks, counting(pr.seqlen, pr.causal, mask)) if layouts is None else layouts
+    layouts = layouts_for(pr.seqlen, cl.ranks, pr.mask) if layouts is None else layouts
     for kind, layout in layouts.items():
         for scheme in schemes:
-            why = layout if isinstance(layout, str) else fits(scheme, pr, cl, layout, mask is not None)
-            out[(kind, scheme)] = why if why is not None else predict(scheme, pr, cl, rates, layout, mask)
+            why = layout if isinstance(layout, str) else fits(scheme, pr, cl, layout)
+            out[(kind, scheme)] = why if why is not None else predict(scheme, pr, cl, rates, layout)
     return out
 
 
-def pick(pr, cl, rates, layout=None, mask=None, backward=True, margin=MARGIN):
+def pick(pr, cl, rates, layout=None, backward=True, margin=MARGIN):
     """The scheme ``scheme='auto'`` runs in ``layout`` (a Layout, None: zigzag): the least predicted
     time (forward+backward, or the forward alone) among those that fit (``auto_schemes``); the flat
     ring unless another beats it by more than ``margin``; one node: ring (the chunks layout: gather)."""
     layout = zigzag(pr, cl) if layout is None else layout
-    found = options(pr, cl, rates, mask, {layout.kind: layout}, auto_schemes(layout, cl))
+    found = options(pr, cl, rates, {layout.kind: layout}, auto_schemes(layout, cl))
     picked = _pick(found, backward, margin)
     if layout.kind not in picked:
         raise BurstError(found[(layout.kind, "ring")])
@@ -338,23 +337,23 @@ def _pick(found, backward, margin):
     return picked
 
 
-def best(pr, cl, rates, mask=None, layouts=None, scheme="auto", backward=True):
+def best(pr, cl, rates, layouts=None, scheme="auto", backward=True):
     """The fastest predicted (layout, scheme): each layout with its ``pick`` (or ``scheme`` when one is
     named), the least time among them; on a tie the call's default layout (zigzag when causal,
     contiguous otherwise: one rank holds every layout alike). ``layouts`` as ``options`` takes them.
     (Prediction, ``options``' output of the pairs priced.)"""
-    layouts = layouts_for(pr.seqlen, cl.ranks, counting(pr.seqlen, pr.causal, mask)) if layouts is None else layouts
+    layouts = layouts_for(pr.seqlen, cl.ranks, pr.mask) if layouts is None else layouts
     found = {}
     for kind, layout in layouts.items():
         schemes = (scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str) else auto_schemes(layout, cl)
-        found.update(options(pr, cl, rates, mask, {kind: layout}, schemes))
+        found.update(options(pr, cl, rates, {kind: layout}, schemes))
     picked = _pick(found, backward, MARGIN)
     if not picked:   # no layout splits the sequence, or the scheme named runs none that does
         raise LayoutError("; ".join(dict.fromkeys(why for why in found.values())))
-    return min(picked.values(), key=lambda p: (p.seconds(backward), not p.layout.is_default(pr.causal))), found
+    return min(picked.values(), key=lambda p: (p.seconds(backward), not p.layout.is_default(pr.mask.causal))), found
 
 
-def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout=None, mask=None):
+def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout=None):
     """The fewest tokens per GPU (a multiple of 64) at which ``scheme`` in ``layout`` (a Layout,
     None: zigzag) exposes at
     most ``within`` of its compute as communication (None beyond 16M tokens per GPU): the same
@@ -364,7 +363,7 @@ def hiding_tokens(scheme, pr, cl, rates, backward=False, within=0.05, layout=Non
     layout = zigzag(pr, cl) if layout is None else layout
 
     def hidden(units):
-        passes = [pass_prediction(scheme, pr, cl, rates, layout, mask, b, units * 64 / tokens)
+        passes = [pass_prediction(scheme, pr, cl, rates, layout, b, units * 64 / tokens)
                   for b in ((False, True) if backward else (False,))]
         return sum(p.waited for p in passes) <= within * sum(p.compute for p in passes)
 
@@ -435,11 +434,15 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
     from . import masks
     from ..dtypes import parse_dtype
 
-    mask = masks.make(seqlen, causal, window, cu_seqlens)
     pr = Problem(batch, seqlen, heads, heads if kv_heads is None else kv_heads, head_dim,
-                 np.dtype(parse_dtype(dtype)).itemsize, bool(causal))
+                 np.dtype(parse_dtype(dtype)).itemsize, masks.make(seqlen, causal, window, cu_seqlens))
+    return fastest_layout(pr, size, rates or rates_for(backend), ranks_per_node, scheme, backward)
+
+
+def fastest_layout(pr, size, rates, ranks_per_node=None, scheme="auto", backward=True):
+    """choose_layout's Layout for the problem ``pr`` (its mask made already) over ``size`` ranks."""
     per_node = size if ranks_per_node is None or ranks_per_node >= size else ranks_per_node
     if size % per_node:
         raise BurstError(f"{size} ranks do not fill nodes of {ranks_per_node}")
     cl = Cluster(size // per_node, per_node)
-    return best(pr, cl, rates or rates_for(backend), mask, scheme=scheme, backward=backward)[0].layout
+    return best(pr, cl, rates, scheme=scheme, backward=backward)[0].layout

@@ -70,13 +70,13 @@ def settled_scheme(request, topo, layout, everyone):
         return candidates[0]
 
     problem = costmodel.Problem(request.batch, request.seqlen, request.heads, request.kv_heads, request.head_dim,
-                                request.dtype.itemsize, request.causal)
+                                request.dtype.itemsize, request.mask)
     cluster = costmodel.Cluster(topo.nodes, topo.per_node)
     picks = {}
     for facts in everyone:   # each GPU model priced with the fixed costs of the first rank that has it
         if facts["device"] not in picks:
             rates = rates_for(request.backend, facts["device"], facts["fixed"])
-            picks[facts["device"]] = costmodel.pick(problem, cluster, rates, layout, request.mask, request.backward)
+            picks[facts["device"]] = costmodel.pick(problem, cluster, rates, layout, request.backward)
     chosen = [picks[facts["device"]] for facts in everyone]
     for rank, name in enumerate(chosen):
         if name != chosen[0]:

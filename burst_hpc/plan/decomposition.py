@@ -41,7 +41,7 @@ BACKENDS = ("numpy", "cuda")
 @dataclass(frozen=True)
 class Request:
     """A decomposition's arguments, checked on this rank (``Request.checked``); ``mask`` the
-    masks.Mask of causal, documents and window (None: plain causal or full attention)."""
+    masks.Mask of causal, documents and window, made here once for the whole call."""
     size: int
     seqlen: int
     batch: int
@@ -49,7 +49,6 @@ class Request:
     kv_heads: int
     head_dim: int
     dtype: np.dtype
-    causal: bool
     scale: float
     mask: object
     layout: object          # None (the default kind), 'auto' (the predicted fastest), a kind or a Layout
@@ -87,16 +86,16 @@ class Request:
             raise BurstError(f"unknown backend {backend!r}; use one of {', '.join(BACKENDS)}")
         mask = masks.make(int(seqlen), causal, window, cu_seqlens)
         return cls(size, int(seqlen), int(batch), int(heads), int(kv_heads), int(head_dim), np.dtype(parse_dtype(dtype)),
-                   bool(causal), resolve_scale(scale, head_dim), mask, layout, scheme, transport, backward_ring,
+                   resolve_scale(scale, head_dim), mask, layout, scheme, transport, backward_ring,
                    ranks_per_node_setting(ranks_per_node), backend, bool(backward), config.emulated_network())
 
     def signature(self):
         """What every rank must pass alike, by name (document offsets apart: agree compares them by digest)."""
         layout = self.layout.key if isinstance(self.layout, Layout) else self.layout
+        mask = {name: value for name, value in self.mask.arguments.items() if name != "cu_seqlens"}
         return {"seqlen": self.seqlen, "batch": self.batch, "heads": self.heads, "kv_heads": self.kv_heads,
-                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), "causal": self.causal,
-                "window": None if self.mask is None else self.mask.window, "scale": self.scale, "layout": layout,
-                "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
+                "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), **mask, "scale": self.scale,
+                "layout": layout, "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
                 "ranks_per_node": self.ranks_per_node, "emulated network": self.network, "backend": self.backend,
                 "backward": self.backward}
 
@@ -104,14 +103,14 @@ class Request:
         """(signature, arrays): what every rank must pass alike, as collective.agree compares it: the
         arguments by name (``call``'s entries, more of a library call's own, first) and the document
         offsets (compared by digest)."""
-        return dict(call or {}, **self.signature()), {"cu_seqlens": None if self.mask is None else self.mask.cu_seqlens}
+        return dict(call or {}, **self.signature()), {"cu_seqlens": self.mask.cu_seqlens}
 
     def key(self, comm, call=None):
         """The DecompositionKey of this request over ``comm`` (``call`` as :meth:`agreement` takes it): the
         agreed signature, the mask's key (the document offsets by content) and the ranks."""
         signature, _ = self.agreement(call)
-        mask = None if self.mask is None else self.mask.key
-        return DecompositionKey((self.size, tuple(signature.items()), mask), (id(comm), config.plan_settings()))
+        return DecompositionKey((self.size, tuple(signature.items()), self.mask.key),
+                                (id(comm), config.plan_settings()))
 
 
 @dataclass(frozen=True)
@@ -181,7 +180,7 @@ class Decomposition:
     layout : Layout
     rank, size, local : int
         This rank, the ranks, and the tokens each holds.
-    mask : masks.Mask or None
+    mask : masks.Mask
     scheme : the scheme object (schemes.py), ``scheme.name`` its name
     topo : topology.Topology or None (the flat ring on one node, not emulated)
     transport_name : str
@@ -258,7 +257,7 @@ class Decomposition:
         r = request
         self.seqlen, self.local, self.batch, self.dtype = r.seqlen, r.seqlen // self.size, r.batch, r.dtype
         self.heads, self.kv_heads, self.head_dim = r.heads, r.kv_heads, r.head_dim
-        self.causal, self.scale, self.mask, self.network = r.causal, r.scale, r.mask, r.network
+        self.scale, self.mask, self.network = r.scale, r.mask, r.network
         auto = isinstance(r.layout, str) and r.layout == "auto"   # one rank: every layout holds the same
         self.topo = None
         if r.scheme != "ring" or r.ranks_per_node is not None or r.network or auto and self.size > 1:
@@ -267,8 +266,8 @@ class Decomposition:
         if auto and self.size > 1:
             self.layout = self.fastest_layout(everyone[0])
         else:
-            self.layout = as_layout(default_kind(r.causal) if r.layout is None or auto else r.layout, r.seqlen,
-                                    self.size, masks.counting(r.seqlen, r.causal, r.mask))   # chunks: placed by it
+            self.layout = as_layout(default_kind(r.mask.causal) if r.layout is None or auto else r.layout, r.seqlen,
+                                    self.size, r.mask)   # chunks: placed by it
         name = settled_scheme(r, self.topo, self.layout, everyone)
         if name == "gather":
             self.ring = gather_backward_ring(r.backward_ring)
@@ -276,21 +275,19 @@ class Decomposition:
             self.ring = choose_backward_ring(r.backward_ring, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize,
                                              *(masks.ring_steps(r.mask, self.layout, queries_travel)
                                                for queries_travel in (True, False)), self.size)
-        self.scheme = make_scheme(name, self.comm, self.topo, self.layout, r.causal, r.mask)
+        self.scheme = make_scheme(name, self.comm, self.topo, self.layout, r.mask)
 
     def fastest_layout(self, facts):
         """The Layout the cost model predicts fastest (costmodel.choose_layout), priced with the rates of
         the machine whose ``facts`` are given (rank 0's: its GPU model and the fixed costs measured there)."""
-        from .costmodel import choose_layout
+        from .costmodel import Problem, fastest_layout
         from .rates import rates_for
 
         r, topo = self.request, self.topo
         per_node = topo.per_node if topo is not None and topo.nodes > 1 else None
-        return choose_layout(r.seqlen, self.size, causal=r.causal, cu_seqlens=None if r.mask is None else
-                             r.mask.cu_seqlens, window=None if r.mask is None else r.mask.window, heads=r.heads,
-                             kv_heads=r.kv_heads, head_dim=r.head_dim, dtype=r.dtype, batch=r.batch,
-                             ranks_per_node=per_node, scheme=r.scheme, backward=r.backward,
-                             rates=rates_for(r.backend, facts["device"], facts["fixed"]))
+        problem = Problem(r.batch, r.seqlen, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize, r.mask)
+        return fastest_layout(problem, self.size, rates_for(r.backend, facts["device"], facts["fixed"]), per_node,
+                              r.scheme, r.backward)
 
     def shard(self, x, axis=1):
         """This rank's shard of the global array ``x`` (NumPy or CuPy, the tokens along ``axis``)."""
@@ -373,7 +370,7 @@ class CallPlan:
         d = self.decomposition = decomposition
         self.backend, self.xp, self.acc = backend, backend.xp, accum_dtype(d.dtype)
         if backend.name == "cuda":
-            backend.prepare(d.comm, d.dtype, d.head_dim, d.causal, d.mask is not None, directions)
+            backend.prepare(d.comm, d.dtype, d.head_dim, d.mask, directions)
         self.passes = passes.for_plan(self)
 
     # what the callers read of the decomposition

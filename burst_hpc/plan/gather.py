@@ -30,7 +30,7 @@ def sight(mask, layout):
     """(units, seen, unit): ``units[r]`` the global unit indices of rank r's shard in local order;
     ``seen[a][b]`` the (lo, hi) runs of rank b's local rows holding keys some query of rank a sees
     (empty: none; a == b too), ``unit`` tokens a unit (``layout.grain``: the chunk of the chunks
-    layout). ``mask``: a masks.Mask (plain causal too); ``layout`` a layout.Layout."""
+    layout). ``mask``: the call's masks.Mask; ``layout`` a layout.Layout."""
     size, unit = layout.size, layout.grain
     units = [[start // unit + i for start, n in layout.pieces(r) for i in range(n // unit)] for r in range(size)]
     visible = masks.block_counts(mask, unit, unit) > 0

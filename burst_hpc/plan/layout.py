@@ -197,7 +197,7 @@ def make_layout(kind, seqlen, size, mask=None):
     seqlen, size : int
         Tokens in the whole sequence and ranks.
     mask : masks.Mask, optional
-        The call's mask, plain causal and full attention included (``placement_mask``): the chunks
+        The call's mask, plain causal and full attention included (``masks.make``): the chunks
         layout places tokens by it (the other kinds place them without it).
 
     Returns
@@ -239,14 +239,6 @@ def _chunks(seqlen, size, mask):
     return Layout("chunks", seqlen, size, tuple(found.pieces(r) for r in range(size)), chunk=found.chunk)
 
 
-def placement_mask(seqlen, causal=False, cu_seqlens=None, window=None):
-    """The masks.Mask a call's layout is placed by (the chunks layout's): the call's mask, plain
-    causal and full attention included (MaskError if bad)."""
-    from . import masks
-
-    return masks.counting(seqlen, causal, masks.make(seqlen, causal, window, cu_seqlens))
-
-
 class _Unsaid:
     def __repr__(self):
         return "unsaid"
@@ -265,7 +257,9 @@ def _named(layout, seqlen, size, causal, cu_seqlens, window):
         raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal, cu_seqlens and "
                           "window with it (None where the call has none), or shard by the Layout "
                           "burst_hpc.choose_layout or make_layout returns")
-    return as_layout(layout, seqlen, size, placement_mask(seqlen, causal, cu_seqlens, window))
+    from . import masks
+
+    return as_layout(layout, seqlen, size, masks.make(seqlen, causal, window, cu_seqlens))
 
 
 def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS):

@@ -14,6 +14,13 @@ Both ends never decrease with i, and i itself is always inside. So a block of qu
 block of keys [k0, k1) as one of: hidden (no row's interval meets the keys), full (every row's
 interval covers them: no mask) or masked; and a kernel needs only two int32 arrays, lo and hi,
 indexed by global query position (docs/KERNELS.md, "Masks").
+
+A call's mask is one Mask, made here once (``make``) and handed down: the schedule, balance,
+placement, cost model, engine, block backends, kernels and verification read it through the Mask
+alone. A new mask of this model (each row one interval that holds the row itself, both ends never
+decreasing) is a field of Mask (in its ``key``, its words and ``arguments``; ``kind`` 'intervals'), a
+term of ``_intervals`` and an argument of ``make``; the float64 oracle (burst_hpc/reference.py)
+defines it again, independently.
 """
 import hashlib
 from functools import lru_cache
@@ -71,12 +78,23 @@ def check_cu_seqlens(cu_seqlens, seqlen):
 
 
 class Mask:
-    """The agreed mask of one call on a sequence of ``seqlen`` tokens, with documents or a window.
-    (Plain causal and full attention need no Mask: ``make`` returns None for them.)"""
+    """The agreed mask of one call on a sequence of ``seqlen`` tokens (``make``): full attention, causal,
+    documents, a window, or any composition of them; made once where a call comes in and handed down.
 
-    def __init__(self, seqlen, causal, window, cu_seqlens):
+    ``kind`` is how the mask is computed: 'full' (every key visible), 'causal' (key j visible from
+    query i when j <= i: closed forms, no per-row arrays) or 'intervals' (any other mask of the
+    interval model: each row's bounds lo, hi, which the kernels read). A block pair is 'hidden',
+    'full' or 'masked' (``classify``): only a masked pair needs its mask applied."""
+
+    def __init__(self, seqlen, causal=False, window=None, cu_seqlens=None):
         self.seqlen, self.causal, self.window, self.cu_seqlens = seqlen, bool(causal), window, cu_seqlens
         self.key = (seqlen, self.causal, window, None if cu_seqlens is None else hashlib.sha256(cu_seqlens.tobytes()).hexdigest())
+        self.kind = "intervals" if window is not None or cu_seqlens is not None else "causal" if causal else "full"
+
+    @property
+    def is_full(self):
+        """True when every key is visible from every query: no pair is ever masked."""
+        return self.kind == "full"
 
     def __eq__(self, other):
         return isinstance(other, Mask) and self.key == other.key
@@ -89,7 +107,20 @@ class Mask:
         return f"Mask(seqlen={self.seqlen}, causal={self.causal}, window={self.window}, documents={docs})"
 
     def __str__(self):
-        return describe(self.causal, self.window, self.cu_seqlens)
+        """The mask in words, for people: 'causal, 12 documents (longest 900 tokens), window (128, 0)';
+        'no mask' for full attention."""
+        parts = ["causal"] if self.causal else []
+        if self.cu_seqlens is not None:
+            count, longest = len(self.cu_seqlens) - 1, int(np.diff(self.cu_seqlens).max())
+            parts.append(f"{count} document{'s' if count != 1 else ''} (longest {longest} tokens)")
+        if self.window is not None:
+            parts.append("window ({}, {})".format(*("unbounded" if side == -1 else side for side in self.window)))
+        return ", ".join(parts) or "no mask"
+
+    @property
+    def arguments(self):
+        """{name: value}: the mask as burst_attention and the float64 oracle (reference.py) take it."""
+        return {"causal": self.causal, "window": self.window, "cu_seqlens": self.cu_seqlens}
 
     @property
     def intervals(self):
@@ -97,16 +128,26 @@ class Mask:
         return _intervals(self)
 
     def rows(self, q_start, n):
-        """(lo, hi) of the n query rows from global position q_start."""
-        lo, hi = self.intervals
-        return lo[q_start:q_start + n], hi[q_start:q_start + n]
+        """(lo, hi) of the n query rows from global position q_start (full and causal masks: made for
+        these rows alone, so positions past ``seqlen`` are fine)."""
+        if self.kind == "intervals":
+            lo, hi = self.intervals
+            return lo[q_start:q_start + n], hi[q_start:q_start + n]
+        lo = np.zeros(n, np.int64)
+        if self.kind == "causal":
+            return lo, np.arange(q_start + 1, q_start + n + 1, dtype=np.int64)
+        return lo, np.full(n, self.seqlen, np.int64)
 
     def classify(self, q_start, q_len, k_start, k_len):
         """'hidden', 'full' or 'masked' for queries [q_start, +q_len) against keys [k_start, +k_len)."""
-        lo, hi = self.rows(q_start, q_len)
         k_end = k_start + k_len
         if q_len == 0 or k_len == 0:
             return "hidden"
+        if self.kind == "full":
+            return "full"
+        if self.kind == "causal":
+            return "full" if k_end <= q_start + 1 else "hidden" if k_start >= q_start + q_len else "masked"
+        lo, hi = self.rows(q_start, q_len)
         if lo[-1] <= k_start and hi[0] >= k_end:  # the tightest row still covers every key
             return "full"
         # rows whose interval ends after k_start and starts before k_end: since each row sees
@@ -117,24 +158,14 @@ class Mask:
 
     def visible_count(self, q_start, q_len, k_start, k_len):
         """How many (query, key) pairs of the two blocks are visible: the work they cost."""
+        if self.kind == "full":
+            return q_len * k_len
         lo, hi = self.rows(q_start, q_len)
         return int(np.clip(np.minimum(hi, k_start + k_len) - np.maximum(lo, k_start), 0, None).sum())
 
     def device_intervals(self, xp):
-        """(lo, hi) as int32 arrays on ``xp``'s current device: the kernels' view of the mask."""
+        """(lo, hi) as int32 arrays on ``xp``'s current device: the kernels' view of an 'intervals' mask."""
         return _device_intervals(self, xp, xp.cuda.Device().id)
-
-
-def describe(causal, window=None, cu_seqlens=None):
-    """The mask in words, for people: 'causal, 12 documents (longest 900 tokens), window (128, 0)';
-    'no mask' for full attention."""
-    parts = ["causal"] if causal else []
-    if cu_seqlens is not None:
-        count, longest = len(cu_seqlens) - 1, int(np.diff(cu_seqlens).max())
-        parts.append(f"{count} document{'s' if count != 1 else ''} (longest {longest} tokens)")
-    if window is not None:
-        parts.append("window ({}, {})".format(*("unbounded" if side == -1 else side for side in window)))
-    return ", ".join(parts) or "no mask"
 
 
 # Bounded caches (a training loop meets new document offsets every batch): only the intervals
@@ -159,31 +190,20 @@ def _intervals(mask):
 
 @lru_cache(maxsize=4)
 def _device_intervals(mask, xp, device):
-    return tuple(xp.asarray(x.astype(np.int32)) for x in _intervals(mask))
+    return tuple(xp.asarray(x.astype(np.int32)) for x in mask.intervals)
 
 
 def make(seqlen, causal=False, window=None, cu_seqlens=None):
-    """The Mask for these arguments (validated; MaskError if bad), or None when only causal or
-    nothing is asked: those keep the plain kernels."""
-    window = check_window(window)
-    cu_seqlens = check_cu_seqlens(cu_seqlens, seqlen)
-    if window is None and cu_seqlens is None:
-        return None
-    if seqlen >= 2 ** 31:
+    """The Mask of a call's arguments, as the API takes them (validated; MaskError if bad)."""
+    mask = Mask(seqlen, causal, check_window(window), check_cu_seqlens(cu_seqlens, seqlen))
+    if mask.kind == "intervals" and seqlen >= 2 ** 31:
         raise MaskError(f"documents and windows need a sequence shorter than 2**31 tokens; got {seqlen}")
-    return Mask(seqlen, causal, window, cu_seqlens)
-
-
-def counting(seqlen, causal, mask):
-    """``mask``, or for plain causal or full attention (None) the Mask that counts their pairs (and
-    places the chunks layout's tokens)."""
-    return mask if mask is not None else Mask(seqlen, causal, None, None)
+    return mask
 
 
 def block_counts(mask, rows, keys):
     """int64 (S / rows, S / keys): the visible (query, key) pairs of every block of ``rows`` query
-    rows against every block of ``keys`` keys (``mask`` a Mask: plain causal or full attention
-    too, Mask(seqlen, causal, None, None)). The row intervals never shrink, so the pairs of a block
+    rows against every block of ``keys`` keys. The row intervals never shrink, so the pairs of a block
     of rows with the keys before a point come from prefix sums and searchsorted, without visiting
     the rows one by one."""
     lo, hi = mask.intervals
@@ -200,7 +220,7 @@ def block_counts(mask, rows, keys):
 @lru_cache(maxsize=16)
 def pair_work(mask, layout):
     """(size, size) int64, read-only: the visible (query, key) pairs of rank a's queries against rank
-    b's keys, ranks holding tokens by ``layout`` (a layout.Layout; ``mask`` as block_counts takes it)."""
+    b's keys, ranks holding tokens by ``layout`` (a layout.Layout)."""
     owner = [layout.pieces(r) for r in range(layout.size)]
     piece = int(np.gcd.reduce([n for runs in owner for start, n in runs] + [start for runs in owner for start, _ in runs]))
     blocks = block_counts(mask, piece, piece)
@@ -215,9 +235,10 @@ def pair_work(mask, layout):
 def ring_steps(mask, layout, queries_travel=False):
     """How many ring steps have work: 1 + the last step t at which some rank has a visible pair.
     At step t rank r holds the travelling shard of rank (r - t) mod P: its keys (forward and
-    kv-ring), or its queries (q-ring, ``queries_travel``). Every rank computes the same number."""
+    kv-ring), or its queries (q-ring, ``queries_travel``). Every rank computes the same number;
+    full and causal masks: every step (they hide no whole shard from every rank)."""
     size = layout.size
-    if mask is None:
+    if mask.kind != "intervals":
         return size
     pairs = pair_work(mask, layout)
     rank = np.arange(size)

@@ -60,8 +60,8 @@ class Placement:
 
 @lru_cache(maxsize=16)
 def place(mask, size):
-    """The Placement of ``mask`` (a masks.Mask: plain causal and full attention as Mask(seqlen,
-    causal, None, None)) over ``size`` ranks; ``mask.seqlen`` must be a multiple of ``size``."""
+    """The Placement of ``mask`` (the call's masks.Mask, of any kind) over ``size`` ranks;
+    ``mask.seqlen`` must be a multiple of ``size``."""
     local = mask.seqlen // size
     best = None
     for count in chunk_counts(local):

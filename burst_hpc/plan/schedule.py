@@ -21,17 +21,16 @@ Steps (what the ring engine runs, ring.py):
 Block pairs:
 
 A shard is a list of pieces, (global_start, length) runs in local order (layout.pieces).
-Each query piece against each key piece is one of:
-- hidden: every key comes after every query (causal) -> skipped, costs nothing;
-- full: no key comes after any query (or not causal) -> no mask;
-- diagonal: some keys are hidden -> masked inside the kernel on global positions.
+Each query piece against each key piece is, by the call's mask (masks.Mask.classify), one of:
+- hidden: no query sees any key -> skipped, costs nothing;
+- full: every query sees every key -> no mask;
+- masked: some keys are hidden -> the mask is applied inside the kernel on global positions.
 Full pairs that sit next to each other in local memory are fused into one call, so a
-zigzag step with no diagonal is a single kernel launch.
+zigzag step with no masked pair is a single kernel launch.
 """
 from dataclasses import dataclass, replace
 from functools import lru_cache
 
-import numpy as np
 
 from . import masks, workplan
 
@@ -42,18 +41,15 @@ class BlockPair:
     k: slice        # local rows of the key-side shard
     q_start: int    # global position of the first query row
     k_start: int    # global position of the first key row
-    causal: bool    # True only for pairs that need the mask (diagonal, or masks.Mask's 'masked')
+    masked: bool    # the pair needs the call's mask applied (masks.Mask.classify: 'masked')
 
-    def visible(self, mask=None):
+    def visible(self, mask):
         """The visible (query, key) pairs of this block pair, the work it costs (``mask``: the call's
-        masks.Mask, None for plain causal or full attention)."""
+        masks.Mask)."""
         rows, keys = self.q.stop - self.q.start, self.k.stop - self.k.start
-        if not self.causal:
+        if not self.masked:
             return rows * keys
-        if mask is not None:
-            return mask.visible_count(self.q_start, rows, self.k_start, keys)
-        seen = np.arange(self.q_start, self.q_start + rows, dtype=np.int64) - self.k_start + 1
-        return int(np.clip(seen, 0, keys).sum())
+        return mask.visible_count(self.q_start, rows, self.k_start, keys)
 
     def rows(self, lo, hi):
         """The pair of this pair's query rows lo..hi-1 (local to the pair)."""
@@ -64,17 +60,9 @@ class BlockPair:
         return replace(self, k=slice(self.k.start, min(self.k.stop, self.k.start + n)))
 
 
-def _classify(q_start, q_len, k_start, k_len, causal):
-    if not causal or k_start + k_len - 1 <= q_start:
-        return "full"
-    if k_start > q_start + q_len - 1:
-        return "hidden"
-    return "diagonal"
-
-
 def _fuse(a, b):
     """a and b fused into one pair when both are unmasked and adjacent along one side."""
-    if a.causal or b.causal:
+    if a.masked or b.masked:
         return None
     if a.q == b.q and a.k.stop == b.k.start:
         return BlockPair(a.q, slice(a.k.start, b.k.stop), a.q_start, a.k_start, False)
@@ -84,18 +72,15 @@ def _fuse(a, b):
 
 
 @lru_cache(maxsize=1024)
-def block_pairs(q_pieces, k_pieces, causal, mask=None):
-    """The block pairs to run for a query shard against a key shard (pieces as tuples).
-    ``mask``: a masks.Mask (documents, window) classifies the pairs instead of plain causal."""
+def block_pairs(q_pieces, k_pieces, mask):
+    """The block pairs to run for a query shard against a key shard (pieces as tuples), classified by
+    ``mask`` (the call's masks.Mask)."""
     pairs = []
     q_off = 0
     for q_start, q_len in q_pieces:
         k_off = 0
         for k_start, k_len in k_pieces:
-            if mask is not None:
-                kind = mask.classify(q_start, q_len, k_start, k_len)
-            else:
-                kind = _classify(q_start, q_len, k_start, k_len, causal)
+            kind = mask.classify(q_start, q_len, k_start, k_len)
             if kind != "hidden":
                 pairs.append(BlockPair(slice(q_off, q_off + q_len), slice(k_off, k_off + k_len),
                                        q_start, k_start, kind != "full"))
@@ -115,16 +100,16 @@ def block_pairs(q_pieces, k_pieces, causal, mask=None):
     return tuple(sorted(pairs, key=lambda p: (p.q.start, p.k.start)))
 
 
-def visit_pairs(q_pieces, k_pieces, causal, rows=None, mask=None):
+def visit_pairs(q_pieces, k_pieces, mask, rows=None):
     """The block pairs of one visit; ``rows`` (lo, hi) keeps only those local query rows (a piece
     of a chunk pair in the balanced schedule, a step's share of a shard in the gather schedule)."""
     if rows is None:
-        return block_pairs(q_pieces, k_pieces, causal, mask)
+        return block_pairs(q_pieces, k_pieces, mask)
     lo, hi = rows
     if lo >= hi:
         return ()
     return tuple(replace(p, q=slice(p.q.start + lo, p.q.stop + lo))
-                 for p in block_pairs(held_pieces(q_pieces, (rows,)), k_pieces, causal, mask))
+                 for p in block_pairs(held_pieces(q_pieces, (rows,)), k_pieces, mask))
 
 
 @dataclass(frozen=True)
@@ -184,23 +169,22 @@ def ring_visit(side, rank, shard):
     return Visit(rank, shard) if side == "kv" else Visit(shard, rank)
 
 
-def balanced_by_schedule(layout, causal, mask):
+def balanced_by_schedule(layout, mask):
     """Whether a call in ``layout`` runs the work-aware schedule (balance.py): the layout balances
     by schedule, over several ranks, with something masked (causal, documents, a window)."""
-    return layout.balances_by_schedule and layout.size > 1 and (causal or mask is not None)
+    return layout.balances_by_schedule and layout.size > 1 and not mask.is_full
 
 
 @lru_cache(maxsize=256)
-def steps(layout, causal, rank, near, returns, mask=None, nodes=None):
+def steps(layout, rank, near, returns, mask, nodes=None):
     """This rank's steps, ranks holding tokens by ``layout`` (layout.Layout). ``near``: the side that
     travels on a plain ring, and the cheaper side for the balanced schedule to move; ``returns``:
-    the sides whose partials go back to their owners; ``mask``: a masks.Mask (documents, window) or
-    None; ``nodes`` the node of each rank (the balanced schedule keeps its moves inside nodes where
-    it can; None: one node)."""
+    the sides whose partials go back to their owners; ``mask``: the call's masks.Mask; ``nodes`` the
+    node of each rank (the balanced schedule keeps its moves inside nodes where it can; None: one
+    node)."""
     size = layout.size
-    if balanced_by_schedule(layout, causal, mask):
-        return work_steps(rank, size, near, returns,
-                          mask if mask is not None else masks.Mask(layout.seqlen, True, None, None), nodes)
+    if balanced_by_schedule(layout, mask):
+        return work_steps(rank, size, near, returns, mask, nodes)
     return plain_ring_steps(rank, size, near, returns, masks.ring_steps(mask, layout, near == "q"))
 
 

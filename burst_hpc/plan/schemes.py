@@ -34,14 +34,14 @@ def check_scheme(name):
 class Flat:
     name = "ring"
 
-    def __init__(self, comm, layout, causal, mask, topo=None):
+    def __init__(self, comm, layout, mask, topo=None):
         self.comm, self.position, self.size = comm, comm.rank, comm.size
-        self.layout, self.causal, self.mask, self.topo = layout, causal, mask, topo
+        self.layout, self.mask, self.topo = layout, mask, topo
 
     @property
     def balanced(self):
         """Whether the ring runs the balanced layout's work-aware schedule (schedule.work_steps)."""
-        return self.name == "ring" and balanced_by_schedule(self.layout, self.causal, self.mask)
+        return self.name == "ring" and balanced_by_schedule(self.layout, self.mask)
 
     @property
     def far_comm(self):
@@ -70,7 +70,7 @@ class Flat:
         return self.layout.pieces(position)
 
     def steps(self, near, returns):
-        return flat_steps(self.layout, self.causal, self.position, near, returns, self.mask, self.nodes())
+        return flat_steps(self.layout, self.position, near, returns, self.mask, self.nodes())
 
     def nodes(self):
         """The node of each rank of ``comm`` (None: unknown, or one node)."""
@@ -83,9 +83,9 @@ class Flat:
 class DoubleRing(Flat):
     name = "double_ring"
 
-    def __init__(self, topo, layout, causal, mask):
-        check_node_layout(self.name, layout, causal, mask is not None)
-        super().__init__(topo.ordered, layout, causal, mask, topo)
+    def __init__(self, topo, layout, mask):
+        check_node_layout(self.name, layout, mask)
+        super().__init__(topo.ordered, layout, mask, topo)
 
     @property
     def far_comm(self):   # the network lane: one transfer per rank and inner round
@@ -107,9 +107,9 @@ class DoubleRing(Flat):
 class UlyssesRing(Flat):
     name = "ulysses_ring"
 
-    def __init__(self, topo, layout, causal, mask):
-        check_node_layout(self.name, layout, causal, mask is not None)
-        super().__init__(topo.rail, layout, causal, mask, topo)
+    def __init__(self, topo, layout, mask):
+        check_node_layout(self.name, layout, mask)
+        super().__init__(topo.rail, layout, mask, topo)
         self.ranks = topo.nodes * topo.per_node
 
     far_comm = None   # every transfer is due the step it is posted
@@ -133,13 +133,13 @@ class Gather(Flat):
 
     def steps(self, near, returns):
         assert near == "kv", "the gather schedule moves keys and values"
-        return gather.steps(self.position, self.layout, masks.counting(self.layout.seqlen, self.causal, self.mask),
-                            tuple(returns))
+        return gather.steps(self.position, self.layout, self.mask, tuple(returns))
 
 
-def check_node_layout(name, layout, causal, masked=False):
-    """Refuse the balanced layout's work-aware schedule (causal, documents, windows) off the flat ring."""
-    if layout.balances_by_schedule and (causal or masked):
+def check_node_layout(name, layout, mask):
+    """Refuse the balanced layout's work-aware schedule (causal, documents, windows: ``mask`` a
+    masks.Mask) off the flat ring."""
+    if layout.balances_by_schedule and not mask.is_full:
         raise LayoutError(f"scheme {name!r} works with the zigzag and contiguous layouts; the balanced layout's "
                           f"schedule (causal, documents, windows) runs on the flat ring (scheme='ring')")
 
@@ -147,8 +147,8 @@ def check_node_layout(name, layout, causal, masked=False):
 def position_pairs(mask, layout, order, group=1):
     """Visible (query, key) pairs between the shards of every two groups of ``group`` consecutive
     positions of a ring, ``order[position]`` the rank whose shard a position holds (masks.pair_work;
-    None without a mask: every pair counts)."""
-    if mask is None:
+    None for full and causal masks: every pair counts, as in masks.ring_steps)."""
+    if mask.kind != "intervals":
         return None
     ranks = np.asarray(order)
     pairs = masks.pair_work(mask, layout)[np.ix_(ranks, ranks)]
@@ -171,13 +171,14 @@ def work_rounds(pairs, rounds, queries_travel, visited):
     return last + 1
 
 
-def make(name, comm, topo, layout, causal, mask):
-    """The scheme object for a resolved ``name`` (not 'auto'), ranks holding tokens by ``layout``."""
+def make(name, comm, topo, layout, mask):
+    """The scheme object for a resolved ``name`` (not 'auto'), ranks holding tokens by ``layout``,
+    ``mask`` the call's masks.Mask."""
     if name == "ring":
-        return Flat(comm, layout, causal, mask, topo)
+        return Flat(comm, layout, mask, topo)
     if name == "gather":
-        return Gather(comm, layout, causal, mask, topo)
-    return {"double_ring": DoubleRing, "ulysses_ring": UlyssesRing}[name](topo, layout, causal, mask)
+        return Gather(comm, layout, mask, topo)
+    return {"double_ring": DoubleRing, "ulysses_ring": UlyssesRing}[name](topo, layout, mask)
 
 
 def ulysses_heads(heads, kv_heads, per_node):

@@ -21,7 +21,7 @@ from ..errors import BurstError, MaskError, ShapeError
 
 
 def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None, cu_seqlens=None):
-    """(costmodel.Problem, masks.Mask or None) of a planned call (``plan``'s options), or a BurstError
+    """The costmodel.Problem of a planned call (``plan``'s options), its mask included, or a BurstError
     saying why it has none. ``kv_heads`` None: MHA; ``window`` a causal window of that many keys (-1
     or None: none); ``cu_seqlens`` the documents' offsets (planned_documents)."""
     from . import masks
@@ -30,9 +30,8 @@ def problem(seqlen, batch, heads, kv_heads, head_dim, dtype, causal, window=None
     if heads % kv_heads:
         raise ShapeError(f"--heads {heads} must be a multiple of --kv-heads {kv_heads}")
     window = None if window in (None, -1) else (window, 0)
-    causal = causal or window is not None
-    mask = masks.make(seqlen, causal, window, cu_seqlens)
-    return costmodel.Problem(batch, seqlen, heads, kv_heads, head_dim, np.dtype(dtype).itemsize, causal), mask
+    mask = masks.make(seqlen, causal or window is not None, window, cu_seqlens)
+    return costmodel.Problem(batch, seqlen, heads, kv_heads, head_dim, np.dtype(dtype).itemsize, mask)
 
 
 def _gib(x):
@@ -45,12 +44,12 @@ def _tokens(n):
     return f"{n / 1024:.0f}k" if n >= 1024 else str(n)
 
 
-def table(pr, cl, rates, mask, layouts):
+def table(pr, cl, rates, layouts):
     """The Markdown table of every (layout, scheme) of ``layouts`` ({kind: Layout or why the length does
     not split in it}, layout.layouts_for) and the pick: (text, costmodel.Prediction), the fastest
     predicted forward+backward (costmodel.best: what a call with scheme='auto' in the layout
     costmodel.choose_layout names runs)."""
-    pick, found = costmodel.best(pr, cl, rates, mask, layouts)
+    pick, found = costmodel.best(pr, cl, rates, layouts)
     head = ("| layout | scheme | fwd (s) | fwd exposed | fwd+bwd (s) | fwd+bwd exposed | fixed costs (ms) fwd / bwd | "
             "steps fwd / bwd | critical path / mean | TFLOP/s per GPU fwd / bwd | network GB/GPU | "
             "peak GiB/rank fwd / bwd | hides from (tokens/GPU) fwd / fwd+bwd | |")
@@ -65,7 +64,7 @@ def table(pr, cl, rates, mask, layouts):
                              f"forward compute {p.fwd.compute:.3g} s, time {p.fwd.time:.3g} s)")
         flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * x.mean / x.time for b, x in ((0, p.fwd), (1, p.bwd))]
         peak = [_gib(peak_memory(scheme, pr, cl, b)) for b in (False, True)]
-        hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=p.layout, mask=mask))
+        hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=p.layout))
                  for b in (False, True)]
         lines.append(f"| {name} | {scheme} | {p.fwd.time:.3g} | {p.fwd.exposed:.1%} | {p.fwdbwd:.3g} | {p.exposed:.1%} | "
                      f"{p.fwd.fixed * 1e3:.3g} / {p.bwd.fixed * 1e3:.3g} | {p.fwd.steps} / {p.bwd.steps} | {p.fwd.imbalance:.2f} | {flops[0]:.0f} / {flops[1]:.0f} | "
@@ -74,11 +73,11 @@ def table(pr, cl, rates, mask, layouts):
     return "\n".join(lines), pick
 
 
-def describe(pr, cl, rates, mask=None):
+def describe(pr, cl, rates):
     kind = "MHA" if pr.heads == pr.kv_heads else f"GQA {pr.heads // pr.kv_heads}:1"
-    shown = "causal" if pr.causal else "full"
-    if mask is not None:
-        shown += f", {visible_pairs(pr.seqlen, pr.causal, mask) / float(pr.seqlen) ** 2:.3g} of the scores visible"
+    shown = "causal" if pr.mask.causal else "full"
+    if pr.mask.kind == "intervals":
+        shown += f", {visible_pairs(pr.mask) / float(pr.seqlen) ** 2:.3g} of the scores visible"
     return (f"{cl.nodes} nodes x {cl.per_node} {rates.name} ({cl.ranks} GPUs), S={pr.seqlen} "
             f"({pr.seqlen // cl.ranks} tokens/GPU), B={pr.batch}, Hq={pr.heads}, Hkv={pr.kv_heads} ({kind}), "
             f"D={pr.head_dim}, {pr.itemsize}-byte elements, {shown}; rates: {rates.fwd_tflops:g} / "
@@ -98,6 +97,7 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     import numpy as np
 
     from .. import attention, attention_backward
+    from . import masks
     from .topology import topology
 
     topo = topology(comm, per_node)
@@ -114,14 +114,15 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
         on_gpu, device = True, cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode()
     except Exception:  # noqa: BLE001
         sync = lambda: None  # noqa: E731
-    flops = attention_flops(1, pr.heads, pr.head_dim, visible_pairs(tokens, pr.causal))
-    attention(q, k, k, causal=pr.causal)
+    causal = pr.mask.causal
+    flops = attention_flops(1, pr.heads, pr.head_dim, visible_pairs(masks.make(tokens, causal)))
+    attention(q, k, k, causal=causal)
     sync()
     t0 = time.perf_counter()
-    o, lse = attention(q, k, k, causal=pr.causal)
+    o, lse = attention(q, k, k, causal=causal)
     sync()
     t1 = time.perf_counter()
-    attention_backward(o, q, k, k, o, lse, causal=pr.causal)
+    attention_backward(o, q, k, k, o, lse, causal=causal)
     sync()
     t2 = time.perf_counter()
     fwd = comm.allreduce(flops / (t1 - t0) / 1e12) / comm.size

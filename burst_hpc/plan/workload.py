@@ -41,18 +41,18 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         A bad mask, or a length that does not split over ``size`` ranks in ``layout``.
     """
     mask = masks.make(seqlen, causal, window, cu_seqlens)
-    layout = as_layout(layout, seqlen, size, masks.counting(seqlen, causal, mask))
+    layout = as_layout(layout, seqlen, size, mask)
     if direction not in DIRECTIONS:
         raise BurstError(f"direction must be one of {', '.join(DIRECTIONS)}; got {direction!r}")
-    return work_of(layout, bool(causal), mask, direction).copy()
+    return work_of(layout, mask, direction).copy()
 
 
 @lru_cache(maxsize=32)
-def work_of(layout, causal, mask, direction, per_node=None):
-    """schedule_work on checked arguments (``layout`` a layout.Layout; ``mask`` a masks.Mask or None;
+def work_of(layout, mask, direction, per_node=None):
+    """schedule_work on checked arguments (``layout`` a layout.Layout; ``mask`` the call's masks.Mask;
     ``per_node`` ranks a node, rank order node by node: None, one node), cached and read-only: the
     flat ring's account."""
-    return account(layout, causal, mask, "ring", direction, per_node).work
+    return account(layout, mask, "ring", direction, per_node).work
 
 
 KINDS = (("data", "kv"), ("data", "q"), ("partial", "q"), ("partial", "kv"))   # (what, side) of a transfer
@@ -80,39 +80,38 @@ class Account:
 
 
 @lru_cache(maxsize=64)
-def account(layout, causal, mask, scheme, direction, per_node=None):
+def account(layout, mask, scheme, direction, per_node=None):
     """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring', 'gather')
-    over the ranks of ``layout`` (a layout.Layout), ``per_node`` a node (None: one node), from the
+    over the ranks of ``layout`` (a layout.Layout) under ``mask`` (a masks.Mask), ``per_node`` a node (None: one node), from the
     schedules the engine runs (schedule.py, schemes.py)."""
     from .schemes import position_pairs, work_rounds
 
     near, returns = DIRECTIONS[direction]
     seqlen, size = layout.seqlen, layout.size
-    counted = masks.counting(seqlen, causal, mask)
     w = size if per_node is None else per_node
     nodes = size // w
     shard = seqlen // size
-    if scheme == "ring" and balanced_by_schedule(layout, causal, mask):
-        return _balanced_account(counted, size, near, returns, node_list(size, per_node), per_node)
+    if scheme == "ring" and balanced_by_schedule(layout, mask):
+        return _balanced_account(mask, size, near, returns, node_list(size, per_node), per_node)
     if scheme == "gather":
-        return _gather_account(counted, layout, returns, per_node)
+        return _gather_account(mask, layout, returns, per_node)
     if scheme == "ring":
-        template = schedule_steps(layout, causal, 0, near, returns, mask, None)
-        pairs = masks.pair_work(counted, layout), pair_launches(counted, layout)
+        template = schedule_steps(layout, 0, near, returns, mask, None)
+        pairs = masks.pair_work(mask, layout), pair_launches(mask, layout)
         return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
     if scheme == "double_ring":
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         template = double_ring_steps(0, nodes, w, near, returns, rounds)
-        pairs = masks.pair_work(counted, layout), pair_launches(counted, layout)
+        pairs = masks.pair_work(mask, layout), pair_launches(mask, layout)
         return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
                         shard, w, 1)
     if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
         count = work_rounds(position_pairs(mask, layout, range(size), w), nodes, near == "q",
                             lambda p, o: [(p - o) % nodes])
         template = plain_ring_steps(0, nodes, near, returns, count)
-        pairs = position_pairs(counted, layout, range(size), w)
-        calls = position_launches(counted, layout, w)
+        pairs = masks.pair_work(mask, layout).reshape(nodes, w, nodes, w).sum(axis=(1, 3))
+        calls = position_launches(mask, layout, w)
         node_account = _rotated(template, (pairs, calls), lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
         return replace(node_account, work=np.repeat(node_account.work, w, axis=1),
                        launches=np.repeat(node_account.launches, w, axis=1))
@@ -186,7 +185,7 @@ def _gather_account(mask, layout, returns, per_node):
             work[t, r] = sum(w for _, _, w in visits)
             # the block calls the engine makes for each visit (engine.passes: visit_pairs over the held keys)
             launches[t, r] = sum(len(schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
-                layout.pieces(shard), None if shard == r else seen[r][shard]), mask.causal, rows, mask))
+                layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows))
                 for shard, rows, w in visits if w)
     work.setflags(write=False)
     launches.setflags(write=False)
@@ -219,7 +218,7 @@ def pair_launches(mask, layout):
     visible = masks.pair_work(mask, layout)
     out = np.zeros((size, size), np.int64)
     for a, b in zip(*np.nonzero(visible)):
-        out[a, b] = len(schedule.block_pairs(owned[a], owned[b], mask.causal, mask))
+        out[a, b] = len(schedule.block_pairs(owned[a], owned[b], mask))
     out.setflags(write=False)
     return out
 
@@ -249,13 +248,13 @@ def visit_work(mask, layout, visit):
 
 
 @lru_cache(maxsize=32)
-def schedule_traffic(layout, causal, mask, direction, per_node=None):
+def schedule_traffic(layout, mask, direction, per_node=None):
     """Tokens each rank sends and receives at each step (of the transfers completing then), per
     kind of transfer and link: {(what, side): ((sent, received) inside the node, (sent, received)
     between nodes)}, int64 arrays (steps, ranks); ``per_node`` ranks a node (None: one node)."""
     near, returns = DIRECTIONS[direction]
     size = layout.size
-    plans = [schedule_steps(layout, causal, r, near, returns, mask, node_list(size, per_node)) for r in range(size)]
+    plans = [schedule_steps(layout, r, near, returns, mask, node_list(size, per_node)) for r in range(size)]
     count = max(len(p) for p in plans)
     out = {}
     tokens = layout.local
@@ -271,7 +270,7 @@ def schedule_traffic(layout, causal, mask, direction, per_node=None):
 
 
 @lru_cache(maxsize=32)
-def schedule_transfers(layout, causal, mask, direction, per_node=None):
+def schedule_transfers(layout, mask, direction, per_node=None):
     """Every transfer of the schedule, once (from its sender's steps), in the order the engine posts
     them: a tuple of (posted, due, sender, receiver, what, side, tokens), ``due`` the step at whose
     end it completes, ``per_node`` ranks a node (None: one node)."""
@@ -281,7 +280,7 @@ def schedule_transfers(layout, causal, mask, direction, per_node=None):
     tokens = layout.local
     out = []
     for r in range(size):
-        for t, step in enumerate(schedule_steps(layout, causal, r, near, returns, mask, nodes)):
+        for t, step in enumerate(schedule_steps(layout, r, near, returns, mask, nodes)):
             for m in step.sends:
                 out.append((t, t if m.due is None else m.due, r, m.peer, m.what, m.side,
                             tokens if m.rows is None else m.rows[1] - m.rows[0]))

@@ -133,7 +133,8 @@ def _require_gpu():
 
 class FamilyKernels(Protocol):
     """The launches of one kernel family, on inputs the backend has marshalled: 16-bit q, k, v, do of the
-    kernels' type ``kind``, float32 accumulators the kernels can write; ``mask`` only for masked pairs.
+    kernels' type ``kind``, float32 accumulators the kernels can write; ``masked`` and ``mask`` as the block
+    contract takes them (backends/__init__.py; contract.mask_mode: the kernel instance they run).
 
     ``ends``: whether the launches take the block contract's first / last flags themselves (keyword
     arguments ``first``, ``out`` of the forward; ``o``, ``first_q``, ``first_kv``, ``dq_out``, ``dk_out``,
@@ -143,9 +144,9 @@ class FamilyKernels(Protocol):
 
     ends: bool
 
-    def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask, **ends): ...
+    def forward(self, kind, q, k, v, o, lse, *, scale, masked, mask, q_start, k_start, **ends): ...
 
-    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask,
+    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked, mask, q_start, k_start,
                  **ends): ...
 
 
@@ -204,16 +205,16 @@ class CudaBackend:
             return self._wide
         return padding.Padded(self, widths)
 
-    def prepare(self, comm, dtype, head_dim, causal, masked, directions):
+    def prepare(self, comm, dtype, head_dim, mask, directions):
         """Collective on ``comm``: compile the kernels a call needs before its first launch, once per node
         and per cache directory (compile.prepare): for inputs of ``dtype`` and ``head_dim``, those of the
-        passes ``directions`` ('fwd', 'bwd') with the full mask and, when ``causal``, the causal one, or
-        the interval one when the call is ``masked`` (documents, a window)."""
+        passes ``directions`` ('fwd', 'bwd') with the full mask and the one of the call's masks.Mask
+        ``mask`` (contract.mask_mode: causal or interval) unless it is full."""
         try:
             kind = launch.kernel_dtype(dtype)
         except BackendError:  # the call's first launch says so, as it would without this step
             return {}
-        masks = ("full", "interval" if masked else "causal") if causal else ("full",)
+        masks = ("full",) if mask.is_full else ("full", contract.mask_mode(True, mask))
         key = (kind, head_dim, masks, tuple(directions))
         if key in self._prepared:   # every rank's calls come in the same order, so all skip together
             return {}
@@ -222,14 +223,14 @@ class CudaBackend:
         return result
 
     # ---- the three block calls ---------------------------------------------------------------------
-    def forward_block(self, q, k, v, o, lse, *, scale, causal=False, q_start=0, k_start=0, mask=None, first=False,
+    def forward_block(self, q, k, v, o, lse, *, scale, masked=False, mask=None, q_start=0, k_start=0, first=False,
                       out=None):
-        where = dict(scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+        where = dict(scale=scale, masked=masked, mask=mask, q_start=q_start, k_start=k_start)
         ends = dict(first=first, out=out)
         other = self._elsewhere("fwd", q.shape[-1])
         if other is not None:
-            return forward_ends(self.xp, lambda o_, lse_: other.forward_block(q, k, v, o_, lse_, mask=mask, **where),
-                                o, lse, **ends)
+            return forward_ends(self.xp, lambda o_, lse_: other.forward_block(q, k, v, o_, lse_, **where), o, lse,
+                                **ends)
         launch.check_dims(q, k, self.native_widths("fwd"))
         if 0 in (q.shape[0], q.shape[1], q.shape[2], k.shape[1]):
             return forward_ends(self.xp, lambda *_: None, o, lse, **ends)
@@ -238,23 +239,21 @@ class CudaBackend:
         if first and o is None and out is not None and out.dtype == np.float32:
             o, ends["out"] = out, None  # a float32 output is the accumulator itself
         if not self.kernels.ends or not launch.aligned_rows(ends["out"], kind):
-            return forward_ends(self.xp, lambda o_, lse_: self._forward(kind, q, k, v, o_, lse_, mask, where), o, lse,
-                                **ends)
-        self._forward(kind, q, k, v, o, lse, mask, where, **ends)
+            return forward_ends(self.xp, lambda o_, lse_: self._forward(kind, q, k, v, o_, lse_, where), o, lse, **ends)
+        self._forward(kind, q, k, v, o, lse, where, **ends)
 
-    def _forward(self, kind, q, k, v, o, lse, mask, where, **ends):
+    def _forward(self, kind, q, k, v, o, lse, where, **ends):
         o_w, o_back = launch.accumulator(o, "o") if o is not None else (None, None)
         lse_w, lse_back = launch.f32_rows(lse, "lse")
-        # an unmasked pair runs the full kernel
-        self.kernels.forward(kind, q, k, v, o_w, lse_w, mask=mask if where["causal"] else None, **where, **ends)
+        self.kernels.forward(kind, q, k, v, o_w, lse_w, **where, **ends)
         if o_back is not None:
             o_back[...] = o_w
         if lse_back is not None:
             lse_back[...] = lse_w
 
-    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal=False, q_start=0, k_start=0,
-                       mask=None, o=None, first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None):
-        where = dict(scale=scale, causal=causal, q_start=q_start, k_start=k_start)
+    def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked=False, mask=None, q_start=0,
+                       k_start=0, o=None, first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None):
+        where = dict(scale=scale, masked=masked, mask=mask, q_start=q_start, k_start=k_start)
         ends = dict(first_q=first_q, first_kv=first_kv, dq_out=dq_out, dk_out=dk_out, dv_out=dv_out)
         if delta is None and o is None:
             raise BackendError("backward_block needs delta or o")
@@ -263,7 +262,7 @@ class CudaBackend:
         other = self._elsewhere("bwd", q.shape[-1])
         if other is not None:
             def run(delta_, *grads):
-                other.backward_block(q, k, v, do, lse, delta_, *grads, mask=mask, **where)
+                other.backward_block(q, k, v, do, lse, delta_, *grads, **where)
 
             return backward_ends(self.xp, run, self.delta, do, o, delta, dq, dk, dv, **ends)
         launch.check_dims(q, k, self.native_widths("bwd"))
@@ -278,21 +277,18 @@ class CudaBackend:
                 dq, dk, dv = (out if n == name else x for x, n in ((dq, "dq"), (dk, "dk"), (dv, "dv")))
         writable = all(launch.aligned_rows(x, kind) for x in (ends["dq_out"], ends["dk_out"], ends["dv_out"]))
         if not (self.kernels.ends and writable):
-            return backward_ends(self.xp, lambda *args: self._backward(kind, q, k, v, do, lse, *args, mask, where),
+            return backward_ends(self.xp, lambda *args: self._backward(kind, q, k, v, do, lse, *args, where),
                                  self.delta, do, o, delta, dq, dk, dv, **ends)
         if delta is None and not launch.aligned_rows(o, kind):  # the kernels' pre-pass reads o as it reads do
             delta = self.delta(do, o)
-        self._backward(kind, q, k, v, do, lse, delta, dq, dk, dv, mask, where, o=o if delta is None else None,
-                       **ends)
+        self._backward(kind, q, k, v, do, lse, delta, dq, dk, dv, where, o=o if delta is None else None, **ends)
 
-    def _backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, mask, where, **ends):
+    def _backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, where, **ends):
         lse_r, _ = launch.f32_rows(lse, "lse")
         delta_r = launch.f32_rows(delta, "delta")[0] if delta is not None else None
         grads = [launch.accumulator(g, name) if g is not None else (None, None)
                  for g, name in ((dq, "dq"), (dk, "dk"), (dv, "dv"))]
-        # an unmasked pair runs the full kernel
-        self.kernels.backward(kind, q, k, v, do, lse_r, delta_r, *(w for w, _ in grads),
-                              mask=mask if where["causal"] else None, **where, **ends)
+        self.kernels.backward(kind, q, k, v, do, lse_r, delta_r, *(w for w, _ in grads), **where, **ends)
         for w, back in grads:
             if back is not None:
                 back[...] = w

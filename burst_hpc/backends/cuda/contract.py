@@ -47,9 +47,12 @@ def cuda_dir():
     return Path(__file__).resolve().parents[3] / "cuda"
 
 
-def mask_mode(causal, mask):
-    """The kernel instance of a block pair: interval (documents / windows), causal or full."""
-    return "interval" if mask is not None else "causal" if causal else "full"
+def mask_mode(masked, mask):
+    """The kernel instance of a block pair: 'full' when it is not ``masked``, else by its masks.Mask's
+    kind: 'causal' (the closed form) or 'interval' (each row's bounds: documents, windows, ...)."""
+    if not masked:
+        return "full"
+    return "causal" if mask.kind == "causal" else "interval"
 
 
 class Header(NamedTuple):

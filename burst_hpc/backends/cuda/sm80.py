@@ -18,22 +18,24 @@ class Sm80Kernels:
         self.forward_args = launch.KernelArgs(PARAMS["sm80", "fwd"])
         self.backward_args = launch.KernelArgs(PARAMS["sm80", "bwd"])
 
-    def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask):
+    def forward(self, kind, q, k, v, o, lse, *, scale, masked, mask, q_start, k_start):
         b, sq, hq, d = q.shape
-        kernel = self.modules.table(FORWARD).find(kind, d, mask_mode(causal, mask))
+        mode = mask_mode(masked, mask)
+        kernel = self.modules.table(FORWARD).find(kind, d, mode)
         kern = self.modules.kernel(FORWARD, kernel.name, kernel.smem_bytes)
         grid = (-(-sq // kernel.query_rows), hq, b)
         arrays = (("q", q, "qsb qss qsh"), ("k", k, "ksb kss ksh"), ("v", v, "vsb vss vsh"), ("o", o, "osb oss osh"),
                   ("lse", lse, "lsb lsh lss"))
-        args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask,
+        args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
+                                 mask=mask if mode == "interval" else None,
                                  **launch.array_fields(*arrays))
         kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
 
-    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask):
+    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked, mask, q_start, k_start):
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
         group = hq // hkv
-        mode = mask_mode(causal, mask)
+        mode = mask_mode(masked, mask)
         kernel = self.modules.table(BACKWARD).find(kind, d, mode)
         nkb = -(-sk // kernel.keys)
         hpb, nsplit = launch.split_group(group, nkb, b * hkv)
@@ -43,7 +45,8 @@ class Sm80Kernels:
         arrays = (("q", q, "qsb qss qsh"), ("k", k, "ksb kss ksh"), ("v", v, "vsb vss vsh"), ("dout", do, "gsb gss gsh"),
                   ("lse", lse, "lsb lsh lss"), ("delta", delta, "dsb dsh dss"), ("dq", dq, "qgsb qgss qgsh"),
                   ("dk", dk, "kgsb kgss kgsh"), ("dv", dv, "vgsb vgss vgsh"))
-        args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask, hpb=hpb,
+        args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
+                                  mask=mask if mode == "interval" else None, hpb=hpb,
                                   atomic_kv=nsplit > 1, order_g=order_g, **launch.array_fields(*arrays))
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kern((nkb * slots, 1, 1), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)

@@ -82,20 +82,21 @@ class Sm90Kernels:
 
         return min(self.tile_heights(d), key=cost)
 
-    def key_split(self, bm, bn, heads, sq, sk, causal, off, mask):
-        """The parts each forward query tile's key range is cut into (1: none). With ``key_splits`` on, for full
-        and causal attention whose query tiles (``heads`` x query blocks of bm rows) are fewer than the SMs:
+    def key_split(self, bm, bn, heads, sq, sk, mode, off):
+        """The parts each forward query tile's key range is cut into (1: none). With ``key_splits`` on, for the
+        full and causal kernels (``mode``, contract.mask_mode) whose query tiles (``heads`` x query blocks of bm
+        rows) are fewer than the SMs:
         the count whose estimated time is least, in key tiles of bn: the longest part plus its cost
         (SPLIT_PART_COST), or all parts and their costs spread over the SMs, whichever is more."""
         if self.forced_key_splits is not None:
             return self.forced_key_splits
         nmb, sms = -(-sq // bm), launch.sm_count()
-        if not self.key_splits or mask is not None or nmb * heads >= sms:
+        if not self.key_splits or mode == "interval" or nmb * heads >= sms:
             return 1
-        key = (bm, bn, heads, sq, sk, causal, off, sms)
+        key = (bm, bn, heads, sq, sk, mode, off, sms)
         n = self._splits.get(key)
         if n is None:
-            n = self._splits[key] = self._least_time_split(nmb, bm, bn, heads, sq, sk, causal, off, sms)
+            n = self._splits[key] = self._least_time_split(nmb, bm, bn, heads, sq, sk, mode == "causal", off, sms)
             if len(self._splits) > 256:
                 self._splits.clear()
         return n
@@ -139,22 +140,23 @@ class Sm90Kernels:
             counter = self._counters[key] = cupy.zeros(2, np.int32)
         return counter
 
-    def forward(self, kind, q, k, v, o, lse, *, scale, causal, q_start, k_start, mask, first=False, out=None):
+    def forward(self, kind, q, k, v, o, lse, *, scale, masked, mask, q_start, k_start, first=False, out=None):
         import cupy
 
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        kernel = self.modules.table(FORWARD).find(kind, d, mask_mode(causal, mask), self.tile_height(d, b * hq, sq))
+        mode = mask_mode(masked, mask)
+        kernel = self.modules.table(FORWARD).find(kind, d, mode, self.tile_height(d, b * hq, sq))
         bm, bn = kernel.query_rows, kernel.keys
         off = int(q_start) - int(k_start)
-        nsplit = self.key_split(bm, bn, b * hq, sq, sk, causal, off, mask)
-        every_tile = _every_tile_sees_keys(mask, causal, q_start, sq, k_start, sk, bm, bn)
+        nsplit = self.key_split(bm, bn, b * hq, sq, sk, mode, off)
+        every_tile = _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, bm, bn)
         if out is not None and (nsplit > 1 or not (first or every_tile)):
             # key splits merge their parts in float32, and the kernel writes only the query tiles it visits
             # (a last pair's other rows hold the running o): the output is converted afterwards
             o = cupy.empty(q.shape, np.float32) if o is None else o
-            self.forward(kind, q, k, v, o, lse, scale=scale, causal=causal, q_start=q_start, k_start=k_start,
-                         mask=mask, first=first)
+            self.forward(kind, q, k, v, o, lse, scale=scale, masked=masked, mask=mask, q_start=q_start,
+                         k_start=k_start, first=first)
             out[...] = o
             return
         if first and (nsplit > 1 or not every_tile):
@@ -173,10 +175,11 @@ class Sm90Kernels:
         nmb = -(-sq // bm)
         kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
         hchunk = max(1, min(b * hq, L2_CHUNK_BYTES // max(1, kv_bytes_per_head)))
-        order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[0] if mask is not None else None
+        order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[0] if mode == "interval" else None
         locks = self.tile_locks(nmb * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else None
         grid = (min(nmb * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
-        args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask, tmaps=maps,
+        args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
+                                 mask=mask if mode == "interval" else None, tmaps=maps,
                                  order=order, next_tile=self.tile_counter(), locks=locks, hchunk=hchunk, nsplit=nsplit,
                                  cross_tile=self.cross_tile, first=first,
                                  **launch.array_fields(("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss"),
@@ -184,13 +187,14 @@ class Sm90Kernels:
         kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
 
     # ---- backward --------------------------------------------------------------------------------------
-    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, causal, q_start, k_start, mask, o=None,
+    def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked, mask, q_start, k_start, o=None,
                  first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None):
         import cupy
 
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]
-        kernel = self.modules.table(BACKWARD).find(kind, d, mask_mode(causal, mask))
+        mode = mask_mode(masked, mask)
+        kernel = self.modules.table(BACKWARD).find(kind, d, mode)
         bm, bn = kernel.query_rows, kernel.keys
         group = hq // hkv
         nkb = (sk + bn - 1) // bn
@@ -231,8 +235,8 @@ class Sm90Kernels:
         # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), delta computed
         # from do and o when not given, dq's rows zeroed at a first pair; then with a mask each row's visible key
         # range; the ranges of query tiles per key block (attn_bwd_sm90_ranges)
-        mlo, mhi, kofs = mask_args(mask, q_start, sq, k_start)
-        rows = cupy.empty(2 * b * hq * sq_pad + (2 * sq_pad if mask is not None else 0), np.float32)
+        mlo, mhi, kofs = mask_args(mask if mode == "interval" else None, q_start, sq, k_start)
+        rows = cupy.empty(2 * b * hq * sq_pad + (2 * sq_pad if mode == "interval" else 0), np.float32)
         prep = self.modules.kernel(BACKWARD, "attn_bwd_sm90_rows", 0)
         none = (np.uint64(0), *(np.int64(0),) * 3)
         delta_args = (delta, *strides(delta)) if delta is not None else none
@@ -245,16 +249,17 @@ class Sm90Kernels:
               np.int32(sq_pad), mlo, mhi, kofs, np.int32(sk), np.int32(d), *rows_of, np.int32(kind == "bf16"),
               *zero_dq))
         ranges = np.uint64(0)
-        if mask is not None:
+        if mode == "interval":
             ranges = cupy.empty(2 * nkb, np.int32)
             find = self.modules.kernel(BACKWARD, "attn_bwd_sm90_ranges", 0)
             find((-(-nkb // 128),), (128,), (mlo, mhi, kofs, np.int32(sq), np.int32(sk), np.int32(bn), np.int32(bm),
                                              np.int32(nkb), ranges))
         slots = nsplit * b * hkv
-        chunk, order = self.backward_order(mask, causal, nkb, slots, ranges)
+        chunk, order = self.backward_order(mode, nkb, slots, ranges)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
-        args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start, mask=mask, tmaps=maps,
+        args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
+                                  mask=mask if mode == "interval" else None, tmaps=maps,
                                   rows=rows, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, chunk=chunk, kv=kv)
         kern((nkb * slots,), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
         results = ((dq_w, dq, dq_out, first_q),) + (() if kv_direct else ((dk_w, dk, dk_out, first_kv),
@@ -281,17 +286,18 @@ class Sm90Kernels:
              (x, *strides(x)[:3], out, *strides(out)[:3], np.int32(b), np.int32(s), np.int32(h), np.int32(d),
               np.int32(kind == "bf16")))
 
-    def backward_order(self, mask, causal, nkb, slots, ranges):
+    def backward_order(self, mode, nkb, slots, ranges):
         """(head slots per chunk, key block order: a device array or a null pointer) of the backward's tile
-        order (attn_bwd_sm90.cu, KeyBlockTile). Longest first under a causal mask needs no table (key block n
+        order (attn_bwd_sm90.cu, KeyBlockTile) for the kernel instance ``mode`` (contract.mask_mode; ``ranges``
+        the interval kernels' query tile ranges per key block). Longest first under a causal mask needs no table (key block n
         sees the query tiles from n on); under interval masks the pre-pass attn_bwd_sm90_order ranks the key
         blocks by their query tiles, on the device."""
         import cupy
 
-        if not self.longest_first or (mask is None and not causal):
+        if not self.longest_first or mode == "full":
             return 1, np.uint64(0)
         chunk = self.forced_order_heads or launch.heavy_first_heads(nkb, slots)
-        if mask is None:
+        if mode == "causal":
             return min(chunk, slots), np.uint64(0)
         order = cupy.empty(nkb, np.int32)
         rank = self.modules.kernel(BACKWARD, "attn_bwd_sm90_order", 0)
@@ -302,12 +308,13 @@ class Sm90Kernels:
 _ORDERS = OrderedDict()
 
 
-def _every_tile_sees_keys(mask, causal, q_start, sq, k_start, sk, bm, bn):
-    """Whether the kernel visits every forward query tile of bm rows (it skips those that see no key)."""
-    if mask is not None:
+def _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, bm, bn):
+    """Whether the kernel instance ``mode`` (contract.mask_mode) visits every forward query tile of bm rows
+    (it skips those that see no key)."""
+    if mode == "interval":
         return _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[1]
     # causal: the first tile sees the fewest keys, the key k_start when its last row is at or after it
-    return sk > 0 and (not causal or int(q_start) + min(bm, sq) - 1 >= int(k_start))
+    return sk > 0 and (mode == "full" or int(q_start) + min(bm, sq) - 1 >= int(k_start))
 
 
 def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
