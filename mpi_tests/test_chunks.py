@@ -34,24 +34,48 @@ def draw(comm, docs):
     return seed, cu, q, k, v, do
 
 
-@pytest.mark.parametrize("scheme", ["auto", "gather", "ring"])
+# "gather" on one node runs packed (engine/packed.py: one block call a pass); with every rank a node of its
+# own (ranks_per_node=1) the stepped gather schedule
+@pytest.mark.parametrize("scheme,per_node", [("auto", None), ("gather", None), ("gather", 1), ("ring", None)])
 @pytest.mark.parametrize("docs,window,causal", MASKS)
-def test_chunks_forward_and_backward_match_the_oracle(comm, docs, window, causal, scheme):
+def test_chunks_forward_and_backward_match_the_oracle(comm, docs, window, causal, scheme, per_node):
     seed, cu, q, k, v, do = draw(comm, docs)
-    kw = dict(causal=causal, cu_seqlens=cu, window=window)
+    kw = dict(causal=causal, cu_seqlens=cu, window=window, ranks_per_node=per_node)
+
+    mask = dict(causal=causal, cu_seqlens=cu, window=window)
 
     def mine(x, axis=1):
-        return burst_hpc.shard(x, comm.rank, comm.size, "chunks", axis=axis, **kw)
+        return burst_hpc.shard(x, comm.rank, comm.size, "chunks", axis=axis, **mask)
 
     ctx = f"seed {seed} {kw} scheme {scheme}"
-    ref_o, ref_lse = attention_reference(q, k, v, **kw)
+    ref_o, ref_lse = attention_reference(q, k, v, **mask)
     o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, layout="chunks", scheme=scheme, **kw)
     np.testing.assert_allclose(o, mine(ref_o), atol=1e-10, err_msg=ctx)
     np.testing.assert_allclose(lse, mine(ref_lse, axis=2), rtol=1e-6, err_msg=ctx)
     grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm,
                                                layout="chunks", scheme=scheme, **kw)
-    for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **kw)):
+    for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **mask)):
         np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ctx}")
+
+
+@pytest.mark.parametrize("per_node", [None, 1])
+def test_gather_runs_packed_on_one_node_and_stepped_across_nodes(comm, per_node, monkeypatch):
+    """One node: the gather scheme's passes are one block call each on packed keys; every rank a node of its
+    own: the stepped schedule (ring passes), which hides the transfers under each rank's own work."""
+    from burst_hpc.engine.packed import PackedPasses
+
+    seed, cu, q, k, v, do = draw(comm, "capped")
+    shards = [burst_hpc.shard(x, comm.rank, comm.size, "chunks", causal=True, cu_seqlens=cu, window=None)
+              for x in (q, k, v)]
+    plan = plan_arrays(comm, shards[0], checked_call(comm.size, *shards, True, None, "chunks", "auto", cu_seqlens=cu,
+                                                     scheme="gather", ranks_per_node=per_node))
+    packed = per_node is None or comm.size == 1
+    assert isinstance(plan.passes, PackedPasses) == packed
+    if packed:
+        calls = []
+        monkeypatch.setattr(plan.backend, "forward_block", lambda *a, **kw: calls.append(kw))
+        plan.passes.forward(*shards)
+        assert len(calls) == 1 and calls[0]["q_start"] == calls[0]["k_start"] == 0 and calls[0]["first"]
 
 
 class Counting:

@@ -39,6 +39,7 @@ class RingPasses:
 
     def __init__(self, plan):
         self.plan = plan
+        self.mask = plan.decomposition.mask   # what the block calls get
         self.programs = {}   # (near, returns) -> its _Program, made on the plan's first pass
 
     def program(self, near, returns):
@@ -70,7 +71,7 @@ class RingPasses:
                              out=out.rows(p.q) if last["q"] else None)
 
         with _metered(meter, plan, program):
-            near, far, inner = _lanes(plan, transport, far, inner)
+            near, far, inner = lanes(plan, transport, far, inner)
             run(near, far, program.route, sides, _visits(plan, program, pair, meter, rehearse, {"q": final}, clock),
                 skip_compute=skip_compute,
                 on_step=on_step, inner=inner)
@@ -108,7 +109,7 @@ class RingPasses:
                               dv_out=outs[2].rows(p.k) if last["kv"] else None)
 
         with _metered(meter, plan, program):
-            near, far, inner = _lanes(plan, transport, far, inner)
+            near, far, inner = lanes(plan, transport, far, inner)
             run(near, far, program.route, sides, _visits(plan, program, pair, meter, rehearse, finals, clock),
                 skip_compute=skip_compute, on_step=on_step, inner=inner)
         if not convert:
@@ -156,7 +157,7 @@ def for_plan(plan):
     return UlyssesPasses(plan) if plan.decomposition.scheme.name == "ulysses_ring" else RingPasses(plan)
 
 
-def _lanes(plan, transport, far, inner=None):
+def lanes(plan, transport, far, inner=None):
     """(near, far, inner) transports: the decomposition's, or the caller's (``far`` defaults to
     ``transport``, ``inner`` to ``far``)."""
     if transport is None:

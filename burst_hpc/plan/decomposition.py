@@ -27,6 +27,7 @@ from .decisions import (check_backward_ring, choose_backward_ring, gather_backwa
 from ..device import array_device
 from ..dtypes import accum_dtype, dtype_name, parse_dtype
 from ..engine import passes
+from ..engine.packed import PackedPasses
 from ..errors import BackendError, BurstError, ShapeError, TransportError
 from .layout import Layout, as_layout, check_kind, default_kind
 from .schemes import check_scheme, make as make_scheme
@@ -369,9 +370,9 @@ class CallPlan:
         """Collective on the GPU: the kernels of ``directions`` compiled once per node before any launch."""
         d = self.decomposition = decomposition
         self.backend, self.xp, self.acc = backend, backend.xp, accum_dtype(d.dtype)
+        self.passes = (PackedPasses if d.scheme.packed else passes.for_plan)(self)
         if backend.name == "cuda":
-            backend.prepare(d.comm, d.dtype, d.head_dim, d.mask, directions)
-        self.passes = passes.for_plan(self)
+            backend.prepare(d.comm, d.dtype, d.head_dim, self.passes.mask, directions)
 
     # what the callers read of the decomposition
     layout = property(lambda self: self.decomposition.layout)

@@ -168,6 +168,25 @@ class Mask:
         return _device_intervals(self, xp, xp.cuda.Device().id)
 
 
+class Packed(Mask):
+    """One rank's queries against its packed keys (plan/packing.py, engine/packed.py): local query row i
+    sees the keys at buffer positions lo[i] <= j < hi[i]. Positions are the buffer's and the rank's own
+    rows, not the sequence's, so only block calls at q_start = k_start = 0 read it. ``of``: what makes
+    the buffer (the call's mask, the layout and the rank), its identity in the caches."""
+
+    def __init__(self, lo, hi, keys, of):
+        super().__init__(keys)
+        self.kind, self.key = "intervals", ("packed", of)
+        self.bounds = (lo.astype(np.int64), hi.astype(np.int64))
+
+    @property
+    def intervals(self):
+        return self.bounds
+
+    def __repr__(self):
+        return f"Packed(rows={self.bounds[0].size}, keys={self.seqlen})"
+
+
 # Bounded caches (a training loop meets new document offsets every batch): only the intervals
 # of the last few masks are kept; a Mask itself holds just its offsets.
 @lru_cache(maxsize=4)

@@ -33,6 +33,7 @@ def check_scheme(name):
 
 class Flat:
     name = "ring"
+    packed = False   # the gather scheme's one block call a pass (engine/packed.py)
 
     def __init__(self, comm, layout, mask, topo=None):
         self.comm, self.position, self.size = comm, comm.rank, comm.size
@@ -130,6 +131,13 @@ class UlyssesRing(Flat):
 
 class Gather(Flat):
     name = "gather"
+
+    @property
+    def packed(self):
+        """Every rank on one node: a pass is one exchange and one block call on packed keys (plan/packing.py;
+        the transfers cross NVLink in less than the stepped gather's many small launches cost). Across nodes
+        the stepped gather hides the transfers under each rank's own work."""
+        return self.topo is None or self.topo.nodes == 1
 
     def steps(self, near, returns):
         assert near == "kv", "the gather schedule moves keys and values"

@@ -1,0 +1,146 @@
+"""The gather scheme's passes in one block call each, on packed keys (plan/packing.py): the keys and values
+this rank's queries see, its own and the runs other ranks send it, laid end to end in global order, and
+every query row run once against them through its interval of buffer positions (masks.Packed). The
+forward writes the output in the input's dtype from that call; the backward adds dK/dV into float32 over
+the buffer, sends each other rank's runs home and adds the ones that come back into its own.
+
+The passes take the modes RingPasses takes (passes.py): ``skip_compute`` (the exchanges alone),
+``transport`` (in place of the plan's), ``on_step`` (called once, after the single step), ``meter``,
+``clock`` and ``rehearse`` (the launch over the first REHEARSAL_KEYS query rows only)."""
+from contextlib import nullcontext
+
+import numpy as np
+
+from .passes import REHEARSAL_KEYS, lanes
+from ..plan.masks import Packed
+from ..plan.packing import packing
+
+
+class PackedPasses:
+    """The gather scheme's passes on packed keys: one exchange, one block call a pass."""
+
+    def __init__(self, plan):
+        d = plan.decomposition
+        self.plan = plan
+        self.packing = packing(d.mask, d.layout, d.rank)
+        self.mask = Packed(self.packing.lo, self.packing.hi, self.packing.keys, (d.mask.key, d.layout, d.rank))
+        self._index = {}
+
+    def index(self, name, rows):
+        """``rows`` (int64 NumPy) as an index array on the plan's device, made once."""
+        if name not in self._index:
+            self._index[name] = self.plan.xp.asarray(rows)
+        return self._index[name]
+
+    def gather(self, arrays, transport):
+        """The packed buffers of ``arrays`` (this rank's K and V): own rows placed, every run other ranks'
+        queries see sent, every run this rank's queries see received and placed."""
+        xp, p = self.plan.xp, self.packing
+        packed = []
+        for x in arrays:
+            buf = xp.empty((x.shape[0], p.keys) + x.shape[2:], x.dtype)
+            _bits(buf)[:, self.index("own", p.own)] = _bits(x)
+            packed.append(buf)
+        sends = [(a, [_bits(x)[:, self.index(("send", a), rows)].view(x.dtype) for x in arrays]) for a, rows in p.sends]
+        recvs = [(b, [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays])
+                 for b, slots in p.receives]
+        if sends or recvs:
+            transport.exchange(sends, recvs).wait()
+        for (b, bufs), (_, slots) in zip(recvs, p.receives):
+            for buf, got in zip(packed, bufs):
+                _bits(buf)[:, self.index(("recv", b), slots)] = _bits(got)
+        return packed
+
+    def home(self, grads, transport):
+        """This rank's own rows of the float32 buffers ``grads`` (dK, dV over the packed keys), with what the
+        other ranks computed for its runs added in; each other rank's runs sent home."""
+        xp, p = self.plan.xp, self.packing
+        own = [g[:, self.index("own", p.own)] for g in grads]
+        sends = [(b, [g[:, self.index(("recv", b), slots)] for g in grads])
+                 for b, slots in p.receives]
+        recvs = [(a, [xp.empty((g.shape[0], len(rows)) + g.shape[2:], g.dtype) for g in grads]) for a, rows in p.sends]
+        if sends or recvs:
+            transport.exchange(sends, recvs).wait()
+        for (a, bufs), (_, rows) in zip(recvs, p.sends):
+            at = self.index(("send", a), rows)
+            for mine, part in zip(own, bufs):
+                mine[:, at] += part
+        return own
+
+    def work(self, rows):
+        return int((self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64).sum())
+
+    def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None, meter=None,
+                rehearse=False, inner=None, clock=None):
+        """(o, lse) of this rank's queries."""
+        plan, d = self.plan, self.plan.decomposition
+        xp, be = plan.xp, plan.backend
+        near = lanes(plan, transport, far, inner)[0]
+        kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near)
+        rows = min(q.shape[1], REHEARSAL_KEYS) if rehearse else q.shape[1]
+        q = q[:, :rows]
+        lse = xp.empty((q.shape[0], q.shape[2], rows), xp.float32 if q.dtype != plan.acc else plan.acc)
+        if q.dtype == plan.acc:
+            o, out = xp.empty(q.shape, plan.acc), None
+        else:
+            o, out = None, xp.empty(q.shape, q.dtype)
+        if not skip_compute:
+            if meter is not None:
+                meter.begin(self.work(rows))
+            try:
+                with clock() if clock is not None else nullcontext():
+                    be.forward_block(q, kp, vp, o, lse, scale=d.scale, masked=True, q_start=0, k_start=0,
+                                     mask=self.mask, first=True, out=out)
+                if meter is not None:
+                    meter.done(self.work(rows))
+            finally:
+                if meter is not None:
+                    meter.end()
+        if on_step is not None:
+            on_step(1, 1)
+        return (o if out is None else out), lse.astype(xp.float32, copy=False)
+
+    def backward(self, ring, do, q, k, v, o, lse, skip_compute=False, transport=None, far=None, delta=None,
+                 cast=True, on_step=None, meter=None, rehearse=False, inner=None, clock=None):
+        """(dq, dk, dv) of this rank's shards (``ring`` is the gather's: dK/dV go home); ``delta`` (rowsum(do * o))
+        when already known, then ``o`` is not read; ``cast`` False keeps float32."""
+        plan, d = self.plan, self.plan.decomposition
+        xp, be, acc = plan.xp, plan.backend, plan.acc
+        near = lanes(plan, transport, far, inner)[0]
+        kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near)
+        rows = min(q.shape[1], REHEARSAL_KEYS) if rehearse else q.shape[1]
+        q, do, lse = q[:, :rows], do[:, :rows], lse[:, :, :rows]
+        o = None if o is None else o[:, :rows]
+        delta = None if delta is None else delta[:, :, :rows]
+        convert = cast and q.dtype != acc
+        dq = None if convert else xp.empty(q.shape, acc)
+        dq_out = xp.empty(q.shape, q.dtype) if convert else None
+        dkp, dvp = (xp.empty(x.shape, acc) for x in (kp, vp))
+        if not skip_compute:
+            if meter is not None:
+                meter.begin(self.work(rows))
+            try:
+                with clock() if clock is not None else nullcontext():
+                    be.backward_block(q, kp, vp, do, lse, delta, dq, dkp, dvp, scale=d.scale, masked=True,
+                                      q_start=0, k_start=0, mask=self.mask, o=None if delta is not None else o,
+                                      first_q=True, first_kv=True, dq_out=dq_out)
+                if meter is not None:
+                    meter.done(self.work(rows))
+            finally:
+                if meter is not None:
+                    meter.end()
+        else:
+            dkp.fill(0)
+            dvp.fill(0)
+        dk, dv = self.home([dkp, dvp], near)
+        if on_step is not None:
+            on_step(1, 1)
+        if not convert:
+            return dq, dk, dv
+        return dq_out, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _bits(x):
+    """16-bit floats as their bits: the gathers and scatters of the packing move them without arithmetic, on
+    any array module's bfloat16."""
+    return x.view(np.uint16) if x.dtype.itemsize == 2 else x

@@ -1,0 +1,60 @@
+"""The gather scheme in one launch a pass (packed keys): what a rank holds and sends when it runs its
+queries against every key they see at once instead of pair by pair over steps.
+
+Each rank's keys and values, and the runs of other ranks' keys its queries see (gather.sight: the same
+runs the stepped gather sends), are laid end to end in one buffer in global order. Every query row sees
+one interval of global keys (masks.py) and every key of it is in the buffer, so in the buffer's order it
+still sees one interval: the kernels' interval masks run unchanged on buffer positions, and one block
+call covers all of a rank's queries. Each row is computed once: no float32 partial, no merge, the
+output written in the input's dtype by that call; in the backward the dK/dV of the other ranks' runs go
+home once, added there into the owner's own.
+
+Nothing of the pass overlaps the transfers (the launch waits for every run): on one node a run crosses
+NVLink in a fraction of what the many small pair launches of the stepped gather cost; between nodes the
+stepped gather hides the transfers under the rank's own work (gather.py)."""
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from . import gather
+
+
+@dataclass(frozen=True, eq=False)
+class Packing:
+    """Rank ``rank``'s packed keys. ``keys``: buffer length; ``own``: the buffer slot of each of the rank's
+    local rows (int64, local order); ``receives``: (sender, slots) per rank whose keys arrive, the slots of
+    the rows it sends, in the order it sends them; ``sends``: (receiver, local rows) per rank that sees
+    some of this rank's keys, the rows in local order; ``lo``, ``hi``: each local query row's visible keys
+    as buffer positions [lo, hi) (int32)."""
+    rank: int
+    keys: int
+    own: np.ndarray
+    receives: tuple
+    sends: tuple
+    lo: np.ndarray
+    hi: np.ndarray
+
+
+def _rows(runs):
+    """int64 local rows of (lo, hi) runs, in order."""
+    return np.concatenate([np.arange(lo, hi, dtype=np.int64) for lo, hi in runs] or [np.zeros(0, np.int64)])
+
+
+@lru_cache(maxsize=64)
+def packing(mask, layout, rank):
+    """The Packing of ``rank`` (``mask``: a masks.Mask, plain causal too; ``layout``: a layout.Layout)."""
+    seen = gather.sight(mask, layout)[1]
+    size = layout.size
+    own_global = layout.indices(rank)
+    arriving = [(b, _rows(seen[rank][b])) for b in range(size) if b != rank and seen[rank][b]]
+    places = np.concatenate([own_global] + [layout.indices(b)[rows] for b, rows in arriving])
+    order = np.sort(places)
+    lo_g, hi_g = (np.concatenate(parts) for parts in zip(*(mask.rows(start, n) for start, n in layout.pieces(rank))))
+    lo, hi = np.searchsorted(order, lo_g), np.searchsorted(order, hi_g)
+    if not np.array_equal(hi - lo, hi_g - lo_g):
+        raise AssertionError("packed keys miss keys a query sees")   # gather.sight sends every seen unit
+    receives = tuple((b, np.searchsorted(order, layout.indices(b)[rows])) for b, rows in arriving)
+    sends = tuple((a, _rows(seen[a][rank])) for a in range(size) if a != rank and seen[a][rank])
+    return Packing(rank, len(order), np.searchsorted(order, own_global), receives, sends,
+                   lo.astype(np.int32), hi.astype(np.int32))

@@ -1,0 +1,57 @@
+"""The gather scheme's packed keys (plan/packing.py): every query row's visible keys are one interval of
+the packed buffer, and what one rank sends another is what that one receives."""
+import numpy as np
+import pytest
+
+from burst_hpc.plan import masks
+from burst_hpc.plan.layout import make_layout
+from burst_hpc.plan.packing import packing
+
+
+def random_mask(rng, seqlen):
+    causal = bool(rng.integers(2))
+    window = (int(rng.integers(0, seqlen)), int(rng.integers(-1, 3)) if causal else int(rng.integers(0, seqlen)))
+    cu = masks.random_documents(rng, seqlen, int(rng.integers(1, 9))) if rng.integers(4) else None
+    window = window if rng.integers(3) == 0 or (cu is None and not causal) else None
+    if causal and window is not None:
+        window = (window[0], 0)
+    return masks.make(seqlen, causal, window, cu)
+
+
+@pytest.mark.parametrize("seed", range(12))
+@pytest.mark.parametrize("kind", ["chunks", "contiguous", "zigzag"])
+def test_every_row_sees_one_interval_of_the_packed_keys(seed, kind):
+    rng = np.random.default_rng([seed, 11])
+    size = int(rng.integers(2, 6))
+    seqlen = size * 128 * int(rng.integers(1, 4))
+    mask = random_mask(rng, seqlen)
+    layout = make_layout(kind, seqlen, size, mask)
+    packs = [packing(mask, layout, r) for r in range(size)]
+    lo_g, hi_g = mask.intervals
+    for r, p in enumerate(packs):
+        where = np.full(p.keys, -1)
+        where[p.own] = layout.indices(r)
+        for sender, slots in p.receives:
+            rows = dict(packs[sender].sends)[r]   # what the sender sends, in its order
+            assert len(rows) == len(slots)
+            assert (where[slots] == -1).all()
+            where[slots] = layout.indices(sender)[rows]
+        assert (where >= 0).all() and (np.diff(where) > 0).all()   # every slot once, global order
+        queries = layout.indices(r)
+        for row in range(len(queries)):
+            visible = where[p.lo[row]:p.hi[row]]
+            assert np.array_equal(visible, np.arange(lo_g[queries[row]], hi_g[queries[row]]))
+    # every send has its receive
+    assert sorted((r, a) for r, p in enumerate(packs) for a, _ in p.sends) == \
+        sorted((b, r) for r, p in enumerate(packs) for b, _ in p.receives)
+
+
+def test_documents_on_one_rank_need_no_transfer():
+    seqlen, size = 4 * 256, 4
+    cu = np.arange(0, seqlen + 1, 256)   # a document a rank under the contiguous layout
+    mask = masks.make(seqlen, True, None, cu)
+    layout = make_layout("contiguous", seqlen, size, mask)
+    for r in range(size):
+        p = packing(mask, layout, r)
+        assert p.keys == 256 and not p.receives and not p.sends
+        assert np.array_equal(p.own, np.arange(256))
