@@ -33,34 +33,33 @@ class PackedPasses:
         return self._index[name]
 
     def gather(self, arrays, transport):
-        """The packed buffers of ``arrays`` (this rank's K and V): own rows placed, every run other ranks'
-        queries see sent, every run this rank's queries see received and placed."""
+        """The packed buffers of ``arrays`` (this rank's K and V, contiguous): the runs other ranks' queries see
+        posted first, own rows placed while they travel, then the runs this rank's queries see placed."""
         xp, p = self.plan.xp, self.packing
-        packed = []
-        for x in arrays:
-            buf = xp.empty((x.shape[0], p.keys) + x.shape[2:], x.dtype)
-            _bits(buf)[:, self.index("own", p.own)] = _bits(x)
-            packed.append(buf)
-        sends = [(a, [_bits(x)[:, self.index(("send", a), rows)].view(x.dtype) for x in arrays]) for a, rows in p.sends]
+        sends = [(a, [_take(x, self.index(("send", a), rows)) for x in arrays]) for a, rows in p.sends]
         recvs = [(b, [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays])
                  for b, slots in p.receives]
-        if sends or recvs:
-            transport.exchange(sends, recvs).wait()
+        pending = transport.exchange(sends, recvs) if sends or recvs else None
+        packed = [xp.empty((x.shape[0], p.keys) + x.shape[2:], x.dtype) for x in arrays]
+        for buf, x in zip(packed, arrays):
+            _put(buf, self.index("own", p.own), x)
+        if pending is not None:
+            pending.wait()
         for (b, bufs), (_, slots) in zip(recvs, p.receives):
             for buf, got in zip(packed, bufs):
-                _bits(buf)[:, self.index(("recv", b), slots)] = _bits(got)
+                _put(buf, self.index(("recv", b), slots), got)
         return packed
 
     def home(self, grads, transport):
         """This rank's own rows of the float32 buffers ``grads`` (dK, dV over the packed keys), with what the
         other ranks computed for its runs added in; each other rank's runs sent home."""
         xp, p = self.plan.xp, self.packing
-        own = [g[:, self.index("own", p.own)] for g in grads]
-        sends = [(b, [g[:, self.index(("recv", b), slots)] for g in grads])
-                 for b, slots in p.receives]
+        sends = [(b, [_take(g, self.index(("recv", b), slots)) for g in grads]) for b, slots in p.receives]
         recvs = [(a, [xp.empty((g.shape[0], len(rows)) + g.shape[2:], g.dtype) for g in grads]) for a, rows in p.sends]
-        if sends or recvs:
-            transport.exchange(sends, recvs).wait()
+        pending = transport.exchange(sends, recvs) if sends or recvs else None
+        own = [_take(g, self.index("own", p.own)) for g in grads]
+        if pending is not None:
+            pending.wait()
         for (a, bufs), (_, rows) in zip(recvs, p.sends):
             at = self.index(("send", a), rows)
             for mine, part in zip(own, bufs):
@@ -140,7 +139,20 @@ class PackedPasses:
         return dq_out, dk.astype(k.dtype), dv.astype(v.dtype)
 
 
-def _bits(x):
-    """16-bit floats as their bits: the gathers and scatters of the packing move them without arithmetic, on
-    any array module's bfloat16."""
-    return x.view(np.uint16) if x.dtype.itemsize == 2 else x
+
+def _words(x):
+    """A contiguous (B, S, ...) array as (B, S, words) of the widest unsigned integer that divides a row: the
+    packing moves whole rows without arithmetic, in few wide elements (on any array module's bfloat16)."""
+    row = x.dtype.itemsize * int(np.prod(x.shape[2:]))
+    width = next(w for w in (8, 4, 2, 1) if row % w == 0)
+    return x.reshape(x.shape[0], x.shape[1], row // x.dtype.itemsize).view(np.dtype(f"u{width}"))
+
+
+def _take(x, at):
+    """x[:, at]: rows ``at`` (an index array) of a contiguous (B, S, ...) array, a new contiguous array."""
+    return _words(x)[:, at].view(x.dtype).reshape((x.shape[0], len(at)) + x.shape[2:])
+
+
+def _put(buf, at, x):
+    """buf[:, at] = x, rows of contiguous arrays."""
+    _words(buf)[:, at] = _words(x)
