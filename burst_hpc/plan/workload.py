@@ -174,7 +174,8 @@ def _seen(mask, first_row, end_row, first_key, end_key):
 
 
 def _gather_account(mask, layout, returns, per_node):
-    """The Account of the gather schedule (gather.plan), every rank's ends listed."""
+    """The Account of the gather schedule (gather.plan), every rank's ends listed; on one node (``per_node``
+    None) as the packed passes run it."""
     from . import gather
 
     count, tasks, moves = gather.plan(mask, layout, returns)
@@ -187,6 +188,13 @@ def _gather_account(mask, layout, returns, per_node):
             launches[t, r] = sum(len(schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
                 layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows))
                 for shard, rows, w in visits if w)
+    if per_node is None:
+        # one node: the packed passes (engine/packed.py): every run moves first, then one block call, then
+        # the partials go home
+        total = work.sum(axis=0)
+        work, launches = (np.zeros((3 if "kv" in returns else 2, layout.size), np.int64) for _ in range(2))
+        work[1], launches[1] = total, total > 0
+        moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
     work.setflags(write=False)
     launches.setflags(write=False)
     ends = {}
