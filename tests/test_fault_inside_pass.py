@@ -73,14 +73,17 @@ def test_api_error_on_one_rank_ends_every_rank(tmp_path, ranks, failing, stage):
 
 
 @needs_mpiexec
-@pytest.mark.parametrize("stage,what", [("setup", "the set-up of the passes"), ("forward", "the forward pass")])
-def test_cli_error_on_one_rank_ends_every_rank_and_leaves_no_file(tmp_path, stage, what):
+@pytest.mark.parametrize("stage,what,layout", [("setup", "the set-up of the passes", "zigzag"),
+                                               ("forward", "the forward pass", "zigzag"),
+                                               ("forward", "the forward pass", "chunks")])   # the packed gather
+def test_cli_error_on_one_rank_ends_every_rank_and_leaves_no_file(tmp_path, stage, what, layout):
     src, out = tmp_path / "in.h5", tmp_path / "out.h5"
     # S/(2P) = 300 tokens per zigzag chunk: every pair of the pass has more keys than the rehearsal's
     assert burst("gen", src, "--batch", 1, "--seqlen", 1800, "--heads", 2, "--head-dim", 8).returncode == 0
     script = tmp_path / "cli_job.py"
     script.write_text(CLI_JOB)
-    result = _launch(3, [str(script), stage, "run", src, out, "--causal"])
+    # zigzag: the rehearsal's second block call is in the set-up; chunks (the packed gather): one block call a pass
+    result = _launch(3, [str(script), stage, "run", src, out, "--causal", "--layout", layout])
     assert result.returncode != 0
     assert (f"burst-hpc: error: rank 1 failed inside {what}: FloatingPointError: injected kernel failure"
             in result.stderr), result.stderr[-3000:]

@@ -137,3 +137,20 @@ def test_gather_steps_hold_equal_work_and_move_each_run_once(returns):
         else:
             assert posted == max(steps) + 1 and due == count - 1
     assert sum(m[4] == "partial" for m in moves) == (len(used) if "kv" in returns else 0)
+
+
+def test_auto_runs_the_gather_scheme_only_where_it_holds_few_shards():
+    """Plain causal over 8 ranks: the last rank's queries see every key, so the gather scheme would hold 8
+    shards of K/V at once; 'auto' runs the chunks layout on the ring then. Documents up to S/4 over 4 ranks:
+    a rank sees little beyond its own, and 'auto' gathers."""
+    from burst_hpc.plan import costmodel
+
+    one_node = costmodel.Cluster(1, 8)
+    mask = masks.Mask(8 * 1024, True)
+    layout = make_layout("chunks", 8 * 1024, 8, mask)
+    assert gather.held(mask, layout) > costmodel.GATHER_HELD
+    assert costmodel.auto_schemes(layout, one_node, mask) == ("ring",)
+    docs = capped(0, 4, 8192)
+    layout = make_layout("chunks", 4 * 8192, 4, docs)
+    assert 1 < gather.held(docs, layout) <= costmodel.GATHER_HELD
+    assert costmodel.auto_schemes(layout, costmodel.Cluster(1, 4), docs) == ("gather",)

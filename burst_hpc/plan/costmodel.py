@@ -26,6 +26,7 @@ from functools import lru_cache
 
 import numpy as np
 
+from . import gather
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from ..errors import BurstError, LayoutError
 from .layout import Layout, layouts_for, make_layout
@@ -33,6 +34,9 @@ from .rates import rates_for
 
 
 SCHEMES = ("ring", "double_ring", "ulysses_ring", "gather")
+# the most shards of keys and values the gather scheme may hold on a rank at once for the library to pick it:
+# plain causal over many ranks has the last rank see every key (the ring's memory stays two shards)
+GATHER_HELD = 4
 MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
 
@@ -146,11 +150,13 @@ def zigzag(pr, cl):
     return make_layout("zigzag", pr.seqlen, cl.ranks)
 
 
-def auto_schemes(layout, cl):
-    """The schemes ``scheme='auto'`` chooses among in ``layout`` (decisions.settled_scheme): the chunks
-    layout's gather; else the flat ring on one node, and on several the schemes across nodes too."""
+def auto_schemes(layout, cl, mask):
+    """The schemes ``scheme='auto'`` chooses among in ``layout`` under ``mask`` (decisions.settled_scheme): the
+    chunks layout's gather (its flat ring where the gather would hold more than GATHER_HELD shards of keys and
+    values on a rank: plain causal over many ranks); else the flat ring on one node, and on several the schemes
+    across nodes too."""
     if layout.placed_by_mask:
-        return ("gather",)
+        return ("gather",) if gather.held(mask, layout) <= GATHER_HELD else ("ring",)
     return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
 
 
@@ -318,7 +324,7 @@ def pick(pr, cl, rates, layout=None, backward=True, margin=MARGIN):
     time (forward+backward, or the forward alone) among those that fit (``auto_schemes``); the flat
     ring unless another beats it by more than ``margin``; one node: ring (the chunks layout: gather)."""
     layout = zigzag(pr, cl) if layout is None else layout
-    found = options(pr, cl, rates, {layout.kind: layout}, auto_schemes(layout, cl))
+    found = options(pr, cl, rates, {layout.kind: layout}, auto_schemes(layout, cl, pr.mask))
     picked = _pick(found, backward, margin)
     if layout.kind not in picked:
         raise BurstError(found[(layout.kind, "ring")])
@@ -345,7 +351,8 @@ def best(pr, cl, rates, layouts=None, scheme="auto", backward=True):
     layouts = layouts_for(pr.seqlen, cl.ranks, pr.mask) if layouts is None else layouts
     found = {}
     for kind, layout in layouts.items():
-        schemes = (scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str) else auto_schemes(layout, cl)
+        schemes = (scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str) else auto_schemes(layout, cl,
+                                                                                                         pr.mask)
         found.update(options(pr, cl, rates, {kind: layout}, schemes))
     picked = _pick(found, backward, MARGIN)
     if not picked:   # no layout splits the sequence, or the scheme named runs none that does

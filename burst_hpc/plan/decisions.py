@@ -56,7 +56,7 @@ def settled_transport(request, everyone):
 
 
 def settled_scheme(request, topo, layout, everyone):
-    """The concrete scheme: the one named, or for 'auto' 'gather' for the chunks layout, 'ring' on one
+    """The concrete scheme: the one named, or for 'auto' 'gather' for the chunks layout (costmodel.auto_schemes), 'ring' on one
     node and otherwise the cost model's fastest of those that fit (costmodel.pick), priced with each
     GPU model's rates: RankMismatchError where ranks on different GPU models would pick differently."""
     from . import costmodel
@@ -65,7 +65,7 @@ def settled_scheme(request, topo, layout, everyone):
     if request.scheme != "auto":
         return request.scheme
     nodes, per_node = (1, layout.size) if topo is None else (topo.nodes, topo.per_node)
-    candidates = costmodel.auto_schemes(layout, costmodel.Cluster(nodes, per_node))
+    candidates = costmodel.auto_schemes(layout, costmodel.Cluster(nodes, per_node), request.mask)
     if len(candidates) == 1:   # nothing to price: the chunks layout's gather, the flat ring on one node
         return candidates[0]
 

@@ -41,6 +41,15 @@ def sight(mask, layout):
     return tuple(tuple(u) for u in units), tuple(seen), unit
 
 
+def held(mask, layout):
+    """The most keys and values any rank holds at once under the gather scheme, in shards: its own and every
+    run its queries see (the packed passes' buffer; the stepped schedule posts them all at step 0)."""
+    _, seen, _ = sight(mask, layout)
+    local = layout.seqlen // layout.size
+    return max(local + sum(hi - lo for b, runs in enumerate(seen[a]) if b != a for lo, hi in runs)
+               for a in range(layout.size)) / local
+
+
 def _runs(positions, unit):
     """(lo, hi) local row runs of the sorted unit ``positions`` (adjacent ones joined)."""
     out = []
