@@ -139,18 +139,22 @@ def test_gather_steps_hold_equal_work_and_move_each_run_once(returns):
     assert sum(m[4] == "partial" for m in moves) == (len(used) if "kv" in returns else 0)
 
 
-def test_auto_runs_the_gather_scheme_only_where_it_holds_few_shards():
-    """Plain causal over 8 ranks: the last rank's queries see every key, so the gather scheme would hold 8
-    shards of K/V at once; 'auto' runs the chunks layout on the ring then. Documents up to S/4 over 4 ranks:
-    a rank sees little beyond its own, and 'auto' gathers."""
+def test_auto_runs_the_gather_scheme_only_where_its_held_keys_fit():
+    """Plain causal over 8 ranks at 512k tokens a rank: the last rank's queries see every key, 7 shards of K/V
+    received (and their float32 gradients) past costmodel.GATHER_HELD_BYTES: 'auto' runs the chunks layout on
+    the ring. MagiAttention's documents at 8k tokens a rank over 8 ranks: a few shards, a few hundred MB:
+    'auto' gathers."""
     from burst_hpc.plan import costmodel
 
     one_node = costmodel.Cluster(1, 8)
-    mask = masks.Mask(8 * 1024, True)
-    layout = make_layout("chunks", 8 * 1024, 8, mask)
-    assert gather.held(mask, layout) > costmodel.GATHER_HELD
-    assert costmodel.auto_schemes(layout, one_node, mask) == ("ring",)
-    docs = capped(0, 4, 8192)
-    layout = make_layout("chunks", 4 * 8192, 4, docs)
-    assert 1 < gather.held(docs, layout) <= costmodel.GATHER_HELD
-    assert costmodel.auto_schemes(layout, costmodel.Cluster(1, 4), docs) == ("gather",)
+    seqlen = 8 * 512 * 1024
+    causal = costmodel.Problem(1, seqlen, 32, 8, 128, 2, masks.Mask(seqlen, True))
+    layout = make_layout("chunks", seqlen, 8, causal.mask)
+    assert gather.held(causal.mask, layout) == 8.0
+    assert costmodel.gather_held_bytes(causal, layout) > costmodel.GATHER_HELD_BYTES
+    assert costmodel.auto_schemes(layout, one_node, causal) == ("ring",)
+    docs = capped(0, 8, 8192)
+    pr = costmodel.Problem(1, 8 * 8192, 64, 8, 128, 2, docs)
+    layout = make_layout("chunks", 8 * 8192, 8, docs)
+    assert gather.held(docs, layout) > 2 and costmodel.gather_held_bytes(pr, layout) < 1 << 30
+    assert costmodel.auto_schemes(layout, one_node, pr) == ("gather",)

@@ -34,9 +34,10 @@ from .rates import rates_for
 
 
 SCHEMES = ("ring", "double_ring", "ulysses_ring", "gather")
-# the most shards of keys and values the gather scheme may hold on a rank at once for the library to pick it:
-# plain causal over many ranks has the last rank see every key (the ring's memory stays two shards)
-GATHER_HELD = 4
+# the most bytes the gather scheme's received keys and values (with their float32 gradients in the backward)
+# may take on a rank for 'auto' to pick it: it holds every run a rank's queries see at once, and under plain
+# causal the last of P ranks sees every key (the ring holds two shards whatever P)
+GATHER_HELD_BYTES = 16 << 30
 MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
 
@@ -150,14 +151,21 @@ def zigzag(pr, cl):
     return make_layout("zigzag", pr.seqlen, cl.ranks)
 
 
-def auto_schemes(layout, cl, mask):
-    """The schemes ``scheme='auto'`` chooses among in ``layout`` under ``mask`` (decisions.settled_scheme): the
-    chunks layout's gather (its flat ring where the gather would hold more than GATHER_HELD shards of keys and
-    values on a rank: plain causal over many ranks); else the flat ring on one node, and on several the schemes
-    across nodes too."""
+def auto_schemes(layout, cl, pr):
+    """The schemes ``scheme='auto'`` chooses among in ``layout`` for the Problem ``pr`` (decisions.settled_scheme):
+    the chunks layout's gather (its flat ring where the gather's held keys and values would pass
+    GATHER_HELD_BYTES: plain causal over many ranks, long shards); else the flat ring on one node, and on
+    several the schemes across nodes too."""
     if layout.placed_by_mask:
-        return ("gather",) if gather.held(mask, layout) <= GATHER_HELD else ("ring",)
+        return ("gather",) if gather_held_bytes(pr, layout) <= GATHER_HELD_BYTES else ("ring",)
     return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
+
+
+def gather_held_bytes(pr, layout):
+    """Bytes a rank holds at once under the gather scheme beyond its own inputs, at the most: the keys and
+    values of every run its queries see (gather.held) and, in the backward, their float32 dK and dV."""
+    received = (gather.held(pr.mask, layout) - 1) * pr.batch * pr.seqlen / layout.size
+    return received * 2 * pr.kv_heads * pr.head_dim * (pr.itemsize + 4)
 
 
 def fits(scheme, pr, cl, layout=None):
@@ -324,7 +332,7 @@ def pick(pr, cl, rates, layout=None, backward=True, margin=MARGIN):
     time (forward+backward, or the forward alone) among those that fit (``auto_schemes``); the flat
     ring unless another beats it by more than ``margin``; one node: ring (the chunks layout: gather)."""
     layout = zigzag(pr, cl) if layout is None else layout
-    found = options(pr, cl, rates, {layout.kind: layout}, auto_schemes(layout, cl, pr.mask))
+    found = options(pr, cl, rates, {layout.kind: layout}, auto_schemes(layout, cl, pr))
     picked = _pick(found, backward, margin)
     if layout.kind not in picked:
         raise BurstError(found[(layout.kind, "ring")])
@@ -351,8 +359,7 @@ def best(pr, cl, rates, layouts=None, scheme="auto", backward=True):
     layouts = layouts_for(pr.seqlen, cl.ranks, pr.mask) if layouts is None else layouts
     found = {}
     for kind, layout in layouts.items():
-        schemes = (scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str) else auto_schemes(layout, cl,
-                                                                                                         pr.mask)
+        schemes = (scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str) else auto_schemes(layout, cl, pr)
         found.update(options(pr, cl, rates, {kind: layout}, schemes))
     picked = _pick(found, backward, MARGIN)
     if not picked:   # no layout splits the sequence, or the scheme named runs none that does

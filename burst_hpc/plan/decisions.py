@@ -65,12 +65,11 @@ def settled_scheme(request, topo, layout, everyone):
     if request.scheme != "auto":
         return request.scheme
     nodes, per_node = (1, layout.size) if topo is None else (topo.nodes, topo.per_node)
-    candidates = costmodel.auto_schemes(layout, costmodel.Cluster(nodes, per_node), request.mask)
-    if len(candidates) == 1:   # nothing to price: the chunks layout's gather, the flat ring on one node
-        return candidates[0]
-
     problem = costmodel.Problem(request.batch, request.seqlen, request.heads, request.kv_heads, request.head_dim,
                                 request.dtype.itemsize, request.mask)
+    candidates = costmodel.auto_schemes(layout, costmodel.Cluster(nodes, per_node), problem)
+    if len(candidates) == 1:   # nothing to price: the chunks layout's gather, the flat ring on one node
+        return candidates[0]
     cluster = costmodel.Cluster(topo.nodes, topo.per_node)
     picks = {}
     for facts in everyone:   # each GPU model priced with the fixed costs of the first rank that has it
