@@ -3,14 +3,7 @@
 # GPU ring tests one rank a GPU; correctness only, so they share the GPUs), then the packed-documents table
 # timed as MagiAttention times (bench_documents.py --timing queued) at 4 GPUs. Bounded by BUDGET seconds.
 #   BUDGET=300 bash bench/device_final.sh
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 CUPY_CACHE_DIR=/tmp/cc4
-LOG=${OUT:-out}; mkdir -p $LOG
-END=$((SECONDS + ${BUDGET:-300}))
-left() { local l=$((END - SECONDS)); [ $l -lt 2 ] && l=2; [ $l -lt $1 ] && echo $l || echo $1; }
-N=$(nvidia-smi -L | wc -l); nvidia-smi -L | head -1; echo "GPUs: $N"
-common="--bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x CUPY_CACHE_DIR"
+DEFAULT_BUDGET=300 source "$(dirname "$0")/device_common.sh"
 i=0
 for group in "tests/test_cuda_kernels.py" "tests/test_cuda_masks.py" "tests/test_cuda_padding.py tests/test_cuda_nonfinite.py tests/test_report_gpu.py" "tests/test_verify.py tests/test_kernel_cache.py"; do
   CUDA_VISIBLE_DEVICES=$((i % N)) timeout $(left 200) python3 -m pytest -q -p no:cacheprovider $group > $LOG/pytest$i.txt 2>&1 &

@@ -3,15 +3,7 @@
 # goes (bench/call_overhead.py, cuda backend, MagiAttention's setting at 8k tokens per GPU) at N and 1 GPUs,
 # with the kernels and as host work alone (--host-only). Bounded by BUDGET seconds (default 400).
 #   BUDGET=400 bash bench/device_overhead.sh
-set -u
-export PYTHONPATH=$PWD PYTHONUNBUFFERED=1 OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
-export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export CUPY_CACHE_DIR=/tmp/cc4
-LOG=${OUT:-out}; mkdir -p $LOG
-END=$((SECONDS + ${BUDGET:-400}))
-left() { local l=$((END - SECONDS)); [ $l -lt 2 ] && l=2; [ $l -lt $1 ] && echo $l || echo $1; }
-N=$(nvidia-smi -L | wc -l); nvidia-smi -L | head -1; echo "GPUs: $N"
-common="--bind-to none -x PYTHONPATH -x PYTHONUNBUFFERED -x NCCL_NVLS_ENABLE -x CUPY_CACHE_DIR"
+DEFAULT_BUDGET=400 source "$(dirname "$0")/device_common.sh"
 if [ -z "${SKIP_RING:-}" ]; then
   echo "== GPU ring tests, $N ranks ($SECONDS s)"
   timeout $(left 150) mpirun -np $N $common python3 -m mpi4py -m pytest -q -p no:cacheprovider mpi_tests/test_ring_gpu.py > $LOG/ring.txt 2>&1

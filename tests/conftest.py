@@ -87,6 +87,23 @@ def plain_mask(causal):
     return dict(masked=bool(causal), mask=CAUSAL)
 
 
+def random_blocks(mask, dense, rng, count, context=""):
+    """``count`` random (query rows, keys) blocks of a sequence whose visibility is the boolean matrix
+    ``dense``, each checked: ``mask.classify`` and ``mask.visible_count`` say what ``dense`` says. Returns
+    the blocks as (q0, q1, k0, k1)."""
+    blocks = []
+    for _ in range(count):
+        q0, q1 = sorted(rng.integers(0, len(dense) + 1, 2))
+        k0, k1 = sorted(rng.integers(0, len(dense) + 1, 2))
+        block = dense[q0:q1, k0:k1]
+        want = "hidden" if not block.any() else "full" if block.all() else "masked"
+        where = f"{context} rows {q0}:{q1} keys {k0}:{k1}"
+        assert mask.classify(q0, q1 - q0, k0, k1 - k0) == want, where
+        assert mask.visible_count(q0, q1 - q0, k0, k1 - k0) == block.sum(), where
+        blocks.append((q0, q1, k0, k1))
+    return blocks
+
+
 def plain_forward(q, k, v, causal=False, scale=None, q_start=0, k_start=0):
     """(o, lse) of the plain computation in the precision of q (returned in float32/float64)."""
     return tolerance.plain_attention(q, k, v, causal=causal, scale=scale, lowp=q.dtype, q_start=q_start,

@@ -9,6 +9,7 @@ from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.plan import masks, placement
 from burst_hpc.plan.layout import make_layout
 from burst_hpc.plan.schedule import block_pairs
+from burst_testing import random_blocks
 from test_schedule import PASSES, check_schedule
 
 
@@ -36,13 +37,7 @@ def test_blocks_and_pairs_follow_the_definition(rng, seed):
     seqlen, size = 96, 4
     mask = Prefix(seqlen, int(rng.integers(1, seqlen)))
     seen = dense(seqlen, mask.prefix)
-    for _ in range(50):
-        q0, q1 = sorted(rng.integers(0, seqlen + 1, 2))
-        k0, k1 = sorted(rng.integers(0, seqlen + 1, 2))
-        block = seen[q0:q1, k0:k1]
-        want = "hidden" if not block.any() else "full" if block.all() else "masked"
-        assert mask.classify(q0, q1 - q0, k0, k1 - k0) == want, f"seed={seed}"
-        assert mask.visible_count(q0, q1 - q0, k0, k1 - k0) == block.sum(), f"seed={seed}"
+    random_blocks(mask, seen, rng, 50, f"seed={seed}")
     layout = make_layout("zigzag", seqlen, size)
     for a in range(size):
         for b in range(size):

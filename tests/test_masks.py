@@ -11,7 +11,7 @@ from burst_hpc.plan import masks
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.reference import attention_backward_reference, attention_reference, visible
 
-from burst_testing import qkv, randn
+from burst_testing import qkv, random_blocks, randn
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
 
@@ -54,13 +54,7 @@ def test_intervals_and_block_classes_match_the_oracle(causal, window, rng, seed)
     lo, hi = mask.intervals
     keys = np.arange(seqlen)
     np.testing.assert_array_equal((keys >= lo[:, None]) & (keys < hi[:, None]), dense, err_msg=f"seed={seed}")
-    for _ in range(40):
-        q0, q1 = sorted(rng.integers(0, seqlen + 1, 2))
-        k0, k1 = sorted(rng.integers(0, seqlen + 1, 2))
-        block = dense[q0:q1, k0:k1]
-        want = "hidden" if not block.any() else "full" if block.all() else "masked"
-        assert mask.classify(q0, q1 - q0, k0, k1 - k0) == want, f"seed={seed} rows {q0}:{q1} keys {k0}:{k1}"
-        assert mask.visible_count(q0, q1 - q0, k0, k1 - k0) == block.sum()
+    for q0, q1, _, _ in random_blocks(mask, dense, rng, 40, f"seed={seed}"):
         row_lo, row_hi = mask.rows(q0, q1 - q0)
         np.testing.assert_array_equal((keys >= row_lo[:, None]) & (keys < row_hi[:, None]), dense[q0:q1])
 
