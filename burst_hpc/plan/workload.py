@@ -22,10 +22,12 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
 
     Parameters
     ----------
-    seqlen, size : int
-        Tokens in the whole sequence and ranks.
+    seqlen : int
+        Tokens in the whole sequence (every rank holds seqlen / size).
+    size : int
+        Ranks of the ring.
     causal, window, cu_seqlens
-        The mask, as burst_attention takes it.
+        The mask whose visible pairs are counted, as burst_attention takes it.
     layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
     direction : {'forward', 'backward', 'backward-q'}
         The forward ring, or the backward's kv-ring or q-ring.
