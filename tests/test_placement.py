@@ -141,7 +141,7 @@ def test_gather_steps_hold_equal_work_and_move_each_run_once(returns):
 
 def test_auto_runs_the_gather_scheme_only_where_its_held_keys_fit():
     """Plain causal over 8 ranks at 512k tokens a rank: the last rank's queries see every key, 7 shards of K/V
-    received (and their float32 gradients) past costmodel.GATHER_HELD_BYTES: 'auto' runs the chunks layout on
+    received (and their float32 gradients) past gather.HELD_BYTES: 'auto' runs the chunks layout on
     the ring. MagiAttention's documents at 8k tokens a rank over 8 ranks: a few shards, a few hundred MB:
     'auto' gathers."""
     from burst_hpc.plan import costmodel
@@ -151,10 +151,10 @@ def test_auto_runs_the_gather_scheme_only_where_its_held_keys_fit():
     causal = costmodel.Problem(1, seqlen, 32, 8, 128, 2, masks.Mask(seqlen, True))
     layout = make_layout("chunks", seqlen, 8, causal.mask)
     assert gather.held(causal.mask, layout) == 8.0
-    assert costmodel.gather_held_bytes(causal, layout) > costmodel.GATHER_HELD_BYTES
+    assert gather.held_bytes(causal, layout) > gather.HELD_BYTES
     assert costmodel.auto_schemes(layout, one_node, causal) == ("ring",)
     docs = capped(0, 8, 8192)
     pr = costmodel.Problem(1, 8 * 8192, 64, 8, 128, 2, docs)
     layout = make_layout("chunks", 8 * 8192, 8, docs)
-    assert gather.held(docs, layout) > 2 and costmodel.gather_held_bytes(pr, layout) < 1 << 30
+    assert gather.held(docs, layout) > 2 and gather.held_bytes(pr, layout) < 1 << 30
     assert costmodel.auto_schemes(layout, one_node, pr) == ("gather",)

@@ -34,10 +34,6 @@ from .rates import rates_for
 
 
 SCHEMES = ("ring", "double_ring", "ulysses_ring", "gather")
-# the most bytes the gather scheme's received keys and values (with their float32 gradients in the backward)
-# may take on a rank for 'auto' to pick it: it holds every run a rank's queries see at once, and under plain
-# causal the last of P ranks sees every key (the ring holds two shards whatever P)
-GATHER_HELD_BYTES = 16 << 30
 MARGIN = 0.02   # another scheme replaces the flat ring only when predicted faster by more than this share
 
 
@@ -153,19 +149,11 @@ def zigzag(pr, cl):
 
 def auto_schemes(layout, cl, pr):
     """The schemes ``scheme='auto'`` chooses among in ``layout`` for the Problem ``pr`` (decisions.settled_scheme):
-    the chunks layout's gather (its flat ring where the gather's held keys and values would pass
-    GATHER_HELD_BYTES: plain causal over many ranks, long shards); else the flat ring on one node, and on
-    several the schemes across nodes too."""
+    the chunks layout's gather (its flat ring where the gather would hold too much: gather.fits); else the
+    flat ring on one node, and on several the schemes across nodes too."""
     if layout.placed_by_mask:
-        return ("gather",) if gather_held_bytes(pr, layout) <= GATHER_HELD_BYTES else ("ring",)
+        return ("gather",) if gather.fits(pr, layout) else ("ring",)
     return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
-
-
-def gather_held_bytes(pr, layout):
-    """Bytes a rank holds at once under the gather scheme beyond its own inputs, at the most: the keys and
-    values of every run its queries see (gather.held) and, in the backward, their float32 dK and dV."""
-    received = (gather.held(pr.mask, layout) - 1) * pr.batch * pr.seqlen / layout.size
-    return received * 2 * pr.kv_heads * pr.head_dim * (pr.itemsize + 4)
 
 
 def fits(scheme, pr, cl, layout=None):

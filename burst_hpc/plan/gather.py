@@ -50,6 +50,24 @@ def held(mask, layout):
                for a in range(layout.size)) / local
 
 
+# the most bytes the gather scheme's received keys and values (with their float32 gradients in the backward)
+# may take on a rank for scheme='auto' to pick it (costmodel.auto_schemes): it holds every run a rank's queries
+# see at once, and under plain causal the last of P ranks sees every key (the ring holds two shards whatever P)
+HELD_BYTES = 16 << 30
+
+
+def held_bytes(pr, layout):
+    """Bytes a rank holds at once under the gather scheme beyond its own inputs, at the most, for the problem
+    ``pr`` (costmodel.Problem): the keys and values of every run its queries see and their float32 dK, dV."""
+    received = (held(pr.mask, layout) - 1) * pr.batch * pr.seqlen / layout.size
+    return received * 2 * pr.kv_heads * pr.head_dim * (pr.itemsize + 4)
+
+
+def fits(pr, layout):
+    """Whether ``scheme='auto'`` may run the gather scheme for ``pr`` in ``layout`` (held_bytes <= HELD_BYTES)."""
+    return held_bytes(pr, layout) <= HELD_BYTES
+
+
 def _runs(positions, unit):
     """(lo, hi) local row runs of the sorted unit ``positions`` (adjacent ones joined)."""
     out = []
