@@ -3,6 +3,7 @@ Also where the MPI world comes from, and what the launcher says about it: mpi4py
 here (and in the transports), so a machine without an MPI library still runs ``burst-hpc info``,
 ``check`` and the one-device API."""
 import contextlib
+from functools import lru_cache
 import hashlib
 import os
 import sys
@@ -47,6 +48,25 @@ def rank_and_size():
             sizes = [os.environ[v] for v in SIZE_VARS if os.environ.get(v, "").isdigit()]
             return int(os.environ[var]), int(sizes[0]) if sizes else 2
     return 0, 1
+
+
+@lru_cache(maxsize=None)
+def _keyval():
+    from mpi4py import MPI
+
+    return MPI.Comm.Create_keyval()
+
+
+def kept(comm):
+    """The dict the library keeps on ``comm`` (its topology, inner lane, open transports, the kernels made
+    ready by collectives on it): an MPI attribute of the communicator, so it lives and goes with it (a
+    freed communicator's never reaches another that Python happens to place at the same address) and is
+    not copied to its duplicates."""
+    state = comm.Get_attr(_keyval())
+    if state is None:
+        state = {}
+        comm.Set_attr(_keyval(), state)
+    return state
 
 
 def abort_world(code=1):

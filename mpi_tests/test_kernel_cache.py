@@ -85,3 +85,29 @@ def test_no_jit_is_the_same_error_on_every_rank_before_any_compile(comm, shared,
     texts = comm.allgather(str(error.value))
     assert len(set(texts)) == 1 and texts[0].endswith("burst-hpc compile --family sm90 --head-dim 128 --dtype bf16")
     assert mine.compiler.compiles() == []
+
+
+def test_kernels_made_ready_on_another_communicator_are_made_ready_again(comm):
+    """CudaBackend.prepare is collective on the call's communicator and skips what it made ready before: on that
+    communicator. Ranks that prepared a set on a communicator of their own must still take part when every rank
+    prepares it on the world (skipping there alone would leave the others waiting in the collective)."""
+    import types
+
+    from burst_hpc.backends.cuda.backend import CudaBackend
+    from burst_hpc.plan import masks
+
+    entered = []
+    stub = types.SimpleNamespace(family="sm90", modules=types.SimpleNamespace(
+        prepare=lambda builds, on: entered.append(on) or {}))
+    mask = masks.Mask(1024, True)
+    alone = comm.Split(color=int(comm.rank < max(1, comm.size // 2)), key=comm.rank)
+    try:
+        if comm.rank < max(1, comm.size // 2):
+            CudaBackend.prepare(stub, alone, "bfloat16", 128, mask, ("fwd",))
+        entered.clear()
+        CudaBackend.prepare(stub, comm, "bfloat16", 128, mask, ("fwd",))
+        assert comm.allgather(entered == [comm]) == [True] * comm.size
+        CudaBackend.prepare(stub, comm, "bfloat16", 128, mask, ("fwd",))   # made ready on it: skipped
+        assert entered == [comm]
+    finally:
+        alone.Free()

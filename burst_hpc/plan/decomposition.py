@@ -21,7 +21,7 @@ import numpy as np
 from .. import config
 from . import masks
 from ..backends import get_backend
-from ..collective import agree, check_comm, describe, one_fails_all, world
+from ..collective import agree, check_comm, describe, kept, one_fails_all, world
 from .decisions import (check_backward_ring, choose_backward_ring, gather_backward_ring, machine_facts, settled_scheme,
                         settled_transport)
 from ..device import array_device
@@ -31,7 +31,7 @@ from ..engine.packed import PackedPasses
 from ..errors import BackendError, BurstError, ShapeError, TransportError
 from .layout import Layout, as_layout, check_kind, default_kind
 from .schemes import check_scheme, make as make_scheme
-from .topology import held, ranks_per_node_setting, topology
+from .topology import ranks_per_node_setting, topology
 from ..transport import TRANSPORTS, make_transport
 from ..transport.emulated import EmulatedNetwork, Nic
 from ..validate import check_like, check_same_kind, resolve_scale
@@ -133,11 +133,11 @@ class DecompositionKey:
 
 def open_transport(name, comm, xp):
     """The open transport of kind ``name`` over ``comm`` for arrays of module ``xp``: one for each
-    (communicator, kind, array module, device), kept on the communicator (topology.held) and shared by
+    (communicator, kind, array module, device), kept on the communicator (collective.kept) and shared by
     every decomposition over it, so the plans a cache keeps do not each hold streams and pinned buffers.
     A GPU transport's streams and NCCL communicator belong to the device current when it opened, so a
     call on another device opens its own."""
-    state = held(comm)
+    state = kept(comm)
     device = xp.cuda.Device().id if hasattr(xp, "cuda") else None
     key = ("transport", name, xp.__name__, device)
     if key not in state:

@@ -17,9 +17,9 @@ ring's network lane; ``lane``: a duplicate of the caller's communicator, the fla
 local rank on every node (one NIC rail); ``node_comm`` this rank's node.
 """
 from dataclasses import dataclass
-from functools import lru_cache
 
 from .. import config
+from ..collective import kept
 from ..errors import RankMismatchError, TopologyError
 
 
@@ -70,31 +70,12 @@ def ranks_per_node_setting(ranks_per_node=None):
     return config.ranks_per_node() if ranks_per_node is None else ranks_per_node
 
 
-@lru_cache(maxsize=None)
-def _keyval():
-    """The MPI attribute key under which a communicator carries what this module found of it."""
-    from mpi4py import MPI
-
-    return MPI.Comm.Create_keyval()
-
-
-def held(comm):
-    """The dict this module keeps on ``comm`` (its shared-memory group, Topologies, inner lane): an MPI
-    attribute of the communicator, so it lives and goes with it (a freed communicator's never reaches
-    another that Python happens to place at the same address) and is not copied to its duplicates."""
-    state = comm.Get_attr(_keyval())
-    if state is None:
-        state = {}
-        comm.Set_attr(_keyval(), state)
-    return state
-
-
 def node_ids(comm, setting=None):
     """Collective: every rank's (node id, ``setting``): the id BURST_HPC_NODE_ID, else its shared-memory
     group, named by the group's lowest rank and found once per communicator."""
     from mpi4py import MPI
 
-    state = held(comm)
+    state = kept(comm)
     if "host" not in state:
         host = comm.Split_type(MPI.COMM_TYPE_SHARED, key=comm.rank)
         state["host"] = host.allreduce(comm.rank, op=MPI.MIN)
@@ -124,7 +105,7 @@ def inner_lane(comm):
     """Collective on first use: a duplicate of ``comm``, made once per communicator, for the balanced
     schedule's transfers inside a node posted steps before they are due (schedule.Transfer.inner):
     on their own lane they never queue behind (NCCL) the network's or the steps' in between."""
-    state = held(comm)
+    state = kept(comm)
     if "inner lane" not in state:
         state["inner lane"] = comm.Dup()
     return state["inner lane"]
@@ -146,7 +127,7 @@ def topology(comm, ranks_per_node=None):
         if theirs != settings[0][0]:
             raise RankMismatchError(f"ranks disagree on ranks_per_node (or BURST_HPC_RANKS_PER_NODE): rank 0 has "
                                     f"{settings[0][0]!r}, rank {rank} has {theirs!r}")
-    state, key = held(comm), ("topology", tuple(ids), setting)
+    state, key = kept(comm), ("topology", tuple(ids), setting)
     if key not in state:
         state[key] = Topology(comm, setting, ids)
     return state[key]

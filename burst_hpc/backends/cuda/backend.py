@@ -15,7 +15,7 @@ from ...dtypes import parse_dtype
 from ...errors import BackendError, DTypeError
 from .. import backward_ends, forward_ends, padding
 from ..numpy_backend import NumpyBackend
-from ...collective import agree
+from ...collective import agree, kept
 from ...device import HOW_TO_GET_CUPY
 from . import compile as compiling, contract, launch
 from .compile import Modules, call_builds
@@ -183,7 +183,6 @@ class CudaBackend:
         self._widths = {direction: contract.native_widths(family, direction) for direction in ("fwd", "bwd")}
         self._dtype_codes = contract.header().dtypes
         self._wide = None
-        self._prepared = set()   # the calls' kernel sets prepare() has made ready in this process
         # attn_delta's 16-byte path (delta): off until it has run on a GPU (compiled and tested on the host only)
         self.vector_delta = False
 
@@ -216,10 +215,13 @@ class CudaBackend:
             return {}
         masks = ("full",) if mask.is_full else ("full", contract.mask_mode(True, mask))
         key = (kind, head_dim, masks, tuple(directions))
-        if key in self._prepared:   # every rank's calls come in the same order, so all skip together
+        # kept on the communicator: every rank of it made the same calls on it, so all skip together (a set
+        # made ready by a collective on another communicator may be so on some of these ranks only)
+        prepared = kept(comm).setdefault(("prepared", self.family), set())
+        if key in prepared:
             return {}
         result = self.modules.prepare(kernel_builds(self.family, (kind,), (head_dim,), masks, directions), comm)
-        self._prepared.add(key)
+        prepared.add(key)
         return result
 
     # ---- the three block calls ---------------------------------------------------------------------
