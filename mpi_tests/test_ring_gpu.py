@@ -125,6 +125,24 @@ def test_ranks_sharing_a_gpu_never_get_nccl(comm):
             burst_hpc.burst_attention(q, k, v, comm=comm, causal=True, transport="nccl")
 
 
+def test_nccl_communicators_go_with_their_mpi_communicator(comm):
+    """A communicator freed and another made in its place (MPI may hand out the same handle) gets an NCCL
+    communicator of its own: the new one may hold other ranks."""
+    from burst_hpc.transport.nccl import communicator
+
+    if "nccl" not in device_transports(comm):
+        pytest.skip("nccl not usable here")
+    first = comm.Dup()
+    made = communicator(first)
+    assert communicator(first) is made
+    first.Free()
+    second = comm.Dup()
+    try:
+        assert communicator(second) is not made
+    finally:
+        second.Free()
+
+
 @pytest.mark.parametrize("transport", ["staged", "nccl"])
 def test_transport_follows_the_device(comm, transport):
     """A call on another GPU than the last one over the same communicator opens transports of its own:

@@ -11,19 +11,19 @@ for the transfer, so the host never blocks.
 import cupy
 from cupy.cuda import nccl
 
-_communicators = {}
-
+from ..collective import kept
 
 def communicator(comm):
     """The NCCL communicator of an MPI communicator on the current device, made once (collectively,
     bootstrapped over MPI) and shared by every user of that pair: the ring transport and anything
-    else that wants NCCL on the same ranks (the collectives of bench/baselines.py)."""
-    key = (comm.py2f(), cupy.cuda.Device().id)
-    if key not in _communicators:
+    else that wants NCCL on the same ranks (the collectives of bench/baselines.py). Kept on the MPI
+    communicator (collective.kept): a freed one's never serves another that reuses its handle."""
+    state, key = kept(comm), ("nccl", cupy.cuda.Device().id)
+    if key not in state:
         uid = nccl.get_unique_id() if comm.rank == 0 else None
         uid = comm.bcast(uid, root=0)
-        _communicators[key] = nccl.NcclCommunicator(comm.size, uid, comm.rank)
-    return _communicators[key]
+        state[key] = nccl.NcclCommunicator(comm.size, uid, comm.rank)
+    return state[key]
 
 
 class Pending:
