@@ -191,11 +191,14 @@ def _gather_account(mask, layout, returns, per_node):
                 layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows))
                 for shard, rows, w in visits if w)
     if per_node is None:
-        # one node: the packed passes (engine/packed.py): every run moves first, then one block call, then
-        # the partials go home
+        # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
+        # the exchange home and its additions after it. The forward priced as one step (on NVLink its exchange
+        # and placement cost about a step's fixed cost, 4 x H100), the backward as three (its K/V gather, the
+        # call, the partials home: each exposed)
         total = work.sum(axis=0)
-        work, launches = (np.zeros((3 if "kv" in returns else 2, layout.size), np.int64) for _ in range(2))
-        work[1], launches[1] = total, total > 0
+        backward = "kv" in returns
+        work, launches = (np.zeros((3 if backward else 1, layout.size), np.int64) for _ in range(2))
+        work[int(backward)], launches[int(backward)] = total, total > 0
         moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
     work.setflags(write=False)
     launches.setflags(write=False)
