@@ -5,6 +5,9 @@ stream: kernels, memsets and copies with their start (microseconds from the firs
 compute stream's gaps longer than --gap microseconds. Needs torch on the GPU machine (the library does not).
 
     mpirun -np 4 python bench/timeline.py --layout chunks --pass fwdbwd [--dist uniform] [--rank 0]
+
+On 4 x H200 and 4 x H100 the job printed its timeline and then did not end on its own (every time; not looked
+into: the profiler's or NCCL's teardown at exit, most likely): run it under ``timeout``.
 """
 import argparse
 import json
