@@ -158,3 +158,18 @@ def test_auto_runs_the_gather_scheme_only_where_its_held_keys_fit():
     layout = make_layout("chunks", 8 * 8192, 8, docs)
     assert gather.held(docs, layout) > 2 and gather.held_bytes(pr, layout) < 1 << 30
     assert costmodel.auto_schemes(layout, one_node, pr) == ("gather",)
+
+
+def test_plan_prices_what_the_gather_holds():
+    """The peak memory of the gather scheme is the ring's plus every received run of keys and values (and their
+    float32 gradients in the backward): with full attention over 4 ranks, three shards of K/V more."""
+    from burst_hpc.plan import costmodel
+    from burst_hpc.plan.memory import peak_memory
+
+    seqlen, ranks = 4 * 1024, 4
+    pr = costmodel.Problem(1, seqlen, 8, 2, 64, 2, masks.Mask(seqlen))
+    cl = costmodel.Cluster(1, ranks)
+    layout = make_layout("chunks", seqlen, ranks, pr.mask)
+    kv = 1024 * 2 * 2 * 64   # a shard of K and V: tokens x (K, V) x Hkv x D, in elements
+    assert peak_memory("gather", pr, cl, False, layout) - peak_memory("ring", pr, cl) == 3 * kv * 2
+    assert peak_memory("gather", pr, cl, True, layout) - peak_memory("ring", pr, cl, True) == 3 * kv * (2 + 4)

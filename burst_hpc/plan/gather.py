@@ -56,11 +56,12 @@ def held(mask, layout):
 HELD_BYTES = 16 << 30
 
 
-def held_bytes(pr, layout):
+def held_bytes(pr, layout, backward=True):
     """Bytes a rank holds at once under the gather scheme beyond its own inputs, at the most, for the problem
-    ``pr`` (costmodel.Problem): the keys and values of every run its queries see and their float32 dK, dV."""
+    ``pr`` (costmodel.Problem): the keys and values of every run its queries see and, in the ``backward``,
+    their float32 dK, dV."""
     received = (held(pr.mask, layout) - 1) * pr.batch * pr.seqlen / layout.size
-    return received * 2 * pr.kv_heads * pr.head_dim * (pr.itemsize + 4)
+    return received * 2 * pr.kv_heads * pr.head_dim * (pr.itemsize + (4 if backward else 0))
 
 
 def fits(pr, layout):

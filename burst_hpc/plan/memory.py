@@ -1,6 +1,7 @@
 """Peak memory per rank of a call (``peak_memory``): the inputs, the accumulators, the ring's
 buffers as the engine holds them (ring.lifetimes) and the outputs; ``burst-hpc plan`` reports it."""
 from .costmodel import token_bytes, ulysses_kv_heads
+from .gather import held_bytes
 
 
 def _schedule(scheme, cl, near, returns):
@@ -30,11 +31,13 @@ def _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers):
                                                         (heads + 2 * kv_heads) * d * it))
 
 
-def peak_memory(scheme, pr, cl, backward=False):
+def peak_memory(scheme, pr, cl, backward=False, layout=None):
     """Bytes per rank of the inputs and what one call allocates at its peak (the ring's buffers as
     the engine holds them, ring.lifetimes, plus accumulators and outputs). Ulysses adds the node's
     gathered inputs (held twice while they are joined) and runs its ring on w times the tokens
-    for 1/w of the heads. Kernel workspace (none on the GPU) is not counted."""
+    for 1/w of the heads; the gather scheme in ``layout`` (a Layout) every run of keys and values a
+    rank's queries see, at once, and their float32 gradients in the backward (gather.held_bytes).
+    Kernel workspace (none on the GPU) is not counted."""
     from ..engine.ring import lifetimes
 
     it, d = pr.itemsize, pr.head_dim
@@ -51,5 +54,7 @@ def peak_memory(scheme, pr, cl, backward=False):
         returns = ("kv", "q")
     else:
         near, returns = "kv", ("q",)
+    if scheme == "gather" and layout is not None:
+        extra = held_bytes(pr, layout, backward)
     buffers = dict(lifetimes(_schedule(scheme, cl, near, returns), 0)[2], side=near)
     return inputs + extra + _ring_memory(tokens, heads, kv_heads, d, it, backward, buffers)

@@ -63,7 +63,7 @@ def table(pr, cl, rates, layouts):
             raise BurstError(f"the cost model leaves the floating-point range with these sizes and rates ({scheme}: "
                              f"forward compute {p.fwd.compute:.3g} s, time {p.fwd.time:.3g} s)")
         flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * x.mean / x.time for b, x in ((0, p.fwd), (1, p.bwd))]
-        peak = [_gib(peak_memory(scheme, pr, cl, b)) for b in (False, True)]
+        peak = [_gib(peak_memory(scheme, pr, cl, b, p.layout)) for b in (False, True)]
         hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=p.layout))
                  for b in (False, True)]
         lines.append(f"| {name} | {scheme} | {p.fwd.time:.3g} | {p.fwd.exposed:.1%} | {p.fwdbwd:.3g} | {p.exposed:.1%} | "
