@@ -15,6 +15,7 @@ into a :class:`Layout` once, at the edge (:func:`make_layout`, :func:`as_layout`
 asks the object.
 """
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -214,6 +215,13 @@ def make_layout(kind, seqlen, size, mask=None):
     seqlen, size = int(seqlen), int(size)
     if size < 1:
         raise LayoutError(f"need at least one rank; got {size}")
+    return _layout(kind, seqlen, size, mask if kind == "chunks" and size > 1 else None)
+
+
+@lru_cache(maxsize=32)
+def _layout(kind, seqlen, size, mask):
+    """:func:`make_layout`'s Layout, kept: a call that names its layout makes it again on every call, and
+    the chunks layout places the tokens by the mask (placement.place) once."""
     parts = _parts(size, kind)
     if seqlen % parts:
         raise _split_error(seqlen, size, kind)

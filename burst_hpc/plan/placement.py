@@ -20,7 +20,6 @@ Everything is a pure function of (mask, ranks), cached: every rank computes the 
 from the agreed arguments.
 """
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -58,7 +57,6 @@ class Placement:
         return max(self.area) / mean if mean else 1.0
 
 
-@lru_cache(maxsize=16)
 def place(mask, size):
     """The Placement of ``mask`` (the call's masks.Mask, of any kind) over ``size`` ranks;
     ``mask.seqlen`` must be a multiple of ``size``."""
