@@ -55,6 +55,9 @@ def test_a_forward_call_whose_ranks_disagree_fails_alike_on_every_rank(comm, nam
     message = raises_everywhere(comm, RankMismatchError,
                                 lambda: burst_hpc.burst_attention(q, k, v, comm=comm, **kw))
     assert message.startswith(f"ranks disagree on {name}: "), message
+    if name == "layout":   # a name is made into the call's Layout: the message names it by kind and sizes
+        assert message.startswith(f"ranks disagree on layout: rank 0 has Layout('contiguous', seqlen={seqlen}, "
+                                  f"size={comm.size}), rank 1 has Layout('zigzag', seqlen={seqlen}"), message
     o, lse = burst_hpc.burst_attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), comm=comm)
     assert np.isfinite(o).all() and np.isfinite(lse).all()   # the ring works once they agree
 
