@@ -46,7 +46,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         Score scale (default D ** -0.5).
     layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}, optional
         How the shards were cut (burst_hpc.shard; a name is made into a Layout of the call's sequence
-        and ranks). Default: zigzag when causal, contiguous otherwise,
+        and ranks, 'chunks' placed by the call's mask, before the ranks agree: a bad one is refused
+        on every rank). Default: zigzag when causal, contiguous otherwise,
         whatever ``cu_seqlens`` and ``window`` hold (a default never changes with the data). The
         layout the cost model predicts fastest for this call is ``burst_hpc.choose_layout(...)``:
         shard by it and pass it here. 'balanced' shards are contiguous ones (natural token order)

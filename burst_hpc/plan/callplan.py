@@ -88,7 +88,7 @@ def checked_call(size, q, k, v, causal, scale, layout, transport, backward=None,
         if error is not None:
             raise error
         if layout is not None:
-            check_layout(layout, sq * size, size)   # a call's shards are cut already: no 'auto'
+            check_layout(layout, sq * size, size)   # shards cut already: a Layout, no name (no 'auto')
         if backward is not None:
             check_like("do", backward.do, q.shape, q.dtype)
             if backward.o is not None:

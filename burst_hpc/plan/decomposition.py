@@ -96,9 +96,9 @@ class Request:
         mask = {name: value for name, value in self.mask.arguments.items() if name != "cu_seqlens"}
         return {"seqlen": self.seqlen, "batch": self.batch, "heads": self.heads, "kv_heads": self.kv_heads,
                 "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), **mask, "scale": self.scale,
-                "layout": self.layout, "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
-                "ranks_per_node": self.ranks_per_node, "emulated network": self.network, "backend": self.backend,
-                "backward": self.backward}
+                "layout": self.layout, "scheme": self.scheme, "transport": self.transport,
+                "backward_ring": self.backward_ring, "ranks_per_node": self.ranks_per_node,
+                "emulated network": self.network, "backend": self.backend, "backward": self.backward}
 
     def agreement(self, call=None):
         """(signature, arrays): what every rank must pass alike, as collective.agree compares it: the

@@ -16,8 +16,8 @@ The chunk length is the plan's: the fewest chunks per rank (CHUNKS_PER_RANK, mul
 kernels' tile, TILE tokens, where the shard allows) whose critical area is within TOLERANCE of the
 mean, else the best balanced of them: fewer chunks are fewer runs, kernel launches and messages.
 
-Everything is a pure function of (mask, ranks), cached: every rank computes the same placement
-from the agreed arguments.
+Everything is a pure function of (mask, ranks): every rank computes the same placement from the
+agreed arguments (kept with its Layout: layout.make_layout).
 """
 from dataclasses import dataclass
 
