@@ -33,7 +33,9 @@ METHODS = ("burst", "untiled-ring", "allgather-kv", "ulysses")
 
 
 def make(method, q, k, v, comm, causal, layout, transport):
-    """One method on this rank's shards. 'burst' is our ring (its backward ring picked by bytes)."""
+    """One method on this rank's shards in ``layout`` (a Layout or a name). 'burst' is our ring (its backward
+    ring picked by bytes)."""
+    layout = burst_hpc.plan.layout.as_layout(layout, q.shape[1] * comm.size, comm.size)
     if method == "burst":
         return RingBenchmark(q, k, v, comm=comm, causal=causal, layout=layout, transport=transport)
     if method == "untiled-ring":

@@ -117,8 +117,8 @@ def main():
     pool = cupy.get_default_memory_pool()
     for transport in args.transports.split(","):
         for layout in layouts:
-            zigzag = "zigzag" if layout == "alltoall" else layout
-            bench = RingBenchmark(q, k, v, comm=comm, causal=args.causal, layout=zigzag, transport=transport,
+            placed = burst_hpc.make_layout("zigzag" if layout == "alltoall" else layout, S, P)
+            bench = RingBenchmark(q, k, v, comm=comm, causal=args.causal, layout=placed, transport=transport,
                                   backward_ring=args.backward_ring)
             o, lse = bench.forward()
             # alltoall: q, k, v, do taken as contiguous shards are moved to zigzag and the results back; the

@@ -48,6 +48,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from burst_hpc.plan import callplan  # noqa: E402
 from burst_hpc.plan import masks  # noqa: E402
+from burst_hpc.plan.layout import as_layout  # noqa: E402
 from burst_hpc.collective import one_fails_all  # noqa: E402
 from burst_hpc.device import array_device  # noqa: E402
 from burst_hpc.plan.workload import documents  # noqa: E402
@@ -119,6 +120,8 @@ def library_call(args):
     else:
         shard = layout
     mask = dict(causal=True, cu_seqlens=cu, window=None)   # the chunks layout places tokens by it
+    placed = as_layout(shard, S, P, **mask)   # what checked_call takes (the api way passes the name itself)
+    call_layout = None if layout is None else placed
     q, k, v, do = (xp.asarray(burst_hpc.shard(full[name], r, P, shard, **mask)).astype(dtype)
                    for name in ("q", "k", "v", "do"))
 
@@ -144,7 +147,7 @@ def library_call(args):
         if plan_of is None:
             return api_call(times)
         t0 = time.perf_counter()
-        plan = plan_of(comm, q, callplan.checked_call(P, q, k, v, True, None, layout, "auto", **options))
+        plan = plan_of(comm, q, callplan.checked_call(P, q, k, v, True, None, call_layout, "auto", **options))
         t1 = time.perf_counter()
         with array_device(q), one_fails_all(comm, "call_overhead"):
             o, lse = plan.passes.forward(q, k, v)
@@ -152,7 +155,7 @@ def library_call(args):
         times["plan"].append(t1 - t0)
         times["forward"].append(t2 - t1)
         if args.backward:
-            back = plan_of(comm, q, callplan.checked_call(P, q, k, v, True, None, layout, "auto",
+            back = plan_of(comm, q, callplan.checked_call(P, q, k, v, True, None, call_layout, "auto",
                                                           backward=callplan.Backward(do, o, lse), **options))
             t3 = time.perf_counter()
             with array_device(q), one_fails_all(comm, "call_overhead"):

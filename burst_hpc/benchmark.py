@@ -68,8 +68,9 @@ class RingBenchmark:
 
     def __init__(self, q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto",
                  backward_ring="auto", backend=None, scheme="ring", ranks_per_node=None):
-        """This rank's shards and the arguments of burst_attention; ``backward_ring`` as in
-        burst_attention_backward ('auto' picks by bytes moved). ``scheme`` (default the flat ring):
+        """This rank's shards and the arguments of burst_attention, ``layout`` a Layout (make_layout makes
+        one of a name) or None for the default; ``backward_ring`` as in burst_attention_backward ('auto'
+        picks by bytes moved). ``scheme`` (default the flat ring):
         as burst_attention's; the bytes counted are those of the scheme's ring (``bytes_to``: per
         peer, ranks of ``network_peer``'s numbering), not of Ulysses' all-to-alls."""
         self.q, self.k, self.v = q, k, v

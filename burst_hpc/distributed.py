@@ -7,14 +7,25 @@ bytes. With the balanced layout and a causal mask, documents or a window the sch
 the visible work of every chunk pair to ranks instead (balance.py): a piece of rows runs on a
 rank the data travels to, which returns its partials (o, lse), dq or dk, dv to their owners.
 
-Each call is its plan (callplan.checked_call checks the arguments into the Decomposition's request;
+Each call is its plan (a layout's name made into the Layout of the shards' sequence, placed by the call's
+mask; callplan.checked_call checks the arguments into the Decomposition's request;
 callplan.plan_arrays builds the Decomposition of the shards' shapes, agreed by every rank in one
 collective, bound to their backend; callplan.plan_call reuses a repeated call's) and its passes
 (passes.py), run so that an error on some ranks ends every rank (collective.one_fails_all).
 """
 from .plan.callplan import Backward, checked_call, plan_call
+from .plan.layout import as_layout
 from .collective import check_comm, one_fails_all, world
 from .device import array_device
+
+
+def attempt(make):
+    """(make(), None), or (None, the exception it raised): a step before a call's plan whose error the plan's
+    agreement raises on every rank (a rank raising alone would leave the others waiting in it)."""
+    try:
+        return make(), None
+    except Exception as e:  # noqa: BLE001  handed to checked_call, agreed in the plan's collective
+        return None, e
 
 
 def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto", cu_seqlens=None,
@@ -35,7 +46,8 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         Score scale (default D ** -0.5).
     layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}, optional
         How the shards were cut (burst_hpc.shard; a name is made into a Layout of the call's sequence
-        and ranks). Default: zigzag when causal, contiguous otherwise,
+        and ranks, 'chunks' placed by the call's mask, before the ranks agree: a bad one is refused
+        on every rank). Default: zigzag when causal, contiguous otherwise,
         whatever ``cu_seqlens`` and ``window`` hold (a default never changes with the data). The
         layout the cost model predicts fastest for this call is ``burst_hpc.choose_layout(...)``:
         shard by it and pass it here. 'balanced' shards are contiguous ones (natural token order)
@@ -91,8 +103,10 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         o, lse = burst_hpc.burst_attention(fast(q), fast(k), fast(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     comm = world() if comm is None else check_comm(comm)
+    layout, error = (None, None) if layout is None else attempt(lambda: as_layout(
+        layout, q.shape[1] * comm.size, comm.size, causal=causal, cu_seqlens=cu_seqlens, window=window))
     call = checked_call(comm.size, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
-                        scheme=scheme, ranks_per_node=ranks_per_node)
+                        scheme=scheme, ranks_per_node=ranks_per_node, error=error)
     plan = plan_call(comm, q, call)
     with array_device(q), one_fails_all(comm, "burst_attention"):
         return plan.passes.forward(q, k, v, on_step=on_step)
@@ -134,9 +148,11 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
         dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
     """
     comm = world() if comm is None else check_comm(comm)
+    layout, error = (None, None) if layout is None else attempt(lambda: as_layout(
+        layout, q.shape[1] * comm.size, comm.size, causal=causal, cu_seqlens=cu_seqlens, window=window))
     call = checked_call(comm.size, q, k, v, causal, scale, layout, transport,
                         backward=Backward(do, o, lse, backward_ring), cu_seqlens=cu_seqlens, window=window,
-                        scheme=scheme, ranks_per_node=ranks_per_node)
+                        scheme=scheme, ranks_per_node=ranks_per_node, error=error)
     plan = plan_call(comm, q, call)
     with array_device(q), one_fails_all(comm, "burst_attention_backward"):
         return plan.passes.backward(plan.ring, do, q, k, v, o, lse, on_step=on_step)

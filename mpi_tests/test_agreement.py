@@ -11,7 +11,7 @@ import pytest
 import burst_hpc
 from burst_hpc.plan import callplan
 from burst_hpc import io
-from burst_hpc.errors import BurstError, RankMismatchError
+from burst_hpc.errors import BurstError, LayoutError, MaskError, RankMismatchError
 from burst_hpc.job.run import RunOptions, run
 from test_ring import local_inputs, raises_everywhere
 
@@ -55,6 +55,9 @@ def test_a_forward_call_whose_ranks_disagree_fails_alike_on_every_rank(comm, nam
     message = raises_everywhere(comm, RankMismatchError,
                                 lambda: burst_hpc.burst_attention(q, k, v, comm=comm, **kw))
     assert message.startswith(f"ranks disagree on {name}: "), message
+    if name == "layout":   # a name is made into the call's Layout: the message names it by kind and sizes
+        assert message.startswith(f"ranks disagree on layout: rank 0 has Layout('contiguous', seqlen={seqlen}, "
+                                  f"size={comm.size}), rank 1 has Layout('zigzag', seqlen={seqlen}"), message
     o, lse = burst_hpc.burst_attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32), comm=comm)
     assert np.isfinite(o).all() and np.isfinite(lse).all()   # the ring works once they agree
 
@@ -93,6 +96,29 @@ def test_a_call_that_is_forward_on_some_ranks_and_backward_on_others_fails_alike
 
     message = raises_everywhere(comm, RankMismatchError, call)
     assert message.startswith("ranks disagree on pass: rank 0 has 'forward', rank 1 has 'backward'"), message
+
+
+def test_a_layout_name_bad_on_one_rank_is_refused_alike_on_every_rank(comm):
+    """A layout's name is made into the Layout of the call before its agreement: a name that is no layout,
+    a length that does not split in it, or a bad mask for the chunks layout (placed by it), on one rank
+    only, is refused on every rank with that rank's message, never raised there alone while the others
+    wait in the agreement (the deadline ends a hang)."""
+    last = comm.rank == comm.size - 1
+    q, k, v = local_inputs(comm, local=LOCAL, dim=8)
+    odd = local_inputs(comm, local=LOCAL - 1, dim=8)
+    o, lse = burst_hpc.burst_attention(q, k, v, comm=comm)
+    cases = [
+        (LayoutError, "unknown layout 'zigzg'", (q, k, v), dict(layout="zigzg" if last else "zigzag")),
+        (LayoutError, "layout must be a Layout or one of", (q, k, v), dict(layout=3 if last else "zigzag")),
+        (LayoutError, "does not split", odd, dict(layout="zigzag" if last else "contiguous")),
+        (MaskError, "cu_seqlens", (q, k, v), dict(layout="chunks", cu_seqlens=np.array([0, 5]) if last else None)),
+    ]
+    for error, match, (q_, k_, v_), kw in cases:
+        for call in (lambda: burst_hpc.burst_attention(q_, k_, v_, comm=comm, causal=True, **kw),
+                     lambda: burst_hpc.burst_attention_backward(q_, q_, k_, v_, q_, lse[:, :, :q_.shape[1]],
+                                                                comm=comm, causal=True, **kw)):
+            message = raises_everywhere(comm, error, call, match=match)
+            assert message.endswith(f"(rank {comm.size - 1})"), message
 
 
 def test_a_communicator_that_is_not_one_is_a_clear_error(comm):

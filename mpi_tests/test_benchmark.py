@@ -15,7 +15,7 @@ def test_modes(comm):
     q, do = (rng.standard_normal((b, seqlen, hq, d)) for _ in range(2))
     k, v = (rng.standard_normal((b, seqlen, hkv, d)) for _ in range(2))
     mine = [burst_hpc.shard(x, r, P, "zigzag") for x in (q, k, v, do)]
-    kw = dict(comm=comm, causal=True, layout="zigzag")
+    kw = dict(comm=comm, causal=True, layout=burst_hpc.make_layout("zigzag", seqlen, P))
 
     ring = RingBenchmark(*mine[:3], backward_ring="kv", **kw)
     assert ring.transport_name == "host" and ring.layout.kind == "zigzag" and ring.backward_ring == "kv"

@@ -9,6 +9,7 @@ import burst_hpc
 from burst_hpc.errors import BurstError
 from burst_hpc.plan import gather, masks
 from burst_hpc.plan.callplan import checked_call, plan_arrays
+from burst_hpc.plan.layout import as_layout
 from burst_hpc.plan.workload import documents
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -65,9 +66,9 @@ def test_gather_runs_packed_on_one_node_and_stepped_across_nodes(comm, per_node,
     from burst_hpc.engine.packed import PackedPasses
 
     seed, cu, q, k, v, do = draw(comm, "capped")
-    shards = [burst_hpc.shard(x, comm.rank, comm.size, "chunks", causal=True, cu_seqlens=cu, window=None)
-              for x in (q, k, v)]
-    plan = plan_arrays(comm, shards[0], checked_call(comm.size, *shards, True, None, "chunks", "auto", cu_seqlens=cu,
+    placed = as_layout("chunks", q.shape[1], comm.size, causal=True, cu_seqlens=cu, window=None)
+    shards = [placed.shard(x, comm.rank) for x in (q, k, v)]
+    plan = plan_arrays(comm, shards[0], checked_call(comm.size, *shards, True, None, placed, "auto", cu_seqlens=cu,
                                                      scheme="gather", ranks_per_node=per_node))
     packed = per_node is None or comm.size == 1
     assert isinstance(plan.passes, PackedPasses) == packed
@@ -104,7 +105,8 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
         return burst_hpc.shard(x, r, P, layout, **kw)
 
     shards = [mine(x) for x in (q, k, v)]
-    plan = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, layout, "auto", cu_seqlens=cu,
+    placed = as_layout(layout, q.shape[1], P, **kw)
+    plan = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, placed, "auto", cu_seqlens=cu,
                                                      scheme="gather"))
     _, seen, _ = gather.sight(plan.mask, plan.layout)
 

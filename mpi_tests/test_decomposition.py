@@ -60,9 +60,10 @@ def test_a_call_plan_agrees_once_and_decides_the_rest_from_what_was_agreed(comm,
     monkeypatch.setattr(decomposition, "agree", counted)
     seqlen = S_PER_RANK * comm.size
     q, k, v, _ = (d_.astype(np.float32) for d_ in shared_inputs(comm, seqlen))
-    cut = [burst_hpc.shard(x, comm.rank, comm.size, "contiguous") for x in (q, k, v)]
-    plan = callplan.plan_arrays(comm, cut[0], callplan.checked_call(comm.size, *cut, True, None, "contiguous", "auto"))
-    assert len(calls) == 1 and calls[0]["q shape"] == cut[0].shape and calls[0]["layout"] == "contiguous"
+    contiguous = burst_hpc.make_layout("contiguous", seqlen, comm.size)
+    cut = [contiguous.shard(x, comm.rank) for x in (q, k, v)]
+    plan = callplan.plan_arrays(comm, cut[0], callplan.checked_call(comm.size, *cut, True, None, contiguous, "auto"))
+    assert len(calls) == 1 and calls[0]["q shape"] == cut[0].shape and calls[0]["layout"] == contiguous
     assert plan.decomposition.transport_name == "host" and plan.ring in ("q", "kv")
 
 

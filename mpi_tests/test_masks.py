@@ -123,7 +123,8 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
         return burst_hpc.shard(x, comm.rank, P, "contiguous")
 
     shards = [mine(x) for x in (q, k, v)]
-    plan = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, "contiguous", "auto", window=(3, 0)))
+    contiguous = burst_hpc.make_layout("contiguous", LOCAL * P, P)
+    plan = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, contiguous, "auto", window=(3, 0)))
     steps = min(P, 2)
     assert masks.ring_steps(plan.mask, plan.layout, False) == steps and plan.layout.kind == "contiguous"
     assert masks.ring_steps(plan.mask, plan.layout, True) == P  # queries travel forward: later queries come last
@@ -142,7 +143,7 @@ def test_a_window_runs_only_the_steps_it_reaches(comm, ring):
         assert counting.exchanges == (0 if P == 1 else P + 1)
     for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **kw)):
         np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ring} seed {seed}")
-    auto = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, "contiguous", "auto",
+    auto = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, contiguous, "auto",
                                                      backward=Backward(mine(do), o, lse), window=(3, 0)))
     assert auto.ring == ("kv" if P > 2 else "q")  # MHA takes the q-ring, unless its P steps lose
 

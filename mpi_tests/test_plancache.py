@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import burst_hpc
-from burst_hpc.plan import callplan
+from burst_hpc.plan import callplan, placement
 from burst_hpc.plan.decomposition import DecompositionKey
 from burst_hpc.errors import RankMismatchError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
@@ -131,8 +131,9 @@ def test_only_the_plan_every_rank_made_together_last_is_reused(comm, monkeypatch
     q, k, v = (rng.standard_normal((1, S, h, 8)) for h in (2, 1, 1))
 
     def call():
-        shards = [burst_hpc.shard(x, r, P, "balanced") for x in (q, k, v)]
-        plan = callplan.plan_call(comm, shards[0], callplan.checked_call(P, *shards, True, None, "balanced", "auto"))
+        balanced = burst_hpc.make_layout("balanced", S, P)
+        shards = [balanced.shard(x, r) for x in (q, k, v)]
+        plan = callplan.plan_call(comm, shards[0], callplan.checked_call(P, *shards, True, None, balanced, "auto"))
         return comm.allgather(plan.decomposition.topo.nodes)
 
     monkeypatch.delenv("BURST_HPC_NODE_ID", raising=False)
@@ -163,8 +164,9 @@ def test_same_everywhere_is_the_same_verdict_on_every_rank(comm):
 def test_a_repeated_call_decides_nothing_again_on_any_rank(comm, monkeypatch, layout, documents):
     """What a plan works out once (call_counts.ONCE_PER_PLAN: the steps, the engine's route, the block
     pairs), and the digest the ranks compare, is not worked out again by a repeated call on any rank:
-    each call's work is the key, one allreduce and the passes."""
-    counts = counted(monkeypatch, *ONCE_PER_PLAN, (DecompositionKey, "digest"))
+    each call's work is the key, one allreduce and the passes; the chunks name places no tokens again
+    (placement.place_chunks), though the call makes the name into its Layout before its plan."""
+    counts = counted(monkeypatch, *ONCE_PER_PLAN, (DecompositionKey, "digest"), (placement, "place_chunks"))
     rng, _ = shared_rng(comm)
     P, r, S = comm.size, comm.rank, LOCAL * comm.size
     q, k, v, do = (rng.standard_normal((1, S, h, 8)) for h in (4, 2, 2, 4))

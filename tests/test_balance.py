@@ -32,7 +32,8 @@ def test_documents_balance_within_10_percent(ranks, kind, causal):
     work = burst_hpc.schedule_work(seqlen, ranks, causal=causal, cu_seqlens=cu)
     assert ratio(work) <= 1.10, (ranks, kind, causal, ratio(work))
     for layout in ("contiguous", "zigzag"):   # what the balanced schedule is for: the others are far off
-        other = burst_hpc.schedule_work(seqlen, ranks, causal=causal, cu_seqlens=cu, layout=layout)
+        other = burst_hpc.schedule_work(seqlen, ranks, causal=causal, cu_seqlens=cu,
+                                       layout=burst_hpc.make_layout(layout, seqlen, ranks))
         assert other.sum() == work.sum()      # the same visible pairs, computed once
         if causal and ranks >= 16:
             assert ratio(other) > 1.5
@@ -53,13 +54,17 @@ def test_backward_and_step_zero():
     fwd = burst_hpc.schedule_work(seqlen, ranks, causal=True, cu_seqlens=cu)
     bwd = burst_hpc.schedule_work(seqlen, ranks, causal=True, cu_seqlens=cu, direction="backward")
     assert fwd.sum() == bwd.sum() and ratio(bwd) <= 1.10
-    plain = burst_hpc.schedule_work(seqlen, ranks, layout="contiguous")
+    plain = burst_hpc.schedule_work(seqlen, ranks, layout=burst_hpc.make_layout("contiguous", seqlen, ranks))
     assert plain.shape == (ranks, ranks) and (plain == (seqlen // ranks) ** 2).all()
 
 
 def test_schedule_work_refuses_bad_arguments():
-    with pytest.raises(LayoutError, match="multiple of 16"):
-        burst_hpc.schedule_work(100, 8, causal=True, layout="zigzag")
+    with pytest.raises(LayoutError, match="balanced layout: it must be a multiple of 8"):
+        burst_hpc.schedule_work(100, 8, causal=True)
+    with pytest.raises(LayoutError, match="of 64 tokens over 8 ranks; the call's sequence is 128"):
+        burst_hpc.schedule_work(128, 8, layout=burst_hpc.make_layout("zigzag", 64, 8))
+    with pytest.raises(LayoutError, match="layout must be a Layout"):
+        burst_hpc.schedule_work(64, 8, layout="zigzag")
     with pytest.raises(MaskError, match="cu_seqlens"):
         burst_hpc.schedule_work(64, 8, cu_seqlens=[0, 10])
     with pytest.raises(burst_hpc.BurstError, match="direction"):
@@ -79,9 +84,9 @@ def test_schedule_work_counts_the_schedules_visits(layout, causal):
     cu = document_set("capped", seqlen, 3)
     for window in (None, (30, 5)):
         mask = masks.make(seqlen, causal, window, cu)
-        work = burst_hpc.schedule_work(seqlen, size, causal=causal, window=window, cu_seqlens=cu, layout=layout,
-                                       direction="backward")
         placed = make_layout(layout, seqlen, size)
+        work = burst_hpc.schedule_work(seqlen, size, causal=causal, window=window, cu_seqlens=cu, layout=placed,
+                                       direction="backward")
         for r in range(size):
             plan = steps(placed, r, "kv", ("kv", "q"), mask)
             assert len(plan) == len(work)

@@ -10,6 +10,7 @@ from mpi4py import MPI
 import burst_hpc
 from burst_hpc.plan import callplan
 from burst_hpc.plan.decomposition import Request
+from burst_hpc.plan.layout import make_layout
 from burst_hpc.errors import BurstError, DTypeError, MaskError, ShapeError
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from call_counts import ONCE_PER_PLAN, counted
@@ -270,7 +271,8 @@ def test_a_call_key_is_its_decompositions_key():
     """The key a call is looked up by is the key of the Decomposition planned for it (one home for what
     identifies a plan), and the cache keeps that Decomposition, with the plan bound to it."""
     q, k, v, _ = inputs()
-    call = callplan.checked_call(1, q, k, v, True, None, "balanced", "auto", cu_seqlens=CU, window=(3, 0))
+    balanced = make_layout("balanced", q.shape[1], 1)
+    call = callplan.checked_call(1, q, k, v, True, None, balanced, "auto", cu_seqlens=CU, window=(3, 0))
     plan = callplan.plan_call(MPI.COMM_SELF, q, call)
     assert plan.decomposition.key == call.key(MPI.COMM_SELF)
     (kept, digest), = callplan.PLANS.kept.values()

@@ -18,6 +18,7 @@ from burst_hpc.engine import passes
 from burst_hpc.job import report
 from burst_hpc.backends.numpy_backend import NumpyBackend
 from burst_hpc.plan.callplan import Backward, checked_call, plan_arrays
+from burst_hpc.plan.layout import make_layout
 from burst_hpc.job.run import RunOptions, run
 from burst_hpc.job.progress import PassMeter, Progress
 from burst_hpc.plan.schedule import BlockPair
@@ -181,7 +182,7 @@ def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous", dtype=np.f
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, seqlen, heads, d)).astype(dtype)
     k, v, do = (rng.standard_normal(q.shape).astype(dtype) for _ in range(3))
-    plan = plan_arrays(MPI.COMM_SELF, q, checked_call(1, q, k, v, causal, None, layout, "auto",
+    plan = plan_arrays(MPI.COMM_SELF, q, checked_call(1, q, k, v, causal, None, make_layout(layout, seqlen, 1), "auto",
                                                       backward=Backward(do, ring="kv")))
     plan.backend = backend
     return plan, q, k, v, do

@@ -13,6 +13,7 @@ from mpi4py import MPI  # noqa: E402
 
 from burst_hpc.backends.cuda import CudaBackend, default_family  # noqa: E402
 from burst_hpc.plan.callplan import Backward, checked_call, plan_arrays  # noqa: E402
+from burst_hpc.plan.layout import as_layout  # noqa: E402
 from burst_hpc.job.progress import PassMeter, Progress  # noqa: E402
 
 
@@ -21,7 +22,8 @@ def _plan(seqlen, causal, layout, window=None, heads=8, kv_heads=2, d=128):
     q = cupy.asarray(rng.standard_normal((1, seqlen, heads, d)), dtype=cupy.float16)
     k, v = (cupy.asarray(rng.standard_normal((1, seqlen, kv_heads, d)), dtype=cupy.float16) for _ in range(2))
     do = cupy.asarray(rng.standard_normal(q.shape), dtype=cupy.float16)
-    plan = plan_arrays(MPI.COMM_SELF, q, checked_call(1, q, k, v, causal, None, layout, "auto", backward=Backward(do),
+    placed = as_layout(layout, seqlen, 1, causal=causal, cu_seqlens=None, window=window)
+    plan = plan_arrays(MPI.COMM_SELF, q, checked_call(1, q, k, v, causal, None, placed, "auto", backward=Backward(do),
                                                       window=window))
     plan.backend = CudaBackend(default_family())  # its own modules: nothing loaded yet
     return plan, q, k, v, do

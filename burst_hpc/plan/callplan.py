@@ -2,8 +2,8 @@
 transport and backward ring, decided once from shapes and agreed by every rank in one collective) bound to
 the arrays' backend (decomposition.CallPlan: the block kernels, prepared for the call's passes, and the
 passes that run it). ``checked_call`` is the library calls' way in: it checks the arrays and arguments
-on this rank into a Call (the Decomposition's Request, or the error; a layout's name stays a name,
-made into a Layout by the Decomposition); ``plan_arrays`` builds the Decomposition of the Call, the
+on this rank into a Call (the Decomposition's Request, or the error; its layout a Layout, made of a
+name by the caller, or None for the default); ``plan_arrays`` builds the Decomposition of the Call, the
 checks' verdict agreed in the same collective (ranks that pass different arguments get one
 RankMismatchError naming it, never a hang), and binds it.
 
@@ -22,7 +22,7 @@ from ..collective import same_everywhere
 from ..device import array_device
 from ..errors import ShapeError
 from .decomposition import Decomposition, Request, as_burst_error, binding
-from .layout import Layout, check_kind
+from .layout import check_layout
 from ..validate import check_like, check_qkv, check_same_kind
 
 
@@ -70,10 +70,12 @@ class Call:
 
 
 def checked_call(size, q, k, v, causal, scale, layout, transport, backward=None, cu_seqlens=None, window=None,
-                 scheme="auto", ranks_per_node=None):
+                 scheme="auto", ranks_per_node=None, error=None):
     """The Call of a library call on this rank's shards q, k, v over ``size`` ranks (burst_attention's
-    arguments); ``backward``: a Backward for the backward pass, its arrays checked too; None: the forward
-    pass alone. Never raises: a bad argument is the Call's error, raised on every rank by its plan."""
+    arguments, ``layout`` a Layout or None for the default: a name is made into a Layout before);
+    ``backward``: a Backward for the backward pass, its arrays checked too; None: the forward pass alone;
+    ``error``: what went wrong before (making the Layout of a name), raised after the arrays' checks.
+    Never raises: a bad argument is the Call's error, raised on every rank by its plan."""
     passes = ("fwd",) if backward is None else backward.passes
     try:
         arrays = {"q": q, "k": k, "v": v}
@@ -83,8 +85,10 @@ def checked_call(size, q, k, v, causal, scale, layout, transport, backward=None,
         b, sq, sk, hq, hkv, d = check_qkv(q, k, v)
         if sq != sk:
             raise ShapeError(f"q and k shards must hold the same tokens; got {sq} and {sk} per rank")
-        if layout is not None and not isinstance(layout, Layout):
-            check_kind(layout)   # a call's shards are cut already: no 'auto'
+        if error is not None:
+            raise error
+        if layout is not None:
+            check_layout(layout, sq * size, size)   # shards cut already: a Layout, no name (no 'auto')
         if backward is not None:
             check_like("do", backward.do, q.shape, q.dtype)
             if backward.o is not None:

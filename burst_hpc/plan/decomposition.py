@@ -91,14 +91,14 @@ class Request:
                    ranks_per_node_setting(ranks_per_node), backend, bool(backward), config.emulated_network())
 
     def signature(self):
-        """What every rank must pass alike, by name (document offsets apart: agree compares them by digest)."""
-        layout = self.layout.key if isinstance(self.layout, Layout) else self.layout
+        """What every rank must pass alike, by name (document offsets apart: agree compares them by digest);
+        a Layout as itself (equal by its pieces, named by its kind and sizes where ranks disagree)."""
         mask = {name: value for name, value in self.mask.arguments.items() if name != "cu_seqlens"}
         return {"seqlen": self.seqlen, "batch": self.batch, "heads": self.heads, "kv_heads": self.kv_heads,
                 "head_dim": self.head_dim, "dtype": dtype_name(self.dtype), **mask, "scale": self.scale,
-                "layout": layout, "scheme": self.scheme, "transport": self.transport, "backward_ring": self.backward_ring,
-                "ranks_per_node": self.ranks_per_node, "emulated network": self.network, "backend": self.backend,
-                "backward": self.backward}
+                "layout": self.layout, "scheme": self.scheme, "transport": self.transport,
+                "backward_ring": self.backward_ring, "ranks_per_node": self.ranks_per_node,
+                "emulated network": self.network, "backend": self.backend, "backward": self.backward}
 
     def agreement(self, call=None):
         """(signature, arrays): what every rank must pass alike, as collective.agree compares it: the
@@ -108,9 +108,11 @@ class Request:
 
     def key(self, comm, call=None):
         """The DecompositionKey of this request over ``comm`` (``call`` as :meth:`agreement` takes it): the
-        agreed signature, the mask's key (the document offsets by content) and the ranks."""
+        agreed signature, the mask's key (the document offsets by content), a Layout's key (its pieces: what
+        the digest is made of, the Layout's repr naming only its kind and sizes) and the ranks."""
         signature, _ = self.agreement(call)
-        return DecompositionKey((self.size, tuple(signature.items()), self.mask.key),
+        layout = self.layout.key if isinstance(self.layout, Layout) else None
+        return DecompositionKey((self.size, tuple(signature.items()), self.mask.key, layout),
                                 (id(comm), config.plan_settings()))
 
 

@@ -15,6 +15,7 @@ into a :class:`Layout` once, at the edge (:func:`make_layout`, :func:`as_layout`
 asks the object.
 """
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -214,6 +215,13 @@ def make_layout(kind, seqlen, size, mask=None):
     seqlen, size = int(seqlen), int(size)
     if size < 1:
         raise LayoutError(f"need at least one rank; got {size}")
+    return _layout(kind, seqlen, size, mask if kind == "chunks" and size > 1 else None)
+
+
+@lru_cache(maxsize=32)
+def _layout(kind, seqlen, size, mask):
+    """:func:`make_layout`'s Layout, kept: a call that names its layout makes it again on every call, and
+    the chunks layout places the tokens by the mask (placement.place) once."""
     parts = _parts(size, kind)
     if seqlen % parts:
         raise _split_error(seqlen, size, kind)
@@ -231,8 +239,8 @@ def _chunks(seqlen, size, mask):
     """The chunks layout of ``mask`` (placement.place)."""
     if mask is None or mask.seqlen != seqlen:
         raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal, cu_seqlens and "
-                          "window (as burst_attention takes them), or shard by the Layout burst_hpc.choose_layout "
-                          "returns")
+                          "window with it (as burst_attention takes them, None where the call has none), or shard "
+                          "by the Layout burst_hpc.choose_layout or make_layout returns")
     from .placement import place
 
     found = place(mask, size)
@@ -247,19 +255,15 @@ class _Unsaid:
 UNSAID = _Unsaid()   # a mask argument the caller did not pass (None is a value: no documents, no window)
 
 
-def _named(layout, seqlen, size, causal, cu_seqlens, window):
-    """``layout`` as a Layout, a name placed by the mask given (only the chunks layout reads it, and
-    needs the call's whole mask said - causal, cu_seqlens and window, None where the call has none:
-    shards placed by another mask than the call's would be wrong, silently)."""
-    if layout != "chunks":
-        return as_layout(layout, seqlen, size)
+def _said_mask(seqlen, causal, cu_seqlens, window):
+    """The masks.Mask of a call's causal, cu_seqlens and window (as burst_attention takes them), or None
+    unless all three are said (None where the call has none): the chunks layout is placed by the whole
+    mask only, since shards placed by another mask than the call's would be wrong, silently."""
     if causal is None or cu_seqlens is UNSAID or window is UNSAID:
-        raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal, cu_seqlens and "
-                          "window with it (None where the call has none), or shard by the Layout "
-                          "burst_hpc.choose_layout or make_layout returns")
+        return None
     from . import masks
 
-    return as_layout(layout, seqlen, size, masks.make(seqlen, causal, window, cu_seqlens))
+    return masks.make(seqlen, causal, window, cu_seqlens)
 
 
 def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS):
@@ -274,10 +278,14 @@ def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS):
     return out
 
 
-def as_layout(layout, seqlen, size, mask=None):
+def as_layout(layout, seqlen, size, mask=None, *, causal=None, cu_seqlens=UNSAID, window=UNSAID):
     """``layout`` (a Layout or a kind's name) as the Layout of ``seqlen`` tokens over ``size`` ranks:
-    a name made into one here, a Layout checked to be of these sizes (:func:`check_layout`)."""
+    a name made into one here, a Layout checked to be of these sizes (:func:`check_layout`). The name
+    'chunks' is placed by ``mask`` (a masks.Mask), else by the mask of ``causal``, ``cu_seqlens`` and
+    ``window`` when all three are said (None where the call has none); the other layouts read neither."""
     if isinstance(layout, str):
+        if mask is None and layout == "chunks":
+            mask = _said_mask(seqlen, causal, cu_seqlens, window)
         return make_layout(layout, seqlen, size, mask)
     if not isinstance(layout, Layout):
         raise LayoutError(f"layout must be a Layout or one of {', '.join(LAYOUTS)}; got {layout!r}")
@@ -318,7 +326,7 @@ def layout_indices(seqlen, rank, size, layout, *, causal=None, cu_seqlens=UNSAID
     LayoutError
         ``seqlen`` does not split over ``size`` ranks in ``layout``.
     """
-    return _named(layout, seqlen, size, causal, cu_seqlens, window).indices(rank)
+    return as_layout(layout, seqlen, size, causal=causal, cu_seqlens=cu_seqlens, window=window).indices(rank)
 
 
 def shard(x, rank, size, layout, axis=1, *, causal=None, cu_seqlens=UNSAID, window=UNSAID):
@@ -349,7 +357,8 @@ def shard(x, rank, size, layout, axis=1, *, causal=None, cu_seqlens=UNSAID, wind
     >>> mine = burst_hpc.shard(q, comm.rank, comm.size, "zigzag")
     """
     axis = normalize_axis(axis, x.ndim)
-    return _named(layout, x.shape[axis], size, causal, cu_seqlens, window).shard(x, rank, axis)
+    placed = as_layout(layout, x.shape[axis], size, causal=causal, cu_seqlens=cu_seqlens, window=window)
+    return placed.shard(x, rank, axis)
 
 
 def unshard(shards, layout, axis=1, *, causal=None, cu_seqlens=UNSAID, window=UNSAID):
@@ -376,7 +385,8 @@ def unshard(shards, layout, axis=1, *, causal=None, cu_seqlens=UNSAID, window=UN
         raise LayoutError("unshard needs the shard of at least one rank; got none")
     axis = normalize_axis(axis, shards[0].ndim)
     seqlen = shards[0].shape[axis] * len(shards)
-    return _named(layout, seqlen, len(shards), causal, cu_seqlens, window).unshard(shards, axis)
+    placed = as_layout(layout, seqlen, len(shards), causal=causal, cu_seqlens=cu_seqlens, window=window)
+    return placed.unshard(shards, axis)
 
 
 def relayout(x, source, target, transport, axis=1):

@@ -16,11 +16,10 @@ The chunk length is the plan's: the fewest chunks per rank (CHUNKS_PER_RANK, mul
 kernels' tile, TILE tokens, where the shard allows) whose critical area is within TOLERANCE of the
 mean, else the best balanced of them: fewer chunks are fewer runs, kernel launches and messages.
 
-Everything is a pure function of (mask, ranks), cached: every rank computes the same placement
-from the agreed arguments.
+Everything is a pure function of (mask, ranks): every rank computes the same placement from the
+agreed arguments (kept with its Layout: layout.make_layout).
 """
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -58,7 +57,6 @@ class Placement:
         return max(self.area) / mean if mean else 1.0
 
 
-@lru_cache(maxsize=16)
 def place(mask, size):
     """The Placement of ``mask`` (the call's masks.Mask, of any kind) over ``size`` ranks;
     ``mask.seqlen`` must be a multiple of ``size``."""

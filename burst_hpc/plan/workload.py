@@ -9,15 +9,14 @@ import numpy as np
 
 from . import masks, schedule, workplan
 from ..errors import BurstError, MaskError
-from .layout import as_layout
+from .layout import check_layout, make_layout
 from .schedule import balanced_by_schedule, double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
 
 # near side, returned sides: the forward, the backward's kv-ring and its q-ring
 DIRECTIONS = {"forward": ("kv", ("q",)), "backward": ("kv", ("kv", "q")), "backward-q": ("q", ("kv", "q"))}
 
 
-def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, layout="balanced",
-                  direction="forward"):
+def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, layout=None, direction="forward"):
     """The visible (query, key) pairs each rank computes at each step of the ring.
 
     Parameters
@@ -28,7 +27,9 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         Ranks of the ring.
     causal, window, cu_seqlens
         The mask whose visible pairs are counted, as burst_attention takes it.
-    layout : Layout or {'contiguous', 'zigzag', 'balanced', 'chunks'}
+    layout : Layout, optional
+        Whose tokens each rank holds (make_layout makes one of a name; the chunks layout of this
+        mask). Default: the balanced layout.
     direction : {'forward', 'backward', 'backward-q'}
         The forward ring, or the backward's kv-ring or q-ring.
 
@@ -43,7 +44,7 @@ def schedule_work(seqlen, size, *, causal=False, window=None, cu_seqlens=None, l
         A bad mask, or a length that does not split over ``size`` ranks in ``layout``.
     """
     mask = masks.make(seqlen, causal, window, cu_seqlens)
-    layout = as_layout(layout, seqlen, size, mask)
+    layout = make_layout("balanced", seqlen, size) if layout is None else check_layout(layout, seqlen, size)
     if direction not in DIRECTIONS:
         raise BurstError(f"direction must be one of {', '.join(DIRECTIONS)}; got {direction!r}")
     return work_of(layout, mask, direction).copy()
