@@ -179,3 +179,14 @@ def test_a_decomposition_in_the_chunks_layout_runs_the_gather_scheme(comm):
                                err_msg=f"seed {seed}")
     for got, want in zip(grads, attention_backward_reference(do, q, k, v, causal=True, cu_seqlens=cu)):
         np.testing.assert_allclose(got, d.shard(want), atol=2e-5, rtol=1e-4, err_msg=f"seed {seed}")
+
+
+def test_backward_ring_q_keeps_auto_off_the_gather(comm):
+    """The gather scheme's backward moves keys and values: with backward_ring='q' and the backward, 'auto' runs
+    the chunks layout on the ring and never picks a layout it would gather for; a forward alone does not ask."""
+    _, cu, *_ = draw(comm, "capped")
+    kw = dict(seqlen=LOCAL * comm.size, heads=4, kv_heads=2, head_dim=8, dtype="float64", causal=True, cu_seqlens=cu,
+              backward_ring="q")
+    assert burst_hpc.Decomposition(comm, layout="chunks", backward=True, **kw).scheme.name == "ring"
+    assert burst_hpc.Decomposition(comm, layout="chunks", backward=False, **kw).scheme.name == "gather"
+    assert burst_hpc.Decomposition(comm, layout="auto", backward=True, **kw).scheme.name != "gather"

@@ -147,12 +147,11 @@ def zigzag(pr, cl):
     return make_layout("zigzag", pr.seqlen, cl.ranks)
 
 
-def auto_schemes(layout, cl, pr):
-    """The schemes ``scheme='auto'`` chooses among in ``layout`` for the Problem ``pr`` (decisions.settled_scheme):
-    the chunks layout's gather (its flat ring where the gather would hold too much: gather.fits); else the
-    flat ring on one node, and on several the schemes across nodes too."""
+def auto_schemes(layout, cl, pr, backward_ring="auto"):
+    """The schemes 'auto' chooses among in ``layout`` for ``pr`` (decisions.settled_scheme): chunks: gather (the
+    ring where gather.fits says no or ``backward_ring`` is 'q'); else the ring, on several nodes the others too."""
     if layout.placed_by_mask:
-        return ("gather",) if gather.fits(pr, layout) else ("ring",)
+        return ("gather",) if backward_ring != "q" and gather.fits(pr, layout) else ("ring",)
     return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
 
 
@@ -339,15 +338,16 @@ def _pick(found, backward, margin):
     return picked
 
 
-def best(pr, cl, rates, layouts=None, scheme="auto", backward=True):
+def best(pr, cl, rates, layouts=None, scheme="auto", backward=True, backward_ring="auto"):
     """The fastest predicted (layout, scheme): each layout with its ``pick`` (or ``scheme`` when one is
     named), the least time among them; on a tie the call's default layout (zigzag when causal,
-    contiguous otherwise: one rank holds every layout alike). ``layouts`` as ``options`` takes them.
-    (Prediction, ``options``' output of the pairs priced.)"""
+    contiguous otherwise: one rank holds every layout alike). ``layouts`` as ``options`` takes them,
+    ``backward_ring`` as ``auto_schemes``. (Prediction, ``options``' output of the pairs priced.)"""
     layouts = layouts_for(pr.seqlen, cl.ranks, pr.mask) if layouts is None else layouts
     found = {}
     for kind, layout in layouts.items():
-        schemes = (scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str) else auto_schemes(layout, cl, pr)
+        schemes = ((scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str)
+                   else auto_schemes(layout, cl, pr, backward_ring if backward else "auto"))
         found.update(options(pr, cl, rates, {kind: layout}, schemes))
     picked = _pick(found, backward, MARGIN)
     if not picked:   # no layout splits the sequence, or the scheme named runs none that does
@@ -441,10 +441,10 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
     return fastest_layout(pr, size, rates or rates_for(backend), ranks_per_node, scheme, backward)
 
 
-def fastest_layout(pr, size, rates, ranks_per_node=None, scheme="auto", backward=True):
+def fastest_layout(pr, size, rates, ranks_per_node=None, scheme="auto", backward=True, backward_ring="auto"):
     """choose_layout's Layout for the problem ``pr`` (its mask made already) over ``size`` ranks."""
     per_node = size if ranks_per_node is None or ranks_per_node >= size else ranks_per_node
     if size % per_node:
         raise BurstError(f"{size} ranks do not fill nodes of {ranks_per_node}")
     cl = Cluster(size // per_node, per_node)
-    return best(pr, cl, rates, scheme=scheme, backward=backward)[0].layout
+    return best(pr, cl, rates, scheme=scheme, backward=backward, backward_ring=backward_ring)[0].layout

@@ -67,7 +67,8 @@ def settled_scheme(request, topo, layout, everyone):
     nodes, per_node = (1, layout.size) if topo is None else (topo.nodes, topo.per_node)
     problem = costmodel.Problem(request.batch, request.seqlen, request.heads, request.kv_heads, request.head_dim,
                                 request.dtype.itemsize, request.mask)
-    candidates = costmodel.auto_schemes(layout, costmodel.Cluster(nodes, per_node), problem)
+    candidates = costmodel.auto_schemes(layout, costmodel.Cluster(nodes, per_node), problem,
+                                        request.backward_ring if request.backward else "auto")
     if len(candidates) == 1:   # nothing to price: the chunks layout's gather, the flat ring on one node
         return candidates[0]
     cluster = costmodel.Cluster(topo.nodes, topo.per_node)

@@ -272,8 +272,8 @@ class Decomposition:
             self.layout = as_layout(default_kind(r.mask.causal) if r.layout is None or auto else r.layout, r.seqlen,
                                     self.size, r.mask)   # chunks: placed by it
         name = settled_scheme(r, self.topo, self.layout, everyone)
-        if name == "gather":
-            self.ring = gather_backward_ring(r.backward_ring)
+        if name == "gather":   # its backward moves keys and values; a forward alone never asks which
+            self.ring = gather_backward_ring(r.backward_ring if r.backward else "auto")
         else:
             self.ring = choose_backward_ring(r.backward_ring, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize,
                                              *(masks.ring_steps(r.mask, self.layout, queries_travel)
@@ -290,7 +290,7 @@ class Decomposition:
         per_node = topo.per_node if topo is not None and topo.nodes > 1 else None
         problem = Problem(r.batch, r.seqlen, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize, r.mask)
         return fastest_layout(problem, self.size, rates_for(r.backend, facts["device"], facts["fixed"]), per_node,
-                              r.scheme, r.backward)
+                              r.scheme, r.backward, r.backward_ring)
 
     def shard(self, x, axis=1):
         """This rank's shard of the global array ``x`` (NumPy or CuPy, the tokens along ``axis``)."""
