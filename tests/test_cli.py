@@ -213,7 +213,10 @@ def test_killed_run_leaves_no_output(tmp_path):
         deadline = time.time() + 60
         while not leftovers(tmp_path) and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
-        assert leftovers(tmp_path), "the temporary output never appeared"
+        if not leftovers(tmp_path):
+            ended = proc.poll() is not None
+            raise AssertionError(f"the temporary output never appeared (the run {'ended: ' + str(proc.returncode) if ended else 'still runs'})"
+                                 + (f"\n{proc.stderr.read().decode()[-3000:]}" if ended else ""))
         assert proc.poll() is None, "the run finished before it could be interrupted; make it larger"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)

@@ -183,6 +183,7 @@ class CudaBackend:
         self._widths = {direction: contract.native_widths(family, direction) for direction in ("fwd", "bwd")}
         self._dtype_codes = contract.header().dtypes
         self._wide = None
+        self._alone = {}   # what prepare(None, ...) made ready: this process alone
         # attn_delta's 16-byte path (delta): off until it has run on a GPU (compiled and tested on the host only)
         self.vector_delta = False
 
@@ -205,10 +206,10 @@ class CudaBackend:
         return padding.Padded(self, widths)
 
     def prepare(self, comm, dtype, head_dim, mask, directions):
-        """Collective on ``comm``: compile the kernels a call needs before its first launch, once per node
-        and per cache directory (compile.prepare): for inputs of ``dtype`` and ``head_dim``, those of the
-        passes ``directions`` ('fwd', 'bwd') with the full mask and the one of the call's masks.Mask
-        ``mask`` (contract.mask_mode: causal or interval) unless it is full."""
+        """Collective on ``comm`` (None: this process alone): compile the kernels a call needs before its
+        first launch, once per node and per cache directory (compile.prepare): for inputs of ``dtype`` and
+        ``head_dim``, those of the passes ``directions`` ('fwd', 'bwd') with the full mask and the one of
+        the call's masks.Mask ``mask`` (contract.mask_mode: causal or interval) unless it is full."""
         try:
             kind = launch.kernel_dtype(dtype)
         except BackendError:  # the call's first launch says so, as it would without this step
@@ -216,8 +217,9 @@ class CudaBackend:
         masks = ("full",) if mask.is_full else ("full", contract.mask_mode(True, mask))
         key = (kind, head_dim, masks, tuple(directions))
         # kept on the communicator: every rank of it made the same calls on it, so all skip together (a set
-        # made ready by a collective on another communicator may be so on some of these ranks only)
-        prepared = kept(comm).setdefault(("prepared", self.family), set())
+        # made ready by a collective on another communicator may be so on some of these ranks only); None:
+        # this process alone
+        prepared = (self._alone if comm is None else kept(comm)).setdefault(("prepared", self.family), set())
         if key in prepared:
             return {}
         result = self.modules.prepare(kernel_builds(self.family, (kind,), (head_dim,), masks, directions), comm)
