@@ -214,9 +214,9 @@ def test_killed_run_leaves_no_output(tmp_path):
         while not leftovers(tmp_path) and proc.poll() is None and time.time() < deadline:
             time.sleep(0.05)
         if not leftovers(tmp_path):
-            ended = proc.poll() is not None
-            raise AssertionError(f"the temporary output never appeared (the run {'ended: ' + str(proc.returncode) if ended else 'still runs'})"
-                                 + (f"\n{proc.stderr.read().decode()[-3000:]}" if ended else ""))
+            how = f"ended with {proc.returncode}:\n{proc.stderr.read().decode()[-3000:]}" if proc.poll() is not None \
+                else "still runs"
+            raise AssertionError(f"the temporary output never appeared; the run {how}")
         assert proc.poll() is None, "the run finished before it could be interrupted; make it larger"
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
