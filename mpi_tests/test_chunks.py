@@ -131,6 +131,8 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
 
 
 def test_gather_refuses_the_q_ring_on_every_rank(comm):
+    """scheme='gather' named with backward_ring='q' is refused alike on every rank ('auto' runs the ring then:
+    test_backward_ring_q_keeps_auto_off_the_gather)."""
     _, _, q, k, v, do = draw(comm, None)
 
     def mine(x):
@@ -138,8 +140,8 @@ def test_gather_refuses_the_q_ring_on_every_rank(comm):
 
     o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), comm=comm, causal=True, layout="chunks")
     raises_everywhere(comm, BurstError, lambda: burst_hpc.burst_attention_backward(
-        mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm, causal=True, layout="chunks", backward_ring="q"),
-        match="backward_ring='q' runs on the other schemes")
+        mine(do), mine(q), mine(k), mine(v), o, lse, comm=comm, causal=True, layout="chunks", scheme="gather",
+        backward_ring="q"), match="backward_ring='q' runs on the other schemes")
 
 
 def test_a_run_job_in_the_chunks_layout_writes_every_token_in_its_place(comm, tmp_path_factory):
