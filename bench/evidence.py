@@ -77,17 +77,8 @@ def queued(comm, fn, iters, warmup, xp=np, flush_bytes=256 * 10**6):
             fn()
             times.append(comm.allreduce(time.perf_counter() - t0, op=max_op()))
         return statistics.mean(times)
-    from cupy.cuda import nccl
-
-    from burst_hpc.transport.nccl import communicator
-
-    devices = communicator(comm)   # the ring's own NCCL communicator on these ranks, if it runs NCCL
-    cache = xp.empty(flush_bytes // 4, xp.int32)
+    barrier, flush = device_barrier(comm, xp, flush_bytes)
     stream = xp.cuda.get_current_stream()
-
-    def barrier():
-        devices.allReduce(cache.data.ptr, cache.data.ptr, cache.size, nccl.NCCL_INT32, nccl.NCCL_SUM, stream.ptr)
-
     fn()
     xp.cuda.Device().synchronize()
     for _ in range(warmup):
@@ -95,8 +86,7 @@ def queued(comm, fn, iters, warmup, xp=np, flush_bytes=256 * 10**6):
     barrier()
     events = []
     for _ in range(iters):
-        cache.fill(0)
-        barrier()
+        flush()
         start = stream.record()
         fn()
         events.append((start, stream.record()))
@@ -106,6 +96,28 @@ def queued(comm, fn, iters, warmup, xp=np, flush_bytes=256 * 10**6):
     slowest = np.empty_like(mine)
     comm.Allreduce(mine, slowest, op=max_op())
     return float(slowest.mean())
+
+
+def device_barrier(comm, xp, flush_bytes=256 * 10**6):
+    """(barrier, flush) on the current CuPy stream, as MagiAttention's benchmark queues them before each call:
+    ``barrier()`` all-reduces a ``flush_bytes`` buffer across the ranks (NCCL, the ring's own communicator on
+    these ranks), ``flush()`` zeroes it first (the L2 flush) and then waits likewise."""
+    from cupy.cuda import nccl
+
+    from burst_hpc.transport.nccl import communicator
+
+    devices = communicator(comm)
+    cache = xp.empty(flush_bytes // 4, xp.int32)
+    stream = xp.cuda.get_current_stream()
+
+    def barrier():
+        devices.allReduce(cache.data.ptr, cache.data.ptr, cache.size, nccl.NCCL_INT32, nccl.NCCL_SUM, stream.ptr)
+
+    def flush():
+        cache.fill(0)
+        barrier()
+
+    return barrier, flush
 
 
 def max_op():

@@ -23,6 +23,7 @@ from burst_hpc.plan import masks
 from burst_hpc.plan.layout import make_layout
 
 import bench_documents
+import evidence
 
 
 def main(argv=None):
@@ -41,11 +42,9 @@ def main(argv=None):
     args = ap.parse_args(argv)
 
     import cupy
-    from cupy.cuda import nccl
     from torch.profiler import ProfilerActivity, profile
 
     from burst_hpc.dtypes import parse_dtype
-    from burst_hpc.transport.nccl import communicator
 
     comm = MPI.COMM_WORLD
     P, r = comm.size, comm.rank
@@ -67,21 +66,14 @@ def main(argv=None):
         if args.pass_ != "fwd":
             burst_hpc.burst_attention_backward(mine["do"], mine["q"], mine["k"], mine["v"], out, stats, **kw)
 
-    devices = communicator(comm)
-    cache = cupy.empty(256 * 10**6 // 4, cupy.int32)
-    stream = cupy.cuda.get_current_stream()
-
-    def barrier():
-        devices.allReduce(cache.data.ptr, cache.data.ptr, cache.size, nccl.NCCL_INT32, nccl.NCCL_SUM, stream.ptr)
-
+    _, flush = evidence.device_barrier(comm, cupy)
     for _ in range(3):
         call()
     cupy.cuda.Device().synchronize()
     comm.Barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.calls):
-            cache.fill(0)
-            barrier()
+            flush()
             call()
         cupy.cuda.Device().synchronize()
     if r != args.rank:

@@ -7,7 +7,7 @@ the buffer, sends each other rank's runs home and adds the ones that come back i
 The passes take the modes RingPasses takes (passes.py): ``skip_compute`` (the exchanges alone),
 ``transport`` (in place of the plan's), ``on_step`` (called once, after the single step), ``meter``,
 ``clock`` and ``rehearse`` (the launch over the first REHEARSAL_KEYS query rows only)."""
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -66,8 +66,21 @@ class PackedPasses:
                 mine[:, at] += part
         return own
 
-    def work(self, rows):
-        return int((self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64).sum())
+    @contextmanager
+    def launch(self, rows, meter, clock):
+        """The pass's one block call inside ``meter``'s begin, done and end (its visible pairs: those of the
+        first ``rows`` query rows) and ``clock``."""
+        work = int((self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64).sum())
+        if meter is not None:
+            meter.begin(work)
+        try:
+            with clock() if clock is not None else nullcontext():
+                yield
+            if meter is not None:
+                meter.done(work)
+        finally:
+            if meter is not None:
+                meter.end()
 
     def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None, meter=None,
                 rehearse=False, inner=None, clock=None):
@@ -84,17 +97,9 @@ class PackedPasses:
         else:
             o, out = None, xp.empty(q.shape, q.dtype)
         if not skip_compute:
-            if meter is not None:
-                meter.begin(self.work(rows))
-            try:
-                with clock() if clock is not None else nullcontext():
-                    be.forward_block(q, kp, vp, o, lse, scale=d.scale, masked=True, q_start=0, k_start=0,
-                                     mask=self.mask, first=True, out=out)
-                if meter is not None:
-                    meter.done(self.work(rows))
-            finally:
-                if meter is not None:
-                    meter.end()
+            with self.launch(rows, meter, clock):
+                be.forward_block(q, kp, vp, o, lse, scale=d.scale, masked=True, q_start=0, k_start=0,
+                                 mask=self.mask, first=True, out=out)
         if on_step is not None:
             on_step(1, 1)
         return (o if out is None else out), lse.astype(xp.float32, copy=False)
@@ -116,18 +121,10 @@ class PackedPasses:
         dq_out = xp.empty(q.shape, q.dtype) if convert else None
         dkp, dvp = (xp.empty(x.shape, acc) for x in (kp, vp))
         if not skip_compute:
-            if meter is not None:
-                meter.begin(self.work(rows))
-            try:
-                with clock() if clock is not None else nullcontext():
-                    be.backward_block(q, kp, vp, do, lse, delta, dq, dkp, dvp, scale=d.scale, masked=True,
-                                      q_start=0, k_start=0, mask=self.mask, o=None if delta is not None else o,
-                                      first_q=True, first_kv=True, dq_out=dq_out)
-                if meter is not None:
-                    meter.done(self.work(rows))
-            finally:
-                if meter is not None:
-                    meter.end()
+            with self.launch(rows, meter, clock):
+                be.backward_block(q, kp, vp, do, lse, delta, dq, dkp, dvp, scale=d.scale, masked=True,
+                                  q_start=0, k_start=0, mask=self.mask, o=None if delta is not None else o,
+                                  first_q=True, first_kv=True, dq_out=dq_out)
         else:
             dkp.fill(0)
             dvp.fill(0)
