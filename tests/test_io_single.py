@@ -68,17 +68,17 @@ def test_plain_float64_matches_oracle(causal):
 def test_mismatch_exits_3_and_marks_the_output_failed(tmp_path, monkeypatch):
     """The CLI in-process on one rank, with a broken attention: exit 3, the output published (before
     verification) and marked verify = 'fail' with the errors; a good run marks it 'pass'."""
-    from burst_hpc.engine.passes import RingPasses
+    from burst_hpc.engine.packed import PackedPasses   # one rank: the packed passes
 
     src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
     io.generate(src, 1, 32, 2, 1, 8, np.float32, seed=0)
-    real = RingPasses.forward
+    real = PackedPasses.forward
 
     def broken(*args, **kwargs):
         o, lse = real(*args, **kwargs)
         return o + 1, lse
 
-    monkeypatch.setattr(RingPasses, "forward", broken)
+    monkeypatch.setattr(PackedPasses, "forward", broken)
     assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy"]) == EXIT_MISMATCH
     assert dst.exists() and not list(tmp_path.glob("*.tmp*"))
     marks = verify.recorded(dst)
@@ -87,6 +87,6 @@ def test_mismatch_exits_3_and_marks_the_output_failed(tmp_path, monkeypatch):
     data = io.read_global(src)
     o_ref, _ = attention_reference(data["q"], data["k"], data["v"], False)
     assert np.abs(io.read_global(dst)["o"] - (o_ref + 1)).max() < 1e-5  # the result as computed, kept
-    monkeypatch.setattr(RingPasses, "forward", real)
+    monkeypatch.setattr(PackedPasses, "forward", real)
     assert cli.main(["run", str(src), str(dst), "--verify", "--quiet", "--backend", "numpy", "--overwrite"]) == 0
     assert verify.recorded(dst)["verify"] == "pass"

@@ -37,6 +37,11 @@ def test_every_row_sees_one_interval_of_the_packed_keys(seed, kind):
             assert (where[slots] == -1).all()
             where[slots] = layout.indices(sender)[rows]
         assert (where >= 0).all() and (np.diff(where) > 0).all()   # every slot once, global order
+        own = layout.indices(r)
+        alone = not p.receives and np.array_equal(own, np.arange(own[0], own[0] + len(own)))
+        assert (p.start is not None) == alone
+        if alone:   # the buffer is the rank's own keys, at their places from start
+            assert p.start == own[0] and np.array_equal(where, own)
         queries = layout.indices(r)
         for row in range(len(queries)):
             visible = where[p.lo[row]:p.hi[row]]
@@ -54,4 +59,12 @@ def test_documents_on_one_rank_need_no_transfer():
     for r in range(size):
         p = packing(mask, layout, r)
         assert p.keys == 256 and not p.receives and not p.sends
-        assert np.array_equal(p.own, np.arange(256))
+        assert np.array_equal(p.own, np.arange(256)) and p.start == 256 * r
+
+
+def test_one_rank_holds_its_own_keys_as_they_are():
+    for mask in (masks.make(384, True, None, None), masks.make(384, False, None, None),
+                 masks.make(384, True, None, np.array([0, 100, 384]))):
+        for kind in ("contiguous", "zigzag", "chunks"):
+            p = packing(mask, make_layout(kind, 384, 1, mask), 0)
+            assert p.start == 0 and p.keys == 384 and not p.receives and not p.sends

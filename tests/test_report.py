@@ -178,29 +178,36 @@ def test_first_use_costs_go_to_the_setup_not_the_passes(tmp_path, monkeypatch, w
     assert f"setup {seconds['setup']:.3f}" in outcome.summary
 
 
-def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous", dtype=np.float32):
+def _plan(seqlen, causal, backend, heads=2, d=8, layout="contiguous", dtype=np.float32, scheme="auto"):
+    """A one-rank plan ('auto': the packed passes, one block call a pass; 'ring': the ring's)."""
     rng = np.random.default_rng(0)
     q = rng.standard_normal((1, seqlen, heads, d)).astype(dtype)
     k, v, do = (rng.standard_normal(q.shape).astype(dtype) for _ in range(3))
     plan = plan_arrays(MPI.COMM_SELF, q, checked_call(1, q, k, v, causal, None, make_layout(layout, seqlen, 1), "auto",
-                                                      backward=Backward(do, ring="kv")))
+                                                      backward=Backward(do, ring="kv"), scheme=scheme))
     plan.backend = backend
     return plan, q, k, v, do
 
 
-def test_rehearsal_runs_each_kind_of_pair_once_on_its_first_keys():
+@pytest.mark.parametrize("scheme", ["ring", "auto"])
+def test_rehearsal_runs_each_kind_of_pair_once_on_its_first_keys(scheme):
+    """The ring's rehearsal runs each kind of pair on its first keys; the packed passes' (one call a pass) the
+    call on its first query rows."""
     backend = FirstUseCosts()
     backend.PAUSE = 0
-    plan, q, k, v, do = _plan(1024, True, backend, layout="zigzag")
+    plan, q, k, v, do = _plan(1024, True, backend, layout="zigzag", scheme=scheme)
     o, lse = plan.passes.forward(q, k, v, rehearse=True)
     plan.passes.backward("kv", do, q, k, v, o, lse, rehearse=True)
     rehearsed = list(backend.calls)
     backend.calls.clear()
     o, lse = plan.passes.forward(q, k, v)
     plan.passes.backward("kv", do, q, k, v, o, lse)
-    assert rehearsed and all(keys <= passes.REHEARSAL_KEYS for _, _, keys in rehearsed)
-    assert {(d, rows) for d, rows, _ in rehearsed} == {(d, rows) for d, rows, _ in backend.calls}
+    cut, kept = (2, 1) if scheme == "ring" else (1, 2)   # (pass, rows, keys): what the rehearsal cuts and keeps
+    assert rehearsed and all(call[cut] <= passes.REHEARSAL_KEYS for call in rehearsed)
+    assert {(c[0], c[kept]) for c in rehearsed} == {(c[0], c[kept]) for c in backend.calls}
     assert len(rehearsed) <= len(backend.calls)
+    if scheme == "auto":
+        assert len(backend.calls) == 2 and all(c[1] == 1024 for c in backend.calls)
 
 
 @pytest.mark.parametrize("causal", [False, True])

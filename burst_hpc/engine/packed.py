@@ -11,7 +11,7 @@ from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
-from .passes import REHEARSAL_KEYS, lanes
+from .passes import PROGRESS_PARTS, REHEARSAL_KEYS, lanes
 from ..plan.masks import Packed
 from ..plan.packing import packing
 
@@ -23,7 +23,12 @@ class PackedPasses:
         d = plan.decomposition
         self.plan = plan
         self.packing = packing(d.mask, d.layout, d.rank)
-        self.mask = Packed(self.packing.lo, self.packing.hi, self.packing.keys, (d.mask.key, d.layout, d.rank))
+        if self.packing.start is None:
+            self.mask = Packed(self.packing.lo, self.packing.hi, self.packing.keys, (d.mask.key, d.layout, d.rank))
+            self.where = dict(masked=True, mask=self.mask, q_start=0, k_start=0)
+        else:   # the rank's own keys as they are: the call's mask from their place in the sequence
+            start = self.packing.start
+            self.where = dict(masked=not d.mask.is_full, mask=d.mask, q_start=start, k_start=start)
         self._index = {}
 
     def index(self, name, rows):
@@ -40,6 +45,10 @@ class PackedPasses:
         recvs = [(b, [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays])
                  for b, slots in p.receives]
         pending = transport.exchange(sends, recvs) if sends or recvs else None
+        if p.start is not None:   # nothing arrives: the buffer is the rank's own keys
+            if pending is not None:
+                pending.wait()
+            return arrays
         packed = [xp.empty((x.shape[0], p.keys) + x.shape[2:], x.dtype) for x in arrays]
         for buf, x in zip(packed, arrays):
             _put(buf, self.index("own", p.own), x)
@@ -66,21 +75,34 @@ class PackedPasses:
                 mine[:, at] += part
         return own
 
-    @contextmanager
-    def launch(self, rows, meter, clock):
-        """The pass's one block call inside ``meter``'s begin, done and end (its visible pairs: those of the
-        first ``rows`` query rows) and ``clock``."""
-        work = int((self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64).sum())
+    def spans(self, rows, meter):
+        """The (lo, hi) query rows of each block call of a pass over the first ``rows``: one call, or on the NumPy
+        backend under a meter PROGRESS_PARTS calls of whole tiles, so progress comes during the pass."""
+        be, step = self.plan.backend, rows
+        if meter is not None and be.name == "numpy" and rows > be.block_q:
+            step = be.block_q * -(-rows // (PROGRESS_PARTS * be.block_q))
+        return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)] or [(0, 0)]
+
+    def calls(self, rows, meter, clock):
+        """The block calls of ``spans`` as (lo, hi, first, last), each timed by ``clock`` and its visible pairs
+        told to ``meter`` (between its begin and end)."""
+        spans = self.spans(rows, meter)
+        work = (self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64)
         if meter is not None:
-            meter.begin(work)
+            meter.begin(int(work.sum()))
         try:
-            with clock() if clock is not None else nullcontext():
-                yield
-            if meter is not None:
-                meter.done(work)
+            for i, (lo, hi) in enumerate(spans):
+                with clock() if clock is not None else nullcontext():
+                    yield lo, hi, i == 0, i == len(spans) - 1
+                if meter is not None:
+                    meter.done(int(work[lo:hi].sum()))
         finally:
             if meter is not None:
                 meter.end()
+
+    def at(self, lo):
+        """The block call's mask arguments for the query rows from local row ``lo``."""
+        return dict(self.where, q_start=self.where["q_start"] + lo)
 
     def forward(self, q, k, v, skip_compute=False, transport=None, far=None, on_step=None, meter=None,
                 rehearse=False, inner=None, clock=None):
@@ -97,9 +119,9 @@ class PackedPasses:
         else:
             o, out = None, xp.empty(q.shape, q.dtype)
         if not skip_compute:
-            with self.launch(rows, meter, clock):
-                be.forward_block(q, kp, vp, o, lse, scale=d.scale, masked=True, q_start=0, k_start=0,
-                                 mask=self.mask, first=True, out=out)
+            for a, b, _, _ in self.calls(rows, meter, clock):
+                be.forward_block(q[:, a:b], kp, vp, None if o is None else o[:, a:b], lse[:, :, a:b], scale=d.scale,
+                                 first=True, out=None if out is None else out[:, a:b], **self.at(a))
         if on_step is not None:
             on_step(1, 1)
         return (o if out is None else out), lse.astype(xp.float32, copy=False)
@@ -119,22 +141,33 @@ class PackedPasses:
         convert = cast and q.dtype != acc
         dq = None if convert else xp.empty(q.shape, acc)
         dq_out = xp.empty(q.shape, q.dtype) if convert else None
-        dkp, dvp = (xp.empty(x.shape, acc) for x in (kp, vp))
+        # keys no other rank sees, in the buffer as they are: their gradients written once, in the inputs' dtype
+        alone = convert and self.packing.start is not None and not self.packing.sends and not skip_compute
+        one = alone and len(self.spans(rows, meter)) == 1   # one call: no float32 dK, dV at all
+        dkp, dvp = (None, None) if one else (xp.empty(x.shape, acc) for x in (kp, vp))
+        dk_out, dv_out = (xp.empty(x.shape, x.dtype) for x in (k, v)) if alone else (None, None)
         if not skip_compute:
-            with self.launch(rows, meter, clock):
-                be.backward_block(q, kp, vp, do, lse, delta, dq, dkp, dvp, scale=d.scale, masked=True,
-                                  q_start=0, k_start=0, mask=self.mask, o=None if delta is not None else o,
-                                  first_q=True, first_kv=True, dq_out=dq_out)
+            for a, b, first, last in self.calls(rows, meter, clock):
+                be.backward_block(q[:, a:b], kp, vp, do[:, a:b], lse[:, :, a:b], _rows(delta, a, b, 2),
+                                  _rows(dq, a, b), dkp, dvp, scale=d.scale, o=None if delta is not None else o[:, a:b],
+                                  first_q=True, first_kv=first, dq_out=_rows(dq_out, a, b),
+                                  dk_out=dk_out if last else None, dv_out=dv_out if last else None, **self.at(a))
         else:
             dkp.fill(0)
             dvp.fill(0)
-        dk, dv = self.home([dkp, dvp], near)
+        dk, dv = (dk_out, dv_out) if alone else self.home([dkp, dvp], near)
         if on_step is not None:
             on_step(1, 1)
         if not convert:
             return dq, dk, dv
+        if alone:
+            return dq_out, dk, dv
         return dq_out, dk.astype(k.dtype), dv.astype(v.dtype)
 
+
+def _rows(x, lo, hi, axis=1):
+    """Rows lo..hi of ``x`` along ``axis`` (None stays None)."""
+    return None if x is None else x[(slice(None),) * axis + (slice(lo, hi),)]
 
 
 def _words(x):

@@ -148,9 +148,9 @@ def zigzag(pr, cl):
 
 
 def auto_schemes(layout, cl, pr, backward_ring="auto"):
-    """The schemes 'auto' chooses among in ``layout`` for ``pr`` (decisions.settled_scheme): chunks: gather (the
-    ring where gather.fits says no or ``backward_ring`` is 'q'); else the ring, on several nodes the others too."""
-    if layout.placed_by_mask:
+    """The schemes 'auto' chooses among in ``layout`` for ``pr`` (decisions.settled_scheme): chunks or one rank:
+    gather (the ring where gather.fits says no or ``backward_ring`` is 'q'); else the ring, several nodes: all."""
+    if layout.placed_by_mask or layout.size == 1:
         return ("gather",) if backward_ring != "q" and gather.fits(pr, layout) else ("ring",)
     return ("ring", "double_ring", "ulysses_ring") if cl.nodes > 1 else ("ring",)
 

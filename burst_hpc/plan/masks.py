@@ -171,7 +171,7 @@ class Mask:
 class Packed(Mask):
     """One rank's queries against its packed keys (plan/packing.py, engine/packed.py): local query row i
     sees the keys at buffer positions lo[i] <= j < hi[i]. Positions are the buffer's and the rank's own
-    rows, not the sequence's, so only block calls at q_start = k_start = 0 read it. ``of``: what makes
+    rows, not the sequence's, so only block calls at k_start = 0 read it (q_start: a local row). ``of``: what makes
     the buffer (the call's mask, the layout and the rank), its identity in the caches."""
 
     def __init__(self, lo, hi, keys, of):

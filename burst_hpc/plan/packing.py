@@ -26,7 +26,9 @@ class Packing:
     local rows (int64, local order); ``receives``: (sender, slots) per rank whose keys arrive, the slots of
     the rows it sends, in the order it sends them; ``sends``: (receiver, local rows) per rank that sees
     some of this rank's keys, the rows in local order; ``lo``, ``hi``: each local query row's visible keys
-    as buffer positions [lo, hi) (int32)."""
+    as buffer positions [lo, hi) (int32); ``start``: where no keys arrive and the rank's own rows are one run of
+    the sequence (one rank; documents that do not cross ranks), that run's first global position: the buffer is
+    then the rank's own keys as they are, in the call's mask from ``start`` (else None)."""
     rank: int
     keys: int
     own: np.ndarray
@@ -34,6 +36,7 @@ class Packing:
     sends: tuple
     lo: np.ndarray
     hi: np.ndarray
+    start: int = None
 
 
 def _rows(runs):
@@ -56,5 +59,7 @@ def packing(mask, layout, rank):
         raise AssertionError("packed keys miss keys a query sees")   # gather.sight sends every seen unit
     receives = tuple((b, np.searchsorted(order, layout.indices(b)[rows])) for b, rows in arriving)
     sends = tuple((a, _rows(seen[a][rank])) for a in range(size) if a != rank and seen[a][rank])
+    first = int(own_global[0]) if len(own_global) else 0
+    alone = not arriving and np.array_equal(own_global, np.arange(first, first + len(own_global)))
     return Packing(rank, len(order), np.searchsorted(order, own_global), receives, sends,
-                   lo.astype(np.int32), hi.astype(np.int32))
+                   lo.astype(np.int32), hi.astype(np.int32), first if alone else None)

@@ -195,9 +195,9 @@ def _gather_account(mask, layout, returns, per_node):
         # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
         # the exchange home and its additions after it. The forward priced as one step (on NVLink its exchange
         # and placement cost about a step's fixed cost, 4 x H100), the backward as three (its K/V gather, the
-        # call, the partials home: each exposed)
+        # call, the partials home: each exposed); with nothing to move (one rank), each pass its one call
         total = work.sum(axis=0)
-        backward = "kv" in returns
+        backward = "kv" in returns and bool(moves)
         work, launches = (np.zeros((3 if backward else 1, layout.size), np.int64) for _ in range(2))
         work[int(backward)], launches[int(backward)] = total, total > 0
         moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
