@@ -152,8 +152,9 @@ kernels, connects the communicators and allocates their buffers, and --warmup)."
     p.add_argument("--scheme", choices=SCHEMES, default="auto",
                    help="how shards cross nodes: ring (flat), double_ring (inner ring per node, one transfer per "
                    "rank and inner round over the network), ulysses_ring (all-to-all over heads inside the node, "
-                   "ring between nodes); auto: ring on one node, else the cost model's pick ('burst-hpc plan' "
-                   "shows it) (default auto)")
+                   "ring between nodes), gather (each rank receives only the keys its queries see); auto: gather "
+                   "with --layout chunks (where it fits) and on one rank, else ring on one node, else the cost "
+                   "model's pick ('burst-hpc plan' shows it) (default auto)")
     p.add_argument("--ranks-per-node", type=positive_int, default=None, metavar="W",
                    help="treat every W ranks of a host as one node (emulation; default: detect, or "
                    "BURST_HPC_RANKS_PER_NODE)")

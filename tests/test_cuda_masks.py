@@ -86,6 +86,29 @@ def test_masked_attention_matches_oracle(case):
         assert _err(cupy.asnumpy(got), want) <= 3 * _err(base, want) + floor, f"{ctx} {name}"
 
 
+@pytest.mark.parametrize("case", CASES[:3] + CASES[7:9], ids=lambda c: f"S{c[0]}_d{c[3]}_docs{c[5]}_win{c[6]}")
+@pytest.mark.parametrize("layout", [None, "chunks"])
+def test_one_rank_of_the_distributed_call_is_the_single_device_call(case, layout):
+    """burst_attention on one rank (scheme 'auto': its one block call a pass) gives attention's forward bits, and
+    its gradients to the rounding of float32 atomics (dQ's order of addition varies from call to call)."""
+    from mpi4py import MPI
+
+    seqlen, hq, hkv, d, causal, count, window = case[:7]
+    rng = np.random.default_rng()
+    cu = documents(rng, seqlen, count) if count and count > 1 else None
+    kw = dict(causal=causal, window=window, cu_seqlens=cu)
+    q, k, v, do = (cupy.asarray(rng.standard_normal((1, seqlen, h, d)).astype(BF16)) for h in (hq, hkv, hkv, hq))
+    single = burst_hpc.attention(q, k, v, **kw)
+    single += burst_hpc.attention_backward(do, q, k, v, *single, **kw)
+    ours = burst_hpc.burst_attention(q, k, v, comm=MPI.COMM_SELF, layout=layout, **kw)
+    ours += burst_hpc.burst_attention_backward(do, q, k, v, *ours, comm=MPI.COMM_SELF, layout=layout, **kw)
+    for name, a, b in zip(("o", "lse"), ours, single):
+        assert a.dtype == b.dtype and bool((a == b).all()), name
+    for name, a, b in zip(("dq", "dk", "dv"), ours[2:], single[2:]):
+        a, b = (cupy.asnumpy(x).astype(np.float64) for x in (a, b))
+        assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max(), name   # a bf16 rounding step
+
+
 def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing():
     """A (query block, key block) pair cut from a packed windowed sequence, as the ring runs it:
     rows that see nothing keep o = 0, lse = -inf (no NaN); the rest match the oracle; gradients

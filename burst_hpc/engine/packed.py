@@ -29,6 +29,7 @@ class PackedPasses:
         else:   # the rank's own keys as they are: the call's mask from their place in the sequence
             start = self.packing.start
             self.where = dict(masked=not d.mask.is_full, mask=d.mask, q_start=start, k_start=start)
+        self.mask = self.where["mask"]   # what the block calls get
         self._index = {}
 
     def index(self, name, rows):
