@@ -61,8 +61,7 @@ def test_chunks_forward_and_backward_match_the_oracle(comm, docs, window, causal
 
 @pytest.mark.parametrize("per_node", [None, 1])
 def test_gather_runs_packed_on_one_node_and_stepped_across_nodes(comm, per_node, monkeypatch):
-    """One node: the gather scheme's passes are one block call each on packed keys (the forward of a rank that
-    receives keys: one on its own keys before it waits for the others, one on those); every rank a node of its
+    """One node: the gather scheme's passes are one block call each on packed keys; every rank a node of its
     own: the stepped schedule (ring passes), which hides the transfers under each rank's own work."""
     from burst_hpc.engine.packed import PackedPasses
 
@@ -74,34 +73,10 @@ def test_gather_runs_packed_on_one_node_and_stepped_across_nodes(comm, per_node,
     packed = per_node is None or comm.size == 1
     assert isinstance(plan.passes, PackedPasses) == packed
     if packed:
-        events = []
-        monkeypatch.setattr(plan.backend, "forward_block", lambda *a, **kw: events.append(("call", kw)))
-        post = plan.passes.post
-
-        def waits_told(arrays, transport):
-            pending, recvs = post(arrays, transport)
-            return (None if pending is None else Told(pending, events)), recvs
-
-        monkeypatch.setattr(plan.passes, "post", waits_told)
+        calls = []
+        monkeypatch.setattr(plan.backend, "forward_block", lambda *a, **kw: calls.append(kw))
         plan.passes.forward(*shards)
-        calls = [kw for what, kw in events if what == "call"]
-        if plan.passes.packing.receives:
-            assert [what for what, _ in events] == ["call", "wait", "call"]
-            assert calls[0]["first"] and calls[0].get("out") is None and not calls[1].get("first", False)
-            assert calls[0]["k_start"] == calls[1]["k_start"] == 0
-        else:
-            assert len(calls) == 1 and calls[0]["q_start"] == calls[0]["k_start"] and calls[0]["first"]
-
-
-class Told:
-    """A pending exchange that tells ``events`` when it is waited for."""
-
-    def __init__(self, pending, events):
-        self.pending, self.events = pending, events
-
-    def wait(self):
-        self.events.append(("wait", None))
-        return self.pending.wait()
+        assert len(calls) == 1 and calls[0]["q_start"] == calls[0]["k_start"] == 0 and calls[0]["first"]
 
 
 class Counting:

@@ -13,7 +13,7 @@ import numpy as np
 
 from .passes import PROGRESS_PARTS, REHEARSAL_KEYS, lanes
 from ..plan.masks import Packed
-from ..plan.packing import local_first, packing
+from ..plan.packing import packing
 
 
 class PackedPasses:
@@ -30,12 +30,6 @@ class PackedPasses:
             start = self.packing.start
             self.where = dict(masked=not d.mask.is_full, mask=d.mask, q_start=start, k_start=start)
         self.mask = self.where["mask"]   # what the block calls get
-        # the forward runs the rank's own keys while the others travel, then those (LocalFirst)
-        self.first = local_first(self.packing)
-        if self.first is not None:
-            of = (d.mask.key, d.layout, d.rank)
-            self.own_mask = Packed(self.first.own_lo, self.first.own_hi, self.packing.own.size, of + ("own",))
-            self.received_mask = Packed(self.first.lo, self.first.hi, self.first.keys, of + ("received",))
         self._index = {}
 
     def index(self, name, rows):
@@ -44,20 +38,14 @@ class PackedPasses:
             self._index[name] = self.plan.xp.asarray(rows)
         return self._index[name]
 
-    def post(self, arrays, transport):
-        """Post the exchange of ``arrays`` (this rank's K and V, contiguous): the runs other ranks' queries see
-        sent, the runs this rank's queries see received. (pending exchange or None, [(sender, buffers)])."""
-        xp, p = self.plan.xp, self.packing
-        sends = [(a, [_take(x, self.index(("send", a), rows)) for x in arrays]) for a, rows in p.sends]
-        recvs = [(b, [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays])
-                 for b, slots in p.receives]
-        return (transport.exchange(sends, recvs) if sends or recvs else None), recvs
-
     def gather(self, arrays, transport):
         """The packed buffers of ``arrays`` (this rank's K and V, contiguous): the runs other ranks' queries see
         posted first, own rows placed while they travel, then the runs this rank's queries see placed."""
         xp, p = self.plan.xp, self.packing
-        pending, recvs = self.post(arrays, transport)
+        sends = [(a, [_take(x, self.index(("send", a), rows)) for x in arrays]) for a, rows in p.sends]
+        recvs = [(b, [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays])
+                 for b, slots in p.receives]
+        pending = transport.exchange(sends, recvs) if sends or recvs else None
         if p.start is not None:   # nothing arrives: the buffer is the rank's own keys
             if pending is not None:
                 pending.wait()
@@ -71,16 +59,6 @@ class PackedPasses:
             for buf, got in zip(packed, bufs):
                 _put(buf, self.index(("recv", b), slots), got)
         return packed
-
-    def received(self, arrays, pending, recvs):
-        """The keys and values that arrive (``post``'s), laid end to end in global order (LocalFirst's buffer)."""
-        received = [self.plan.xp.empty((x.shape[0], self.first.keys) + x.shape[2:], x.dtype) for x in arrays]
-        if pending is not None:
-            pending.wait()
-        for (b, bufs), (_, at) in zip(recvs, self.first.receives):
-            for buf, got in zip(received, bufs):
-                _put(buf, self.index(("arrived", b), at), got)
-        return received
 
     def home(self, grads, transport):
         """This rank's own rows of the float32 buffers ``grads`` (dK, dV over the packed keys), with what the
@@ -106,28 +84,22 @@ class PackedPasses:
             step = be.block_q * -(-rows // (PROGRESS_PARTS * be.block_q))
         return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)] or [(0, 0)]
 
-    @contextmanager
-    def metered(self, rows, meter):
-        """A pass over the first ``rows`` query rows inside ``meter``'s begin (its visible pairs) and end."""
-        if meter is None:
-            yield
-            return
-        meter.begin(int((self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64).sum()))
-        try:
-            yield
-        finally:
-            meter.end()
-
-    def calls(self, rows, meter, clock, lo=None, hi=None):
+    def calls(self, rows, meter, clock):
         """The block calls of ``spans`` as (lo, hi, first, last), each timed by ``clock`` and its visible pairs
-        (between the keys ``lo``, ``hi`` of each row: the packing's if None) told to ``meter``."""
+        told to ``meter`` (between its begin and end)."""
         spans = self.spans(rows, meter)
-        lo, hi = (self.packing.lo, self.packing.hi) if lo is None else (lo, hi)
-        for i, (a, b) in enumerate(spans):
-            with clock() if clock is not None else nullcontext():
-                yield a, b, i == 0, i == len(spans) - 1
+        work = (self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64)
+        if meter is not None:
+            meter.begin(int(work.sum()))
+        try:
+            for i, (lo, hi) in enumerate(spans):
+                with clock() if clock is not None else nullcontext():
+                    yield lo, hi, i == 0, i == len(spans) - 1
+                if meter is not None:
+                    meter.done(int(work[lo:hi].sum()))
+        finally:
             if meter is not None:
-                meter.done(int((hi[a:b] - lo[a:b]).astype(np.int64).sum()))
+                meter.end()
 
     def at(self, lo):
         """The block call's mask arguments for the query rows from local row ``lo``."""
@@ -139,11 +111,7 @@ class PackedPasses:
         plan, d = self.plan, self.plan.decomposition
         xp, be = plan.xp, plan.backend
         near = lanes(plan, transport, far, inner)[0]
-        arrays = [xp.ascontiguousarray(k), xp.ascontiguousarray(v)]
-        if self.first is None:
-            kp, vp = self.gather(arrays, near)
-        else:
-            pending, recvs = self.post(arrays, near)
+        kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near)
         rows = min(q.shape[1], REHEARSAL_KEYS) if rehearse else q.shape[1]
         q = q[:, :rows]
         lse = xp.empty((q.shape[0], q.shape[2], rows), xp.float32 if q.dtype != plan.acc else plan.acc)
@@ -151,23 +119,10 @@ class PackedPasses:
             o, out = xp.empty(q.shape, plan.acc), None
         else:
             o, out = None, xp.empty(q.shape, q.dtype)
-        compute = not skip_compute
-        with self.metered(rows, meter):
-            if self.first is None:
-                for a, b, _, _ in self.calls(rows, meter, clock) if compute else ():
-                    be.forward_block(q[:, a:b], kp, vp, _rows(o, a, b), lse[:, :, a:b], scale=d.scale, first=True,
-                                     out=_rows(out, a, b), **self.at(a))
-            else:   # own keys while the others travel, then those, merged; the output written by that call
-                o = xp.empty(q.shape, plan.acc) if o is None else o
-                lf = self.first
-                for a, b, _, _ in self.calls(rows, meter, clock, lf.own_lo, lf.own_hi) if compute else ():
-                    be.forward_block(q[:, a:b], *arrays, o[:, a:b], lse[:, :, a:b], scale=d.scale, first=True,
-                                     masked=True, mask=self.own_mask, q_start=a, k_start=0)
-                kr, vr = self.received(arrays, pending, recvs)
-                for a, b, _, _ in self.calls(rows, meter, clock, lf.lo, lf.hi) if compute else ():
-                    be.forward_block(q[:, a:b], kr, vr, o[:, a:b], lse[:, :, a:b], scale=d.scale,
-                                     out=_rows(out, a, b), masked=True, mask=self.received_mask, q_start=a,
-                                     k_start=0)
+        if not skip_compute:
+            for a, b, _, _ in self.calls(rows, meter, clock):
+                be.forward_block(q[:, a:b], kp, vp, None if o is None else o[:, a:b], lse[:, :, a:b], scale=d.scale,
+                                 first=True, out=None if out is None else out[:, a:b], **self.at(a))
         if on_step is not None:
             on_step(1, 1)
         return (o if out is None else out), lse.astype(xp.float32, copy=False)
@@ -193,13 +148,11 @@ class PackedPasses:
         dkp, dvp = (None, None) if one else (xp.empty(x.shape, acc) for x in (kp, vp))
         dk_out, dv_out = (xp.empty(x.shape, x.dtype) for x in (k, v)) if alone else (None, None)
         if not skip_compute:
-            with self.metered(rows, meter):
-                for a, b, first, last in self.calls(rows, meter, clock):
-                    be.backward_block(q[:, a:b], kp, vp, do[:, a:b], lse[:, :, a:b], _rows(delta, a, b, 2),
-                                      _rows(dq, a, b), dkp, dvp, scale=d.scale,
-                                      o=None if delta is not None else o[:, a:b], first_q=True, first_kv=first,
-                                      dq_out=_rows(dq_out, a, b), dk_out=dk_out if last else None,
-                                      dv_out=dv_out if last else None, **self.at(a))
+            for a, b, first, last in self.calls(rows, meter, clock):
+                be.backward_block(q[:, a:b], kp, vp, do[:, a:b], lse[:, :, a:b], _rows(delta, a, b, 2),
+                                  _rows(dq, a, b), dkp, dvp, scale=d.scale, o=None if delta is not None else o[:, a:b],
+                                  first_q=True, first_kv=first, dq_out=_rows(dq_out, a, b),
+                                  dk_out=dk_out if last else None, dv_out=dv_out if last else None, **self.at(a))
         else:
             dkp.fill(0)
             dvp.fill(0)

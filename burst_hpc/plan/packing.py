@@ -63,32 +63,3 @@ def packing(mask, layout, rank):
     alone = not arriving and np.array_equal(own_global, np.arange(first, first + len(own_global)))
     return Packing(rank, len(order), np.searchsorted(order, own_global), receives, sends,
                    lo.astype(np.int32), hi.astype(np.int32), first if alone else None)
-
-
-@dataclass(frozen=True, eq=False)
-class LocalFirst:
-    """A rank's packed keys in two parts, for a forward that runs its own keys while the others travel: its own
-    keys as they are (local order is global order), then the keys it receives laid end to end in global order.
-    A row's visible keys are one interval of each part (a subset of a sorted buffer keeps intervals whole):
-    ``own_lo``, ``own_hi`` in local rows, ``lo``, ``hi`` in the received buffer of ``keys`` rows; ``receives``:
-    (sender, positions in that buffer) per rank whose keys arrive, in the order it sends them."""
-    own_lo: np.ndarray
-    own_hi: np.ndarray
-    lo: np.ndarray
-    hi: np.ndarray
-    keys: int
-    receives: tuple
-
-
-@lru_cache(maxsize=64)
-def local_first(p):
-    """The LocalFirst of Packing ``p``; None where nothing arrives or the rank's own keys are not in global
-    order in its shard (then one buffer, one call)."""
-    if not p.receives or np.any(np.diff(p.own) <= 0):
-        return None
-    others = np.setdiff1d(np.arange(p.keys), p.own)   # buffer slots of the keys that arrive, in order
-    where = [np.searchsorted(parts, p.lo) for parts in (p.own, others)]
-    until = [np.searchsorted(parts, p.hi) for parts in (p.own, others)]
-    return LocalFirst(where[0].astype(np.int32), until[0].astype(np.int32), where[1].astype(np.int32),
-                      until[1].astype(np.int32), len(others),
-                      tuple((b, np.searchsorted(others, slots)) for b, slots in p.receives))
