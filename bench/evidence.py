@@ -11,7 +11,6 @@ err_o, err_dq, err_dk, err_dv (max |ours - reference| over the whole sequence).
 import argparse
 import datetime
 import json
-import statistics
 import time
 
 import ml_dtypes
@@ -40,6 +39,18 @@ def problem_arguments(parser, tokens_per_rank=32768, dtype=True):
         parser.add_argument("--dtype", default="bf16")
 
 
+def marks(fn, iters, before, mark):
+    """(start, end) of each of ``iters`` calls of ``fn``, each after ``before()``; ``mark()`` a point in time (a
+    host clock reading, or a CUDA event recorded on the stream)."""
+    found = []
+    for _ in range(iters):
+        before()
+        start = mark()
+        fn()
+        found.append((start, mark()))
+    return found
+
+
 def timed(comm, fn, iters, warmup, xp=np):
     """Median seconds per call of ``fn`` over ``iters`` calls after ``warmup``, each between barriers
     (and, on the GPU, device synchronisations): the slowest rank's time."""
@@ -48,16 +59,13 @@ def timed(comm, fn, iters, warmup, xp=np):
             xp.cuda.Device().synchronize()
         comm.Barrier()
 
+    def synced():
+        fn()
+        sync()
+
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return float(np.median([b - a for a, b in marks(synced, iters, sync, time.perf_counter)]))
 
 
 def queued(comm, fn, iters, warmup, xp=np, flush_bytes=256 * 10**6):
@@ -70,13 +78,10 @@ def queued(comm, fn, iters, warmup, xp=np, flush_bytes=256 * 10**6):
     if xp is np:
         for _ in range(warmup):
             fn()
-        times = []
-        for _ in range(iters):
-            comm.Barrier()
-            t0 = time.perf_counter()
-            fn()
-            times.append(comm.allreduce(time.perf_counter() - t0, op=max_op()))
-        return statistics.mean(times)
+        mine = np.array([b - a for a, b in marks(fn, iters, comm.Barrier, time.perf_counter)])
+        slowest = np.empty_like(mine)
+        comm.Allreduce(mine, slowest, op=max_op())
+        return float(slowest.mean())
     barrier, flush = device_barrier(comm, xp, flush_bytes)
     stream = xp.cuda.get_current_stream()
     fn()
@@ -84,12 +89,7 @@ def queued(comm, fn, iters, warmup, xp=np, flush_bytes=256 * 10**6):
     for _ in range(warmup):
         fn()
     barrier()
-    events = []
-    for _ in range(iters):
-        flush()
-        start = stream.record()
-        fn()
-        events.append((start, stream.record()))
+    events = marks(fn, iters, flush, stream.record)
     barrier()
     xp.cuda.Device().synchronize()
     mine = np.array([xp.cuda.get_elapsed_time(a, b) / 1e3 for a, b in events])

@@ -147,8 +147,9 @@ kernels, connects the communicators and allocates their buffers, and --warmup)."
                    "work)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
-                   "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else mpi when the MPI is "
-                   "CUDA-aware, else nccl, else staged ('burst-hpc info' shows the pick) (default auto)")
+                   "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else nccl with one GPU a "
+                   "rank, else mpi when the MPI is CUDA-aware, else staged ('burst-hpc info' shows the pick) "
+                   "(default auto)")
     p.add_argument("--scheme", choices=SCHEMES, default="auto",
                    help="how shards cross nodes: ring (flat), double_ring (inner ring per node, one transfer per "
                    "rank and inner round over the network), ulysses_ring (all-to-all over heads inside the node, "

@@ -4,7 +4,8 @@ import pytest
 from burst_hpc.plan.accounting import backward_ring_bytes
 from burst_hpc.plan.decisions import choose_backward_ring
 from burst_hpc.errors import TransportError
-from burst_hpc.transport import choose_transport, cuda_aware_mpi
+from burst_hpc import transport
+from burst_hpc.transport import choose_transport, cuda_aware_mpi, nccl_available
 
 
 def test_numpy_arrays_use_host():
@@ -31,7 +32,19 @@ def test_device_buffers_never_go_to_an_mpi_not_known_cuda_aware(monkeypatch):
 def test_user_can_declare_cuda_aware(monkeypatch):
     monkeypatch.setenv("BURST_HPC_CUDA_AWARE", "1")
     assert choose_transport("mpi", on_device=True) == "mpi"
+    assert choose_transport("auto", on_device=True) == ("nccl" if nccl_available() else "mpi")
+    assert choose_transport("auto", on_device=True, gpus_shared=True) == "mpi"   # NCCL refuses a shared GPU
+
+
+def test_auto_prefers_nccl_over_a_cuda_aware_mpi(monkeypatch):
+    """NCCL queues on the stream; MPI makes the host wait for it before each exchange (docs/DESIGN.md)."""
+    monkeypatch.setenv("BURST_HPC_CUDA_AWARE", "1")
+    monkeypatch.setattr(transport, "nccl_available", lambda: True)
+    assert choose_transport("auto", on_device=True) == "nccl"
+    monkeypatch.setattr(transport, "nccl_available", lambda: False)
     assert choose_transport("auto", on_device=True) == "mpi"
+    monkeypatch.setenv("BURST_HPC_CUDA_AWARE", "0")
+    assert choose_transport("auto", on_device=True) == "staged"
 
 
 def test_library_query_answers_without_override(monkeypatch):

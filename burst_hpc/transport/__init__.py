@@ -11,7 +11,10 @@ float16 need no MPI datatype.
 - mpi:    CuPy device buffers handed straight to a CUDA-aware MPI.
 - nccl:   cupy.cuda.nccl send/recv on a communication stream.
 - staged: device -> pinned host -> MPI -> pinned host -> device, in pipelined chunks.
-- auto:   host for NumPy; for CuPy mpi if the MPI is known to be CUDA-aware, else nccl, else staged.
+- auto:   host for NumPy; for CuPy nccl where it works (one GPU a rank), else mpi if the MPI is known to be
+          CUDA-aware, else staged. NCCL first: it queues on the GPU's stream, where MPI makes the host wait for
+          the stream before each exchange; short calls pay for that (docs/BENCHMARKS.md: the packed documents
+          at 8k tokens a GPU ran 1.6-1.8x faster forward over NCCL), long rings run alike over either.
 
 The protocol they share is transport.base.Transport.
 """
@@ -103,10 +106,10 @@ def choose_transport(name, on_device, gpus_shared=False):
     if name != "auto":
         return name
     aware, reason = cuda_aware_mpi()
-    if aware:
-        choice = "mpi"
-    elif nccl_available() and not gpus_shared:
+    if nccl_available() and not gpus_shared:
         choice = "nccl"
+    elif aware:
+        choice = "mpi"
     else:
         choice = "staged"
     log.info("transport auto -> %s (CUDA-aware MPI: %s)", choice, reason)
