@@ -2,6 +2,7 @@
 guarantee that nothing appears under the output's name unless the run finished."""
 import glob
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -16,6 +17,7 @@ import pytest
 import burst_hpc
 from burst_hpc import io
 from burst_hpc.dtypes import bfloat16
+from burst_hpc.plan import masks
 from burst_hpc.reference import attention_reference
 
 BIN = Path(sys.executable).parent
@@ -143,6 +145,24 @@ def test_packed_run_with_window_writes_and_verifies(tmp_path):
     assert np.abs(out["o"] - o_ref).max() < 1e-5
     with h5py.File(dst, "r") as f:
         assert f.attrs["window"] == "20,0" and f.attrs["documents"] == 6
+
+
+@needs_mpiexec
+def test_the_work_line_counts_what_each_rank_computes(tmp_path):
+    """The job's stage line gives each rank's share of the visible pairs as its scheme's schedule computes them:
+    the balanced schedule moves work off the ranks whose queries see most (their shards alone are uneven)."""
+    src, dst = tmp_path / "in.h5", tmp_path / "out.h5"
+    seqlen, cu = 256, np.array([0, 8, 256])   # rank 1 holds most of the visible pairs: its queries see both halves
+    write_input(src, **random_qkv(seqlen), cu_seqlens=cu)
+    shares = {}
+    for layout in ("contiguous", "balanced"):
+        r = mpirun(2, "run", src, dst, "--causal", "--backend", "numpy", "--layout", layout, "--progress",
+                   "--overwrite")
+        assert r.returncode == 0, r.stdout + r.stderr
+        shares[layout] = float(re.search(r"per-rank work max/mean ([\d.]+) \(ring\)", r.stderr).group(1))
+    work = masks.pair_work(masks.make(seqlen, True, None, cu), burst_hpc.make_layout("contiguous", seqlen, 2)).sum(1)
+    assert shares["contiguous"] == pytest.approx(work.max() / work.mean(), abs=1e-3) and shares["contiguous"] > 1.4
+    assert shares["balanced"] < 1.1   # its shards alone: the same as contiguous
 
 
 def write_input(path, **arrays):

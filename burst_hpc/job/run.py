@@ -178,10 +178,10 @@ def run(options, comm=None):
             dev = {name: xp.asarray(a) for name, a in shards.items()}
             del shards
         progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout.kind}, backend {backend}")
-        if mask.kind == "intervals":   # documents or a window: what they leave of the ring
-            work = masks.rank_work(mask, layout)
+        if mask.kind == "intervals":   # documents or a window: what they leave of the ring, each rank's share
+            work = d.work()
             progress(f"{mask}: ring steps {masks.ring_steps(mask, layout)} of {size}, "
-                     f"per-rank work max/mean {max(work) / (sum(work) / size):.3f}")
+                     f"per-rank work max/mean {max(work) / (sum(work) / size):.3f} ({d.scheme.name})")
 
         # bind the decomposition to the backend, set up its passes (and --verify's costs), run them
         with clock("setup"):

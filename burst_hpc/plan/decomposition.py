@@ -300,6 +300,15 @@ class Decomposition:
         """The global array from every rank's shard (``shards[r]`` from rank r)."""
         return self.layout.unshard(shards, axis)
 
+    def work(self):
+        """Visible (query, key) pairs each rank computes in a forward pass under its scheme's schedule (the
+        balanced schedule moves work off the ranks whose queries see most: workload.account)."""
+        from .workload import account
+
+        per_node = self.topo.per_node if self.topo is not None and self.topo.nodes > 1 else None
+        return tuple(int(x) for x in account(self.layout, self.request.mask, self.scheme.name, "forward",
+                                             per_node).work.sum(axis=0))
+
     def indices(self):
         """Global token indices of this rank's shard, in local order."""
         return self.layout.indices(self.rank)
