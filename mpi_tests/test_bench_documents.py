@@ -24,7 +24,7 @@ def test_rows_for_every_layout_pass_and_distribution(comm, tmp_path, timing):
     rows = [json.loads(line) for line in open(out) if line.startswith("{")]
     assert [(r["dist"], r["layout"]) for r in rows] == [("uniform", lay) for lay in LAYOUTS]
     # one rank: every layout's pass is one block call (the gather scheme's packed passes)
-    assert [r["scheme"] for r in rows] == ["gather"] * 4 if comm.size == 1 else ["ring", "ring", "ring", "gather"]
+    assert [r["scheme"] for r in rows] == (["gather"] * 4 if comm.size == 1 else ["ring", "ring", "ring", "gather"])
     for row in rows:
         assert row["P"] == comm.size and row["device"] == "CPU" and row["max_diff_vs_first"] < 1e-4
         assert row["timing"] == timing

@@ -178,10 +178,10 @@ def run(options, comm=None):
             dev = {name: xp.asarray(a) for name, a in shards.items()}
             del shards
         progress(f"read {options.input}: {spec.describe()}, {size} rank(s), layout {layout.kind}, backend {backend}")
-        if mask.kind == "intervals":   # documents or a window: what they leave of the ring, each rank's share
+        if mask.kind == "intervals" and progress.enabled:   # documents or a window: each rank's share of the work
             work = d.work()
-            progress(f"{mask}: ring steps {masks.ring_steps(mask, layout)} of {size}, "
-                     f"per-rank work max/mean {max(work) / (sum(work) / size):.3f} ({d.scheme.name})")
+            steps = "" if d.scheme.name == "gather" else f", ring steps {masks.ring_steps(mask, layout)} of {size}"
+            progress(f"{mask}: per-rank work max/mean {max(work) / (sum(work) / size):.3f} ({d.scheme.name}){steps}")
 
         # bind the decomposition to the backend, set up its passes (and --verify's costs), run them
         with clock("setup"):

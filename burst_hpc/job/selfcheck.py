@@ -248,6 +248,9 @@ def installation():
     lines.append(f"NCCL: {'available' if nccl_available() else 'not available'}")
     try:
         on_device = "none (no MPI)" if missing is not None else choose_transport("auto", on_device=True)
+        shared = None if missing is not None else choose_transport("auto", on_device=True, gpus_shared=True)
+        if shared is not None and shared != on_device:
+            on_device += f" ({shared} where ranks share a GPU)"
     except BurstError as e:
         on_device = f"none ({e})"
     lines.append(f"transport auto: NumPy arrays -> {choose_transport('auto', on_device=False)}; "

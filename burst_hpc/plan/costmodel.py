@@ -317,7 +317,7 @@ def options(pr, cl, rates, layouts=None, schemes=SCHEMES):
 def pick(pr, cl, rates, layout=None, backward=True, margin=MARGIN):
     """The scheme ``scheme='auto'`` runs in ``layout`` (a Layout, None: zigzag): the least predicted
     time (forward+backward, or the forward alone) among those that fit (``auto_schemes``); the flat
-    ring unless another beats it by more than ``margin``; one node: ring (the chunks layout: gather)."""
+    ring unless another beats it by more than ``margin``; one node: ring (the chunks layout, one rank: gather)."""
     layout = zigzag(pr, cl) if layout is None else layout
     found = options(pr, cl, rates, {layout.kind: layout}, auto_schemes(layout, cl, pr))
     picked = _pick(found, backward, margin)

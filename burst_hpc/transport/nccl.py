@@ -13,6 +13,7 @@ from cupy.cuda import nccl
 
 from ..collective import kept
 
+
 def communicator(comm):
     """The NCCL communicator of an MPI communicator on the current device, made once (collectively,
     bootstrapped over MPI) and shared by every user of that pair: the ring transport and anything
@@ -38,12 +39,17 @@ class NcclTransport:
     xp = cupy
 
     def __init__(self, comm):
-        self.rank, self.size = comm.rank, comm.size
-        self.nccl = communicator(comm)
+        self.rank, self.size, self.comm = comm.rank, comm.size, comm
+        # made at once (collectively); one rank alone makes it at its first transfer, which few calls have
+        self.nccl = communicator(comm) if comm.size > 1 else None
         self.stream = cupy.cuda.Stream(non_blocking=True)
 
     def exchange(self, sends, recvs):
         self.stream.wait_event(cupy.cuda.get_current_stream().record())
+        if self.nccl is None:
+            if not (sends or recvs):
+                return Pending(self.stream.record())
+            self.nccl = communicator(self.comm)
         nccl.groupStart()
         for peer, bufs in sends:
             for buf in bufs:
