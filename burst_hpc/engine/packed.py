@@ -79,7 +79,7 @@ class PackedPasses:
     def spans(self, rows, meter):
         """The (lo, hi) query rows of each block call of a pass over the first ``rows``: one call, or on the NumPy
         backend under a meter PROGRESS_PARTS calls of whole tiles, so progress comes during the pass."""
-        be, step = self.plan.backend, rows
+        be, step = self.plan.backend, max(1, rows)
         if meter is not None and be.name == "numpy" and rows > be.block_q:
             step = be.block_q * -(-rows // (PROGRESS_PARTS * be.block_q))
         return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)] or [(0, 0)]
