@@ -109,6 +109,21 @@ def test_one_rank_of_the_distributed_call_is_the_single_device_call(case, layout
         assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max(), name   # a bf16 rounding step
 
 
+@pytest.mark.parametrize("documents", [None, 9])
+def test_a_first_call_then_a_merging_last_call_make_one_call(documents):
+    """The block contract across two calls on the same rows: a `first` call without `out` on some keys, then a
+    merging call with `out` on the rest, give one call's o (to a bf16 step) and lse (the pair the packed
+    forward's own-keys-first trial made, whose gradients came out wrong on 4 GPUs: docs/BENCHMARKS.md)."""
+    from split_calls import case, split_forward
+
+    q, k, v, mask, in_first = case(np.random.default_rng(), 1000, documents, BF16)
+    out, lse = split_forward(get_backend(cupy.zeros(1)), cupy, q, k, v, mask, in_first)
+    single, single_lse = burst_hpc.attention(*(cupy.asarray(x) for x in (q, k, v)), **mask.arguments)
+    a, b = (cupy.asnumpy(x).astype(np.float64) for x in (out, single))
+    assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max() + 1e-3
+    np.testing.assert_allclose(cupy.asnumpy(lse), cupy.asnumpy(single_lse), rtol=1e-4, atol=1e-4)
+
+
 def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing():
     """A (query block, key block) pair cut from a packed windowed sequence, as the ring runs it:
     rows that see nothing keep o = 0, lse = -inf (no NaN); the rest match the oracle; gradients

@@ -68,3 +68,18 @@ def test_one_rank_holds_its_own_keys_as_they_are():
         for kind in ("contiguous", "zigzag", "chunks"):
             p = packing(mask, make_layout(kind, 384, 1, mask), 0)
             assert p.start == 0 and p.keys == 384 and not p.receives and not p.sends
+
+
+@pytest.mark.parametrize("documents", [None, 6])
+def test_a_first_call_then_a_merging_last_call_make_one_call(documents):
+    """The block contract across two calls (the NumPy backend; tests/test_cuda_masks.py asks the same of the
+    CUDA kernels): a `first` call without `out` on some keys, then a merging call with `out` on the rest."""
+    from burst_hpc import reference
+    from burst_hpc.backends.numpy_backend import NumpyBackend
+    from split_calls import case, split_forward
+
+    q, k, v, mask, in_first = case(np.random.default_rng(), 600, documents, np.float32)
+    out, lse = split_forward(NumpyBackend(64, 64), np, q, k, v, mask, in_first)
+    ref_o, ref_lse = reference.attention_reference(q, k, v, **mask.arguments)
+    np.testing.assert_allclose(out, ref_o, atol=2e-5)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
