@@ -24,8 +24,8 @@ class PackedPasses:
         self.plan = plan
         self.packing = packing(d.mask, d.layout, d.rank)
         if self.packing.start is None:
-            self.mask = Packed(self.packing.lo, self.packing.hi, self.packing.keys, (d.mask.key, d.layout, d.rank))
-            self.where = dict(masked=True, mask=self.mask, q_start=0, k_start=0)
+            packed = Packed(self.packing.lo, self.packing.hi, self.packing.keys, (d.mask.key, d.layout, d.rank))
+            self.where = dict(masked=True, mask=packed, q_start=0, k_start=0)
         else:   # the rank's own keys as they are: the call's mask from their place in the sequence
             start = self.packing.start
             self.where = dict(masked=not d.mask.is_full, mask=d.mask, q_start=start, k_start=start)
@@ -121,8 +121,8 @@ class PackedPasses:
             o, out = None, xp.empty(q.shape, q.dtype)
         if not skip_compute:
             for a, b, _, _ in self.calls(rows, meter, clock):
-                be.forward_block(q[:, a:b], kp, vp, None if o is None else o[:, a:b], lse[:, :, a:b], scale=d.scale,
-                                 first=True, out=None if out is None else out[:, a:b], **self.at(a))
+                be.forward_block(q[:, a:b], kp, vp, _rows(o, a, b), lse[:, :, a:b], scale=d.scale, first=True,
+                                 out=_rows(out, a, b), **self.at(a))
         if on_step is not None:
             on_step(1, 1)
         return (o if out is None else out), lse.astype(xp.float32, copy=False)
