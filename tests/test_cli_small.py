@@ -169,5 +169,5 @@ def test_progress_says_the_mask_in_words(tmp_path):
         longest = int(np.diff(f["cu_seqlens"][...]).max())
     r = mpirun(2, "run", src, dst, "--causal", "--window", "100", "--backend", "numpy", "--progress")
     assert r.returncode == 0, r.stdout + r.stderr
-    assert f"] causal, 3 documents (longest {longest} tokens), window (100, 0): ring steps " in r.stderr, r.stderr
+    assert f"] causal, 3 documents (longest {longest} tokens), window (100, 0): per-rank work " in r.stderr, r.stderr
     assert "Mask(" not in r.stderr, r.stderr
