@@ -19,11 +19,15 @@ from .collective import check_comm, one_fails_all, world
 from .device import array_device
 
 
-def attempt(make):
-    """(make(), None), or (None, the exception it raised): a step before a call's plan whose error the plan's
-    agreement raises on every rank (a rank raising alone would leave the others waiting in it)."""
+def named_layout(layout, q, comm, causal, cu_seqlens, window):
+    """(the Layout of ``layout``, a name or a Layout, over the call's sequence and ranks, None), or (None, the
+    error making it raised): an error the plan's agreement raises on every rank (a rank raising alone would
+    leave the others waiting in it). None stays None: the default."""
+    if layout is None:
+        return None, None
     try:
-        return make(), None
+        return as_layout(layout, q.shape[1] * comm.size, comm.size, causal=causal, cu_seqlens=cu_seqlens,
+                         window=window), None
     except Exception as e:  # noqa: BLE001  handed to checked_call, agreed in the plan's collective
         return None, e
 
@@ -103,8 +107,7 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         o, lse = burst_hpc.burst_attention(fast(q), fast(k), fast(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     comm = world() if comm is None else check_comm(comm)
-    layout, error = (None, None) if layout is None else attempt(lambda: as_layout(
-        layout, q.shape[1] * comm.size, comm.size, causal=causal, cu_seqlens=cu_seqlens, window=window))
+    layout, error = named_layout(layout, q, comm, causal, cu_seqlens, window)
     call = checked_call(comm.size, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
                         scheme=scheme, ranks_per_node=ranks_per_node, error=error)
     plan = plan_call(comm, q, call)
@@ -148,8 +151,7 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
         dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
     """
     comm = world() if comm is None else check_comm(comm)
-    layout, error = (None, None) if layout is None else attempt(lambda: as_layout(
-        layout, q.shape[1] * comm.size, comm.size, causal=causal, cu_seqlens=cu_seqlens, window=window))
+    layout, error = named_layout(layout, q, comm, causal, cu_seqlens, window)
     call = checked_call(comm.size, q, k, v, causal, scale, layout, transport,
                         backward=Backward(do, o, lse, backward_ring), cu_seqlens=cu_seqlens, window=window,
                         scheme=scheme, ranks_per_node=ranks_per_node, error=error)

@@ -58,7 +58,8 @@ def settled_transport(request, everyone):
 def settled_scheme(request, topo, layout, everyone):
     """The concrete scheme: the one named, or for 'auto' 'gather' for the chunks layout and on one rank
     (costmodel.auto_schemes), 'ring' on one node and otherwise the cost model's fastest of those that fit
-    (costmodel.pick), priced with each GPU model's rates: RankMismatchError where ranks on different GPU models would pick differently."""
+    (costmodel.pick), priced with each GPU model's rates: RankMismatchError where ranks on different GPU
+    models would pick differently."""
     from . import costmodel
     from .rates import rates_for
 
