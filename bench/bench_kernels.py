@@ -17,7 +17,7 @@ Ratios are to cuDNN, for the first family of --families (the default family of t
                                    [--no-torch] [--reps N] [--md out.md] [--write-docs]
     python3 bench/bench_kernels.py --masks [--families ...] [--md out.md]
     python3 bench/bench_kernels.py --fwd-shapes [--dims 64] [--seqs 4096,16384]
-    python3 bench/bench_kernels.py --bwd-order [--dims 128,64,256] [--seqs 16384] [--order-heads 1,32]
+    python3 bench/bench_kernels.py --bwd-order [--dims 128,64,256] [--seqs 16384]
 
 --masks: the masked rows instead (D = 128, S = 16k, causal): packed documents of 2k-8k tokens and a 4k
 sliding window against plain causal, TFLOP/s counted over the visible (query, key) pairs only; torch
@@ -27,8 +27,8 @@ memory-efficient kernel; the column says which ran).
 --fwd-shapes: the sm90 forward at each of its instantiated tile heights for D (default 64), forced, and the
 one the backend picks: the numbers behind D64_TWO_CONSUMER_RATE in burst_hpc/backends/cuda/sm90.py.
 
---bwd-order: the sm90 backward in each tile order, in one process (Sm90Kernels.longest_first off, on, and on
-with each --order-heads chunk forced; their samples interleaved), non-causal and causal, with torch cuDNN's
+--bwd-order: the sm90 backward in each CTA order, in one process (Sm90Kernels.heavy_first off and on: the
+order of masked rows; their samples interleaved), non-causal and causal, with torch cuDNN's
 backward beside it; then the masked rows (D = 128, S = 16k) in each order, TFLOP/s over visible pairs and the
 ratio to causal of the same order.
 
@@ -82,7 +82,6 @@ def parse_args():
     ap.add_argument("--masks", action="store_true", help="the masked rows (documents, window) instead")
     ap.add_argument("--fwd-shapes", action="store_true", help="the sm90 forward at each tile height")
     ap.add_argument("--bwd-order", action="store_true", help="the sm90 backward in each tile order")
-    ap.add_argument("--order-heads", default="", help="--bwd-order: head slots per chunk to force, comma-separated")
     ap.add_argument("--dims", default=None, help="comma-separated head dims (default 128,64)")
     ap.add_argument("--seqs", default=None, help="comma-separated sequence lengths (default 4096,16384,32768)")
     ap.add_argument("--families", default=None,
@@ -253,22 +252,21 @@ def forward_shapes(args, B=1, H=32):
 def backward_orders(args, torch, B=1, H=32):
     """TFLOP/s of the sm90 backward (zeroing, delta, backward_block) in each tile order, torch cuDNN's beside."""
     be = cuda.CudaBackend.instance(family="sm90")
-    orders = [("in order", False, None), ("longest first", True, None)]  # (name, longest_first, heads forced)
-    orders += [(f"longest first, {n} heads", True, int(n)) for n in args.order_heads.split(",") if n]
+    orders = [("in order", False), ("heavy first", True)]  # (name, Sm90Kernels.heavy_first)
 
-    default = be.kernels.longest_first, be.kernels.forced_order_heads
+    default = be.kernels.heavy_first
 
     def run_orders(flops, bwd):
         """{order: TFLOP/s}: the orders' samples interleaved (one of each per round), so clock and power drift
         over the run reach every order alike; the median of --reps rounds."""
-        samples = {name: [] for name, _, _ in orders}
+        samples = {name: [] for name, _ in orders}
         for rnd in range(args.reps + 2):
-            for name, on, heads in orders:
-                be.kernels.longest_first, be.kernels.forced_order_heads = on, heads
+            for name, on in orders:
+                be.kernels.heavy_first = on
                 t = cupy_sample(bwd)
                 if rnd >= 2:  # two warm-up rounds
                     samples[name].append(t)
-        be.kernels.longest_first, be.kernels.forced_order_heads = default
+        be.kernels.heavy_first = default
         return {name: 2.5 * flops / statistics.median(ts) / 1e9 for name, ts in samples.items()}
 
     for d in tuple(int(x) for x in (args.dims or "128").split(",")):

@@ -25,8 +25,8 @@
 // gives NaN: non-finite inputs propagate); keys past
 // the end are masked; causal masks are on global positions, and query tiles hidden from every key of the
 // CTA are skipped. Interval masks (IV: documents, sliding windows; docs/KERNELS.md "Masks"): local query
-// row r sees the keys at global positions [mlo[r], mhi[r]); the pre-pass attn_bwd_sm90_ranges gives each
-// CTA the query tiles that see any of its keys, and each tile's per-row key bounds (local) travel with
+// row r sees the keys at global positions [mlo[r], mhi[r]); the host gives each CTA the query tiles
+// that see any of its keys (`ranges`), and each tile's per-row key bounds (local) travel with
 // its lse rows, so only tiles on a band edge are masked.
 //
 // D = 256 (consumer_wide): dK and dV of 64 keys x 256 would be 256 accumulator registers per thread, so the
@@ -239,70 +239,17 @@ extern "C" __global__ void attn_bwd_sm90_to16(const float* x, i64 xsb, i64 xss, 
   }
 }
 
-// Interval masks: the query tiles [first, end) that see any key of each key block (both bounds never
-// decrease with the row, so two binary searches); ranges[2 kb], ranges[2 kb + 1].
-extern "C" __global__ void attn_bwd_sm90_ranges(const int* mlo, const int* mhi, i64 kofs, int Sq, int Sk, int BN_,
-                                                int BM_, int nkb, int* ranges) {
-  const int kb = blockIdx.x * blockDim.x + threadIdx.x;
-  if (kb >= nkb) return;
-  const i64 k_first = kofs + static_cast<i64>(kb) * BN_, k_last = kofs + min((kb + 1) * BN_, Sk) - 1;
-  int lo = 0, hi = Sq;  // the first row with mhi > k_first
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (static_cast<i64>(mhi[mid]) > k_first) hi = mid; else lo = mid + 1;
-  }
-  const int r_first = lo;
-  lo = r_first, hi = Sq;  // the first row with mlo > k_last
-  while (lo < hi) {
-    const int mid = (lo + hi) / 2;
-    if (static_cast<i64>(mlo[mid]) > k_last) hi = mid; else lo = mid + 1;
-  }
-  const int r_end = lo;
-  ranges[2 * kb] = r_first / BM_;
-  ranges[2 * kb + 1] = r_end > r_first ? (r_end + BM_ - 1) / BM_ : r_first / BM_;
-}
-
-// Interval masks, longest first: order[rank] = the key block with the rank-th most query tiles (ranges of
-// attn_bwd_sm90_ranges; ties in key block order). A rank by counting over every key block (nkb^2 compares through
-// shared memory: microseconds at the key blocks of a shard), so no host sync and no sort library.
-constexpr int kOrderThreads = 128;
-extern "C" __global__ void __launch_bounds__(kOrderThreads) attn_bwd_sm90_order(const int* ranges, int nkb,
-                                                                                int* order) {
-  __shared__ int s_tiles[kOrderThreads];
-  const int kb = blockIdx.x * kOrderThreads + threadIdx.x;
-  const int mine = kb < nkb ? ranges[2 * kb + 1] - ranges[2 * kb] : 0;
-  int rank = 0;
-  for (int j0 = 0; j0 < nkb; j0 += kOrderThreads) {
-    const int j = j0 + threadIdx.x;
-    __syncthreads();
-    s_tiles[threadIdx.x] = j < nkb ? ranges[2 * j + 1] - ranges[2 * j] : -1;
-    __syncthreads();
-    const int n = min(kOrderThreads, nkb - j0);
-    for (int i = 0; i < n; ++i) {
-      const int other = s_tiles[i];
-      rank += other > mine || (other == mine && j0 + i < kb);
-    }
-  }
-  if (kb < nkb) order[rank] = kb;
-}
-
-// The backward's tile order: which key block of which head slot (batch, kv head, split of the GQA group) a CTA
-// takes. The 1-D grid walks chunks of `chunk` head slots; inside a chunk the key blocks go slowest, by rank:
-// order[rank] (interval masks: attn_bwd_sm90_order, most query tiles first) or the rank itself (null order: key
-// block order, which is longest first under a causal mask: key block n sees the query tiles from n on). So the
-// heaviest key blocks of every slot of a chunk start first, and the last wave holds the light ones.
-// chunk = 1 and no order: head slot after head slot, key blocks in order.
+// The backward's CTA order: which key block of which head slot (batch, kv head, split of the GQA group) CTA lin
+// takes: order[lin] = slot * nkb + key block (the host's launch.key_block_order: pieces of key blocks that share
+// query rows, heaviest first, every head slot of a piece together), or with a null order lin itself: head slot
+// after head slot, key blocks in order.
 struct KeyBlockTile {
   int kb, b, hk, split;
 
-  __device__ static KeyBlockTile at(int lin, int nkb, int chunk, const int* order, int nsplit, int Hkv) {
-    const int slots = static_cast<int>(gridDim.x) / nkb;
-    const int first = lin / (chunk * nkb) * chunk;  // the chunk's first slot
-    const int rem = lin - first * nkb;
-    const int width = min(chunk, slots - first);
-    const int rank = rem / width, slot = first + rem % width;
-    const int bz = slot / nsplit;
-    return {order != nullptr ? order[rank] : rank, bz / Hkv, bz % Hkv, slot % nsplit};
+  __device__ static KeyBlockTile at(int lin, int nkb, const int* order, int nsplit, int Hkv) {
+    const int v = order != nullptr ? order[lin] : lin;
+    const int slot = v / nkb, bz = slot / nsplit;
+    return {v - slot * nkb, bz / Hkv, bz % Hkv, slot % nsplit};
   }
 };
 
@@ -852,7 +799,7 @@ __device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char*
   constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
   unsigned char* const at = smem_raw + (base - smem_u32(smem_raw));
   const int nkb = (args.Sk + BN - 1) / BN, nsplit = args.group / args.hpb;
-  const KeyBlockTile tile = KeyBlockTile::at(lin, nkb, args.chunk, args.order, nsplit, args.Hkv);
+  const KeyBlockTile tile = KeyBlockTile::at(lin, nkb, args.order, nsplit, args.Hkv);
   const int n0 = tile.kb * BN;
   int t_lo = 0, t_end = args.Sq_pad / BM;  // the query tiles this CTA walks
   if (CAUSAL) {  // query tiles in which no row sees key n0 or later are skipped
@@ -933,8 +880,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const Bwd90Params args) {
 // named attn_bwd_sm90_<dtype>_d<D>_<mask>; the kernel table attn_bwd_sm90_kernels lists them with their
 // geometry. The arguments (Bwd90Params, contract.cuh): tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32)
 // tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows (Sq_pad rows per head); ranges (interval
-// only): the query tiles of each key block from attn_bwd_sm90_ranges; chunk, order: the tile order
-// (KeyBlockTile) over the 1-D grid of key blocks x head slots; hpb: query heads per CTA; kv: KvOut
+// only): the query tiles [ranges[2 kb], ranges[2 kb + 1]) key block kb walks (the host's key_block_ranges);
+// order: null or the CTA order (KeyBlockTile) over the 1-D grid of key blocks x head slots; hpb: query heads per CTA; kv: KvOut
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
 BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)
 BH_KERNEL_TABLE(attn_bwd_sm90, BH_TABLE_ROWS(BH_BWD90_SHAPES, BH_BWD90_ROWS))

@@ -130,5 +130,5 @@ struct Bwd90Params : PairParams {
   const float* rows;
   const int *ranges, *order;
   KvOut kv;
-  int Sq_pad, hpb, chunk;
+  int Sq_pad, hpb;
 };

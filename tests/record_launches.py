@@ -194,7 +194,7 @@ def main():
         causal = masks.make(1024, True)
         prepared[family] = backend.prepare(None, np.dtype("bfloat16"), 128, causal, ("fwd", "bwd"))
         again[family] = backend.prepare(None, np.dtype("bfloat16"), 128, causal, ("fwd", "bwd"))
-        default_order = backend.kernels.longest_first if family == "sm90" else None
+        default_order = backend.kernels.heavy_first if family == "sm90" else None
         for d in HEAD_DIMS:
             for dtype in DTYPES:
                 for mode in MODES:
@@ -211,7 +211,7 @@ def main():
                         where = dict(scale=d ** -0.5, masked=mode != "full", mask=mask, q_start=sk - sq)
                         backend.kernels.forced_tile_height = rows
                         if family == "sm90":  # the forced-height runs take the other backward order: both recorded
-                            backend.kernels.longest_first = default_order ^ (rows is not None)
+                            backend.kernels.heavy_first = default_order ^ (rows is not None)
                         for direction, run in (("fwd", lambda: backend.forward_block(q, k, v, o, lse, **where)),
                                                ("bwd", lambda: backend.backward_block(q, k, v, do, lse, lse, *grads,
                                                                                       **where)),
@@ -225,7 +225,7 @@ def main():
                             calls.append({"call": [family, direction, d, dtype, mode, rows], "error": error,
                                           "launches": list(launches)})
                         backend.kernels.forced_tile_height = None
-                        backend.kernels.longest_first = default_order
+                        backend.kernels.heavy_first = default_order
     tables = {source: [list(kernel) for kernel in CudaBackend.instance(family).modules.table(source).kernels]
               for (family, _), source in contract.SOURCES.items()}
     tables[contract.DELTA_SOURCE] = [list(k) for k in CudaBackend.instance("sm80").modules.table(

@@ -74,7 +74,7 @@ def test_attention_kernels_are_the_tile_loops():
     for name in ("attn_fwd_sm90_bf16_d128_m2_docs", "attn_bwd_sm90_bf16_d128_docs", "attn_fwd_bf16_d128_docs",
                  "attn_bwd_bf16_d64_docs_k4x2"):
         assert is_attention_kernel(name), name
-    for name in ("attn_delta", "attn_bwd_sm90_rows", "attn_bwd_sm90_order", "attn_bwd_sm90_ranges",
+    for name in ("attn_delta", "attn_bwd_sm90_rows", "attn_bwd_sm90_to16",
                  "cupy_copy__float32_bfloat16", "Memset (Device)", "attn_fwd_prepare"):
         assert not is_attention_kernel(name), name
     kernels = {"attn_fwd_sm90_bf16_d128_m2_docs": 900.0, "attn_delta": 50.0, "Memset (Device)": 10.0}

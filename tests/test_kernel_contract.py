@@ -188,14 +188,14 @@ def test_kernel_args_fill_their_record_by_name_without_reading_the_header(monkey
     monkeypatch.setattr(contract, "cuda_dir", unread)  # per launch the host only fills (short pairs feel its time)
     q, k = _DeviceArray((2, 70, 8, 64), 0x1000), _DeviceArray((2, 90, 4, 64), 0x2000)
     dk, dv = _DeviceArray((2, 90, 4, 64), 0x3000), _DeviceArray((2, 90, 4, 64), 0x4000)
-    args = fill(q, k, scale=0.125, q_start=90, k_start=10, mask=None, hpb=2, chunk=3, order=None, tmaps=q,
+    args = fill(q, k, scale=0.125, q_start=90, k_start=10, mask=None, hpb=2, Sq_pad=128, order=None, tmaps=q,
                 kv=launch.array_fields(("dk", dk, "sb ss sh"), ("dv", dv, "")))
     assert args.shape == (1,) and args.dtype == record
     row = args[0]
-    assert [int(row[f]) for f in ("Sq", "Sk", "B", "Hq", "Hkv", "group", "off", "hpb", "chunk")] == [
-        70, 90, 2, 8, 4, 2, 80, 2, 3]
+    assert [int(row[f]) for f in ("Sq", "Sk", "B", "Hq", "Hkv", "group", "off", "hpb", "Sq_pad")] == [
+        70, 90, 2, 8, 4, 2, 80, 2, 128]
     assert row["scale"] == np.float32(0.125) and row["sl2"] == np.float32(0.125 * launch.LOG2E)
-    assert (row["tmaps"], row["order"], row["rows"], row["mlo"], row["Sq_pad"]) == (0x1000, 0, 0, 0, 0)
+    assert (row["tmaps"], row["order"], row["rows"], row["mlo"]) == (0x1000, 0, 0, 0)
     assert [int(row["kv"][f]) for f in ("dk", "dv", "sb", "ss", "sh")] == [0x3000, 0x4000, 90 * 4 * 64, 4 * 64, 64]
     with pytest.raises(BackendError, match="Bwd90Params have no field hbp"):
         fill(q, k, scale=1.0, q_start=0, k_start=0, mask=None, hbp=2)

@@ -227,3 +227,24 @@ def heavy_first_heads(key_blocks, head_slots):
     its heaviest blocks start first; about two waves of the GPU per chunk, so a chunk's Q, dO and dq stay few
     enough to share L2 while the light blocks of one chunk overlap the heavy ones of the next."""
     return min(head_slots, max(1, -(-2 * sm_count() // key_blocks)))
+
+
+def key_block_order(t_lo, t_end, slots):
+    """The sm90 backward's CTA order under an interval mask (its ``order`` argument, KeyBlockTile in
+    attn_bwd_sm90.cu): an int32 array over the 1-D grid whose entry i is slot * len(t_lo) + kb, the (head slot,
+    key block) CTA i runs; key block kb walks the query tiles [t_lo[kb], t_end[kb]).
+
+    Key blocks that walk to the same end tile (one document's) share their query rows: each such run goes as a
+    piece, heaviest piece first (query tiles summed), each piece as every head slot's key blocks in order. So the
+    long documents' walks start in the first waves and the last one holds short documents', while the CTAs that
+    read the same Q, dO and dq rows (one document of one head slot) run side by side and share them in L2."""
+    t_lo, t_end = np.asarray(t_lo, np.int64), np.asarray(t_end, np.int64)
+    nkb = len(t_lo)
+    kb = np.arange(nkb)
+    piece = np.concatenate(([0], np.cumsum(t_end[1:] != t_end[:-1])))
+    weight = np.bincount(piece, weights=np.maximum(t_end - t_lo, 0))
+    rank = np.empty(len(weight), np.int64)
+    rank[np.argsort(-weight, kind="stable")] = np.arange(len(weight))
+    kbs, ss = np.tile(kb, slots), np.repeat(np.arange(slots), nkb)
+    at = np.lexsort((kbs, ss, rank[piece][kbs]))
+    return (ss * nkb + kbs)[at].astype(np.int32)

@@ -20,7 +20,6 @@ SPLIT_PART_COST = 2
 MAX_KEY_SPLITS = 8
 _PREPASS_THREADS = 256  # the backward's row-table pre-pass and conversion (grid-stride loops: any block size)
 _PREPASS_BLOCKS = 16384  # at most this many blocks of them (each thread then takes several rows)
-_ORDER_THREADS = 128  # attn_bwd_sm90_order's block (its kOrderThreads)
 # the backward adds into dq, dk, dv in parts of 64 rows (a dQ part of 64 queries; a consumer's 64 keys of dK,
 # dV, at D = 256 its 128 head-dim columns of all 64): float32 boxes of 32 columns (128 bytes) x 64 rows
 _ACCUMULATOR_BOX_ROWS = 64
@@ -32,11 +31,9 @@ class Sm90Kernels:
     ``forced_tile_height``: None, or the forward tile height (query rows) to run instead of the one the
     schedule picks (bench_kernels.py --fwd-shapes, the tests of every tile height).
 
-    ``longest_first``: the backward's tile order under causal and interval masks. True: the key blocks that see
-    the most query tiles start first, over chunks of ``launch.heavy_first_heads`` head slots (interval masks:
-    ranked on the device by attn_bwd_sm90_order); False (the default: measured no faster, docs/KERNELS.md):
-    head slot after head slot, key blocks in order.
-    ``forced_order_heads``: None, or the head slots per chunk to use instead (bench_kernels.py --bwd-order).
+    ``heavy_first``: the backward's CTA order under interval masks. True (the default): one document's key
+    blocks at a time, the heaviest documents first (``launch.key_block_order``); False: head slot after head
+    slot, key blocks in order, the order of full and causal masks (bench_kernels.py --bwd-order times both).
     ``key_splits``: let the forward cut each query tile's key range across CTAs when its query tiles leave
     SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count.
     ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
@@ -55,8 +52,7 @@ class Sm90Kernels:
         self.forward_args = launch.KernelArgs(PARAMS["sm90", "fwd"])
         self.backward_args = launch.KernelArgs(PARAMS["sm90", "bwd"])
         self.forced_tile_height = None
-        self.longest_first = False
-        self.forced_order_heads = None
+        self.heavy_first = True
         self.key_splits = False
         self.forced_key_splits = None
         self.cross_tile = True
@@ -234,7 +230,7 @@ class Sm90Kernels:
         sq_pad = -(-sq // bm) * bm
         # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), delta computed
         # from do and o when not given, dq's rows zeroed at a first pair; then with a mask each row's visible key
-        # range; the ranges of query tiles per key block (attn_bwd_sm90_ranges)
+        # range; the query tiles each key block walks and the CTA order come from the host (_key_block_schedule)
         mlo, mhi, kofs = mask_args(mask if mode == "interval" else None, q_start, sq, k_start)
         rows = cupy.empty(2 * b * hq * sq_pad + (2 * sq_pad if mode == "interval" else 0), np.float32)
         prep = self.modules.kernel(BACKWARD, "attn_bwd_sm90_rows", 0)
@@ -248,19 +244,14 @@ class Sm90Kernels:
              (lse, delta_args[0], rows, *strides(lse), *delta_args[1:], np.int32(b), np.int32(hq), np.int32(sq),
               np.int32(sq_pad), mlo, mhi, kofs, np.int32(sk), np.int32(d), *rows_of, np.int32(kind == "bf16"),
               *zero_dq))
-        ranges = np.uint64(0)
-        if mode == "interval":
-            ranges = cupy.empty(2 * nkb, np.int32)
-            find = self.modules.kernel(BACKWARD, "attn_bwd_sm90_ranges", 0)
-            find((-(-nkb // 128),), (128,), (mlo, mhi, kofs, np.int32(sq), np.int32(sk), np.int32(bn), np.int32(bm),
-                                             np.int32(nkb), ranges))
         slots = nsplit * b * hkv
-        chunk, order = self.backward_order(mode, nkb, slots, ranges)
+        ranges, order = (_key_block_schedule(mask, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first)
+                         if mode == "interval" else (np.uint64(0), np.uint64(0)))
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
         args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
                                   mask=mask if mode == "interval" else None, tmaps=maps,
-                                  rows=rows, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, chunk=chunk, kv=kv)
+                                  rows=rows, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, kv=kv)
         kern((nkb * slots,), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
         results = ((dq_w, dq, dq_out, first_q),) + (() if kv_direct else ((dk_w, dk, dk_out, first_kv),
                                                                           (dv_w, dv, dv_out, first_kv)))
@@ -286,24 +277,6 @@ class Sm90Kernels:
              (x, *strides(x)[:3], out, *strides(out)[:3], np.int32(b), np.int32(s), np.int32(h), np.int32(d),
               np.int32(kind == "bf16")))
 
-    def backward_order(self, mode, nkb, slots, ranges):
-        """(head slots per chunk, key block order: a device array or a null pointer) of the backward's tile
-        order (attn_bwd_sm90.cu, KeyBlockTile) for the kernel instance ``mode`` (contract.mask_mode; ``ranges``
-        the interval kernels' query tile ranges per key block). Longest first under a causal mask needs no table (key block n
-        sees the query tiles from n on); under interval masks the pre-pass attn_bwd_sm90_order ranks the key
-        blocks by their query tiles, on the device."""
-        import cupy
-
-        if not self.longest_first or mode == "full":
-            return 1, np.uint64(0)
-        chunk = self.forced_order_heads or launch.heavy_first_heads(nkb, slots)
-        if mode == "causal":
-            return min(chunk, slots), np.uint64(0)
-        order = cupy.empty(nkb, np.int32)
-        rank = self.modules.kernel(BACKWARD, "attn_bwd_sm90_order", 0)
-        rank((-(-nkb // _ORDER_THREADS),), (_ORDER_THREADS,), (ranges, np.int32(nkb), order))
-        return min(chunk, slots), order
-
 
 _ORDERS = OrderedDict()
 
@@ -317,23 +290,58 @@ def _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, bm, bn):
     return sk > 0 and (mode == "full" or int(q_start) + min(bm, sq) - 1 >= int(k_start))
 
 
-def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
-    """The forward's interval schedule: (the query blocks of bm rows ordered by their key tiles of bn (from
-    the mask's bounds), most first, as an int32 device array; whether the kernel visits every block); a few
-    are kept (a ring repeats them)."""
+def _cached(key, make):
+    """make() kept under ``key`` (with the current device): the schedules a ring repeats, a few kept."""
     import cupy
 
-    key = (mask, int(q_start), sq, int(k_start), sk, bm, bn, cupy.cuda.Device().id)
-    order = _ORDERS.get(key)
-    if order is None:
-        tiles = interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn)
-        order = (cupy.asarray(np.argsort(-tiles, kind="stable").astype(np.int32)), bool((tiles > 0).all()))
-        _ORDERS[key] = order
+    key = key + (cupy.cuda.Device().id,)
+    value = _ORDERS.get(key)
+    if value is None:
+        value = _ORDERS[key] = make()
         if len(_ORDERS) > 64:
             _ORDERS.popitem(last=False)
     else:
         _ORDERS.move_to_end(key)
-    return order
+    return value
+
+
+def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
+    """The forward's interval schedule: (the query blocks of bm rows ordered by their key tiles of bn (from
+    the mask's bounds), most first, as an int32 device array; whether the kernel visits every block)."""
+    import cupy
+
+    def make():
+        tiles = interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn)
+        return cupy.asarray(np.argsort(-tiles, kind="stable").astype(np.int32)), bool((tiles > 0).all())
+
+    return _cached(("forward", mask, int(q_start), sq, int(k_start), sk, bm, bn), make)
+
+
+def _key_block_schedule(mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first):
+    """(ranges, order) of a backward launch under an interval mask: the query tiles each key block of bn walks
+    (key_block_ranges; int32 pairs on the device) and the CTA order (launch.key_block_order; with heavy_first
+    off a null pointer: head slot after head slot)."""
+    import cupy
+
+    def make():
+        t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
+        ranges = cupy.asarray(np.stack([t_lo, t_end], 1).astype(np.int32).ravel())
+        return ranges, cupy.asarray(launch.key_block_order(t_lo, t_end, slots)) if heavy_first else np.uint64(0)
+
+    return _cached(("backward", mask, int(q_start), sq, int(k_start), sk, bm, bn, slots, heavy_first), make)
+
+
+def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
+    """(t_lo, t_end), int64 per key block of bn keys: the query tiles of bm rows [t_lo, t_end) in which some row
+    sees one of its keys under an interval mask (each row's bounds never decrease, so two binary searches: the
+    first row whose end passes the block's first key, the first row after it whose start passes its last key);
+    t_lo = t_end where no row does."""
+    lo, hi = mask.rows(q_start, sq)
+    first_key = int(k_start) + np.arange(0, sk, bn, dtype=np.int64)
+    last_key = np.minimum(first_key + bn, int(k_start) + sk) - 1
+    r_first = np.searchsorted(hi, first_key, side="right")
+    r_end = np.maximum(r_first, np.searchsorted(lo, last_key, side="right"))
+    return r_first // bm, np.where(r_end > r_first, -(-r_end // bm), r_first // bm)
 
 
 def interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn):
