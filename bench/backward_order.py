@@ -1,6 +1,6 @@
-"""The sm90 backward's two CTA orders under packed documents (Sm90Kernels.heavy_first off and on; issue 34):
-bench_packed.py's document sets (bf16, Hq 64, Hkv 8, D 128; documents up to S/4, uniform and MagiAttention's
-lengths), burst_hpc.attention_backward's GPU-alone time (queued behind a busy kernel, bench/timing.py), the two
+"""The sm90 backward's two CTA orders (Sm90Kernels.heavy_first off and on; issue 34) under packed documents and a
+plain causal mask: bench_packed.py's document sets (bf16, Hq 64, Hkv 8, D 128; documents up to S/4, uniform and
+MagiAttention's lengths) and one causal row per length, burst_hpc.attention_backward's GPU-alone time (queued behind a busy kernel, bench/timing.py), the two
 orders' samples interleaved, median of 6 after 2 warm-up rounds.
 
     python3 bench/backward_order.py [--seqs 8192,16384,32768] [--sets 2]
@@ -26,20 +26,21 @@ def main():
     kernels = cuda.CudaBackend.instance(family="sm90").kernels
     default = kernels.heavy_first
     for s in (int(x) for x in args.seqs.split(",")):
-        for kind in bench_packed.DISTS:
-            for i, cu in enumerate(bench_packed.document_sets(kind, s, args.sets)):
-                bwd = bench_packed.our_calls(*bench_packed.bf16_inputs(s), cu)["bwd"]
-                samples = {False: [], True: []}
-                for rnd in range(8):
-                    for on in samples:
-                        kernels.heavy_first = on
-                        t = cupy_gpu_sample(bwd)
-                        if rnd >= 2:
-                            samples[on].append(t)
-                kernels.heavy_first = default
-                plain, heavy = (statistics.median(samples[on]) for on in (False, True))
-                print(f"S={s} {kind} set {i} ({len(cu) - 1} documents): in order {plain:.3f} ms, heavy first "
-                      f"{heavy:.3f} ms ({plain / heavy:.3f}x)", flush=True)
+        cases = [(f"{kind} set {i} ({len(cu) - 1} documents)", cu) for kind in bench_packed.DISTS
+                 for i, cu in enumerate(bench_packed.document_sets(kind, s, args.sets))]
+        for name, cu in cases + [("causal", None)]:
+            bwd = bench_packed.our_calls(*bench_packed.bf16_inputs(s), cu)["bwd"]
+            samples = {False: [], True: []}
+            for rnd in range(8):
+                for on in samples:
+                    kernels.heavy_first = on
+                    t = cupy_gpu_sample(bwd)
+                    if rnd >= 2:
+                        samples[on].append(t)
+            kernels.heavy_first = default
+            plain, heavy = (statistics.median(samples[on]) for on in (False, True))
+            print(f"S={s} {name}: in order {plain:.3f} ms, heavy first {heavy:.3f} ms ({plain / heavy:.3f}x)",
+                  flush=True)
 
 
 if __name__ == "__main__":

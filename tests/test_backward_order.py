@@ -76,3 +76,20 @@ def test_order_shortens_the_tail_of_packed_documents():
     in_order = _makespan(range(nkb * slots), nkb, work)
     pieces = _makespan(launch.key_block_order(t_lo, t_end, slots), nkb, work)
     assert in_order > 1.3 and pieces < 1.15
+
+
+def test_causal_pieces_shorten_a_short_grids_tail(monkeypatch):
+    """A causal mask is one run: on a grid of a few waves its key blocks go in pieces of CAUSAL_ORDER_BAND, every
+    slot's heavy blocks first (8 slots, 8k tokens: 1.24 -> about 1.04 in the model); from 8 waves on, in order."""
+    monkeypatch.setattr(launch, "sm_count", lambda: 132)
+    nkb, slots = 64, 8
+    t_end = np.full(nkb, 128)
+    t_lo = np.arange(nkb) * 2  # key block kb of 128 keys is first seen by query tile 2 kb (64 rows)
+    band = launch.causal_order_band(nkb, slots)
+    assert band == launch.CAUSAL_ORDER_BAND and launch.causal_order_band(4 * nkb, slots) is None
+    order = launch.key_block_order(t_lo, t_end, slots, band)
+    assert sorted(order.tolist()) == list(range(nkb * slots))
+    assert [int(v) % nkb for v in order[:band]] == list(range(band))   # slot 0's heaviest piece
+    assert int(order[band]) // nkb == 1                                # then slot 1's same piece
+    work = (t_end - t_lo) * 8 + 4
+    assert _makespan(range(nkb * slots), nkb, work) > 1.2 > 1.08 > _makespan(order, nkb, work)

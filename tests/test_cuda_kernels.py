@@ -351,15 +351,20 @@ def _check_interval_backward(dt, d, hq, hkv):
 @pytest.mark.parametrize("family", _NATIVE_D256, indirect=True)  # the sm90 family
 @pytest.mark.parametrize("heavy_first", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-def test_sm90_backward_tile_orders(family, heavy_first, d):
-    """Each backward CTA order under interval masks (Sm90Kernels.heavy_first: documents heaviest first, or head
-    slot after head slot) against the float64 oracle, key blocks seeing very different numbers of query tiles
-    and a GQA group split over CTAs (the host's ranges)."""
+@pytest.mark.parametrize("mode", ["causal", "interval"])
+def test_sm90_backward_tile_orders(family, heavy_first, d, mode):
+    """Each backward CTA order (Sm90Kernels.heavy_first: documents heaviest first and a short causal grid's key
+    blocks in pieces, or head slot after head slot) against the float64 oracle: causal with a GQA group split
+    over CTAs, and interval masks whose key blocks see very different numbers of query tiles (the host's
+    ranges)."""
     kernels = _be().kernels
     default = kernels.heavy_first
     kernels.heavy_first = heavy_first
     try:
-        _check_interval_backward(BF16, d, 8, 2)
+        if mode == "causal":
+            _check_backward(1000, d, True, 8, 2)
+        else:
+            _check_interval_backward(BF16, d, 8, 2)
     finally:
         kernels.heavy_first = default
 

@@ -31,9 +31,10 @@ class Sm90Kernels:
     ``forced_tile_height``: None, or the forward tile height (query rows) to run instead of the one the
     schedule picks (bench_kernels.py --fwd-shapes, the tests of every tile height).
 
-    ``heavy_first``: the backward's CTA order under interval masks. True (the default): one document's key
-    blocks at a time, the heaviest documents first (``launch.key_block_order``); False: head slot after head
-    slot, key blocks in order, the order of full and causal masks (bench_kernels.py --bwd-order times both).
+    ``heavy_first``: the backward's CTA order under interval and causal masks. True (the default): one
+    document's key blocks at a time, the heaviest documents first (``launch.key_block_order``; a causal mask's
+    key blocks in pieces of a few while the grid is a few waves, ``launch.causal_order_band``); False: head slot
+    after head slot, key blocks in order, the order of full masks (bench_kernels.py --bwd-order times both).
     ``key_splits``: let the forward cut each query tile's key range across CTAs when its query tiles leave
     SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count.
     ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
@@ -245,8 +246,7 @@ class Sm90Kernels:
               np.int32(sq_pad), mlo, mhi, kofs, np.int32(sk), np.int32(d), *rows_of, np.int32(kind == "bf16"),
               *zero_dq))
         slots = nsplit * b * hkv
-        ranges, order = (_key_block_schedule(mask, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first)
-                         if mode == "interval" else (np.uint64(0), np.uint64(0)))
+        ranges, order = _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
         args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
@@ -317,18 +317,31 @@ def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
     return _cached(("forward", mask, int(q_start), sq, int(k_start), sk, bm, bn), make)
 
 
-def _key_block_schedule(mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first):
-    """(ranges, order) of a backward launch under an interval mask: the query tiles each key block of bn walks
-    (key_block_ranges; int32 pairs on the device) and the CTA order (launch.key_block_order; with heavy_first
-    off a null pointer: head slot after head slot)."""
+def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first):
+    """(ranges, order) of a backward launch of instance ``mode``: under an interval mask the query tiles each key
+    block of bn walks (key_block_ranges; int32 pairs on the device); the CTA order (launch.key_block_order) under
+    interval masks, and under a causal mask while the grid is a few waves (launch.causal_order_band). A null
+    pointer for either where none: the kernel's own ranges, head slot after head slot."""
     import cupy
 
-    def make():
-        t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
-        ranges = cupy.asarray(np.stack([t_lo, t_end], 1).astype(np.int32).ravel())
-        return ranges, cupy.asarray(launch.key_block_order(t_lo, t_end, slots)) if heavy_first else np.uint64(0)
+    nkb = -(-sk // bn)
+    band = launch.causal_order_band(nkb, slots) if mode == "causal" else None
+    null = np.uint64(0)
+    if mode == "full" or not heavy_first and mode == "causal" or mode == "causal" and band is None:
+        return null, null
 
-    return _cached(("backward", mask, int(q_start), sq, int(k_start), sk, bm, bn, slots, heavy_first), make)
+    def make():
+        if mode == "interval":
+            t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
+            ranges = cupy.asarray(np.stack([t_lo, t_end], 1).astype(np.int32).ravel())
+        else:  # key block kb is first seen by query kb * bn - off (the kernel's own rule)
+            t_end = np.full(nkb, -(-sq // bm))
+            t_lo = np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end)
+            ranges = null
+        return ranges, cupy.asarray(launch.key_block_order(t_lo, t_end, slots, band)) if heavy_first else null
+
+    return _cached(("backward", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm,
+                    bn, slots, heavy_first), make)
 
 
 def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
