@@ -7,8 +7,9 @@
 // rows of one (batch, query head):
 // - the producer (warpgroup 0) gives its registers away and has one thread issue TMA loads: the tile's Q
 //   (one buffer, refilled for the next tile as soon as both consumers have issued their last Q K^T, so it
-//   lands while they finish the last P V and the epilogue; the tile's index goes to the consumers in a
-//   shared-memory slot published by the same barrier), then K and V tiles of BN keys into a
+//   lands while they finish the last P V and the epilogue; the tile's index and the tile itself go to the
+//   consumers in a shared-memory slot published by the same barrier, so they do not make it again: under
+//   interval masks that took dependent global loads on their path), then K and V tiles of BN keys into a
 //   STAGES-deep ring of shared-memory buffers that runs on across tiles, each stage with a "full"
 //   mbarrier (TMA bytes landed) and an "empty" one (both consumers done reading);
 // - consumers (warpgroups 1..), 64 query rows each, run S = Q K^T (wgmma, both operands in shared
@@ -71,6 +72,7 @@ struct Cfg {
 };
 
 // shared memory, byte offsets from a 1024-aligned base: Q stages | K stages | V stages | barriers | slots
+constexpr int kSlotInts = 8;
 template <int D, int CONSUMERS>
 struct Smem {
   static constexpr int BM = Cfg<D, CONSUMERS>::BM, BN = Cfg<D, CONSUMERS>::BN, QSTAGES = Cfg<D, CONSUMERS>::QSTAGES;
@@ -81,8 +83,9 @@ struct Smem {
   static constexpr u32 kV = kK + STAGES * kTile;
   // per Q stage q_full, q_empty, then per K/V stage k_full, v_full, k_empty, v_empty
   static constexpr u32 kBar = kV + STAGES * kTile;
-  static constexpr u32 kSlot = kBar + 8 * (2 * QSTAGES + 4 * STAGES);  // per Q stage, the index of its tile
-  static constexpr u32 kBytes = kSlot + 4 * QSTAGES + 1024;  // + alignment slack
+  // per Q stage, its tile: the index, then the Tile's fields (kSlotInts ints)
+  static constexpr u32 kSlot = kBar + 8 * (2 * QSTAGES + 4 * STAGES);
+  static constexpr u32 kBytes = kSlot + 4 * kSlotInts * QSTAGES + 1024;  // + alignment slack
   __device__ static u32 q_full(u32 base, int q) { return base + kBar + 16 * q; }
   __device__ static u32 q_empty(u32 base, int q) { return q_full(base, q) + 8; }
   __device__ static u32 k_full(u32 base, int s) { return base + kBar + 8 * (2 * QSTAGES + 4 * s); }
@@ -342,12 +345,15 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
         idx = sched.first_visible(idx, &tl);
         const int qs = q_pipe.stage;
         mbar_wait(L::q_empty(base, qs), q_pipe.phase ^ 1);
-        slot[qs] = idx;
+        volatile int* const s = slot + kSlotInts * qs;
+        s[0] = idx;
         if (idx >= sched.count()) {  // no tile left: the consumers read the end mark and stop
           mbar_arrive(L::q_full(base, qs));
           sched.retire();
           break;
         }
+        // the tile itself, so the consumers need not make it again (interval masks: global loads on their path)
+        s[1] = tl.mb, s[2] = tl.h, s[3] = tl.b, s[4] = tl.t_begin, s[5] = tl.ntiles, s[6] = tl.id, s[7] = tl.split;
         const int hk = tl.h / args.group;
         mbar_arrive_expect_tx(L::q_full(base, qs), BM * D * 2);
 #pragma unroll
@@ -394,10 +400,12 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
   // the tile in the next Q stage (its index, or the end mark), waited for
   auto next_index = [&] {
     mbar_wait(L::q_full(base, q_pipe.stage), q_pipe.phase);
-    return slot[q_pipe.stage];
+    return slot[kSlotInts * q_pipe.stage];
   };
-  auto consumer_tile = [&](int idx) {
-    const CT ct(sched.tile(idx), q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, args.Sq, args.Sk,
+  auto consumer_tile = [&] {  // the producer's Tile of the next Q stage
+    const volatile int* const s = slot + kSlotInts * q_pipe.stage;
+    const Tile tl{s[1], s[2], s[3], s[4], s[5], s[6], s[7]};
+    const CT ct(tl, q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, args.Sq, args.Sk,
                 args.mlo, args.mhi, args.kofs);
     q_pipe.advance();
     return ct;
@@ -463,7 +471,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
 
   int idx = next_index();
   if (idx >= sched.count()) return;
-  CT cur = consumer_tile(idx);
+  CT cur = consumer_tile();
   zero_acc();
   if (cur.tl.ntiles <= 2) prefetch(cur);
   first_step(cur);
@@ -506,7 +514,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
     if (cross && nidx < sched.count()) {
       // the next tile's S_0 = Q K_0^T with this tile's last P V in one turn; the next tile's softmax runs
       // while the P V does, and this tile's merge while the other consumers' products do
-      const CT nxt = consumer_tile(nidx);
+      const CT nxt = consumer_tile();
       const int st = k_pipe.stage;
       if (nxt.tl.ntiles <= 2) prefetch(nxt);
       mbar_wait(L::k_full(base, st), k_pipe.phase);
@@ -551,12 +559,16 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
     if (cross) break;  // the end mark was read above
     idx = next_index();
     if (idx >= sched.count()) break;
-    cur = consumer_tile(idx);
+    cur = consumer_tile();
     zero_acc();
     if (cur.tl.ntiles <= 2) prefetch(cur);
     first_step(cur);
   }
 }
+
+static_assert(fwd90::Smem<256, 2>::kBytes <= 227 * 1024 && fwd90::Smem<128, 2>::kBytes <= 227 * 1024 &&
+                  fwd90::Smem<64, 3>::kBytes <= 227 * 1024,
+              "forward shared memory");
 
 #define BH_FWD90_NAME(DT, MASK, D, C) attn_fwd_sm90_##DT##_d##D##_m##C##_##MASK
 #define BH_FWD90_KERNEL(DT, MASK, D, C)                                                                            \

@@ -653,9 +653,12 @@ def test_api_float32_inputs_write_float32_outputs(family):
         assert _maxerr(g, r) < 3e-2 * max(1.0, float(cupy.abs(r).max()))
 
 
-def test_backward_one_pair_keys_no_query_sees():
-    """A first and last pair whose last key block no query sees: its dK, dV outputs are written as zeros."""
-    b, sq, sk, h, d = 1, 300, 300, 2, 128
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_backward_one_pair_keys_no_query_sees(d):
+    """A first and last pair whose last key block no query sees: its dK, dV outputs are written as zeros; and
+    whose first query tiles see no key: no CTA writes their dq rows (the pre-pass zeroes them; the other parts'
+    first writers store over an unzeroed accumulator, D = 64, 128)."""
+    b, sq, sk, h = 1, 300, 300, 2
     q, do = (_rand((b, sq, h, d), BF16) for _ in range(2))
     k, v = (_rand((b, sk, h, d), BF16) for _ in range(2))
     scale, k_start = d ** -0.5, 200
@@ -670,6 +673,7 @@ def test_backward_one_pair_keys_no_query_sees():
     for name, got, r, p in zip(("dq", "dk", "dv"), (dq, dk, dv), ref, plain):
         _check(name, got, p, r, 3)
     assert bool((dk[:, sq - k_start:].astype(cupy.float32) == 0).all())
+    assert bool((dq[:, :k_start].astype(cupy.float32) == 0).all())
 
 
 @pytest.mark.parametrize("d", [64, 96, 128, 256])
