@@ -9,8 +9,8 @@ causal and interval masks, bf16 and fp16) once on small shapes, for compute-sani
 The forward runs on 3 CTAs, so each takes several tiles, and runs four times: plain, with its key range
 cut in two (key splits), with the cross-tile step switched from its default, and as the block contract's
 first and last pair (its 16-bit output from the epilogue). The backward also runs as a first and last pair
-(delta and dq's zeros in the pre-pass; dK, dV straight from the registers where one CTA holds the group). The backward runs in both CTA orders (in order; under
-interval masks the host's heavy-first order). Shapes: lengths that are not
+(delta and dq's zeros in the pre-pass; dK, dV straight from the registers where one CTA holds the group). The backward runs in both CTA orders (in order; the host's
+heavy-first order: documents heaviest first, a short causal grid's key blocks in pieces). Shapes: lengths that are not
 multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA group (dK/dV atomics) and a causal
 offset. The results are checked loosely against a float64 oracle
 (the GPU tests check them tightly), so a kernel that the sanitizer slows down or perturbs still has to

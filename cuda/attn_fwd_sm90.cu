@@ -100,6 +100,7 @@ struct Smem {
 struct Tile {
   int mb, h, b, t_begin, ntiles, id, split;
 };
+static_assert(sizeof(Tile) == 4 * (kSlotInts - 1), "a Q stage's slot holds the index and a Tile's fields");
 
 // The tile order of one launch (the schedule above): a CTA's first tile index is blockIdx.x, each next one
 // comes from the global counter; an index >= count() is the end mark. The counter is two ints, 0 at launch

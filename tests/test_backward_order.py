@@ -93,3 +93,33 @@ def test_causal_pieces_shorten_a_short_grids_tail(monkeypatch):
     assert int(order[band]) // nkb == 1                                # then slot 1's same piece
     work = (t_end - t_lo) * 8 + 4
     assert _makespan(range(nkb * slots), nkb, work) > 1.2 > 1.08 > _makespan(order, nkb, work)
+
+
+def test_which_masks_take_an_order(monkeypatch):
+    """Documents and a short causal grid get the host's order; sliding windows (equal key blocks, no tail to
+    shorten), long causal grids, full masks and heavy_first off keep head slot after head slot (a null order);
+    interval masks always get the host's ranges."""
+    import sys
+    import types
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
+    fake.asarray = np.asarray
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(sm90, "_ORDERS", type(sm90._ORDERS)())
+    monkeypatch.setattr(launch, "sm_count", lambda: 132)
+    s, cu = 8192, np.array([0, 1000, 5000, 8192])
+
+    def schedule(mode, mask, heavy_first=True, s=s):
+        ranges, order = sm90._key_block_schedule(mode, mask, 0, s, 0, s, 64, 128, 8, heavy_first)
+        return isinstance(ranges, np.ndarray), isinstance(order, np.ndarray)
+
+    documents = masks.make(s, True, None, cu)
+    assert schedule("interval", documents) == (True, True)
+    assert schedule("interval", documents, heavy_first=False) == (True, False)
+    assert schedule("interval", masks.make(s, True, (512, 0))) == (True, False)
+    assert schedule("interval", masks.make(s, True, (512, 0), cu)) == (True, False)
+    assert schedule("causal", masks.make(s, True)) == (False, True)
+    assert schedule("causal", masks.make(s, True), heavy_first=False) == (False, False)
+    assert schedule("causal", masks.make(4 * s, True), s=4 * s) == (False, False)   # 8 waves or more
+    assert schedule("full", masks.make(s)) == (False, False)

@@ -31,10 +31,11 @@ class Sm90Kernels:
     ``forced_tile_height``: None, or the forward tile height (query rows) to run instead of the one the
     schedule picks (bench_kernels.py --fwd-shapes, the tests of every tile height).
 
-    ``heavy_first``: the backward's CTA order under interval and causal masks. True (the default): one
+    ``heavy_first``: the backward's CTA order under documents and causal masks. True (the default): one
     document's key blocks at a time, the heaviest documents first (``launch.key_block_order``; a causal mask's
     key blocks in pieces of a few while the grid is a few waves, ``launch.causal_order_band``); False: head slot
-    after head slot, key blocks in order, the order of full masks (bench_kernels.py --bwd-order times both).
+    after head slot, key blocks in order, the order of full masks and sliding windows (bench_kernels.py
+    --bwd-order and bench/backward_order.py time both).
     ``key_splits``: let the forward cut each query tile's key range across CTAs when its query tiles leave
     SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count.
     ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
@@ -319,15 +320,18 @@ def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
 
 def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first):
     """(ranges, order) of a backward launch of instance ``mode``: under an interval mask the query tiles each key
-    block of bn walks (key_block_ranges; int32 pairs on the device); the CTA order (launch.key_block_order) under
-    interval masks, and under a causal mask while the grid is a few waves (launch.causal_order_band). A null
-    pointer for either where none: the kernel's own ranges, head slot after head slot."""
+    block of bn walks (key_block_ranges; int32 pairs on the device); with ``heavy_first`` the CTA order
+    (launch.key_block_order) under documents, and under a causal mask while the grid is a few waves
+    (launch.causal_order_band). A null pointer for either where none: the kernel's own ranges, head slot after
+    head slot. A sliding window keeps that plain order: its key blocks weigh alike (no tail to shorten) and
+    each would be a piece of its own, the order that lost L2 sharing on documents."""
     import cupy
 
     nkb = -(-sk // bn)
     band = launch.causal_order_band(nkb, slots) if mode == "causal" else None
     null = np.uint64(0)
-    if mode == "full" or not heavy_first and mode == "causal" or mode == "causal" and band is None:
+    ordered = heavy_first and (band is not None if mode == "causal" else mode == "interval" and mask.window is None)
+    if mode == "full" or mode == "causal" and not ordered:
         return null, null
 
     def make():
@@ -338,10 +342,10 @@ def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, hea
             t_end = np.full(nkb, -(-sq // bm))
             t_lo = np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end)
             ranges = null
-        return ranges, cupy.asarray(launch.key_block_order(t_lo, t_end, slots, band)) if heavy_first else null
+        return ranges, cupy.asarray(launch.key_block_order(t_lo, t_end, slots, band)) if ordered else null
 
     return _cached(("backward", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm,
-                    bn, slots, heavy_first), make)
+                    bn, slots, ordered), make)
 
 
 def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
