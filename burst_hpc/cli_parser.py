@@ -141,10 +141,10 @@ kernels, connects the communicators and allocates their buffers, and --warmup)."
                    "zigzag (rank r: chunks r and 2P-1-r of 2P, balanced causal work; S a multiple of 2P) or "
                    "balanced (contiguous ownership in natural token order, the visible work of causal, documents "
                    "and windows balanced by ranks computing pieces of block pairs for each other; S a multiple "
-                   "of P) (default: zigzag with --causal, else contiguous; with documents or --window balanced "
-                   "when the cost model predicts the job faster with it (never with --scheme double_ring or "
-                   "ulysses_ring, which refuse it), else contiguous unless zigzag's busiest rank has clearly less "
-                   "work)")
+                   "of P) or chunks (chunks of tokens placed by the mask so every rank's visible work is equal, "
+                   "documents kept on one rank where that costs no balance) (default: the one the cost model "
+                   "predicts fastest for this job with the --scheme named, as 'burst-hpc plan' shows it; the job "
+                   "shards the file itself)")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="how shards travel between ranks: host (NumPy over MPI), mpi (GPU buffers to a CUDA-aware "
                    "MPI), nccl, staged (GPU -> pinned host -> MPI); auto: host for numpy, else nccl with one GPU a "
