@@ -190,8 +190,8 @@ __device__ __forceinline__ void softmax_tile(float* s, float* m, float* l, float
     for (int i = 0; i < BN / 2; ++i) s[i] *= sl2;
   }
   if (need_mask) {
-    // element (j, e): column col0 + 8j + (e & 1), row row0 + 8 (e >> 1); hidden when col - row > off
-    // (causal) or col outside [klo, khi) of its row (IV)
+    // element (j, e): column col0 + 8j + (e & 1), row row0 + 8 (e >> 1); hidden past Sk, when col - row > off
+    // (causal) or col outside [klo, khi) of its row (IV: khi <= Sk, so that bound covers Sk)
     const int klim = Sk - col0;
     const i64 dlim = off - static_cast<i64>(col0) + row0;
     const int dl = static_cast<int>(max(static_cast<i64>(-4 * BN), min(static_cast<i64>(4 * BN), dlim)));
@@ -201,7 +201,7 @@ __device__ __forceinline__ void softmax_tile(float* s, float* m, float* l, float
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int c = 8 * j + (e & 1);
-        if (c >= klim || (CAUSAL && c - 8 * (e >> 1) > dl) || (IV && (c < rlo[e >> 1] || c >= rhi[e >> 1])))
+        if ((!IV && c >= klim) || (CAUSAL && c - 8 * (e >> 1) > dl) || (IV && (c < rlo[e >> 1] || c >= rhi[e >> 1])))
           s[4 * j + e] = -BH_INF;
       }
   }
@@ -262,7 +262,10 @@ __device__ __forceinline__ void prefetch_rows(const float* o_rows, i64 oss, cons
   }
 }
 
-// What a consumer warpgroup needs of its tile: the tile, its Q buffer, its rows and (IV) their key ranges
+// What a consumer warpgroup needs of its tile: the tile, its Q buffer, its rows and (IV) their key ranges.
+// The ranges come in two steps: the constructor loads the rows' global bounds, resolve() makes them local
+// keys. A tile's first products are issued in between, so the loads' latency passes under them (made at
+// once, the compiler put the dependent arithmetic, and its wait, before the products).
 template <int BM, int BN, bool IV>
 struct ConsumerTile {
   fwd90::Tile tl;
@@ -270,11 +273,12 @@ struct ConsumerTile {
   u32 q_lo;   // descriptor low word of this warpgroup's 64 rows of Q
   int mw0;    // first query row of this warpgroup
   int row0;   // this thread's rows: row0, row0 + 8
-  // IV: the key range [klo, khi) (local) of this thread's rows, and of the warpgroup's first and last rows
+  // IV: the key range [klo, khi) (local, within [0, Sk]) of this thread's rows, and of the warpgroup's first
+  // and last rows (global bounds until resolve())
   int klo[2], khi[2], wg_lo_last, wg_hi_first;
 
   __device__ __forceinline__ ConsumerTile(const fwd90::Tile& t, int q_stage, u32 q_addr, int cw, int tid, int Sq, int Sk,
-                                          const int* mlo, const int* mhi, i64 kofs)
+                                          const int* mlo, const int* mhi)
       : tl(t), qs(q_stage), q_lo(desc_lo(q_addr + cw * 64 * 128, 16)) {
     mw0 = tl.mb * BM + 64 * cw;
     row0 = mw0 + 16 * (tid / 32) + (tid % 32) / 4;
@@ -286,12 +290,22 @@ struct ConsumerTile {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         const int row = min(row0 + 8 * r, Sq - 1);
-        klo[r] = local_key(mlo[row], kofs, Sk);
-        khi[r] = local_key(mhi[row], kofs, Sk);
+        klo[r] = mlo[row];
+        khi[r] = mhi[row];
       }
-      wg_lo_last = local_key(mlo[min(mw0 + 63, Sq - 1)], kofs, Sk);
-      wg_hi_first = local_key(mhi[min(mw0, Sq - 1)], kofs, Sk);
+      wg_lo_last = mlo[min(mw0 + 63, Sq - 1)];
+      wg_hi_first = mhi[min(mw0, Sq - 1)];
     }
+  }
+  __device__ __forceinline__ void resolve(i64 kofs, int Sk) {
+    if (!IV) return;
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      klo[r] = local_key(klo[r], kofs, Sk);
+      khi[r] = min(Sk, local_key(khi[r], kofs, Sk));  // keys past Sk need no mask of their own
+    }
+    wg_lo_last = local_key(wg_lo_last, kofs, Sk);
+    wg_hi_first = local_key(wg_hi_first, kofs, Sk);
   }
   template <bool CAUSAL>
   __device__ __forceinline__ bool needs_mask(int t, int Sk, i64 off) const {
@@ -340,10 +354,9 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
       tensormap_acquire(tv);
       PipeState<QSTAGES> q_pipe;
       PipeState<STAGES> pipe;
-      int idx = sched.first();
+      Tile tl;
+      int idx = sched.first_visible(sched.first(), &tl);
       for (;;) {
-        Tile tl;
-        idx = sched.first_visible(idx, &tl);
         const int qs = q_pipe.stage;
         mbar_wait(L::q_empty(base, qs), q_pipe.phase ^ 1);
         volatile int* const s = slot + kSlotInts * qs;
@@ -362,7 +375,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
           tma_load_4d(base + L::kQ + qs * L::kQTile + db * BM * 128, tq, L::q_full(base, qs), db * 64, tl.h,
                       tl.mb * BM, tl.b);
         q_pipe.advance();
-        idx = sched.next();  // the next tile, drawn while this one loads
+        int nidx = sched.next();  // the next tile, drawn while this one loads
+        Tile ntl;
         for (int t = 0; t < tl.ntiles; ++t, pipe.advance()) {
           const int s = pipe.stage, n0 = (tl.t_begin + t) * BN;
           const u32 empty_parity = pipe.phase ^ 1;
@@ -375,7 +389,14 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
           mbar_arrive_expect_tx(L::v_full(base, s), L::kTile);
 #pragma unroll
           for (int db = 0; db < D / 64; ++db) tma_load_4d(v_dst + db * BN * 128, tv, L::v_full(base, s), db * 64, hk, n0, tl.b);
+          // the next tile: under interval masks it takes dependent global loads (order, then the rows' bounds),
+          // so they go out after this tile's first K / V, while the ring's next stage is still being read;
+          // otherwise after its last (the counter's value is there by then, and nothing delays a K / V)
+          if (IV && t == 0) nidx = sched.first_visible(nidx, &ntl);
         }
+        if (!IV) nidx = sched.first_visible(nidx, &ntl);
+        idx = nidx;
+        tl = ntl;
       }
     }
     return;
@@ -406,8 +427,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
   auto consumer_tile = [&] {  // the producer's Tile of the next Q stage
     const volatile int* const s = slot + kSlotInts * q_pipe.stage;
     const Tile tl{s[1], s[2], s[3], s[4], s[5], s[6], s[7]};
-    const CT ct(tl, q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, args.Sq, args.Sk,
-                args.mlo, args.mhi, args.kofs);
+    const CT ct(tl, q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, args.Sq, args.Sk, args.mlo,
+                args.mhi);
     q_pipe.advance();
     return ct;
   };
@@ -437,6 +458,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
     }
     if (args.nsplit > 1)
       merge_rows<D, true, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, args.Sq);
+    else if (args.first && args.out != nullptr)
+      store_rows<D, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, args.Sq);
     else
       merge_rows<D, false, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, args.Sq);
     if (args.nsplit > 1) {
@@ -446,13 +469,14 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
     }
   };
   // a tile's first step: S_0 = Q K_0^T alone, then its softmax (nothing to rescale yet)
-  auto first_step = [&](const CT& ct) {
+  auto first_step = [&](CT& ct) {
     m[0] = m[1] = -BH_INF;
     l[0] = l[1] = 0.f;
     mbar_wait(L::k_full(base, k_pipe.stage), k_pipe.phase);
     wgmma_fence();
     qk_issue<D, BM, BN, BF16>(s, ct.q_lo, desc_lo(base + L::kK + k_pipe.stage * L::kTile, 16));
     wgmma_commit();
+    ct.resolve(args.kofs, args.Sk);
     wgmma_wait<0>();
     fence_operands<BN / 2>(s);
     if (leader) mbar_arrive(L::k_empty(base, k_pipe.stage));
@@ -515,7 +539,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
     if (cross && nidx < sched.count()) {
       // the next tile's S_0 = Q K_0^T with this tile's last P V in one turn; the next tile's softmax runs
       // while the P V does, and this tile's merge while the other consumers' products do
-      const CT nxt = consumer_tile();
+      CT nxt = consumer_tile();
       const int st = k_pipe.stage;
       if (nxt.tl.ntiles <= 2) prefetch(nxt);
       mbar_wait(L::k_full(base, st), k_pipe.phase);
@@ -527,6 +551,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
       pv_issue<D, BN, BF16>(acc, p, desc_lo(base + L::kV + sp * L::kTile, BN * 128));
       wgmma_commit();
       pass_turn();
+      nxt.resolve(args.kofs, args.Sk);
       wgmma_wait<1>();
       fence_operands<BN / 2>(s);
       if (leader) mbar_arrive(L::k_empty(base, st));
