@@ -56,26 +56,75 @@ def interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn):
 def call_tiles(mask, q_start, sq, k_start, sk, masked=True):
     """float64 (len(COUNTS),): the tiles of one block call of queries [q_start, +sq) against keys [k_start, +sk)
     per head; ``masked`` False: a full pair (every tile of the rectangle)."""
-    if sq <= 0 or sk <= 0:
-        return np.zeros(len(COUNTS))
+    return calls_tiles(mask, *([x] for x in (q_start, sq, k_start, sk, masked)))[0]
+
+
+def calls_tiles(mask, q_start, sq, k_start, sk, masked):
+    """float64 (calls, len(COUNTS)): call_tiles of many block calls at once (each argument an array over the
+    calls; ``mask``: a masks.Mask over the positions of every call's rows and keys): the forward's query blocks
+    and the backward's key blocks of every call laid end to end, each searched in the mask's bounds."""
+    q_start, sq, k_start, sk, masked = (x.reshape(-1) for x in np.broadcast_arrays(
+        *(np.asarray(x, np.int64) for x in (q_start, sq, k_start, sk)), np.asarray(masked, bool)))
+    masked = masked & (sq > 0) & (sk > 0) & (not mask.is_full)
     (fm, fn), (bm, bn) = FORWARD_TILE, BACKWARD_TILE
-    if not masked:
-        query_tiles, key_blocks = -(-sq // bm), -(-sk // bn)
-        return np.array([-(-sq // fm) * -(-sk // fn), -(-sq // fm), query_tiles * key_blocks,
-                         query_tiles * np.sqrt(key_blocks)])
-    forward = interval_key_tiles(mask, q_start, sq, k_start, sk, fm, fn)
-    t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
-    seen_by = np.zeros(-(-sq // bm) + 1, np.int64)   # key blocks that see each query tile: +1 at t_lo, -1 at t_end
-    np.add.at(seen_by, t_lo, 1)
-    np.add.at(seen_by, t_end, -1)
-    seen_by = np.cumsum(seen_by[:-1])
-    return np.array([forward.sum(), np.count_nonzero(forward), (t_end - t_lo).sum(), np.sqrt(seen_by).sum()],
-                    np.float64)
+    query_tiles, key_blocks = -(-sq // bm), -(-sk // bn)
+    out = np.zeros((sq.size, len(COUNTS)))
+    full = ~masked & (sq > 0) & (sk > 0)
+    out[full] = np.stack([-(-sq // fm) * -(-sk // fn), -(-sq // fm), query_tiles * key_blocks,
+                          query_tiles * np.sqrt(key_blocks)], axis=1)[full]
+    if masked.any():
+        lo, hi = mask.intervals
+        calls = np.flatnonzero(masked)
+        out[calls, :2] = _forward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls])
+        out[calls, 2:] = _backward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls])
+    return out
+
+
+def _forward_tiles(lo, hi, q_start, sq, k_start, sk):
+    """(calls, 2): interval_key_tiles summed and its blocks with any key, of every call (bounds lo, hi)."""
+    fm, fn = FORWARD_TILE
+    blocks = -(-sq // fm)
+    call = np.repeat(np.arange(sq.size), blocks)
+    first = (np.arange(call.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * fm   # a block's first row
+    last = np.minimum(first + fm, sq[call]) - 1
+    begin = np.clip(lo[q_start[call] + first] - k_start[call], 0, sk[call])
+    end = np.clip(hi[q_start[call] + last] - k_start[call], 0, sk[call])
+    key_tiles = np.where(end > begin, -(-end // fn) - begin // fn, 0)
+    return np.stack([np.bincount(call, key_tiles, sq.size), np.bincount(call, key_tiles > 0, sq.size)], axis=1)
+
+
+def _backward_tiles(lo, hi, q_start, sq, k_start, sk):
+    """(calls, 2): the backward's steps and its query tiles' sqrt(key blocks that see them), summed, of every call
+    (key_block_ranges, each call's rows searched as a slice of the bounds)."""
+    bm, bn = BACKWARD_TILE
+    blocks, tiles_of = -(-sk // bn), -(-sq // bm)
+    call = np.repeat(np.arange(sq.size), blocks)
+    first_key = k_start[call] + (np.arange(call.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * bn
+    last_key = np.minimum(first_key + bn, (k_start + sk)[call]) - 1
+    rows_lo, rows_end = q_start[call], (q_start + sq)[call]
+    r_first = np.clip(np.searchsorted(hi, first_key, side="right"), rows_lo, rows_end) - rows_lo
+    r_end = np.maximum(r_first, np.clip(np.searchsorted(lo, last_key, side="right"), rows_lo, rows_end) - rows_lo)
+    t_lo = r_first // bm
+    t_end = np.where(r_end > r_first, -(-r_end // bm), t_lo)
+    # key blocks that see each query tile, every call's tiles end to end: +1 at t_lo, -1 at t_end (within the call)
+    offsets = np.cumsum(tiles_of) - tiles_of
+    seen_by = np.zeros(tiles_of.sum() + 1, np.int64)
+    np.add.at(seen_by, offsets[call] + t_lo, 1)
+    np.add.at(seen_by, offsets[call] + t_end, -1)
+    shared = np.sqrt(np.cumsum(seen_by[:-1]))
+    return np.stack([np.bincount(call, t_end - t_lo, sq.size),
+                     np.bincount(np.repeat(np.arange(sq.size), tiles_of), shared, sq.size)], axis=1)
 
 
 def pairs_tiles(mask, pairs):
     """call_tiles summed over block pairs (schedule.BlockPair, as the engine runs them)."""
-    total = np.zeros(len(COUNTS))
-    for p in pairs:
-        total += call_tiles(mask, p.q_start, p.q.stop - p.q.start, p.k_start, p.k.stop - p.k.start, p.masked)
-    return total
+    return pairs_calls_tiles(mask, pairs).sum(axis=0)
+
+
+def pairs_calls_tiles(mask, pairs):
+    """calls_tiles of block pairs (schedule.BlockPair), one row each."""
+    if not pairs:
+        return np.zeros((0, len(COUNTS)))
+    columns = np.array([(p.q_start, p.q.stop - p.q.start, p.k_start, p.k.stop - p.k.start, p.masked) for p in pairs],
+                       np.int64).T
+    return calls_tiles(mask, *columns[:4], columns[4].astype(bool))

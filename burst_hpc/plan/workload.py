@@ -163,8 +163,7 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
     seen = _seen(mask, first_row, end_row, first_key, first_key + chunk)
     np.add.at(calls, (t, r), seen)
     tiled = np.zeros((count, size, len(tiles.COUNTS)))
-    for at in np.flatnonzero(seen):
-        tiled[t[at], r[at]] += tiles.call_tiles(mask, first_row[at], end_row[at] - first_row[at], first_key[at], chunk)
+    np.add.at(tiled, (t, r), tiles.calls_tiles(mask, first_row, end_row - first_row, first_key, chunk, True))
     for x in (full, calls, tiled):
         x.setflags(write=False)
     ends = {}
@@ -204,7 +203,7 @@ def _gather_account(mask, layout, returns, per_node):
                 for shard, rows, w in visits if w]
             launches[t, r] = sum(len(pairs) for pairs in calls)
             if per_node is not None:   # else the packed call's tiles, below
-                tiled[t, r] = sum((tiles.pairs_tiles(mask, pairs) for pairs in calls), np.zeros(len(tiles.COUNTS)))
+                tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs])
     if per_node is None:
         # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
         # the exchange home and its additions after it. The forward priced as one step (on NVLink its exchange
@@ -259,9 +258,14 @@ def pair_calls(mask, layout):
     owned = [layout.pieces(r) for r in range(size)]
     visible = masks.pair_work(mask, layout)
     launches, tiled = np.zeros((size, size), np.int64), np.zeros((size, size, len(tiles.COUNTS)))
+    at, pairs = [], []
     for a, b in zip(*np.nonzero(visible)):
-        pairs = schedule.block_pairs(owned[a], owned[b], mask)
-        launches[a, b], tiled[a, b] = len(pairs), tiles.pairs_tiles(mask, pairs)
+        made = schedule.block_pairs(owned[a], owned[b], mask)
+        launches[a, b] = len(made)
+        at += [(a, b)] * len(made)
+        pairs += made
+    if pairs:
+        np.add.at(tiled, tuple(np.array(at).T), tiles.pairs_calls_tiles(mask, pairs))
     for x in (launches, tiled):
         x.setflags(write=False)
     return launches, tiled
