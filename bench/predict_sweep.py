@@ -35,7 +35,8 @@ def main():
     print("|---|---|---|---|---|---|")
     rows = predictions()
     for S, case, pass_, measured, predicted in rows:
-        print(f"| {S // 1024}k | {case} | {pass_} | {measured:.0f} | {predicted:.0f} | {predicted / measured - 1:+.1%} |")
+        error = predicted / measured - 1
+        print(f"| {S // 1024}k | {case} | {pass_} | {measured:.0f} | {predicted:.0f} | {error:+.1%} |")
     worst = max(rows, key=lambda r: abs(r[4] / r[3] - 1))
     print(f"worst: {worst[4] / worst[3] - 1:+.1%} ({worst[0] // 1024}k {worst[1]} {worst[2]})")
 

@@ -172,7 +172,8 @@ def cmd_plan(args):
         rates, nodes, per_node = GPU_RATES[args.gpu], args.nodes or 1, args.gpus_per_node or 8
         rates = replace(rates, **(calibrate.load(args.gpu) or {}))   # fixed costs `burst-hpc compile` measured
     overrides = {f: getattr(args, f) for f in ("intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us",
-                                               "fwd_launch_us", "bwd_launch_us", "step_us") if getattr(args, f) is not None}
+                                               "fwd_launch_us", "bwd_launch_us", "step_us")
+                 if getattr(args, f) is not None}
     rates = per_pair(replace(rates, **overrides), args.fwd_tflops, args.bwd_tflops)   # a kernel rate: per pair
     cluster = Cluster(nodes, per_node)
     layouts = _collective(layouts_for, problem.seqlen, cluster.ranks, problem.mask,

@@ -74,7 +74,8 @@ H100_TILES = dict(fwd_key_tile_ns=1650.0 / SMS, fwd_query_tile_ns=2700.0 / SMS, 
                   bwd_shared_ns=4070.0 / SMS, bwd_token_ns=0.63)
 H200_TILES = dict(fwd_key_tile_ns=H100_TILES["fwd_key_tile_ns"] * 600 / 610,
                   fwd_query_tile_ns=H100_TILES["fwd_query_tile_ns"] * 600 / 610,
-                  bwd_step_ns=H100_TILES["bwd_step_ns"] * 520 / 530, bwd_shared_ns=H100_TILES["bwd_shared_ns"] * 520 / 530,
+                  bwd_step_ns=H100_TILES["bwd_step_ns"] * 520 / 530,
+                  bwd_shared_ns=H100_TILES["bwd_shared_ns"] * 520 / 530,
                   bwd_token_ns=H100_TILES["bwd_token_ns"] * 3.35 / 4.8)
 GPU_RATES = {
     "H100": Rates("H100", math.inf, math.inf, 300.0, 50.0, **GPU_FIXED, **H100_TILES),

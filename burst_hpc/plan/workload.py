@@ -68,9 +68,10 @@ class Account:
     ``work`` (steps, ranks) int64: the visible (query, key) pairs each rank computes at each step
     (Ulysses: for its share of the heads, on its node's tokens); ``launches`` (steps, ranks) int64:
     the block calls it makes for them (schedule.block_pairs: one per block pair the engine runs, each
-    with its fixed cost); ``tiles`` (steps, ranks, len(tiles.COUNTS)) float64: the tiles those calls' kernels
-    run, per head (tiles.call_tiles: what the kernels' time follows). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
-    the step that posts it, then by link end, then as the engine posts them (by due step):
+    with its fixed cost); ``tiles`` (steps, ranks, len(tiles.COUNTS)) float64: the tiles those calls'
+    kernels run, per head (tiles.call_tiles: what the kernels' time follows). ``ends``: every link end a
+    transfer uses, as int64 arrays of one length, ordered by the step that posts it, then by link end,
+    then as the engine posts them (by due step):
     ``posted``, ``due``, ``rank``, ``far`` (between nodes), ``out`` (the sender's end, else the
     receiver's), ``kind`` (an index into KINDS) and ``tokens``. A ring and a double ring are the
     same at every rank up to a rotation, so only some ranks' ends are listed (the ranks of one
