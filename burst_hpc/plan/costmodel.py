@@ -24,6 +24,7 @@ predicted time - compute alone.
 memory.py.
 """
 from dataclasses import dataclass
+
 import numpy as np
 
 from . import gather
