@@ -14,6 +14,7 @@ import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.accounting import visible_pairs
 from burst_hpc.plan.rates import GPU_RATES
+from burst_hpc.plan.tables import kernel_words
 from burst_hpc.plan.layout import make_layout
 from burst_hpc.plan.workload import documents
 
@@ -57,7 +58,7 @@ MAGI_PUBLISHED = {8: (458, 360), 16: (426, 371), 32: (315, 333), 64: (237, 264)}
 def prediction_table(ranks_list, tokens, per_node=8, rates_name="H100"):
     rates = GPU_RATES[rates_name]
     lines = [f"\nPredicted, documents up to S/4 (seed 0), causal, bf16, D = 128, Hq = 64, Hkv = 8, {tokens} tokens "
-             f"per GPU, {per_node} GPUs a node, {rates_name} rates ({rates.fwd_tflops:g} / {rates.bwd_tflops:g} TFLOP/s, "
+             f"per GPU, {per_node} GPUs a node, {rates_name} rates ({kernel_words(rates)}, "
              f"{rates.intra_gbps:g} GB/s NVLink, {rates.inter_gbps:g} GB/s network, the built-in fixed costs): TFLOP/s "
              f"per GPU over the visible pairs at the slowest rank's pace, forward / backward, each layout with the "
              f"scheme scheme='auto' runs it with; MagiAttention's published figures beside them\n",

@@ -155,7 +155,7 @@ def cmd_plan(args):
     from .plan import calibrate, tables
     from .plan.costmodel import Cluster
     from .plan.layout import LAYOUTS, layouts_for
-    from .plan.rates import GPU_RATES
+    from .plan.rates import GPU_RATES, per_pair
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
     cu_seqlens = _collective(tables.planned_documents, args.seqlen, args.documents, args.doc_lengths, args.seed,
@@ -171,10 +171,10 @@ def cmd_plan(args):
     else:
         rates, nodes, per_node = GPU_RATES[args.gpu], args.nodes or 1, args.gpus_per_node or 8
         rates = replace(rates, **(calibrate.load(args.gpu) or {}))   # fixed costs `burst-hpc compile` measured
-    overrides = {f: getattr(args, f) for f in ("fwd_tflops", "bwd_tflops", "intra_gbps", "inter_gbps",
-                                               "intra_latency_us", "inter_latency_us", "fwd_launch_us",
-                                               "bwd_launch_us", "step_us") if getattr(args, f) is not None}
-    rates = replace(rates, **overrides)
+    overrides = {f: getattr(args, f) for f in ("intra_gbps", "inter_gbps", "intra_latency_us", "inter_latency_us",
+                                               "fwd_launch_us", "bwd_launch_us", "step_us")
+                 if getattr(args, f) is not None}
+    rates = per_pair(replace(rates, **overrides), args.fwd_tflops, args.bwd_tflops)   # a kernel rate: per pair
     cluster = Cluster(nodes, per_node)
     layouts = _collective(layouts_for, problem.seqlen, cluster.ranks, problem.mask,
                           LAYOUTS if args.layout is None else (args.layout,))   # chunks: placed by the mask

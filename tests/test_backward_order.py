@@ -1,11 +1,11 @@
 """The sm90 backward's schedule made on the host (no GPU needed): the query tiles each key block walks under an
-interval mask (sm90.key_block_ranges) and the CTA order (launch.key_block_order)."""
+interval mask (tiles.key_block_ranges) and the CTA order (launch.key_block_order)."""
 import heapq
 
 import numpy as np
 
 from burst_hpc.backends.cuda import launch, sm90
-from burst_hpc.plan import masks
+from burst_hpc.plan import masks, tiles
 
 
 def test_ranges_are_the_tiles_whose_rows_see_the_block(rng):
@@ -19,7 +19,7 @@ def test_ranges_are_the_tiles_whose_rows_see_the_block(rng):
         q0, k0 = (int(x) for x in rng.integers(0, s, 2))
         sq, sk = int(rng.integers(1, s - q0 + 1)), int(rng.integers(1, s - k0 + 1))
         bm, bn = int(rng.choice([64, 128])), int(rng.choice([64, 128]))
-        t_lo, t_end = sm90.key_block_ranges(mask, q0, sq, k0, sk, bm, bn)
+        t_lo, t_end = tiles.key_block_ranges(mask, q0, sq, k0, sk, bm, bn)
         lo, hi = mask.rows(q0, sq)
         for kb in range(-(-sk // bn)):
             first, last = k0 + kb * bn, k0 + min(sk, (kb + 1) * bn) - 1
@@ -32,7 +32,7 @@ def test_ranges_are_the_tiles_whose_rows_see_the_block(rng):
 def test_order_runs_every_cta_once_documents_together_heaviest_first(rng):
     cu = masks.random_documents(rng, 4000, 9)
     mask = masks.make(4000, True, None, cu)
-    t_lo, t_end = sm90.key_block_ranges(mask, 0, 4000, 0, 4000, 64, 128)
+    t_lo, t_end = tiles.key_block_ranges(mask, 0, 4000, 0, 4000, 64, 128)
     nkb, slots = len(t_lo), 5
     order = launch.key_block_order(t_lo, t_end, slots)
     assert order.dtype == np.int32 and sorted(order.tolist()) == list(range(nkb * slots))
@@ -70,7 +70,7 @@ def test_order_shortens_the_tail_of_packed_documents():
     while ends[-1] < 8192:
         ends.append(min(8192, ends[-1] + int(rng.integers(1, 2049))))
     mask = masks.make(8192, True, None, np.array(ends))
-    t_lo, t_end = sm90.key_block_ranges(mask, 0, 8192, 0, 8192, 64, 128)
+    t_lo, t_end = tiles.key_block_ranges(mask, 0, 8192, 0, 8192, 64, 128)
     nkb, slots = len(t_lo), 8
     work = (t_end - t_lo) * 8 + 4  # steps of 8 heads, and a start and epilogue
     in_order = _makespan(range(nkb * slots), nkb, work)

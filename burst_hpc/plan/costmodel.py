@@ -4,9 +4,10 @@ every layout and scheme, read off the schedule the engine runs (workload.account
 - the problem: batch B, sequence S, heads Hq / Hkv, head dim D, bytes per element, and the
   mask (causal, documents, window): which (query, key) pairs are visible, so which steps have work;
 - the cluster: nodes N of w ranks (P = N w), one GPU each;
-- rates: kernel FLOP/s forward and backward (the FlashAttention count: 4 Hq D per visible pair
-  forward, 2.5x that backward), and per link class (NVLink inside a node, the network between
-  nodes) the bandwidth per GPU each way and a latency per message.
+- rates (rates.py): the kernels' seconds per tile they run (tiles.py: the forward's key tiles and query
+  tiles, the backward's steps and its query tiles' L2 sharing; the NumPy path: per visible pair), the
+  backward's seconds per query token outside its kernel, and per link class (NVLink inside a node, the network
+  between nodes) the bandwidth per GPU each way and a latency per message.
 
 Step by step as the engine runs it: every rank starts a step's kernels when the step before has
 ended everywhere, and a step ends when its busiest rank's kernels (the critical path, not the
@@ -14,7 +15,8 @@ mean) are done and every transfer due then has arrived. A transfer is posted at 
 step (some schedules post transfers steps before they are due) and has arrived when both its
 sender's outgoing and its receiver's incoming link of its class have carried it: each link carries
 its transfers one after another in the order they are posted, a latency once per step and link.
-What cannot overlap is added: Ulysses' all-to-alls inside the node. Exposed communication =
+What cannot overlap is added: Ulysses' all-to-alls inside the node, the backward's work outside its
+kernels (pricing.outside_seconds). Exposed communication =
 predicted time - compute alone.
 
 ``predict`` prices one (scheme, layout); ``best`` the fastest of those that run; ``choose_layout``
@@ -22,12 +24,12 @@ predicted time - compute alone.
 memory.py.
 """
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
 from . import gather
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
+from .pricing import Costs, kernel_prices, outside_seconds
 from ..errors import BurstError, LayoutError
 from .layout import Layout, layouts_for, make_layout
 from .rates import rates_for
@@ -81,12 +83,13 @@ class PassPrediction:
     """One pass predicted step by step (``predict``)."""
     time: float          # seconds
     compute: float       # seconds of the critical path's kernels (the busiest rank of every step), block calls' too
-    mean: float          # seconds of the mean rank's visible pairs at the kernel rate
+    mean: float          # seconds of the mean rank's kernels (no block calls' fixed costs)
     steps: int
     network: float       # bytes the busiest GPU sends over the network
     fixed: float = 0.0   # seconds the fixed costs (launches, steps, messages) add to ``time``
     stepping: float = 0.0   # seconds of the steps' own fixed costs (in ``time``, not waiting for transfers)
     imbalance: float = 1.0  # the critical path's visible pairs over the mean rank's
+    flops: float = 0.0   # FLOPs of the mean rank's visible pairs (FlashAttention's count)
 
     @property
     def waited(self):
@@ -194,96 +197,28 @@ def pass_prediction(scheme, pr, cl, rates, layout, backward, scale=1):
     heads, kv_heads = pr.heads, pr.kv_heads
     if scheme == "ulysses_ring":
         heads, kv_heads = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node)
-    F = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
-    per_pair = attention_flops(pr.batch, heads, pr.head_dim, 1.0, backward) / F
+    prices = kernel_prices(rates, pr.batch, heads, pr.head_dim, backward)
+    tokens = layout.local * (cl.per_node if scheme == "ulysses_ring" else 1)   # a rank's query tokens
+    outside = outside_seconds(rates, pr.batch, heads, pr.head_dim, tokens, backward)
     sizes = transfer_bytes(heads, kv_heads, pr.head_dim, pr.itemsize, backward)
     nbytes = np.array([sizes[kind] * pr.batch for kind in KINDS])[acc.ends["kind"]] * acc.ends["tokens"]
     scales = np.atleast_1d(np.asarray(scale, np.float64))
-    costs = _Costs(acc, per_pair, nbytes, rates, backward)
+    costs = Costs(acc, prices, nbytes, rates, backward, outside)
     time = costs.run(scales)
     if scheme == "ulysses_ring":
         time = time + _all_to_alls(pr, cl, rates, backward, scales)
     sent = acc.ends["far"].astype(bool) & acc.ends["out"].astype(bool)
     network = np.bincount(acc.ends["rank"][sent], nbytes[sent], minlength=1).max()
-    compute = costs.critical(scales).sum(axis=0)
-    mean = acc.work.sum() * per_pair * scales ** 2 / cl.ranks
+    compute = costs.critical(scales).sum(axis=0) + outside * scales
+    mean = costs.kernels(scales).sum(axis=(0, 1)) / cl.ranks + outside * scales
     fixed = 0.0
     if np.ndim(scale) == 0:
         time, compute, mean = float(time[0]), float(compute[0]), float(mean[0])
         fixed = time - float(costs.run(scales, fixed=False)[0])
     work = acc.work.sum()
     return PassPrediction(time, compute, mean, acc.work.shape[0], float(network), fixed, acc.work.shape[0] * costs.step,
-                          acc.work.max(axis=1).sum() * cl.ranks / work if work else 1.0)
-
-
-class _Costs:
-    """The prices of one pass's Account: its kernels' seconds per visible pair and per block call,
-    each transfer's seconds on its link and its message's fixed cost, each step's fixed cost."""
-
-    def __init__(self, acc, per_pair, nbytes, rates, backward):
-        links = np.array([[rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6],
-                          [rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6]])
-        self.acc, self.per_pair = acc, per_pair
-        self.seconds, self.latency = nbytes / links[acc.ends["far"], 0], links[acc.ends["far"], 1]
-        self.launch = (rates.bwd_launch_us if backward else rates.fwd_launch_us) * 1e-6
-        self.step = rates.step_us * 1e-6
-
-    def critical(self, scales, fixed=True):
-        """(steps, scales): each step's busiest rank's kernels (its work and, ``fixed``, its block calls)."""
-        work = self.acc.work[:, :, None] * self.per_pair * scales ** 2
-        if fixed and self.launch:
-            work = work + self.acc.launches[:, :, None] * self.launch
-        return work.max(axis=1)
-
-    def run(self, scales, fixed=True):
-        """Seconds of the pass for each of ``scales`` (``fixed``: with the fixed costs)."""
-        latency = self.latency if fixed else np.zeros_like(self.latency)
-        return _run(self.acc, self.critical(scales, fixed), self.seconds, latency, self.step if fixed else 0.0,
-                    scales)
-
-
-def _run(acc, critical, seconds, latency, step, scales):
-    """Seconds of the steps, for each of ``scales`` (the tokens per GPU scaled: transfers by it;
-    ``critical`` (steps, scales) each step's busiest rank's kernels at each scale): each step the
-    larger of those kernels and the arrival of every transfer due at its end, then its fixed cost
-    ``step``; each link end carries its messages one after another in posting order (``seconds``
-    each at scale 1, plus its message's fixed cost ``latency``), none before it is posted."""
-    steps = _link_steps(acc)
-    free = np.zeros((4 * acc.work.shape[1], scales.size))   # when each (rank, far, out) link end is next free
-    arrived = np.zeros((len(critical), scales.size))
-    time = np.zeros(scales.size)
-    for t, compute in enumerate(critical):
-        start = time
-        if t in steps:
-            rows, ends, counts, last, by_due, dues, due_starts = steps[t]
-            carried = np.cumsum(seconds[rows, None] * scales + latency[rows, None], axis=0)   # end after end
-            before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
-            begin = np.maximum(start, free[ends]) - before
-            done = np.repeat(begin, counts, axis=0) + carried
-            free[ends] = done[last]
-            arrived[dues] = np.maximum(arrived[dues], np.maximum.reduceat(done[by_due], due_starts, axis=0))
-        time = np.maximum(start + compute, arrived[t]) + step
-    return time
-
-
-@lru_cache(maxsize=64)
-def _link_steps(acc):
-    """{step: (rows of acc.ends it posts, their link ends (rank, far, out) as indices, how many rows
-    each end has, the last row of each, the rows (of those) by due step, the
-    due steps, where each due step's rows start)}."""
-    ends = acc.ends
-    key = ends["rank"] * 4 + ends["far"] * 2 + ends["out"]
-    out = {}
-    for t in np.unique(ends["posted"]):
-        rows = np.flatnonzero(ends["posted"] == t)
-        first = np.flatnonzero(np.diff(key[rows], prepend=-1) != 0)
-        counts = np.diff(np.append(first, rows.size))
-        by_due = np.argsort(ends["due"][rows], kind="stable")
-        due = ends["due"][rows][by_due]
-        due_starts = np.flatnonzero(np.diff(due, prepend=-1) != 0)
-        out[int(t)] = (rows, key[rows][first], counts, first + counts - 1, by_due,
-                       due[due_starts], due_starts)
-    return out
+                          acc.work.max(axis=1).sum() * cl.ranks / work if work else 1.0,
+                          attention_flops(pr.batch, heads, pr.head_dim, work / cl.ranks, backward))
 
 
 def _all_to_alls(pr, cl, rates, backward, scale):

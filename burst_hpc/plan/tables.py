@@ -15,8 +15,9 @@ import numpy as np
 
 from . import costmodel
 from .memory import peak_memory
-from .rates import rates_for
-from .accounting import BACKWARD_FLOPS, attention_flops, visible_pairs
+from .pricing import call_seconds
+from .rates import rates_for, scaled
+from .accounting import visible_pairs
 from ..errors import BurstError, MaskError, ShapeError
 
 
@@ -62,7 +63,7 @@ def table(pr, cl, rates, layouts):
         if not all(math.isfinite(t) and t > 0 for t in times):
             raise BurstError(f"the cost model leaves the floating-point range with these sizes and rates ({scheme}: "
                              f"forward compute {p.fwd.compute:.3g} s, time {p.fwd.time:.3g} s)")
-        flops = [(rates.bwd_tflops if b else rates.fwd_tflops) * x.mean / x.time for b, x in ((0, p.fwd), (1, p.bwd))]
+        flops = [x.flops / x.time / 1e12 for x in (p.fwd, p.bwd)]
         peak = [_gib(peak_memory(scheme, pr, cl, b, p.layout)) for b in (False, True)]
         hides = [_tokens(costmodel.hiding_tokens(scheme, pr, cl, rates, b, layout=p.layout))
                  for b in (False, True)]
@@ -80,16 +81,29 @@ def describe(pr, cl, rates):
         shown += f", {visible_pairs(pr.mask) / float(pr.seqlen) ** 2:.3g} of the scores visible"
     return (f"{cl.nodes} nodes x {cl.per_node} {rates.name} ({cl.ranks} GPUs), S={pr.seqlen} "
             f"({pr.seqlen // cl.ranks} tokens/GPU), B={pr.batch}, Hq={pr.heads}, Hkv={pr.kv_heads} ({kind}), "
-            f"D={pr.head_dim}, {pr.itemsize}-byte elements, {shown}; rates: {rates.fwd_tflops:g} / "
-            f"{rates.bwd_tflops:g} TFLOP/s fwd / bwd, {rates.intra_gbps:g} GB/s inside a node, "
+            f"D={pr.head_dim}, {pr.itemsize}-byte elements, {shown}; rates: {kernel_words(rates)}; "
+            f"{rates.intra_gbps:g} GB/s inside a node, "
             f"{rates.inter_gbps:g} GB/s between nodes; fixed costs: {rates.fwd_launch_us:g} / {rates.bwd_launch_us:g} us "
             f"a block call fwd / bwd, {rates.step_us:g} us a step, {rates.intra_latency_us:g} / "
             f"{rates.inter_latency_us:g} us a message inside / between nodes")
 
 
+def kernel_words(rates):
+    """The kernels' prices of ``rates`` in words (per tile and per visible pair, those that apply)."""
+    fwd = [f"{rates.fwd_key_tile_ns:.3g} ns a key tile + {rates.fwd_query_tile_ns:.3g} ns a query tile"
+           ] if rates.fwd_key_tile_ns or rates.fwd_query_tile_ns else []
+    bwd = [f"{rates.bwd_step_ns:.3g} ns a step + {rates.bwd_shared_ns:.3g} ns x sqrt(key blocks) a query tile + "
+           f"{rates.bwd_token_ns:.3g} ns a token"] if rates.bwd_step_ns or rates.bwd_shared_ns else []
+    fwd += [f"{rates.fwd_tflops:g} TFLOP/s"] if math.isfinite(rates.fwd_tflops) else []
+    bwd += [f"{rates.bwd_tflops:g} TFLOP/s"] if math.isfinite(rates.bwd_tflops) else []
+    return (f"kernels fwd {' + '.join(fwd) or 'free'}, bwd {' + '.join(bwd) or 'free'} "
+            f"(tiles: a head at D = 128)")
+
+
 def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     """Rates measured here, collectively under mpiexec: one kernel timing forward and backward
-    (this rank's device, ``tokens`` tokens of the problem's heads) and one exchange over each link
+    (this rank's device, ``tokens`` tokens of the problem's heads; the built-in kernel prices scaled by the
+    measured time over the one they predict for that call, rates.scaled) and one exchange over each link
     class (local ranks 0 and 1 of the first node; local rank 0 of the first two nodes); the fixed
     costs of block calls and steps those of rates.rates_for (measured by `burst-hpc compile`)."""
     import time
@@ -115,7 +129,6 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     except Exception:  # noqa: BLE001
         sync = lambda: None  # noqa: E731
     causal = pr.mask.causal
-    flops = attention_flops(1, pr.heads, pr.head_dim, visible_pairs(masks.make(tokens, causal)))
     attention(q, k, k, causal=causal)
     sync()
     t0 = time.perf_counter()
@@ -125,8 +138,11 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
     attention_backward(o, q, k, k, o, lse, causal=causal)
     sync()
     t2 = time.perf_counter()
-    fwd = comm.allreduce(flops / (t1 - t0) / 1e12) / comm.size
-    bwd = comm.allreduce(BACKWARD_FLOPS * flops / (t2 - t1) / 1e12) / comm.size
+    # the built-in kernel prices (and the fixed costs `burst-hpc compile` measured here), scaled by this call
+    base = rates_for("cuda" if on_gpu else "numpy", device)
+    fwd, bwd = (comm.allreduce(seconds / call_seconds(base, masks.make(tokens, causal), 1, pr.heads, pr.head_dim,
+                                                      backward)) / comm.size
+                for seconds, backward in ((t1 - t0, False), (t2 - t1, True)))
 
     def link(a, b):
         """GB/s and latency (us) of a ping-pong between ordered ranks a and b (None if absent)."""
@@ -151,9 +167,7 @@ def measure(comm, pr, per_node=None, tokens=2048, nbytes=16 << 20):
 
     intra = link(0, 1) if topo.per_node > 1 else None
     inter = link(0, topo.per_node) if topo.nodes > 1 else None
-    # the block calls' and steps' fixed costs: as `burst-hpc compile` measured them here, else built in
-    base = rates_for("cuda" if on_gpu else "numpy", device)
-    return replace(base, name="measured", fwd_tflops=fwd, bwd_tflops=bwd,
+    return replace(scaled(base, fwd, bwd), name="measured",
                    intra_gbps=intra[0] if intra else base.intra_gbps, inter_gbps=inter[0] if inter else base.inter_gbps,
                    intra_latency_us=intra[1] if intra else base.intra_latency_us,
                    inter_latency_us=inter[1] if inter else base.inter_latency_us), topo

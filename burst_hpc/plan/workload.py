@@ -7,7 +7,7 @@ from functools import lru_cache
 
 import numpy as np
 
-from . import masks, schedule, workplan
+from . import masks, schedule, tiles, workplan
 from ..errors import BurstError, MaskError
 from .layout import check_layout, make_layout
 from .schedule import balanced_by_schedule, double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
@@ -68,8 +68,10 @@ class Account:
     ``work`` (steps, ranks) int64: the visible (query, key) pairs each rank computes at each step
     (Ulysses: for its share of the heads, on its node's tokens); ``launches`` (steps, ranks) int64:
     the block calls it makes for them (schedule.block_pairs: one per block pair the engine runs, each
-    with its fixed cost). ``ends``: every link end a transfer uses, as int64 arrays of one length, ordered by
-    the step that posts it, then by link end, then as the engine posts them (by due step):
+    with its fixed cost); ``tiles`` (steps, ranks, len(tiles.COUNTS)) float64: the tiles those calls'
+    kernels run, per head (tiles.call_tiles: what the kernels' time follows). ``ends``: every link end a
+    transfer uses, as int64 arrays of one length, ordered by the step that posts it, then by link end,
+    then as the engine posts them (by due step):
     ``posted``, ``due``, ``rank``, ``far`` (between nodes), ``out`` (the sender's end, else the
     receiver's), ``kind`` (an index into KINDS) and ``tokens``. A ring and a double ring are the
     same at every rank up to a rotation, so only some ranks' ends are listed (the ranks of one
@@ -79,6 +81,7 @@ class Account:
     posts, and their bytes, are what the cost model charges a link for."""
     work: np.ndarray
     launches: np.ndarray
+    tiles: np.ndarray
     ends: dict
 
 
@@ -100,13 +103,13 @@ def account(layout, mask, scheme, direction, per_node=None):
         return _gather_account(mask, layout, returns, per_node)
     if scheme == "ring":
         template = schedule_steps(layout, 0, near, returns, mask, None)
-        pairs = masks.pair_work(mask, layout), pair_launches(mask, layout)
+        pairs = (masks.pair_work(mask, layout),) + pair_calls(mask, layout)
         return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
     if scheme == "double_ring":
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         template = double_ring_steps(0, nodes, w, near, returns, rounds)
-        pairs = masks.pair_work(mask, layout), pair_launches(mask, layout)
+        pairs = (masks.pair_work(mask, layout),) + pair_calls(mask, layout)
         return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
                         shard, w, 1)
     if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
@@ -114,24 +117,28 @@ def account(layout, mask, scheme, direction, per_node=None):
                             lambda p, o: [(p - o) % nodes])
         template = plain_ring_steps(0, nodes, near, returns, count)
         pairs = masks.pair_work(mask, layout).reshape(nodes, w, nodes, w).sum(axis=(1, 3))
-        calls = position_launches(mask, layout, w)
-        node_account = _rotated(template, (pairs, calls), lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
+        node_account = _rotated(template, (pairs,) + position_calls(mask, layout, w), lambda x, r: (x + r) % nodes,
+                                nodes, w * shard, 1, 1)
         return replace(node_account, work=np.repeat(node_account.work, w, axis=1),
-                       launches=np.repeat(node_account.launches, w, axis=1))
+                       launches=np.repeat(node_account.launches, w, axis=1),
+                       tiles=np.repeat(node_account.tiles, w, axis=1))
     raise BurstError(f"unknown scheme {scheme!r}")
 
 
 def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
     """The Account of a schedule that every position runs rotated (``rotate(x, r)``: what position
-    0's ``x`` is at position r), from position 0's steps ``template`` and the visible pairs and the
-    block calls of every (query, key) pair of shards ``pairs`` (two arrays); the link ends of
+    0's ``x`` is at position r), from position 0's steps ``template`` and the visible pairs, the
+    block calls and their tiles of every (query, key) pair of shards ``pairs`` (three arrays); the link ends of
     positions 0..``shown``-1 (ranks ``per_node`` a node), shards of ``tokens`` tokens."""
     every = np.arange(positions)
     work, launches = (np.zeros((len(template), positions), np.int64) for _ in range(2))
+    tiled = np.zeros((len(template), positions, len(tiles.COUNTS)))
     for t, step in enumerate(template):
         for v in step.visits:
-            work[t] += pairs[0][rotate(v.q_shard, every), rotate(v.kv_shard, every)]
-            launches[t] += pairs[1][rotate(v.q_shard, every), rotate(v.kv_shard, every)]
+            at = rotate(v.q_shard, every), rotate(v.kv_shard, every)
+            work[t] += pairs[0][at]
+            launches[t] += pairs[1][at]
+            tiled[t] += pairs[2][at]
     ends = {}
     for r in range(shown):
         for t, step in enumerate(template):
@@ -140,9 +147,9 @@ def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
                     far = rotate(m.peer, r) // per_node != r // per_node
                     ends.setdefault(t, []).append((t if m.due is None else m.due, r, far, end, m.what, m.side,
                                                    tokens if m.rows is None else m.rows[1] - m.rows[0]))
-    work.setflags(write=False)
-    launches.setflags(write=False)
-    return Account(work, launches, _in_order(ends))
+    for x in (work, launches, tiled):
+        x.setflags(write=False)
+    return Account(work, launches, tiled, _in_order(ends))
 
 
 def _balanced_account(mask, size, near, returns, nodes, per_node):
@@ -154,16 +161,19 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
     visits = np.array([(t, r, i * chunk + lo, i * chunk + hi, j * chunk) for r, steps in enumerate(plan)
                        for t, step in enumerate(steps) for i, j, lo, hi in step], np.int64).reshape(-1, 5)
     t, r, first_row, end_row, first_key = visits.T
-    np.add.at(calls, (t, r), _seen(mask, first_row, end_row, first_key, first_key + chunk))
-    full.setflags(write=False)
-    calls.setflags(write=False)
+    seen = _seen(mask, first_row, end_row, first_key, first_key + chunk)
+    np.add.at(calls, (t, r), seen)
+    tiled = np.zeros((count, size, len(tiles.COUNTS)))
+    np.add.at(tiled, (t, r), tiles.calls_tiles(mask, first_row, end_row - first_row, first_key, chunk, True))
+    for x in (full, calls, tiled):
+        x.setflags(write=False)
     ends = {}
     for posted, sender, receiver, what, side, _, rows, due in moves:
         far = nodes is not None and nodes[sender] != nodes[receiver]
         tokens = chunk if rows is None else rows[1] - rows[0]
         for end, rank in (("out", sender), ("in", receiver)):
             ends.setdefault(posted, []).append((due, rank, far, end, what, side, tokens))
-    return Account(full, calls, _in_order(ends))
+    return Account(full, calls, tiled, _in_order(ends))
 
 
 def _seen(mask, first_row, end_row, first_key, end_key):
@@ -184,13 +194,17 @@ def _gather_account(mask, layout, returns, per_node):
     count, tasks, moves = gather.plan(mask, layout, returns)
     _, seen, _ = gather.sight(mask, layout)
     work, launches = (np.zeros((count, layout.size), np.int64) for _ in range(2))
+    tiled = np.zeros((count, layout.size, len(tiles.COUNTS)))
     for r, mine in enumerate(tasks):
         for t, visits in enumerate(mine):
             work[t, r] = sum(w for _, _, w in visits)
             # the block calls the engine makes for each visit (engine.passes: visit_pairs over the held keys)
-            launches[t, r] = sum(len(schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
-                layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows))
-                for shard, rows, w in visits if w)
+            calls = [schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
+                layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows)
+                for shard, rows, w in visits if w]
+            launches[t, r] = sum(len(pairs) for pairs in calls)
+            if per_node is not None:   # else the packed call's tiles, below
+                tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs])
     if per_node is None:
         # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
         # the exchange home and its additions after it. The forward priced as one step (on NVLink its exchange
@@ -200,16 +214,29 @@ def _gather_account(mask, layout, returns, per_node):
         backward = "kv" in returns and bool(moves)
         work, launches = (np.zeros((3 if backward else 1, layout.size), np.int64) for _ in range(2))
         work[int(backward)], launches[int(backward)] = total, total > 0
+        tiled = np.zeros(work.shape + (len(tiles.COUNTS),))
+        tiled[int(backward)] = [packed_tiles(mask, layout, r) if total[r] else np.zeros(len(tiles.COUNTS))
+                               for r in range(layout.size)]
         moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
-    work.setflags(write=False)
-    launches.setflags(write=False)
+    for x in (work, launches, tiled):
+        x.setflags(write=False)
     ends = {}
     for posted, due, sender, receiver, what, _, rows in moves:
         far = per_node is not None and sender // per_node != receiver // per_node
         tokens = sum(hi - lo for lo, hi in rows)
         for end, rank in (("out", sender), ("in", receiver)):
             ends.setdefault(posted, []).append((due, rank, far, end, what, "kv", tokens))
-    return Account(work, launches, _in_order(ends))
+    return Account(work, launches, tiled, _in_order(ends))
+
+
+def packed_tiles(mask, layout, rank):
+    """tiles.call_tiles of ``rank``'s one block call of the packed passes: its queries against its packed keys
+    (packing.packing: each row's keys as buffer positions)."""
+    from .packing import packing
+
+    packed = packing(mask, layout, rank)
+    buffer = masks.Packed(packed.lo, packed.hi, packed.keys, ("priced", mask, layout, rank))
+    return tiles.call_tiles(buffer, 0, packed.lo.size, 0, packed.keys)
 
 
 def _in_order(ends):
@@ -223,28 +250,37 @@ def _in_order(ends):
 
 
 @lru_cache(maxsize=16)
-def pair_launches(mask, layout):
-    """(size, size) int64, read-only: the block calls of rank a's queries against rank b's keys, as
-    the engine makes them (schedule.block_pairs: hidden pairs make none; ``mask`` as pair_work takes
-    it). Only the pairs with visible work are asked."""
+def pair_calls(mask, layout):
+    """(launches, tiles), read-only: the block calls of rank a's queries against rank b's keys, as the engine
+    makes them (schedule.block_pairs: hidden pairs make none; ``mask`` as pair_work takes it), (size, size)
+    int64, and their kernels' tiles (tiles.pairs_tiles), (size, size, len(tiles.COUNTS)) float64. Only the
+    pairs with visible work are asked."""
     size = layout.size
     owned = [layout.pieces(r) for r in range(size)]
     visible = masks.pair_work(mask, layout)
-    out = np.zeros((size, size), np.int64)
+    launches, tiled = np.zeros((size, size), np.int64), np.zeros((size, size, len(tiles.COUNTS)))
+    at, pairs = [], []
     for a, b in zip(*np.nonzero(visible)):
-        out[a, b] = len(schedule.block_pairs(owned[a], owned[b], mask))
-    out.setflags(write=False)
-    return out
+        made = schedule.block_pairs(owned[a], owned[b], mask)
+        launches[a, b] = len(made)
+        at += [(a, b)] * len(made)
+        pairs += made
+    if pairs:
+        np.add.at(tiled, tuple(np.array(at).T), tiles.pairs_calls_tiles(mask, pairs))
+    for x in (launches, tiled):
+        x.setflags(write=False)
+    return launches, tiled
 
 
-def position_launches(mask, layout, per_node):
-    """pair_launches of Ulysses' positions (a node's ``per_node`` shards joined, schemes.position_pairs):
-    the block calls of every (query, key) pair of shards of the positions, summed. An upper bound: the
+def position_calls(mask, layout, per_node):
+    """pair_calls of Ulysses' positions (a node's ``per_node`` shards joined, schemes.position_pairs): the
+    block calls and tiles of every (query, key) pair of shards of the positions, summed. An upper bound: the
     engine runs a position's joined pieces through one block_pairs, which fuses neighbouring full pairs
     into fewer calls (counting those exactly takes seconds at 16 nodes of 8)."""
-    calls = pair_launches(mask, layout)
     nodes = layout.size // per_node
-    return calls.reshape(nodes, per_node, nodes, per_node).sum(axis=(1, 3))
+    launches, tiled = pair_calls(mask, layout)
+    return (launches.reshape(nodes, per_node, nodes, per_node).sum(axis=(1, 3)),
+            tiled.reshape(nodes, per_node, nodes, per_node, -1).sum(axis=(1, 3)))
 
 
 def node_list(size, per_node):

@@ -6,6 +6,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import launch, tma
+from ...plan.tiles import interval_key_tiles, key_block_ranges
 from .contract import PARAMS, SOURCES, mask_mode
 from .launch import mask_args, strides
 
@@ -346,30 +347,3 @@ def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, hea
 
     return _cached(("backward", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm,
                     bn, slots, ordered), make)
-
-
-def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
-    """(t_lo, t_end), int64 per key block of bn keys: the query tiles of bm rows [t_lo, t_end) in which some row
-    sees one of its keys under an interval mask (each row's bounds never decrease, so two binary searches: the
-    first row whose end passes the block's first key, the first row after it whose start passes its last key);
-    t_lo = t_end where no row does."""
-    lo, hi = mask.rows(q_start, sq)
-    first_key = int(k_start) + np.arange(0, sk, bn, dtype=np.int64)
-    last_key = np.minimum(first_key + bn, int(k_start) + sk) - 1
-    r_first = np.searchsorted(hi, first_key, side="right")
-    r_end = np.maximum(r_first, np.searchsorted(lo, last_key, side="right"))
-    return r_first // bm, np.where(r_end > r_first, -(-r_end // bm), r_first // bm)
-
-
-def interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn):
-    """int64 per forward query block of bm rows: the key tiles of bn the interval kernel loads for it, 0 where it
-    skips the block (its TileScheduler, tile_keys in common.cuh): the keys [lo of the block's first row, hi of
-    its last row) clipped to the shard's [0, sk), counted in tokens before they are rounded out to tiles (a
-    block past a shard whose length is no multiple of bn sees nothing there, though its rounded tiles would
-    meet)."""
-    lo, hi = mask.rows(q_start, sq)
-    first = np.arange(0, sq, bm)
-    last = np.minimum(first + bm, sq) - 1
-    begin = np.clip(lo[first] - int(k_start), 0, sk)
-    end = np.clip(hi[last] - int(k_start), 0, sk)
-    return np.where(end > begin, -(-end // bn) - begin // bn, 0)

@@ -1,0 +1,130 @@
+"""The tiles a block call's kernels run under a mask: what the sm90 kernels schedule (backends/cuda/sm90.py reads
+the ranges and counts from here) and what the cost model prices (docs/RING.md, "The cost model").
+
+The forward runs a query block of bm rows against the key tiles of bn from the keys its first row sees to those
+its last row sees (``interval_key_tiles``), skipping a block that sees none; the backward runs one CTA per key block
+of bn keys, walking the query tiles of bm rows in which some row sees one of its keys (``key_block_ranges``). A
+full pair (no mask) runs every tile of its rectangle, a causal one is counted by the same rule on its rows'
+bounds. ``call_tiles`` counts, per head, what the cost model prices (COUNTS):
+
+- ``fwd_key_tiles``: the forward's key tiles (each a bm x bn product and its softmax update);
+- ``fwd_query_tiles``: the forward's query blocks with any key (each one's Q load, merge and store);
+- ``bwd_steps``: the backward's steps, a (key block, query tile) each (its five products);
+- ``bwd_shared``: the sum over the backward's query tiles of the square root of the key blocks that see each
+  (the steps of a query tile seen by n key blocks share its Q, dO and dQ rows through L2: a step costs
+  1 / sqrt(n) of a query tile's traffic, as the single-GPU sweep of bench/predict_sweep.py shows).
+"""
+import numpy as np
+
+# the tiles the cost model counts: the sm90 kernels' at D = 128 (their kernel tables: the forward's 128-row
+# instance, the backward's 64-row one), the shapes the per-tile rates of rates.py were measured on
+FORWARD_TILE = (128, 128)
+BACKWARD_TILE = (64, 128)
+COUNTS = ("fwd_key_tiles", "fwd_query_tiles", "bwd_steps", "bwd_shared")
+# how each count grows with the tokens of both sides scaled by s (costmodel.predict's ``scale``): s^2 tiles of a
+# rectangle, s query tiles, s^2 steps, s query tiles of sqrt(s) key blocks
+COUNT_POWERS = np.array([2.0, 1.0, 2.0, 1.5])
+
+
+def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
+    """(t_lo, t_end), int64 per key block of bn keys: the query tiles of bm rows [t_lo, t_end) in which some row
+    sees one of its keys under ``mask`` (a masks.Mask; each row's bounds never decrease, so two binary searches:
+    the first row whose end passes the block's first key, the first row after it whose start passes its last
+    key); t_lo = t_end where no row does."""
+    lo, hi = mask.rows(q_start, sq)
+    first_key = int(k_start) + np.arange(0, sk, bn, dtype=np.int64)
+    last_key = np.minimum(first_key + bn, int(k_start) + sk) - 1
+    r_first = np.searchsorted(hi, first_key, side="right")
+    r_end = np.maximum(r_first, np.searchsorted(lo, last_key, side="right"))
+    return r_first // bm, np.where(r_end > r_first, -(-r_end // bm), r_first // bm)
+
+
+def interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn):
+    """int64 per forward query block of bm rows: the key tiles of bn the interval kernel loads for it, 0 where it
+    skips the block (its TileScheduler, tile_keys in common.cuh): the keys [lo of the block's first row, hi of
+    its last row) clipped to the shard's [0, sk), counted in tokens before they are rounded out to tiles (a
+    block past a shard whose length is no multiple of bn sees nothing there, though its rounded tiles would
+    meet)."""
+    lo, hi = mask.rows(q_start, sq)
+    first = np.arange(0, sq, bm)
+    last = np.minimum(first + bm, sq) - 1
+    begin = np.clip(lo[first] - int(k_start), 0, sk)
+    end = np.clip(hi[last] - int(k_start), 0, sk)
+    return np.where(end > begin, -(-end // bn) - begin // bn, 0)
+
+
+def call_tiles(mask, q_start, sq, k_start, sk, masked=True):
+    """float64 (len(COUNTS),): the tiles of one block call of queries [q_start, +sq) against keys [k_start, +sk)
+    per head; ``masked`` False: a full pair (every tile of the rectangle)."""
+    return calls_tiles(mask, *([x] for x in (q_start, sq, k_start, sk, masked)))[0]
+
+
+def calls_tiles(mask, q_start, sq, k_start, sk, masked):
+    """float64 (calls, len(COUNTS)): call_tiles of many block calls at once (each argument an array over the
+    calls; ``mask``: a masks.Mask over the positions of every call's rows and keys): the forward's query blocks
+    and the backward's key blocks of every call laid end to end, each searched in the mask's bounds."""
+    q_start, sq, k_start, sk, masked = (x.reshape(-1) for x in np.broadcast_arrays(
+        *(np.asarray(x, np.int64) for x in (q_start, sq, k_start, sk)), np.asarray(masked, bool)))
+    masked = masked & (sq > 0) & (sk > 0) & (not mask.is_full)
+    (fm, fn), (bm, bn) = FORWARD_TILE, BACKWARD_TILE
+    query_tiles, key_blocks = -(-sq // bm), -(-sk // bn)
+    out = np.zeros((sq.size, len(COUNTS)))
+    full = ~masked & (sq > 0) & (sk > 0)
+    out[full] = np.stack([-(-sq // fm) * -(-sk // fn), -(-sq // fm), query_tiles * key_blocks,
+                          query_tiles * np.sqrt(key_blocks)], axis=1)[full]
+    if masked.any():
+        lo, hi = mask.intervals
+        calls = np.flatnonzero(masked)
+        out[calls, :2] = _forward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls])
+        out[calls, 2:] = _backward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls])
+    return out
+
+
+def _forward_tiles(lo, hi, q_start, sq, k_start, sk):
+    """(calls, 2): interval_key_tiles summed and its blocks with any key, of every call (bounds lo, hi)."""
+    fm, fn = FORWARD_TILE
+    blocks = -(-sq // fm)
+    call = np.repeat(np.arange(sq.size), blocks)
+    first = (np.arange(call.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * fm   # a block's first row
+    last = np.minimum(first + fm, sq[call]) - 1
+    begin = np.clip(lo[q_start[call] + first] - k_start[call], 0, sk[call])
+    end = np.clip(hi[q_start[call] + last] - k_start[call], 0, sk[call])
+    key_tiles = np.where(end > begin, -(-end // fn) - begin // fn, 0)
+    return np.stack([np.bincount(call, key_tiles, sq.size), np.bincount(call, key_tiles > 0, sq.size)], axis=1)
+
+
+def _backward_tiles(lo, hi, q_start, sq, k_start, sk):
+    """(calls, 2): the backward's steps and its query tiles' sqrt(key blocks that see them), summed, of every call
+    (key_block_ranges, each call's rows searched as a slice of the bounds)."""
+    bm, bn = BACKWARD_TILE
+    blocks, tiles_of = -(-sk // bn), -(-sq // bm)
+    call = np.repeat(np.arange(sq.size), blocks)
+    first_key = k_start[call] + (np.arange(call.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * bn
+    last_key = np.minimum(first_key + bn, (k_start + sk)[call]) - 1
+    rows_lo, rows_end = q_start[call], (q_start + sq)[call]
+    r_first = np.clip(np.searchsorted(hi, first_key, side="right"), rows_lo, rows_end) - rows_lo
+    r_end = np.maximum(r_first, np.clip(np.searchsorted(lo, last_key, side="right"), rows_lo, rows_end) - rows_lo)
+    t_lo = r_first // bm
+    t_end = np.where(r_end > r_first, -(-r_end // bm), t_lo)
+    # key blocks that see each query tile, every call's tiles end to end: +1 at t_lo, -1 at t_end (within the call)
+    offsets = np.cumsum(tiles_of) - tiles_of
+    seen_by = np.zeros(tiles_of.sum() + 1, np.int64)
+    np.add.at(seen_by, offsets[call] + t_lo, 1)
+    np.add.at(seen_by, offsets[call] + t_end, -1)
+    shared = np.sqrt(np.cumsum(seen_by[:-1]))
+    return np.stack([np.bincount(call, t_end - t_lo, sq.size),
+                     np.bincount(np.repeat(np.arange(sq.size), tiles_of), shared, sq.size)], axis=1)
+
+
+def pairs_tiles(mask, pairs):
+    """call_tiles summed over block pairs (schedule.BlockPair, as the engine runs them)."""
+    return pairs_calls_tiles(mask, pairs).sum(axis=0)
+
+
+def pairs_calls_tiles(mask, pairs):
+    """calls_tiles of block pairs (schedule.BlockPair), one row each."""
+    if not pairs:
+        return np.zeros((0, len(COUNTS)))
+    columns = np.array([(p.q_start, p.q.stop - p.q.start, p.k_start, p.k.stop - p.k.start, p.masked) for p in pairs],
+                       np.int64).T
+    return calls_tiles(mask, *columns[:4], columns[4].astype(bool))

@@ -1,0 +1,107 @@
+"""The cost model prices kernels by the tiles they run (plan/tiles.py, plan/pricing.py): the tile counts against a
+brute-force count over the dense mask, short documents dearer per visible pair than long ones, the account's
+tiles, and the single-GPU sweep the prices were fitted on predicted within 15% (bench/predict_sweep.py)."""
+import pathlib
+import sys
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from burst_hpc.plan import costmodel, masks, tiles
+from burst_hpc.plan.accounting import visible_pairs
+from burst_hpc.plan.layout import make_layout
+from burst_hpc.plan.rates import GPU_RATES, per_pair
+from burst_hpc.plan.workload import account
+from burst_hpc.reference import visible
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "bench"))
+import predict_sweep  # noqa: E402
+
+NO_FIXED = dict(intra_latency_us=0.0, inter_latency_us=0.0, fwd_launch_us=0.0, bwd_launch_us=0.0, step_us=0.0)
+
+
+def brute_tiles(seen):
+    """tiles.COUNTS of a block call from its dense visibility ``seen`` (rows x keys): the forward's key tiles
+    from the first to the last visible key of each 128-row block (a block's visible keys are one run: each row's
+    interval holds the row and both ends never decrease), its blocks with any key; the backward's (64-row tile,
+    128-key block) pairs with any visible pair, and the square root of each tile's such key blocks, summed."""
+    (fm, fn), (bm, bn) = tiles.FORWARD_TILE, tiles.BACKWARD_TILE
+    key_tiles = query_tiles = 0
+    for m in range(0, seen.shape[0], fm):
+        keys = np.flatnonzero(seen[m:m + fm].any(axis=0))
+        if keys.size:
+            key_tiles += keys[-1] // fn - keys[0] // fn + 1
+            query_tiles += 1
+    sq, sk = seen.shape
+    blocks = np.array([[seen[m:m + bm, n:n + bn].any() for n in range(0, sk, bn)] for m in range(0, sq, bm)])
+    return np.array([key_tiles, query_tiles, blocks.sum(), np.sqrt(blocks.sum(axis=1)).sum()])
+
+
+def test_tile_counts_match_a_brute_force_count(rng):
+    checked = set()
+    for _ in range(150):
+        s = int(rng.integers(2, 700))
+        kind = rng.choice(["documents", "window", "causal", "full"])
+        causal = kind == "causal" or (kind != "full" and bool(rng.random() < 0.8))
+        window = (int(rng.integers(-1, 200)), int(rng.integers(-1, 60))) if kind == "window" else None
+        cu = masks.random_documents(rng, s, int(rng.integers(1, min(s, 9) + 1))) if kind == "documents" else None
+        mask = masks.make(s, causal, window, cu)
+        q0, k0 = (int(x) for x in rng.integers(0, s, 2))
+        sq, sk = int(rng.integers(1, s - q0 + 1)), int(rng.integers(1, s - k0 + 1))
+        seen = visible(np.arange(q0, q0 + sq), np.arange(k0, k0 + sk), causal, window, cu)
+        if not seen.any():
+            continue
+        got = tiles.call_tiles(mask, q0, sq, k0, sk, not mask.is_full)
+        np.testing.assert_allclose(got, brute_tiles(seen), err_msg=f"{mask!r} {q0} {sq} {k0} {sk}")
+        checked.add(mask.kind)
+    assert checked == {"intervals", "causal", "full"}
+
+
+def test_a_full_pair_runs_every_tile_of_its_rectangle():
+    mask = masks.make(1000, True)
+    assert tiles.call_tiles(mask, 700, 300, 0, 200, masked=False).tolist() == [3 * 2, 3, 5 * 2, 5 * np.sqrt(2)]
+
+
+def predicted_per_pair(cu, seqlen, rates):
+    """(forward, backward) predicted seconds per visible pair of one rank's call over these documents."""
+    mask = masks.make(seqlen, True, None, np.array(cu))
+    pr = costmodel.Problem(1, seqlen, 64, 8, 128, 2, mask)
+    p = costmodel.predict("ring", pr, costmodel.Cluster(1, 1), rates, make_layout("contiguous", seqlen, 1))
+    return np.array([p.fwd.time, p.bwd.time]) / visible_pairs(mask)
+
+
+def test_short_documents_cost_more_per_visible_pair_than_one_long_one():
+    """64 documents of 128 tokens and one of 1024 hold about the same visible pairs (528k, 525k): the sweep
+    measured the short ones at a quarter of the long one's rate forward (121 against 453 TFLOP/s), a third
+    backward; priced per visible pair they would cost the same."""
+    short, long = list(range(0, 8193, 128)), [0, 1024]
+    rates = replace(GPU_RATES["H100"], **NO_FIXED)
+    ratio = predicted_per_pair(short, 8192, rates) / predicted_per_pair(long, 1024, rates)
+    assert (ratio > 2.5).all(), ratio
+    pairs_only = per_pair(rates, 600.0, 520.0)
+    flat = predicted_per_pair(short, 8192, pairs_only) / predicted_per_pair(long, 1024, pairs_only)
+    assert flat == pytest.approx([1.0, 1.0])
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "zigzag"])
+def test_the_account_carries_each_block_calls_tiles(kind, rng):
+    """The ring's account, summed over steps and ranks, holds the tiles of every block call the engine makes: each
+    rank's queries against every shard's keys, a call per block pair (schedule.block_pairs)."""
+    from burst_hpc.plan.schedule import block_pairs
+
+    seqlen, size = 4096, 4
+    mask = masks.make(seqlen, True, None, masks.random_documents(rng, seqlen, 5))
+    layout = make_layout(kind, seqlen, size)
+    acc = account(layout, mask, "ring", "forward")
+    want = sum(tiles.pairs_tiles(mask, block_pairs(layout.pieces(a), layout.pieces(b), mask))
+               for a in range(size) for b in range(size))
+    np.testing.assert_allclose(acc.tiles.sum(axis=(0, 1)), want)
+    assert acc.tiles.shape == acc.work.shape + (len(tiles.COUNTS),)
+
+
+def test_the_single_gpu_sweep_is_predicted_within_15_percent():
+    rows = predict_sweep.predictions()
+    assert len(rows) == 38
+    for S, case, pass_, measured, predicted in rows:
+        assert abs(predicted / measured - 1) <= 0.15, (S, case, pass_, measured, predicted)
