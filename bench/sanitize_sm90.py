@@ -9,8 +9,8 @@ causal and interval masks, bf16 and fp16) once on small shapes, for compute-sani
 The forward runs on 3 CTAs, so each takes several tiles, and runs four times: plain, with its key range
 cut in two (key splits), with the cross-tile step switched from its default, and as the block contract's
 first and last pair (its 16-bit output from the epilogue). The backward also runs as a first and last pair
-(delta and dq's zeros in the pre-pass; dK, dV straight from the registers where one CTA holds the group). The backward runs in both CTA orders (in order; the host's
-heavy-first order: documents heaviest first, a short causal grid's key blocks in pieces). Shapes: lengths that are not
+(delta and dq's zeros in the pre-pass; dK, dV straight from the registers where one CTA holds the group). The backward runs in both CTA orders (in order, walking up; the host's
+heavy-first order: documents heaviest first, walking down, a short causal grid's key blocks in pieces). Shapes: lengths that are not
 multiples of the tiles, GQA, two key blocks per CTA walk, a split GQA group (dK/dV atomics) and a causal
 offset. The results are checked loosely against a float64 oracle
 (the GPU tests check them tightly), so a kernel that the sanitizer slows down or perturbs still has to
@@ -31,7 +31,7 @@ from burst_hpc.backends.cuda import CudaBackend  # noqa: E402
 def main():
     forward_only, backward_only = "--forward-only" in sys.argv[1:], "--backward-only" in sys.argv[1:]
     be = CudaBackend.instance(family="sm90")
-    default_order = be.kernels.heavy_first
+    default_order, default_down = be.kernels.heavy_first, be.kernels.walk_down_blocks
     be.kernels.max_ctas = 3  # the forward's CTAs take several tiles each: tile boundaries, counter, locks
     rng = np.random.default_rng()
     worst = 0.0
@@ -85,8 +85,9 @@ def main():
                 kw = dict(causal=causal, scale=scale, q_start=q_start, window=window, cu_seqlens=cu)
                 ref_o, _ = reference.attention_reference(*host[:3], **kw)
                 grads = reference.attention_backward_reference(host[3], *host[:3], **kw)
-                for order in (False, True):
+                for order in (False, True):   # in order walking up; heavy first walking down (documents)
                     be.kernels.heavy_first = order
+                    be.kernels.walk_down_blocks = default_down if order else 0
                     for x in (dq_, dk_, dv_):
                         x.fill(0)
                     be.backward_block(*dev, lse, delta, dq_, dk_, dv_, scale=scale, masked=causal, q_start=q_start,
@@ -100,7 +101,7 @@ def main():
                         if not np.isfinite(err) or err > 5e-2:
                             print(f"FAIL {tag}")
                             return 1
-                be.kernels.heavy_first = default_order
+                be.kernels.heavy_first, be.kernels.walk_down_blocks = default_order, default_down
                 # the first and last pair: delta and dq's zeros in the pre-pass, dK / dV in 16 bits from the
                 # registers (one query head per kv head: one CTA holds the group) or converted, dQ converted
                 for hq_, hkv_ in ((hq, hkv), (hkv, hkv)):

@@ -130,13 +130,13 @@ struct Walk {
   bool down;                     // the step order (WalkStep)
 };
 
-// A step's query head and tile. Under interval masks (documents) the walk goes tile by tile from the last
-// (t_end - 1) down to t_lo, every head of the CTA at each tile: the CTAs of one document's key blocks, which
-// the host's order starts together, then read the same Q, dO rows and add into the same dq rows at about the
-// same time, so those come from L2 (walking each head from t_lo up, every CTA started at its own diagonal and
-// they met no row at the same time: 1.3-1.4x slower on the 8k bench sets). Otherwise head by head, each from
-// t_lo up: under a causal mask every key block shares the last tiles, and starting all CTAs of a head slot
-// there put them on the same dq rows at once (0.92x at 16k).
+// A step's query head and tile. Walking down (Walk::down, the host's choice per key block under interval masks:
+// launch.walk_down), the walk goes tile by tile from the last (t_end - 1) down to t_lo, every head of the CTA at
+// each tile: the CTAs of one document's key blocks, which the host's order starts together, then read the same
+// Q, dO rows and add into the same dq rows at about the same time, so those come from L2 (walking up, each CTA
+// started at its own diagonal and they met no row at the same time: 1.4x slower on the 8k bench sets).
+// Otherwise head by head, each from t_lo up: a causal mask's or a long document's key blocks all share its last
+// tiles, and starting a slot's CTAs all there put them on the same dq rows at once (16k: 0.92-0.94x).
 struct WalkStep {
   int h, t;
   __device__ __forceinline__ static WalkStep first(const Walk& w) { return {w.h_first, w.down ? w.t_end - 1 : w.t_lo}; }
@@ -830,12 +830,13 @@ __device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char*
     const i64 first_q = static_cast<i64>(n0) - args.off;  // the first query that sees key n0
     t_lo = first_q <= 0 ? 0 : static_cast<int>(min(static_cast<i64>(t_end), first_q / BM));
   }
-  if (IV) t_lo = args.ranges[2 * tile.kb], t_end = args.ranges[2 * tile.kb + 1];
+  bool down = false;
+  if (IV) t_lo = args.ranges[3 * tile.kb], t_end = args.ranges[3 * tile.kb + 1], down = args.ranges[3 * tile.kb + 2];
   // step order: WalkStep (tile by tile from the last, every head at each)
   const int steps = n0 < args.Sk ? (t_end - t_lo) * args.hpb : 0;
   return {base, reinterpret_cast<const float*>(at + L::kLse), reinterpret_cast<const float*>(at + L::kDelta),
           reinterpret_cast<const int*>(at + L::kKlo), reinterpret_cast<const int*>(at + L::kKhi), n0, tile.b,
-          tile.hk, tile.hk * args.group + tile.split * args.hpb, args.hpb, t_lo, t_end, steps, IV};
+          tile.hk, tile.hk * args.group + tile.split * args.hpb, args.hpb, t_lo, t_end, steps, down};
 }
 
 template <int D, bool BF16, bool CAUSAL, bool IV>
@@ -904,7 +905,8 @@ __device__ __forceinline__ void attn_bwd_sm90(const Bwd90Params args) {
 // named attn_bwd_sm90_<dtype>_d<D>_<mask>; the kernel table attn_bwd_sm90_kernels lists them with their
 // geometry. The arguments (Bwd90Params, contract.cuh): tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32)
 // tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows (Sq_pad rows per head); ranges (interval
-// only): the query tiles [ranges[2 kb], ranges[2 kb + 1]) key block kb walks (the host's key_block_ranges);
+// only): the query tiles [ranges[3 kb], ranges[3 kb + 1]) key block kb walks (the host's key_block_ranges) and,
+// ranges[3 kb + 2] != 0, whether it walks them down (WalkStep; the host's launch.walk_down);
 // order: null or the CTA order (KeyBlockTile) over the 1-D grid of key blocks x head slots; hpb: query heads per CTA; kv: KvOut
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
 BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)

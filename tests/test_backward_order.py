@@ -111,7 +111,7 @@ def test_which_masks_take_an_order(monkeypatch):
     s, cu = 8192, np.array([0, 1000, 5000, 8192])
 
     def schedule(mode, mask, heavy_first=True, s=s):
-        ranges, order = sm90._key_block_schedule(mode, mask, 0, s, 0, s, 64, 128, 8, heavy_first)
+        ranges, order = sm90._key_block_schedule(mode, mask, 0, s, 0, s, 64, 128, 8, heavy_first, 64)
         return isinstance(ranges, np.ndarray), isinstance(order, np.ndarray)
 
     documents = masks.make(s, True, None, cu)
@@ -123,3 +123,33 @@ def test_which_masks_take_an_order(monkeypatch):
     assert schedule("causal", masks.make(s, True), heavy_first=False) == (False, False)
     assert schedule("causal", masks.make(4 * s, True), s=4 * s) == (False, False)   # 8 waves or more
     assert schedule("full", masks.make(s)) == (False, False)
+
+
+def test_short_documents_walk_down_long_ones_up(monkeypatch):
+    """launch.walk_down: the key blocks of a document (a run with one end tile) of at most ``most`` blocks walk
+    down, a longer document's walk up; the host's ranges carry it as each key block's third int."""
+    t_end = np.array([3, 3, 3, 9, 9, 20, 20, 20, 20, 20, 21])
+    assert launch.pieces(t_end).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3]
+    assert launch.walk_down(t_end, 3).tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1]
+    assert launch.walk_down(t_end, 0).tolist() == [0] * 11
+    assert launch.walk_down(np.zeros(0, np.int64), 64).tolist() == []
+
+    import sys
+    import types
+
+    fake = types.ModuleType("cupy")
+    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
+    fake.asarray = np.asarray
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setattr(sm90, "_ORDERS", type(sm90._ORDERS)())
+    monkeypatch.setattr(launch, "sm_count", lambda: 132)
+    s = 32768
+    cu = np.array([0, 512, 512 + 16384, s])    # documents of 4, 128 and 124 key blocks of 128
+    mask = masks.make(s, True, None, cu)
+    ranges, _ = sm90._key_block_schedule("interval", mask, 0, s, 0, s, 64, 128, 8, True, 64)
+    triples = ranges.reshape(-1, 3)
+    t_lo, t_end = tiles.key_block_ranges(mask, 0, s, 0, s, 64, 128)
+    assert (triples[:, 0] == t_lo).all() and (triples[:, 1] == t_end).all()
+    assert triples[:, 2].tolist() == [1] * 4 + [0] * 252
+    again, _ = sm90._key_block_schedule("interval", mask, 0, s, 0, s, 64, 128, 8, True, 128)
+    assert again.reshape(-1, 3)[:, 2].tolist() == [1] * 256        # a different rule is a different entry

@@ -351,22 +351,25 @@ def _check_interval_backward(dt, d, hq, hkv, window=(150, 0)):
 @pytest.mark.parametrize("family", _NATIVE_D256, indirect=True)  # the sm90 family
 @pytest.mark.parametrize("heavy_first", [False, True])
 @pytest.mark.parametrize("d", [64, 128, 256])
-@pytest.mark.parametrize("mode", ["causal", "interval"])
+@pytest.mark.parametrize("mode", ["causal", "interval", "interval walking up"])
 def test_sm90_backward_tile_orders(family, heavy_first, d, mode):
     """Each backward CTA order (Sm90Kernels.heavy_first: documents heaviest first and a short causal grid's key
     blocks in pieces, or head slot after head slot) against the float64 oracle: causal with a GQA group split
     over CTAs, and interval masks whose key blocks see very different numbers of query tiles (the host's
-    ranges)."""
+    ranges), their CTAs walking down (short documents: the default) or up (walk_down_blocks 0, the walk of
+    long documents)."""
     kernels = _be().kernels
-    default = kernels.heavy_first
+    defaults = kernels.heavy_first, kernels.walk_down_blocks
     kernels.heavy_first = heavy_first
+    if mode == "interval walking up":
+        kernels.walk_down_blocks = 0
     try:
         if mode == "causal":
             _check_backward(1000, d, True, 8, 2)
         else:
             _check_interval_backward(BF16, d, 8, 2, window=None)  # documents: the heavy-first order
     finally:
-        kernels.heavy_first = default
+        kernels.heavy_first, kernels.walk_down_blocks = defaults
 
 
 # ---------------------------------------------------------------- strided views, offsets, merging

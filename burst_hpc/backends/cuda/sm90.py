@@ -37,6 +37,8 @@ class Sm90Kernels:
     key blocks in pieces of a few while the grid is a few waves, ``launch.causal_order_band``); False: head slot
     after head slot, key blocks in order, the order of full masks and sliding windows (bench_kernels.py
     --bwd-order and bench/backward_order.py time both).
+    ``walk_down_blocks``: under an interval mask, the longest piece (a document's key blocks) whose backward CTAs
+    walk their query tiles from the last down (``launch.walk_down``); 0: every CTA walks up.
     ``key_splits``: let the forward cut each query tile's key range across CTAs when its query tiles leave
     SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count.
     ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
@@ -56,6 +58,7 @@ class Sm90Kernels:
         self.backward_args = launch.KernelArgs(PARAMS["sm90", "bwd"])
         self.forced_tile_height = None
         self.heavy_first = True
+        self.walk_down_blocks = launch.WALK_DOWN_BLOCKS
         self.key_splits = False
         self.forced_key_splits = None
         self.cross_tile = True
@@ -248,7 +251,8 @@ class Sm90Kernels:
               np.int32(sq_pad), mlo, mhi, kofs, np.int32(sk), np.int32(d), *rows_of, np.int32(kind == "bf16"),
               *zero_dq))
         slots = nsplit * b * hkv
-        ranges, order = _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first)
+        ranges, order = _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first,
+                                            self.walk_down_blocks)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
         args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
@@ -319,9 +323,10 @@ def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
     return _cached(("forward", mask, int(q_start), sq, int(k_start), sk, bm, bn), make)
 
 
-def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first):
+def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first, down_blocks):
     """(ranges, order) of a backward launch of instance ``mode``: under an interval mask the query tiles each key
-    block of bn walks (key_block_ranges; int32 pairs on the device); with ``heavy_first`` the CTA order
+    block of bn walks (key_block_ranges) and its walk's direction (launch.walk_down with ``down_blocks``), int32
+    triples on the device; with ``heavy_first`` the CTA order
     (launch.key_block_order) under documents, and under a causal mask while the grid is a few waves
     (launch.causal_order_band). A null pointer for either where none: the kernel's own ranges, head slot after
     head slot. A sliding window keeps that plain order: its key blocks weigh alike (no tail to shorten) and
@@ -338,7 +343,8 @@ def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, hea
     def make():
         if mode == "interval":
             t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
-            ranges = cupy.asarray(np.stack([t_lo, t_end], 1).astype(np.int32).ravel())
+            down = launch.walk_down(t_end, down_blocks)
+            ranges = cupy.asarray(np.stack([t_lo, t_end, down], 1).astype(np.int32).ravel())
         else:  # key block kb is first seen by query kb * bn - off (the kernel's own rule)
             t_end = np.full(nkb, -(-sq // bm))
             t_lo = np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end)
@@ -346,4 +352,4 @@ def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, hea
         return ranges, cupy.asarray(launch.key_block_order(t_lo, t_end, slots, band)) if ordered else null
 
     return _cached(("backward", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm,
-                    bn, slots, ordered), make)
+                    bn, slots, ordered, down_blocks if mode == "interval" else None), make)
