@@ -126,13 +126,13 @@ def test_which_masks_take_an_order(monkeypatch):
 
 
 def test_short_documents_walk_down_long_ones_up(monkeypatch):
-    """launch.walk_down: the key blocks of a document (a run with one end tile) of at most ``most`` blocks walk
+    """tiles.walk_down: the key blocks of a document (a run with one end tile) of at most ``most`` blocks walk
     down, a longer document's walk up; the host's ranges carry it as each key block's third int."""
     t_end = np.array([3, 3, 3, 9, 9, 20, 20, 20, 20, 20, 21])
-    assert launch.pieces(t_end).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3]
-    assert launch.walk_down(t_end, 3).tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1]
-    assert launch.walk_down(t_end, 0).tolist() == [0] * 11
-    assert launch.walk_down(np.zeros(0, np.int64), 64).tolist() == []
+    assert tiles.pieces(t_end).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3]
+    assert tiles.walk_down(t_end, 3).tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1]
+    assert tiles.walk_down(t_end, 0).tolist() == [0] * 11
+    assert tiles.walk_down(np.zeros(0, np.int64), 64).tolist() == []
 
     import sys
     import types
@@ -153,3 +153,6 @@ def test_short_documents_walk_down_long_ones_up(monkeypatch):
     assert triples[:, 2].tolist() == [1] * 4 + [0] * 252
     again, _ = sm90._key_block_schedule("interval", mask, 0, s, 0, s, 64, 128, 8, True, 128)
     assert again.reshape(-1, 3)[:, 2].tolist() == [1] * 256        # a different rule is a different entry
+    window = masks.make(s, True, (1000, 0), cu)                       # sliding windows walk up
+    ranges, _ = sm90._key_block_schedule("interval", window, 0, s, 0, s, 64, 128, 8, True, 64)
+    assert not ranges.reshape(-1, 3)[:, 2].any()

@@ -21,11 +21,12 @@ import predict_sweep  # noqa: E402
 NO_FIXED = dict(intra_latency_us=0.0, inter_latency_us=0.0, fwd_launch_us=0.0, bwd_launch_us=0.0, step_us=0.0)
 
 
-def brute_tiles(seen):
+def brute_tiles(seen, documents=False):
     """tiles.COUNTS of a block call from its dense visibility ``seen`` (rows x keys): the forward's key tiles
     from the first to the last visible key of each 128-row block (a block's visible keys are one run: each row's
     interval holds the row and both ends never decrease), its blocks with any key; the backward's (64-row tile,
-    128-key block) pairs with any visible pair, and the square root of each tile's such key blocks, summed."""
+    128-key block) pairs with any visible pair, and the square root of each tile's such key blocks, summed apart
+    for key blocks walking up and down (``documents``: those in runs of at most 64 with one last tile)."""
     (fm, fn), (bm, bn) = tiles.FORWARD_TILE, tiles.BACKWARD_TILE
     key_tiles = query_tiles = 0
     for m in range(0, seen.shape[0], fm):
@@ -35,7 +36,19 @@ def brute_tiles(seen):
             query_tiles += 1
     sq, sk = seen.shape
     blocks = np.array([[seen[m:m + bm, n:n + bn].any() for n in range(0, sk, bn)] for m in range(0, sq, bm)])
-    return np.array([key_tiles, query_tiles, blocks.sum(), np.sqrt(blocks.sum(axis=1)).sum()])
+    down = np.zeros(blocks.shape[1], bool)
+    if documents:   # runs of seen key blocks with one last tile, at most 64 long (tiles.walk_down)
+        last = [np.flatnonzero(column).max() if column.any() else -1 for column in blocks.T]
+        runs = [[]]
+        for kb, end in enumerate(last):
+            if end < 0 or (runs[-1] and last[runs[-1][-1]] != end):
+                runs.append([])
+            if end >= 0:
+                runs[-1].append(kb)
+        for run in runs:
+            down[run] = len(run) <= tiles.WALK_DOWN_BLOCKS
+    return np.array([key_tiles, query_tiles, blocks.sum(), np.sqrt(blocks[:, ~down].sum(axis=1)).sum(),
+                     np.sqrt(blocks[:, down].sum(axis=1)).sum()])
 
 
 def test_tile_counts_match_a_brute_force_count(rng):
@@ -53,14 +66,15 @@ def test_tile_counts_match_a_brute_force_count(rng):
         if not seen.any():
             continue
         got = tiles.call_tiles(mask, q0, sq, k0, sk, not mask.is_full)
-        np.testing.assert_allclose(got, brute_tiles(seen), err_msg=f"{mask!r} {q0} {sq} {k0} {sk}")
+        np.testing.assert_allclose(got, brute_tiles(seen, kind == "documents"),
+                                   err_msg=f"{mask!r} {q0} {sq} {k0} {sk}")
         checked.add(mask.kind)
     assert checked == {"intervals", "causal", "full"}
 
 
 def test_a_full_pair_runs_every_tile_of_its_rectangle():
     mask = masks.make(1000, True)
-    assert tiles.call_tiles(mask, 700, 300, 0, 200, masked=False).tolist() == [3 * 2, 3, 5 * 2, 5 * np.sqrt(2)]
+    assert tiles.call_tiles(mask, 700, 300, 0, 200, masked=False).tolist() == [3 * 2, 3, 5 * 2, 5 * np.sqrt(2), 0.0]
 
 
 def predicted_per_pair(cu, seqlen, rates):
@@ -105,3 +119,16 @@ def test_the_single_gpu_sweep_is_predicted_within_15_percent():
     assert len(rows) == 38
     for S, case, pass_, measured, predicted in rows:
         assert abs(predicted / measured - 1) <= 0.15, (S, case, pass_, measured, predicted)
+
+
+def test_a_long_documents_backward_walks_up_a_short_ones_down():
+    """The backward's shared term goes to the direction its key blocks walk (tiles.walk_down): a document of
+    more than WALK_DOWN_BLOCKS key blocks walks up, shorter ones down, a sliding window's up."""
+    s = 2 * 128 * (tiles.WALK_DOWN_BLOCKS + 1)
+    cu = np.array([0, 128 * (tiles.WALK_DOWN_BLOCKS + 1), s - 512, s])     # 65 key blocks, then 61, then 4
+    counts = tiles.call_tiles(masks.make(s, True, None, cu), 0, s, 0, s)
+    long_only = tiles.call_tiles(masks.make(s, True, None, cu[:2].tolist() + [s]), 0, s, 0, s)   # 65 and 65
+    assert counts[3] > 0 and counts[4] > 0
+    assert long_only[4] == 0 and long_only[3] > 0
+    window = tiles.call_tiles(masks.make(s, True, (500, 0)), 0, s, 0, s)
+    assert window[4] == 0 and window[3] > 0

@@ -15,8 +15,8 @@ def kernel_prices(rates, batch, heads, head_dim, backward):
     D / 128 (the work of a tile); the per-pair rate counts FlashAttention's FLOPs (inf: no per-pair term)."""
     rate = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
     per_pair = attention_flops(batch, heads, head_dim, 1.0, backward) / rate
-    terms = ((0.0, 0.0, rates.bwd_step_ns, rates.bwd_shared_ns) if backward
-             else (rates.fwd_key_tile_ns, rates.fwd_query_tile_ns, 0.0, 0.0))
+    terms = ((0.0, 0.0, rates.bwd_step_ns, rates.bwd_shared_ns, rates.bwd_shared_down_ns) if backward
+             else (rates.fwd_key_tile_ns, rates.fwd_query_tile_ns, 0.0, 0.0, 0.0))
     return per_pair, np.array(terms) * 1e-9 * batch * heads * head_dim / 128
 
 

@@ -28,7 +28,8 @@ class Rates:
     fwd_key_tile_ns: float = 0.0     # a forward key tile (128 x 128) of one head
     fwd_query_tile_ns: float = 0.0   # a forward query tile (128 rows) with any key: its load, merge and store
     bwd_step_ns: float = 0.0         # a backward step (64-row query tile x 128-key block) of one head
-    bwd_shared_ns: float = 0.0       # a backward query tile seen by n key blocks: this x sqrt(n) (tiles.py)
+    bwd_shared_ns: float = 0.0       # a backward query tile seen by n key blocks walking up: this x sqrt(n)
+    bwd_shared_down_ns: float = 0.0  # the same, its key blocks walking down (tiles.walk_down)
     bwd_token_ns: float = 0.0        # a query token of one head in the backward's pre-pass and dQ conversion
 
 
@@ -39,7 +40,8 @@ def per_pair(rates, fwd_tflops=None, bwd_tflops=None):
     if fwd_tflops is not None:
         out = replace(out, fwd_tflops=fwd_tflops, fwd_key_tile_ns=0.0, fwd_query_tile_ns=0.0)
     if bwd_tflops is not None:
-        out = replace(out, bwd_tflops=bwd_tflops, bwd_step_ns=0.0, bwd_shared_ns=0.0, bwd_token_ns=0.0)
+        out = replace(out, bwd_tflops=bwd_tflops, bwd_step_ns=0.0, bwd_shared_ns=0.0, bwd_shared_down_ns=0.0,
+                      bwd_token_ns=0.0)
     return out
 
 
@@ -49,13 +51,15 @@ def scaled(rates, fwd, bwd):
     return replace(rates, fwd_tflops=rates.fwd_tflops / fwd, bwd_tflops=rates.bwd_tflops / bwd,
                    fwd_key_tile_ns=rates.fwd_key_tile_ns * fwd, fwd_query_tile_ns=rates.fwd_query_tile_ns * fwd,
                    bwd_step_ns=rates.bwd_step_ns * bwd, bwd_shared_ns=rates.bwd_shared_ns * bwd,
-                   bwd_token_ns=rates.bwd_token_ns * bwd)
+                   bwd_shared_down_ns=rates.bwd_shared_down_ns * bwd, bwd_token_ns=rates.bwd_token_ns * bwd)
 
 
 # Kernel prices: the sm90 kernels timed on one H100 (bench/data/sweep-2026-11-26.json, bench/predict_sweep.py:
 # causal documents of 128..32768 tokens at S = 8k and 32k, Hq = 64, Hkv = 8, D = 128, bf16), fitted as
-# time x 132 SMs = 1.65 us a key tile + 2.70 us a query tile (forward) and 2.2 us a step + 4.07 us x sqrt(n) a
-# query tile seen by n key blocks (backward's kernel), each within 9% of every point; the backward's pre-pass
+# time x 132 SMs = 1.65 us a key tile + 2.70 us a query tile (forward, within 7% of every point) and 2.2 us a
+# step + 4.07 us x sqrt(n) a query tile seen by n key blocks walking up, 2.05 us x sqrt(n) walking down (the
+# backward's kernel: a short document's CTAs walk its tiles down together and share its rows, tiles.walk_down;
+# within 15% of every point, the 8k bench sets 8-12% slower than they run); the backward's pre-pass
 # and dQ conversion 0.63 ns a query token and head (memory-bound: 195 + 134 us at 8k). H200: the kernels scaled
 # by its measured forward / backward rates (610 / 530 TFLOP/s against H100's 600 / 520), the memory-bound
 # pass by its bandwidth (4.8 against 3.35 TB/s).
@@ -71,11 +75,12 @@ GPU_FIXED = dict(intra_latency_us=30.0, inter_latency_us=30.0, fwd_launch_us=25.
                  step_us=150.0)
 SMS = 132
 H100_TILES = dict(fwd_key_tile_ns=1650.0 / SMS, fwd_query_tile_ns=2700.0 / SMS, bwd_step_ns=2200.0 / SMS,
-                  bwd_shared_ns=4070.0 / SMS, bwd_token_ns=0.63)
+                  bwd_shared_ns=4070.0 / SMS, bwd_shared_down_ns=2050.0 / SMS, bwd_token_ns=0.63)
 H200_TILES = dict(fwd_key_tile_ns=H100_TILES["fwd_key_tile_ns"] * 600 / 610,
                   fwd_query_tile_ns=H100_TILES["fwd_query_tile_ns"] * 600 / 610,
                   bwd_step_ns=H100_TILES["bwd_step_ns"] * 520 / 530,
                   bwd_shared_ns=H100_TILES["bwd_shared_ns"] * 520 / 530,
+                  bwd_shared_down_ns=H100_TILES["bwd_shared_down_ns"] * 520 / 530,
                   bwd_token_ns=H100_TILES["bwd_token_ns"] * 3.35 / 4.8)
 GPU_RATES = {
     "H100": Rates("H100", math.inf, math.inf, 300.0, 50.0, **GPU_FIXED, **H100_TILES),

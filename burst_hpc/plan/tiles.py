@@ -12,7 +12,9 @@ bounds. ``call_tiles`` counts, per head, what the cost model prices (COUNTS):
 - ``bwd_steps``: the backward's steps, a (key block, query tile) each (its five products);
 - ``bwd_shared``: the sum over the backward's query tiles of the square root of the key blocks that see each
   (the steps of a query tile seen by n key blocks share its Q, dO and dQ rows through L2: a step costs
-  1 / sqrt(n) of a query tile's traffic, as the single-GPU sweep of bench/predict_sweep.py shows).
+  1 / sqrt(n) of a query tile's traffic, as the single-GPU sweep of bench/predict_sweep.py shows), over the
+  tiles whose key blocks walk up; ``bwd_shared_down`` the same over those whose key blocks walk down
+  (``walk_down``: a short document's, which meet on its rows and share them better).
 """
 import numpy as np
 
@@ -20,10 +22,32 @@ import numpy as np
 # instance, the backward's 64-row one), the shapes the per-tile rates of rates.py were measured on
 FORWARD_TILE = (128, 128)
 BACKWARD_TILE = (64, 128)
-COUNTS = ("fwd_key_tiles", "fwd_query_tiles", "bwd_steps", "bwd_shared")
+COUNTS = ("fwd_key_tiles", "fwd_query_tiles", "bwd_steps", "bwd_shared", "bwd_shared_down")
 # how each count grows with the tokens of both sides scaled by s (costmodel.predict's ``scale``): s^2 tiles of a
 # rectangle, s query tiles, s^2 steps, s query tiles of sqrt(s) key blocks
-COUNT_POWERS = np.array([2.0, 1.0, 2.0, 1.5])
+COUNT_POWERS = np.array([2.0, 1.0, 2.0, 1.5, 1.5])
+
+
+# the longest piece (key blocks) whose sm90 backward CTAs walk their query tiles down under documents (walk_down)
+WALK_DOWN_BLOCKS = 64
+
+
+def pieces(t_end):
+    """Per key block, the index of its piece: a run of key blocks that walk to the same end tile ``t_end`` (under
+    documents, one document's; the sm90 backward's CTA order, launch.key_block_order, starts a piece together)."""
+    t_end = np.asarray(t_end, np.int64)
+    return np.concatenate(([0], np.cumsum(t_end[1:] != t_end[:-1]))) if len(t_end) else np.zeros(0, np.int64)
+
+
+def walk_down(t_end, most=WALK_DOWN_BLOCKS):
+    """Per key block (0 or 1), whether the sm90 backward walks its query tiles from the last down (WalkStep in
+    attn_bwd_sm90.cu) under documents: in pieces of at most ``most`` key blocks. Walking down, a document's key
+    blocks meet on the same Q, dO and dq rows and share them in L2 (the 8k bench sets 1.4x); a longer piece's CTAs
+    of a head slot would all start on its last rows at once (one document of 16k tokens, 128 key blocks: 0.94x),
+    so they walk up, each from its own diagonal (one of 8k: down 1.045x). Sliding windows, plain causal and full
+    masks walk up (sm90._key_block_schedule)."""
+    piece = pieces(t_end)
+    return (np.bincount(piece)[piece] <= most).astype(np.int64) if len(piece) else np.zeros(0, np.int64)
 
 
 def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
@@ -71,12 +95,13 @@ def calls_tiles(mask, q_start, sq, k_start, sk, masked):
     out = np.zeros((sq.size, len(COUNTS)))
     full = ~masked & (sq > 0) & (sk > 0)
     out[full] = np.stack([-(-sq // fm) * -(-sk // fn), -(-sq // fm), query_tiles * key_blocks,
-                          query_tiles * np.sqrt(key_blocks)], axis=1)[full]
+                          query_tiles * np.sqrt(key_blocks), np.zeros(sq.size)], axis=1)[full]
     if masked.any():
         lo, hi = mask.intervals
         calls = np.flatnonzero(masked)
+        documents = mask.kind == "intervals" and mask.window is None   # the backward's walks down (walk_down)
         out[calls, :2] = _forward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls])
-        out[calls, 2:] = _backward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls])
+        out[calls, 2:] = _backward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls], documents)
     return out
 
 
@@ -93,9 +118,10 @@ def _forward_tiles(lo, hi, q_start, sq, k_start, sk):
     return np.stack([np.bincount(call, key_tiles, sq.size), np.bincount(call, key_tiles > 0, sq.size)], axis=1)
 
 
-def _backward_tiles(lo, hi, q_start, sq, k_start, sk):
-    """(calls, 2): the backward's steps and its query tiles' sqrt(key blocks that see them), summed, of every call
-    (key_block_ranges, each call's rows searched as a slice of the bounds)."""
+def _backward_tiles(lo, hi, q_start, sq, k_start, sk, documents):
+    """(calls, 3): the backward's steps and its query tiles' sqrt(key blocks that see them), summed apart for the
+    key blocks walking up and down (walk_down, where ``documents``), of every call (key_block_ranges, each call's
+    rows searched as a slice of the bounds)."""
     bm, bn = BACKWARD_TILE
     blocks, tiles_of = -(-sk // bn), -(-sq // bm)
     call = np.repeat(np.arange(sq.size), blocks)
@@ -106,14 +132,19 @@ def _backward_tiles(lo, hi, q_start, sq, k_start, sk):
     r_end = np.maximum(r_first, np.clip(np.searchsorted(lo, last_key, side="right"), rows_lo, rows_end) - rows_lo)
     t_lo = r_first // bm
     t_end = np.where(r_end > r_first, -(-r_end // bm), t_lo)
-    # key blocks that see each query tile, every call's tiles end to end: +1 at t_lo, -1 at t_end (within the call)
+    # a piece never spans two calls: its key is the call and the end tile
+    down = walk_down(call * (tiles_of.max() + 1) + t_end).astype(bool) if documents else np.zeros(call.size, bool)
+    # key blocks that see each query tile, every call's tiles end to end: +1 at t_lo, -1 at t_end (within the call),
+    # apart for the blocks walking up and down (a query tile's blocks are one document's: one direction)
     offsets = np.cumsum(tiles_of) - tiles_of
-    seen_by = np.zeros(tiles_of.sum() + 1, np.int64)
-    np.add.at(seen_by, offsets[call] + t_lo, 1)
-    np.add.at(seen_by, offsets[call] + t_end, -1)
-    shared = np.sqrt(np.cumsum(seen_by[:-1]))
-    return np.stack([np.bincount(call, t_end - t_lo, sq.size),
-                     np.bincount(np.repeat(np.arange(sq.size), tiles_of), shared, sq.size)], axis=1)
+    tile_call = np.repeat(np.arange(sq.size), tiles_of)
+    shared = []
+    for walking in (~down, down):
+        seen_by = np.zeros(tiles_of.sum() + 1, np.int64)
+        np.add.at(seen_by, offsets[call[walking]] + t_lo[walking], 1)
+        np.add.at(seen_by, offsets[call[walking]] + t_end[walking], -1)
+        shared.append(np.bincount(tile_call, np.sqrt(np.cumsum(seen_by[:-1])), sq.size))
+    return np.stack([np.bincount(call, t_end - t_lo, sq.size), *shared], axis=1)
 
 
 def pairs_tiles(mask, pairs):

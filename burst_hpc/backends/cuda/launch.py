@@ -9,6 +9,7 @@ import functools
 import numpy as np
 
 from ...errors import BackendError
+from ...plan import tiles
 from . import contract
 
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: they take scale * log2(e)
@@ -204,8 +205,6 @@ class _Record:
 
 # the sm90 backward's pieces under a causal mask (causal_order_band)
 CAUSAL_ORDER_BAND = 4
-# the longest piece (key blocks) whose sm90 backward CTAs walk down under an interval mask (walk_down)
-WALK_DOWN_BLOCKS = 64
 
 
 @functools.cache
@@ -249,7 +248,7 @@ def key_block_order(t_lo, t_end, slots, band=None):
     t_lo, t_end = np.asarray(t_lo, np.int64), np.asarray(t_end, np.int64)
     nkb = len(t_lo)
     kb = np.arange(nkb)
-    piece = pieces(t_end)
+    piece = tiles.pieces(t_end)
     if band:
         first = np.flatnonzero(np.concatenate(([True], t_end[1:] != t_end[:-1])))
         piece = np.unique(piece * nkb + (kb - first[piece]) // band, return_inverse=True)[1].ravel()
@@ -259,23 +258,6 @@ def key_block_order(t_lo, t_end, slots, band=None):
     kbs, ss = np.tile(kb, slots), np.repeat(np.arange(slots), nkb)
     at = np.lexsort((kbs, ss, rank[piece][kbs]))
     return (ss * nkb + kbs)[at].astype(np.int32)
-
-
-def pieces(t_end):
-    """Per key block, the index of its piece: a run of key blocks that walk to the same end tile ``t_end`` (under
-    documents, one document's)."""
-    t_end = np.asarray(t_end, np.int64)
-    return np.concatenate(([0], np.cumsum(t_end[1:] != t_end[:-1]))) if len(t_end) else np.zeros(0, np.int64)
-
-
-def walk_down(t_end, most):
-    """Per key block, whether the sm90 backward walks its query tiles from the last down (1) or up (0) under an
-    interval mask (WalkStep in attn_bwd_sm90.cu): down in pieces of at most ``most`` key blocks. Walking down,
-    a document's key blocks meet on the same Q, dO and dq rows and share them in L2 (the 8k bench sets
-    1.4x); a longer piece's CTAs of a head slot would all start on its last rows at once (one document of 16k
-    tokens, 128 key blocks: 0.94x), so they walk up, each from its own diagonal (one of 8k: down 1.045x)."""
-    piece = pieces(t_end)
-    return (np.bincount(piece)[piece] <= most).astype(np.int64) if len(piece) else np.zeros(0, np.int64)
 
 
 def causal_order_band(key_blocks, head_slots):

@@ -6,7 +6,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import launch, tma
-from ...plan.tiles import interval_key_tiles, key_block_ranges
+from ...plan.tiles import WALK_DOWN_BLOCKS, interval_key_tiles, key_block_ranges, walk_down
 from .contract import PARAMS, SOURCES, mask_mode
 from .launch import mask_args, strides
 
@@ -38,7 +38,7 @@ class Sm90Kernels:
     after head slot, key blocks in order, the order of full masks and sliding windows (bench_kernels.py
     --bwd-order and bench/backward_order.py time both).
     ``walk_down_blocks``: under an interval mask, the longest piece (a document's key blocks) whose backward CTAs
-    walk their query tiles from the last down (``launch.walk_down``); 0: every CTA walks up.
+    walk their query tiles from the last down (``plan.tiles.walk_down``); 0: every CTA walks up.
     ``key_splits``: let the forward cut each query tile's key range across CTAs when its query tiles leave
     SMs idle (``key_split``); ``forced_key_splits``: None, or the parts to cut into whatever the count.
     ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
@@ -58,7 +58,7 @@ class Sm90Kernels:
         self.backward_args = launch.KernelArgs(PARAMS["sm90", "bwd"])
         self.forced_tile_height = None
         self.heavy_first = True
-        self.walk_down_blocks = launch.WALK_DOWN_BLOCKS
+        self.walk_down_blocks = WALK_DOWN_BLOCKS
         self.key_splits = False
         self.forced_key_splits = None
         self.cross_tile = True
@@ -325,7 +325,7 @@ def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
 
 def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first, down_blocks):
     """(ranges, order) of a backward launch of instance ``mode``: under an interval mask the query tiles each key
-    block of bn walks (key_block_ranges) and its walk's direction (launch.walk_down with ``down_blocks``), int32
+    block of bn walks (key_block_ranges) and its walk's direction (walk_down with ``down_blocks``), int32
     triples on the device; with ``heavy_first`` the CTA order
     (launch.key_block_order) under documents, and under a causal mask while the grid is a few waves
     (launch.causal_order_band). A null pointer for either where none: the kernel's own ranges, head slot after
@@ -343,7 +343,7 @@ def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, hea
     def make():
         if mode == "interval":
             t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
-            down = launch.walk_down(t_end, down_blocks)
+            down = walk_down(t_end, down_blocks) if mask.window is None else np.zeros_like(t_end)
             ranges = cupy.asarray(np.stack([t_lo, t_end, down], 1).astype(np.int32).ravel())
         else:  # key block kb is first seen by query kb * bn - off (the kernel's own rule)
             t_end = np.full(nkb, -(-sq // bm))
