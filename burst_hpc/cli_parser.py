@@ -281,7 +281,8 @@ the fixed costs). Fixed costs: each block call, each ring step and each message 
     p.add_argument("--gpu", choices=sorted(GPU_RATES), default="H100", help="built-in rates (default H100)")
     for name, unit, kind in (("fwd-tflops", "forward kernels' price: per visible pair at this TFLOP/s, not per tile",
                               positive_float),
-                             ("bwd-tflops", "backward kernels' price: per visible pair at this TFLOP/s, not per tile",
+                             ("bwd-tflops", "backward kernels' price: per visible pair at this TFLOP/s (pre-pass and dq conversion "
+                              "included), not per tile",
                               positive_float),
                              ("intra-gbps", "GB/s per GPU inside a node", positive_float),
                              ("inter-gbps", "GB/s per GPU between nodes", positive_float),

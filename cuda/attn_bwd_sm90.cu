@@ -131,7 +131,7 @@ struct Walk {
 };
 
 // A step's query head and tile. Walking down (Walk::down, the host's choice per key block under interval masks:
-// launch.walk_down), the walk goes tile by tile from the last (t_end - 1) down to t_lo, every head of the CTA at
+// plan/tiles.walk_down), the walk goes tile by tile from the last (t_end - 1) down to t_lo, every head of the CTA at
 // each tile: the CTAs of one document's key blocks, which the host's order starts together, then read the same
 // Q, dO rows and add into the same dq rows at about the same time, so those come from L2 (walking up, each CTA
 // started at its own diagonal and they met no row at the same time: 1.4x slower on the 8k bench sets).
@@ -832,7 +832,7 @@ __device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char*
   }
   bool down = false;
   if (IV) t_lo = args.ranges[3 * tile.kb], t_end = args.ranges[3 * tile.kb + 1], down = args.ranges[3 * tile.kb + 2];
-  // step order: WalkStep (tile by tile from the last, every head at each)
+  // step order: WalkStep (down: tile by tile from the last, every head at each; up: head by head)
   const int steps = n0 < args.Sk ? (t_end - t_lo) * args.hpb : 0;
   return {base, reinterpret_cast<const float*>(at + L::kLse), reinterpret_cast<const float*>(at + L::kDelta),
           reinterpret_cast<const int*>(at + L::kKlo), reinterpret_cast<const int*>(at + L::kKhi), n0, tile.b,
@@ -906,7 +906,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const Bwd90Params args) {
 // geometry. The arguments (Bwd90Params, contract.cuh): tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32)
 // tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows (Sq_pad rows per head); ranges (interval
 // only): the query tiles [ranges[3 kb], ranges[3 kb + 1]) key block kb walks (the host's key_block_ranges) and,
-// ranges[3 kb + 2] != 0, whether it walks them down (WalkStep; the host's launch.walk_down);
+// ranges[3 kb + 2] != 0, whether it walks them down (WalkStep; the host's plan/tiles.walk_down);
 // order: null or the CTA order (KeyBlockTile) over the 1-D grid of key blocks x head slots; hpb: query heads per CTA; kv: KvOut
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
 BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)

@@ -128,11 +128,12 @@ def test_which_masks_take_an_order(monkeypatch):
 def test_short_documents_walk_down_long_ones_up(monkeypatch):
     """tiles.walk_down: the key blocks of a document (a run with one end tile) of at most ``most`` blocks walk
     down, a longer document's walk up; the host's ranges carry it as each key block's third int."""
-    t_end = np.array([3, 3, 3, 9, 9, 20, 20, 20, 20, 20, 21])
-    assert tiles.pieces(t_end).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3]
-    assert tiles.walk_down(t_end, 3).tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1]
-    assert tiles.walk_down(t_end, 0).tolist() == [0] * 11
-    assert tiles.walk_down(np.zeros(0, np.int64), 64).tolist() == []
+    t_end = np.array([3, 3, 3, 9, 9, 20, 20, 20, 20, 20, 21, 21])
+    t_lo = np.array([0, 1, 2, 3, 5, 9, 11, 13, 15, 17, 19, 21])   # the last block is seen by no row
+    assert tiles.pieces(t_end).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3]
+    assert tiles.walk_down(t_lo, t_end, 3).tolist() == [1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 1, 0]
+    assert tiles.walk_down(t_lo, t_end, 0).tolist() == [0] * 12
+    assert tiles.walk_down(np.zeros(0), np.zeros(0, np.int64), 64).tolist() == []
 
     import sys
     import types

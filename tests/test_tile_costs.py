@@ -51,9 +51,11 @@ def brute_tiles(seen, documents=False):
                      np.sqrt(blocks[:, down].sum(axis=1)).sum()])
 
 
-def test_tile_counts_match_a_brute_force_count(rng):
+def test_tile_counts_match_a_brute_force_count(rng, monkeypatch):
     checked = set()
-    for _ in range(150):
+    for case in range(150):
+        # a few key blocks a document here: a small longest walking-down piece makes both directions appear
+        monkeypatch.setattr(tiles, "WALK_DOWN_BLOCKS", [1, 2, 64][case % 3])
         s = int(rng.integers(2, 700))
         kind = rng.choice(["documents", "window", "causal", "full"])
         causal = kind == "causal" or (kind != "full" and bool(rng.random() < 0.8))
@@ -132,3 +134,25 @@ def test_a_long_documents_backward_walks_up_a_short_ones_down():
     assert long_only[4] == 0 and long_only[3] > 0
     window = tiles.call_tiles(masks.make(s, True, (500, 0)), 0, s, 0, s)
     assert window[4] == 0 and window[3] > 0
+
+
+def test_the_gather_call_is_priced_as_the_engine_runs_it():
+    """workload.packed_tiles prices the call packing.Packing.call gives the engine: a rank alone with its own run
+    keeps the call's mask (plain causal: the causal kernel, whose CTAs walk up), a packed buffer its bounds
+    (documents' key blocks walking down)."""
+    from burst_hpc.plan.layout import make_layout
+    from burst_hpc.plan.packing import packing
+    from burst_hpc.plan.workload import packed_tiles
+
+    s = 2048
+    causal = masks.make(s, True)
+    alone = make_layout("contiguous", s, 1)
+    assert packing(causal, alone, 0).call(causal, "k")["mask"] is causal
+    counts = packed_tiles(causal, alone, 0)
+    assert counts[3] > 0 and counts[4] == 0
+    documents = masks.make(s, True, None, np.array([0, 700, s]))
+    assert packed_tiles(documents, alone, 0)[4] > 0
+    two = make_layout("zigzag", s, 2)
+    call = packing(documents, two, 0).call(documents, "k")
+    assert call["mask"].kind == "intervals" and call["q_start"] == 0
+    assert packed_tiles(documents, two, 0)[4] > 0

@@ -12,7 +12,6 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 
 from .passes import PROGRESS_PARTS, REHEARSAL_KEYS, lanes
-from ..plan.masks import Packed
 from ..plan.packing import packing
 
 
@@ -23,12 +22,7 @@ class PackedPasses:
         d = plan.decomposition
         self.plan = plan
         self.packing = packing(d.mask, d.layout, d.rank)
-        if self.packing.start is None:
-            packed = Packed(self.packing.lo, self.packing.hi, self.packing.keys, (d.mask.key, d.layout, d.rank))
-            self.where = dict(masked=True, mask=packed, q_start=0, k_start=0)
-        else:   # the rank's own keys as they are: the call's mask from their place in the sequence
-            start = self.packing.start
-            self.where = dict(masked=not d.mask.is_full, mask=d.mask, q_start=start, k_start=start)
+        self.where = self.packing.call(d.mask, (d.mask.key, d.layout, d.rank))
         self.mask = self.where["mask"]   # what the block calls get
         self._index = {}
 

@@ -38,6 +38,16 @@ class Packing:
     hi: np.ndarray
     start: int = None
 
+    def call(self, mask, key):
+        """The one block call's mask and positions (dict: masked, mask, q_start, k_start) over this buffer for the
+        call's ``mask``: the packed bounds as a masks.Packed named ``key``, or with ``start`` the call's own mask
+        from there. The engine runs it; the cost model prices it (workload.packed_tiles)."""
+        from .masks import Packed
+
+        if self.start is None:
+            return dict(masked=True, mask=Packed(self.lo, self.hi, self.keys, key), q_start=0, k_start=0)
+        return dict(masked=not mask.is_full, mask=mask, q_start=self.start, k_start=self.start)
+
 
 def _rows(runs):
     """int64 local rows of (lo, hi) runs, in order."""

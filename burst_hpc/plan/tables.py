@@ -94,7 +94,7 @@ def kernel_words(rates):
            ] if rates.fwd_key_tile_ns or rates.fwd_query_tile_ns else []
     bwd = [f"{rates.bwd_step_ns:.3g} ns a step + {rates.bwd_shared_ns:.3g} ns x sqrt(key blocks) a query tile "
            f"({rates.bwd_shared_down_ns:.3g} walking down) + {rates.bwd_token_ns:.3g} ns a token"
-           ] if rates.bwd_step_ns or rates.bwd_shared_ns else []
+           ] if rates.bwd_step_ns or rates.bwd_shared_ns or rates.bwd_shared_down_ns or rates.bwd_token_ns else []
     fwd += [f"{rates.fwd_tflops:g} TFLOP/s"] if math.isfinite(rates.fwd_tflops) else []
     bwd += [f"{rates.bwd_tflops:g} TFLOP/s"] if math.isfinite(rates.bwd_tflops) else []
     return (f"kernels fwd {' + '.join(fwd) or 'free'}, bwd {' + '.join(bwd) or 'free'} "

@@ -39,15 +39,20 @@ def pieces(t_end):
     return np.concatenate(([0], np.cumsum(t_end[1:] != t_end[:-1]))) if len(t_end) else np.zeros(0, np.int64)
 
 
-def walk_down(t_end, most=WALK_DOWN_BLOCKS):
-    """Per key block (0 or 1), whether the sm90 backward walks its query tiles from the last down (WalkStep in
-    attn_bwd_sm90.cu) under documents: in pieces of at most ``most`` key blocks. Walking down, a document's key
-    blocks meet on the same Q, dO and dq rows and share them in L2 (the 8k bench sets 1.4x); a longer piece's CTAs
-    of a head slot would all start on its last rows at once (one document of 16k tokens, 128 key blocks: 0.94x),
-    so they walk up, each from its own diagonal (one of 8k: down 1.045x). Sliding windows, plain causal and full
-    masks walk up (sm90._key_block_schedule)."""
-    piece = pieces(t_end)
-    return (np.bincount(piece)[piece] <= most).astype(np.int64) if len(piece) else np.zeros(0, np.int64)
+def walk_down(t_lo, t_end, most=None):
+    """Per key block (0 or 1), whether the sm90 backward walks its query tiles [t_lo, t_end) from the last down
+    (WalkStep in attn_bwd_sm90.cu) under documents: the seen key blocks of pieces with at most ``most`` (None:
+    WALK_DOWN_BLOCKS) of them. Walking down, a document's key blocks meet on the same Q, dO and dq rows and share
+    them in L2 (the 8k bench sets 1.4x); a longer piece's CTAs of a head slot would all start on its last rows at
+    once (one document of 16k tokens, 128 key blocks at D = 128: 0.94x), so they walk up, each from its own
+    diagonal (one of 8k: down 1.045x). Plain causal and full masks walk up, and so do sliding windows as the
+    host decides (sm90's schedule; a window's keys packed by the gather scheme are documents to the kernel)."""
+    most = WALK_DOWN_BLOCKS if most is None else most
+    t_lo, t_end = np.asarray(t_lo, np.int64), np.asarray(t_end, np.int64)
+    piece, seen = pieces(t_end), t_end > t_lo
+    if not len(piece):
+        return np.zeros(0, np.int64)
+    return (seen & (np.bincount(piece, seen)[piece] <= most)).astype(np.int64)
 
 
 def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
@@ -133,7 +138,8 @@ def _backward_tiles(lo, hi, q_start, sq, k_start, sk, documents):
     t_lo = r_first // bm
     t_end = np.where(r_end > r_first, -(-r_end // bm), t_lo)
     # a piece never spans two calls: its key is the call and the end tile
-    down = walk_down(call * (tiles_of.max() + 1) + t_end).astype(bool) if documents else np.zeros(call.size, bool)
+    key = call * (tiles_of.max() + 1)
+    down = walk_down(key + t_lo, key + t_end).astype(bool) if documents else np.zeros(call.size, bool)
     # key blocks that see each query tile, every call's tiles end to end: +1 at t_lo, -1 at t_end (within the call),
     # apart for the blocks walking up and down (a query tile's blocks are one document's: one direction)
     offsets = np.cumsum(tiles_of) - tiles_of

@@ -230,13 +230,13 @@ def _gather_account(mask, layout, returns, per_node):
 
 
 def packed_tiles(mask, layout, rank):
-    """tiles.call_tiles of ``rank``'s one block call of the packed passes: its queries against its packed keys
-    (packing.packing: each row's keys as buffer positions)."""
+    """tiles.call_tiles of ``rank``'s one block call of the packed passes: its queries against its packed keys,
+    the call the engine runs (packing.Packing.call: the packed bounds, or the rank's own run in the call's mask)."""
     from .packing import packing
 
     packed = packing(mask, layout, rank)
-    buffer = masks.Packed(packed.lo, packed.hi, packed.keys, ("priced", mask, layout, rank))
-    return tiles.call_tiles(buffer, 0, packed.lo.size, 0, packed.keys)
+    call = packed.call(mask, ("priced", mask, layout, rank))
+    return tiles.call_tiles(call["mask"], call["q_start"], packed.lo.size, call["k_start"], packed.keys, call["masked"])
 
 
 def _in_order(ends):

@@ -343,7 +343,7 @@ def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, hea
     def make():
         if mode == "interval":
             t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
-            down = walk_down(t_end, down_blocks) if mask.window is None else np.zeros_like(t_end)
+            down = walk_down(t_lo, t_end, down_blocks) if mask.window is None else np.zeros_like(t_end)
             ranges = cupy.asarray(np.stack([t_lo, t_end, down], 1).astype(np.int32).ravel())
         else:  # key block kb is first seen by query kb * bn - off (the kernel's own rule)
             t_end = np.full(nkb, -(-sq // bm))
