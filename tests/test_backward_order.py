@@ -1,8 +1,11 @@
 """The sm90 backward's schedule made on the host (no GPU needed): the query tiles each key block walks under an
 interval mask (tiles.key_block_ranges) and the CTA order (launch.key_block_order)."""
 import heapq
+import sys
+import types
 
 import numpy as np
+import pytest
 
 from burst_hpc.backends.cuda import launch, sm90
 from burst_hpc.plan import masks, tiles
@@ -95,19 +98,22 @@ def test_causal_pieces_shorten_a_short_grids_tail(monkeypatch):
     assert _makespan(range(nkb * slots), nkb, work) > 1.2 > 1.08 > _makespan(order, nkb, work)
 
 
-def test_which_masks_take_an_order(monkeypatch):
-    """Documents and a short causal grid get the host's order; sliding windows (equal key blocks, no tail to
-    shorten), long causal grids, full masks and heavy_first off keep head slot after head slot (a null order);
-    interval masks always get the host's ranges."""
-    import sys
-    import types
-
+@pytest.fixture
+def host_schedule(monkeypatch):
+    """sm90._key_block_schedule on the host: a CuPy stand-in whose arrays are NumPy's, an empty schedule cache and
+    an H100's 132 SMs."""
     fake = types.ModuleType("cupy")
     fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
     fake.asarray = np.asarray
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(sm90, "_ORDERS", type(sm90._ORDERS)())
     monkeypatch.setattr(launch, "sm_count", lambda: 132)
+
+
+def test_which_masks_take_an_order(host_schedule):
+    """Documents and a short causal grid get the host's order; sliding windows (equal key blocks, no tail to
+    shorten), long causal grids, full masks and heavy_first off keep head slot after head slot (a null order);
+    interval masks always get the host's ranges."""
     s, cu = 8192, np.array([0, 1000, 5000, 8192])
 
     def schedule(mode, mask, heavy_first=True, s=s):
@@ -125,7 +131,7 @@ def test_which_masks_take_an_order(monkeypatch):
     assert schedule("full", masks.make(s)) == (False, False)
 
 
-def test_short_documents_walk_down_long_ones_up(monkeypatch):
+def test_short_documents_walk_down_long_ones_up(host_schedule):
     """tiles.walk_down: the key blocks of a document (a run with one end tile) of at most ``most`` blocks walk
     down, a longer document's walk up; the host's ranges carry it as each key block's third int."""
     t_end = np.array([3, 3, 3, 9, 9, 20, 20, 20, 20, 20, 21, 21])
@@ -135,15 +141,6 @@ def test_short_documents_walk_down_long_ones_up(monkeypatch):
     assert tiles.walk_down(t_lo, t_end, 0).tolist() == [0] * 12
     assert tiles.walk_down(np.zeros(0), np.zeros(0, np.int64), 64).tolist() == []
 
-    import sys
-    import types
-
-    fake = types.ModuleType("cupy")
-    fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
-    fake.asarray = np.asarray
-    monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(sm90, "_ORDERS", type(sm90._ORDERS)())
-    monkeypatch.setattr(launch, "sm_count", lambda: 132)
     s = 32768
     cu = np.array([0, 512, 512 + 16384, s])    # documents of 4, 128 and 124 key blocks of 128
     mask = masks.make(s, True, None, cu)
