@@ -76,7 +76,28 @@ def test_gather_runs_packed_on_one_node_and_stepped_across_nodes(comm, per_node,
         calls = []
         monkeypatch.setattr(plan.backend, "forward_block", lambda *a, **kw: calls.append(kw))
         plan.passes.forward(*shards)
-        assert len(calls) == 1 and calls[0]["q_start"] == calls[0]["k_start"] == 0 and calls[0]["first"]
+        start = plan.passes.packing.start    # a rank alone with its own run keeps the call's own mask from there
+        assert len(calls) == 1 and calls[0]["first"]
+        assert calls[0]["q_start"] == calls[0]["k_start"] == (0 if start is None else start)
+
+
+def test_gather_ranks_alone_with_their_documents_run_their_own_mask(comm, monkeypatch):
+    """Documents ending at rank boundaries: nothing arrives, each rank's packed call is the call's own mask from
+    its first position (no packed bounds), and the result is the oracle's."""
+    rng, seed = shared_rng(comm)
+    seqlen = LOCAL * comm.size
+    cu = np.arange(0, seqlen + 1, LOCAL)
+    q, k, v, do = (rng.standard_normal((1, seqlen, h, 8)) for h in (4, 2, 2, 4))
+    mask = dict(causal=True, cu_seqlens=cu, window=None)
+    placed = as_layout("chunks", seqlen, comm.size, **mask)
+    shards = [placed.shard(x, comm.rank) for x in (q, k, v)]
+    plan = plan_arrays(comm, shards[0], checked_call(comm.size, *shards, True, None, placed, "auto", cu_seqlens=cu,
+                                                     scheme="gather"))
+    assert plan.passes.packing.start == comm.rank * LOCAL and not plan.passes.packing.receives
+    o, lse = plan.passes.forward(*shards)
+    ref_o, ref_lse = attention_reference(q, k, v, **mask)
+    np.testing.assert_allclose(o, placed.shard(ref_o, comm.rank), atol=1e-10, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(lse, placed.shard(ref_lse, comm.rank, axis=2), rtol=1e-6, err_msg=f"seed {seed}")
 
 
 class Counting:
