@@ -19,7 +19,7 @@ from burst_hpc.plan.layout import make_layout
 from burst_hpc.plan.workload import documents
 
 LAYOUTS = ("contiguous", "zigzag", "balanced")
-PREDICTED = LAYOUTS + ("chunks",)
+PREDICTED = LAYOUTS + ("chunks", "chunks, flat")   # chunks: the cost model's (by nodes, its chunk); flat: placement.place over one node
 
 
 def document_set(kind, seqlen, seed):
@@ -72,8 +72,9 @@ def prediction_table(ranks_list, tokens, per_node=8, rates_name="H100"):
         cluster = costmodel.Cluster(max(1, ranks // per_node), min(ranks, per_node))
         flops = 4.0 * visible_pairs(mask) * 64 * 128 / ranks / 1e12
         cells = []
+        by_nodes = costmodel.cluster_layouts(problem, cluster, rates)
         for layout in PREDICTED:
-            placed = make_layout(layout, seqlen, ranks, mask)
+            placed = by_nodes[layout] if layout != "chunks, flat" else make_layout("chunks", seqlen, ranks, mask)
             scheme = costmodel.pick(problem, cluster, rates, placed)
             preds = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, b) for b in (False, True)]
             cells.append(f"{flops / preds[0].time:.0f} / {flops * 2.5 / preds[1].time:.0f} ({scheme})")

@@ -153,8 +153,8 @@ def cmd_plan(args):
     from dataclasses import replace
 
     from .plan import calibrate, tables
-    from .plan.costmodel import Cluster
-    from .plan.layout import LAYOUTS, layouts_for
+    from .plan.costmodel import Cluster, cluster_layouts
+    from .plan.layout import LAYOUTS
     from .plan.rates import GPU_RATES, per_pair
 
     # the command line alone decides all but --measure: every rank finds the same, one message if refused
@@ -176,8 +176,8 @@ def cmd_plan(args):
                  if getattr(args, f) is not None}
     rates = per_pair(replace(rates, **overrides), args.fwd_tflops, args.bwd_tflops)   # a kernel rate: per pair
     cluster = Cluster(nodes, per_node)
-    layouts = _collective(layouts_for, problem.seqlen, cluster.ranks, problem.mask,
-                          LAYOUTS if args.layout is None else (args.layout,))   # chunks: placed by the mask
+    layouts = _collective(cluster_layouts, problem, cluster, rates,
+                          LAYOUTS if args.layout is None else (args.layout,))   # chunks: placed by the mask and the nodes
     text, pick = _collective(tables.table, problem, cluster, rates, layouts)
     if rank == 0:
         print(tables.describe(problem, cluster, rates))

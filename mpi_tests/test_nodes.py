@@ -93,6 +93,32 @@ def test_ranks_out_of_node_order(comm, scheme, monkeypatch):
         run_and_check(comm, scheme, None, "zigzag", True, 2 * w, w)
 
 
+@pytest.mark.parametrize("round_robin", [False, True])
+def test_chunks_placed_by_nodes(comm, round_robin, monkeypatch):
+    """The chunks layout placed by nodes through the gather scheme across the simulated nodes: the oracle's results.
+    Launched round-robin (rank r on node r % N), ``layout='auto'`` hands each rank the pieces of its position
+    (Layout.held_by), so a node's ranks still hold that node's share."""
+    from burst_hpc.plan import costmodel
+    from burst_hpc.plan.layout import make_layout
+
+    for nodes, w in cases(comm.size):
+        rng = np.random.default_rng(comm.bcast(np.random.SeedSequence().entropy % 2**32))
+        seqlen = 16 * comm.size
+        docs = random_documents(rng, seqlen, int(rng.integers(2, 6)))
+        by_nodes = make_layout("chunks", seqlen, comm.size, masks.make(seqlen, True, None, docs), ranks_per_node=w)
+        assert by_nodes.per_node == w
+        per_node = w
+        if round_robin:
+            monkeypatch.setenv("BURST_HPC_NODE_ID", str(comm.rank % nodes))
+            per_node = None
+        monkeypatch.setattr(costmodel, "fastest_layout", lambda *a, **kw: by_nodes)
+        d = burst_hpc.Decomposition(comm, seqlen=seqlen, heads=4, kv_heads=2, head_dim=8, dtype="float64",
+                                    causal=True, cu_seqlens=docs, layout="auto", ranks_per_node=per_node)
+        assert d.layout.pieces(comm.rank) == by_nodes.pieces(d.topo.position)
+        assert d.topo.node == (comm.rank % nodes if round_robin else comm.rank // w)
+        run_and_check(comm, "gather", per_node, d.layout, True, 4, 2, local=16, cu_seqlens=docs, rings=("kv",))
+
+
 def test_balanced_layout_is_refused_by_node_schemes(comm):
     nodes, w = cases(comm.size)[0]
     docs = random_documents(np.random.default_rng(comm.bcast(np.random.SeedSequence().entropy % 2**32)), 8 * comm.size, 3)

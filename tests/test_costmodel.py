@@ -221,8 +221,9 @@ def test_plan_picks_its_fastest_row_and_every_row_says_one_thing(capsys, seqlen,
     chosen = burst_hpc.choose_layout(seqlen, nodes * per_node, causal=causal,
                                      cu_seqlens=cu, window=window, heads=heads, kv_heads=kv_heads,
                                      ranks_per_node=per_node, rates=replace(GPU_RATES["H100"], inter_gbps=gbps))
-    placed = masks.make(seqlen, causal, window, cu)   # the chunks layout places tokens by it
-    assert chosen.kind == pick[0] and chosen == make_layout(pick[0], seqlen, nodes * per_node, placed)
+    placed = masks.make(seqlen, causal, window, cu)   # the chunks layout places tokens by it, and by the nodes
+    assert chosen.kind == pick[0] and chosen == make_layout(pick[0], seqlen, nodes * per_node, placed, per_node,
+                                                            chosen.chunk)
 
 
 def test_the_plan_of_issue_37_picks_what_it_shows_fastest(capsys):

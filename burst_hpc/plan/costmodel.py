@@ -31,7 +31,8 @@ from . import gather
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from .pricing import Costs, kernel_prices, outside_seconds
 from ..errors import BurstError, LayoutError
-from .layout import Layout, layouts_for, make_layout
+from .layout import LAYOUTS, Layout, layouts_for, make_layout
+from .placement import chunk_counts
 from .rates import rates_for
 
 
@@ -237,11 +238,33 @@ def _all_to_alls(pr, cl, rates, backward, scale):
                for nbytes in (into, back))
 
 
+def cluster_layouts(pr, cl, rates, kinds=LAYOUTS, backward=True):
+    """layout.layouts_for the problem over the cluster, the chunks layout placed by its nodes in the chunk
+    (placement.chunk_counts) whose pick is predicted fastest (forward+backward, or the forward alone); the
+    chunk placement.place chooses unless another is faster by more than MARGIN. Across nodes the fewest
+    chunks are often fastest though the least balanced: a document cut into more chunks crosses more nodes."""
+    per_node = cl.per_node if cl.nodes > 1 else None
+    out = layouts_for(pr.seqlen, cl.ranks, pr.mask, kinds, per_node)
+    chosen = out.get("chunks")
+    if isinstance(chosen, Layout) and cl.ranks > 1 and pr.mask.kind == "intervals":   # else zigzag's or contiguous's
+        def seconds(layout):
+            found = options(pr, cl, rates, {"chunks": layout}, auto_schemes(layout, cl, pr))
+            return _pick(found, backward, MARGIN)["chunks"].seconds(backward)
+
+        least = seconds(chosen)
+        for count in chunk_counts(chosen.local):
+            layout = make_layout("chunks", pr.seqlen, cl.ranks, pr.mask, per_node, chosen.local // count)
+            if layout != chosen and seconds(layout) < least * (1 - MARGIN):
+                chosen, least = layout, seconds(layout)
+        out["chunks"] = chosen
+    return out
+
+
 def options(pr, cl, rates, layouts=None, schemes=SCHEMES):
     """{(layout kind, scheme): Prediction, or the reason it does not run}, for every pair asked;
-    ``layouts`` {kind: Layout or why the length does not split in it} (layout.layouts_for; None: every kind)."""
+    ``layouts`` {kind: Layout or why the length does not split in it} (None: every kind, ``cluster_layouts``)."""
     out = {}
-    layouts = layouts_for(pr.seqlen, cl.ranks, pr.mask) if layouts is None else layouts
+    layouts = cluster_layouts(pr, cl, rates) if layouts is None else layouts
     for kind, layout in layouts.items():
         for scheme in schemes:
             why = layout if isinstance(layout, str) else fits(scheme, pr, cl, layout)
@@ -278,7 +301,7 @@ def best(pr, cl, rates, layouts=None, scheme="auto", backward=True, backward_rin
     named), the least time among them; on a tie the call's default layout (zigzag when causal,
     contiguous otherwise: one rank holds every layout alike). ``layouts`` as ``options`` takes them,
     ``backward_ring`` as ``auto_schemes``. (Prediction, ``options``' output of the pairs priced.)"""
-    layouts = layouts_for(pr.seqlen, cl.ranks, pr.mask) if layouts is None else layouts
+    layouts = cluster_layouts(pr, cl, rates, backward=backward) if layouts is None else layouts
     found = {}
     for kind, layout in layouts.items():
         schemes = ((scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str)
@@ -341,7 +364,8 @@ def choose_layout(seqlen, size, *, causal=False, cu_seqlens=None, window=None, h
     backend : {'cuda', 'numpy'}
         Whose built-in rates price the call (rates_for: H100's, or this library's CPU path).
     ranks_per_node : int, optional
-        Ranks a node (None: one node).
+        Ranks a node (None: one node). The chunks layout is then placed by nodes (documents kept on
+        one node first), for ranks numbered node by node (the launcher's default, by slot).
     scheme : {'auto', 'ring', 'double_ring', 'ulysses_ring'}
         The scheme the call names (auto: each layout with the scheme it would pick).
     backward : bool

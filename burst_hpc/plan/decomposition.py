@@ -289,8 +289,9 @@ class Decomposition:
         r, topo = self.request, self.topo
         per_node = topo.per_node if topo is not None and topo.nodes > 1 else None
         problem = Problem(r.batch, r.seqlen, r.heads, r.kv_heads, r.head_dim, r.dtype.itemsize, r.mask)
-        return fastest_layout(problem, self.size, rates_for(r.backend, facts["device"], facts["fixed"]), per_node,
-                              r.scheme, r.backward, r.backward_ring)
+        found = fastest_layout(problem, self.size, rates_for(r.backend, facts["device"], facts["fixed"]), per_node,
+                               r.scheme, r.backward, r.backward_ring)
+        return found if found.per_node is None else found.held_by(topo.arrangement.order)
 
     def shard(self, x, axis=1):
         """This rank's shard of the global array ``x`` (NumPy or CuPy, the tokens along ``axis``)."""

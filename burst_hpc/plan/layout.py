@@ -8,7 +8,9 @@
 - chunks: S is cut into chunks dealt to ranks by the mask so each rank's visible work is
   balanced, documents kept on one rank where that costs no balance (placement.py); a rank's
   chunks in natural order. It needs the call's mask (make_layout's ``mask``; ``shard``,
-  ``unshard`` and ``layout_indices`` take it as causal, cu_seqlens, window).
+  ``unshard`` and ``layout_indices`` take it as causal, cu_seqlens, window). Across nodes it
+  can be placed by them (make_layout's ``ranks_per_node``: documents kept on one node first),
+  as ``choose_layout`` and ``layout='auto'`` place it; the name alone places it over one node.
 
 A rank's shard is described by its pieces: (global_start, length) runs, in local order. Names turn
 into a :class:`Layout` once, at the edge (:func:`make_layout`, :func:`as_layout`); every layer below
@@ -48,6 +50,8 @@ class Layout:
     grain : int
         Tokens every run is made of: the chunks layout's chunk, else the largest length that
         divides every run and start (what the gather schedule sends whole).
+    per_node : int or None
+        The chunks layout placed by nodes: ranks a node, ranks node by node (None: over one node).
     """
     kind: str
     seqlen: int
@@ -55,6 +59,7 @@ class Layout:
     runs: tuple = field(repr=False)   # runs[rank]: that rank's pieces
     balances_by_schedule: bool = False
     chunk: int = None                 # the chunks layout's chunk (None: grain is the runs' gcd)
+    per_node: int = None              # the chunks layout's nodes (None: placed over one node)
 
     def __post_init__(self):
         # the chunk too: the gather schedule sends runs whole in chunks (grain), so two placements with the same
@@ -69,10 +74,12 @@ class Layout:
         return self.hashed
 
     def __repr__(self):
-        return f"Layout({self.kind!r}, seqlen={self.seqlen}, size={self.size})"
+        nodes = "" if self.per_node is None else f", by nodes of {self.per_node}"
+        return f"Layout({self.kind!r}, seqlen={self.seqlen}, size={self.size}{nodes})"
 
     def __reduce__(self):   # rebuilt where unpickled: a string's hash differs from process to process
-        return Layout, (self.kind, self.seqlen, self.size, self.runs, self.balances_by_schedule, self.chunk)
+        return Layout, (self.kind, self.seqlen, self.size, self.runs, self.balances_by_schedule, self.chunk,
+                        self.per_node)
 
     @property
     def local(self):
@@ -97,6 +104,17 @@ class Layout:
         if not 0 <= rank < self.size:
             raise LayoutError(f"rank {rank} is outside 0..{self.size - 1}")
         return self.runs[rank]
+
+    def held_by(self, order):
+        """This placement with position p's pieces held by rank ``order[p]`` (topology.Arrangement.order):
+        a layout placed by nodes numbers its ranks node by node, the launcher may not."""
+        if list(order) == list(range(self.size)):
+            return self
+        runs = [None] * self.size
+        for position, rank in enumerate(order):
+            runs[rank] = self.runs[position]
+        return Layout(self.kind, self.seqlen, self.size, tuple(runs), self.balances_by_schedule, self.chunk,
+                      self.per_node)
 
     def indices(self, rank):
         """Global token indices of rank ``rank``'s shard, in local order (int64)."""
@@ -189,7 +207,7 @@ def _split_error(seqlen, size, kind):
     return LayoutError(f"sequence length {seqlen} does not split over {size} ranks with the {kind} layout: {what}")
 
 
-def make_layout(kind, seqlen, size, mask=None):
+def make_layout(kind, seqlen, size, mask=None, ranks_per_node=None, chunk=None):
     """The Layout of ``kind`` for ``seqlen`` tokens over ``size`` ranks.
 
     Parameters
@@ -200,6 +218,11 @@ def make_layout(kind, seqlen, size, mask=None):
     mask : masks.Mask, optional
         The call's mask, plain causal and full attention included (``masks.make``): the chunks
         layout places tokens by it (the other kinds place them without it).
+    ranks_per_node : int, optional
+        The chunks layout across nodes of this many ranks (ranks node by node): placed on the nodes
+        first, each node's share then on its ranks (None, or every rank on one node: over one node).
+    chunk : int, optional
+        The chunks layout's chunk, dividing a rank's tokens (None: placement.place chooses it).
 
     Returns
     -------
@@ -208,25 +231,34 @@ def make_layout(kind, seqlen, size, mask=None):
     Raises
     ------
     LayoutError
-        An unknown kind, no ranks, or a length that does not split over ``size`` ranks in ``kind``
-        (saying which layouts it fits and what to pad it to).
+        An unknown kind, no ranks, a length that does not split over ``size`` ranks in ``kind``
+        (saying which layouts it fits and what to pad it to), or nodes that do not split the ranks.
     """
     check_kind(kind)
     seqlen, size = int(seqlen), int(size)
     if size < 1:
         raise LayoutError(f"need at least one rank; got {size}")
-    return _layout(kind, seqlen, size, mask if kind == "chunks" and size > 1 else None)
+    per_node = None
+    if kind == "chunks" and ranks_per_node is not None:
+        per_node = int(ranks_per_node)
+        if per_node < 1 or size % per_node:
+            raise LayoutError(f"{size} ranks do not fill nodes of {ranks_per_node}")
+        per_node = per_node if per_node < size else None
+    if kind == "chunks" and chunk is not None and (chunk < 1 or seqlen % size or (seqlen // size) % chunk):
+        raise LayoutError(f"chunks of {chunk} tokens do not split a rank's {seqlen / size:g} tokens")
+    return _layout(kind, seqlen, size, mask if kind == "chunks" and size > 1 else None, per_node,
+                   chunk if kind == "chunks" and size > 1 else None)
 
 
 @lru_cache(maxsize=32)
-def _layout(kind, seqlen, size, mask):
+def _layout(kind, seqlen, size, mask, per_node=None, chunk=None):
     """:func:`make_layout`'s Layout, kept: a call that names its layout makes it again on every call, and
     the chunks layout places the tokens by the mask (placement.place) once."""
     parts = _parts(size, kind)
     if seqlen % parts:
         raise _split_error(seqlen, size, kind)
     if kind == "chunks" and size > 1:
-        return _chunks(seqlen, size, mask)
+        return _chunks(seqlen, size, mask, per_node, chunk)
     chunk = seqlen // parts
     if parts == size:
         runs = tuple(((r * chunk, chunk),) for r in range(size))
@@ -235,16 +267,17 @@ def _layout(kind, seqlen, size, mask):
     return Layout(kind, seqlen, size, runs, balances_by_schedule=kind == "balanced")
 
 
-def _chunks(seqlen, size, mask):
-    """The chunks layout of ``mask`` (placement.place)."""
+def _chunks(seqlen, size, mask, per_node, chunk):
+    """The chunks layout of ``mask`` (placement.place, or place_chunks of ``chunk``)."""
     if mask is None or mask.seqlen != seqlen:
         raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal, cu_seqlens and "
                           "window with it (as burst_attention takes them, None where the call has none), or shard "
                           "by the Layout burst_hpc.choose_layout or make_layout returns")
-    from .placement import place
+    from .placement import place, place_chunks
 
-    found = place(mask, size)
-    return Layout("chunks", seqlen, size, tuple(found.pieces(r) for r in range(size)), chunk=found.chunk)
+    found = place(mask, size, per_node) if chunk is None else place_chunks(mask, size, chunk, per_node)
+    return Layout("chunks", seqlen, size, tuple(found.pieces(r) for r in range(size)), chunk=found.chunk,
+                  per_node=per_node)
 
 
 class _Unsaid:
@@ -266,13 +299,13 @@ def _said_mask(seqlen, causal, cu_seqlens, window):
     return masks.make(seqlen, causal, window, cu_seqlens)
 
 
-def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS):
+def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS, ranks_per_node=None):
     """{kind: its Layout, or why the length does not split in it (the LayoutError's text)} for each
-    of ``kinds``: the layouts a planner can choose among."""
+    of ``kinds``: the layouts a planner can choose among (chunks placed by nodes of ``ranks_per_node``)."""
     out = {}
     for kind in kinds:
         try:
-            out[kind] = make_layout(kind, seqlen, size, mask)
+            out[kind] = make_layout(kind, seqlen, size, mask, ranks_per_node)
         except LayoutError as e:
             out[kind] = str(e)
     return out

@@ -156,6 +156,24 @@ class Mask:
         last = np.searchsorted(lo, k_end, side="left")
         return "masked" if first < last else "hidden"
 
+    def classify_many(self, q_start, q_len, k_start, k_len):
+        """``classify`` of many blocks at once (int64 arrays that broadcast): 0 hidden, 1 full, 2 masked, for
+        the many pieces of a gather visit (one numpy pass instead of a call a block). The row intervals never
+        shrink, so a block's first and last row bound it (searchsorted over every row)."""
+        q_start, q_len, k_start, k_len = (np.asarray(x, np.int64) for x in (q_start, q_len, k_start, k_len))
+        k_end, q_end = k_start + k_len, q_start + q_len
+        empty = (q_len == 0) | (k_len == 0)
+        if self.kind == "full":
+            return np.where(empty, 0, 1 + 0 * k_end)
+        if self.kind == "causal":
+            return np.where(empty | (k_start >= q_end), 0, np.where(k_end <= q_start + 1, 1, 2))
+        lo, hi = self.intervals
+        last_row = np.clip(q_end - 1, 0, self.seqlen - 1)
+        full = (lo[last_row] <= k_start) & (hi[np.clip(q_start, 0, self.seqlen - 1)] >= k_end)
+        first = np.clip(np.searchsorted(hi, k_start, side="right"), q_start, q_end)
+        last = np.clip(np.searchsorted(lo, k_end, side="left"), q_start, q_end)
+        return np.where(empty, 0, np.where(full, 1, np.where(first < last, 2, 0)))
+
     def visible_count(self, q_start, q_len, k_start, k_len):
         """How many (query, key) pairs of the two blocks are visible: the work they cost."""
         if self.kind == "full":
@@ -220,8 +238,9 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
     return mask
 
 
+@lru_cache(maxsize=16)
 def block_counts(mask, rows, keys):
-    """int64 (S / rows, S / keys): the visible (query, key) pairs of every block of ``rows`` query
+    """int64 (S / rows, S / keys), read-only: the visible (query, key) pairs of every block of ``rows`` query
     rows against every block of ``keys`` keys. The row intervals never shrink, so the pairs of a block
     of rows with the keys before a point come from prefix sums and searchsorted, without visiting
     the rows one by one."""
@@ -233,7 +252,9 @@ def block_counts(mask, rows, keys):
     begun = np.clip(np.searchsorted(lo, ends, side="right"), starts, starts + rows)  # rows seeing a key before x
     # visible pairs of each block of rows with the keys before each boundary x
     before = span_sums[done] - span_sums[starts] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
-    return np.diff(before, axis=1)
+    out = np.diff(before, axis=1)
+    out.setflags(write=False)
+    return out
 
 
 @lru_cache(maxsize=16)

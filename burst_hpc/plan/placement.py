@@ -16,8 +16,14 @@ The chunk length is the plan's: the fewest chunks per rank (CHUNKS_PER_RANK, mul
 kernels' tile, TILE tokens, where the shard allows) whose critical area is within TOLERANCE of the
 mean, else the best balanced of them: fewer chunks are fewer runs, kernel launches and messages.
 
-Everything is a pure function of (mask, ranks): every rank computes the same placement from the
-agreed arguments (kept with its Layout: layout.make_layout).
+Across nodes (``per_node`` ranks a node, positions node by node) the chunks are dealt twice: to the
+nodes first, by the same rules (each node's area balanced, documents kept on one node where that costs
+no balance), then each node's chunks to its ranks. A key a query sees on another node crosses the
+network (several times slower than the links inside a node): dealt flat, a document's chunks land on
+ranks of any node; dealt by nodes, only a document too heavy for a node's share crosses.
+
+Everything is a pure function of (mask, ranks, ranks a node): every rank computes the same placement from
+the agreed arguments (kept with its Layout: layout.make_layout).
 """
 from dataclasses import dataclass
 
@@ -57,13 +63,14 @@ class Placement:
         return max(self.area) / mean if mean else 1.0
 
 
-def place(mask, size):
+def place(mask, size, per_node=None):
     """The Placement of ``mask`` (the call's masks.Mask, of any kind) over ``size`` ranks;
-    ``mask.seqlen`` must be a multiple of ``size``."""
+    ``mask.seqlen`` must be a multiple of ``size``. ``per_node``: ranks a node, positions node by node
+    (None: one node; it must divide ``size``)."""
     local = mask.seqlen // size
     best = None
     for count in chunk_counts(local):
-        found = place_chunks(mask, size, local // count)
+        found = place_chunks(mask, size, local // count, per_node)
         if found.imbalance <= 1 + TOLERANCE:
             return found
         if best is None or found.imbalance < best.imbalance:
@@ -82,19 +89,32 @@ def chunk_counts(local):
     return exact or [n for n in range(1, min(local, CHUNKS_PER_RANK[-1]) + 1) if local % n == 0]
 
 
-def place_chunks(mask, size, chunk):
-    """The Placement of chunks of ``chunk`` tokens: dealt by area (``deal``), then chunks swapped
-    between ranks to keep documents together within SLACK of that balance (``gather_documents``)."""
+def place_chunks(mask, size, chunk, per_node=None):
+    """The Placement of chunks of ``chunk`` tokens: dealt to the nodes (``per_node`` ranks each; None:
+    one node), then each node's to its ranks (``split``)."""
     pairs = masks.block_counts(mask, chunk, chunk)
     areas = pairs.sum(axis=1)
-    owned, area = deal(areas, size)
-    owner = np.empty(len(areas), np.int64)
-    for rank, chunks in enumerate(owned):
-        owner[list(chunks)] = rank
-    limit = max(area) * (1 + SLACK)
-    owner = gather_documents(owner, areas, pairs + pairs.T, size, limit)
+    per_node = size if per_node is None else per_node
+    owner = np.zeros(len(areas), np.int64)
+    for parts in ((size // per_node, per_node) if per_node < size else (size,)):
+        below = np.empty_like(owner)
+        for group in range(owner.max() + 1):
+            held = np.flatnonzero(owner == group)
+            below[held] = group * parts + split(areas[held], pairs[np.ix_(held, held)], parts)
+        owner = below
     owned = tuple(tuple(np.flatnonzero(owner == r).tolist()) for r in range(size))
     return Placement(chunk, owned, tuple(int(areas[list(c)].sum()) for c in owned))
+
+
+def split(areas, pairs, parts):
+    """The part (of ``parts``) of each chunk of ``areas`` (``pairs``: the visible pairs between them): dealt
+    by area (``deal``), then chunks swapped between parts to keep documents together within SLACK of that
+    balance (``gather_documents``)."""
+    owned, area = deal(areas, parts)
+    owner = np.empty(len(areas), np.int64)
+    for part, chunks in enumerate(owned):
+        owner[list(chunks)] = part
+    return gather_documents(owner, areas, pairs + pairs.T, parts, max(area) * (1 + SLACK))
 
 
 def deal(areas, size):

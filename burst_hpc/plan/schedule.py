@@ -30,7 +30,9 @@ zigzag step with no masked pair is a single kernel launch.
 """
 from dataclasses import dataclass, replace
 from functools import lru_cache
+from itertools import accumulate
 
+import numpy as np
 
 from . import masks, workplan
 
@@ -60,44 +62,45 @@ class BlockPair:
         return replace(self, k=slice(self.k.start, min(self.k.stop, self.k.start + n)))
 
 
-def _fuse(a, b):
-    """a and b fused into one pair when both are unmasked and adjacent along one side."""
-    if a.masked or b.masked:
-        return None
-    if a.q == b.q and a.k.stop == b.k.start:
-        return BlockPair(a.q, slice(a.k.start, b.k.stop), a.q_start, a.k_start, False)
-    if a.k == b.k and a.q.stop == b.q.start:
-        return BlockPair(slice(a.q.start, b.q.stop), a.k, a.q_start, a.k_start, False)
-    return None
+def _fused(pairs, side):
+    """``pairs`` (unmasked) with those adjacent along ``side`` ('k': the same query rows, keys that follow each
+    other; 'q': the other way round) joined into one."""
+    other = "q" if side == "k" else "k"
+    out = []
+    for p in sorted(pairs, key=lambda p: (getattr(p, other).start, getattr(p, other).stop, getattr(p, side).start)):
+        last = out[-1] if out else None
+        if last is not None and getattr(last, other) == getattr(p, other) and getattr(last, side).stop == getattr(p, side).start:
+            joined = slice(getattr(last, side).start, getattr(p, side).stop)
+            out[-1] = (BlockPair(last.q, joined, last.q_start, last.k_start, False) if side == "k" else
+                       BlockPair(joined, last.k, last.q_start, last.k_start, False))
+        else:
+            out.append(p)
+    return out
+
+
+KINDS = ("hidden", "full", "masked")   # masks.Mask.classify's answers, in classify_many's numbering
+MANY = 16                              # block pairs past which block_pairs classifies them in one numpy pass
 
 
 @lru_cache(maxsize=1024)
 def block_pairs(q_pieces, k_pieces, mask):
     """The block pairs to run for a query shard against a key shard (pieces as tuples), classified by
     ``mask`` (the call's masks.Mask)."""
-    pairs = []
-    q_off = 0
-    for q_start, q_len in q_pieces:
-        k_off = 0
-        for k_start, k_len in k_pieces:
-            kind = mask.classify(q_start, q_len, k_start, k_len)
-            if kind != "hidden":
-                pairs.append(BlockPair(slice(q_off, q_off + q_len), slice(k_off, k_off + k_len),
-                                       q_start, k_start, kind != "full"))
-            k_off += k_len
-        q_off += q_len
-    fused = True
-    while fused:
-        fused = False
-        for i in range(len(pairs)):
-            for j in range(len(pairs)):
-                if i != j and (merged := _fuse(pairs[i], pairs[j])) is not None:
-                    pairs = [p for n, p in enumerate(pairs) if n not in (i, j)] + [merged]
-                    fused = True
-                    break
-            if fused:
-                break
-    return tuple(sorted(pairs, key=lambda p: (p.q.start, p.k.start)))
+    q_off, k_off = ([0, *accumulate(n for _, n in pieces)] for pieces in (q_pieces, k_pieces))
+    if len(q_pieces) * len(k_pieces) > MANY:
+        q, k = (np.array(pieces, np.int64).reshape(-1, 2) for pieces in (q_pieces, k_pieces))
+        kinds = mask.classify_many(q[:, :1], q[:, 1:], k[:, 0], k[:, 1]).tolist()   # 0 hidden, 1 full, 2 masked
+    else:
+        kinds = [[KINDS.index(mask.classify(*qp, *kp)) for kp in k_pieces] for qp in q_pieces]
+    pairs = [BlockPair(slice(q_off[i], q_off[i] + ql), slice(k_off[j], k_off[j] + kl), qs, ks, kinds[i][j] == 2)
+             for i, (qs, ql) in enumerate(q_pieces) for j, (ks, kl) in enumerate(k_pieces) if kinds[i][j]]
+    full = [p for p in pairs if not p.masked]
+    while len(full) > 1:   # unmasked pairs adjacent along one side joined, until none is
+        count = len(full)
+        full = _fused(_fused(full, "k"), "q")
+        if len(full) == count:
+            break
+    return tuple(sorted([p for p in pairs if p.masked] + full, key=lambda p: (p.q.start, p.k.start)))
 
 
 def visit_pairs(q_pieces, k_pieces, mask, rows=None):
