@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import numpy as np
 
 SCHEMES = ("auto", "ring", "double_ring", "ulysses_ring", "gather")
-LAYOUTS = (None, "contiguous", "zigzag", "balanced", "chunks")
+BY_NODES = "chunks by nodes"   # the chunks Layout placed by the case's nodes (make_layout's ranks_per_node)
+LAYOUTS = (None, "contiguous", "zigzag", "balanced", "chunks", BY_NODES)
 HEAD_DIMS = (8, 16, 24, 32, 40, 48, 64, 72)
 GPU_HEAD_DIMS = (32, 48, 64, 80, 96, 128, 160, 256)
 
@@ -119,7 +120,7 @@ def draw(seed, ranks, backend="numpy", dtype=None, last_pairs=False):
         c.seqlen += parts * int(rng.choice([0, 16, 40]) if backend == "cuda" else rng.integers(16, 80))
     c.scale = None if rng.random() < 0.8 else float(rng.uniform(0.05, 1.0))
     c.backward_ring = str(rng.choice(["auto", "q", "kv"]))
-    gathers = c.scheme == "gather" or (c.scheme == "auto" and c.layout == "chunks")
+    gathers = c.scheme == "gather" or (c.scheme == "auto" and c.layout in ("chunks", BY_NODES))
     if gathers and c.backward_ring == "q" and rng.random() < 0.8:   # mostly a ring it runs (q is refused)
         c.backward_ring = "auto"
     if rng.random() < 0.45:
@@ -192,6 +193,23 @@ def window_side(rng, seqlen):
 
 # ------------------------------------------------------------------------------------------- checking
 
+def called_layout(name, case):
+    """The layout argument a call of ``case`` passes for the drawn ``name``: BY_NODES is the chunks Layout placed
+    by the case's nodes (a name cannot say it), or the name 'chunks' where the sequence does not split so (the
+    same refusal); other names as they are."""
+    import burst_hpc
+
+    if name != BY_NODES:
+        return name
+    mask = burst_hpc.plan.masks.make(case.seqlen, case.causal, case.window,
+                                     None if case.cu_seqlens is None else np.array(case.cu_seqlens))
+    try:
+        return burst_hpc.make_layout("chunks", case.seqlen, case.ranks, mask,
+                                     ranks_per_node=case.ranks_per_node or case.ranks)
+    except burst_hpc.LayoutError:
+        return "chunks"
+
+
 def shard_layout(case):
     """The layout the inputs are sharded in: the case's, or the call's default (never the mask's)."""
     from burst_hpc.plan.layout import default_kind
@@ -249,12 +267,12 @@ def run_case(comm, case, xp=np):
 
     P, r = comm.size, comm.rank
     assert P == case.ranks
-    layout = shard_layout(case)
+    layout = called_layout(shard_layout(case), case)
     q, k, v, do = inputs(case)
     placed = dict(causal=case.causal, window=case.window,   # the chunks layout places tokens by the mask
                   cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     try:
-        burst_hpc.make_layout(layout, case.seqlen, P, burst_hpc.plan.masks.make(case.seqlen, **placed))
+        burst_hpc.plan.layout.as_layout(layout, case.seqlen, P, burst_hpc.plan.masks.make(case.seqlen, **placed))
     except burst_hpc.LayoutError:
         layout_for_shards = "contiguous"   # the call must refuse the case's layout
     else:
@@ -263,7 +281,8 @@ def run_case(comm, case, xp=np):
     def mine(x, axis=1):
         return burst_hpc.shard(x, r, P, layout_for_shards, axis=axis, **placed)
 
-    kw = dict(comm=comm, causal=case.causal, scale=case.scale, layout=case.layout, scheme=case.scheme,
+    kw = dict(comm=comm, causal=case.causal, scale=case.scale, layout=called_layout(case.layout, case),
+              scheme=case.scheme,
               ranks_per_node=case.ranks_per_node, window=case.window,
               cu_seqlens=None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     dev = [xp.asarray(mine(x)) for x in (q, k, v, do)]
@@ -364,6 +383,7 @@ def refused_alike(comm, case, arrays, kw, call, layout_refused=False):
             xp = sys.modules[type(arrays[0]).__module__.split(".")[0]]
             arrays = [xp.asarray(to_host(x).astype(parse_dtype(value))) for x in arrays]
         else:
+            value = called_layout(value, case) if name == "layout" else value
             kw = dict(kw, **{name: np.array(value) if name == "cu_seqlens" and value is not None else value})
 
     def hung():

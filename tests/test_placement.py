@@ -222,7 +222,7 @@ def test_layout_by_nodes():
     size, local = 8, 1024
     mask = capped(1, size, local)
     by_nodes = make_layout("chunks", mask.seqlen, size, mask, ranks_per_node=4)
-    assert by_nodes.per_node == 4 and "by nodes of 4" in repr(by_nodes)
+    assert by_nodes.per_node == 4 and by_nodes.nodes == (0,) * 4 + (1,) * 4 and "by nodes of 4" in repr(by_nodes)
     assert [by_nodes.pieces(r) for r in range(size)] == [placement.place(mask, size, 4).pieces(r) for r in range(size)]
     again = pickle.loads(pickle.dumps(by_nodes))
     assert again == by_nodes and again.per_node == 4
@@ -236,7 +236,7 @@ def test_layout_by_nodes():
     assert make_layout("chunks", mask.seqlen, size, mask, chunk=128).grain == 128
     order = [0, 4, 1, 5, 2, 6, 3, 7]   # round-robin over two nodes: position p is rank order[p]
     moved = by_nodes.held_by(order)
-    assert all(moved.pieces(order[p]) == by_nodes.pieces(p) for p in range(size))
+    assert all(moved.pieces(order[p]) == by_nodes.pieces(p) and moved.nodes[order[p]] == p // 4 for p in range(size))
     assert by_nodes.held_by(range(size)) is by_nodes
 
 
@@ -255,3 +255,21 @@ def test_choose_layout_places_by_nodes_across_them():
     flat = make_layout("chunks", mask.seqlen, size, mask)
     assert (costmodel.predict("gather", pr, cl, rates, placed).fwdbwd <
             0.9 * costmodel.predict("gather", pr, cl, rates, flat).fwdbwd)
+
+
+@pytest.mark.parametrize("returns", [("q",), ("kv", "q")], ids=["forward", "backward"])
+def test_gather_visits_other_nodes_keys_last_forward_first_backward(returns):
+    """Placed by nodes (4 nodes of 4 on the issue's documents), the gather's visits take another node's keys
+    after the node's own in the forward (they have the longest to cross the network) and before them in the
+    backward (their partials go home under the rest); each rank's work is all its visible pairs either way."""
+    size, per_node = 16, 4
+    mask = capped(2, size, 2048)
+    layout = make_layout("chunks", mask.seqlen, size, mask, ranks_per_node=per_node)
+    _, tasks, _ = gather.plan(mask, layout, returns)
+    crossed = 0
+    for r in range(size):
+        far = [layout.nodes[shard] != layout.nodes[r] for step in tasks[r] for shard, _, _ in step if shard != r]
+        crossed += any(far)
+        assert far == sorted(far, reverse="kv" in returns), r
+        assert sum(w for step in tasks[r] for _, _, w in step) == masks.pair_work(mask, layout)[r].sum()
+    assert crossed   # some rank sees keys on another node

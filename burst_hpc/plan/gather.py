@@ -93,7 +93,7 @@ def plan(mask, layout, returns):
     remote = any(seen[a][b] for a in range(size) for b in range(size) if a != b)
     steps = STEPS if remote else 1
     counts = masks.block_counts(mask, balance.row_unit(unit), unit)   # (row block, key unit): visible pairs
-    works = [_rank_work(counts, units, seen, unit, r) for r in range(size)]
+    works = [_rank_work(counts, units, seen, unit, r, layout.nodes, "kv" in returns) for r in range(size)]
     # step 0 holds own work only: the same share on every rank (as much as the least has, up to a step's)
     head = min(min(int(w[r].sum()) for r, w in enumerate(works)),
                min(sum(int(x.sum()) for x in w.values()) for w in works) / steps) if steps > 1 else None
@@ -113,16 +113,20 @@ def plan(mask, layout, returns):
     return count, tasks, tuple(moves)
 
 
-def _rank_work(counts, units, seen, unit, rank):
+def _rank_work(counts, units, seen, unit, rank, nodes=None, far_first=False):
     """{shard: int64 work of each block of ``rank``'s query rows (local order) against the keys of
     ``shard`` it sees}, own keys first, then the others by ring distance; ``counts`` the visible pairs
     of every block of rows against every unit of keys, ``units``, ``seen``, ``unit`` as ``sight`` gives
-    them."""
+    them. With ``nodes`` (the layout's node of each rank) the other nodes' keys come last, so their
+    transfers have the longest to arrive, or with ``far_first`` (the backward) first, so their partials
+    go home under the rest of the work."""
     size = len(units)
     ratio = counts.shape[0] // counts.shape[1]   # row blocks a unit
     mine = counts[[u * ratio + i for u in units[rank] for i in range(ratio)]]
-    owners = [(rank, None)] + [((rank - d) % size, seen[rank][(rank - d) % size]) for d in range(1, size)
-                               if seen[rank][(rank - d) % size]]
+    others = [(rank - d) % size for d in range(1, size) if seen[rank][(rank - d) % size]]
+    if nodes is not None:
+        others.sort(key=lambda b: (nodes[b] == nodes[rank]) == far_first)
+    owners = [(rank, None)] + [(b, seen[rank][b]) for b in others]
     return {shard: mine[:, _key_units(units[shard], keys, unit)].sum(axis=1) for shard, keys in owners}
 
 

@@ -50,8 +50,10 @@ class Layout:
     grain : int
         Tokens every run is made of: the chunks layout's chunk, else the largest length that
         divides every run and start (what the gather schedule sends whole).
+    nodes : tuple or None
+        The chunks layout placed by nodes: the node of each rank (None: placed over one node).
     per_node : int or None
-        The chunks layout placed by nodes: ranks a node, ranks node by node (None: over one node).
+        Ranks a node of ``nodes``.
     """
     kind: str
     seqlen: int
@@ -59,7 +61,7 @@ class Layout:
     runs: tuple = field(repr=False)   # runs[rank]: that rank's pieces
     balances_by_schedule: bool = False
     chunk: int = None                 # the chunks layout's chunk (None: grain is the runs' gcd)
-    per_node: int = None              # the chunks layout's nodes (None: placed over one node)
+    nodes: tuple = None               # the chunks layout's node of each rank (None: placed over one node)
 
     def __post_init__(self):
         # the chunk too: the gather schedule sends runs whole in chunks (grain), so two placements with the same
@@ -79,11 +81,15 @@ class Layout:
 
     def __reduce__(self):   # rebuilt where unpickled: a string's hash differs from process to process
         return Layout, (self.kind, self.seqlen, self.size, self.runs, self.balances_by_schedule, self.chunk,
-                        self.per_node)
+                        self.nodes)
 
     @property
     def local(self):
         return self.seqlen // self.size
+
+    @property
+    def per_node(self):
+        return None if self.nodes is None else self.size // (max(self.nodes) + 1)
 
     @property
     def grain(self):
@@ -110,11 +116,12 @@ class Layout:
         a layout placed by nodes numbers its ranks node by node, the launcher may not."""
         if list(order) == list(range(self.size)):
             return self
-        runs = [None] * self.size
+        runs, nodes = [None] * self.size, [None] * self.size
         for position, rank in enumerate(order):
             runs[rank] = self.runs[position]
+            nodes[rank] = None if self.nodes is None else self.nodes[position]
         return Layout(self.kind, self.seqlen, self.size, tuple(runs), self.balances_by_schedule, self.chunk,
-                      self.per_node)
+                      None if self.nodes is None else tuple(nodes))
 
     def indices(self, rank):
         """Global token indices of rank ``rank``'s shard, in local order (int64)."""
@@ -277,7 +284,7 @@ def _chunks(seqlen, size, mask, per_node, chunk):
 
     found = place(mask, size, per_node) if chunk is None else place_chunks(mask, size, chunk, per_node)
     return Layout("chunks", seqlen, size, tuple(found.pieces(r) for r in range(size)), chunk=found.chunk,
-                  per_node=per_node)
+                  nodes=None if per_node is None else tuple(r // per_node for r in range(size)))
 
 
 class _Unsaid:
