@@ -133,7 +133,7 @@ def cmd_compile(args):
         return 0
     # the block calls on a kernel just compiled: the first head dim and dtype asked for
     model, costs, path = _collective(calibrate, args.backend, comm if comm.size > 1 else None, args.transport,
-                                     (args.head_dim or [128])[0], (args.dtype or ["bfloat16"])[0])
+                                     (args.head_dim or [128])[0], (args.dtype or ["bfloat16"])[0], args.tile_prices)
     if comm.rank == 0:
         print(f"fixed costs of {model} ({', '.join(f'{k} {v:.3g}' for k, v in sorted(costs.items()))}): {path}",
               flush=True)

@@ -338,6 +338,10 @@ burst_hpc.choose_layout, scheme='auto' and 'burst-hpc plan --gpu MODEL' read the
                    "this GPU; numpy: compile nothing, measure the CPU path's fixed costs")
     p.add_argument("--transport", choices=TRANSPORTS, default="auto",
                    help="the transport whose message latency and step cost are measured (default auto)")
+    p.add_argument("--tile-prices", action="store_true",
+                   help="measure the kernels' prices per tile too (cuda: six calls on packed documents and "
+                   "plain causal, forward and backward, a few seconds), kept with the fixed costs; without it "
+                   "the built-in prices of this GPU model stay")
 
 
 def _add_clean(sub):

@@ -148,8 +148,8 @@ def disagreement(rng, c):
     name = str(rng.choice(DISAGREEMENTS))
     if name == "scheme":
         value = str(rng.choice([s for s in SCHEMES if s != c.scheme]))
-    elif name == "layout":
-        others = [layout for layout in LAYOUTS if layout != c.layout]
+    elif name == "layout":   # the chunks placed by nodes are the chunks layout itself on one node (or by chance)
+        others = [layout for layout in LAYOUTS if layout != c.layout and not same_chunks(layout, c.layout, c)]
         value = others[rng.integers(len(others))]
     elif name == "causal":
         value = not c.causal
@@ -208,6 +208,20 @@ def called_layout(name, case):
                                      ranks_per_node=case.ranks_per_node or case.ranks)
     except burst_hpc.LayoutError:
         return "chunks"
+
+
+def same_chunks(a, b, case):
+    """Whether layout names ``a`` and ``b`` are 'chunks' and BY_NODES placing the case's tokens alike."""
+    import burst_hpc
+
+    if {a, b} != {"chunks", BY_NODES}:
+        return False
+    mask = burst_hpc.plan.masks.make(case.seqlen, case.causal, case.window,
+                                     None if case.cu_seqlens is None else np.array(case.cu_seqlens))
+    try:
+        return called_layout(BY_NODES, case) == burst_hpc.make_layout("chunks", case.seqlen, case.ranks, mask)
+    except burst_hpc.LayoutError:
+        return True   # both refused alike
 
 
 def shard_layout(case):

@@ -161,3 +161,43 @@ def test_a_measured_step_cost_moves_the_pick():
     calibrate.save("H100", {"step_us": 1e6})
     assert burst_hpc.choose_layout(pr.seqlen, RANKS, **kw).kind in ("contiguous", "chunks")
     assert burst_hpc.choose_layout(pr.seqlen, RANKS, ranks_per_node=1, **kw).kind == "contiguous"   # stepped gather
+
+
+def test_tile_prices_are_fitted_back_from_the_calls_they_price():
+    """The calls `compile --tile-prices` times, priced by known tile prices (pricing.call_seconds), fit back to
+    those prices: the six calls tell every term apart (the backward's walks up and down, its per-token pass);
+    with 3% noise on each time the fit still prices every call within 5%, and no price is negative."""
+    from burst_hpc.plan import calibrate
+    from burst_hpc.plan.pricing import call_seconds
+
+    rng = np.random.default_rng()
+    truth = {name: getattr(GPU_RATES["H100"], name) * rng.uniform(0.5, 2.0) for name in calibrate.TILES}
+    rates = replace(GPU_RATES["H100"], **truth)
+
+    def seconds(mask, heads, kv_heads, backward, noise=0.0):
+        return call_seconds(rates, mask, 1, heads, 128, backward) * (1 + noise * rng.uniform(-1, 1))
+
+    fitted = calibrate.measure_tiles(seconds)
+    for name in calibrate.TILES:
+        assert fitted[name] == pytest.approx(truth[name], rel=1e-6), name
+    noisy = calibrate.measure_tiles(lambda *a: seconds(*a, noise=0.03) + 40e-6, launch_us=(40.0, 40.0))
+    assert all(v >= 0 for v in noisy.values())
+    again = replace(GPU_RATES["H100"], **noisy)
+    for mask in calibrate.tile_masks():
+        for backward in (False, True):
+            assert call_seconds(again, mask, 1, 32, 128, backward) == pytest.approx(
+                call_seconds(rates, mask, 1, 32, 128, backward), rel=0.05)
+
+
+def test_tile_prices_are_kept_with_the_fixed_costs_and_read(tmp_path):
+    """Kept tile prices (as `compile --tile-prices` saves them) price the model's kernels; asked of the NumPy
+    backend they are refused (the CPU path prices per pair)."""
+    from burst_hpc.errors import BurstError
+    from burst_hpc.plan import calibrate
+
+    prices = {name: getattr(GPU_RATES["H100"], name) * 1.5 for name in calibrate.TILES}
+    calibrate.save("H100", dict(prices, fwd_launch_us=30.0))
+    rates = rates_for("cuda", "NVIDIA H100 80GB HBM3")
+    assert all(getattr(rates, name) == pytest.approx(v) for name, v in prices.items()) and rates.fwd_launch_us == 30
+    with pytest.raises(BurstError, match="tile prices are the CUDA kernels'"):
+        calibrate.calibrate("numpy", tile_prices=True)

@@ -11,7 +11,12 @@ of one head, the device drained after the last (the call's work is a few microse
 its fixed cost). A step:
 a step of the ring engine (ring.run) over the transport with 1-token shards and no kernels (measured
 alike), less one message. A message: ranks 0 and 1 exchanging a small message each way at once, the
-way a ring step does (none on one rank: the built-in latency stays)."""
+way a ring step does (none on one rank: the built-in latency stays).
+
+The kernels' prices per tile (``burst-hpc compile --tile-prices``, CUDA only): one call on this GPU over each
+of TILE_CALLS (plain causal and causal documents, the backward's tiles walking up and down), timed on the
+GPU, less a launch; the prices (tiles.COUNTS' terms and the backward's per-token pass) that fit those times
+best, each call's error relative to its time, none negative (``fit_tiles``)."""
 import json
 import os
 import re
@@ -24,6 +29,12 @@ from .. import __version__, config
 from ..errors import BurstError
 
 FIXED = ("fwd_launch_us", "bwd_launch_us", "step_us", "intra_latency_us")   # the Rates fields measured here
+TILES = ("fwd_key_tile_ns", "fwd_query_tile_ns", "bwd_step_ns", "bwd_shared_ns", "bwd_shared_down_ns",
+         "bwd_token_ns")   # the kernels' prices, measured where asked (--tile-prices)
+# (tokens, document length; None: plain causal) of the calls the tile prices are fitted on: short documents walk
+# the backward down, long ones and plain causal up; two lengths tell the per-token pass from the tiles
+TILE_CALLS = ((8192, 256), (8192, 1024), (8192, 4096), (8192, None), (32768, 2048), (32768, None))
+TILE_HEADS = (32, 4)   # Hq, Hkv of those calls: enough query tiles a head to fill the GPU
 REPEATS = 10
 ROUNDS = 5
 
@@ -54,7 +65,7 @@ def load(model):
     except (OSError, ValueError):
         return None
     if not isinstance(costs, dict) or not all(isinstance(costs.get(k), (int, float)) for k in costs) \
-            or not set(costs) <= set(FIXED):
+            or not set(costs) <= set(FIXED + TILES):
         return None
     return {k: float(v) for k, v in costs.items() if np.isfinite(v) and v >= 0}
 
@@ -94,6 +105,86 @@ def measure(backend, transport, xp, comm=None, head_dim=128, dtype="bfloat16"):
         every = comm.allgather(costs)
         costs = {name: max(c[name] for c in every) for name in costs}
     return {name: float(value) for name, value in costs.items()}
+
+
+def tile_masks():
+    """The masks.Mask of each of TILE_CALLS."""
+    from . import masks
+
+    return [masks.make(n, True, None, None if doc is None else np.arange(0, n + 1, doc)) for n, doc in TILE_CALLS]
+
+
+def fit_tiles(samples, head_dim=128):
+    """{TILES field: ns} fitting ``samples`` [(mask, heads, forward seconds, backward seconds)] (one call each over
+    the whole mask: its kernels and the backward's pass outside them, no launch): the forward's and the
+    backward's terms apart, by least squares on each call's error relative to its time, every price >= 0 (of
+    the columns' subsets, the least error whose solution has none negative)."""
+    from itertools import combinations
+
+    from . import tiles
+
+    rows = []
+    for mask, heads, fwd, bwd in samples:
+        counts = tiles.call_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, not mask.is_full)
+        per = heads * head_dim / 128 * 1e-9   # a price in ns a head at D = 128, the call's seconds
+        rows.append((counts * per, mask.seqlen * per, fwd, bwd))
+    fwd = np.array([[r[0][0], r[0][1]] for r in rows]), np.array([r[2] for r in rows])
+    bwd = np.array([[r[0][2], r[0][3], r[0][4], r[1]] for r in rows]), np.array([r[3] for r in rows])
+    out = []
+    for design, seconds in (fwd, bwd):
+        weighted = design / seconds[:, None]
+        best, least = np.zeros(design.shape[1]), np.inf
+        for n in range(1, design.shape[1] + 1):
+            for used in combinations(range(design.shape[1]), n):
+                if not weighted[:, used].any():
+                    continue
+                solved = np.linalg.lstsq(weighted[:, used], np.ones(len(seconds)), rcond=None)[0]
+                error = np.sum((weighted[:, used] @ solved - 1) ** 2)
+                if (solved >= 0).all() and error < least:
+                    best, least = np.zeros(design.shape[1]), error
+                    best[list(used)] = solved
+        out += best.tolist()
+    return dict(zip(TILES, out))
+
+
+def measure_tiles(time_call, launch_us=(0.0, 0.0), head_dim=128):
+    """{TILES field: ns}: fit_tiles over TILE_CALLS, each timed by ``time_call(mask, heads, kv_heads,
+    backward)`` (seconds of one call on the GPU), less a launch (``launch_us``: forward, backward)."""
+    heads, kv_heads = TILE_HEADS
+    samples = [(mask, heads, *(max(1e-9, time_call(mask, heads, kv_heads, backward) - launch * 1e-6)
+                               for backward, launch in zip((False, True), launch_us)))
+               for mask in tile_masks()]
+    return fit_tiles(samples, head_dim)
+
+
+def gpu_call_seconds(head_dim=128, dtype="bfloat16"):
+    """A ``time_call`` for measure_tiles: the least over ROUNDS of one call's time between CUDA events, the
+    forward (burst_hpc.attention) or the backward (attention_backward) over the whole mask on this GPU."""
+    import cupy as xp
+
+    from ..api import attention, attention_backward
+    from ..dtypes import parse_dtype
+
+    def seconds(mask, heads, kv_heads, backward):
+        rng = np.random.default_rng(0)
+        shape = lambda h: (1, mask.seqlen, h, head_dim)  # noqa: E731
+        q, do = (xp.asarray(rng.standard_normal(shape(heads), np.float32)).astype(parse_dtype(dtype)) for _ in "qd")
+        k, v = (xp.asarray(rng.standard_normal(shape(kv_heads), np.float32)).astype(parse_dtype(dtype)) for _ in "kv")
+        kw = mask.arguments
+        o, lse = attention(q, k, v, **kw)
+        call = (lambda: attention_backward(do, q, k, v, o, lse, **kw)) if backward else lambda: attention(q, k, v, **kw)
+        call()
+        start, end = xp.cuda.Event(), xp.cuda.Event()
+        times = []
+        for _ in range(ROUNDS):
+            start.record()
+            call()
+            end.record()
+            end.synchronize()
+            times.append(xp.cuda.get_elapsed_time(start, end) * 1e-3)
+        return min(times)
+
+    return seconds
 
 
 def _drain(xp):
@@ -160,17 +251,19 @@ class Loopback:
         _drain(self.xp)
 
 
-def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bfloat16"):
+def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bfloat16", tile_prices=False):
     """Collective on ``comm`` (None: this process alone): measure this machine's fixed costs with
-    ``backend_name`` ('numpy' or 'cuda') over ``transport`` (block calls on ``head_dim`` and ``dtype``)
-    and keep them (one rank a host writes the figures every rank agreed on). Returns (model, costs,
-    file)."""
+    ``backend_name`` ('numpy' or 'cuda') over ``transport`` (block calls on ``head_dim`` and ``dtype``),
+    with ``tile_prices`` the kernels' prices too (CUDA; the slowest rank's), and keep them (one rank a host
+    writes the figures every rank agreed on). Returns (model, costs, file)."""
     from ..backends import get_backend
     from ..collective import agree
     from ..transport import choose_transport, make_transport
 
     error = None
     try:
+        if tile_prices and backend_name != "cuda":
+            raise BurstError("tile prices are the CUDA kernels': measure them with --backend cuda on a GPU")
         if backend_name == "cuda":
             import cupy as xp
 
@@ -188,6 +281,11 @@ def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bf
         raise error
     model = device_model(backend_name, device)
     costs = measure(backend, ring, xp, comm, head_dim, dtype)
+    if tile_prices:
+        tiled = measure_tiles(gpu_call_seconds(head_dim, dtype), (costs["fwd_launch_us"], costs["bwd_launch_us"]),
+                              head_dim)
+        every = [tiled] if comm is None else comm.allgather(tiled)
+        costs.update({name: max(t[name] for t in every) for name in TILES})
     if comm is None or comm.size == 1:
         return model, costs, save(model, costs)
     hosts = comm.allgather(socket.gethostname())

@@ -69,7 +69,7 @@ def scaled(rates, fwd, bwd):
 # forward block call, 50 us a backward one (three or four kernels); 150 us a step is what the 2 and 4 x H100
 # runs of packed documents (bench/predict_documents.py) leave beside the kernels priced by their tiles (300 us
 # while the kernels were priced per visible pair, which missed the tiles' own costs); `burst-hpc compile`
-# measures them on the GPU it runs on (calibrate.py). "cpu" is this library's NumPy path on one host
+# measures them on the GPU it runs on (calibrate.py), and with --tile-prices the kernels' prices too. "cpu" is this library's NumPy path on one host
 # (emulated nodes), priced per visible pair (its block calls compute whole blocks: no tiles of their own).
 GPU_FIXED = dict(intra_latency_us=30.0, inter_latency_us=30.0, fwd_launch_us=25.0, bwd_launch_us=50.0,
                  step_us=150.0)
