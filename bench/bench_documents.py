@@ -29,7 +29,7 @@ import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.rates import rates_for
 from burst_hpc.plan.accounting import visible_pairs
-from burst_hpc.plan.layout import LAYOUTS, default_kind, make_layout
+from burst_hpc.plan.layout import LAYOUTS, default_kind
 from burst_hpc.plan.workload import account, documents
 
 import bench_packed
@@ -131,8 +131,12 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
                                          backward=pass_ != "fwd", rates=rates)
         picked[pass_] = getattr(choice, "kind", choice)
     rows, first = [], None
+    # each layout as choose_layout prices it (the chunks: placed by the mask and the nodes, the model's chunk)
+    layouts = costmodel.cluster_layouts(problem, cluster, rates, tuple(args.layouts.split(",")))
     for layout in args.layouts.split(","):
-        placed = make_layout(layout, S, P, mask)   # the chunks layout places tokens by the mask
+        placed = layouts[layout]
+        if isinstance(placed, str):
+            raise burst_hpc.LayoutError(placed)
         mine = {name: xp.asarray(placed.shard(x, r)).astype(dtype) for name, x in full.items()}
         scheme = costmodel.pick(problem, cluster, rates, placed)   # what scheme='auto' runs
         kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=placed, scheme=scheme)
