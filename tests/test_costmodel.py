@@ -84,6 +84,21 @@ def test_plan_prints_a_table_and_the_pick(capsys):
     assert "**pick**" in out and "pick: layout zigzag, scheme double_ring" in out and "ulysses_ring" in out
 
 
+def test_plan_names_the_chunks_placement_it_picks(capsys):
+    """Packed documents over 2 nodes of 4: the pick is the chunks layout placed by the nodes, and the pick's line
+    says so, with its chunk (what choose_layout returns for the call)."""
+    from burst_hpc.plan import tables
+
+    args = ["--seqlen", "65536", "--heads", "64", "--kv-heads", "8", "--causal", "--documents", "8", "--doc-lengths",
+            "uniform", "--nodes", "2", "--gpus-per-node", "4", "--gpu", "H100"]
+    assert main(["plan", *args]) == 0
+    chosen = burst_hpc.choose_layout(65536, 8, causal=True, cu_seqlens=tables.planned_documents(65536, 8, "uniform"),
+                                     heads=64, kv_heads=8, ranks_per_node=4, rates=GPU_RATES["H100"])
+    assert chosen.kind == "chunks" and chosen.per_node == 4
+    assert (f"pick: layout chunks (chunks of {chosen.grain} tokens, placed by nodes of 4), scheme gather"
+            in capsys.readouterr().out)
+
+
 def test_plan_says_why_a_scheme_does_not_fit(capsys):
     assert main(["plan", "--seqlen", str(1 << 16), "--heads", "12", "--causal", "--nodes", "2",
                  "--gpus-per-node", "8"]) == 0
