@@ -273,3 +273,22 @@ def test_gather_visits_other_nodes_keys_last_forward_first_backward(returns):
         assert far == sorted(far, reverse="kv" in returns), r
         assert sum(w for step in tasks[r] for _, _, w in step) == masks.pair_work(mask, layout)[r].sum()
     assert crossed   # some rank sees keys on another node
+
+
+def test_a_named_scheme_prices_the_chunks_it_runs():
+    """cluster_layouts with a scheme named: the chunk is within MARGIN of the fastest under that scheme, the
+    flat ring here (not the gather 'auto' runs), and choose_layout with it returns a layout."""
+    import burst_hpc
+    from burst_hpc.plan import costmodel
+    from burst_hpc.plan.rates import GPU_RATES
+
+    mask = capped(1, 8, 2048)
+    pr = costmodel.Problem(1, mask.seqlen, 16, 4, 128, 2, mask)
+    cl, rates = costmodel.Cluster(2, 4), GPU_RATES["H100"]
+    chosen = costmodel.cluster_layouts(pr, cl, rates, scheme="ring")["chunks"]
+    times = [costmodel.predict("ring", pr, cl, rates, make_layout("chunks", mask.seqlen, 8, mask, 4, 2048 // n)).fwdbwd
+             for n in placement.chunk_counts(2048)]
+    assert costmodel.predict("ring", pr, cl, rates, chosen).fwdbwd <= min(times) / (1 - costmodel.MARGIN)
+    assert isinstance(burst_hpc.choose_layout(mask.seqlen, 8, causal=True, cu_seqlens=mask.cu_seqlens, heads=16,
+                                              kv_heads=4, ranks_per_node=4, scheme="ring", rates=rates),
+                      burst_hpc.Layout)

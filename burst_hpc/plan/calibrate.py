@@ -27,10 +27,10 @@ import numpy as np
 
 from .. import __version__, config
 from ..errors import BurstError
+from .pricing import TILE_PRICES as PRICED
 
 FIXED = ("fwd_launch_us", "bwd_launch_us", "step_us", "intra_latency_us")   # the Rates fields measured here
-TILES = ("fwd_key_tile_ns", "fwd_query_tile_ns", "bwd_step_ns", "bwd_shared_ns", "bwd_shared_down_ns",
-         "bwd_token_ns")   # the kernels' prices, measured where asked (--tile-prices)
+TILES = PRICED + ("bwd_token_ns",)   # the kernels' prices (pricing.TILE_PRICES) and the backward's per-token pass
 # (tokens, document length; None: plain causal) of the calls the tile prices are fitted on: short documents walk
 # the backward down, long ones and plain causal up; two lengths tell the per-token pass from the tiles
 TILE_CALLS = ((8192, 256), (8192, 1024), (8192, 4096), (8192, None), (32768, 2048), (32768, None))
@@ -119,42 +119,50 @@ def fit_tiles(samples, head_dim=128):
     the whole mask: its kernels and the backward's pass outside them, no launch): the forward's and the
     backward's terms apart, by least squares on each call's error relative to its time, every price >= 0 (of
     the columns' subsets, the least error whose solution has none negative)."""
+    from . import tiles
+    from .pricing import backward_counts
+
+    design, seconds = [], []
+    for mask, heads, fwd, bwd in samples:
+        per = heads * head_dim / 128 * 1e-9   # a price in ns a head at D = 128, the call's seconds
+        counts = tiles.call_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, not mask.is_full)
+        design.append(np.append(counts, mask.seqlen) * per)   # the last column: bwd_token_ns's tokens
+        seconds.append((fwd, bwd))
+    design, seconds = np.array(design), np.array(seconds)
+    backward = np.append(backward_counts(), True)
+    prices = np.zeros(len(TILES))
+    for column, used in ((0, ~backward), (1, backward)):
+        prices[used] = _nonnegative_fit(design[:, used] / seconds[:, column, None])
+    return dict(zip(TILES, prices.tolist()))
+
+
+def _nonnegative_fit(weighted):
+    """x >= 0 least squares of weighted @ x = 1 (a relative error a row): of the columns' subsets, the least
+    error whose solution has none negative."""
     from itertools import combinations
 
-    from . import tiles
-
-    rows = []
-    for mask, heads, fwd, bwd in samples:
-        counts = tiles.call_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, not mask.is_full)
-        per = heads * head_dim / 128 * 1e-9   # a price in ns a head at D = 128, the call's seconds
-        rows.append((counts * per, mask.seqlen * per, fwd, bwd))
-    fwd = np.array([[r[0][0], r[0][1]] for r in rows]), np.array([r[2] for r in rows])
-    bwd = np.array([[r[0][2], r[0][3], r[0][4], r[1]] for r in rows]), np.array([r[3] for r in rows])
-    out = []
-    for design, seconds in (fwd, bwd):
-        weighted = design / seconds[:, None]
-        best, least = np.zeros(design.shape[1]), np.inf
-        for n in range(1, design.shape[1] + 1):
-            for used in combinations(range(design.shape[1]), n):
-                if not weighted[:, used].any():
-                    continue
-                solved = np.linalg.lstsq(weighted[:, used], np.ones(len(seconds)), rcond=None)[0]
-                error = np.sum((weighted[:, used] @ solved - 1) ** 2)
-                if (solved >= 0).all() and error < least:
-                    best, least = np.zeros(design.shape[1]), error
-                    best[list(used)] = solved
-        out += best.tolist()
-    return dict(zip(TILES, out))
+    best, least = np.zeros(weighted.shape[1]), np.inf
+    for n in range(1, weighted.shape[1] + 1):
+        for used in map(list, combinations(range(weighted.shape[1]), n)):
+            solved = np.linalg.lstsq(weighted[:, used], np.ones(len(weighted)), rcond=None)[0]
+            error = np.sum((weighted[:, used] @ solved - 1) ** 2)
+            if (solved >= 0).all() and error < least:
+                best, least = np.zeros(weighted.shape[1]), error
+                best[used] = solved
+    return best
 
 
-def measure_tiles(time_call, launch_us=(0.0, 0.0), head_dim=128):
-    """{TILES field: ns}: fit_tiles over TILE_CALLS, each timed by ``time_call(mask, heads, kv_heads,
+def tile_times(time_call, launch_us=(0.0, 0.0)):
+    """[(forward seconds, backward seconds)] of each of TILE_CALLS, timed by ``time_call(mask, heads, kv_heads,
     backward)`` (seconds of one call on the GPU), less a launch (``launch_us``: forward, backward)."""
     heads, kv_heads = TILE_HEADS
-    samples = [(mask, heads, *(max(1e-9, time_call(mask, heads, kv_heads, backward) - launch * 1e-6)
-                               for backward, launch in zip((False, True), launch_us)))
-               for mask in tile_masks()]
-    return fit_tiles(samples, head_dim)
+    return [tuple(max(1e-9, time_call(mask, heads, kv_heads, backward) - launch * 1e-6)
+                  for backward, launch in zip((False, True), launch_us)) for mask in tile_masks()]
+
+
+def measure_tiles(times, head_dim=128):
+    """{TILES field: ns} fitting ``times`` (tile_times' list; several ranks': the slowest of each call)."""
+    return fit_tiles([(mask, TILE_HEADS[0], fwd, bwd) for mask, (fwd, bwd) in zip(tile_masks(), times)], head_dim)
 
 
 def gpu_call_seconds(head_dim=128, dtype="bfloat16"):
@@ -281,11 +289,10 @@ def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bf
         raise error
     model = device_model(backend_name, device)
     costs = measure(backend, ring, xp, comm, head_dim, dtype)
-    if tile_prices:
-        tiled = measure_tiles(gpu_call_seconds(head_dim, dtype), (costs["fwd_launch_us"], costs["bwd_launch_us"]),
-                              head_dim)
-        every = [tiled] if comm is None else comm.allgather(tiled)
-        costs.update({name: max(t[name] for t in every) for name in TILES})
+    if tile_prices:   # the slowest rank's time of each call, fitted once
+        times = tile_times(gpu_call_seconds(head_dim, dtype), (costs["fwd_launch_us"], costs["bwd_launch_us"]))
+        every = np.array([times] if comm is None else comm.allgather(times))
+        costs.update(measure_tiles(every.max(axis=0).tolist(), head_dim))
     if comm is None or comm.size == 1:
         return model, costs, save(model, costs)
     hosts = comm.allgather(socket.gethostname())

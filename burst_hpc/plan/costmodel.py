@@ -238,24 +238,26 @@ def _all_to_alls(pr, cl, rates, backward, scale):
                for nbytes in (into, back))
 
 
-def cluster_layouts(pr, cl, rates, kinds=LAYOUTS, backward=True):
+def cluster_layouts(pr, cl, rates, kinds=LAYOUTS, backward=True, scheme="auto", backward_ring="auto"):
     """layout.layouts_for the problem over the cluster, the chunks layout placed by its nodes in the chunk
-    (placement.chunk_counts) whose pick is predicted fastest (forward+backward, or the forward alone); the
-    chunk placement.place chooses unless another is faster by more than MARGIN. Across nodes the fewest
-    chunks are often fastest though the least balanced: a document cut into more chunks crosses more nodes."""
+    (placement.chunk_counts) predicted fastest (forward+backward, or the forward alone) under ``scheme``
+    (auto: its pick, ``backward_ring`` as ``auto_schemes`` takes it); the chunk placement.place chooses unless
+    another is faster by more than MARGIN. Across nodes the fewest chunks are often fastest though the least
+    balanced: a document cut into more chunks crosses more nodes."""
     per_node = cl.per_node if cl.nodes > 1 else None
     out = layouts_for(pr.seqlen, cl.ranks, pr.mask, kinds, per_node)
     chosen = out.get("chunks")
     if isinstance(chosen, Layout) and cl.ranks > 1 and pr.mask.kind == "intervals":   # else zigzag's or contiguous's
         def seconds(layout):
-            found = options(pr, cl, rates, {"chunks": layout}, auto_schemes(layout, cl, pr))
-            return _pick(found, backward, MARGIN)["chunks"].seconds(backward)
+            schemes = (scheme,) if scheme != "auto" else auto_schemes(layout, cl, pr, backward_ring)
+            picked = _pick(options(pr, cl, rates, {"chunks": layout}, schemes), backward, MARGIN)
+            return picked["chunks"].seconds(backward) if picked else np.inf   # the scheme named does not run
 
         least = seconds(chosen)
         for count in chunk_counts(chosen.local):
             layout = make_layout("chunks", pr.seqlen, cl.ranks, pr.mask, per_node, chosen.local // count)
-            if layout != chosen and seconds(layout) < least * (1 - MARGIN):
-                chosen, least = layout, seconds(layout)
+            if layout != chosen and (time := seconds(layout)) < least * (1 - MARGIN):
+                chosen, least = layout, time
         out["chunks"] = chosen
     return out
 
@@ -301,11 +303,13 @@ def best(pr, cl, rates, layouts=None, scheme="auto", backward=True, backward_rin
     named), the least time among them; on a tie the call's default layout (zigzag when causal,
     contiguous otherwise: one rank holds every layout alike). ``layouts`` as ``options`` takes them,
     ``backward_ring`` as ``auto_schemes``. (Prediction, ``options``' output of the pairs priced.)"""
-    layouts = cluster_layouts(pr, cl, rates, backward=backward) if layouts is None else layouts
+    ring = backward_ring if backward else "auto"
+    if layouts is None:
+        layouts = cluster_layouts(pr, cl, rates, backward=backward, scheme=scheme, backward_ring=ring)
     found = {}
     for kind, layout in layouts.items():
         schemes = ((scheme,) if scheme != "auto" else ("ring",) if isinstance(layout, str)
-                   else auto_schemes(layout, cl, pr, backward_ring if backward else "auto"))
+                   else auto_schemes(layout, cl, pr, ring))
         found.update(options(pr, cl, rates, {kind: layout}, schemes))
     picked = _pick(found, backward, MARGIN)
     if not picked:   # no layout splits the sequence, or the scheme named runs none that does

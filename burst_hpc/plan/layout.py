@@ -64,9 +64,9 @@ class Layout:
     nodes: tuple = None               # the chunks layout's node of each rank (None: placed over one node)
 
     def __post_init__(self):
-        # the chunk too: the gather schedule sends runs whole in chunks (grain), so two placements with the same
-        # runs but other chunks move different messages
-        object.__setattr__(self, "key", (self.kind, self.seqlen, self.size, self.runs, self.chunk))
+        # the chunk and the nodes too: the gather schedule sends runs whole in chunks (grain) and orders its
+        # visits by node, so two placements with the same runs but other chunks or nodes run other schedules
+        object.__setattr__(self, "key", (self.kind, self.seqlen, self.size, self.runs, self.chunk, self.nodes))
         object.__setattr__(self, "hashed", hash(self.key))
 
     def __eq__(self, other):

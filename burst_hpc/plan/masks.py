@@ -238,7 +238,7 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
     return mask
 
 
-@lru_cache(maxsize=16)
+@lru_cache(maxsize=4)   # a planner asks the same few grains over and over; an entry can be large
 def block_counts(mask, rows, keys):
     """int64 (S / rows, S / keys), read-only: the visible (query, key) pairs of every block of ``rows`` query
     rows against every block of ``keys`` keys. The row intervals never shrink, so the pairs of a block

@@ -9,15 +9,23 @@ from . import tiles
 from .accounting import attention_flops, visible_pairs
 
 
+# the Rates field pricing each of tiles.COUNTS (ns a tile of one head at D = 128)
+TILE_PRICES = ("fwd_key_tile_ns", "fwd_query_tile_ns", "bwd_step_ns", "bwd_shared_ns", "bwd_shared_down_ns")
+
+
+def backward_counts():
+    """bool (len(tiles.COUNTS),): which counts the backward's kernels run (the others the forward's)."""
+    return np.array([name.startswith("bwd") for name in tiles.COUNTS])
+
+
 def kernel_prices(rates, batch, heads, head_dim, backward):
     """(seconds a visible pair, seconds a tile of each of tiles.COUNTS (float64 array)) of a pass's kernels over
     ``batch`` x ``heads`` heads of ``head_dim``: the rates' per-tile terms are per head at D = 128, scaled by
     D / 128 (the work of a tile); the per-pair rate counts FlashAttention's FLOPs (inf: no per-pair term)."""
     rate = (rates.bwd_tflops if backward else rates.fwd_tflops) * 1e12
     per_pair = attention_flops(batch, heads, head_dim, 1.0, backward) / rate
-    terms = ((0.0, 0.0, rates.bwd_step_ns, rates.bwd_shared_ns, rates.bwd_shared_down_ns) if backward
-             else (rates.fwd_key_tile_ns, rates.fwd_query_tile_ns, 0.0, 0.0, 0.0))
-    return per_pair, np.array(terms) * 1e-9 * batch * heads * head_dim / 128
+    terms = np.array([getattr(rates, name) for name in TILE_PRICES]) * (backward_counts() == backward)
+    return per_pair, terms * 1e-9 * batch * heads * head_dim / 128
 
 
 def outside_seconds(rates, batch, heads, head_dim, tokens, backward):

@@ -65,12 +65,13 @@ class BlockPair:
 def _fused(pairs, side):
     """``pairs`` (unmasked) with those adjacent along ``side`` ('k': the same query rows, keys that follow each
     other; 'q': the other way round) joined into one."""
-    other = "q" if side == "k" else "k"
+    along = (lambda p: p.k) if side == "k" else (lambda p: p.q)
+    across = (lambda p: p.q) if side == "k" else (lambda p: p.k)
     out = []
-    for p in sorted(pairs, key=lambda p: (getattr(p, other).start, getattr(p, other).stop, getattr(p, side).start)):
+    for p in sorted(pairs, key=lambda p: (across(p).start, across(p).stop, along(p).start)):
         last = out[-1] if out else None
-        if last is not None and getattr(last, other) == getattr(p, other) and getattr(last, side).stop == getattr(p, side).start:
-            joined = slice(getattr(last, side).start, getattr(p, side).stop)
+        if last is not None and across(last) == across(p) and along(last).stop == along(p).start:
+            joined = slice(along(last).start, along(p).stop)
             out[-1] = (BlockPair(last.q, joined, last.q_start, last.k_start, False) if side == "k" else
                        BlockPair(joined, last.k, last.q_start, last.k_start, False))
         else:
