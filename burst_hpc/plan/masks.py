@@ -140,26 +140,13 @@ class Mask:
 
     def classify(self, q_start, q_len, k_start, k_len):
         """'hidden', 'full' or 'masked' for queries [q_start, +q_len) against keys [k_start, +k_len)."""
-        k_end = k_start + k_len
-        if q_len == 0 or k_len == 0:
-            return "hidden"
-        if self.kind == "full":
-            return "full"
-        if self.kind == "causal":
-            return "full" if k_end <= q_start + 1 else "hidden" if k_start >= q_start + q_len else "masked"
-        lo, hi = self.rows(q_start, q_len)
-        if lo[-1] <= k_start and hi[0] >= k_end:  # the tightest row still covers every key
-            return "full"
-        # rows whose interval ends after k_start and starts before k_end: since each row sees
-        # itself, any such row sees a key of the block
-        first = np.searchsorted(hi, k_start, side="right")
-        last = np.searchsorted(lo, k_end, side="left")
-        return "masked" if first < last else "hidden"
+        return ("hidden", "full", "masked")[int(self.classify_many(q_start, q_len, k_start, k_len))]
 
     def classify_many(self, q_start, q_len, k_start, k_len):
-        """``classify`` of many blocks at once (int64 arrays that broadcast): 0 hidden, 1 full, 2 masked, for
-        the many pieces of a gather visit (one numpy pass instead of a call a block). The row intervals never
-        shrink, so a block's first and last row bound it (searchsorted over every row)."""
+        """``classify`` of many blocks at once (int64 arrays that broadcast): 0 hidden, 1 full, 2 masked (a
+        visit's pieces in one numpy pass). The row intervals never shrink, so a block's first and last row
+        bound it; a row sees itself, so a block with a row whose interval ends after the block's first key and
+        starts before its end sees some key of it."""
         q_start, q_len, k_start, k_len = (np.asarray(x, np.int64) for x in (q_start, q_len, k_start, k_len))
         k_end, q_end = k_start + k_len, q_start + q_len
         empty = (q_len == 0) | (k_len == 0)

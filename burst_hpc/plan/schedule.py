@@ -79,20 +79,13 @@ def _fused(pairs, side):
     return out
 
 
-KINDS = ("hidden", "full", "masked")   # masks.Mask.classify's answers, in classify_many's numbering
-MANY = 16                              # block pairs past which block_pairs classifies them in one numpy pass
-
-
 @lru_cache(maxsize=1024)
 def block_pairs(q_pieces, k_pieces, mask):
     """The block pairs to run for a query shard against a key shard (pieces as tuples), classified by
     ``mask`` (the call's masks.Mask)."""
     q_off, k_off = ([0, *accumulate(n for _, n in pieces)] for pieces in (q_pieces, k_pieces))
-    if len(q_pieces) * len(k_pieces) > MANY:
-        q, k = (np.array(pieces, np.int64).reshape(-1, 2) for pieces in (q_pieces, k_pieces))
-        kinds = mask.classify_many(q[:, :1], q[:, 1:], k[:, 0], k[:, 1]).tolist()   # 0 hidden, 1 full, 2 masked
-    else:
-        kinds = [[KINDS.index(mask.classify(*qp, *kp)) for kp in k_pieces] for qp in q_pieces]
+    q, k = (np.array(pieces, np.int64).reshape(-1, 2) for pieces in (q_pieces, k_pieces))
+    kinds = mask.classify_many(q[:, :1], q[:, 1:], k[:, 0], k[:, 1]).tolist()   # 0 hidden, 1 full, 2 masked
     pairs = [BlockPair(slice(q_off[i], q_off[i] + ql), slice(k_off[j], k_off[j] + kl), qs, ks, kinds[i][j] == 2)
              for i, (qs, ql) in enumerate(q_pieces) for j, (ks, kl) in enumerate(k_pieces) if kinds[i][j]]
     full = [p for p in pairs if not p.masked]
