@@ -113,10 +113,13 @@ def cmd_verify(args):
 
 
 def cmd_compile(args):
-    from .device import gpu_count
+    from .device import gpu_count, select_device
     from .plan.calibrate import calibrate
 
     comm = Alone() if mpi_problem() is not None else _world()
+    on_gpus = args.backend == "cuda" and all(comm.allgather(bool(gpu_count())))
+    if on_gpus and not isinstance(comm, Alone):
+        select_device(comm)   # one GPU a rank, as a run job's: the fixed costs are measured over its transport
     if args.backend == "cuda":
         from .backends.cuda.backend import compile_ahead
         from .job.verify_warm import warm_verification
@@ -127,7 +130,7 @@ def cmd_compile(args):
         line = _collective(warm_verification, args.dtype, comm)
         if comm.rank == 0 and line:
             print(line, flush=True)
-    if args.backend == "cuda" and not all(comm.allgather(bool(gpu_count()))):
+    if args.backend == "cuda" and not on_gpus:
         if comm.rank == 0:
             print("fixed costs: not measured (no GPU here; the cost model keeps its built-in ones)", flush=True)
         return 0

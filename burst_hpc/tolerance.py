@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from .dtypes import dtype_name
+from .dtypes import dtype_name, parse_dtype
 from .reference import visible
 
 FACTOR = {"o": 2.0, "lse": 2.0, "dq": 3.0, "dk": 3.0, "dv": 3.0}
@@ -29,6 +29,18 @@ def tolerance(name, plain_err, ref_max, dtype, lse_rounding=0.0):
     atol = max(ATOL[dtype_name(dtype)], LSE_ATOL if name == "lse" else 0.0)
     inherited = LSE_SPREAD * lse_rounding if name in ("dk", "dv") else 0.0
     return FACTOR[name] * plain_err + (atol + inherited) * max(1.0, ref_max)
+
+
+def plain_error(name, plain, ref, dtype):
+    """max |plain - ref| of output ``name``, the plain computation's error. Where the plain computation is not
+    finite and the oracle is (it multiplies a hidden pair's weight 0 by a NaN operand), it says nothing of
+    rounding: there it is credited with the oracle rounded once to the output's dtype (``dtype``; lse is
+    float32), an error no computation in that precision avoids."""
+    plain, ref = np.asarray(plain, np.float64), np.asarray(ref, np.float64)
+    stored = np.float32 if name == "lse" else parse_dtype(dtype)
+    with np.errstate(over="ignore", invalid="ignore"):
+        rounded = ref.astype(stored).astype(np.float64)
+    return max_err(np.where(np.isfinite(plain) | ~np.isfinite(ref), plain, rounded), ref)
 
 
 def passes(err, tol):

@@ -458,7 +458,7 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
     f64 = [x.astype(np.float64) for x in (q, k, v, do)]
     oracle = (*attention_reference(*f64[:3], **kw), *attention_backward_reference(f64[3], *f64[:3], **kw))
     # the plain computation multiplies a hidden pair's weight 0 by its operand: NaN where the oracle has
-    # a number, which says nothing of rounding (job.verify.check takes the same view)
+    # a number, which says nothing of rounding (tolerance.plain_error, which job.verify shares)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         plain = rule.plain_attention(*f64[:3], do=f64[3], lowp=np.dtype(q.dtype), **kw)
     grad_scale = max(rule.max_abs(g) for g in oracle[2:])
@@ -476,7 +476,7 @@ def nonfinite_problems(case, ours, q, k, v, do, mine):
         both = ~_expand_rows(bad_ref | bad_got, ref, name) & ~(np.isneginf(ref) & np.isneginf(got))
         ref_rows = np.where(both, ref, 0.0)
         problems += out_of_tolerance(name, np.where(both, got, 0.0), ref_rows,
-                                     np.where(both & np.isfinite(low), low, ref_rows), grad_scale, case,
+                                     np.where(both, low, ref_rows), grad_scale, case,
                                      what=f"{name}: finite rows")
     return problems
 
@@ -486,7 +486,7 @@ def out_of_tolerance(name, got, ref, low, grad_scale, case, what=None):
     :func:`tolerance` allows, given the plain same-precision result ``low``; [] when within."""
     from burst_hpc import tolerance as rule
 
-    tol = tolerance(name, rule.max_err(low, ref), rule.max_abs(ref), grad_scale, case)
+    tol = tolerance(name, rule.plain_error(name, low, ref, case.dtype), rule.max_abs(ref), grad_scale, case)
     err = rule.max_err(got, ref)
     return [] if rule.passes(err, tol) else [f"{what or name} err {err:.3g} > tol {tol:.3g}"]
 

@@ -147,6 +147,26 @@ def test_max_err_counts_nonfinite_against_nonfinite_as_no_error():
     assert tolerance.max_err(np.array([-np.inf, np.nan, np.inf, -np.inf]), ref) == np.inf
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_a_plain_nan_is_credited_with_the_outputs_rounding(dtype):
+    """Where a poisoned input leaves the plain computation NaN and the oracle finite, the plain error there is
+    the oracle's rounding to the output dtype (not 0, which would leave the tolerance its floor alone: a
+    bfloat16 dv of magnitude 4-8 rounds by up to 0.0156 against a floor of ~0.014)."""
+    from burst_hpc.dtypes import parse_dtype
+
+    rng = np.random.default_rng()
+    ref = rng.uniform(4, 8, 64)
+    half_ulp = {"bfloat16": 2.0 ** -8, "float16": 2.0 ** -11, "float32": 2.0 ** -24}[dtype] * 8   # at 4..8
+    nan = np.full_like(ref, np.nan)
+    err = tolerance.plain_error("dv", nan, ref, dtype)
+    rounded = np.abs(ref.astype(parse_dtype(dtype)).astype(np.float64) - ref)
+    assert err == rounded.max() and 0 < err <= half_ulp
+    assert tolerance.plain_error("dv", ref + 0.5, ref, dtype) == pytest.approx(0.5)
+    # an entry non-finite in both says nothing; lse keeps float32's rounding whatever the inputs
+    assert tolerance.plain_error("o", np.array([np.nan, 1.0]), np.array([np.inf, 1.0]), dtype) == 0.0
+    assert tolerance.plain_error("lse", nan, ref, dtype) == np.abs(ref.astype(np.float32) - ref).max()
+
+
 def _gpu():
     cupy = pytest.importorskip("cupy")
     try:

@@ -20,7 +20,7 @@ from ..dtypes import dtype_name, nonfinite
 from ..errors import BurstError, FileError, ShapeError
 from ..io.format import fixed_text, modify_attrs
 from ..plan import masks
-from ..tolerance import max_abs, max_err, passes, tolerance
+from ..tolerance import max_abs, max_err, passes, plain_error, tolerance
 from .report import recorded_mask
 from .verify_cost import Blocks, Rates, block_width, device_kind, measure
 from .verify_sums import Samples, Tokens, as_float64, finish
@@ -256,8 +256,7 @@ class _Check:
                     ref, plain = finish(reduced, self.own_slice, self.own, self.spec, self.scale, self.backward)
                 for n in names:
                     err[n] = max_err(self.ours[n], ref[n])
-                    # where the plain computation took a NaN from the output's o or lse it says nothing of rounding
-                    err_plain[n] = max_err(np.where(np.isfinite(plain[n]), plain[n], ref[n]), ref[n])
+                    err_plain[n] = plain_error(n, plain[n], ref[n], self.spec.dtype)
                     ref_max[n] = max_abs(ref[n])
         except Exception as e:  # noqa: BLE001
             failure = BurstError(f"verification could not compare: {describe(e)}")

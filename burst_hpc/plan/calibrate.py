@@ -268,7 +268,15 @@ def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bf
     from ..collective import agree
     from ..transport import choose_transport, make_transport
 
-    error = None
+    def agreed(error, where=None):
+        if comm is None and error is not None:
+            raise error
+        return [where] if comm is None else agree(comm, error, facts=where)
+
+    def failure(e):
+        return e if isinstance(e, BurstError) else BurstError(f"cannot measure the fixed costs here: {e}")
+
+    error, where = None, None
     try:
         if tile_prices and backend_name != "cuda":
             raise BurstError("tile prices are the CUDA kernels': measure them with --backend cuda on a GPU")
@@ -276,17 +284,19 @@ def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bf
             import cupy as xp
 
             device = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"].decode()
+            where = (socket.gethostname(), xp.cuda.Device().pci_bus_id)
         else:
             xp, device = np, None
         backend = get_backend(xp.zeros(1), backend_name)
-        ring = Loopback(xp) if comm is None or comm.size == 1 else \
-            make_transport(choose_transport(transport, xp is not np), comm, xp)
     except Exception as e:  # noqa: BLE001
-        error = e if isinstance(e, BurstError) else BurstError(f"cannot measure the fixed costs here: {e}")
-    if comm is not None:
-        agree(comm, error)
-    elif error is not None:
-        raise error
+        error = failure(e)
+    gpus = [w for w in agreed(error, where) if w is not None]
+    try:   # ranks sharing a GPU (more ranks than GPUs on a node) cannot take NCCL
+        ring = Loopback(xp) if comm is None or comm.size == 1 else \
+            make_transport(choose_transport(transport, xp is not np, len(set(gpus)) < len(gpus)), comm, xp)
+    except Exception as e:  # noqa: BLE001
+        error = failure(e)
+    agreed(error)
     model = device_model(backend_name, device)
     costs = measure(backend, ring, xp, comm, head_dim, dtype)
     if tile_prices:   # the slowest rank's time of each call, fitted once
