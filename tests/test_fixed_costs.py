@@ -180,7 +180,7 @@ def test_tile_prices_are_fitted_back_from_the_calls_they_price():
     fitted = calibrate.measure_tiles(calibrate.tile_times(seconds))
     for name in calibrate.TILES:
         assert fitted[name] == pytest.approx(truth[name], rel=1e-6), name
-    noisy = calibrate.measure_tiles(calibrate.tile_times(lambda *a: seconds(*a, noise=0.03) + 40e-6, (40.0, 40.0)))
+    noisy = calibrate.measure_tiles(calibrate.tile_times(lambda *a: seconds(*a, noise=0.03)))
     assert all(v >= 0 for v in noisy.values())
     again = replace(GPU_RATES["H100"], **noisy)
     for mask in calibrate.tile_masks():

@@ -14,8 +14,9 @@ alike), less one message. A message: ranks 0 and 1 exchanging a small message ea
 way a ring step does (none on one rank: the built-in latency stays).
 
 The kernels' prices per tile (``burst-hpc compile --tile-prices``, CUDA only): one call on this GPU over each
-of TILE_CALLS (plain causal and causal documents, the backward's tiles walking up and down), timed on the
-GPU, less a launch; the prices (tiles.COUNTS' terms and the backward's per-token pass) that fit those times
+of TILE_CALLS (plain causal and causal documents, the backward's tiles walking up and down), its GPU time
+alone (queued behind a kernel that keeps the GPU busy, so the host's issue time, the launch, is not in it:
+alone it varied the fit several-fold on a 4-GPU host); the prices (tiles.COUNTS' terms and the backward's per-token pass) that fit those times
 best, each call's error relative to its time, none negative (``fit_tiles``)."""
 import json
 import os
@@ -152,12 +153,11 @@ def _nonnegative_fit(weighted):
     return best
 
 
-def tile_times(time_call, launch_us=(0.0, 0.0)):
+def tile_times(time_call):
     """[(forward seconds, backward seconds)] of each of TILE_CALLS, timed by ``time_call(mask, heads, kv_heads,
-    backward)`` (seconds of one call on the GPU), less a launch (``launch_us``: forward, backward)."""
+    backward)`` (seconds of one call's GPU work, its launch not in it)."""
     heads, kv_heads = TILE_HEADS
-    return [tuple(max(1e-9, time_call(mask, heads, kv_heads, backward) - launch * 1e-6)
-                  for backward, launch in zip((False, True), launch_us)) for mask in tile_masks()]
+    return [tuple(time_call(mask, heads, kv_heads, backward) for backward in (False, True)) for mask in tile_masks()]
 
 
 def measure_tiles(times, head_dim=128):
@@ -165,10 +165,20 @@ def measure_tiles(times, head_dim=128):
     return fit_tiles([(mask, TILE_HEADS[0], fwd, bwd) for mask, (fwd, bwd) in zip(tile_masks(), times)], head_dim)
 
 
+BUSY_MS = 3.0   # the GPU kept busy this long before a timed call: longer than the host takes to issue it
+
+
 def gpu_call_seconds(head_dim=128, dtype="bfloat16"):
-    """A ``time_call`` for measure_tiles: the least over ROUNDS of one call's time between CUDA events, the
-    forward (burst_hpc.attention) or the backward (attention_backward) over the whole mask on this GPU."""
+    """A ``time_call`` for measure_tiles: the least over ROUNDS of one call's GPU time between CUDA events, the
+    forward (burst_hpc.attention) or the backward (attention_backward) over the whole mask on this GPU, each
+    queued behind BUSY_MS of a kernel that spins (the host issues the call meanwhile: no launch gap inside)."""
     import cupy as xp
+
+    spin = xp.RawKernel(r"""extern "C" __global__ void spin(long long cycles) {
+        const long long t0 = clock64();
+        while (clock64() - t0 < cycles) {}
+    }""", "spin")
+    cycles = np.int64(BUSY_MS * xp.cuda.Device().attributes["ClockRate"])   # the rate in kHz
 
     from ..api import attention, attention_backward
     from ..dtypes import parse_dtype
@@ -185,6 +195,7 @@ def gpu_call_seconds(head_dim=128, dtype="bfloat16"):
         start, end = xp.cuda.Event(), xp.cuda.Event()
         times = []
         for _ in range(ROUNDS):
+            spin((1,), (1,), (cycles,))
             start.record()
             call()
             end.record()
@@ -300,7 +311,7 @@ def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bf
     model = device_model(backend_name, device)
     costs = measure(backend, ring, xp, comm, head_dim, dtype)
     if tile_prices:   # the slowest rank's time of each call, fitted once
-        times = tile_times(gpu_call_seconds(head_dim, dtype), (costs["fwd_launch_us"], costs["bwd_launch_us"]))
+        times = tile_times(gpu_call_seconds(head_dim, dtype))
         every = np.array([times] if comm is None else comm.allgather(times))
         costs.update(measure_tiles(every.max(axis=0).tolist(), head_dim))
     if comm is None or comm.size == 1:
