@@ -32,9 +32,10 @@ class PackedPasses:
             self._index[name] = self.plan.xp.asarray(rows)
         return self._index[name]
 
-    def gather(self, arrays, transport):
+    def gather(self, arrays, transport, meanwhile=None):
         """The packed buffers of ``arrays`` (this rank's K and V, contiguous): the runs other ranks' queries see
-        posted first, own rows placed while they travel, then the runs this rank's queries see placed."""
+        posted first, own rows placed while they travel (and ``meanwhile()`` queued, work that needs no keys),
+        then the runs this rank's queries see placed."""
         xp, p = self.plan.xp, self.packing
         sends = [(a, [_take(x, self.index(("send", a), rows)) for x in arrays]) for a, rows in p.sends]
         recvs = [(b, [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays])
@@ -47,6 +48,8 @@ class PackedPasses:
         packed = [xp.empty((x.shape[0], p.keys) + x.shape[2:], x.dtype) for x in arrays]
         for buf, x in zip(packed, arrays):
             _put(buf, self.index("own", p.own), x)
+        if meanwhile is not None:
+            meanwhile()
         if pending is not None:
             pending.wait()
         for (b, bufs), (_, slots) in zip(recvs, p.receives):
@@ -128,11 +131,17 @@ class PackedPasses:
         plan, d = self.plan, self.plan.decomposition
         xp, be, acc = plan.xp, plan.backend, plan.acc
         near = lanes(plan, transport, far, inner)[0]
-        kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near)
         rows = min(q.shape[1], REHEARSAL_KEYS) if rehearse else q.shape[1]
         q, do, lse = q[:, :rows], do[:, :rows], lse[:, :, :rows]
         o = None if o is None else o[:, :rows]
         delta = None if delta is None else delta[:, :, :rows]
+
+        def meanwhile():   # where keys arrive, rowsum(do * o) runs while they travel, not after in the call
+            nonlocal delta
+            if delta is None and not skip_compute:
+                delta = be.delta(do, o)
+
+        kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near, meanwhile)
         convert = cast and q.dtype != acc
         dq = None if convert else xp.empty(q.shape, acc)
         dq_out = xp.empty(q.shape, q.dtype) if convert else None
