@@ -1,5 +1,6 @@
 """The chunks layout through the ring and the gather schedule, on the CPU path, against the float64
 oracle on the whole sequence; what the gather schedule moves, counted. Runs under mpiexec with 1..4 ranks."""
+from collections import Counter
 import os
 
 import numpy as np
@@ -108,16 +109,24 @@ class Counting:
         self.xp, self.rank, self.size = inner.xp, inner.rank, inner.size
 
     def exchange(self, sends, recvs):
-        self.sent += [(peer, a.shape[1], a.nbytes) for peer, arrays in sends for a in arrays]
-        self.received += [(peer, a.shape[1], a.nbytes) for peer, arrays in recvs for a in arrays]
+        self.sent += [(peer, a.shape[1], a.nbytes, a) for peer, arrays in sends for a in arrays]
+        self.received += [(peer, a.shape[1], a.nbytes, a) for peer, arrays in recvs for a in arrays]
         return self.inner.exchange(sends, recvs)
+
+
+def by_peer(messages):
+    """[(peer, tokens)] summed over ``messages`` (Counting's), by peer."""
+    totals = Counter()
+    for peer, n, _, _ in messages:
+        totals[peer] += n
+    return sorted(totals.items())
 
 
 @pytest.mark.parametrize("layout", ["chunks", "zigzag"])
 def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
-    """Forward: from each other rank, K and V of the runs this rank's queries see (gather.sight), one
-    message each, and nothing else (no partial comes back). Backward: the same K/V, and dK, dV (float64
-    here) of those runs go home once."""
+    """Forward: from each other rank, K and V of the runs this rank's queries see (gather.sight), sent from the
+    owner's own arrays (a message a run of consecutive positions: no copy), and nothing else (no partial comes
+    back). Backward: the same K/V, and dK, dV (float64 here) of those runs go home once."""
     seed, cu, q, k, v, do = draw(comm, "capped")
     kw = dict(causal=True, cu_seqlens=cu, window=None)
     P, r = comm.size, comm.rank
@@ -132,23 +141,24 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
     _, seen, _ = gather.sight(plan.mask, plan.layout)
 
     def expected(receiver):
-        """(owner, tokens) of every K/V message ``receiver`` gets, by owner."""
-        return sorted((b, sum(hi - lo for lo, hi in seen[receiver][b])) for b in range(P)
-                      if b != receiver and seen[receiver][b])
+        """(owner, tokens) ``receiver`` gets of K and V together from each owner."""
+        return [(b, 2 * sum(hi - lo for lo, hi in seen[receiver][b])) for b in range(P)
+                if b != receiver and seen[receiver][b]]
 
     counting = Counting(plan.decomposition.transports(plan.xp)[0])
-    o, lse = plan.passes.forward(mine(q), mine(k), mine(v), transport=counting)
+    o, lse = plan.passes.forward(*shards, transport=counting)
     kv_bytes = 2 * 8 * 8   # Hkv * D * float64, a token of K or of V
     mine_in = expected(r)
-    assert sorted((p, n) for p, n, _ in counting.received) == sorted(mine_in * 2), f"seed {seed}"
-    assert sum(b for _, _, b in counting.received) == kv_bytes * sum(n for _, n in mine_in) * 2
-    assert sorted((p, n) for p, n, _ in counting.sent) == sorted(
-        (a, n) for a in range(P) for b, n in expected(a) if b == r for _ in range(2))
+    assert by_peer(counting.received) == sorted(mine_in), f"seed {seed}"
+    assert sum(b for _, _, b, _ in counting.received) == kv_bytes * sum(n for _, n in mine_in)
+    theirs = sorted((a, n) for a in range(P) for b, n in expected(a) if b == r)   # who sees this rank's runs
+    assert by_peer(counting.sent) == theirs, f"seed {seed}"
+    assert all(np.shares_memory(a, shards[1]) or np.shares_memory(a, shards[2]) for *_, a in counting.sent)
     counting = Counting(plan.decomposition.transports(plan.xp)[0])
-    plan.passes.backward("kv", mine(do), mine(q), mine(k), mine(v), o, lse, transport=counting)
-    home = sorted((a, n) for a in range(P) for b, n in expected(a) if b == r)   # who sees this rank's runs
-    assert sorted((p, n) for p, n, _ in counting.received) == sorted(mine_in * 2 + home * 2), f"seed {seed}"
-    assert sorted((p, n) for p, n, _ in counting.sent) == sorted(home * 2 + mine_in * 2), f"seed {seed}"
+    plan.passes.backward("kv", mine(do), *shards, o, lse, transport=counting)
+    both = sorted((Counter(dict(mine_in)) + Counter(dict(theirs))).items())   # K/V in and partials home, alike
+    assert by_peer(counting.received) == both, f"seed {seed}"
+    assert by_peer(counting.sent) == both, f"seed {seed}"
 
 
 def test_gather_refuses_the_q_ring_on_every_rank(comm):

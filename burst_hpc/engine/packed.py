@@ -32,30 +32,53 @@ class PackedPasses:
             self._index[name] = self.plan.xp.asarray(rows)
         return self._index[name]
 
-    def gather(self, arrays, transport, meanwhile=None):
+    def gather(self, arrays, transport, meanwhile=None, in_place=False):
         """The packed buffers of ``arrays`` (this rank's K and V, contiguous): the runs other ranks' queries see
         posted first, own rows placed while they travel (and ``meanwhile()`` queued, work that needs no keys),
-        then the runs this rank's queries see placed."""
+        then the runs this rank's queries see placed. ``in_place`` with one sequence in the batch: each run of
+        consecutive rows travels as its own message, from its place and into its place, nothing copied on either
+        side (the forward: 4 x H200, 8k tokens a GPU, 1.08x on uniform documents, 1.05x on MagiAttention's; the
+        backward measured 0.96x on uniform ones so, and keeps one gathered message a peer)."""
         xp, p = self.plan.xp, self.packing
-        sends = [(a, [_take(x, self.index(("send", a), rows)) for x in arrays]) for a, rows in p.sends]
-        recvs = [(b, [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays])
-                 for b, slots in p.receives]
-        pending = transport.exchange(sends, recvs) if sends or recvs else None
+        whole = in_place and arrays[0].shape[0] == 1
+        sends = [(a, self.messages(arrays, ("send", a), rows, cuts, whole))
+                 for (a, rows), cuts in zip(p.sends, p.send_cuts)]
         if p.start is not None:   # nothing arrives: the buffer is the rank's own keys
-            if pending is not None:
-                pending.wait()
+            if sends:
+                transport.exchange(sends, []).wait()
             return arrays
         packed = [xp.empty((x.shape[0], p.keys) + x.shape[2:], x.dtype) for x in arrays]
+        into = packed if whole else [[xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays]
+                                     for _, slots in p.receives]
+        recvs = [(b, self.places(into if whole else into[i], slots, cuts, whole))
+                 for i, ((b, slots), cuts) in enumerate(zip(p.receives, p.receive_cuts))]
+        pending = transport.exchange(sends, recvs) if sends or recvs else None
         for buf, x in zip(packed, arrays):
             _put(buf, self.index("own", p.own), x)
         if meanwhile is not None:
             meanwhile()
         if pending is not None:
             pending.wait()
-        for (b, bufs), (_, slots) in zip(recvs, p.receives):
-            for buf, got in zip(packed, bufs):
-                _put(buf, self.index(("recv", b), slots), got)
+        if not whole:
+            for (b, slots), got in zip(p.receives, into):
+                for buf, part in zip(packed, got):
+                    _put(buf, self.index(("recv", b), slots), part)
         return packed
+
+    def messages(self, arrays, name, rows, cuts, whole):
+        """The messages carrying ``rows`` of each of ``arrays``: a view a run (``cuts``) with ``whole``, else one
+        gathered copy an array."""
+        if whole:
+            return [x[:, rows[a]:rows[a] + b - a] for x in arrays for a, b in zip(cuts[:-1], cuts[1:])]
+        return [_take(x, self.index(name, rows)) for x in arrays]
+
+    @staticmethod
+    def places(buffers, slots, cuts, whole):
+        """Where the messages of ``messages`` land: with ``whole`` each run's slots of each of ``buffers``, else
+        the buffers themselves (one a message, placed after)."""
+        if whole:
+            return [x[:, slots[a]:slots[a] + b - a] for x in buffers for a, b in zip(cuts[:-1], cuts[1:])]
+        return list(buffers)
 
     def home(self, grads, transport):
         """This rank's own rows of the float32 buffers ``grads`` (dK, dV over the packed keys), with what the
@@ -108,7 +131,7 @@ class PackedPasses:
         plan, d = self.plan, self.plan.decomposition
         xp, be = plan.xp, plan.backend
         near = lanes(plan, transport, far, inner)[0]
-        kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near)
+        kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near, in_place=True)
         rows = min(q.shape[1], REHEARSAL_KEYS) if rehearse else q.shape[1]
         q = q[:, :rows]
         lse = xp.empty((q.shape[0], q.shape[2], rows), xp.float32 if q.dtype != plan.acc else plan.acc)
