@@ -15,9 +15,9 @@ way a ring step does (none on one rank: the built-in latency stays).
 
 The kernels' prices per tile (``burst-hpc compile --tile-prices``, CUDA only): one call on this GPU over each
 of TILE_CALLS (plain causal and causal documents, the backward's tiles walking up and down), its GPU time
-alone (queued behind a kernel that keeps the GPU busy, so the host's issue time, the launch, is not in it:
-alone it varied the fit several-fold on a 4-GPU host); the prices (tiles.COUNTS' terms and the backward's per-token pass) that fit those times
-best, each call's error relative to its time, none negative (``fit_tiles``)."""
+alone (queued behind a kernel that keeps the GPU busy: the host's issue time, the launch, is priced apart and
+varied the fit several-fold on a 4-GPU host); the prices (tiles.COUNTS' terms and the backward's per-token
+pass) that fit those times best, each call's error relative to its time, none negative (``fit_tiles``)."""
 import json
 import os
 import re
