@@ -1,6 +1,7 @@
 """What every transport is (the ring engine's view of one): a ``typing.Protocol``, so the real ones
 (host, mpi, nccl, staged) and the wrappers (the benchmark's counting and no-exchange transports, the
 emulated network) satisfy it by shape, and the helpers they share."""
+from functools import lru_cache
 from typing import Any, Protocol, Sequence, Tuple, runtime_checkable
 
 
@@ -29,3 +30,18 @@ def per_peer(transfers):
             index = count.get(peer, 0)
             count[peer] = index + 1
             yield peer, index, array
+
+
+def message_tag(index, n):
+    """The MPI tag of chunk ``n`` of the ``index``-th array exchanged with a peer in one exchange: distinct while it
+    fits under the MPI's TAG_UB (32767 at the least: Open MPI over UCX 2**23 - 1, Intel MPI 2**19 - 1), wrapped
+    beyond it. A tag shared by two messages between two ranks is safe: MPI matches them in the order they are
+    posted (its non-overtaking rule), and both ends post an exchange's messages in the same order."""
+    return ((index << 12) + n) % (tag_bound() + 1)
+
+
+@lru_cache(maxsize=1)
+def tag_bound():
+    from mpi4py import MPI
+
+    return MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767

@@ -1,7 +1,7 @@
 """MPI point-to-point transport: NumPy host buffers, or CuPy device buffers on a CUDA-aware MPI."""
 from mpi4py import MPI
 
-from .base import per_peer
+from .base import message_tag, per_peer
 
 # Open MPI 4.x has no large-count calls: keep every message under 2**31 bytes
 MAX_MESSAGE = 1 << 30
@@ -36,10 +36,10 @@ class MpiTransport:
         requests = []
         for peer, index, buf in per_peer(recvs):
             for n, chunk in enumerate(byte_chunks(buf)):
-                requests.append(self.comm.Irecv(chunk, source=peer, tag=(index << 12) + n))
+                requests.append(self.comm.Irecv(chunk, source=peer, tag=message_tag(index, n)))
         for peer, index, buf in per_peer(sends):
             for n, chunk in enumerate(byte_chunks(buf)):
-                requests.append(self.comm.Isend(chunk, dest=peer, tag=(index << 12) + n))
+                requests.append(self.comm.Isend(chunk, dest=peer, tag=message_tag(index, n)))
         return Pending(requests)
 
     def close(self):

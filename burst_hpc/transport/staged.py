@@ -12,7 +12,7 @@ import cupy
 import numpy as np
 from mpi4py import MPI
 
-from .base import per_peer
+from .base import message_tag, per_peer
 
 CHUNK = 16 << 20
 
@@ -33,7 +33,7 @@ def _slots(transfers, host):
     for peer, index, buf in per_peer(transfers):
         flat = buf.reshape(-1).view(cupy.uint8)
         for n, (lo, hi) in enumerate(_chunks(buf.nbytes)):
-            yield peer, (index << 12) + n, flat[lo:hi], host[offset + lo:offset + hi]
+            yield peer, message_tag(index, n), flat[lo:hi], host[offset + lo:offset + hi]
         offset += buf.nbytes
 
 
