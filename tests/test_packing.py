@@ -1,5 +1,5 @@
 """The gather scheme's packed keys (plan/packing.py): every query row's visible keys are one interval of
-the packed buffer, and what one rank sends another is what that one receives."""
+the packed buffer, and what one rank sends another is what that one receives, cut into the same runs."""
 import numpy as np
 import pytest
 
@@ -49,6 +49,17 @@ def test_every_row_sees_one_interval_of_the_packed_keys(seed, kind):
     # every send has its receive
     assert sorted((r, a) for r, p in enumerate(packs) for a, _ in p.sends) == \
         sorted((b, r) for r, p in enumerate(packs) for b, _ in p.receives)
+    # the runs a message is cut into: the same on both ends, consecutive rows on the sender and slots on the
+    # receiver, and each run's keys consecutive in the sequence (so a run moves from its place into its place)
+    for r, p in enumerate(packs):
+        for (sender, slots), cuts in zip(p.receives, p.receive_cuts):
+            theirs = packs[sender]
+            rows = dict(theirs.sends)[r]
+            assert np.array_equal(cuts, theirs.send_cuts[[a for a, _ in theirs.sends].index(r)])
+            assert cuts[0] == 0 and cuts[-1] == len(slots) and (np.diff(cuts) > 0).all()
+            for a, b in zip(cuts[:-1], cuts[1:]):
+                for run in (slots[a:b], rows[a:b], layout.indices(sender)[rows[a:b]]):
+                    assert np.array_equal(run, np.arange(run[0], run[0] + b - a))
 
 
 def test_documents_on_one_rank_need_no_transfer():
