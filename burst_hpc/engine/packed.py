@@ -37,8 +37,8 @@ class PackedPasses:
         posted first, own rows placed while they travel (and ``meanwhile()`` queued, work that needs no keys),
         then the runs this rank's queries see placed. ``in_place`` with one sequence in the batch: each run of
         consecutive rows travels as its own message, from its place and into its place, nothing copied on either
-        side (the forward: 4 x H200, 8k tokens a GPU, 1.08x on uniform documents, 1.05x on MagiAttention's; the
-        backward measured 0.96x on uniform ones so, and keeps one gathered message a peer)."""
+        side (the forward: 4 x H200, 8k tokens a GPU, 1.08-1.20x on uniform documents, 1.10-1.42x on
+        MagiAttention's; the backward measured 0.96x on uniform ones so, and keeps one gathered message a peer)."""
         xp, p = self.plan.xp, self.packing
         whole = in_place and arrays[0].shape[0] == 1
         sends = [(a, self.messages(arrays, ("send", a), rows, cuts, whole))
