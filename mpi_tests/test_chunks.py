@@ -161,6 +161,30 @@ def test_gather_moves_exactly_the_keys_a_rank_sees(comm, layout):
     assert by_peer(counting.sent) == both, f"seed {seed}"
 
 
+def test_a_peer_with_many_runs_gets_one_gathered_message(comm, monkeypatch):
+    """Past IN_PLACE_RUNS runs to a peer (here 1) the packed forward sends that peer one gathered copy of K and one
+    of V, received apart and placed after the wait (both ends decide alike: no hang), and the output is the
+    oracle's."""
+    from burst_hpc.engine import packed
+
+    monkeypatch.setattr(packed, "IN_PLACE_RUNS", 1)
+    seed, cu, q, k, v, _ = draw(comm, "capped")
+    kw = dict(causal=True, cu_seqlens=cu, window=None)
+    P, r = comm.size, comm.rank
+    shards = [burst_hpc.shard(x, r, P, "chunks", **kw) for x in (q, k, v)]
+    placed = as_layout("chunks", q.shape[1], P, **kw)
+    plan = plan_arrays(comm, shards[0], checked_call(P, *shards, True, None, placed, "auto", cu_seqlens=cu,
+                                                     scheme="gather"))
+    counting = Counting(plan.decomposition.transports(plan.xp)[0])
+    o, _ = plan.passes.forward(*shards, transport=counting)
+    runs = {a: len(cuts) - 1 for (a, _), cuts in zip(plan.passes.packing.sends, plan.passes.packing.send_cuts)}
+    for peer, n, _, a in counting.sent:
+        assert np.shares_memory(a, shards[1]) or np.shares_memory(a, shards[2]) or runs[peer] > 1, f"seed {seed}"
+        assert runs[peer] == 1 or n == sum(hi - lo for lo, hi in gather.sight(plan.mask, plan.layout)[1][peer][r])
+    ref_o, _ = attention_reference(q, k, v, **kw)
+    np.testing.assert_allclose(o, placed.shard(ref_o, r), rtol=1e-9, atol=1e-9, err_msg=f"seed {seed}")
+
+
 def test_gather_refuses_the_q_ring_on_every_rank(comm):
     """scheme='gather' named with backward_ring='q' is refused alike on every rank ('auto' runs the ring then:
     test_backward_ring_q_keeps_auto_off_the_gather)."""

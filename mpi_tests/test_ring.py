@@ -92,9 +92,9 @@ def test_exchange_with_several_peers(comm):
 
 
 def test_many_messages_to_one_peer_past_the_tag_bound(comm, monkeypatch):
-    """More messages to one peer in one exchange than distinct tags under the MPI's TAG_UB (here made 2**13 - 1, two
-    indices a tag, as an MPI with the standard's least bound meets at 8 arrays): tags wrap, and each message still
-    lands in the array posted for it (MPI matches one tag's messages in posting order)."""
+    """More messages to one peer in one exchange than distinct tags under the MPI's TAG_UB (here made 2**13 - 1: two
+    tags, 20 arrays each; an MPI with the standard's least bound has 8): tags wrap, and each message still lands in
+    the array posted for it (MPI matches one tag's messages in posting order)."""
     from burst_hpc.transport import base, make_transport
 
     monkeypatch.setattr(base, "tag_bound", lambda: (1 << 13) - 1)
@@ -107,7 +107,7 @@ def test_many_messages_to_one_peer_past_the_tag_bound(comm, monkeypatch):
 
     sends = [((r + 1) % P, [payload(r, n) for n in range(count)])]
     recvs = [((r - 1) % P, [np.zeros(n + 1) for n in range(count)])]
-    assert max(base.message_tag(n, 0) for n in range(count)) < 1 << 13   # wrapped: 40 indices, 2 a tag
+    assert max(base.message_tag(n, 0) for n in range(count)) < 1 << 13   # wrapped: two tags
     t.exchange(sends, recvs).wait()
     for n, array in enumerate(recvs[0][1]):
         np.testing.assert_array_equal(array, payload((r - 1) % P, n))

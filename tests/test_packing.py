@@ -19,13 +19,13 @@ def random_mask(rng, seqlen):
 
 
 @pytest.mark.parametrize("seed", range(12))
-@pytest.mark.parametrize("kind", ["chunks", "contiguous", "zigzag"])
+@pytest.mark.parametrize("kind", ["chunks", "chunks by nodes", "contiguous", "zigzag", "balanced"])
 def test_every_row_sees_one_interval_of_the_packed_keys(seed, kind):
     rng = np.random.default_rng([seed, 11])
-    size = int(rng.integers(2, 6))
+    size = int(rng.integers(2, 6)) * (2 if kind == "chunks by nodes" else 1)
     seqlen = size * 128 * int(rng.integers(1, 4))
     mask = random_mask(rng, seqlen)
-    layout = make_layout(kind, seqlen, size, mask)
+    layout = make_layout(kind.split()[0], seqlen, size, mask, 2 if kind == "chunks by nodes" else None)
     packs = [packing(mask, layout, r) for r in range(size)]
     lo_g, hi_g = mask.intervals
     for r, p in enumerate(packs):

@@ -106,6 +106,18 @@ def test_each_rank_receives_exactly_the_keys_its_queries_see(seed, layout):
             assert got == wanted, (a, b)
 
 
+@pytest.mark.parametrize("per_node,steps", [(None, 3), (8, 3), (4, 4), (2, 8), (1, 8)])
+def test_the_gather_takes_a_step_a_node(per_node, steps):
+    """Across nodes the gather's work is cut into as many steps as the nodes (three at least, eight at most), the
+    same in the plan the engine runs and the model prices; over one node three."""
+    size = 16
+    mask = capped(1, size, 512)
+    layout = make_layout("chunks", mask.seqlen, size, mask, per_node)
+    assert gather.step_count(layout) == steps
+    count, tasks, _ = gather.plan(mask, layout, ("q",))
+    assert count == steps and max(len(t) for t in tasks) == steps
+
+
 @pytest.mark.parametrize("returns", [("q",), ("kv", "q")], ids=["forward", "backward"])
 def test_gather_steps_hold_equal_work_and_move_each_run_once(returns):
     """The gather plan on the issue's documents (4 ranks, 8k tokens each): step 0 holds each rank's own

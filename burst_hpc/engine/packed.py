@@ -15,6 +15,11 @@ from .passes import PROGRESS_PARTS, REHEARSAL_KEYS, lanes
 from ..plan.packing import packing
 
 
+# the most runs a peer's keys travel in as messages of their own: an NCCL group of thousands of sends and receives
+# is slow to post and has hung (a user's small chunk can make hundreds of runs a peer; the placement's, 32 at most)
+IN_PLACE_RUNS = 64
+
+
 class PackedPasses:
     """The gather scheme's passes on packed keys: one exchange, one block call a pass."""
 
@@ -36,47 +41,54 @@ class PackedPasses:
         """The packed buffers of ``arrays`` (this rank's K and V, contiguous): the runs other ranks' queries see
         posted first, own rows placed while they travel (and ``meanwhile()`` queued, work that needs no keys),
         then the runs this rank's queries see placed. ``in_place`` with one sequence in the batch: each run of
-        consecutive rows travels as its own message, from its place and into its place, nothing copied on either
-        side (the forward: 4 x H200, 8k tokens a GPU, 1.08-1.20x on uniform documents, 1.10-1.42x on
-        MagiAttention's; the backward measured 0.96x on uniform ones so, and keeps one gathered message a peer)."""
+        consecutive rows to or from a peer with at most IN_PLACE_RUNS of them travels as its own message, from its
+        place and into its place, nothing copied on either side (the forward: 4 x H200, 8k tokens a GPU,
+        1.08-1.20x on uniform documents, 1.10-1.42x on MagiAttention's; the backward measured 0.96x on uniform
+        ones so, and keeps one gathered message a peer). Both ends of a pair see the same runs, so they decide
+        alike."""
         xp, p = self.plan.xp, self.packing
-        whole = in_place and arrays[0].shape[0] == 1
-        sends = [(a, self.messages(arrays, ("send", a), rows, cuts, whole))
-                 for (a, rows), cuts in zip(p.sends, p.send_cuts)]
+        single = in_place and arrays[0].shape[0] == 1
+
+        def runs(cuts):
+            return single and len(cuts) - 1 <= IN_PLACE_RUNS
+
+        sends = [(a, self.messages(arrays, ("send", a), rows, cuts, runs(cuts)))
+                 for (a, rows), cuts in zip(p.sends, p.send_cuts, strict=True)]
         if p.start is not None:   # nothing arrives: the buffer is the rank's own keys
             if sends:
                 transport.exchange(sends, []).wait()
             return arrays
         packed = [xp.empty((x.shape[0], p.keys) + x.shape[2:], x.dtype) for x in arrays]
-        into = packed if whole else [[xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays]
-                                     for _, slots in p.receives]
-        recvs = [(b, self.places(into if whole else into[i], slots, cuts, whole))
-                 for i, ((b, slots), cuts) in enumerate(zip(p.receives, p.receive_cuts))]
+        staged = {b: [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays]
+                  for (b, slots), cuts in zip(p.receives, p.receive_cuts, strict=True) if not runs(cuts)}
+        recvs = [(b, self.places(staged.get(b, packed), slots, cuts, b not in staged))
+                 for (b, slots), cuts in zip(p.receives, p.receive_cuts, strict=True)]
         pending = transport.exchange(sends, recvs) if sends or recvs else None
-        for buf, x in zip(packed, arrays):
-            _put(buf, self.index("own", p.own), x)
-        if meanwhile is not None:
-            meanwhile()
-        if pending is not None:
-            pending.wait()
-        if not whole:
-            for (b, slots), got in zip(p.receives, into):
-                for buf, part in zip(packed, got):
-                    _put(buf, self.index(("recv", b), slots), part)
+        try:
+            for buf, x in zip(packed, arrays):
+                _put(buf, self.index("own", p.own), x)
+            if meanwhile is not None:
+                meanwhile()
+        finally:   # the posted receives complete before their buffers could be let go
+            if pending is not None:
+                pending.wait()
+        for b, slots in p.receives:
+            for buf, part in zip(packed, staged.get(b, ())):
+                _put(buf, self.index(("recv", b), slots), part)
         return packed
 
-    def messages(self, arrays, name, rows, cuts, whole):
-        """The messages carrying ``rows`` of each of ``arrays``: a view a run (``cuts``) with ``whole``, else one
+    def messages(self, arrays, name, rows, cuts, in_place):
+        """The messages carrying ``rows`` of each of ``arrays``: a view a run (``cuts``) ``in_place``, else one
         gathered copy an array."""
-        if whole:
+        if in_place:
             return [x[:, rows[a]:rows[a] + b - a] for x in arrays for a, b in zip(cuts[:-1], cuts[1:])]
         return [_take(x, self.index(name, rows)) for x in arrays]
 
     @staticmethod
-    def places(buffers, slots, cuts, whole):
-        """Where the messages of ``messages`` land: with ``whole`` each run's slots of each of ``buffers``, else
-        the buffers themselves (one a message, placed after)."""
-        if whole:
+    def places(buffers, slots, cuts, in_place):
+        """Where the messages of ``messages`` land: ``in_place`` each run's slots of each of ``buffers``, else the
+        buffers themselves (one a message, placed after)."""
+        if in_place:
             return [x[:, slots[a]:slots[a] + b - a] for x in buffers for a, b in zip(cuts[:-1], cuts[1:])]
         return list(buffers)
 

@@ -277,17 +277,18 @@ def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bf
     writes the figures every rank agreed on). Returns (model, costs, file)."""
     from ..backends import get_backend
     from ..collective import agree
+    from ..device import gpus_shared
     from ..transport import choose_transport, make_transport
 
-    def agreed(error, where=None):
+    def agreed(error, fact=None):
         if comm is None and error is not None:
             raise error
-        return [where] if comm is None else agree(comm, error, facts=where)
+        return [fact] if comm is None else agree(comm, error, facts=fact)
 
     def failure(e):
         return e if isinstance(e, BurstError) else BurstError(f"cannot measure the fixed costs here: {e}")
 
-    error, where = None, None
+    error = None
     try:
         if tile_prices and backend_name != "cuda":
             raise BurstError("tile prices are the CUDA kernels': measure them with --backend cuda on a GPU")
@@ -295,16 +296,26 @@ def calibrate(backend_name, comm=None, transport="auto", head_dim=128, dtype="bf
             import cupy as xp
 
             device = xp.cuda.runtime.getDeviceProperties(xp.cuda.Device().id)["name"].decode()
-            where = (socket.gethostname(), xp.cuda.Device().pci_bus_id)
         else:
             xp, device = np, None
         backend = get_backend(xp.zeros(1), backend_name)
     except Exception as e:  # noqa: BLE001
         error = failure(e)
-    gpus = [w for w in agreed(error, where) if w is not None]
-    try:   # ranks sharing a GPU (more ranks than GPUs on a node) cannot take NCCL
-        ring = Loopback(xp) if comm is None or comm.size == 1 else \
-            make_transport(choose_transport(transport, xp is not np, len(set(gpus)) < len(gpus)), comm, xp)
+    agreed(error)
+    several = comm is not None and comm.size > 1
+    # ranks sharing a GPU (more ranks than GPUs on a node) cannot take NCCL; every rank must choose alike
+    shared = several and gpus_shared(comm, xp.cuda.Device() if xp is not np else None)
+    name = None
+    try:
+        name = choose_transport(transport, xp is not np, shared) if several else None
+    except Exception as e:  # noqa: BLE001
+        error = failure(e)
+    names = set(agreed(error, name))
+    if len(names) > 1:   # every rank holds the same names: each raises the same
+        raise BurstError(f"the ranks chose different transports to measure over ({', '.join(sorted(names))}): "
+                         "name one with --transport")
+    try:
+        ring = make_transport(name, comm, xp) if several else Loopback(xp)
     except Exception as e:  # noqa: BLE001
         error = failure(e)
     agreed(error)

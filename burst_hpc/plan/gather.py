@@ -81,13 +81,13 @@ def _runs(positions, unit):
 
 
 def step_count(layout):
-    """Steps that hold work when some rank receives keys: three on one node or two, one more each time the nodes
-    (``layout.nodes``: a layout placed by nodes) double, so that the keys of more nodes arrive under more of a
-    rank's own work. Predicted (MagiAttention's documents, 8k tokens a GPU, 8 a node, H100 rates, 50 GB/s, steps
-    2 to 8 tried), forward / backward TFLOP/s a GPU: 16 GPUs three best (463 / 364); 32 four best (450 / 353,
-    three 428 / 331); 64 five 383 / 324 against three's 329 / 287 (eight 420 / 337)."""
+    """Steps that hold work when some rank receives keys: as many as the nodes (``layout.nodes``: a layout placed
+    by nodes), three at the least and eight at the most, so that the keys of more nodes arrive under more of a
+    rank's own work. Predicted (MagiAttention's documents, 8k tokens a GPU, 8 a node, H100 rates, 50 GB/s; steps 2
+    to 8 priced), forward / backward TFLOP/s a GPU: 16 GPUs three best (463 / 364); 32 four best (450 / 353,
+    three 428 / 331); 64 eight best (420 / 337, three 329 / 287, five 383 / 324). Beyond eight nodes untried."""
     nodes = 1 if layout.nodes is None else len(set(layout.nodes))
-    return 2 + max(1, int(np.ceil(np.log2(nodes))))
+    return min(8, max(3, nodes))
 
 
 @lru_cache(maxsize=16)

@@ -26,12 +26,13 @@ class Packing:
     local rows (int64, local order); ``receives``: (sender, slots) per rank whose keys arrive, the slots of
     the rows it sends, in the order it sends them; ``sends``: (receiver, local rows) per rank that sees
     some of this rank's keys, the rows in local order; ``receive_cuts``, ``send_cuts``: for each of those, where
-    the rows' global positions stop following each other (offsets into the rows, from 0 to their count): between
-    two cuts the rows are consecutive on the sender and the slots on the receiver, and both sides cut alike, so a
-    run can travel as one message from and into its place; ``lo``, ``hi``: each local query row's visible keys
-    as buffer positions [lo, hi) (int32); ``start``: where no keys arrive and the rank's own rows are one run of
-    the sequence (one rank; documents that do not cross ranks), that run's first global position: the buffer is
-    then the rank's own keys as they are, in the call's mask from ``start`` (else None)."""
+    the rows or their global positions stop following each other (offsets into the rows, from 0 to their
+    count): between two cuts the rows are consecutive on the sender and the slots on the receiver, and both
+    sides cut alike, so a run can travel as one message from and into its place; ``lo``, ``hi``: each local
+    query row's visible keys as buffer positions [lo, hi) (int32); ``start``: where no keys arrive and the
+    rank's own rows are one run of the sequence (one rank; documents that do not cross ranks), that run's first
+    global position: the buffer is then the rank's own keys as they are, in the call's mask from ``start``
+    (else None)."""
     rank: int
     keys: int
     own: np.ndarray
@@ -39,8 +40,8 @@ class Packing:
     sends: tuple
     lo: np.ndarray
     hi: np.ndarray
-    receive_cuts: tuple = ()
-    send_cuts: tuple = ()
+    receive_cuts: tuple
+    send_cuts: tuple
     start: int = None
 
     def call(self, mask, key):
@@ -54,9 +55,11 @@ class Packing:
         return dict(masked=not mask.is_full, mask=mask, q_start=self.start, k_start=self.start)
 
 
-def _cuts(positions):
-    """Offsets 0, ..., len(positions) where ``positions`` (global, in message order) stop being consecutive."""
-    return np.concatenate([[0], np.flatnonzero(np.diff(positions) != 1) + 1, [len(positions)]]).astype(np.int64)
+def _cuts(positions, rows):
+    """Offsets 0, ..., len(rows) where a message's ``rows`` (the sender's local rows, in message order) or their
+    global ``positions`` stop being consecutive: both ends know both, so they cut alike."""
+    stops = (np.diff(positions) != 1) | (np.diff(rows) != 1)
+    return np.concatenate([[0], np.flatnonzero(stops) + 1, [len(rows)]]).astype(np.int64)
 
 
 def _rows(runs):
@@ -83,5 +86,5 @@ def packing(mask, layout, rank):
     alone = not arriving and np.array_equal(own_global, np.arange(first, first + len(own_global)))
     return Packing(rank, len(order), np.searchsorted(order, own_global), receives, sends,
                    lo.astype(np.int32), hi.astype(np.int32),
-                   tuple(_cuts(layout.indices(b)[rows]) for b, rows in arriving),
-                   tuple(_cuts(own_global[rows]) for _, rows in sends), first if alone else None)
+                   tuple(_cuts(layout.indices(b)[rows], rows) for b, rows in arriving),
+                   tuple(_cuts(own_global[rows], rows) for _, rows in sends), first if alone else None)
