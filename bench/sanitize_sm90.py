@@ -41,9 +41,10 @@ def main():
             be.kernels.forced_tile_height = rows
             for mode in ("full", "causal", "interval"):
                 causal = mode != "full"
-                b, sq, sk, hq, hkv = 1, 200, 300, 4, 2
-                # interval: documents and a window over the 300 positions, the queries the last 200
-                window, cu = ((40, 0), np.array([0, 90, 137, 260, 300])) if mode == "interval" else (None, None)
+                b, sq, sk, hq, hkv = (1, 900, 1000, 4, 2) if mode == "interval" else (1, 200, 300, 4, 2)
+                # interval: documents and a window over the 1000 positions, the queries the last 900: the last
+                # document, 840 rows, is a run of forward tiles of its own (plan/tiles.forward_tiles)
+                window, cu = ((40, 0), np.array([0, 90, 137, 160, 1000])) if mode == "interval" else (None, None)
                 mask = masks.make(sk, True, window, cu)
                 q, k, v, do = (rng.standard_normal((b, n, h, d)).astype(np.float32)
                                for n, h in ((sq, hq), (sk, hkv), (sk, hkv), (sq, hq)))

@@ -3,7 +3,7 @@
 //
 // Persistent: one CTA per SM takes tiles of the schedule below until none is left: its first is blockIdx.x,
 // each next one comes from a global counter (the producer takes it while the tile before is loading), so a
-// CTA that drew light causal or masked tiles takes more. A tile is BM = 64 x (consumer warpgroups) query
+// CTA that drew light causal or masked tiles takes more. A tile is up to BM = 64 x (consumer warpgroups) query
 // rows of one (batch, query head):
 // - the producer (warpgroup 0) gives its registers away and has one thread issue TMA loads: the tile's Q
 //   (one buffer, refilled for the next tile as soon as both consumers have issued their last Q K^T, so it
@@ -28,8 +28,11 @@
 // k_start); key tiles hidden from every row of the tile are never loaded.
 // Interval masks (IV: documents, sliding windows; docs/KERNELS.md "Masks"): local row r sees the keys
 // whose global position lies in [mlo[r], mhi[r]), local key c at global kofs + c; both bounds never
-// decrease with r, so a tile loads only the key tiles in [mlo[first row], mhi[last row]) and a warpgroup's
-// key tile needs no mask when mlo[its last row] <= tile start and mhi[its first row] >= tile end.
+// decrease with r, so a tile loads only the key tiles from mlo[first row] (the first key tile starts there,
+// on no grid) to mhi[last row], and a warpgroup's key tile needs no mask when mlo[its last row] <= tile start
+// and mhi[its first row] >= tile end. The query tiles are the host's (`order`: plan/tiles.forward_tiles): up
+// to BM rows [first, end), a long document's starting on its first row, so its key tiles start on its first
+// key; rows from `end` on in the tile's BM belong to the next tile and are computed but never written.
 // The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel; the old o
 // rows are prefetched to L2 two key tiles before it. At the first pair of a query shard's rows (argument
 // `first`) the running (o, lse) are not read; at the last (`out`) the final output goes to `out` in the
@@ -72,7 +75,7 @@ struct Cfg {
 };
 
 // shared memory, byte offsets from a 1024-aligned base: Q stages | K stages | V stages | barriers | slots
-constexpr int kSlotInts = 8;
+constexpr int kSlotInts = 9;
 template <int D, int CONSUMERS>
 struct Smem {
   static constexpr int BM = Cfg<D, CONSUMERS>::BM, BN = Cfg<D, CONSUMERS>::BN, QSTAGES = Cfg<D, CONSUMERS>::QSTAGES;
@@ -94,11 +97,11 @@ struct Smem {
   __device__ static u32 v_empty(u32 base, int s) { return k_full(base, s) + 24; }
 };
 
-// One tile of the schedule: query block mb of (batch b, query head h), its key tiles
-// [t_begin, t_begin + ntiles) (ntiles <= 0: nothing visible, the tile is skipped); with key splits, part
-// `split` of the key tiles of query tile `id`.
+// One tile of the schedule: query rows [m0, m_end) of (batch b, query head h), ntiles key tiles from key k0
+// (ntiles <= 0: nothing visible, the tile is skipped); with key splits, part `split` of the key tiles of
+// query tile `id`.
 struct Tile {
-  int mb, h, b, t_begin, ntiles, id, split;
+  int m0, m_end, h, b, k0, ntiles, id, split;
 };
 static_assert(sizeof(Tile) == 4 * (kSlotInts - 1), "a Q stage's slot holds the index and a Tile's fields");
 
@@ -137,19 +140,24 @@ struct TileScheduler {
     const int heads = min(hchunk, BH - chunk * hchunk);  // the last chunk may hold fewer
     const int rank = in_chunk / heads, bh = chunk * hchunk + in_chunk % heads;
     Tile t;
-    t.mb = CAUSAL ? nmb - 1 - rank : IV ? order[rank] : rank;
+    if (IV) {
+      t.m0 = order[2 * rank];
+      t.m_end = order[2 * rank + 1];
+    } else {
+      t.m0 = (CAUSAL ? nmb - 1 - rank : rank) * BM;
+      t.m_end = min(t.m0 + BM, Sq);
+    }
     t.b = bh / Hq;
     t.h = bh - t.b * Hq;
-    const int m0 = t.mb * BM;
     int n_begin, n_end;
-    tile_keys<CAUSAL, IV>(m0, BM, Sq, Sk, off, mlo, mhi, kofs, &n_begin, &n_end);
-    t.t_begin = n_begin / BN;
-    t.ntiles = n_end > n_begin ? (n_end + BN - 1) / BN - t.t_begin : 0;
+    tile_keys<CAUSAL, IV>(t.m0, t.m_end - t.m0, Sq, Sk, off, mlo, mhi, kofs, &n_begin, &n_end);
+    t.k0 = n_begin;  // 0 unless IV
+    t.ntiles = n_end > n_begin ? (n_end - n_begin + BN - 1) / BN : 0;
     t.id = idx;
     t.split = split_idx - idx * nsplit;
     if (nsplit > 1) {
       const int part = (t.ntiles + nsplit - 1) / nsplit;
-      t.t_begin += t.split * part;
+      t.k0 += t.split * part * BN;
       t.ntiles = min(part, t.ntiles - t.split * part);
     }
     return t;
@@ -280,7 +288,7 @@ struct ConsumerTile {
   __device__ __forceinline__ ConsumerTile(const fwd90::Tile& t, int q_stage, u32 q_addr, int cw, int tid, int Sq, int Sk,
                                           const int* mlo, const int* mhi)
       : tl(t), qs(q_stage), q_lo(desc_lo(q_addr + cw * 64 * 128, 16)) {
-    mw0 = tl.mb * BM + 64 * cw;
+    mw0 = tl.m0 + 64 * cw;
     row0 = mw0 + 16 * (tid / 32) + (tid % 32) / 4;
     klo[0] = klo[1] = 0;
     khi[0] = khi[1] = Sk;
@@ -293,7 +301,7 @@ struct ConsumerTile {
         klo[r] = mlo[row];
         khi[r] = mhi[row];
       }
-      wg_lo_last = mlo[min(mw0 + 63, Sq - 1)];
+      wg_lo_last = mlo[min(mw0 + 63, tl.m_end - 1)];  // rows from m_end on are never written
       wg_hi_first = mhi[min(mw0, Sq - 1)];
     }
   }
@@ -309,11 +317,11 @@ struct ConsumerTile {
   }
   template <bool CAUSAL>
   __device__ __forceinline__ bool needs_mask(int t, int Sk, i64 off) const {
-    const int n0 = (tl.t_begin + t) * BN;
+    const int n0 = tl.k0 + t * BN;
     return (n0 + BN > Sk) || (CAUSAL && static_cast<i64>(n0 + BN - 1) > static_cast<i64>(mw0) + off) ||
            (IV && !(wg_lo_last <= n0 && wg_hi_first >= n0 + BN));
   }
-  __device__ __forceinline__ int col0(int t, int lane) const { return (tl.t_begin + t) * BN + 2 * (lane % 4); }
+  __device__ __forceinline__ int col0(int t, int lane) const { return tl.k0 + t * BN + 2 * (lane % 4); }
 };
 
 template <int D, int CONSUMERS, bool BF16, bool CAUSAL, bool IV>
@@ -325,7 +333,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   volatile int* const slot = reinterpret_cast<volatile int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kSlot);
-  const TileScheduler<BM, BN, CAUSAL, IV> sched{(args.Sq + BM - 1) / BM, args.Hq, args.B * args.Hq, args.hchunk,
+  const TileScheduler<BM, BN, CAUSAL, IV> sched{args.nq, args.Hq, args.B * args.Hq, args.hchunk,
                                                 args.nsplit, args.Sq, args.Sk, args.order, args.mlo, args.mhi,
                                                 args.off, args.kofs, args.next_tile};
 
@@ -367,18 +375,19 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
           break;
         }
         // the tile itself, so the consumers need not make it again (interval masks: global loads on their path)
-        s[1] = tl.mb, s[2] = tl.h, s[3] = tl.b, s[4] = tl.t_begin, s[5] = tl.ntiles, s[6] = tl.id, s[7] = tl.split;
+        s[1] = tl.m0, s[2] = tl.m_end, s[3] = tl.h, s[4] = tl.b, s[5] = tl.k0, s[6] = tl.ntiles, s[7] = tl.id,
+        s[8] = tl.split;
         const int hk = tl.h / args.group;
         mbar_arrive_expect_tx(L::q_full(base, qs), BM * D * 2);
 #pragma unroll
         for (int db = 0; db < D / 64; ++db)
           tma_load_4d(base + L::kQ + qs * L::kQTile + db * BM * 128, tq, L::q_full(base, qs), db * 64, tl.h,
-                      tl.mb * BM, tl.b);
+                      tl.m0, tl.b);
         q_pipe.advance();
         int nidx = sched.next();  // the next tile, drawn while this one loads
         Tile ntl;
         for (int t = 0; t < tl.ntiles; ++t, pipe.advance()) {
-          const int s = pipe.stage, n0 = (tl.t_begin + t) * BN;
+          const int s = pipe.stage, n0 = tl.k0 + t * BN;
           const u32 empty_parity = pipe.phase ^ 1;
           const u32 k_dst = base + L::kK + s * L::kTile, v_dst = base + L::kV + s * L::kTile;
           mbar_wait(L::k_empty(base, s), empty_parity);
@@ -426,7 +435,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
   };
   auto consumer_tile = [&] {  // the producer's Tile of the next Q stage
     const volatile int* const s = slot + kSlotInts * q_pipe.stage;
-    const Tile tl{s[1], s[2], s[3], s[4], s[5], s[6], s[7]};
+    const Tile tl{s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]};
     const CT ct(tl, q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, args.Sq, args.Sk, args.mlo,
                 args.mhi);
     q_pipe.advance();
@@ -457,11 +466,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
       named_barrier_sync(kMerge + cw, 128);
     }
     if (args.nsplit > 1)
-      merge_rows<D, true, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, args.Sq);
+      merge_rows<D, true, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.tl.m_end);
     else if (args.first && args.out != nullptr)
-      store_rows<D, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, args.Sq);
+      store_rows<D, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.tl.m_end);
     else
-      merge_rows<D, false, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, args.Sq);
+      merge_rows<D, false, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.tl.m_end);
     if (args.nsplit > 1) {
       __threadfence();
       named_barrier_sync(kMerge + cw, 128);
@@ -491,7 +500,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
     for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
   };
   auto prefetch = [&](const CT& ct) {  // the running (o, lse), unless the pair is the first to write them
-    if (!args.first) prefetch_rows<D>(o_rows_of(ct.tl), args.oss, lse_rows_of(ct.tl), args.lss, ct.row0, args.Sq, lane);
+    if (!args.first) prefetch_rows<D>(o_rows_of(ct.tl), args.oss, lse_rows_of(ct.tl), args.lss, ct.row0, ct.tl.m_end, lane);
   };
 
   int idx = next_index();
@@ -613,7 +622,8 @@ static_assert(fwd90::Smem<256, 2>::kBytes <= 227 * 1024 && fwd90::Smem<128, 2>::
 // attn_fwd_sm90_kernels lists them with their geometry (the host picks among a head dim's tile heights).
 // The arguments (Fwd90Params, contract.cuh): tmaps: the q, k, v tensor maps (128 bytes each, global memory);
 // grid: one CTA per SM at most;
-// hchunk, order: the schedule (order: interval only, the query blocks longest first); nsplit: the parts of
+// hchunk, order, nq: the schedule (order: interval only, nq (first, end) row pairs, the query tiles with the most
+// key tiles first; nq: the query tiles, ceil(Sq / BM) but under interval masks); nsplit: the parts of
 // each query tile's key range (1: none); cross_tile: 1 for the cross-tile step (shapes with two Q buffers);
 // mlo, mhi, kofs: the interval bounds (null for full and causal);
 // next_tile: the tile counter and the count of CTAs done, two ints that are 0 at launch and 0 again when the

@@ -59,6 +59,10 @@ CASES = [  # seqlen, hq, hkv, d, causal, documents, window (, dtype)
     (333, 2, 2, 128, True, 1, None),  # one document: plain causal
     (1000, 4, 2, 128, True, 9, (150, 0), np.float16),
     (1000, 2, 1, 64, True, 6, None, np.float16),
+    # documents of several forward tiles (plan/tiles.forward_tiles starts their tiles on their first rows)
+    (3000, 4, 2, 128, True, 4, None),
+    (2700, 2, 1, 64, True, 3, (800, 0)),
+    (2200, 2, 2, 128, False, 3, None),
 ]
 
 
@@ -124,24 +128,30 @@ def test_a_first_call_then_a_merging_last_call_make_one_call(documents):
     np.testing.assert_allclose(cupy.asnumpy(lse), cupy.asnumpy(single_lse), rtol=1e-4, atol=1e-4)
 
 
-def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing():
-    """A (query block, key block) pair cut from a packed windowed sequence, as the ring runs it:
-    rows that see nothing keep o = 0, lse = -inf (no NaN); the rest match the oracle; gradients
-    add into the poisoned accumulators."""
+BLOCK_SETS = {  # seqlen, documents, window, (q_start, q_len, k_start, k_len) pairs
+    "short documents, window": (2048, 7, (300, 0), ((1024, 512, 640, 512), (1500, 300, 0, 1600), (300, 200, 600, 128))),
+    "long documents": (4096, 4, None, ((1100, 1500, 333, 2000), (2500, 1596, 0, 4096), (77, 900, 50, 1000))),
+}
+
+
+@pytest.mark.parametrize("blocks", BLOCK_SETS)
+def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing(blocks):
+    """A (query block, key block) pair cut from a packed sequence, as the ring runs it: rows that see nothing
+    keep o = 0, lse = -inf (no NaN); the rest match the oracle; gradients add into the poisoned accumulators."""
     seed = int(np.random.SeedSequence().entropy % 2**63)
     rng = np.random.default_rng(seed)
-    seqlen, d = 2048, 128
-    cu = documents(rng, seqlen, 7)
-    mask = masks.make(seqlen, True, (300, 0), cu)
+    (seqlen, count, window, pairs), d = BLOCK_SETS[blocks], 128
+    cu = documents(rng, seqlen, count)
+    mask = masks.make(seqlen, True, window, cu)
     be = get_backend(cupy.zeros(1))
-    for q_start, q_len, k_start, k_len in ((1024, 512, 640, 512), (1500, 300, 0, 1600), (300, 200, 600, 128)):
+    for q_start, q_len, k_start, k_len in pairs:
         q, do = (rng.standard_normal((1, q_len, 4, d)).astype(BF16) for _ in range(2))
         k, v = (rng.standard_normal((1, k_len, 2, d)).astype(BF16) for _ in range(2))
         o = cupy.zeros((1, q_len, 4, d), cupy.float32)
         lse = cupy.full((1, 4, q_len), -cupy.inf, cupy.float32)
         be.forward_block(*(cupy.asarray(x) for x in (q, k, v)), o, lse, scale=d ** -0.5, masked=True,
                          q_start=q_start, k_start=k_start, mask=mask)
-        kw = dict(causal=True, q_start=q_start, k_start=k_start, window=(300, 0), cu_seqlens=cu)
+        kw = dict(causal=True, q_start=q_start, k_start=k_start, window=window, cu_seqlens=cu)
         ref_o, ref_lse = attention_reference(q, k, v, **kw)
         ctx = f"seed={seed} rows {q_start}+{q_len} keys {k_start}+{k_len}"
         got_lse = cupy.asnumpy(lse)

@@ -38,7 +38,7 @@ def test_key_split_nothing_visible(kernels):
 
 
 def test_interval_tiles_match_the_kernels_visits():
-    """A query block the interval kernel skips (no key of this shard) must count as unvisited, so a last pair
+    """A query tile the interval kernel skips (no key of this shard) must count as unvisited, so a last pair
     converts its rows afterwards: past the end of a shard of 244 keys (no multiple of 128), rounding to key tiles
     first would have counted one tile (BURST_HPC_RING_LAST_PAIRS left such rows of the output unwritten)."""
     import numpy as np
@@ -46,10 +46,9 @@ def test_interval_tiles_match_the_kernels_visits():
     from burst_hpc.plan import masks
 
     mask = masks.make(3 * 244, True, (100, 0))
-    counts = tiles.interval_key_tiles(mask, 488, 244, 0, 244, 128, 128)
-    assert counts.tolist() == [0, 0]
-    assert tiles.interval_key_tiles(mask, 244, 244, 0, 244, 128, 128).tolist() == [1, 0]
-    rng = np.random.default_rng(5)
+    assert tiles.forward_tiles(mask, 488, 244, 0, 244, 128, 128).key_tiles.tolist() == [0, 0]
+    assert tiles.forward_tiles(mask, 244, 244, 0, 244, 128, 128).key_tiles.tolist() == [1, 0]
+    rng = np.random.default_rng()
     for _ in range(200):
         s = int(rng.integers(2, 700))
         window = (int(rng.integers(-1, 200)), int(rng.integers(-1, 50))) if rng.random() < 0.7 else None
@@ -60,9 +59,42 @@ def test_interval_tiles_match_the_kernels_visits():
         q0, k0 = (int(x) for x in rng.integers(0, s, 2))
         sq, sk = int(rng.integers(1, s - q0 + 1)), int(rng.integers(1, s - k0 + 1))
         bm, bn = int(rng.choice([64, 128, 192])), int(rng.choice([80, 128]))
-        counts = tiles.interval_key_tiles(mask, q0, sq, k0, sk, bm, bn)
-        sees = [mask.visible_count(q0 + m, min(bm, sq - m), k0, sk) > 0 for m in range(0, sq, bm)]
-        assert (counts > 0).tolist() == sees
+        t = tiles.forward_tiles(mask, q0, sq, k0, sk, bm, bn)
+        # the tiles cover the rows once, in order, bm rows at most
+        assert t.first[0] == 0 and (t.first[1:] == t.end[:-1]).all() and t.end[-1] == sq
+        assert (t.end - t.first <= bm).all() and (t.end > t.first).all()
+        sees = [mask.visible_count(q0 + a, b - a, k0, sk) > 0 for a, b in zip(t.first, t.end)]
+        assert (t.key_tiles > 0).tolist() == sees
+        # every visible key of a tile's rows lies in its key tiles
+        lo, hi = mask.rows(q0, sq)
+        for a, b, begin, n in zip(t.first, t.end, t.key_begin, t.key_tiles):
+            first, end = np.clip(lo[a:b] - k0, 0, sk), np.clip(hi[a:b] - k0, 0, sk)
+            seen = end > first
+            if seen.any():
+                assert begin <= first[seen].min() and end[seen].max() <= begin + n * bn
+
+
+def test_forward_tiles_start_on_long_documents():
+    """A long document's query tiles start on its first row and its key tiles on its first key: the tile i tiles
+    into it loads i + 1 key tiles (a grid of tiles would load one more where the document starts off it);
+    short documents share tiles."""
+    import numpy as np
+
+    from burst_hpc.plan import masks
+
+    bm = 128
+    long = tiles.LONG_DOCUMENT_TILES * bm + 37
+    cu = np.array([0, 5, 100, 190, 190 + long, 190 + long + 60, 190 + 2 * long + 60])
+    mask = masks.make(int(cu[-1]), True, None, cu)
+    t = tiles.forward_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, bm, bm)
+    assert t.first[0] == 0 and t.end[0] == 128 and t.first[1] == 128 and t.end[1] == 190   # three short ones
+    for start in (190, 190 + long + 60):   # each long document: tiles from its first row, i + 1 key tiles each
+        mine = (t.first >= start) & (t.first < start + long)
+        assert t.first[mine].tolist() == list(range(start, start + long, bm))
+        assert t.key_begin[mine].tolist() == [start] * mine.sum()
+        assert t.key_tiles[mine].tolist() == list(range(1, mine.sum() + 1))
+    short = np.flatnonzero(t.first == 190 + long)   # the short document between the two is a run of its own
+    assert t.end[short].tolist() == [190 + long + 60] and t.key_tiles[short].tolist() == [1]
 
 
 def test_interval_schedule_is_made_once_per_mask(monkeypatch):
@@ -81,8 +113,8 @@ def test_interval_schedule_is_made_once_per_mask(monkeypatch):
     monkeypatch.setitem(sys.modules, "cupy", fake)
     monkeypatch.setattr(sm90, "_ORDERS", type(sm90._ORDERS)())
     made = []
-    real = tiles.interval_key_tiles
-    monkeypatch.setattr(sm90, "interval_key_tiles", lambda *a: made.append(a) or real(*a))
+    real = tiles.forward_tiles
+    monkeypatch.setattr(sm90, "forward_tiles", lambda *a: made.append(a) or real(*a))
     offsets = [0, 139, 489, 1251, 3299, 3649, 4411, 5173, 6709, 7059, 8192]   # a magi pack
     before = masks._intervals.cache_info().misses
     for _ in range(5):

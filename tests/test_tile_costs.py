@@ -21,19 +21,36 @@ import predict_sweep  # noqa: E402
 NO_FIXED = dict(intra_latency_us=0.0, inter_latency_us=0.0, fwd_launch_us=0.0, bwd_launch_us=0.0, step_us=0.0)
 
 
-def brute_tiles(seen, documents=False):
-    """tiles.COUNTS of a block call from its dense visibility ``seen`` (rows x keys): the forward's key tiles
-    from the first to the last visible key of each 128-row block (a block's visible keys are one run: each row's
-    interval holds the row and both ends never decrease), its blocks with any key; the backward's (64-row tile,
-    128-key block) pairs with any visible pair, and the square root of each tile's such key blocks, summed apart
-    for key blocks walking up and down (``documents``: those in runs of at most 64 with one last tile)."""
+def brute_tiles(whole, q0, k0, seen, documents=False):
+    """tiles.COUNTS of a block call from the dense visibility of the whole sequence ``whole`` and of the call's
+    rows x keys ``seen`` (from q0, k0): the forward's tiles, one row at a time: the call's documents (a row that
+    sees none of the keys the row before it sees starts one), each of at least LONG_DOCUMENT_TILES tiles of rows
+    a run of its own and the shorter ones between in runs, tiles of 128 rows from each run's first, each with the
+    key tiles of 128 from its first row's first key to its last row's last, clipped to the call's keys (counted
+    where that holds any); the backward's (64-row tile, 128-key block) pairs with any visible pair, and the square
+    root of each tile's such key blocks, summed apart for key blocks walking up and down (``documents``: those in
+    runs of at most 64 with one last tile)."""
     (fm, fn), (bm, bn) = tiles.FORWARD_TILE, tiles.BACKWARD_TILE
+    sq, sk = seen.shape
+    lo = [int(np.flatnonzero(row)[0]) for row in whole]
+    hi = [int(np.flatnonzero(row)[-1]) + 1 for row in whole]
+    runs, before_long = [], True
+    for r in range(q0, q0 + sq):
+        if r == q0 or lo[r] >= hi[r - 1]:   # a document starts
+            end = next((x for x in range(r + 1, q0 + sq) if lo[x] >= hi[x - 1]), q0 + sq)
+            long = end - r >= tiles.LONG_DOCUMENT_TILES * fm
+            if long or before_long:
+                runs.append([r, end])
+            else:
+                runs[-1][1] = end
+            before_long = long
     key_tiles = query_tiles = 0
-    for m in range(0, seen.shape[0], fm):
-        keys = np.flatnonzero(seen[m:m + fm].any(axis=0))
-        if keys.size:
-            key_tiles += keys[-1] // fn - keys[0] // fn + 1
-            query_tiles += 1
+    for first, end in runs:
+        for m in range(first, end, fm):
+            begin, stop = (min(max(x - k0, 0), sk) for x in (lo[m], hi[min(m + fm, end) - 1]))
+            if stop > begin:
+                key_tiles += -(-(stop - begin) // fn)
+                query_tiles += 1
     sq, sk = seen.shape
     blocks = np.array([[seen[m:m + bm, n:n + bn].any() for n in range(0, sk, bn)] for m in range(0, sq, bm)])
     down = np.zeros(blocks.shape[1], bool)
@@ -56,6 +73,8 @@ def test_tile_counts_match_a_brute_force_count(rng, monkeypatch):
     for case in range(150):
         # a few key blocks a document here: a small longest walking-down piece makes both directions appear
         monkeypatch.setattr(tiles, "WALK_DOWN_BLOCKS", [1, 2, 64][case % 3])
+        # documents of one tile of rows and more a run of their own, or of four and more (the default)
+        monkeypatch.setattr(tiles, "LONG_DOCUMENT_TILES", [1, 4][case % 2])
         s = int(rng.integers(2, 700))
         kind = rng.choice(["documents", "window", "causal", "full"])
         causal = kind == "causal" or (kind != "full" and bool(rng.random() < 0.8))
@@ -64,11 +83,12 @@ def test_tile_counts_match_a_brute_force_count(rng, monkeypatch):
         mask = masks.make(s, causal, window, cu)
         q0, k0 = (int(x) for x in rng.integers(0, s, 2))
         sq, sk = int(rng.integers(1, s - q0 + 1)), int(rng.integers(1, s - k0 + 1))
-        seen = visible(np.arange(q0, q0 + sq), np.arange(k0, k0 + sk), causal, window, cu)
+        whole = visible(np.arange(s), np.arange(s), causal, window, cu)
+        seen = whole[q0:q0 + sq, k0:k0 + sk]
         if not seen.any():
             continue
         got = tiles.call_tiles(mask, q0, sq, k0, sk, not mask.is_full)
-        np.testing.assert_allclose(got, brute_tiles(seen, kind == "documents"),
+        np.testing.assert_allclose(got, brute_tiles(whole, q0, k0, seen, kind == "documents"),
                                    err_msg=f"{mask!r} {q0} {sq} {k0} {sk}")
         checked.add(mask.kind)
     assert checked == {"intervals", "causal", "full"}

@@ -213,6 +213,17 @@ def _intervals(mask):
 
 
 @lru_cache(maxsize=4)
+def document_starts(mask):
+    """int64, read-only: the rows (a Packed mask's own rows) at which a run of rows with disjoint keys begins:
+    row 0 and every row that sees none of the keys the row before it sees (lo[r] >= hi[r - 1]; under documents,
+    each document's first row). The sm90 forward starts its query tiles there (plan/tiles.forward_tiles)."""
+    lo, hi = mask.intervals
+    starts = np.concatenate([[0], np.flatnonzero(lo[1:] >= hi[:-1]) + 1]) if lo.size else np.zeros(0, np.int64)
+    starts.setflags(write=False)
+    return starts
+
+
+@lru_cache(maxsize=4)
 def _device_intervals(mask, xp, device):
     return tuple(xp.asarray(x.astype(np.int32)) for x in mask.intervals)
 

@@ -1,14 +1,15 @@
 """The tiles a block call's kernels run under a mask: what the sm90 kernels schedule (backends/cuda/sm90.py reads
 the ranges and counts from here) and what the cost model prices (docs/RING.md, "The cost model").
 
-The forward runs a query block of bm rows against the key tiles of bn from the keys its first row sees to those
-its last row sees (``interval_key_tiles``), skipping a block that sees none; the backward runs one CTA per key block
+The forward runs query tiles of at most bm rows, each starting on a long document's first row or bm rows after
+(``forward_tiles``), against the key tiles of bn from the first key its first row sees to the last its last row
+sees, skipping a tile that sees none; the backward runs one CTA per key block
 of bn keys, walking the query tiles of bm rows in which some row sees one of its keys (``key_block_ranges``). A
 full pair (no mask) runs every tile of its rectangle, a causal one is counted by the same rule on its rows'
 bounds. ``call_tiles`` counts, per head, what the cost model prices (COUNTS):
 
 - ``fwd_key_tiles``: the forward's key tiles (each a bm x bn product and its softmax update);
-- ``fwd_query_tiles``: the forward's query blocks with any key (each one's Q load, merge and store);
+- ``fwd_query_tiles``: the forward's query tiles with any key (each one's Q load, merge and store);
 - ``bwd_steps``: the backward's steps, a (key block, query tile) each (its five products);
 - ``bwd_shared``: the sum over the backward's query tiles of the square root of the key blocks that see each
   (the steps of a query tile seen by n key blocks share its Q, dO and dQ rows through L2: a step costs
@@ -16,7 +17,11 @@ bounds. ``call_tiles`` counts, per head, what the cost model prices (COUNTS):
   tiles whose key blocks walk up; ``bwd_shared_down`` the same over those whose key blocks walk down
   (``walk_down``: a short document's, which meet on its rows and share them better).
 """
+from typing import NamedTuple
+
 import numpy as np
+
+from . import masks
 
 # the tiles the cost model counts: the sm90 kernels' at D = 128 (their kernel tables: the forward's 128-row
 # instance, the backward's 64-row one), the shapes the per-tile rates of rates.py were measured on
@@ -30,6 +35,11 @@ COUNT_POWERS = np.array([2.0, 1.0, 2.0, 1.5, 1.5])
 
 # the longest piece (key blocks) whose sm90 backward CTAs walk their query tiles down under documents (walk_down)
 WALK_DOWN_BLOCKS = 64
+# the forward's query tiles (forward_tiles): a document of at least this many tiles of rows is a run of tiles of its
+# own; shorter ones share runs. Every document its own run would give a 200-token document two tiles of which the
+# second holds a few rows: on packs of documents up to 200 / 400 tokens 1.17x / 1.06x the query and key tiles of
+# a grid of tiles; with 4, 1.00x there and 0.89-0.91x on the 8k MagiAttention sets (bench_packed.py's)
+LONG_DOCUMENT_TILES = 4
 
 
 def pieces(t_end):
@@ -68,18 +78,54 @@ def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
     return r_first // bm, np.where(r_end > r_first, -(-r_end // bm), r_first // bm)
 
 
-def interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn):
-    """int64 per forward query block of bm rows: the key tiles of bn the interval kernel loads for it, 0 where it
-    skips the block (its TileScheduler, tile_keys in common.cuh): the keys [lo of the block's first row, hi of
-    its last row) clipped to the shard's [0, sk), counted in tokens before they are rounded out to tiles (a
-    block past a shard whose length is no multiple of bn sees nothing there, though its rounded tiles would
-    meet)."""
-    lo, hi = mask.rows(q_start, sq)
-    first = np.arange(0, sq, bm)
-    last = np.minimum(first + bm, sq) - 1
-    begin = np.clip(lo[first] - int(k_start), 0, sk)
-    end = np.clip(hi[last] - int(k_start), 0, sk)
-    return np.where(end > begin, -(-end // bn) - begin // bn, 0)
+class ForwardTiles(NamedTuple):
+    """The sm90 forward's query tiles of block calls (``forward_tiles``), one entry per tile."""
+    call: np.ndarray       # the call (an index into the calls' arrays)
+    first: np.ndarray      # its first row, local to the call
+    end: np.ndarray        # one past its last row
+    key_begin: np.ndarray  # its first key, local: the first row's lo, clipped to the call's keys
+    key_tiles: np.ndarray  # key tiles of bn from key_begin to its last row's hi; 0: it sees no key (skipped)
+
+
+def forward_tiles(mask, q_start, sq, k_start, sk, bm, bn):
+    """ForwardTiles of one call, or of many (each argument an array over the calls), under ``mask``: what the
+    sm90 forward's interval instance runs (its host table: backends/cuda/sm90.py), and what the cost model counts
+    for every masked call (a causal mask's rows form one run: its tiles are those of the causal instance).
+
+    A call's rows are cut into runs at document starts (masks.document_starts): each document of at least
+    LONG_DOCUMENT_TILES * bm rows is a run of its own, and so is each stretch of shorter documents between two such. A run is cut into tiles
+    of bm rows from its first. A tile's keys go from its first row's lo to its last row's hi, in key tiles of bn
+    from that first key: a long document's tiles start on its first row and its key tiles on its first key, so
+    the tile at i bm rows into it loads exactly i + 1 key tiles (FlashAttention-3's varlen tiles). Tiles on a
+    grid of bm rows would straddle documents: the rows past a boundary load the earlier document's keys too,
+    about a key tile more per query tile (the 8k MagiAttention sets: 393 -> 343 key tiles). Short documents
+    share tiles: a tile of a short document's last few rows would compute bm rows for them."""
+    q_start, sq, k_start, sk = (x.reshape(-1) for x in np.broadcast_arrays(
+        *(np.asarray(x, np.int64) for x in (q_start, sq, k_start, sk))))
+    starts, (lo, hi) = masks.document_starts(mask), mask.intervals
+    # each call's documents: its row 0, then the document starts inside it (local rows)
+    inside_lo = np.searchsorted(starts, q_start, side="right")
+    inside_end = np.maximum(inside_lo, np.searchsorted(starts, q_start + sq, side="left"))
+    count = np.where(sq > 0, 1 + inside_end - inside_lo, 0)
+    call = np.repeat(np.arange(q_start.size), count)
+    k = np.arange(call.size) - np.repeat(np.cumsum(count) - count, count)
+    at = np.clip(inside_lo[call] + k - 1, 0, max(starts.size - 1, 0))
+    doc = np.where(k == 0, 0, starts[at] - q_start[call]) if starts.size else np.zeros(call.size, np.int64)
+    last_of_call = np.append(k[1:] == 0, True)
+    doc_end = np.where(last_of_call, sq[call], np.append(doc[1:], 0))
+    long = doc_end - doc >= LONG_DOCUMENT_TILES * bm
+    cut = np.flatnonzero((k == 0) | long | np.append(True, long[:-1]))
+    run_call, run_first = call[cut], doc[cut]
+    run_end = doc_end[np.append(cut[1:] - 1, call.size - 1)]
+    per_run = -(-(run_end - run_first) // bm)
+    tile_call = np.repeat(run_call, per_run)
+    j = np.arange(tile_call.size) - np.repeat(np.cumsum(per_run) - per_run, per_run)
+    first = np.repeat(run_first, per_run) + j * bm
+    end = np.minimum(first + bm, np.repeat(run_end, per_run))
+    q0, k0, keys = q_start[tile_call], k_start[tile_call], sk[tile_call]
+    begin = np.clip(lo[q0 + first] - k0, 0, keys)
+    stop = np.clip(hi[q0 + end - 1] - k0, 0, keys)
+    return ForwardTiles(tile_call, first, end, begin, np.where(stop > begin, -(-(stop - begin) // bn), 0))
 
 
 def call_tiles(mask, q_start, sq, k_start, sk, masked=True):
@@ -90,7 +136,7 @@ def call_tiles(mask, q_start, sq, k_start, sk, masked=True):
 
 def calls_tiles(mask, q_start, sq, k_start, sk, masked):
     """float64 (calls, len(COUNTS)): call_tiles of many block calls at once (each argument an array over the
-    calls; ``mask``: a masks.Mask over the positions of every call's rows and keys): the forward's query blocks
+    calls; ``mask``: a masks.Mask over the positions of every call's rows and keys): the forward's query tiles
     and the backward's key blocks of every call laid end to end, each searched in the mask's bounds."""
     q_start, sq, k_start, sk, masked = (x.reshape(-1) for x in np.broadcast_arrays(
         *(np.asarray(x, np.int64) for x in (q_start, sq, k_start, sk)), np.asarray(masked, bool)))
@@ -105,22 +151,16 @@ def calls_tiles(mask, q_start, sq, k_start, sk, masked):
         lo, hi = mask.intervals
         calls = np.flatnonzero(masked)
         documents = mask.kind == "intervals" and mask.window is None   # the backward's walks down (walk_down)
-        out[calls, :2] = _forward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls])
+        out[calls, :2] = _forward_tiles(mask, q_start[calls], sq[calls], k_start[calls], sk[calls])
         out[calls, 2:] = _backward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls], documents)
     return out
 
 
-def _forward_tiles(lo, hi, q_start, sq, k_start, sk):
-    """(calls, 2): interval_key_tiles summed and its blocks with any key, of every call (bounds lo, hi)."""
-    fm, fn = FORWARD_TILE
-    blocks = -(-sq // fm)
-    call = np.repeat(np.arange(sq.size), blocks)
-    first = (np.arange(call.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * fm   # a block's first row
-    last = np.minimum(first + fm, sq[call]) - 1
-    begin = np.clip(lo[q_start[call] + first] - k_start[call], 0, sk[call])
-    end = np.clip(hi[q_start[call] + last] - k_start[call], 0, sk[call])
-    key_tiles = np.where(end > begin, -(-end // fn) - begin // fn, 0)
-    return np.stack([np.bincount(call, key_tiles, sq.size), np.bincount(call, key_tiles > 0, sq.size)], axis=1)
+def _forward_tiles(mask, q_start, sq, k_start, sk):
+    """(calls, 2): the forward's key tiles (forward_tiles) and its query tiles with any key, of every call."""
+    t = forward_tiles(mask, q_start, sq, k_start, sk, *FORWARD_TILE)
+    return np.stack([np.bincount(t.call, t.key_tiles, sq.size), np.bincount(t.call, t.key_tiles > 0, sq.size)],
+                    axis=1)
 
 
 def _backward_tiles(lo, hi, q_start, sq, k_start, sk, documents):

@@ -6,7 +6,7 @@ from collections import OrderedDict
 import numpy as np
 
 from . import launch, tma
-from ...plan.tiles import WALK_DOWN_BLOCKS, interval_key_tiles, key_block_ranges, walk_down
+from ...plan.tiles import WALK_DOWN_BLOCKS, forward_tiles, key_block_ranges, walk_down
 from .contract import PARAMS, SOURCES, mask_mode
 from .launch import mask_args, strides
 
@@ -173,15 +173,14 @@ class Sm90Kernels:
             q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
             maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
         kern = self.modules.kernel(FORWARD, kernel.name, kernel.smem_bytes)
-        # the schedule: heads in chunks whose K/V stay in L2, query blocks longest first inside a chunk
-        nmb = -(-sq // bm)
+        # the schedule: heads in chunks whose K/V stay in L2, query tiles longest first inside a chunk
         kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
         hchunk = max(1, min(b * hq, L2_CHUNK_BYTES // max(1, kv_bytes_per_head)))
-        order = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[0] if mode == "interval" else None
-        locks = self.tile_locks(nmb * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else None
-        grid = (min(nmb * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
+        order, nq = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[:2] if mode == "interval" else (None, -(-sq // bm))
+        locks = self.tile_locks(nq * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else None
+        grid = (min(nq * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
         args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
-                                 mask=mask if mode == "interval" else None, tmaps=maps,
+                                 mask=mask if mode == "interval" else None, tmaps=maps, nq=nq,
                                  order=order, next_tile=self.tile_counter(), locks=locks, hchunk=hchunk, nsplit=nsplit,
                                  cross_tile=self.cross_tile, first=first,
                                  **launch.array_fields(("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss"),
@@ -291,7 +290,7 @@ def _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, bm, bn):
     """Whether the kernel instance ``mode`` (contract.mask_mode) visits every forward query tile of bm rows
     (it skips those that see no key)."""
     if mode == "interval":
-        return _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[1]
+        return _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[2]
     # causal: the first tile sees the fewest keys, the key k_start when its last row is at or after it
     return sk > 0 and (mode == "full" or int(q_start) + min(bm, sq) - 1 >= int(k_start))
 
@@ -312,13 +311,15 @@ def _cached(key, make):
 
 
 def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
-    """The forward's interval schedule: (the query blocks of bm rows ordered by their key tiles of bn (from
-    the mask's bounds), most first, as an int32 device array; whether the kernel visits every block)."""
+    """The forward's interval schedule: (its query tiles (plan/tiles.forward_tiles) as int32 pairs (first row,
+    end row) on the device, the most key tiles first; how many; whether the kernel visits every one)."""
     import cupy
 
     def make():
-        tiles = interval_key_tiles(mask, q_start, sq, k_start, sk, bm, bn)
-        return cupy.asarray(np.argsort(-tiles, kind="stable").astype(np.int32)), bool((tiles > 0).all())
+        t = forward_tiles(mask, q_start, sq, k_start, sk, bm, bn)
+        by = np.argsort(-t.key_tiles, kind="stable")
+        pairs = np.stack([t.first[by], t.end[by]], axis=1).astype(np.int32)
+        return cupy.asarray(pairs.reshape(-1)), len(by), bool((t.key_tiles > 0).all())
 
     return _cached(("forward", mask, int(q_start), sq, int(k_start), sk, bm, bn), make)
 
