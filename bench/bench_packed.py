@@ -54,7 +54,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from burst_hpc.plan import masks  # noqa: E402
+from burst_hpc.plan import masks, tiles  # noqa: E402
 from burst_hpc.plan.accounting import BACKWARD_FLOPS, attention_flops, visible_pairs  # noqa: E402
 from burst_hpc.plan.workload import documents  # noqa: E402
 
@@ -72,9 +72,10 @@ CHECK_TOLERANCE = 2e-2
 ATTENTION_KERNEL = re.compile(r"^attn_(fwd|bwd)\w*_d\d+")
 PROFILED_CALLS = 3
 HOST_SAMPLES = 3
-# tile shapes (query rows x keys) whose share of useful pairs --dry-run shows: the sm90 forward's (D = 128), the
-# same with the 8 query heads of a K/V group packed into its 128 rows (PackGQA: 16 positions), the backward's
-TILE_SHAPES = {"fwd 128 x 128": (128, 128), "fwd PackGQA 16 x 128": (16, 128), "bwd 64 x 128": (64, 128)}
+# tile shapes (query rows x keys) on a grid whose share of useful pairs --dry-run shows beside the sm90 forward's own
+# tiles (kernel_tile_use): the forward's on a grid, the same with the 8 query heads of a K/V group packed into its
+# 128 rows (PackGQA: 16 positions), the backward's
+TILE_SHAPES = {"fwd 128 x 128 grid": (128, 128), "fwd PackGQA 16 x 128": (16, 128), "bwd 64 x 128": (64, 128)}
 
 
 # ---------------------------------------------------------------- document sets and FLOPs (no GPU)
@@ -434,10 +435,18 @@ def tile_use(mask, rows, keys):
     return float(counts.sum()) / (np.count_nonzero(counts) * rows * keys)
 
 
+def kernel_tile_use(mask, rows=128, keys=128):
+    """The share of the pairs the sm90 forward computes that ``mask`` leaves visible: its query tiles
+    (plan/tiles.forward_tiles: a long document's from its first row), each rows x keys a key tile, whole."""
+    t = tiles.forward_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, rows, keys)
+    return visible_pairs(mask) / (float(t.key_tiles.sum()) * rows * keys)
+
+
 def dry_run(sets):
     lines = ["| S | documents | set | count | longest | mean | fwd GFLOP | bwd GFLOP | fwd+bwd GFLOP | FA3 published "
-             "fwd / bwd / fwd+bwd | " + " | ".join(f"pairs used, {name}" for name in TILE_SHAPES) + " |",
-             "|---" * (10 + len(TILE_SHAPES)) + "|"]
+             "fwd / bwd / fwd+bwd | pairs used, fwd (the kernel's tiles) | "
+             + " | ".join(f"pairs used, {name}" for name in TILE_SHAPES) + " |",
+             "|---" * (11 + len(TILE_SHAPES)) + "|"]
     for (seqlen, kind), cus in sets.items():
         fa3 = fa3_published(seqlen)
         for index, cu in enumerate(cus):
@@ -446,6 +455,7 @@ def dry_run(sets):
             lines.append(f"| {seqlen} | {kind} | {index} | {d['documents']} | {d['longest']} | {d['mean']:.0f} | "
                          + " | ".join(f"{flops[p] / 1e9:.1f}" for p in PASSES) + " | "
                          + (" / ".join(f"{fa3[p]:.0f}" for p in PASSES) if fa3 else "-") + " | "
+                         + f"{kernel_tile_use(mask):.0%} | "
                          + " | ".join(f"{use:.0%}" if use is not None else "-"
                                       for use in (tile_use(mask, *shape) for shape in TILE_SHAPES.values())) + " |")
     return "\n".join(lines)

@@ -117,6 +117,17 @@ def test_report_leaves_a_wrong_peer_out_of_the_ratios():
     assert "| fwd | *`attn_fwd_sm90_bf16_d128_m2_interval` | 475 |" in md
 
 
+def test_the_kernels_tiles_waste_less_than_a_grid_on_documents_off_it():
+    """The forward's own tiles (a long document's from its first row) compute fewer pairs than a grid of 128-row
+    tiles when documents of whole tiles start off the grid, the same on the grid."""
+    import numpy as np
+
+    off = masks.make(4096, True, None, np.array([0, 64, 1088, 2112, 3136, 4096]))   # 86% against 74%
+    assert bench_packed.kernel_tile_use(off) > bench_packed.tile_use(off, 128, 128)
+    on = masks.make(4096, True, None, np.array([0, 1024, 4096]))
+    assert bench_packed.kernel_tile_use(on) == pytest.approx(bench_packed.tile_use(on, 128, 128))
+
+
 def test_tile_use_counts_whole_tiles_of_visible_blocks():
     from burst_hpc.plan import masks
 
