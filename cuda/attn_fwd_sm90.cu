@@ -566,8 +566,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
       if (leader) mbar_arrive(L::k_empty(base, st));
       if (nxt.tl.ntiles == 1) mbar_arrive(L::q_empty(base, nxt.qs));
       k_pipe.advance();
-      const float m_end[2] = {m[0], m[1]};
-      float l_end[2] = {l[0], l[1]};
+      const float m_last[2] = {m[0], m[1]};
+      float l_last[2] = {l[0], l[1]};
       m[0] = m[1] = -BH_INF;
       l[0] = l[1] = 0.f;
       softmax_tile<BN, CAUSAL, IV>(s, m, l, alpha, args.sl2, nxt.template needs_mask<CAUSAL>(0, args.Sk, args.off),
@@ -577,7 +577,7 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
       if (leader) mbar_arrive(L::v_empty(base, sp));
       v_pipe.advance();
       pack_p<BN, BF16>(s, p);
-      merge(cur, m_end, l_end);
+      merge(cur, m_last, l_last);
       zero_acc();
       cur = nxt;
       continue;
@@ -623,7 +623,7 @@ static_assert(fwd90::Smem<256, 2>::kBytes <= 227 * 1024 && fwd90::Smem<128, 2>::
 // The arguments (Fwd90Params, contract.cuh): tmaps: the q, k, v tensor maps (128 bytes each, global memory);
 // grid: one CTA per SM at most;
 // hchunk, order, nq: the schedule (order: interval only, nq (first, end) row pairs, the query tiles with the most
-// key tiles first; nq: the query tiles, ceil(Sq / BM) but under interval masks); nsplit: the parts of
+// key tiles first; nq: the query tiles, ceil(Sq / BM), or under interval masks the order's pairs); nsplit: the parts of
 // each query tile's key range (1: none); cross_tile: 1 for the cross-tile step (shapes with two Q buffers);
 // mlo, mhi, kofs: the interval bounds (null for full and causal);
 // next_tile: the tile counter and the count of CTAs done, two ints that are 0 at launch and 0 again when the

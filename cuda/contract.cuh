@@ -113,7 +113,7 @@ struct Fwd90Params : PairParams {
   int *next_tile, *locks;
   i64 osb, oss, osh, lsb, lsh, lss, tsb, tss, tsh;  // o, lse, out
   int hchunk, nsplit, cross_tile, first;
-  int nq;  // query tiles of the schedule: interval masks, the order's (first, end) pairs; else ceil(Sq / BM)
+  int nq;  // query tiles of the schedule: ceil(Sq / BM), or under interval masks the order's (first, end) pairs
 };
 
 // The sm90 backward's dk_out, dv_out, the block contract's (the last pair of these keys; the host passes them

@@ -37,7 +37,7 @@ def test_key_split_nothing_visible(kernels):
     assert kernels.key_split(128, 128, 1, 256, 256, "causal", -1000) == 1
 
 
-def test_interval_tiles_match_the_kernels_visits():
+def test_interval_tiles_match_the_kernels_visits(rng):
     """A query tile the interval kernel skips (no key of this shard) must count as unvisited, so a last pair
     converts its rows afterwards: past the end of a shard of 244 keys (no multiple of 128), rounding to key tiles
     first would have counted one tile (BURST_HPC_RING_LAST_PAIRS left such rows of the output unwritten)."""
@@ -48,7 +48,6 @@ def test_interval_tiles_match_the_kernels_visits():
     mask = masks.make(3 * 244, True, (100, 0))
     assert tiles.forward_tiles(mask, 488, 244, 0, 244, 128, 128).key_tiles.tolist() == [0, 0]
     assert tiles.forward_tiles(mask, 244, 244, 0, 244, 128, 128).key_tiles.tolist() == [1, 0]
-    rng = np.random.default_rng()
     for _ in range(200):
         s = int(rng.integers(2, 700))
         window = (int(rng.integers(-1, 200)), int(rng.integers(-1, 50))) if rng.random() < 0.7 else None
@@ -72,6 +71,16 @@ def test_interval_tiles_match_the_kernels_visits():
             seen = end > first
             if seen.any():
                 assert begin <= first[seen].min() and end[seen].max() <= begin + n * bn
+
+
+def test_forward_tiles_of_calls_without_rows():
+    """Calls with no query rows have no tiles (the cost model drops them before; the bench asks directly)."""
+    from burst_hpc.plan import masks
+
+    mask = masks.make(300, True, None, [0, 100, 300])
+    assert tiles.forward_tiles(mask, 0, 0, 0, 100, 128, 128).key_tiles.size == 0
+    t = tiles.forward_tiles(mask, [0, 50, 0], [0, 200, 0], [0, 0, 0], [100, 300, 100], 128, 128)
+    assert set(t.call.tolist()) == {1} and t.end[-1] == 200
 
 
 def test_forward_tiles_start_on_long_documents():

@@ -1,8 +1,8 @@
 """The tiles a block call's kernels run under a mask: what the sm90 kernels schedule (backends/cuda/sm90.py reads
 the ranges and counts from here) and what the cost model prices (docs/RING.md, "The cost model").
 
-The forward runs query tiles of at most bm rows, each starting on a long document's first row or bm rows after
-(``forward_tiles``), against the key tiles of bn from the first key its first row sees to the last its last row
+The forward runs query tiles of at most bm rows: a call's rows cut into runs (a long document, or a stretch of
+shorter ones), each into tiles of bm rows from its first (``forward_tiles``), against the key tiles of bn from the first key its first row sees to the last its last row
 sees, skipping a tile that sees none; the backward runs one CTA per key block
 of bn keys, walking the query tiles of bm rows in which some row sees one of its keys (``key_block_ranges``). A
 full pair (no mask) runs every tile of its rectangle, a causal one is counted by the same rule on its rows'
@@ -108,6 +108,8 @@ def forward_tiles(mask, q_start, sq, k_start, sk, bm, bn):
     inside_end = np.maximum(inside_lo, np.searchsorted(starts, q_start + sq, side="left"))
     count = np.where(sq > 0, 1 + inside_end - inside_lo, 0)
     call = np.repeat(np.arange(q_start.size), count)
+    if not call.size:   # no call has rows
+        return ForwardTiles(*(np.zeros(0, np.int64) for _ in ForwardTiles._fields))
     k = np.arange(call.size) - np.repeat(np.cumsum(count) - count, count)
     at = np.clip(inside_lo[call] + k - 1, 0, max(starts.size - 1, 0))
     doc = np.where(k == 0, 0, starts[at] - q_start[call]) if starts.size else np.zeros(call.size, np.int64)

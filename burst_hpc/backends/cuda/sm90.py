@@ -74,7 +74,8 @@ class Sm90Kernels:
     def tile_height(self, d, heads, sq):
         """The forward's tile height for `heads` (batch x query heads) of sq queries: the one whose rounds
         over the SMs cover the fewest query rows, weighted by its throughput (D = 64: three consumer
-        warpgroups, 192 rows, feed the tensor cores better than two)."""
+        warpgroups, 192 rows, feed the tensor cores better than two). The rounds are counted on a grid of tiles:
+        under documents the kernel runs a few more (plan/tiles.forward_tiles: one or so a long document)."""
         if self.forced_tile_height is not None:
             return self.forced_tile_height
 
