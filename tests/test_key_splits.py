@@ -86,13 +86,13 @@ def test_forward_tiles_of_calls_without_rows():
 def test_forward_tiles_start_on_long_documents():
     """A long document's query tiles start on its first row and its key tiles on its first key: the tile i tiles
     into it loads i + 1 key tiles (a grid of tiles would load one more where the document starts off it);
-    short documents share tiles."""
+    short documents share tiles; a call whose grid would run fewer tiles keeps it."""
     import numpy as np
 
     from burst_hpc.plan import masks
 
     bm = 128
-    long = tiles.LONG_DOCUMENT_TILES * bm + 37
+    long = 2 * tiles.LONG_DOCUMENT_TILES * bm   # whole tiles: the grid, off them, runs 90 key tiles against 75
     cu = np.array([0, 5, 100, 190, 190 + long, 190 + long + 60, 190 + 2 * long + 60])
     mask = masks.make(int(cu[-1]), True, None, cu)
     t = tiles.forward_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, bm, bm)
@@ -104,6 +104,13 @@ def test_forward_tiles_start_on_long_documents():
         assert t.key_tiles[mine].tolist() == list(range(1, mine.sum() + 1))
     short = np.flatnonzero(t.first == 190 + long)   # the short document between the two is a run of its own
     assert t.end[short].tolist() == [190 + long + 60] and t.key_tiles[short].tolist() == [1]
+    # a long document's last tile is whole work for its few rows: where that leaves a grid the cheaper (fewer
+    # query and key tiles), the call keeps the grid; each call of many chooses for itself
+    tail = np.array([0, 5, 100, 190, 1224, 1284, 2318])   # documents of 1034 rows
+    both = masks.make(2318 + mask.seqlen, True, None, np.concatenate([tail, 2318 + cu[1:]]))
+    two = tiles.forward_tiles(both, [0, 2318], [2318, mask.seqlen], [0, 2318], [2318, mask.seqlen], bm, bm)
+    assert two.first[two.call == 0].tolist() == list(range(0, 2318, bm))
+    assert two.first[two.call == 1].tolist() == t.first.tolist()
 
 
 def test_interval_schedule_is_made_once_per_mask(monkeypatch):

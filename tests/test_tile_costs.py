@@ -27,7 +27,7 @@ def brute_tiles(whole, q0, k0, seen, documents=False):
     sees none of the keys the row before it sees starts one), each of at least LONG_DOCUMENT_TILES tiles of rows
     a run of its own and the shorter ones between in runs, tiles of 128 rows from each run's first, each with the
     key tiles of 128 from its first row's first key to its last row's last, clipped to the call's keys (counted
-    where that holds any); the backward's (64-row tile, 128-key block) pairs with any visible pair, and the square
+    where that holds any), or the call's grid of tiles where that runs fewer query and key tiles; the backward's (64-row tile, 128-key block) pairs with any visible pair, and the square
     root of each tile's such key blocks, summed apart for key blocks walking up and down (``documents``: those in
     runs of at most 64 with one last tile)."""
     (fm, fn), (bm, bn) = tiles.FORWARD_TILE, tiles.BACKWARD_TILE
@@ -44,13 +44,17 @@ def brute_tiles(whole, q0, k0, seen, documents=False):
             else:
                 runs[-1][1] = end
             before_long = long
-    key_tiles = query_tiles = 0
-    for first, end in runs:
-        for m in range(first, end, fm):
-            begin, stop = (min(max(x - k0, 0), sk) for x in (lo[m], hi[min(m + fm, end) - 1]))
-            if stop > begin:
-                key_tiles += -(-(stop - begin) // fn)
-                query_tiles += 1
+    laid = []
+    for cuts in (runs, [[q0, q0 + sq]]):   # the runs, and a grid (one run): the fewer tiles kept
+        key_tiles = query_tiles = 0
+        for first, end in cuts:
+            for m in range(first, end, fm):
+                begin, stop = (min(max(x - k0, 0), sk) for x in (lo[m], hi[min(m + fm, end) - 1]))
+                if stop > begin:
+                    key_tiles += -(-(stop - begin) // fn)
+                    query_tiles += 1
+        laid.append((key_tiles + query_tiles, key_tiles, query_tiles))
+    _, key_tiles, query_tiles = laid[0] if laid[0][0] <= laid[1][0] else laid[1]
     sq, sk = seen.shape
     blocks = np.array([[seen[m:m + bm, n:n + bn].any() for n in range(0, sk, bn)] for m in range(0, sq, bm)])
     down = np.zeros(blocks.shape[1], bool)
