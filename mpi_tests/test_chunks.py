@@ -101,6 +101,29 @@ def test_gather_ranks_alone_with_their_documents_run_their_own_mask(comm, monkey
     np.testing.assert_allclose(lse, placed.shard(ref_lse, comm.rank, axis=2), rtol=1e-6, err_msg=f"seed {seed}")
 
 
+def test_a_rank_that_receives_nothing_adds_what_others_send_home(comm):
+    """Rank 0's queries see only its own keys (its first document ends inside it, the second starts there and
+    runs over every rank), so nothing arrives and its buffer is its own keys as they are; every other rank's
+    queries see its last keys, whose dK, dV come home and are added into rank 0's own gradients."""
+    rng, seed = shared_rng(comm)
+    seqlen = LOCAL * comm.size
+    cu = np.array([0, LOCAL - 3, seqlen])
+    q, k, v, do = (rng.standard_normal((1, seqlen, h, 8)) for h in (4, 2, 2, 4))
+    mask = dict(causal=True, cu_seqlens=cu, window=None)
+    placed = as_layout("contiguous", seqlen, comm.size, **mask)
+    shards = [placed.shard(x, comm.rank) for x in (q, k, v, do)]
+    plan = plan_arrays(comm, shards[0], checked_call(comm.size, *shards[:3], True, None, placed, "auto",
+                                                     cu_seqlens=cu, scheme="gather"))
+    if comm.rank == 0:
+        assert plan.passes.packing.start == 0 and not plan.passes.packing.receives
+        assert bool(plan.passes.packing.sends) == (comm.size > 1)
+    o, lse = plan.passes.forward(*shards[:3])
+    grads = plan.passes.backward(None, shards[3], *shards[:3], o, lse)
+    for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **mask)):
+        np.testing.assert_allclose(got, placed.shard(want, comm.rank), atol=2e-5, rtol=1e-4,
+                                   err_msg=f"{name} seed {seed}")
+
+
 class Counting:
     """The real transport, counting every array sent and received by this rank (and its bytes)."""
 

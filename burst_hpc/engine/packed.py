@@ -99,7 +99,8 @@ class PackedPasses:
         sends = [(b, [_take(g, self.index(("recv", b), slots)) for g in grads]) for b, slots in p.receives]
         recvs = [(a, [xp.empty((g.shape[0], len(rows)) + g.shape[2:], g.dtype) for g in grads]) for a, rows in p.sends]
         pending = transport.exchange(sends, recvs) if sends or recvs else None
-        own = [_take(g, self.index("own", p.own)) for g in grads]
+        # the buffer is the rank's own keys as they are (nothing arrives): its gradients are the own rows already
+        own = list(grads) if p.start is not None else [_take(g, self.index("own", p.own)) for g in grads]
         if pending is not None:
             pending.wait()
         for (a, bufs), (_, rows) in zip(recvs, p.sends):
