@@ -27,9 +27,10 @@ def brute_tiles(whole, q0, k0, seen, documents=False):
     sees none of the keys the row before it sees starts one), each of at least LONG_DOCUMENT_TILES tiles of rows
     a run of its own and the shorter ones between in runs, tiles of 128 rows from each run's first, each with the
     key tiles of 128 from its first row's first key to its last row's last, clipped to the call's keys (counted
-    where that holds any), or the call's grid of tiles where that runs fewer query and key tiles; the backward's (64-row tile, 128-key block) pairs with any visible pair, and the square
-    root of each tile's such key blocks, summed apart for key blocks walking up and down (``documents``: those in
-    runs of at most 64 with one last tile)."""
+    where that holds any), or the call's grid of tiles where that runs fewer query and key tiles; the backward's
+    (64-row tile, 128-key block) pairs with any visible pair, and the square root of each tile's such key blocks,
+    summed apart for key blocks walking up and down (``documents``: those in runs of at most 64 with one last
+    tile)."""
     (fm, fn), (bm, bn) = tiles.FORWARD_TILE, tiles.BACKWARD_TILE
     sq, sk = seen.shape
     lo = [int(np.flatnonzero(row)[0]) for row in whole]

@@ -2,9 +2,10 @@
 the ranges and counts from here) and what the cost model prices (docs/RING.md, "The cost model").
 
 The forward runs query tiles of at most bm rows: a call's rows cut into runs (a long document, or a stretch of
-shorter ones), each into tiles of bm rows from its first (``forward_tiles``), against the key tiles of bn from the first key its first row sees to the last its last row
-sees, skipping a tile that sees none; the backward runs one CTA per key block
-of bn keys, walking the query tiles of bm rows in which some row sees one of its keys (``key_block_ranges``). A
+shorter ones), each into tiles of bm rows from its first, or a grid of tiles where that runs fewer
+(``forward_tiles``), each against the key tiles of bn from the first key its first row sees to the last its last
+row sees, skipping a tile that sees none; the backward runs one CTA per key block of bn keys, walking the query
+tiles of bm rows in which some row sees one of its keys (``key_block_ranges``). A
 full pair (no mask) runs every tile of its rectangle, a causal one is counted by the same rule on its rows'
 bounds. ``call_tiles`` counts, per head, what the cost model prices (COUNTS):
 

@@ -177,7 +177,9 @@ class Sm90Kernels:
         # the schedule: heads in chunks whose K/V stay in L2, query tiles longest first inside a chunk
         kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
         hchunk = max(1, min(b * hq, L2_CHUNK_BYTES // max(1, kv_bytes_per_head)))
-        order, nq = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[:2] if mode == "interval" else (None, -(-sq // bm))
+        order, nq = (None, -(-sq // bm))
+        if mode == "interval":
+            order, nq = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[:2]
         locks = self.tile_locks(nq * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else None
         grid = (min(nq * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
         args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
