@@ -81,7 +81,7 @@ class PackedPasses:
         """The messages carrying ``rows`` of each of ``arrays``: a view a run (``cuts``) ``in_place``, else one
         gathered copy an array."""
         if in_place:
-            return [x[:, rows[a]:rows[a] + b - a] for x in arrays for a, b in zip(cuts[:-1], cuts[1:])]
+            return _run_views(arrays, rows, cuts)
         return [_take(x, self.index(name, rows)) for x in arrays]
 
     @staticmethod
@@ -89,7 +89,7 @@ class PackedPasses:
         """Where the messages of ``messages`` land: ``in_place`` each run's slots of each of ``buffers``, else the
         buffers themselves (one a message, placed after)."""
         if in_place:
-            return [x[:, slots[a]:slots[a] + b - a] for x in buffers for a, b in zip(cuts[:-1], cuts[1:])]
+            return _run_views(buffers, slots, cuts)
         return list(buffers)
 
     def home(self, grads, transport):
@@ -203,6 +203,11 @@ class PackedPasses:
         if alone:
             return dq_out, dk, dv
         return dq_out, dk.astype(k.dtype), dv.astype(v.dtype)
+
+
+def _run_views(arrays, at, cuts):
+    """Each run between two of ``cuts`` of each of ``arrays``, from the run's first position in ``at``: views."""
+    return [x[:, at[a]:at[a] + b - a] for x in arrays for a, b in zip(cuts[:-1], cuts[1:])]
 
 
 def _rows(x, lo, hi, axis=1):
