@@ -99,15 +99,13 @@ class PackedPasses:
         xp, p = self.plan.xp, self.packing
         sends = [(b, [_take(g, self.index(("recv", b), slots)) for g in grads]) for b, slots in p.receives]
         recvs = [(a, [xp.empty((g.shape[0], len(rows)) + g.shape[2:], g.dtype) for g in grads]) for a, rows in p.sends]
-        # the sends stay referenced until the exchange is waited for: freed, their memory would be reused by the
-        # next allocation while the transport still reads it
-        return (transport.exchange(sends, recvs) if sends or recvs else None), sends, recvs
+        return (transport.exchange(sends, recvs) if sends or recvs else None), recvs
 
     def own_grads(self, grads, posted):
         """This rank's own rows of ``grads`` with what the other ranks computed for them (``posted``: what
         ``send_home`` returned) added in."""
         p = self.packing
-        pending, _, recvs = posted
+        pending, recvs = posted
         # the buffer is the rank's own keys as they are (nothing arrives): its gradients are the own rows already
         own = list(grads) if p.start is not None else [_take(g, self.index("own", p.own)) for g in grads]
         if pending is not None:
