@@ -177,32 +177,3 @@ def assert_finite_like(name, got, ref, tol, ctx, superset=False):
         err = float(np.abs(got[both] - ref[both]).max())
         bound = tol * max(1.0, float(np.abs(ref[both]).max()))
         assert err <= bound, f"{ctx}: {name} max error {err:.3e} > {bound:.3e} where both are finite"
-
-
-def key_runs_case(be, xp, rng, seqlen, heads, kv_heads, d, dtype, cuts, documents=5):
-    """The block contract's ``keys`` on backend ``be`` (arrays of module ``xp``): one causal document call's
-    backward split into two calls over alternate runs of keys between ``cuts`` (the first call's runs
-    first, first_q there; the second's writes dq_out), against the same backward in one call. Returns
-    (whether the first call left the second's dK, dV rows as they were, [largest |diff| / max |full| of
-    dq, dk, dv])."""
-    cu = masks.random_documents(rng, seqlen, documents)
-    mask = masks.make(seqlen, causal=True, cu_seqlens=cu)
-    q, k, v, do = (xp.asarray(randn(rng, (1, seqlen, h, d), dtype)) for h in (heads, kv_heads, kv_heads, heads))
-    where = dict(scale=d ** -0.5, masked=True, mask=mask)
-    o, lse = xp.empty(q.shape, q.dtype), xp.empty((1, heads, seqlen), FP32)
-    be.forward_block(q, k, v, None, lse, first=True, out=o, **where)
-    full = [xp.empty(x.shape, x.dtype) for x in (q, k, v)]
-    be.backward_block(q, k, v, do, lse, None, None, None, None, o=o, first_q=True, first_kv=True, dq_out=full[0],
-                      dk_out=full[1], dv_out=full[2], **where)
-    runs = list(zip(cuts[:-1], cuts[1:]))
-    first, second = runs[0::2], runs[1::2]
-    acc = np.dtype(np.float64 if dtype == FP64 else np.float32)
-    dq, dk, dv = (xp.full(x.shape, np.nan, acc) for x in (q, k, v))
-    be.backward_block(q, k, v, do, lse, None, dq, dk, dv, o=o, first_q=True, first_kv=True, keys=first, **where)
-    untouched = all(bool(xp.isnan(g[:, lo:hi]).all()) for g in (dk, dv) for lo, hi in second)
-    dq_out = xp.empty(q.shape, q.dtype)
-    be.backward_block(q, k, v, do, lse, None, dq, dk, dv, o=o, first_q=False, first_kv=True, keys=second,
-                      dq_out=dq_out, **where)
-    host = [np.asarray(x.get() if hasattr(x, "get") else x, np.float64) for x in (dq_out, dk, dv, *full)]
-    return untouched, [float(np.abs(got - want).max() / max(np.abs(want).max(), 1e-30))
-                       for got, want in zip(host[:3], host[3:])]

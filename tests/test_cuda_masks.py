@@ -168,25 +168,3 @@ def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing(blocks):
         for name, got, p, want in zip(("dq", "dk", "dv"), acc, poison,
                                       attention_backward_reference(do, q, k, v, **kw)):
             assert _err(cupy.asnumpy(got) - p, want) < 5e-2 * max(1.0, float(np.abs(want).max())), f"{ctx} {name}"
-
-
-@pytest.mark.parametrize("aligned", [True, False], ids=["whole-key-blocks", "any-runs"])
-def test_a_backward_over_key_runs_in_two_calls_is_the_one_call(aligned, family):
-    """keys=: two backward calls over alternate runs of keys (the packed backward's keys that arrived, then its
-    own) give the one call's gradients and leave the other runs' dK, dV as they were: on whole key blocks sm90
-    skips the others' CTAs in one launch, other runs go a call a run."""
-    from burst_testing import key_runs_case
-
-    rng = np.random.default_rng()
-    seqlen = 1000
-    cuts = [0, 256, 384, 768, seqlen] if aligned else [0, 100, 333, 700, seqlen]
-    be = get_backend(cupy.zeros(1))
-    if family == "sm90":
-        dk = cupy.zeros((1, seqlen, 2, 128), np.float32)
-        mask = masks.make(seqlen, causal=True, cu_seqlens=[0, seqlen])
-        q = cupy.zeros((1, seqlen, 4, 128), BF16)
-        first = list(zip(cuts[:-1], cuts[1:]))[0::2]
-        assert be.kernels.takes_keys(q, dk, dk, dk, masked=True, mask=mask, keys=first) == aligned
-    for d in (64, 128):
-        untouched, errors = key_runs_case(be, cupy, rng, seqlen, 4, 2, d, BF16, cuts, documents=7)
-        assert untouched and max(errors) < 1e-2, (d, errors)

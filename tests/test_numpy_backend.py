@@ -343,16 +343,3 @@ def test_one_pair_needs_no_accumulators(rng):
         be.forward_block(q, k, v, None, lse, scale=0.3, **plain_mask(True), out=o)
     with pytest.raises(BackendError, match="delta or o"):
         be.backward_block(q, k, v, do, lse, None, *outs, scale=0.3, **plain_mask(True))
-
-
-@pytest.mark.parametrize("dtype", [FP32, BF16], ids=["fp32", "bf16"])
-def test_a_backward_over_key_runs_in_two_calls_is_the_one_call(dtype, rng, seed):
-    """keys=: the gradients of two calls over alternate runs of keys (as the packed backward splits the keys
-    that arrived from its own) are the one call's; the first leaves the other runs' dK, dV as they were."""
-    from burst_testing import key_runs_case
-
-    seqlen = int(rng.integers(60, 200))
-    cuts = [0, *sorted(rng.choice(np.arange(1, seqlen), size=3, replace=False)), seqlen]
-    untouched, errors = key_runs_case(NumpyBackend(16, 32), np, rng, seqlen, 4, 2, 16, dtype, cuts)
-    assert untouched, f"seed {seed}"
-    assert max(errors) < (1e-5 if dtype == FP32 else 1e-2), f"seed {seed}: {errors}"

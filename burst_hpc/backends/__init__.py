@@ -21,11 +21,6 @@ reading key/value head h // (Hq // Hkv). Inputs may be strided views along S (a 
         computes it from ``o`` (the forward's output, like do) in its own pre-pass.
         Adds this block pair's gradients into dq (B, Sq, Hq, D) and dk, dv (B, Sk, Hkv, D).
 
-        keys (optional): sorted, disjoint (lo, hi) runs of k's rows: the pair is those keys alone, as if k, v,
-        dk, dv (and dk_out, dv_out) held only their rows: dk, dv outside them are not touched, dq takes
-        only their contributions. A pass splits its keys so that the gradients of some go out while the
-        others run (engine/packed.py); ``backward_runs`` gives it to a backend one call a run.
-
     delta(do, o) -> (B, Hq, S) accumulator-type rowsum(do * o)
 
 A pass tells a block call where the pair stands among the pairs that write the same rows (its query
@@ -124,26 +119,3 @@ def get_backend(array, name=None):
 
         return CudaBackend.instance()
     raise BackendError(f"unknown backend {name!r}; use 'numpy' or 'cuda'")
-
-
-def backward_runs(block, xp, delta_of, keys, q, k, v, do, lse, delta, dq, dk, dv, *, k_start=0, o=None,
-                  first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None, **where):
-    """The block contract's ``keys`` by one ``block`` call (a backward_block without keys) a run of keys: dq's
-    first and last flags on the first and last run, delta computed once, dk, dv and their outputs as each run's
-    rows."""
-    runs = [(int(lo), int(hi)) for lo, hi in keys] or [(0, 0)]
-    if delta is None:
-        if o is None:
-            raise BackendError("backward_block needs delta or o")
-        delta = delta_of(do, o)
-    if dq is None and len(runs) > 1:
-        dq = _accumulator(xp, dq, dq_out, first_q, "dq")
-
-    def rows(x, lo, hi):
-        return None if x is None else x[:, lo:hi]
-
-    for i, (lo, hi) in enumerate(runs):
-        block(q, rows(k, lo, hi), rows(v, lo, hi), do, lse, delta, dq, rows(dk, lo, hi), rows(dv, lo, hi),
-              k_start=k_start + lo, first_q=first_q and i == 0, first_kv=first_kv,
-              dq_out=dq_out if i == len(runs) - 1 else None, dk_out=rows(dk_out, lo, hi),
-              dv_out=rows(dv_out, lo, hi), **where)

@@ -16,7 +16,7 @@ masked tile whose inputs hold NaN or Inf, the products skip the hidden pairs (``
 
 import numpy as np
 
-from . import backward_ends, backward_runs, forward_ends
+from . import backward_ends, forward_ends
 from ..dtypes import accum_dtype
 from ..engine.merge import merge_into
 
@@ -129,12 +129,7 @@ class NumpyBackend:
             merge_into(o[:, q0:q1], lse[:, :, q0:q1], _ungroup(block_o), block_lse.reshape(b, hk * g, n))
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked=False, mask=None, q_start=0,
-                       k_start=0, o=None, keys=None, **ends):
-        if keys is not None:
-            return backward_runs(self.backward_block, self.xp, self.delta, keys, q, k, v, do, lse, delta, dq, dk,
-                                 dv, scale=scale, masked=masked, mask=mask, q_start=q_start, k_start=k_start, o=o,
-                                 **ends)
-
+                       k_start=0, o=None, **ends):
         def run(delta, dq, dk, dv):
             with np.errstate(invalid="ignore"):
                 self._backward(q, k, v, do, lse, delta, dq, dk, dv, scale, masked, q_start, k_start, mask)

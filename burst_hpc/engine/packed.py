@@ -2,8 +2,7 @@
 this rank's queries see, its own and the runs other ranks send it, laid end to end in global order, and
 every query row run once against them through its interval of buffer positions (masks.Packed). The
 forward writes the output in the input's dtype from that call; the backward adds dK/dV into float32 over
-the buffer, first over the keys that arrived (a call over those key runs), sends their gradients home while
-a second call runs the rank's own keys, and adds the ones that come back into its own.
+the buffer, sends each other rank's runs home and adds the ones that come back into its own.
 
 The passes take the modes RingPasses takes (passes.py): ``skip_compute`` (the exchanges alone),
 ``transport`` (in place of the plan's), ``on_step`` (called once, after the single step), ``meter``,
@@ -93,19 +92,13 @@ class PackedPasses:
             return _run_views(buffers, slots, cuts)
         return list(buffers)
 
-    def send_home(self, grads, transport):
-        """Post the float32 buffers ``grads``' (dK, dV over the packed keys) runs that arrived to their owners,
-        and the receives of what the other ranks computed for this rank's rows; ``own_grads`` takes them in."""
+    def home(self, grads, transport):
+        """This rank's own rows of the float32 buffers ``grads`` (dK, dV over the packed keys), with what the
+        other ranks computed for its runs added in; each other rank's runs sent home."""
         xp, p = self.plan.xp, self.packing
         sends = [(b, [_take(g, self.index(("recv", b), slots)) for g in grads]) for b, slots in p.receives]
         recvs = [(a, [xp.empty((g.shape[0], len(rows)) + g.shape[2:], g.dtype) for g in grads]) for a, rows in p.sends]
-        return (transport.exchange(sends, recvs) if sends or recvs else None), recvs
-
-    def own_grads(self, grads, posted):
-        """This rank's own rows of ``grads`` with what the other ranks computed for them (``posted``: what
-        ``send_home`` returned) added in."""
-        p = self.packing
-        pending, recvs = posted
+        pending = transport.exchange(sends, recvs) if sends or recvs else None
         # the buffer is the rank's own keys as they are (nothing arrives): its gradients are the own rows already
         own = list(grads) if p.start is not None else [_take(g, self.index("own", p.own)) for g in grads]
         if pending is not None:
@@ -124,31 +117,19 @@ class PackedPasses:
             step = be.block_q * -(-rows // (PROGRESS_PARTS * be.block_q))
         return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)] or [(0, 0)]
 
-    def calls(self, rows, meter, clock, parts=(None,)):
-        """The block calls of ``spans`` for each of ``parts`` (runs of the buffer's keys; None: all of them), as
-        (part index, lo, hi, first, last), first and last among the part's calls; each timed by ``clock`` and its
-        visible pairs told to ``meter`` (between its begin and end)."""
+    def calls(self, rows, meter, clock):
+        """The block calls of ``spans`` as (lo, hi, first, last), each timed by ``clock`` and its visible pairs
+        told to ``meter`` (between its begin and end)."""
         spans = self.spans(rows, meter)
-        p = self.packing
-        works = []
-        for keys in parts:
-            if keys is None:
-                works.append((p.hi[:rows] - p.lo[:rows]).astype(np.int64))
-                continue
-            chosen = np.zeros(p.keys + 1, np.int64)
-            for lo, hi in keys:
-                chosen[lo + 1:hi + 1] = 1
-            chosen = np.cumsum(chosen)   # keys of ``keys`` before each buffer position
-            works.append(chosen[p.hi[:rows]] - chosen[p.lo[:rows]])
+        work = (self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64)
         if meter is not None:
-            meter.begin(int(sum(int(w.sum()) for w in works)))
+            meter.begin(int(work.sum()))
         try:
-            for part, work in enumerate(works):
-                for i, (lo, hi) in enumerate(spans):
-                    with clock() if clock is not None else nullcontext():
-                        yield part, lo, hi, i == 0, i == len(spans) - 1
-                    if meter is not None:
-                        meter.done(int(work[lo:hi].sum()))
+            for i, (lo, hi) in enumerate(spans):
+                with clock() if clock is not None else nullcontext():
+                    yield lo, hi, i == 0, i == len(spans) - 1
+                if meter is not None:
+                    meter.done(int(work[lo:hi].sum()))
         finally:
             if meter is not None:
                 meter.end()
@@ -172,7 +153,7 @@ class PackedPasses:
         else:
             o, out = None, xp.empty(q.shape, q.dtype)
         if not skip_compute:
-            for _, a, b, _, _ in self.calls(rows, meter, clock):
+            for a, b, _, _ in self.calls(rows, meter, clock):
                 be.forward_block(q[:, a:b], kp, vp, _rows(o, a, b), lse[:, :, a:b], scale=d.scale, first=True,
                                  out=_rows(out, a, b), **self.at(a))
         if on_step is not None:
@@ -197,36 +178,24 @@ class PackedPasses:
                 delta = be.delta(do, o)
 
         kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near, meanwhile)
-        p = self.packing
         convert = cast and q.dtype != acc
-        # keys no other rank sees, in the buffer as they are: their gradients written once, in the inputs' dtype
-        alone = convert and p.start is not None and not p.sends and not skip_compute
-        # keys that arrived: their gradients first, sent home while the rank's own keys run
-        parts = (p.received_runs, p.own_runs) if p.receives and not skip_compute else (None,)
-        one = alone and len(self.spans(rows, meter)) == 1   # one call: no float32 dK, dV at all
-        dq = None if convert and len(parts) == 1 else xp.empty(q.shape, acc)
+        dq = None if convert else xp.empty(q.shape, acc)
         dq_out = xp.empty(q.shape, q.dtype) if convert else None
+        # keys no other rank sees, in the buffer as they are: their gradients written once, in the inputs' dtype
+        alone = convert and self.packing.start is not None and not self.packing.sends and not skip_compute
+        one = alone and len(self.spans(rows, meter)) == 1   # one call: no float32 dK, dV at all
         dkp, dvp = (None, None) if one else (xp.empty(x.shape, acc) for x in (kp, vp))
         dk_out, dv_out = (xp.empty(x.shape, x.dtype) for x in (k, v)) if alone else (None, None)
-        posted = None
         if not skip_compute:
-            for part, a, b, first, last in self.calls(rows, meter, clock, parts):
-                if first and part == 1:
-                    posted = self.send_home([dkp, dvp], near)
-                final = part == len(parts) - 1
+            for a, b, first, last in self.calls(rows, meter, clock):
                 be.backward_block(q[:, a:b], kp, vp, do[:, a:b], lse[:, :, a:b], _rows(delta, a, b, 2),
                                   _rows(dq, a, b), dkp, dvp, scale=d.scale, o=None if delta is not None else o[:, a:b],
-                                  first_q=part == 0, first_kv=first,
-                                  dq_out=_rows(dq_out, a, b) if final else None,
-                                  dk_out=dk_out if last else None, dv_out=dv_out if last else None,
-                                  keys=parts[part], **self.at(a))
+                                  first_q=True, first_kv=first, dq_out=_rows(dq_out, a, b),
+                                  dk_out=dk_out if last else None, dv_out=dv_out if last else None, **self.at(a))
         else:
             dkp.fill(0)
             dvp.fill(0)
-        if alone:
-            dk, dv = dk_out, dv_out
-        else:
-            dk, dv = self.own_grads([dkp, dvp], posted or self.send_home([dkp, dvp], near))
+        dk, dv = (dk_out, dv_out) if alone else self.home([dkp, dvp], near)
         if on_step is not None:
             on_step(1, 1)
         if not convert:

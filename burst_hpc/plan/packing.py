@@ -32,9 +32,7 @@ class Packing:
     query row's visible keys as buffer positions [lo, hi) (int32); ``start``: where no keys arrive and the
     rank's own rows are one run of the sequence (one rank; documents that do not cross ranks), that run's first
     global position: the buffer is then the rank's own keys as they are, in the call's mask from ``start``
-    (else None); ``own_runs``, ``received_runs``: the (lo, hi) buffer positions of the rank's own rows and of the
-    rows that arrive, as runs (the backward runs the received ones first, so their gradients go home while
-    the own ones run)."""
+    (else None)."""
     rank: int
     keys: int
     own: np.ndarray
@@ -45,8 +43,6 @@ class Packing:
     receive_cuts: tuple
     send_cuts: tuple
     start: int = None
-    own_runs: tuple = ()
-    received_runs: tuple = ()
 
     def call(self, mask, key):
         """The one block call's mask and positions (dict: masked, mask, q_start, k_start) over this buffer for the
@@ -88,16 +84,7 @@ def packing(mask, layout, rank):
     sends = tuple((a, _rows(seen[a][rank])) for a in range(size) if a != rank and seen[a][rank])
     first = int(own_global[0]) if len(own_global) else 0
     alone = not arriving and np.array_equal(own_global, np.arange(first, first + len(own_global)))
-    own = np.searchsorted(order, own_global)
-    is_own = np.zeros(len(order), bool)
-    is_own[own] = True
-    return Packing(rank, len(order), own, receives, sends, lo.astype(np.int32), hi.astype(np.int32),
+    return Packing(rank, len(order), np.searchsorted(order, own_global), receives, sends,
+                   lo.astype(np.int32), hi.astype(np.int32),
                    tuple(_cuts(layout.indices(b)[rows], rows) for b, rows in arriving),
-                   tuple(_cuts(own_global[rows], rows) for _, rows in sends), first if alone else None,
-                   _position_runs(is_own), _position_runs(~is_own))
-
-
-def _position_runs(chosen):
-    """The (lo, hi) runs of the True positions of the bool array ``chosen``, as Python ints."""
-    edges = np.flatnonzero(np.diff(np.concatenate([[False], chosen, [False]]).astype(np.int8)))
-    return tuple((int(lo), int(hi)) for lo, hi in zip(edges[::2], edges[1::2]))
+                   tuple(_cuts(own_global[rows], rows) for _, rows in sends), first if alone else None)

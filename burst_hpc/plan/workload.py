@@ -206,22 +206,18 @@ def _gather_account(mask, layout, returns, per_node):
             if per_node is not None:   # else the packed call's tiles, below
                 tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs])
     if per_node is None:
-        # one node: the packed passes (engine/packed.py): every run moves, then one block call. The forward priced
-        # as one step (on NVLink its exchange and placement cost about a step's fixed cost, 4 x H100), the
-        # backward as three: its K/V gather (exposed); its calls, one over the keys that arrived and one over the
-        # rank's own, the partials of the first going home under the second (priced as crossing under both:
-        # ranks do not wait for each other between the calls); the additions of what came home. With nothing to
-        # move (one rank), each pass its one call
+        # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
+        # the exchange home and its additions after it. The forward priced as one step (on NVLink its exchange
+        # and placement cost about a step's fixed cost, 4 x H100), the backward as three (its K/V gather, the
+        # call, the partials home: each exposed); with nothing to move (one rank), each pass its one call
         total = work.sum(axis=0)
         backward = "kv" in returns and bool(moves)
         work, launches = (np.zeros((3 if backward else 1, layout.size), np.int64) for _ in range(2))
+        work[int(backward)], launches[int(backward)] = total, total > 0
         tiled = np.zeros(work.shape + (len(tiles.COUNTS),))
-        work[int(backward)] = total
-        for r in range(layout.size):
-            parts = packed_parts(mask, layout, r) if backward else [None]
-            launches[int(backward), r] = len(parts) if total[r] else 0
-            tiled[int(backward), r] = sum(packed_tiles(mask, layout, r, keys) for keys in parts) if total[r] else 0
-        moves = [(0, 0) + move[2:] if move[4] == "data" else (1, 2) + move[2:] for move in moves]
+        tiled[int(backward)] = [packed_tiles(mask, layout, r) if total[r] else np.zeros(len(tiles.COUNTS))
+                               for r in range(layout.size)]
+        moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
     for x in (work, launches, tiled):
         x.setflags(write=False)
     ends = {}
@@ -233,28 +229,14 @@ def _gather_account(mask, layout, returns, per_node):
     return Account(work, launches, tiled, _in_order(ends))
 
 
-def packed_parts(mask, layout, rank):
-    """The key runs of ``rank``'s backward calls of the packed passes (engine/packed.py): the runs that arrived,
-    then its own; [None] (one call over every key) where none arrive."""
-    from .packing import packing
-
-    packed = packing(mask, layout, rank)
-    return [packed.received_runs, packed.own_runs] if packed.receives else [None]
-
-
-def packed_tiles(mask, layout, rank, keys=None):
-    """tiles.call_tiles of ``rank``'s block call of the packed passes over its key runs ``keys`` (None: every
-    key): its queries against its packed keys, the call the engine runs (packing.Packing.call: the packed bounds,
-    or the rank's own run in the call's mask)."""
+def packed_tiles(mask, layout, rank):
+    """tiles.call_tiles of ``rank``'s one block call of the packed passes: its queries against its packed keys,
+    the call the engine runs (packing.Packing.call: the packed bounds, or the rank's own run in the call's mask)."""
     from .packing import packing
 
     packed = packing(mask, layout, rank)
     call = packed.call(mask, ("priced", mask, layout, rank))
-    runs = [(0, packed.keys)] if keys is None else keys
-    sq = packed.lo.size
-    return tiles.calls_tiles(call["mask"], np.full(len(runs), call["q_start"]), np.full(len(runs), sq),
-                             np.array([call["k_start"] + lo for lo, _ in runs]),
-                             np.array([hi - lo for lo, hi in runs]), call["masked"]).sum(axis=0)
+    return tiles.call_tiles(call["mask"], call["q_start"], packed.lo.size, call["k_start"], packed.keys, call["masked"])
 
 
 def _in_order(ends):

@@ -13,7 +13,7 @@ import numpy as np
 from ... import config
 from ...dtypes import parse_dtype
 from ...errors import BackendError, DTypeError
-from .. import backward_ends, backward_runs, forward_ends, padding
+from .. import backward_ends, forward_ends, padding
 from ..numpy_backend import NumpyBackend
 from ...collective import agree, kept
 from ...device import HOW_TO_GET_CUPY
@@ -256,8 +256,7 @@ class CudaBackend:
             lse_back[...] = lse_w
 
     def backward_block(self, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked=False, mask=None, q_start=0,
-                       k_start=0, o=None, first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None,
-                       keys=None):
+                       k_start=0, o=None, first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None):
         where = dict(scale=scale, masked=masked, mask=mask, q_start=q_start, k_start=k_start)
         ends = dict(first_q=first_q, first_kv=first_kv, dq_out=dq_out, dk_out=dk_out, dv_out=dv_out)
         if delta is None and o is None:
@@ -265,10 +264,6 @@ class CudaBackend:
         if (dk_out is None) != (dv_out is None):
             raise BackendError("dk_out and dv_out go together")
         other = self._elsewhere("bwd", q.shape[-1])
-        if keys is not None and not (other is None and self.kernels.takes_keys(q, k, dk, dv, masked=masked,
-                                                                                mask=mask, keys=keys, **ends)):
-            return backward_runs(self.backward_block, self.xp, self.delta, keys, q, k, v, do, lse, delta, dq, dk, dv,
-                                 o=o, **where, **ends)
         if other is not None:
             def run(delta_, *grads):
                 other.backward_block(q, k, v, do, lse, delta_, *grads, **where)
@@ -290,8 +285,7 @@ class CudaBackend:
                                  self.delta, do, o, delta, dq, dk, dv, **ends)
         if delta is None and not launch.aligned_rows(o, kind):  # the kernels' pre-pass reads o as it reads do
             delta = self.delta(do, o)
-        self._backward(kind, q, k, v, do, lse, delta, dq, dk, dv, where, o=o if delta is None else None, keys=keys,
-                       **ends)
+        self._backward(kind, q, k, v, do, lse, delta, dq, dk, dv, where, o=o if delta is None else None, **ends)
 
     def _backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, where, **ends):
         lse_r, _ = launch.f32_rows(lse, "lse")

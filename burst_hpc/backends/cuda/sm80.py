@@ -31,11 +31,6 @@ class Sm80Kernels:
                                  **launch.array_fields(*arrays))
         kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
 
-    @staticmethod
-    def takes_keys(*_, **__):
-        """Whether one launch takes the block contract's ``keys``: never here (the backend calls a run at a time)."""
-        return False
-
     def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked, mask, q_start, k_start):
         b, sq, hq, d = q.shape
         sk, hkv = k.shape[1], k.shape[2]

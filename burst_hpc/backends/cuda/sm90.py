@@ -191,21 +191,8 @@ class Sm90Kernels:
         kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
 
     # ---- backward --------------------------------------------------------------------------------------
-    def takes_keys(self, q, k, dk, dv, *, masked, mask, keys, dk_out=None, **_):
-        """Whether one launch takes the block contract's ``keys`` (the key blocks outside them walk no query
-        tile): under an interval mask, runs on whole key blocks (the last may end at the keys' end), dK and dV
-        added into the caller's float32 accumulators as they are (16-byte aligned rows), no 16-bit dK, dV."""
-        mode = mask_mode(masked, mask)
-        if mode != "interval" or dk_out is not None or dk is None or dv is None:
-            return False
-        bn = self.modules.table(BACKWARD).find(launch.kernel_dtype(q.dtype), q.shape[-1], mode).keys
-        sk = k.shape[1]
-        return (all(x.dtype == np.float32 and x.strides[-1] == 4 and x.data.ptr % 16 == 0
-                    and all(st % 16 == 0 for st in x.strides[:-1]) for x in (dk, dv))
-                and all(lo % bn == 0 and (hi % bn == 0 or hi == sk) for lo, hi in keys))
-
     def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked, mask, q_start, k_start, o=None,
-                 first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None, keys=None):
+                 first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None):
         import cupy
 
         b, sq, hq, d = q.shape
@@ -219,7 +206,6 @@ class Sm90Kernels:
         # dK, dV straight into their 16-bit outputs when one CTA holds the whole GQA group of its keys and the
         # pair is their first and last; else added into float32 (zeroed here at a first pair, converted after)
         kv_direct = first_kv and dk_out is not None and nsplit == 1 and dk_out.strides == dv_out.strides
-        assert keys is None or not (dk_out is not None or dk is None or dv is None), "takes_keys said no"
 
         # dq, dk, dv are added into through float32 tensor maps (16-byte aligned address and strides); any
         # other accumulator gets a scratch array (zeroed, or at a first pair taken as it is), written back after;
@@ -234,10 +220,9 @@ class Sm90Kernels:
         else:
             dk_w = cupy.empty(k.shape, np.float32) if dk is None else target(dk, first_kv)
             dv_w = cupy.empty(v.shape, np.float32) if dv is None else target(dv, first_kv)
-            for lo, hi in [(0, sk)] if keys is None else keys:
-                if first_kv:
-                    dk_w[:, lo:hi] = 0
-                    dv_w[:, lo:hi] = 0
+            if first_kv:
+                dk_w.fill(0)
+                dv_w.fill(0)
 
         def boxes():
             rows = _ACCUMULATOR_BOX_ROWS
@@ -268,15 +253,14 @@ class Sm90Kernels:
               np.int32(sq_pad), mlo, mhi, kofs, np.int32(sk), np.int32(d), *rows_of, np.int32(kind == "bf16"),
               *zero_dq))
         slots = nsplit * b * hkv
-        ranges, order, ctas = _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots,
-                                                  self.heavy_first, self.walk_down_blocks, keys)
+        ranges, order = _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first,
+                                            self.walk_down_blocks)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
         args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
                                   mask=mask if mode == "interval" else None, tmaps=maps,
                                   rows=rows, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, kv=kv)
-        if ctas:
-            kern((ctas,), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
+        kern((nkb * slots,), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
         results = ((dq_w, dq, dq_out, first_q),) + (() if kv_direct else ((dk_w, dk, dk_out, first_kv),
                                                                           (dv_w, dv, dv_out, first_kv)))
         for w, x, out, first in results:
@@ -343,15 +327,14 @@ def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
     return _cached(("forward", mask, int(q_start), sq, int(k_start), sk, bm, bn), make)
 
 
-def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first, down_blocks, keys=None):
-    """(ranges, order, CTAs) of a backward launch of instance ``mode``: under an interval mask the query tiles
-    each key block of bn walks (key_block_ranges; none for the blocks outside the runs ``keys``, whole blocks)
-    and its walk's direction (walk_down with ``down_blocks``), int32 triples on the device; with ``heavy_first``
-    the CTA order (launch.key_block_order; the blocks outside ``keys`` left out of it and of the grid) under
-    documents, and under a causal mask while the grid is a few waves (launch.causal_order_band). A null pointer
-    for either where none: the kernel's own ranges, head slot after head slot. A sliding window keeps that plain
-    order: its key blocks weigh alike (no tail to shorten) and each would be a piece of its own, the order that
-    lost L2 sharing on documents."""
+def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first, down_blocks):
+    """(ranges, order) of a backward launch of instance ``mode``: under an interval mask the query tiles each key
+    block of bn walks (key_block_ranges) and its walk's direction (walk_down with ``down_blocks``), int32
+    triples on the device; with ``heavy_first`` the CTA order
+    (launch.key_block_order) under documents, and under a causal mask while the grid is a few waves
+    (launch.causal_order_band). A null pointer for either where none: the kernel's own ranges, head slot after
+    head slot. A sliding window keeps that plain order: its key blocks weigh alike (no tail to shorten) and
+    each would be a piece of its own, the order that lost L2 sharing on documents."""
     import cupy
 
     nkb = -(-sk // bn)
@@ -359,29 +342,18 @@ def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, hea
     null = np.uint64(0)
     ordered = heavy_first and (band is not None if mode == "causal" else mode == "interval" and mask.window is None)
     if mode == "full" or mode == "causal" and not ordered:
-        return null, null, nkb * slots
+        return null, null
 
     def make():
         if mode == "interval":
             t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
-            if keys is not None:
-                chosen = np.zeros(nkb, bool)
-                for lo, hi in keys:
-                    chosen[lo // bn:-(-hi // bn)] = True
-                t_end = np.where(chosen, t_end, t_lo)
             down = walk_down(t_lo, t_end, down_blocks) if mask.window is None else np.zeros_like(t_end)
             ranges = cupy.asarray(np.stack([t_lo, t_end, down], 1).astype(np.int32).ravel())
         else:  # key block kb is first seen by query kb * bn - off (the kernel's own rule)
             t_end = np.full(nkb, -(-sq // bm))
             t_lo = np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end)
             ranges = null
-        if not ordered:
-            return ranges, null, nkb * slots
-        order = launch.key_block_order(t_lo, t_end, slots, band)
-        if keys is not None:
-            order = order[t_end[order % nkb] > t_lo[order % nkb]]
-        return ranges, cupy.asarray(order) if order.size else null, order.size
+        return ranges, cupy.asarray(launch.key_block_order(t_lo, t_end, slots, band)) if ordered else null
 
     return _cached(("backward", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm,
-                    bn, slots, ordered, down_blocks if mode == "interval" else None,
-                    None if keys is None else tuple(keys)), make)
+                    bn, slots, ordered, down_blocks if mode == "interval" else None), make)
