@@ -106,6 +106,28 @@ def test_each_launch_step_and_message_pays_its_fixed_cost_once(layout, backward)
     assert acc.launches.sum() > 0 and acc.launches.max() >= 1
 
 
+@pytest.mark.parametrize("scheme", ["ring", "gather"])
+def test_a_pass_that_moves_nothing_pays_no_step(scheme):
+    """A step's fixed cost is its exchange's: one rank's pass (nothing moves) is priced without it, a pass
+    over two ranks with it once a step; its block calls pay their launches either way."""
+    free = Rates("free", 1e30, 1e30, 1e30, 1e30, 0.0, 0.0)
+    for ranks in (1, 2):
+        seqlen = 256 * ranks
+        mask = masks.make(seqlen, True, None, documents(np.random.default_rng(ranks), seqlen, "capped",
+                                                        longest=seqlen // 2))
+        pr = costmodel.Problem(1, seqlen, 4, 2, 64, 2, mask)
+        layout = make_layout("chunks" if scheme == "gather" else "contiguous", seqlen, ranks, mask)
+        acc = account(layout, mask, scheme, costmodel.direction_of(pr, layout, False), None)
+
+        def seconds(**fixed):
+            return costmodel.pass_prediction(scheme, pr, costmodel.Cluster(1, ranks), replace(free, **fixed),
+                                             layout, False).time
+
+        assert seconds(step_us=1e6) == pytest.approx(0.0 if ranks == 1 else acc.work.shape[0])
+        assert acc.launches.sum() > 0
+        assert seconds(fwd_launch_us=1e6) == pytest.approx(acc.launches.max(axis=1).sum())
+
+
 def test_block_calls_follow_the_engines_block_pairs():
     """A zigzag visit of a plain causal ring runs its block pairs: 3 at a rank's own shard (the two
     diagonal pieces and the full pair between), 1 elsewhere (its two full pairs share a side and are

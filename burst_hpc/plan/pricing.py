@@ -54,7 +54,10 @@ class Costs:
         self.acc, (self.per_pair, self.per_tile), self.outside = acc, prices, outside
         self.seconds, self.latency = nbytes / links[acc.ends["far"], 0], links[acc.ends["far"], 1]
         self.launch = (rates.bwd_launch_us if backward else rates.fwd_launch_us) * 1e-6
-        self.step = rates.step_us * 1e-6
+        # a step's fixed cost is its exchange's (the host posting, waiting, bookkeeping): a pass that moves nothing
+        # (one rank) has none; its calls queue on the GPU behind each other (one H200, 8k documents: a
+        # step's 150 us made the one-GPU backward predicted 22-23% slow)
+        self.step = rates.step_us * 1e-6 if len(acc.ends["rank"]) else 0.0
 
     def kernels(self, scales):
         """(steps, ranks, scales): each rank's kernel seconds at each step, at each scale (tiles.COUNT_POWERS)."""
