@@ -407,3 +407,38 @@ def test_one_node_data_is_posted_a_step_before_it_is_due():
         for r in range(size):
             for step in steps(make_layout("balanced", size * 64, size), r, near, returns, mask):
                 assert all(x.inner == (x.due is not None) for x in step.sends + step.recvs)
+
+
+@pytest.mark.parametrize("size", [3, 4, 8])
+def test_a_gather_visit_is_one_call_over_its_held_keys(size, rng):
+    """packed visit_pairs: a gather visit (a rank's query rows against the runs of a shard it holds) is one block
+    call whose Packed mask gives every row exactly the held keys it sees, as many visible pairs as the visit's
+    chunk pairs; held keys out of global order keep the chunk pairs."""
+    from burst_hpc.plan.layout import as_layout
+
+    seqlen = 64 * size * 4
+    cu = masks.random_documents(rng, seqlen, int(rng.integers(2, 12)))
+    mask = masks.make(seqlen, True, None, cu)
+    layout = as_layout("chunks", seqlen, size, causal=True, cu_seqlens=cu, window=None)
+    lo_g, hi_g = mask.intervals
+    for a in range(size):
+        for b in range(size):
+            pieces = layout.pieces(a)
+            n = sum(length for _, length in pieces)
+            keys = ((0, 32), (64, sum(length for _, length in layout.pieces(b))))
+            held = schedule.held_pieces(layout.pieces(b), keys)
+            rows = tuple(sorted(int(x) for x in rng.integers(0, n + 1, 2)))
+            plain = visit_pairs(pieces, held, mask, rows)
+            packed = visit_pairs(pieces, held, mask, rows, packed=True)
+            assert len(packed) <= 1
+            assert sum(p.visible(mask) for p in packed) == sum(p.visible(mask) for p in plain)
+            if packed:
+                (p,) = packed
+                positions = np.concatenate([np.arange(s, s + k) for s, k in held])
+                queries = np.concatenate([np.arange(s, s + k) for s, k in pieces])[p.q]
+                lo, hi = p.mask.rows(p.q_start, p.q.stop - p.q.start)
+                for i, g in enumerate(queries):
+                    seen = np.flatnonzero((positions >= lo_g[g]) & (positions < hi_g[g]))
+                    assert np.array_equal(np.arange(lo[i], hi[i]), seen)
+    shuffled = ((64, 32), (0, 32))   # held keys out of global order
+    assert visit_pairs(((0, 128),), shuffled, mask, None, packed=True) == visit_pairs(((0, 128),), shuffled, mask)

@@ -181,3 +181,22 @@ def test_the_gather_call_is_priced_as_the_engine_runs_it():
     call = packing(documents, two, 0).call(documents, "k")
     assert call["mask"].kind == "intervals" and call["q_start"] == 0
     assert packed_tiles(documents, two, 0)[4] > 0
+
+
+def test_pairs_under_masks_of_their_own_count_as_each_alone(rng):
+    """pairs_calls_tiles of the gather's visits (each pair under its own masks.Packed, counted in one joined
+    search) gives every pair the tiles it has counted alone under its mask."""
+    from burst_hpc.plan import schedule
+    from burst_hpc.plan.layout import as_layout
+
+    seqlen, size = 4096, 4
+    cu = masks.random_documents(rng, seqlen, int(rng.integers(2, 20)))
+    mask = masks.make(seqlen, True, None, cu)
+    layout = as_layout("chunks", seqlen, size, causal=True, cu_seqlens=cu, window=None)
+    pairs = [p for a in range(size) for b in range(size)
+             for p in schedule.visit_pairs(layout.pieces(a), layout.pieces(b), mask, None, packed=True)]
+    pairs += list(schedule.block_pairs(layout.pieces(0), layout.pieces(1), mask))   # the call's own mask too
+    assert sum(p.mask is not None for p in pairs) >= size
+    alone = np.array([tiles.calls_tiles(mask if p.mask is None else p.mask, [p.q_start], [p.q.stop - p.q.start],
+                                        [p.k_start], [p.k.stop - p.k.start], [p.masked])[0] for p in pairs])
+    assert np.allclose(tiles.pairs_calls_tiles(mask, pairs), alone)

@@ -67,8 +67,8 @@ class RingPasses:
 
         def pair(p, q_side, kv, q_out, _k_out, last):
             be.forward_block(q_side[0][:, p.q], kv[0][:, p.k], kv[1][:, p.k], q_out[0][:, p.q], q_out[1][:, :, p.q],
-                             scale=d.scale, masked=p.masked, mask=d.mask, q_start=p.q_start, k_start=p.k_start,
-                             out=out.rows(p.q) if last["q"] else None)
+                             scale=d.scale, masked=p.masked, mask=d.mask if p.mask is None else p.mask,
+                             q_start=p.q_start, k_start=p.k_start, out=out.rows(p.q) if last["q"] else None)
 
         with _metered(meter, plan, program):
             near, far, inner = lanes(plan, transport, far, inner)
@@ -103,7 +103,8 @@ class RingPasses:
             q_, do_, lse_, delta_ = q_side
             be.backward_block(q_[:, p.q], kv[0][:, p.k], kv[1][:, p.k], do_[:, p.q], lse_[:, :, p.q], delta_[:, :, p.q],
                               q_out[0][:, p.q], k_out[0][:, p.k], k_out[1][:, p.k], scale=d.scale,
-                              masked=p.masked, mask=d.mask, q_start=p.q_start, k_start=p.k_start,
+                              masked=p.masked, mask=d.mask if p.mask is None else p.mask, q_start=p.q_start,
+                              k_start=p.k_start,
                               dq_out=outs[0].rows(p.q) if last["q"] else None,
                               dk_out=outs[1].rows(p.k) if last["kv"] else None,
                               dv_out=outs[2].rows(p.k) if last["kv"] else None)
@@ -178,7 +179,7 @@ def _pairs(plan, visit):
     """The block pairs of a visit: its query rows against its keys (rows local to the query shard)."""
     d = plan.decomposition
     return visit_pairs(d.pieces(visit.q_shard), held_pieces(d.pieces(visit.kv_shard), visit.keys), d.mask,
-                       visit.rows)
+                       visit.rows, packed=d.scheme.name == "gather")
 
 
 class _Program:

@@ -223,7 +223,7 @@ def document_starts(mask):
     return starts
 
 
-@lru_cache(maxsize=4)
+@lru_cache(maxsize=16)   # a stepped gather's pass calls under a Packed mask of each shard it visits
 def _device_intervals(mask, xp, device):
     return tuple(xp.asarray(x.astype(np.int32)) for x in mask.intervals)
 

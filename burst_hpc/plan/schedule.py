@@ -44,6 +44,7 @@ class BlockPair:
     q_start: int    # global position of the first query row
     k_start: int    # global position of the first key row
     masked: bool    # the pair needs the call's mask applied (masks.Mask.classify: 'masked')
+    mask: object = None   # its own mask (None: the call's): the gather's visit over its held keys (masks.Packed)
 
     def visible(self, mask):
         """The visible (query, key) pairs of this block pair, the work it costs (``mask``: the call's
@@ -51,7 +52,7 @@ class BlockPair:
         rows, keys = self.q.stop - self.q.start, self.k.stop - self.k.start
         if not self.masked:
             return rows * keys
-        return mask.visible_count(self.q_start, rows, self.k_start, keys)
+        return (mask if self.mask is None else self.mask).visible_count(self.q_start, rows, self.k_start, keys)
 
     def rows(self, lo, hi):
         """The pair of this pair's query rows lo..hi-1 (local to the pair)."""
@@ -97,9 +98,15 @@ def block_pairs(q_pieces, k_pieces, mask):
     return tuple(sorted([p for p in pairs if p.masked] + full, key=lambda p: (p.q.start, p.k.start)))
 
 
-def visit_pairs(q_pieces, k_pieces, mask, rows=None):
+def visit_pairs(q_pieces, k_pieces, mask, rows=None, packed=False):
     """The block pairs of one visit; ``rows`` (lo, hi) keeps only those local query rows (a piece
-    of a chunk pair in the balanced schedule, a step's share of a shard in the gather schedule)."""
+    of a chunk pair in the balanced schedule, a step's share of a shard in the gather schedule).
+    ``packed`` (the gather schedule): the visit as one block call, its query rows against every key it holds
+    through a masks.Packed of their positions (``packed_visit``), where the held keys are in global order."""
+    if packed:
+        pair = packed_visit(q_pieces, k_pieces, mask, (0, sum(n for _, n in q_pieces)) if rows is None else rows)
+        if pair is not False:
+            return pair
     if rows is None:
         return block_pairs(q_pieces, k_pieces, mask)
     lo, hi = rows
@@ -107,6 +114,47 @@ def visit_pairs(q_pieces, k_pieces, mask, rows=None):
         return ()
     return tuple(replace(p, q=slice(p.q.start + lo, p.q.stop + lo))
                  for p in block_pairs(held_pieces(q_pieces, (rows,)), k_pieces, mask))
+
+
+def packed_visit(q_pieces, k_pieces, mask, rows):
+    """One visit as one block call: a tuple of the BlockPair of local query rows ``rows`` (lo, hi) against every
+    held key, under the masks.Packed of the shard's rows against the held keys' positions (each row sees one
+    interval of them: the held keys are in global order), or () where those rows see none of them; False where
+    the held keys are not in global order (then the visit's block pairs). A stepped gather's visit otherwise
+    makes a call for every chunk pair (16 GPUs, 8k documents a GPU: 30 calls on the backward's critical path)."""
+    lo, hi = rows
+    packed = _packed_mask(q_pieces, k_pieces, mask)
+    if packed is None:
+        return False
+    if lo >= hi or not np.any(packed.bounds[1][lo:hi] > packed.bounds[0][lo:hi]):
+        return ()
+    return (BlockPair(slice(lo, hi), slice(0, packed.seqlen), lo, 0, True, packed),)
+
+
+@lru_cache(maxsize=256)
+def _packed_mask(q_pieces, k_pieces, mask):
+    """masks.Packed of the query shard ``q_pieces``' local rows against the keys of ``k_pieces`` laid end to end
+    (positions in that buffer), or None where the keys are not in global order."""
+    if not k_pieces:
+        return None
+    starts, lengths = np.array(k_pieces, np.int64).reshape(-1, 2).T
+    if np.any(starts[1:] < starts[:-1] + lengths[:-1]):
+        return None
+    before = np.concatenate([[0], np.cumsum(lengths)])   # held keys before each piece
+
+    def position(x):   # the held keys before global position x: searchsorted over the held positions, by pieces
+        j = np.searchsorted(starts, x, side="right") - 1
+        inside = np.clip(x - starts[np.maximum(j, 0)], 0, lengths[np.maximum(j, 0)])
+        return np.where(j < 0, 0, before[np.maximum(j, 0)] + inside)
+
+    lo, hi = position(_shard_bounds(q_pieces, mask))
+    return masks.Packed(lo, hi, int(before[-1]), ("visit", mask.key, q_pieces, k_pieces))
+
+
+@lru_cache(maxsize=16)
+def _shard_bounds(q_pieces, mask):
+    """int64 (2, rows): the global bounds [lo, hi) of each local row of the shard ``q_pieces``."""
+    return np.stack([np.concatenate(parts) for parts in zip(*(mask.rows(start, n) for start, n in q_pieces))])
 
 
 @dataclass(frozen=True)
