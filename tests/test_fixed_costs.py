@@ -128,6 +128,16 @@ def test_a_pass_that_moves_nothing_pays_no_step(scheme):
         assert seconds(fwd_launch_us=1e6) == pytest.approx(acc.launches.max(axis=1).sum())
 
 
+def test_ulysses_inside_one_node_still_pays_its_steps():
+    """Alone on one rank a pass pays no step; Ulysses on one node of four (all-to-alls, no ring ends) does."""
+    free = Rates("free", 1e30, 1e30, 1e30, 1e30, 0.0, 0.0)
+    pr, _, _ = documents_setting(256)
+    layout = make_layout("zigzag", pr.seqlen, RANKS)
+    seconds = costmodel.pass_prediction("ulysses_ring", pr, costmodel.Cluster(1, RANKS), replace(free, step_us=1e6),
+                                        layout, False).time
+    assert seconds >= 1.0
+
+
 def test_block_calls_follow_the_engines_block_pairs():
     """A zigzag visit of a plain causal ring runs its block pairs: 3 at a rank's own shard (the two
     diagonal pieces and the full pair between), 1 elsewhere (its two full pairs share a side and are

@@ -442,3 +442,20 @@ def test_a_gather_visit_is_one_call_over_its_held_keys(size, rng):
                     assert np.array_equal(np.arange(lo[i], hi[i]), seen)
     shuffled = ((64, 32), (0, 32))   # held keys out of global order
     assert visit_pairs(((0, 128),), shuffled, mask, None, packed=True) == visit_pairs(((0, 128),), shuffled, mask)
+
+
+def test_the_stepped_gather_prepares_the_kernels_its_packed_visits_launch():
+    """RingPasses.mask (what a CallPlan prepares the kernels for): the stepped gather's visits run the interval
+    kernels under a causal call mask; the ring runs the call's mask; a full mask keeps the chunk pairs."""
+    from types import SimpleNamespace
+
+    from burst_hpc.backends.cuda.contract import mask_mode
+    from burst_hpc.engine.passes import RingPasses
+
+    def prepared(scheme, mask):
+        plan = SimpleNamespace(decomposition=SimpleNamespace(scheme=SimpleNamespace(name=scheme), mask=mask))
+        return RingPasses(plan).mask
+
+    causal, full = masks.make(256, True), masks.make(256)
+    assert mask_mode(True, prepared("gather", causal)) == "interval"
+    assert prepared("ring", causal) is causal and prepared("gather", full) is full

@@ -25,7 +25,7 @@ from .. import config
 from . import ulysses
 from .merge import merge_into
 from .ring import Route, Side, row_runs, run
-from ..plan.schedule import held_pieces, visit_pairs
+from ..plan.schedule import held_pieces, packed_kind, visit_pairs
 from ..plan.schemes import ulysses_heads
 
 REHEARSAL_KEYS = 256
@@ -39,7 +39,10 @@ class RingPasses:
 
     def __init__(self, plan):
         self.plan = plan
-        self.mask = plan.decomposition.mask   # what the block calls get
+        d = plan.decomposition
+        # the kind of mask the block calls get (CallPlan prepares its kernels): the call's, but the stepped
+        # gather's visits run under a Packed mask of their held keys (the interval kernels) unless it is full
+        self.mask = d.mask if d.scheme.name != "gather" or d.mask.is_full else packed_kind(d.mask)
         self.programs = {}   # (near, returns) -> its _Program, made on the plan's first pass
 
     def program(self, near, returns):
@@ -179,7 +182,7 @@ def _pairs(plan, visit):
     """The block pairs of a visit: its query rows against its keys (rows local to the query shard)."""
     d = plan.decomposition
     return visit_pairs(d.pieces(visit.q_shard), held_pieces(d.pieces(visit.kv_shard), visit.keys), d.mask,
-                       visit.rows, packed=d.scheme.name == "gather")
+                       visit.rows, packed=d.scheme.name == "gather" and not d.mask.is_full)
 
 
 class _Program:

@@ -204,7 +204,7 @@ def pass_prediction(scheme, pr, cl, rates, layout, backward, scale=1):
     sizes = transfer_bytes(heads, kv_heads, pr.head_dim, pr.itemsize, backward)
     nbytes = np.array([sizes[kind] * pr.batch for kind in KINDS])[acc.ends["kind"]] * acc.ends["tokens"]
     scales = np.atleast_1d(np.asarray(scale, np.float64))
-    costs = Costs(acc, prices, nbytes, rates, backward, outside)
+    costs = Costs(acc, prices, nbytes, rates, backward, outside, alone=cl.ranks == 1)
     time = costs.run(scales)
     if scheme == "ulysses_ring":
         time = time + _all_to_alls(pr, cl, rates, backward, scales)

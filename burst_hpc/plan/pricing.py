@@ -48,16 +48,16 @@ class Costs:
     (``prices``: kernel_prices' pair), the seconds outside its kernels (``outside``, at scale 1), each transfer's
     seconds on its link and its message's fixed cost, each step's fixed cost."""
 
-    def __init__(self, acc, prices, nbytes, rates, backward, outside=0.0):
+    def __init__(self, acc, prices, nbytes, rates, backward, outside=0.0, alone=False):
         links = np.array([[rates.intra_gbps * 1e9, rates.intra_latency_us * 1e-6],
                           [rates.inter_gbps * 1e9, rates.inter_latency_us * 1e-6]])
         self.acc, (self.per_pair, self.per_tile), self.outside = acc, prices, outside
         self.seconds, self.latency = nbytes / links[acc.ends["far"], 0], links[acc.ends["far"], 1]
         self.launch = (rates.bwd_launch_us if backward else rates.fwd_launch_us) * 1e-6
-        # a step's fixed cost is its exchange's (the host posting, waiting, bookkeeping): a pass that moves nothing
-        # (one rank) has none; its calls queue on the GPU behind each other (one H200, 8k documents: a
+        # a step's fixed cost is its exchanges' (the host posting, waiting, bookkeeping): a pass on one rank
+        # (``alone``) has none; its calls queue on the GPU behind each other (one H200, 8k documents: a
         # step's 150 us made the one-GPU backward predicted 22-23% slow)
-        self.step = rates.step_us * 1e-6 if len(acc.ends["rank"]) else 0.0
+        self.step = 0.0 if alone else rates.step_us * 1e-6
 
     def kernels(self, scales):
         """(steps, ranks, scales): each rank's kernel seconds at each step, at each scale (tiles.COUNT_POWERS)."""

@@ -134,7 +134,8 @@ def packed_visit(q_pieces, k_pieces, mask, rows):
 @lru_cache(maxsize=256)
 def _packed_mask(q_pieces, k_pieces, mask):
     """masks.Packed of the query shard ``q_pieces``' local rows against the keys of ``k_pieces`` laid end to end
-    (positions in that buffer), or None where the keys are not in global order."""
+    (positions in that buffer), or None where the keys or the query pieces are not in global order (a row's
+    bounds would not grow with it, which the kernels' searches need)."""
     if not k_pieces:
         return None
     starts, lengths = np.array(k_pieces, np.int64).reshape(-1, 2).T
@@ -148,7 +149,16 @@ def _packed_mask(q_pieces, k_pieces, mask):
         return np.where(j < 0, 0, before[np.maximum(j, 0)] + inside)
 
     lo, hi = position(_shard_bounds(q_pieces, mask))
+    if lo.size > 1 and (np.any(np.diff(lo) < 0) or np.any(np.diff(hi) < 0)):   # query pieces out of order
+        return None
     return masks.Packed(lo, hi, int(before[-1]), ("visit", mask.key, q_pieces, k_pieces))
+
+
+def packed_kind(mask):
+    """A masks.Packed standing for the kind of mask a packed visit's call gets under the call's ``mask`` (what
+    a backend prepares its kernels for): no rows, no keys."""
+    none = np.zeros(0, np.int64)
+    return masks.Packed(none, none, 0, ("kind", mask.key))
 
 
 @lru_cache(maxsize=16)
