@@ -66,8 +66,8 @@ def scaled(rates, fwd, bwd):
 # Links: ../shared/DEVICE.md's NCCL ring exchange on 4 x H200 (16 MiB at 130 GB/s, 64 MiB at 157 GB/s:
 # 30 us a message and 170 GB/s beyond it; H100: 300 GB/s, its larger messages); 50 GB/s per GPU between
 # nodes is a 400 Gb/s NIC per GPU. The launch fixed costs are docs/BENCHMARKS.md's 20-40 us launches: 25 us a
-# forward block call, 50 us a backward one (three or four kernels); 150 us a step (an exchange's: a pass that moves
-# nothing pays none, pricing.Costs) is what the 2 and 4 x H100
+# forward block call, 50 us a backward one (three or four kernels); 150 us a step (an exchange's: a pass on one rank
+# pays none, pricing.Costs) is what the 2 and 4 x H100
 # runs of packed documents (bench/predict_documents.py) leave beside the kernels priced by their tiles (300 us
 # while the kernels were priced per visible pair, which missed the tiles' own costs); `burst-hpc compile`
 # measures them on the GPU it runs on (calibrate.py), and with --tile-prices the kernels' prices too. "cpu" is this library's NumPy path on one host
