@@ -25,7 +25,7 @@ from .. import config
 from . import ulysses
 from .merge import merge_into
 from .ring import Route, Side, row_runs, run
-from ..plan.schedule import held_pieces, packed_kind, visit_pairs
+from ..plan.schedule import held_pieces, packed_kind, packs_visits, visit_pairs
 from ..plan.schemes import ulysses_heads
 
 REHEARSAL_KEYS = 256
@@ -40,9 +40,9 @@ class RingPasses:
     def __init__(self, plan):
         self.plan = plan
         d = plan.decomposition
-        # the kind of mask the block calls get (CallPlan prepares its kernels): the call's, but the stepped
-        # gather's visits run under a Packed mask of their held keys (the interval kernels) unless it is full
-        self.mask = d.mask if d.scheme.name != "gather" or d.mask.is_full else packed_kind(d.mask)
+        # the kind of mask the block calls get (CallPlan prepares its kernels): the call's, or where each visit is
+        # one call, a Packed mask of its held keys (the interval kernels)
+        self.mask = packed_kind(d.mask) if packs_visits(d.scheme.name, d.mask) else d.mask
         self.programs = {}   # (near, returns) -> its _Program, made on the plan's first pass
 
     def program(self, near, returns):
@@ -182,7 +182,7 @@ def _pairs(plan, visit):
     """The block pairs of a visit: its query rows against its keys (rows local to the query shard)."""
     d = plan.decomposition
     return visit_pairs(d.pieces(visit.q_shard), held_pieces(d.pieces(visit.kv_shard), visit.keys), d.mask,
-                       visit.rows, packed=d.scheme.name == "gather" and not d.mask.is_full)
+                       visit.rows, packed=packs_visits(d.scheme.name, d.mask))
 
 
 class _Program:

@@ -154,6 +154,12 @@ def _packed_mask(q_pieces, k_pieces, mask):
     return masks.Packed(lo, hi, int(before[-1]), ("visit", mask.key, q_pieces, k_pieces))
 
 
+def packs_visits(scheme, mask):
+    """Whether scheme ``scheme`` (a name) runs each visit as one call (packed_visit) under the call's ``mask``: the
+    gather's, unless the mask is full (its chunk pairs then run the unmasked kernels)."""
+    return scheme == "gather" and not mask.is_full
+
+
 def packed_kind(mask):
     """A masks.Packed standing for the kind of mask a packed visit's call gets under the call's ``mask`` (what
     a backend prepares its kernels for): no rows, no keys."""

@@ -238,10 +238,10 @@ def _columns(pairs, rows=0, keys=0):
 
 
 def _own_masks_tiles(pairs):
-    """calls_tiles of pairs under masks of their own (the gather's visits, masks.Packed), in one search: the
-    masks laid end to end, each one's rows and keys after the previous ones', so the bounds still never
-    decrease (a stepped gather's account meets a mask for every visit: one search each was most of the
-    planning time at 256 ranks)."""
+    """calls_tiles of pairs under masks of their own (the gather's visits, masks.Packed, whose bounds never
+    decrease: schedule.packed_visit makes none other), in one search: the masks laid end to end, each one's rows
+    and keys after the previous ones', so the bounds still never decrease (a stepped gather's account meets a
+    mask for every visit: one search each was most of the planning time at 256 ranks)."""
     from .masks import Packed
 
     distinct = list(dict.fromkeys(p.mask for p in pairs))
@@ -249,8 +249,6 @@ def _own_masks_tiles(pairs):
     keys = np.cumsum([0] + [m.seqlen for m in distinct])
     lo = np.concatenate([m.bounds[0] + k for m, k in zip(distinct, keys)])
     hi = np.concatenate([m.bounds[1] + k for m, k in zip(distinct, keys)])
-    if lo.size > 1 and (np.any(np.diff(lo) < 0) or np.any(np.diff(hi) < 0)):   # one search a mask
-        return np.concatenate([calls_tiles(m, *_columns([p])) for p in pairs for m in (p.mask,)])
     at = {m: i for i, m in enumerate(distinct)}
     index = np.array([at[p.mask] for p in pairs])
     joined = Packed(lo, hi, int(keys[-1]), ("joined",) + tuple(m.key for m in distinct))

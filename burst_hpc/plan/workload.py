@@ -200,7 +200,8 @@ def _gather_account(mask, layout, returns, per_node):
             work[t, r] = sum(w for _, _, w in visits)
             # the block calls the engine makes for each visit (engine.passes: visit_pairs over the held keys)
             calls = [schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
-                layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows, packed=not mask.is_full)
+                layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows,
+                packed=schedule.packs_visits("gather", mask))
                 for shard, rows, w in visits if w]
             launches[t, r] = sum(len(pairs) for pairs in calls)
             if per_node is not None:   # else the packed call's tiles, below
