@@ -13,10 +13,18 @@ callplan.plan_arrays builds the Decomposition of the shards' shapes, agreed by e
 collective, bound to their backend; callplan.plan_call reuses a repeated call's) and its passes
 (passes.py), run so that an error on some ranks ends every rank (collective.one_fails_all).
 """
+from collections import OrderedDict
+
+import numpy as np
+
+from . import config
 from .plan.callplan import Backward, checked_call, plan_call
 from .plan.layout import as_layout
 from .collective import check_comm, one_fails_all, world
 from .device import array_device
+
+CALLS_KEPT = 32   # argument sets whose checked Calls are kept (a training step repeats a few: forward, backward)
+_CALLS = OrderedDict()
 
 
 def named_layout(layout, q, comm, causal, cu_seqlens, window):
@@ -30,6 +38,59 @@ def named_layout(layout, q, comm, causal, cu_seqlens, window):
                          window=window), None
     except Exception as e:  # noqa: BLE001  handed to checked_call, agreed in the plan's collective
         return None, e
+
+
+def planned(comm, q, k, v, causal, scale, layout, transport, cu_seqlens, window, scheme, ranks_per_node,
+            backward=None):
+    """Collective: the CallPlan of a library call (callplan.plan_call) from its arguments as given. A call whose
+    arguments (the arrays' kinds, shapes and dtypes, every option, the document offsets by value, the plan's
+    settings) equal a recent successful call's takes that call's checked Call and key instead of checking and
+    naming them again (they are a function of those arguments alone): a short call's host time, which at 8k
+    tokens a GPU is a sizable share of it. Ranks still agree on the plan every call (plan_call)."""
+    given = _given(comm, (q, k, v) + (() if backward is None else (backward.do, backward.o, backward.lse)),
+                   (causal, scale, layout, transport, window, scheme, ranks_per_node,
+                    None if backward is None else backward.ring), cu_seqlens)
+    kept = None if given is None else _CALLS.get(given)
+    if kept is None:
+        named, error = named_layout(layout, q, comm, causal, cu_seqlens, window)
+        call = checked_call(comm.size, q, k, v, causal, scale, named, transport, backward=backward,
+                            cu_seqlens=cu_seqlens, window=window, scheme=scheme, ranks_per_node=ranks_per_node,
+                            error=error)
+        kept = call, call.key(comm)
+        if given is not None and call.error is None:
+            _CALLS[given] = kept
+            while len(_CALLS) > CALLS_KEPT:
+                _CALLS.popitem(last=False)
+    else:
+        _CALLS.move_to_end(given)
+    return plan_call(comm, q, kept[0], key=kept[1])
+
+
+def _given(comm, arrays, options, cu_seqlens):
+    """A hashable key of a library call's arguments as given, or None where one is not hashable (then the call
+    is checked anew): the arrays by kind, shape and dtype, the options by type and value, the document offsets
+    by value."""
+    if cu_seqlens is None or isinstance(cu_seqlens, np.ndarray):
+        offsets = None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.tobytes())
+    elif isinstance(cu_seqlens, (list, tuple)):
+        offsets = ("sequence", tuple(cu_seqlens))
+    else:
+        return None
+    try:
+        key = (id(comm), comm.size, tuple(None if x is None else (type(x), x.shape, x.dtype) for x in arrays),
+               _typed(options), offsets, config.plan_settings())
+        hash(key)
+    except (AttributeError, TypeError):   # not arrays, or an option that is not hashable: checked anew
+        return None
+    return key
+
+
+def _typed(value):
+    """``value`` with the type of each of its items beside it: equal keys for equal arguments only, not for ones
+    that merely compare equal (True and 1, 1.0 and 1), which the checks may refuse."""
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_typed(x) for x in value)
+    return type(value), value
 
 
 def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto", cu_seqlens=None,
@@ -107,10 +168,7 @@ def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, t
         o, lse = burst_hpc.burst_attention(fast(q), fast(k), fast(v), causal=True, cu_seqlens=cu, layout=layout)
     """
     comm = world() if comm is None else check_comm(comm)
-    layout, error = named_layout(layout, q, comm, causal, cu_seqlens, window)
-    call = checked_call(comm.size, q, k, v, causal, scale, layout, transport, cu_seqlens=cu_seqlens, window=window,
-                        scheme=scheme, ranks_per_node=ranks_per_node, error=error)
-    plan = plan_call(comm, q, call)
+    plan = planned(comm, q, k, v, causal, scale, layout, transport, cu_seqlens, window, scheme, ranks_per_node)
     with array_device(q), one_fails_all(comm, "burst_attention"):
         return plan.passes.forward(q, k, v, on_step=on_step)
 
@@ -151,11 +209,8 @@ def burst_attention_backward(do, q, k, v, o, lse, comm=None, causal=False, scale
         dq, dk, dv = burst_hpc.burst_attention_backward(do, q, k, v, o, lse, causal=True)
     """
     comm = world() if comm is None else check_comm(comm)
-    layout, error = named_layout(layout, q, comm, causal, cu_seqlens, window)
-    call = checked_call(comm.size, q, k, v, causal, scale, layout, transport,
-                        backward=Backward(do, o, lse, backward_ring), cu_seqlens=cu_seqlens, window=window,
-                        scheme=scheme, ranks_per_node=ranks_per_node, error=error)
-    plan = plan_call(comm, q, call)
+    plan = planned(comm, q, k, v, causal, scale, layout, transport, cu_seqlens, window, scheme, ranks_per_node,
+                   backward=Backward(do, o, lse, backward_ring))
     with array_device(q), one_fails_all(comm, "burst_attention_backward"):
         return plan.passes.backward(plan.ring, do, q, k, v, o, lse, on_step=on_step)
 

@@ -28,6 +28,7 @@ HEAD_DIMS = (1, 32, 63, 64, 65, 100, 128, 129, 200, 256, 300)
 DTYPES = ("bfloat16", "float16", "float32", "uint16")
 MODES = ("full", "causal", "interval")
 ENTRIES = {}  # source -> {kernel its PTX defines: its launch bound in threads, 0 if none}
+ARGUMENTS = []  # each launch's arguments as the bytes the driver would read (hex)
 
 
 class _Pointer:
@@ -58,6 +59,17 @@ class _Global:
         return _Global(self.data, self.offset + n)
 
 
+def _bytes(arg):
+    """The bytes (hex) the driver would read for a kernel argument: an array's address, a record's or scalar's bytes."""
+    if arg is None:
+        return "0"
+    if isinstance(arg, ndarray) or hasattr(arg, "data") and isinstance(arg.data, _Pointer):
+        return hex(arg.data.ptr)
+    if isinstance(arg, (int, float)):
+        return repr(arg)
+    return np.asarray(arg).tobytes().hex()
+
+
 def _argument_bytes(arg):
     """The bytes CuPy passes for a kernel argument: a device array's address, a one-element NumPy array's
     bytes (a struct by value), a NumPy scalar's bytes; a Python int or float as 8 bytes, None as a null
@@ -86,6 +98,7 @@ class _Kernel:
         if sizes != self.params:  # the driver would read the kernel's parameters from the wrong bytes
             raise TypeError(f"{self.name}: arguments of {sizes} bytes for parameters of {self.params} bytes")
         self.launches.append([self.name, list(grid), list(block), shared_mem])
+        ARGUMENTS.append([_bytes(arg) for arg in args])
 
 
 def _ptx(code, options):
@@ -226,11 +239,59 @@ def main():
                                           "launches": list(launches)})
                         backend.kernels.forced_tile_height = None
                         backend.kernels.heavy_first = default_order
+    kept = kept_launches(array)
     tables = {source: [list(kernel) for kernel in CudaBackend.instance(family).modules.table(source).kernels]
               for (family, _), source in contract.SOURCES.items()}
     tables[contract.DELTA_SOURCE] = [list(k) for k in CudaBackend.instance("sm80").modules.table(
         contract.DELTA_SOURCE).kernels]
-    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls, "prepared": prepared, "prepared_again": again}, sys.stdout)
+    json.dump({"tables": tables, "entries": ENTRIES, "calls": calls, "prepared": prepared, "prepared_again": again,
+               "kept": kept}, sys.stdout)
+
+
+def kept_launches(array):
+    """The sm90 launches a call makes from a kept launch (a second call of the same shapes on other arrays) against
+    the same call's launches worked out anew: {case: {"kept", "anew", "first"}}, each a list of launches' argument
+    bytes (first: the first call's, on the other arrays), and {"addresses": {"first", "kept"}}: the outputs' and
+    lse's addresses of the two calls' arrays as the record holds them (8 bytes, hex)."""
+    from burst_hpc.plan import masks
+    from burst_hpc.backends.cuda import CudaBackend, launch
+
+    backend, cupy = CudaBackend.instance("sm90"), sys.modules["cupy"]
+    b, s, hq, hkv, d = 1, 300, 2, 2, 128   # one head a K/V group: the backward writes dK, dV itself
+    out = {}
+    for mode in ("causal", "interval"):
+        mask = masks.make(s, True, *(((100, 0), np.array([0, 130, s])) if mode == "interval" else ()))
+        where = dict(scale=d ** -0.5, masked=True, mask=mask)
+
+        def arrays():
+            q, do = array((b, s, hq, d), "bfloat16"), array((b, s, hq, d), "bfloat16")
+            k, v = array((b, s, hkv, d), "bfloat16"), array((b, s, hkv, d), "bfloat16")
+            outs = [cupy.empty(x.shape, x.dtype) for x in (q, k, v)]
+            lse = cupy.full((b, hq, s), -np.inf, np.float32)
+            return q, k, v, do, lse, outs
+
+        calls = {"fwd": lambda q, k, v, do, lse, outs: backend.forward_block(q, k, v, None, lse, first=True,
+                                                                             out=outs[0], **where),
+                 "bwd": lambda q, k, v, do, lse, outs: backend.backward_block(
+                     q, k, v, do, lse, None, None, None, None, o=outs[0], first_q=True, first_kv=True,
+                     dq_out=outs[0], dk_out=outs[1], dv_out=outs[2], **where)}
+        for name, call in calls.items():
+            one, two = arrays(), arrays()
+            got = {}
+            backend.kernels.launches = launch.KeptLaunches()
+            for label, xs in (("first", one), ("kept", two)):
+                ARGUMENTS.clear()
+                call(*xs)
+                got[label] = list(ARGUMENTS)
+            backend.kernels.launches = launch.KeptLaunches()
+            ARGUMENTS.clear()
+            call(*two)
+            got["anew"] = list(ARGUMENTS)
+            got["addresses"] = {label: {n: np.uint64(x.data.ptr).tobytes().hex()
+                                        for n, x in zip(("lse", "out", "dk", "dv"), (xs[4], *xs[5]))}
+                                for label, xs in (("first", one), ("kept", two))}
+            out[f"{mode} {name}"] = got
+    return out
 
 
 if __name__ == "__main__":

@@ -305,3 +305,21 @@ def test_every_launch_asks_for_a_kernel_with_its_table_geometry(recorded):
     forward = tables[contract.SOURCES["sm90", "fwd"]].values()
     assert {(k.dtype, k.head_dim, k.mask, k.query_rows) for k in forward} == {
         key[2:] for key in launched if key[:2] == ("sm90", "fwd")}, "every sm90 forward tile height runs"
+
+
+@needs_nvcc
+def test_a_kept_launch_passes_what_a_launch_worked_out_anew_would(recorded):
+    """A call of the shapes of an earlier one reuses its launch (sm90.Sm90Kernels.launches) with its own arrays'
+    addresses: every argument of every launch equals that of the same call worked out anew, and differs from the
+    earlier call's where its arrays do."""
+    assert set(recorded["kept"]) == {"causal fwd", "causal bwd", "interval fwd", "interval bwd"}
+    for case, got in recorded["kept"].items():
+        assert got["kept"] == got["anew"], case
+        assert len(got["kept"]) == len(got["first"]) >= 1, case
+        assert got["kept"] != got["first"], f"{case}: the second call's arrays are not in its launches"
+        # the record (the forward's one launch; the backward's main launch, after its row pre-pass) holds the
+        # second call's outputs (the forward's output and lse; dK and dV, written straight from the kernel)
+        record = [args[0] for args in got["kept"] if len(args) == 1][0]
+        for name in ("out", "lse") if case.endswith("fwd") else ("dk", "dv"):
+            assert got["addresses"]["kept"][name] in record, f"{case}: {name} of the second call not in its record"
+            assert got["addresses"]["first"][name] not in record, f"{case}: {name} of the first call in the second's"

@@ -160,13 +160,14 @@ class PlanCache:
 PLANS = PlanCache()   # the library calls' plans in this process (burst_attention, burst_attention_backward)
 
 
-def plan_call(comm, q, call, cache=PLANS):
+def plan_call(comm, q, call, cache=PLANS, key=False):
     """Collective: the CallPlan of ``call`` (:func:`checked_call`) on shards like ``q``: the one bound to the
     Decomposition ``cache`` keeps under the call's key, when every rank has one for the same digest (one
     allreduce), else a new one (its Decomposition kept in ``cache`` once every rank agreed on it). A
     reused plan skips the layout decision, the schedule and the agreement: an earlier call made and
-    agreed them on values equal to these, and the digests show every rank's are equal again."""
-    key = call.key(comm)
+    agreed them on values equal to these, and the digests show every rank's are equal again. ``key``: the call's
+    key over ``comm`` when already known (False: worked out here)."""
+    key = call.key(comm) if key is False else key
     kept = None if key is None else cache.get(key)
     plan = None if kept is None else kept[0].plans.get(binding(q, call.passes))
     if comm.size > 1 and not same_everywhere(comm, None if plan is None else kept[1]):

@@ -29,7 +29,7 @@ class Sm80Kernels:
         args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
                                  mask=mask if mode == "interval" else None,
                                  **launch.array_fields(*arrays))
-        kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
+        kern(grid, (kernel.threads,), (launch.by_value(args),), shared_mem=kernel.smem_bytes)
 
     def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked, mask, q_start, k_start):
         b, sq, hq, d = q.shape
@@ -49,4 +49,4 @@ class Sm80Kernels:
                                   mask=mask if mode == "interval" else None, hpb=hpb,
                                   atomic_kv=nsplit > 1, order_g=order_g, **launch.array_fields(*arrays))
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
-        kern((nkb * slots, 1, 1), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
+        kern((nkb * slots, 1, 1), (kernel.threads,), (launch.by_value(args),), shared_mem=kernel.smem_bytes)

@@ -66,6 +66,7 @@ class Sm90Kernels:
         self._splits = {}
         self._counters = {}
         self._locks = {}
+        self.launches = launch.KeptLaunches()
 
     def tile_heights(self, d):
         """The forward's tile heights (query rows per tile) for head dim d, as its source instantiates them."""
@@ -143,7 +144,45 @@ class Sm90Kernels:
             counter = self._counters[key] = cupy.zeros(2, np.int32)
         return counter
 
+    def settings(self):
+        """The knobs above that change a launch (part of a kept launch's key)."""
+        return (self.forced_tile_height, self.heavy_first, self.walk_down_blocks, self.key_splits,
+                self.forced_key_splits, self.cross_tile, self.max_ctas)
+
     def forward(self, kind, q, k, v, o, lse, *, scale, masked, mask, q_start, k_start, first=False, out=None):
+        import cupy
+
+        key = ("fwd", kind, _geometry(q), _geometry(k), _geometry(v), _geometry(o), _geometry(lse), _geometry(out),
+               scale, masked, mask, int(q_start), int(k_start), first, self.settings(), launch.stream_key(cupy))
+        made = self.launches.get(key)
+        if made is None:
+            made = self.launches.put(key, self._forward_launch(kind, q, k, v, o, lse, scale=scale, masked=masked,
+                                                               mask=mask, q_start=q_start, k_start=k_start,
+                                                               first=first, out=out))
+        if made.via_float32:
+            # key splits merge their parts in float32, and the kernel writes only the query tiles it visits
+            # (a last pair's other rows hold the running o): the output is converted afterwards
+            o = cupy.empty(q.shape, np.float32) if o is None else o
+            self.forward(kind, q, k, v, o, lse, scale=scale, masked=masked, mask=mask, q_start=q_start,
+                         k_start=k_start, first=first)
+            out[...] = o
+            return
+        if made.clear:
+            # the running (o, lse) start empty here instead (lse = -inf: o is never read), so that rows no tile
+            # visits hold (0, -inf)
+            lse.fill(-np.inf)
+            (o if out is None else out).fill(0)
+        bm, bn = made.rows
+        try:
+            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
+        except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
+            q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
+            return self.forward(kind, q, k, v, o, lse, scale=scale, masked=masked, mask=mask, q_start=q_start,
+                                k_start=k_start, first=first, out=out)
+        made(tmaps=maps, o=o, lse=lse, out=out)
+
+    def _forward_launch(self, kind, q, k, v, o, lse, *, scale, masked, mask, q_start, k_start, first, out):
+        """The forward's launch.Kept for a call of these arrays' shapes and strides (their addresses apart)."""
         import cupy
 
         b, sq, hq, d = q.shape
@@ -155,24 +194,8 @@ class Sm90Kernels:
         nsplit = self.key_split(bm, bn, b * hq, sq, sk, mode, off)
         every_tile = _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, bm, bn)
         if out is not None and (nsplit > 1 or not (first or every_tile)):
-            # key splits merge their parts in float32, and the kernel writes only the query tiles it visits
-            # (a last pair's other rows hold the running o): the output is converted afterwards
-            o = cupy.empty(q.shape, np.float32) if o is None else o
-            self.forward(kind, q, k, v, o, lse, scale=scale, masked=masked, mask=mask, q_start=q_start,
-                         k_start=k_start, first=first)
-            out[...] = o
-            return
-        if first and (nsplit > 1 or not every_tile):
-            # the running (o, lse) start empty here instead (lse = -inf: o is never read), so that rows no tile
-            # visits hold (0, -inf)
-            first = False
-            lse.fill(-np.inf)
-            (o if out is None else out).fill(0)
-        try:
-            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
-        except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
-            q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
-            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
+            return launch.Kept(via_float32=True)
+        clear = first and (nsplit > 1 or not every_tile)
         kern = self.modules.kernel(FORWARD, kernel.name, kernel.smem_bytes)
         # the schedule: heads in chunks whose K/V stay in L2, query tiles longest first inside a chunk
         kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
@@ -182,17 +205,90 @@ class Sm90Kernels:
             order, nq = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[:2]
         locks = self.tile_locks(nq * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else None
         grid = (min(nq * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
+        fields = dict(order=order, next_tile=self.tile_counter(), locks=locks)
         args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
-                                 mask=mask if mode == "interval" else None, tmaps=maps, nq=nq,
-                                 order=order, next_tile=self.tile_counter(), locks=locks, hchunk=hchunk, nsplit=nsplit,
-                                 cross_tile=self.cross_tile, first=first,
+                                 mask=mask if mode == "interval" else None, tmaps=None, nq=nq, hchunk=hchunk,
+                                 nsplit=nsplit, cross_tile=self.cross_tile, first=first and not clear, **fields,
                                  **launch.array_fields(("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss"),
                                                        ("out", out, "tsb tss tsh")))
-        kern(grid, (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
+        held = (fields, mask.device_intervals(cupy) if mode == "interval" else None)
+        return launch.Kept(kern, grid, (kernel.threads,), kernel.smem_bytes, args, held=held, rows=(bm, bn),
+                           clear=clear, via_float32=False)
 
     # ---- backward --------------------------------------------------------------------------------------
     def backward(self, kind, q, k, v, do, lse, delta, dq, dk, dv, *, scale, masked, mask, q_start, k_start, o=None,
                  first_q=False, first_kv=False, dq_out=None, dk_out=None, dv_out=None):
+        import cupy
+
+        key = ("bwd", kind, *(_geometry(x) for x in (q, k, v, do, lse, delta, dq, dk, dv, o, dq_out, dk_out, dv_out)),
+               scale, masked, mask, int(q_start), int(k_start), first_q, first_kv, self.settings(),
+               launch.stream_key(cupy))
+        made = self.launches.get(key)
+        if made is None:
+            made = self.launches.put(key, self._backward_launch(kind, q, k, v, do, delta, dq_out, dk_out, dv_out,
+                                                                scale=scale, masked=masked, mask=mask,
+                                                                q_start=q_start, k_start=k_start, first_kv=first_kv))
+
+        # dq, dk, dv are added into through float32 tensor maps (16-byte aligned address and strides); any
+        # other accumulator gets a scratch array (zeroed, or at a first pair taken as it is), written back after;
+        # None (a first and last pair) a scratch array
+        def target(x, first):
+            aligned = x.data.ptr % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
+            return x if aligned else cupy.empty(x.shape, np.float32) if first else cupy.zeros(x.shape, np.float32)
+
+        dq_w = cupy.empty(q.shape, np.float32) if dq is None else target(dq, first_q)
+        if made.kv_direct:   # dk, dv are neither read nor written: their maps only fill the kernel's argument list
+            dk_w = dv_w = dq_w
+        else:
+            dk_w = cupy.empty(k.shape, np.float32) if dk is None else target(dk, first_kv)
+            dv_w = cupy.empty(v.shape, np.float32) if dv is None else target(dv, first_kv)
+            if first_kv:
+                dk_w.fill(0)
+                dv_w.fill(0)
+        bm, bn = made.tile
+
+        def boxes():
+            rows = _ACCUMULATOR_BOX_ROWS
+            return (q, bm), (k, bn), (v, bn), (do, bm), (dq_w, rows), (dk_w, rows), (dv_w, rows)
+
+        try:
+            maps = tma.device_maps(cupy, boxes())
+        except tma.TensorMapError:  # a stride order the driver refuses: contiguous copies, scratch accumulators
+            q, k, v, do = (cupy.ascontiguousarray(x) for x in (q, k, v, do))
+            dq_w, dk_w, dv_w = (w if w is not x else cupy.zeros(x.shape, np.float32)
+                                for w, x in ((dq_w, dq), (dk_w, dk), (dv_w, dv)))
+            maps = tma.device_maps(cupy, boxes())
+        # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), delta computed
+        # from do and o when not given, dq's rows zeroed at a first pair; then with a mask each row's visible key
+        # range; the query tiles each key block walks and the CTA order come from the host (_key_block_schedule)
+        rows = cupy.empty(made.rows_size, np.float32)
+        none = (np.uint64(0), *(np.int64(0),) * 3)
+        delta_args = (delta, *strides(delta)) if delta is not None else none
+        rows_of = ((do, o, *strides(do)[:3], *strides(o)[:3]) if delta is None
+                   else (np.uint64(0),) * 2 + (np.int64(0),) * 6)
+        zero_dq = (dq_w, *strides(dq_w)[:3]) if first_q else none
+        made.prep(made.prep_grid, made.prep_block,
+                  (lse, delta_args[0], rows, *strides(lse), *delta_args[1:], *made.prep_sizes, *rows_of,
+                   made.prep_bf16, *zero_dq))
+        made(tmaps=maps, rows=rows, **({"kv.dk": dk_out, "kv.dv": dv_out} if made.kv_direct else {}))
+        results = ((dq_w, dq, dq_out, first_q),) + (() if made.kv_direct else ((dk_w, dk, dk_out, first_kv),
+                                                                               (dv_w, dv, dv_out, first_kv)))
+        for w, x, out, first in results:
+            if w is not x and x is not None and not first:   # a scratch for a misaligned accumulator: added in
+                x += w
+                w = x
+            if out is not None:   # the last pair: converted once, from the accumulator the kernel wrote
+                if w is x and not (w.data.ptr % 16 == 0 and all(st % 16 == 0 for st in w.strides[:-1])):
+                    out[...] = w
+                else:
+                    self.to16(kind, w, out)
+            elif w is not x:
+                x[...] = w
+
+    def _backward_launch(self, kind, q, k, v, do, delta, dq_out, dk_out, dv_out, *, scale, masked, mask, q_start,
+                         k_start, first_kv):
+        """The backward's launch.Kept for a call of these arrays' shapes and strides (their addresses apart): its
+        main launch, and the row pre-pass's kernel, grid and sizes."""
         import cupy
 
         b, sq, hq, d = q.shape
@@ -206,74 +302,27 @@ class Sm90Kernels:
         # dK, dV straight into their 16-bit outputs when one CTA holds the whole GQA group of its keys and the
         # pair is their first and last; else added into float32 (zeroed here at a first pair, converted after)
         kv_direct = first_kv and dk_out is not None and nsplit == 1 and dk_out.strides == dv_out.strides
-
-        # dq, dk, dv are added into through float32 tensor maps (16-byte aligned address and strides); any
-        # other accumulator gets a scratch array (zeroed, or at a first pair taken as it is), written back after;
-        # None (a first and last pair) a scratch array
-        def target(x, first):
-            aligned = x.data.ptr % 16 == 0 and all(st % 16 == 0 for st in x.strides[:-1])
-            return x if aligned else cupy.empty(x.shape, np.float32) if first else cupy.zeros(x.shape, np.float32)
-
-        dq_w = cupy.empty(q.shape, np.float32) if dq is None else target(dq, first_q)
-        if kv_direct:   # dk, dv are neither read nor written: their maps only fill the kernel's argument list
-            dk_w = dv_w = dq_w
-        else:
-            dk_w = cupy.empty(k.shape, np.float32) if dk is None else target(dk, first_kv)
-            dv_w = cupy.empty(v.shape, np.float32) if dv is None else target(dv, first_kv)
-            if first_kv:
-                dk_w.fill(0)
-                dv_w.fill(0)
-
-        def boxes():
-            rows = _ACCUMULATOR_BOX_ROWS
-            return (q, bm), (k, bn), (v, bn), (do, bm), (dq_w, rows), (dk_w, rows), (dv_w, rows)
-
-        try:
-            maps = tma.device_maps(cupy, boxes())
-        except tma.TensorMapError:  # a stride order the driver refuses: contiguous copies, scratch accumulators
-            q, k, v, do = (cupy.ascontiguousarray(x) for x in (q, k, v, do))
-            dq_w, dk_w, dv_w = (w if w is not x else cupy.zeros(x.shape, np.float32)
-                                for w, x in ((dq_w, dq), (dk_w, dk), (dv_w, dv)))
-            maps = tma.device_maps(cupy, boxes())
         sq_pad = -(-sq // bm) * bm
-        # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), delta computed
-        # from do and o when not given, dq's rows zeroed at a first pair; then with a mask each row's visible key
-        # range; the query tiles each key block walks and the CTA order come from the host (_key_block_schedule)
         mlo, mhi, kofs = mask_args(mask if mode == "interval" else None, q_start, sq, k_start)
-        rows = cupy.empty(2 * b * hq * sq_pad + (2 * sq_pad if mode == "interval" else 0), np.float32)
-        prep = self.modules.kernel(BACKWARD, "attn_bwd_sm90_rows", 0)
-        none = (np.uint64(0), *(np.int64(0),) * 3)
-        delta_args = (delta, *strides(delta)) if delta is not None else none
-        rows_of = ((do, o, *strides(do)[:3], *strides(o)[:3]) if delta is None
-                   else (np.uint64(0),) * 2 + (np.int64(0),) * 6)
-        zero_dq = (dq_w, *strides(dq_w)[:3]) if first_q else none
         lanes = b * hq * sq_pad * (d // 8)
-        prep((min(-(-lanes // _PREPASS_THREADS), _PREPASS_BLOCKS),), (_PREPASS_THREADS,),
-             (lse, delta_args[0], rows, *strides(lse), *delta_args[1:], np.int32(b), np.int32(hq), np.int32(sq),
-              np.int32(sq_pad), mlo, mhi, kofs, np.int32(sk), np.int32(d), *rows_of, np.int32(kind == "bf16"),
-              *zero_dq))
         slots = nsplit * b * hkv
         ranges, order = _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first,
                                             self.walk_down_blocks)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
         args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
-                                  mask=mask if mode == "interval" else None, tmaps=maps,
-                                  rows=rows, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, kv=kv)
-        kern((nkb * slots,), (kernel.threads,), (args,), shared_mem=kernel.smem_bytes)
-        results = ((dq_w, dq, dq_out, first_q),) + (() if kv_direct else ((dk_w, dk, dk_out, first_kv),
-                                                                          (dv_w, dv, dv_out, first_kv)))
-        for w, x, out, first in results:
-            if w is not x and x is not None and not first:   # a scratch for a misaligned accumulator: added in
-                x += w
-                w = x
-            if out is not None:   # the last pair: converted once, from the accumulator the kernel wrote
-                if w is x and not (w.data.ptr % 16 == 0 and all(st % 16 == 0 for st in w.strides[:-1])):
-                    out[...] = w
-                else:
-                    self.to16(kind, w, out)
-            elif w is not x:
-                x[...] = w
+                                  mask=mask if mode == "interval" else None, tmaps=None,
+                                  rows=None, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, kv=kv)
+        held = (ranges, order, mask.device_intervals(cupy) if mode == "interval" else None)
+        return launch.Kept(kern, (nkb * slots,), (kernel.threads,), kernel.smem_bytes, args, held=held,
+                           tile=(bm, bn), kv_direct=kv_direct,
+                           rows_size=2 * b * hq * sq_pad + (2 * sq_pad if mode == "interval" else 0),
+                           prep=self.modules.kernel(BACKWARD, "attn_bwd_sm90_rows", 0),
+                           prep_grid=(min(-(-lanes // _PREPASS_THREADS), _PREPASS_BLOCKS),),
+                           prep_block=(_PREPASS_THREADS,),
+                           prep_sizes=(np.int32(b), np.int32(hq), np.int32(sq), np.int32(sq_pad), mlo, mhi, kofs,
+                                       np.int32(sk), np.int32(d)),
+                           prep_bf16=np.int32(kind == "bf16"))
 
     def to16(self, kind, x, out):
         """out (16-bit, ``kind``, rows 16-byte aligned) = the float32 accumulator x (B, S, H, D) (rows 16-byte
@@ -287,6 +336,11 @@ class Sm90Kernels:
 
 
 _ORDERS = OrderedDict()
+
+
+def _geometry(x):
+    """What a launch's decisions read of an array (None stays None): its shape, strides and dtype, not its address."""
+    return None if x is None else (x.shape, x.strides, x.dtype)
 
 
 def _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, bm, bn):
