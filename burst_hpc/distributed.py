@@ -15,13 +15,12 @@ collective, bound to their backend; callplan.plan_call reuses a repeated call's)
 """
 from collections import OrderedDict
 
-import numpy as np
-
 from . import config
 from .plan.callplan import Backward, checked_call, plan_call
 from .plan.layout import as_layout
 from .collective import check_comm, one_fails_all, world
 from .device import array_device
+from .validate import given_key
 
 CALLS_KEPT = 32   # argument sets whose checked Calls are kept (a training step repeats a few: forward, backward)
 _CALLS = OrderedDict()
@@ -67,30 +66,9 @@ def planned(comm, q, k, v, causal, scale, layout, transport, cu_seqlens, window,
 
 
 def _given(comm, arrays, options, cu_seqlens):
-    """A hashable key of a library call's arguments as given, or None where one is not hashable (then the call
-    is checked anew): the arrays by kind, shape and dtype, the options by type and value, the document offsets
-    by value."""
-    if cu_seqlens is None or isinstance(cu_seqlens, np.ndarray):
-        offsets = None if cu_seqlens is None else (cu_seqlens.dtype, cu_seqlens.shape, cu_seqlens.tobytes())
-    elif isinstance(cu_seqlens, (list, tuple)):
-        offsets = ("sequence", tuple(cu_seqlens))
-    else:
-        return None
-    try:
-        key = (id(comm), comm.size, tuple(None if x is None else (type(x), x.shape, x.dtype) for x in arrays),
-               _typed(options), offsets, config.plan_settings())
-        hash(key)
-    except (AttributeError, TypeError):   # not arrays, or an option that is not hashable: checked anew
-        return None
-    return key
-
-
-def _typed(value):
-    """``value`` with the type of each of its items beside it: equal keys for equal arguments only, not for ones
-    that merely compare equal (True and 1, 1.0 and 1), which the checks may refuse."""
-    if isinstance(value, (tuple, list)):
-        return type(value), tuple(_typed(x) for x in value)
-    return type(value), value
+    """validate.given_key of a library call's arguments over ``comm`` with the plan's settings, or None."""
+    key = given_key(options, cu_seqlens, arrays)
+    return None if key is None else (id(comm), comm.size, key, config.plan_settings())
 
 
 def burst_attention(q, k, v, comm=None, causal=False, scale=None, layout=None, transport="auto", cu_seqlens=None,

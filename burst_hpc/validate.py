@@ -59,3 +59,28 @@ def resolve_scale(scale, head_dim):
     if value is None or not np.isfinite(value) or value <= 0:
         raise BurstError(f"scale must be a finite number > 0; got {scale!r}")
     return value
+
+
+def given_key(options, offsets=None, arrays=()):
+    """A hashable key of a call's arguments as given, equal only for calls whose checks are sure to agree, or None
+    where none can be made (the call is then checked anew): ``options`` by type and value (True and 1, 1.0 and 1
+    differ: a check may refuse one), document ``offsets`` (None, a NumPy array or a sequence) by value, ``arrays``
+    by kind, shape and dtype (None stays None). What a repeated call's checks and plans are kept by."""
+    if offsets is None or isinstance(offsets, np.ndarray):
+        held = None if offsets is None else (offsets.dtype, offsets.shape, offsets.tobytes())
+    elif isinstance(offsets, (list, tuple)):
+        held = _typed(tuple(offsets))
+    else:
+        return None
+    try:
+        key = (_typed(options), held, tuple(None if x is None else (type(x), x.shape, x.dtype) for x in arrays))
+        hash(key)
+    except (AttributeError, TypeError):   # not arrays, or an option that is not hashable
+        return None
+    return key
+
+
+def _typed(value):
+    if isinstance(value, (tuple, list)):
+        return type(value), tuple(_typed(x) for x in value)
+    return type(value), value

@@ -23,11 +23,13 @@ term of ``_intervals`` and an argument of ``make``; the float64 oracle (burst_hp
 defines it again, independently.
 """
 import hashlib
+from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
 
 from ..errors import MaskError
+from ..validate import given_key
 
 
 LARGEST_WINDOW = 2 ** 62     # masks add window sizes to token positions in int64
@@ -228,11 +230,26 @@ def _device_intervals(mask, xp, device):
     return tuple(xp.asarray(x.astype(np.int32)) for x in mask.intervals)
 
 
+MASKS_KEPT = 8   # the masks of recent argument sets (a training loop repeats one or two)
+_MADE = OrderedDict()
+
+
 def make(seqlen, causal=False, window=None, cu_seqlens=None):
-    """The Mask of a call's arguments, as the API takes them (validated; MaskError if bad)."""
-    mask = Mask(seqlen, causal, check_window(window), check_cu_seqlens(cu_seqlens, seqlen))
-    if mask.kind == "intervals" and seqlen >= 2 ** 31:
-        raise MaskError(f"documents and windows need a sequence shorter than 2**31 tokens; got {seqlen}")
+    """The Mask of a call's arguments, as the API takes them (validated; MaskError if bad). A repeated argument
+    set (validate.given_key: the same types and values) gets the Mask made for it before: masks are immutable,
+    and checking the offsets is a share of a short call's host time."""
+    key = given_key((seqlen, causal, window), cu_seqlens)
+    mask = None if key is None else _MADE.get(key)
+    if mask is None:
+        mask = Mask(seqlen, causal, check_window(window), check_cu_seqlens(cu_seqlens, seqlen))
+        if mask.kind == "intervals" and seqlen >= 2 ** 31:
+            raise MaskError(f"documents and windows need a sequence shorter than 2**31 tokens; got {seqlen}")
+        if key is not None:
+            _MADE[key] = mask
+            while len(_MADE) > MASKS_KEPT:
+                _MADE.popitem(last=False)
+    else:
+        _MADE.move_to_end(key)
     return mask
 
 
