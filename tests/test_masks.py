@@ -303,3 +303,30 @@ def test_the_call_default_never_depends_on_the_mask(causal):
 def test_a_mask_is_said_in_words(causal, window, cu, text):
     """What --progress prints of the mask: words, not a repr."""
     assert str(masks.make(4096, causal, window, cu)) == text
+
+
+@pytest.mark.parametrize("size", [2, 3, 4])
+def test_a_packed_mask_counts_its_own_rows_against_its_keys(size, rng, seed):
+    """A Packed mask (a rank's queries against its packed keys: fewer or more keys than rows) is classified and
+    counted block by block as its own intervals say, its rows and its keys each by their own count."""
+    from burst_hpc.plan.layout import make_layout
+    from burst_hpc.plan.packing import packing
+
+    seqlen = 48 * size
+    mask = masks.make(seqlen, True, None, documents(rng, seqlen))
+    layout = make_layout("chunks", seqlen, size, mask, chunk=8)
+    for rank in range(size):
+        packed = packing(mask, layout, rank).call(mask, (mask.key, layout, rank))["mask"]
+        lo, hi = packed.intervals
+        rows, keys = lo.size, packed.seqlen
+        dense = (np.arange(keys)[None, :] >= lo[:, None]) & (np.arange(keys)[None, :] < hi[:, None])
+        q0, k0 = rng.integers(0, rows, 40), rng.integers(0, keys, 40)
+        q1, k1 = (rng.integers(0, n - x + 1) for x, n in ((q0, rows), (k0, keys)))
+        got = packed.classify_many(q0[:, None], q1[:, None], k0[None, :], k1[None, :])
+        for i, (a, n) in enumerate(zip(q0, q1)):
+            for j, (b, m) in enumerate(zip(k0, k1)):
+                block = dense[a:a + n, b:b + m]
+                assert got[i, j] == (0 if not block.any() else 1 if block.all() else 2), f"seed={seed}"
+        counts = masks.block_counts(packed, 8, 8)
+        want = np.add.reduceat(np.add.reduceat(dense, np.arange(0, rows, 8), axis=0), np.arange(0, keys, 8), axis=1)
+        np.testing.assert_array_equal(counts, want, err_msg=f"seed={seed} rank {rank}")

@@ -157,8 +157,9 @@ class Mask:
         if self.kind == "causal":
             return np.where(empty | (k_start >= q_end), 0, np.where(k_end <= q_start + 1, 1, 2))
         lo, hi = self.intervals
-        last_row = np.clip(q_end - 1, 0, self.seqlen - 1)
-        full = (lo[last_row] <= k_start) & (hi[np.clip(q_start, 0, self.seqlen - 1)] >= k_end)
+        rows = lo.size   # the sequence's length; a Packed mask's own rows (its seqlen counts its keys)
+        last_row = np.clip(q_end - 1, 0, rows - 1)
+        full = (lo[last_row] <= k_start) & (hi[np.clip(q_start, 0, rows - 1)] >= k_end)
         first = np.clip(np.searchsorted(hi, k_start, side="right"), q_start, q_end)
         last = np.clip(np.searchsorted(lo, k_end, side="left"), q_start, q_end)
         return np.where(empty, 0, np.where(full, 1, np.where(first < last, 2, 0)))
@@ -255,14 +256,14 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
 
 @lru_cache(maxsize=4)   # a planner asks the same few grains over and over; an entry can be large
 def block_counts(mask, rows, keys):
-    """int64 (S / rows, S / keys), read-only: the visible (query, key) pairs of every block of ``rows`` query
+    """int64 (ceil(S / rows), ceil(S / keys)), read-only: the visible (query, key) pairs of every block of ``rows`` query
     rows against every block of ``keys`` keys. The row intervals never shrink, so the pairs of a block
     of rows with the keys before a point come from prefix sums and searchsorted, without visiting
-    the rows one by one."""
+    the rows one by one. A Packed mask: its own rows against its keys (``seqlen`` of them)."""
     lo, hi = mask.intervals
     lo_sums, span_sums = (np.concatenate([[0], np.cumsum(x)]) for x in (lo, hi - lo))
-    starts = np.arange(0, mask.seqlen, rows, dtype=np.int64)[:, None]     # (row block, 1)
-    ends = np.arange(0, mask.seqlen + 1, keys, dtype=np.int64)[None, :]    # (1, key boundary)
+    starts = np.arange(0, lo.size, rows, dtype=np.int64)[:, None]     # (row block, 1)
+    ends = np.append(np.arange(0, mask.seqlen, keys, dtype=np.int64), mask.seqlen)[None, :]   # (1, key boundary)
     done = np.clip(np.searchsorted(hi, ends, side="right"), starts, starts + rows)   # rows seeing no key past x
     begun = np.clip(np.searchsorted(lo, ends, side="right"), starts, starts + rows)  # rows seeing a key before x
     # visible pairs of each block of rows with the keys before each boundary x
