@@ -330,3 +330,20 @@ def test_a_packed_mask_counts_its_own_rows_against_its_keys(size, rng, seed):
         counts = masks.block_counts(packed, 8, 8)
         want = np.add.reduceat(np.add.reduceat(dense, np.arange(0, rows, 8), axis=0), np.arange(0, keys, 8), axis=1)
         np.testing.assert_array_equal(counts, want, err_msg=f"seed={seed} rank {rank}")
+
+
+def test_a_repeated_argument_set_gets_its_mask_and_a_bad_one_is_still_refused(rng):
+    """masks.make keeps the Masks of recent argument sets (validate.given_key): the same arguments give the same
+    Mask; offsets changed in place, or arguments equal only in value (True for 1), are checked anew."""
+    cu = np.array([0, 5, 17, 30])
+    first = masks.make(30, True, (4, 0), cu)
+    assert masks.make(30, True, (4, 0), cu.copy()) is first
+    assert masks.make(30, True, [4, 0], cu) is not first   # a list is checked as given
+    cu[1] = 7
+    moved = masks.make(30, True, (4, 0), cu)
+    assert moved is not first and moved.cu_seqlens[1] == 7
+    with pytest.raises(MaskError, match="window must be"):
+        masks.make(30, True, (True, 0), cu)               # equal to (1, 0), not integers
+    cu[2] = 3
+    with pytest.raises(MaskError, match="strictly increasing"):
+        masks.make(30, True, (4, 0), cu)
