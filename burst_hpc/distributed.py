@@ -13,17 +13,15 @@ callplan.plan_arrays builds the Decomposition of the shards' shapes, agreed by e
 collective, bound to their backend; callplan.plan_call reuses a repeated call's) and its passes
 (passes.py), run so that an error on some ranks ends every rank (collective.one_fails_all).
 """
-from collections import OrderedDict
-
 from . import config
 from .plan.callplan import Backward, checked_call, plan_call
 from .plan.layout import as_layout
 from .collective import check_comm, one_fails_all, world
 from .device import array_device
+from .recent import Recent
 from .validate import given_key
 
-CALLS_KEPT = 32   # argument sets whose checked Calls are kept (a training step repeats a few: forward, backward)
-_CALLS = OrderedDict()
+_CALLS = Recent(32)   # the checked Calls of recent argument sets (a training step repeats a few: forward, backward)
 
 
 def named_layout(layout, q, comm, causal, cu_seqlens, window):
@@ -57,11 +55,7 @@ def planned(comm, q, k, v, causal, scale, layout, transport, cu_seqlens, window,
                             error=error)
         kept = call, call.key(comm)
         if given is not None and call.error is None:
-            _CALLS[given] = kept
-            while len(_CALLS) > CALLS_KEPT:
-                _CALLS.popitem(last=False)
-    else:
-        _CALLS.move_to_end(given)
+            _CALLS.put(given, kept)
     return plan_call(comm, q, kept[0], key=kept[1])
 
 

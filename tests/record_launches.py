@@ -12,6 +12,7 @@ maps are not encoded (no driver). Output: {"tables": the kernel tables as the ba
 
     python3 tests/record_launches.py
 """
+import ctypes
 import json
 import os
 import re
@@ -59,30 +60,29 @@ class _Global:
         return _Global(self.data, self.offset + n)
 
 
-def _bytes(arg):
-    """The bytes (hex) the driver would read for a kernel argument: an array's address, a record's or scalar's bytes."""
+class CPointer:  # cupy.cuda.function.CPointer (CuPy >= 14): a host address whose bytes the driver reads
+    def __init__(self, p=0):
+        self.ptr = int(p)
+
+
+def _argument(arg, declared):
+    """(bytes the driver would read for a kernel argument, those bytes in hex): a device array's address, a
+    one-element NumPy array's bytes (a struct by value), a NumPy scalar's bytes, a Python int or float as 8
+    bytes, None as a null pointer, a CPointer's ``declared`` bytes at its address."""
+    if isinstance(arg, CPointer):
+        return declared, ctypes.string_at(arg.ptr, declared).hex()
     if arg is None:
-        return "0"
+        return 8, "0"
     if isinstance(arg, ndarray) or hasattr(arg, "data") and isinstance(arg.data, _Pointer):
-        return hex(arg.data.ptr)
+        return 8, hex(arg.data.ptr)
     if isinstance(arg, (int, float)):
-        return repr(arg)
-    return np.asarray(arg).tobytes().hex()
-
-
-def _argument_bytes(arg):
-    """The bytes CuPy passes for a kernel argument: a device array's address, a one-element NumPy array's
-    bytes (a struct by value), a NumPy scalar's bytes; a Python int or float as 8 bytes, None as a null
-    pointer."""
-    if isinstance(arg, ndarray) or arg is None or isinstance(arg, (int, float)) or hasattr(arg, "data") and \
-            isinstance(arg.data, _Pointer):
-        return 8
+        return 8, repr(arg)
     if isinstance(arg, np.ndarray):
         if arg.size != 1:
             raise TypeError(f"a NumPy array of shape {arg.shape} as a kernel argument (CuPy takes size one only)")
-        return arg.itemsize
+        return arg.itemsize, arg.tobytes().hex()
     if isinstance(arg, np.generic):
-        return arg.itemsize
+        return arg.itemsize, arg.tobytes().hex()
     raise TypeError(f"unsupported kernel argument type {type(arg)}")
 
 
@@ -94,11 +94,12 @@ class _Kernel:
     def __call__(self, grid, block, args, shared_mem=0):
         if shared_mem > self.max_dynamic_shared_size_bytes:
             raise RuntimeError(f"{self.name}: {shared_mem} bytes of shared memory, limit not raised")
-        sizes = [_argument_bytes(arg) for arg in args]
-        if sizes != self.params:  # the driver would read the kernel's parameters from the wrong bytes
+        got = [_argument(arg, n) for arg, n in zip(args, self.params)]
+        sizes = [n for n, _ in got]
+        if len(args) != len(self.params) or sizes != self.params:  # the driver would read the wrong bytes
             raise TypeError(f"{self.name}: arguments of {sizes} bytes for parameters of {self.params} bytes")
         self.launches.append([self.name, list(grid), list(block), shared_mem])
-        ARGUMENTS.append([_bytes(arg) for arg in args])
+        ARGUMENTS.append([text for _, text in got])
 
 
 def _ptx(code, options):
@@ -160,11 +161,12 @@ def _fake_cupy(launches):
         def __exit__(self, *exc):
             return False
 
-    cupy.ndarray, cupy.RawModule, cupy.__version__ = ndarray, RawModule, "stand-in"
+    cupy.ndarray, cupy.RawModule, cupy.__version__ = ndarray, RawModule, "14.2.0 (stand-in)"
     stream = types.SimpleNamespace(ptr=0)
     cupy.cuda = types.SimpleNamespace(Device=Device, runtime=types.SimpleNamespace(getDeviceCount=lambda: 1),
                                       nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)),
-                                      get_current_stream=lambda: stream)
+                                      get_current_stream=lambda: stream,
+                                      function=types.SimpleNamespace(CPointer=CPointer))
     for name in ("ascontiguousarray", "asarray", "zeros", "empty", "full"):
         setattr(cupy, name, lambda *a, _f=getattr(np, name), **k: wrap(_f(*a, **k)))
     cupy.__getattr__ = lambda name: getattr(np, name)  # the tiled path of wide heads: NumPy functions
@@ -181,6 +183,7 @@ def install(launches):
     """Put the stand-in in CuPy's place for the burst_hpc found on sys.path (imported here: its tensor maps
     are not encoded); each launch is appended to ``launches``. Returns the stand-in module."""
     sys.modules["cupy"] = _fake_cupy(launches)
+    sys.modules["cupy.cuda.function"] = sys.modules["cupy"].cuda.function
     from burst_hpc.backends.cuda import tma
 
     tma.device_maps = lambda cupy, pairs: _Maps(pairs)
@@ -249,48 +252,76 @@ def main():
 
 
 def kept_launches(array):
-    """The sm90 launches a call makes from a kept launch (a second call of the same shapes on other arrays) against
-    the same call's launches worked out anew: {case: {"kept", "anew", "first"}}, each a list of launches' argument
-    bytes (first: the first call's, on the other arrays), and {"addresses": {"first", "kept"}}: the outputs' and
-    lse's addresses of the two calls' arrays as the record holds them (8 bytes, hex)."""
+    """Second calls of the sm90 launches, each after a first call of the same shapes on other arrays, against the
+    same second call worked out anew: {case: {"first", "kept", "anew"}: each call's launches as their argument
+    bytes (hex); "addresses": {"first", "kept"}: the addresses of the arrays the case writes, 8 bytes in hex}. The
+    plain cases repeat a call; the others change one thing a launch depends on between the two calls."""
     from burst_hpc.plan import masks
-    from burst_hpc.backends.cuda import CudaBackend, launch
+    from burst_hpc.backends.cuda import CudaBackend
+    from burst_hpc.recent import Recent
 
     backend, cupy = CudaBackend.instance("sm90"), sys.modules["cupy"]
     b, s, hq, hkv, d = 1, 300, 2, 2, 128   # one head a K/V group: the backward writes dK, dV itself
+    n = s + 100   # the masks' sequence: room for the offsets below
+    causal = masks.make(n, True)
+    docs = masks.make(n, True, (100, 0), np.array([0, 130, n]))
+    other = masks.make(n, True, None, np.array([0, 70, 200, n]))
+
+    def arrays():
+        q, do, o16 = (array((b, s, hq, d), "bfloat16") for _ in range(3))
+        k, v = array((b, s, hkv, d), "bfloat16"), array((b, s, hkv, d), "bfloat16")
+        return dict(q=q, k=k, v=v, do=do, o16=o16, lse=cupy.full((b, hq, s), -np.inf, np.float32),
+                    o=cupy.zeros((b, s, hq, d), np.float32), out=cupy.empty(q.shape, q.dtype),
+                    dq=cupy.zeros(q.shape, np.float32), dk=cupy.zeros(k.shape, np.float32),
+                    dv=cupy.zeros(v.shape, np.float32), dk_out=cupy.empty(k.shape, k.dtype),
+                    dv_out=cupy.empty(v.shape, v.dtype))
+
+    def fwd(x, mask, q_start=0, k_start=0, first=True, into="out", cross_tile=True):
+        backend.kernels.cross_tile = cross_tile
+        backend.forward_block(x["q"], x["k"], x["v"], None if into == "out" else x["o"], x["lse"], scale=d ** -0.5,
+                              masked=True, mask=mask, q_start=q_start, k_start=k_start, first=first,
+                              out=x["out"] if into == "out" else None)
+        backend.kernels.cross_tile = True
+
+    def bwd(x, mask, q_start=0, first_kv=True, grads=False):
+        # the outputs given (a last pair): dK, dV written straight from the kernel at a first pair too; ``grads``:
+        # float32 accumulators given as well
+        acc = (x["dq"], x["dk"], x["dv"]) if grads else (None, None, None)
+        backend.backward_block(x["q"], x["k"], x["v"], x["do"], x["lse"], None, *acc, scale=d ** -0.5, masked=True,
+                               mask=mask, q_start=q_start, o=x["o16"], first_q=True, first_kv=first_kv,
+                               dq_out=x["out"], dk_out=x["dk_out"], dv_out=x["dv_out"])
+
+    cases = {}
+    for name, mask in (("causal", causal), ("interval", docs)):
+        cases[f"{name} fwd"] = (fwd, dict(mask=mask), dict(mask=mask), ("lse", "out"))
+        cases[f"{name} fwd into o"] = (fwd, dict(mask=mask, first=False, into="o"),
+                                       dict(mask=mask, first=False, into="o"), ("lse", "o"))
+        cases[f"{name} bwd"] = (bwd, dict(mask=mask), dict(mask=mask), ("dk_out", "dv_out"))
+        cases[f"{name} fwd q_start"] = (fwd, dict(mask=mask), dict(mask=mask, q_start=64), ())
+        cases[f"{name} fwd k_start"] = (fwd, dict(mask=mask, q_start=64), dict(mask=mask, q_start=64, k_start=32), ())
+        cases[f"{name} fwd first"] = (fwd, dict(mask=mask, into="o"), dict(mask=mask, into="o", first=False), ())
+        cases[f"{name} fwd cross_tile"] = (fwd, dict(mask=mask), dict(mask=mask, cross_tile=False), ())
+        cases[f"{name} bwd q_start"] = (bwd, dict(mask=mask), dict(mask=mask, q_start=64), ())
+        cases[f"{name} bwd first_kv"] = (bwd, dict(mask=mask, grads=True), dict(mask=mask, grads=True, first_kv=False),
+                                         ())
+    cases["fwd mask"] = (fwd, dict(mask=docs), dict(mask=other), ())
+    cases["bwd mask"] = (bwd, dict(mask=docs), dict(mask=other), ())
     out = {}
-    for mode in ("causal", "interval"):
-        mask = masks.make(s, True, *(((100, 0), np.array([0, 130, s])) if mode == "interval" else ()))
-        where = dict(scale=d ** -0.5, masked=True, mask=mask)
-
-        def arrays():
-            q, do = array((b, s, hq, d), "bfloat16"), array((b, s, hq, d), "bfloat16")
-            k, v = array((b, s, hkv, d), "bfloat16"), array((b, s, hkv, d), "bfloat16")
-            outs = [cupy.empty(x.shape, x.dtype) for x in (q, k, v)]
-            lse = cupy.full((b, hq, s), -np.inf, np.float32)
-            return q, k, v, do, lse, outs
-
-        calls = {"fwd": lambda q, k, v, do, lse, outs: backend.forward_block(q, k, v, None, lse, first=True,
-                                                                             out=outs[0], **where),
-                 "bwd": lambda q, k, v, do, lse, outs: backend.backward_block(
-                     q, k, v, do, lse, None, None, None, None, o=outs[0], first_q=True, first_kv=True,
-                     dq_out=outs[0], dk_out=outs[1], dv_out=outs[2], **where)}
-        for name, call in calls.items():
-            one, two = arrays(), arrays()
-            got = {}
-            backend.kernels.launches = launch.KeptLaunches()
-            for label, xs in (("first", one), ("kept", two)):
-                ARGUMENTS.clear()
-                call(*xs)
-                got[label] = list(ARGUMENTS)
-            backend.kernels.launches = launch.KeptLaunches()
+    for case, (call, first, second, written) in cases.items():
+        one, two = arrays(), arrays()
+        got = {}
+        backend.kernels.launches = Recent(256, tags=16)
+        for label, x, kw in (("first", one, first), ("kept", two, second)):
             ARGUMENTS.clear()
-            call(*two)
-            got["anew"] = list(ARGUMENTS)
-            got["addresses"] = {label: {n: np.uint64(x.data.ptr).tobytes().hex()
-                                        for n, x in zip(("lse", "out", "dk", "dv"), (xs[4], *xs[5]))}
-                                for label, xs in (("first", one), ("kept", two))}
-            out[f"{mode} {name}"] = got
+            call(x, **kw)
+            got[label] = list(ARGUMENTS)
+        backend.kernels.launches = Recent(256, tags=16)
+        ARGUMENTS.clear()
+        call(two, **second)
+        got["anew"] = list(ARGUMENTS)
+        got["addresses"] = {label: {n: np.uint64(x[n].data.ptr).tobytes().hex() for n in written}
+                            for label, x in (("first", one), ("kept", two))}
+        out[case] = got
     return out
 
 

@@ -23,12 +23,12 @@ term of ``_intervals`` and an argument of ``make``; the float64 oracle (burst_hp
 defines it again, independently.
 """
 import hashlib
-from collections import OrderedDict
 from functools import lru_cache
 
 import numpy as np
 
 from ..errors import MaskError
+from ..recent import Recent
 from ..validate import given_key
 
 
@@ -69,6 +69,7 @@ def check_cu_seqlens(cu_seqlens, seqlen):
         raise MaskError(f"cu_seqlens must be a 1-D integer array [0, ..., S] of document offsets; "
                         f"got {offsets.dtype} with shape {offsets.shape}")
     offsets = offsets.astype(np.int64)
+    offsets.setflags(write=False)   # a Mask is immutable (calls with the same arguments share one)
     if offsets[0] != 0 or offsets[-1] != seqlen:
         raise MaskError(f"cu_seqlens must start at 0 and end at the sequence length {seqlen}; "
                         f"got {offsets[0]} ... {offsets[-1]}")
@@ -231,8 +232,7 @@ def _device_intervals(mask, xp, device):
     return tuple(xp.asarray(x.astype(np.int32)) for x in mask.intervals)
 
 
-MASKS_KEPT = 8   # the masks of recent argument sets (a training loop repeats one or two)
-_MADE = OrderedDict()
+_MADE = Recent(8)   # the masks of recent argument sets (a training loop repeats one or two)
 
 
 def make(seqlen, causal=False, window=None, cu_seqlens=None):
@@ -246,11 +246,7 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
         if mask.kind == "intervals" and seqlen >= 2 ** 31:
             raise MaskError(f"documents and windows need a sequence shorter than 2**31 tokens; got {seqlen}")
         if key is not None:
-            _MADE[key] = mask
-            while len(_MADE) > MASKS_KEPT:
-                _MADE.popitem(last=False)
-    else:
-        _MADE.move_to_end(key)
+            _MADE.put(key, mask)
     return mask
 
 

@@ -5,7 +5,6 @@ contract.cuh struct (``KernelArgs``), and the GPU's size for the schedules.
 Every launch goes on CuPy's current stream; nothing here synchronizes the device.
 """
 import functools
-from collections import OrderedDict
 
 import numpy as np
 
@@ -190,7 +189,7 @@ class KernelArgs:
 
 
 class Kept:
-    """A launch worked out once for a call's shapes (a family's forward or backward, ``KeptLaunches``): the kernel,
+    """A launch worked out once for a call's shapes (a family's forward or backward, kept in a recent.Recent): the kernel,
     grid, block, shared memory and argument record (``args``, a KernelArgs record) with every field filled but the
     addresses of the call's own arrays, which each call sets (``__call__``); ``held``: what the record points to
     that the launch must keep alive (schedules, mask bounds, counters); ``facts``: what else the family decided
@@ -226,27 +225,6 @@ class Kept:
         self.kern(self.grid, self.block, (by_value(args.view(self.dtype)),), shared_mem=self.smem)
 
 
-class KeptLaunches:
-    """The Kept launches of recent call shapes by key, the least recently used dropped beyond ``size``: a ring's
-    or a training loop's calls repeat a few shapes, and working a launch out (tile heights, schedules, the record's
-    fifty fields) costs more host time than a short call's kernels leave."""
-
-    def __init__(self, size=64):
-        self.size, self.kept = size, OrderedDict()
-
-    def get(self, key):
-        made = self.kept.get(key)
-        if made is not None:
-            self.kept.move_to_end(key)
-        return made
-
-    def put(self, key, made):
-        self.kept[key] = made
-        if len(self.kept) > self.size:
-            self.kept.popitem(last=False)
-        return made
-
-
 def stream_key(cupy):
     """(device, stream) of the launches queued now: what per-stream launch state (a forward's tile counter) is
     kept by."""
@@ -255,12 +233,16 @@ def stream_key(cupy):
 
 @functools.cache
 def _pointer_type():
-    """CuPy's kernel argument that is a host address (cupy.cuda.function.CPointer), or None where it has none."""
+    """CuPy's kernel argument that is a host address (cupy.cuda.function.CPointer), or None where there is none
+    to trust: before CuPy 14 a CPointer kept the address of the Python int it was given, not its value."""
     try:
+        import cupy
         from cupy.cuda.function import CPointer
-    except (ImportError, AttributeError):
+
+        major = int(cupy.__version__.split(".")[0])
+    except (ImportError, AttributeError, ValueError):
         return None
-    return CPointer
+    return CPointer if major >= 14 else None
 
 
 def by_value(record):

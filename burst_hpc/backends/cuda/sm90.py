@@ -1,11 +1,10 @@
 """The sm90 family's launches: the wgmma / TMA / warp-specialized kernels of attn_fwd_sm90.cu and
 attn_bwd_sm90.cu, Hopper only (sm_90a; docs/KERNELS.md, "sm90 forward", "sm90 backward"). Kernel names and
 geometry come from the sources' kernel tables (contract.py)."""
-from collections import OrderedDict
-
 import numpy as np
 
 from . import launch, tma
+from ...recent import Recent
 from ...plan.tiles import WALK_DOWN_BLOCKS, forward_tiles, key_block_ranges, walk_down
 from .contract import PARAMS, SOURCES, mask_mode
 from .launch import mask_args, strides
@@ -66,7 +65,8 @@ class Sm90Kernels:
         self._splits = {}
         self._counters = {}
         self._locks = {}
-        self.launches = launch.KeptLaunches()
+        # launches by call shape; those of at most 16 interval masks (each holds its mask's bounds on the device)
+        self.launches = Recent(256, tags=16)
 
     def tile_heights(self, d):
         """The forward's tile heights (query rows per tile) for head dim d, as its source instantiates them."""
@@ -126,7 +126,7 @@ class Sm90Kernels:
         launches (each is taken and given back inside the kernel); grown, never cleared, per call."""
         import cupy
 
-        key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+        key = launch.stream_key(cupy)
         locks = self._locks.get(key)
         if locks is None or locks.size < n:
             locks = self._locks[key] = cupy.zeros(max(n, 1024), np.int32)
@@ -138,7 +138,7 @@ class Sm90Kernels:
         Launches on one stream run one after another; each stream has its own counter."""
         import cupy
 
-        key = (cupy.cuda.Device().id, cupy.cuda.get_current_stream().ptr)
+        key = launch.stream_key(cupy)
         counter = self._counters.get(key)
         if counter is None:
             counter = self._counters[key] = cupy.zeros(2, np.int32)
@@ -158,7 +158,7 @@ class Sm90Kernels:
         if made is None:
             made = self.launches.put(key, self._forward_launch(kind, q, k, v, o, lse, scale=scale, masked=masked,
                                                                mask=mask, q_start=q_start, k_start=k_start,
-                                                               first=first, out=out))
+                                                               first=first, out=out), made_tag(masked, mask))
         if made.via_float32:
             # key splits merge their parts in float32, and the kernel writes only the query tiles it visits
             # (a last pair's other rows hold the running o): the output is converted afterwards
@@ -172,12 +172,14 @@ class Sm90Kernels:
             # visits hold (0, -inf)
             lse.fill(-np.inf)
             (o if out is None else out).fill(0)
-        bm, bn = made.rows
+        bm, bn = made.tile
         try:
             maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
         except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
-            q, k, v = (cupy.ascontiguousarray(x) for x in (q, k, v))
-            return self.forward(kind, q, k, v, o, lse, scale=scale, masked=masked, mask=mask, q_start=q_start,
+            copies = [cupy.ascontiguousarray(x) for x in (q, k, v)]
+            if all(c is x for c, x in zip(copies, (q, k, v))):
+                raise
+            return self.forward(kind, *copies, o, lse, scale=scale, masked=masked, mask=mask, q_start=q_start,
                                 k_start=k_start, first=first, out=out)
         made(tmaps=maps, o=o, lse=lse, out=out)
 
@@ -212,7 +214,7 @@ class Sm90Kernels:
                                  **launch.array_fields(("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss"),
                                                        ("out", out, "tsb tss tsh")))
         held = (fields, mask.device_intervals(cupy) if mode == "interval" else None)
-        return launch.Kept(kern, grid, (kernel.threads,), kernel.smem_bytes, args, held=held, rows=(bm, bn),
+        return launch.Kept(kern, grid, (kernel.threads,), kernel.smem_bytes, args, held=held, tile=(bm, bn),
                            clear=clear, via_float32=False)
 
     # ---- backward --------------------------------------------------------------------------------------
@@ -227,7 +229,8 @@ class Sm90Kernels:
         if made is None:
             made = self.launches.put(key, self._backward_launch(kind, q, k, v, do, delta, dq_out, dk_out, dv_out,
                                                                 scale=scale, masked=masked, mask=mask,
-                                                                q_start=q_start, k_start=k_start, first_kv=first_kv))
+                                                                q_start=q_start, k_start=k_start, first_kv=first_kv),
+                                     made_tag(masked, mask))
 
         # dq, dk, dv are added into through float32 tensor maps (16-byte aligned address and strides); any
         # other accumulator gets a scratch array (zeroed, or at a first pair taken as it is), written back after;
@@ -335,7 +338,12 @@ class Sm90Kernels:
               np.int32(kind == "bf16")))
 
 
-_ORDERS = OrderedDict()
+_ORDERS = Recent(64)   # the schedules a ring repeats, a few kept
+
+
+def made_tag(masked, mask):
+    """What a kept launch holds on to: the interval mask whose device bounds its record points to, else None."""
+    return mask if mask_mode(masked, mask) == "interval" else None
 
 
 def _geometry(x):
@@ -353,18 +361,10 @@ def _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, bm, bn):
 
 
 def _cached(key, make):
-    """make() kept under ``key`` (with the current device): the schedules a ring repeats, a few kept."""
+    """make() kept under ``key`` (with the current device)."""
     import cupy
 
-    key = key + (cupy.cuda.Device().id,)
-    value = _ORDERS.get(key)
-    if value is None:
-        value = _ORDERS[key] = make()
-        if len(_ORDERS) > 64:
-            _ORDERS.popitem(last=False)
-    else:
-        _ORDERS.move_to_end(key)
-    return value
+    return _ORDERS.made(key + (cupy.cuda.Device().id,), make)
 
 
 def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):

@@ -8,11 +8,11 @@ them into one device buffer, cached by geometry (a map holds only an address and
 geometry always gives the same bytes).
 """
 import ctypes
-from collections import OrderedDict
 
 import numpy as np
 
 from ...errors import BackendError
+from ...recent import Recent
 
 _MAP_BYTES = 128
 _DTYPE_CODE = {"bfloat16": 9, "uint16": 9, "float16": 6, "float32": 7}  # CU_TENSOR_MAP_DATA_TYPE_*
@@ -20,7 +20,7 @@ _SWIZZLE_128B, _L2_PROMOTION_256B, _OOB_FILL_ZERO, _INTERLEAVE_NONE = 3, 3, 0, 0
 _CACHE_SIZE = 256
 
 _encode = None
-_cache = OrderedDict()
+_cache = Recent(_CACHE_SIZE)
 
 
 class TensorMapError(BackendError):
@@ -75,12 +75,7 @@ def device_maps(cupy, arrays_and_rows):
     """One device buffer holding the tensor maps of [(array, box rows), ...] back to back (cached)."""
     key = (cupy.cuda.Device().id, tuple(_geometry(x, r) for x, r in arrays_and_rows))
     buf = _cache.get(key)
-    if buf is not None:
-        _cache.move_to_end(key)
-        return buf
-    host = np.frombuffer(b"".join(encode_bshd(x, r) for x, r in arrays_and_rows), dtype=np.uint8)
-    buf = cupy.asarray(host)
-    _cache[key] = buf
-    if len(_cache) > _CACHE_SIZE:
-        _cache.popitem(last=False)
+    if buf is None:
+        host = np.frombuffer(b"".join(encode_bshd(x, r) for x, r in arrays_and_rows), dtype=np.uint8)
+        buf = _cache.put(key, cupy.asarray(host))
     return buf
