@@ -9,6 +9,7 @@ import pytest
 
 from burst_hpc.backends.cuda import launch, sm90
 from burst_hpc.plan import masks, tiles
+from burst_hpc.recent import Recent
 
 
 def test_ranges_are_the_tiles_whose_rows_see_the_block(rng):
@@ -106,7 +107,7 @@ def host_schedule(monkeypatch):
     fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
     fake.asarray = np.asarray
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(sm90, "_ORDERS", type(sm90._ORDERS)())
+    monkeypatch.setattr(sm90, "_ORDERS", Recent(64))
     monkeypatch.setattr(launch, "sm_count", lambda: 132)
 
 

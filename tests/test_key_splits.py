@@ -3,6 +3,7 @@ import pytest
 
 from burst_hpc.backends.cuda import launch, sm90
 from burst_hpc.plan import tiles
+from burst_hpc.recent import Recent
 
 
 @pytest.fixture
@@ -127,7 +128,7 @@ def test_interval_schedule_is_made_once_per_mask(monkeypatch):
     fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
     fake.asarray = np.asarray
     monkeypatch.setitem(sys.modules, "cupy", fake)
-    monkeypatch.setattr(sm90, "_ORDERS", type(sm90._ORDERS)())
+    monkeypatch.setattr(sm90, "_ORDERS", Recent(64))
     made = []
     real = tiles.forward_tiles
     monkeypatch.setattr(sm90, "forward_tiles", lambda *a: made.append(a) or real(*a))
