@@ -252,8 +252,8 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
 
 @lru_cache(maxsize=4)   # a planner asks the same few grains over and over; an entry can be large
 def block_counts(mask, rows, keys):
-    """int64 (ceil(S / rows), ceil(S / keys)), read-only: the visible (query, key) pairs of every block of ``rows`` query
-    rows against every block of ``keys`` keys. The row intervals never shrink, so the pairs of a block
+    """int64 (ceil(S / rows), ceil(S / keys)), read-only: the visible (query, key) pairs of every block of ``rows``
+    query rows against every block of ``keys`` keys. The row intervals never shrink, so the pairs of a block
     of rows with the keys before a point come from prefix sums and searchsorted, without visiting
     the rows one by one. A Packed mask: its own rows against its keys (``seqlen`` of them)."""
     lo, hi = mask.intervals

@@ -189,9 +189,9 @@ class KernelArgs:
 
 
 class Kept:
-    """A launch worked out once for a call's shapes (a family's forward or backward, kept in a recent.Recent): the kernel,
-    grid, block, shared memory and argument record (``args``, a KernelArgs record) with every field filled but the
-    addresses of the call's own arrays, which each call sets (``__call__``); ``held``: what the record points to
+    """A launch worked out once for a call's shapes (a family's forward or backward, kept in a recent.Recent): the
+    kernel, grid, block, shared memory and argument record (``args``, a KernelArgs record) with every field filled but
+    the addresses of the call's own arrays, which each call sets (``__call__``); ``held``: what the record points to
     that the launch must keep alive (schedules, mask bounds, counters); ``facts``: what else the family decided
     (attributes by name)."""
 
