@@ -15,18 +15,10 @@ from . import contract
 LOG2E = 1.4426950408889634  # the kernels' softmax runs in base 2: they take scale * log2(e)
 
 
-_KINDS = {}
-
-
+@functools.lru_cache(maxsize=None)   # every launch asks it of each array: a handful of dtypes
 def dtype_kind(dtype):
     """'bf16' | 'f16' | 'f32' for an input dtype, or BackendError (uint16 holds raw bf16 bits)."""
-    kind = _KINDS.get(dtype)
-    if kind is None:
-        kind = _KINDS[dtype] = _dtype_kind(np.dtype(dtype))
-    return kind
-
-
-def _dtype_kind(dtype):
+    dtype = np.dtype(dtype)
     if dtype == np.float16:
         return "f16"
     if dtype.name == "bfloat16" or dtype == np.uint16:
