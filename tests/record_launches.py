@@ -12,6 +12,7 @@ maps are not encoded (no driver). Output: {"tables": the kernel tables as the ba
 
     python3 tests/record_launches.py
 """
+import collections
 import ctypes
 import json
 import os
@@ -20,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import types
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -167,10 +169,35 @@ def _fake_cupy(launches):
                                       nvrtc=types.SimpleNamespace(getVersion=lambda: (0, 0)),
                                       get_current_stream=lambda: stream,
                                       function=types.SimpleNamespace(CPointer=CPointer))
-    for name in ("ascontiguousarray", "asarray", "zeros", "empty", "full"):
+    for name in ("ascontiguousarray", "asarray"):
         setattr(cupy, name, lambda *a, _f=getattr(np, name), **k: wrap(_f(*a, **k)))
+    cupy.empty = lambda shape, dtype=float: _pooled(shape, dtype)
+    cupy.zeros = lambda shape, dtype=float: _fill(_pooled(shape, dtype), 0)
+    cupy.full = lambda shape, value, dtype=None: _fill(_pooled(shape, dtype or np.asarray(value).dtype), value)
     cupy.__getattr__ = lambda name: getattr(np, name)  # the tiled path of wide heads: NumPy functions
     return cupy
+
+
+_FREE = collections.defaultdict(list)   # freed blocks by size, as CuPy's memory pool keeps them
+
+
+def _pooled(shape, dtype):
+    """A new array on a 256-byte aligned block, a freed block of its size where there is one (CuPy's pool hands
+    the same block back: a call's scratch has the address it had at the call before)."""
+    shape = (shape,) if np.isscalar(shape) else tuple(shape)
+    n = max(1, int(np.prod(shape))) * np.dtype(dtype).itemsize
+    block = _FREE[n].pop() if _FREE[n] else np.empty(n + 256, np.uint8)
+    at = -block.ctypes.data % 256
+    # an array over a buffer, not a view of ``block``: every view of it keeps it (not ``block``) as its base, so it
+    # lives while any of them does
+    root = np.frombuffer(memoryview(block)[at:at + n], np.uint8)
+    weakref.finalize(root, _FREE[n].append, block)
+    return root.view(dtype)[:int(np.prod(shape))].reshape(shape).view(ndarray)
+
+
+def _fill(x, value):
+    x.fill(value)
+    return x
 
 
 class _Maps:  # the tensor maps: the arrays and box rows only, at a made-up device address
