@@ -1,10 +1,13 @@
-"""One rank's GPU timeline of a packed-documents call, under mpiexec (one rank per GPU): what each stream ran
-and where the compute stream stood idle. The call is queued as bench_documents --timing queued queues it
-(an L2 flush and a device barrier first), then a torch.profiler (CUPTI) trace of ``--calls`` calls is read per
-stream: kernels, memsets and copies with their start (microseconds from the first) and length, and the
-compute stream's gaps longer than --gap microseconds. Needs torch on the GPU machine (the library does not).
+"""One rank's GPU timeline of a packed-documents call, under mpiexec (one rank per GPU), or every rank's: what
+each stream ran and where the compute stream stood idle. The call is queued as bench_documents --timing queued
+queues it (an L2 flush and a device barrier first; before them ``--head-start`` ms of a busy GPU, so the host
+has issued the call when the GPU reaches it and the trace shows the GPU's own pace, not the profiled host's),
+then a torch.profiler (CUPTI) trace of ``--calls`` calls is read per stream: kernels, memsets and copies with
+their start (microseconds from the first) and length, and the compute stream's gaps longer than --gap
+microseconds. The host's time to issue a call (no profiler) is printed too. Needs torch on the GPU machine
+(the library does not).
 
-    mpirun -np 4 python bench/timeline.py --layout chunks --pass fwdbwd [--dist uniform] [--rank 0]
+    mpirun -np 4 python bench/timeline.py --layout chunks --pass fwdbwd [--dist uniform] [--rank 0|all]
 
 On 4 x H200 and 4 x H100 the job printed its timeline and then did not end on its own (every time; not looked
 into: the profiler's or NCCL's teardown at exit, most likely): run it under ``timeout``.
@@ -13,6 +16,7 @@ import argparse
 import json
 import os
 import tempfile
+import time
 from collections import defaultdict
 
 import numpy as np
@@ -24,6 +28,7 @@ from burst_hpc.plan.layout import make_layout
 
 import bench_documents
 import evidence
+import timing
 
 
 def main(argv=None):
@@ -36,9 +41,13 @@ def main(argv=None):
     ap.add_argument("--layout", default="chunks")
     ap.add_argument("--pass", dest="pass_", default="fwdbwd", choices=("fwd", "bwd", "fwdbwd"))
     ap.add_argument("--calls", type=int, default=1)
-    ap.add_argument("--rank", type=int, default=0, help="whose timeline to print")
+    ap.add_argument("--rank", default="0", help="whose timeline to print: a rank, or 'all' (in rank order)")
     ap.add_argument("--gap", type=float, default=5.0, help="compute-stream gaps shown, microseconds")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--head-start", type=float, default=30.0,
+                    help="milliseconds the GPU is kept busy before the flush, so the host has issued the call "
+                         "before the GPU reaches it (the GPU's own timeline; 0: the host's pace shows, inflated "
+                         "by the profiler's own time a launch)")
     args = ap.parse_args(argv)
 
     import cupy
@@ -71,12 +80,23 @@ def main(argv=None):
         call()
     cupy.cuda.Device().synchronize()
     comm.Barrier()
+    host = []
+    for _ in range(5):   # the host's time to issue a call, the GPU busy meanwhile, no profiler
+        timing.gpu_busy(args.head_start + 5)
+        flush()
+        t = time.perf_counter()
+        call()
+        host.append((time.perf_counter() - t) * 1e3)
+        cupy.cuda.Device().synchronize()
+    comm.Barrier()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.calls):
+            if args.head_start:
+                timing.gpu_busy(args.head_start)
             flush()
             call()
         cupy.cuda.Device().synchronize()
-    if r != args.rank:
+    if args.rank != "all" and r != int(args.rank):
         comm.Barrier()
         return
     with tempfile.TemporaryDirectory() as tmp:
@@ -95,24 +115,33 @@ def main(argv=None):
     for e in events:
         streams[e["tid"]].append(e)
     compute = max(streams, key=lambda s: sum(e["dur"] for e in streams[s] if "attn" in e["name"]))
-    print(f"rank {r}, {args.layout}, {args.pass_}, {args.dist}: {args.calls} call(s), {end - t0:.0f} us from the "
-          f"barrier's end to the last work")
+    lines = []
+    lines.append(f"rank {r}, {args.layout}, {args.pass_}, {args.dist}: {args.calls} call(s), {end - t0:.0f} us from "
+                 f"the barrier's end to the last work; the host issues a call in {np.median(host):.2f} ms (median of 5)")
     for sid, evs in streams.items():
         busy = sum(e["dur"] for e in evs)
-        print(f"\n== stream {sid}{' (compute)' if sid == compute else ''}: {len(evs)} items, busy {busy:.0f} us")
+        lines.append(f"\n== stream {sid}{' (compute)' if sid == compute else ''}: {len(evs)} items, busy {busy:.0f} us")
         totals = defaultdict(float)
         for e in evs:
             totals[e["name"][:60]] += e["dur"]
         for name, us in sorted(totals.items(), key=lambda x: -x[1])[:12]:
-            print(f"   {us:9.0f} us  {name}")
-    print("\n== compute stream, in order (start us, length us, name; gaps marked)")
+            lines.append(f"   {us:9.0f} us  {name}")
+        if sid != compute:
+            lines.extend(f"   at {e['ts'] - t0:9.0f} {e['dur']:8.0f}  {e['name'][:50]}" for e in evs[:30])
+    lines.append("\n== compute stream, in order (start us, length us, name; gaps marked)")
     last = t0
     for e in streams[compute]:
         gap = e["ts"] - last
         if gap > args.gap:
-            print(f"   -- idle {gap:.0f} us")
-        print(f"   {e['ts'] - t0:9.0f} {e['dur']:8.0f}  {e['name'][:70]}")
+            lines.append(f"   -- idle {gap:.0f} us")
+        lines.append(f"   {e['ts'] - t0:9.0f} {e['dur']:8.0f}  {e['name'][:70]}")
         last = max(last, e["ts"] + e["dur"])
+    if args.rank == "all":
+        lines = comm.gather("\n".join(lines), root=0)
+        if r == 0:
+            print("\n\n".join(lines))
+    else:
+        print("\n".join(lines))
     comm.Barrier()
 
 
