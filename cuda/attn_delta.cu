@@ -1,5 +1,6 @@
-// The delta pre-pass of both kernel families' backward: rowsum(do * o) per (batch, head, query row), in
-// float32, before the backward walks its block pairs.
+// The passes at memory bandwidth around the backward's block calls: the delta pre-pass of both kernel families
+// (rowsum(do * o) per (batch, head, query row), in float32, before the backward walks its block pairs), and the
+// packed backward's sum of its keys' gradients from every rank (attn_rows_sum).
 #include "common.cuh"
 #include "contract.cuh"
 
@@ -56,3 +57,61 @@ extern "C" __global__ void __launch_bounds__(DELTA_THREADS)
 
 // its row: any dtype, head dim and mask; DELTA_ROWS rows of (b, s, h) per CTA of DELTA_THREADS threads
 BH_KERNEL_TABLE(attn_delta, {"attn_delta", BH_ANY, BH_ANY, BH_ANY, DELTA_ROWS, 0, DELTA_THREADS, 0})
+
+// The packed backward's float32 dK or dV brought home (engine/packed.py): each of a rank's own key rows r is its
+// slot own[r] of the packed buffer plus the partials the other ranks computed for it, added and converted once:
+//   out[b, r, :] = src[b, own[r], :] + sum over j in [ptr[r], ptr[r+1]) of parts[at[j] + b * step[j], :]
+// Rows are `width` contiguous floats (Hkv * D): src (B, K, width), parts (rows, width), out (B, S, width), each
+// contiguous and 16-byte aligned; kind: out's dtype (BH_DTYPE_*). With vec (width % 8 == 0) each thread takes 8
+// elements with 16-byte loads, else one.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_rows_sum(const float* src, i64 K, const i64* own, const int* ptr, const i64* at, const int* step,
+                  const float* parts, void* out, int B, int S, int width, int kind, int vec) {
+  const int per = vec ? 8 : 1, G = width / per;
+  const i64 n = static_cast<i64>(B) * S * G;
+  for (i64 t = static_cast<i64>(blockIdx.x) * blockDim.x + threadIdx.x; t < n;
+       t += static_cast<i64>(gridDim.x) * blockDim.x) {
+    const i64 row = t / G;
+    const int c = static_cast<int>(t - row * G) * per, r = static_cast<int>(row % S), b = static_cast<int>(row / S);
+    float acc[8];
+    const float* const s = src + (static_cast<i64>(b) * K + own[r]) * width + c;
+    if (vec) {
+      const float4 x = reinterpret_cast<const float4*>(s)[0], y = reinterpret_cast<const float4*>(s)[1];
+      acc[0] = x.x, acc[1] = x.y, acc[2] = x.z, acc[3] = x.w, acc[4] = y.x, acc[5] = y.y, acc[6] = y.z, acc[7] = y.w;
+    } else {
+      acc[0] = s[0];
+    }
+    for (int j = ptr[r]; j < ptr[r + 1]; ++j) {
+      const float* const p = parts + (at[j] + static_cast<i64>(b) * step[j]) * width + c;
+      if (vec) {
+        const float4 x = reinterpret_cast<const float4*>(p)[0], y = reinterpret_cast<const float4*>(p)[1];
+        acc[0] += x.x, acc[1] += x.y, acc[2] += x.z, acc[3] += x.w, acc[4] += y.x, acc[5] += y.y, acc[6] += y.z,
+            acc[7] += y.w;
+      } else {
+        acc[0] += p[0];
+      }
+    }
+    const i64 o = row * width + c;
+    if (kind == BH_DTYPE_f32) {
+      float* const y = static_cast<float*>(out) + o;
+      if (vec) {
+        reinterpret_cast<float4*>(y)[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+        reinterpret_cast<float4*>(y)[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      } else {
+        y[0] = acc[0];
+      }
+    } else {
+      const bool bf16 = kind == BH_DTYPE_bf16;
+      u16* const y = static_cast<u16*>(out) + o;
+      if (vec) {
+        *reinterpret_cast<uint4*>(y) =
+            bf16 ? make_uint4(pack2<true>(acc[0], acc[1]), pack2<true>(acc[2], acc[3]), pack2<true>(acc[4], acc[5]),
+                              pack2<true>(acc[6], acc[7]))
+                 : make_uint4(pack2<false>(acc[0], acc[1]), pack2<false>(acc[2], acc[3]),
+                              pack2<false>(acc[4], acc[5]), pack2<false>(acc[6], acc[7]));
+      } else {
+        y[0] = static_cast<u16>((bf16 ? pack2<true>(acc[0], 0.f) : pack2<false>(acc[0], 0.f)) & 0xffffu);
+      }
+    }
+  }
+}

@@ -692,3 +692,32 @@ def test_delta_paths(d, vector):
             assert _maxerr(be.delta(a, b), want) < 1e-4 * max(1.0, float(cupy.abs(want).max()))
     finally:
         be.vector_delta = old
+
+
+@pytest.mark.parametrize("d", [128, 3])
+@pytest.mark.parametrize("dtype", [BF16, np.dtype("float16"), np.dtype("float32")], ids=["bf16", "fp16", "f32"])
+def test_rows_sum_adds_every_partial_and_converts_once(rng, d, dtype):
+    """attn_rows_sum (the packed backward's dK/dV home) against the NumPy backend's rows_sum: rows with no,
+    one and several partials, a batch of 2, rows of 8-element vectors and of single ones (Hkv * D = 6)."""
+    from burst_hpc.backends.numpy_backend import NumpyBackend
+
+    batch, keys, rows, h = 2, 50, 37, 2
+    own = rng.permutation(keys)[:rows].astype(np.int64)
+    senders = [rng.choice(rows, size=n, replace=False) for n in (11, 0, 25, 3)]
+    blocks = np.cumsum([0] + [len(s) for s in senders])
+    flat = np.concatenate(senders).astype(np.int64)
+    at = np.concatenate([batch * lo + np.arange(hi - lo) for lo, hi in zip(blocks[:-1], blocks[1:])]).astype(np.int64)
+    step = np.repeat(np.diff(blocks), np.diff(blocks)).astype(np.int32)
+    order = np.argsort(flat, kind="stable")
+    ptr = np.concatenate([[0], np.cumsum(np.bincount(flat, minlength=rows))]).astype(np.int32)
+    src = rng.standard_normal((batch, keys, h, d)).astype(np.float32)
+    parts = rng.standard_normal((batch * blocks[-1], h, d)).astype(np.float32)
+    table = own, ptr, at[order], step[order]
+    want = np.empty((batch, rows, h, d), np.float64)
+    NumpyBackend().rows_sum(src.astype(np.float64), *table, parts.astype(np.float64), want)
+    got = cupy.full((batch, rows, h, d), cupy.nan, dtype)
+    _be().rows_sum(cupy.asarray(src), *(cupy.asarray(x) for x in table), cupy.asarray(parts), got)
+    exact = want.astype(np.float32).astype(dtype).astype(np.float64)   # one rounding, from float32
+    tol = 0 if dtype == np.float32 else float(np.abs(want).max()) * 2.0 ** -7
+    assert np.abs(cupy.asnumpy(got).astype(np.float64) - exact).max() <= max(tol, 1e-5)
+    assert np.ptp(np.diff(ptr)) >= 2   # rows with none and with several partials

@@ -343,3 +343,23 @@ def test_one_pair_needs_no_accumulators(rng):
         be.forward_block(q, k, v, None, lse, scale=0.3, **plain_mask(True), out=o)
     with pytest.raises(BackendError, match="delta or o"):
         be.backward_block(q, k, v, do, lse, None, *outs, scale=0.3, **plain_mask(True))
+
+
+def test_rows_sum_adds_each_rows_partials_to_its_own_slot(rng):
+    """rows_sum: a row's own slot plus every partial listed for it (none, one, several; a batch of 2 where a
+    partial of batch b sits ``step`` rows after batch 0's), converted once into out's dtype."""
+    batch, keys, rows = 2, 9, 5
+    src = rng.standard_normal((batch, keys, 3)).astype(FP32)
+    parts = rng.standard_normal((12, 3)).astype(FP32)
+    own = np.array([8, 0, 3, 4, 1])
+    # row 0: none; row 1: partial rows 0 and 6 (step 3 and 2); row 2: none; row 3: 2 (step 3); row 4: 7 (step 2)
+    ptr = np.array([0, 0, 2, 2, 3, 4], np.int32)
+    at, step = np.array([0, 6, 2, 7]), np.array([3, 2, 3, 2], np.int32)
+    out = np.empty((batch, rows, 3), BF16)
+    NumpyBackend().rows_sum(src, own, ptr, at, step, parts, out)
+    want = src[:, own].astype(FP64)
+    for b in range(batch):
+        want[b, 1] += parts[0 + 3 * b] + parts[6 + 2 * b]
+        want[b, 3] += parts[2 + 3 * b]
+        want[b, 4] += parts[7 + 2 * b]
+    assert out.dtype == BF16 and max_err(out, want) <= 2.0 ** -7 * np.abs(want).max()

@@ -180,6 +180,18 @@ class NumpyBackend:
                                  * acc.type(scale)).transpose(0, 2, 1, 3)
             dq[:, q0:q1] += _ungroup(dq_t)
 
+    def rows_sum(self, src, own, ptr, at, step, parts, out):
+        xp = self.xp
+        total = src[:, own]
+        counts = ptr[1:] - ptr[:-1]
+        # the k-th partial of every row that has one at a time: no row twice in one indexed add
+        for k in range(int(counts.max()) if counts.size else 0):
+            rows = xp.flatnonzero(counts > k)
+            j = ptr[rows] + k
+            for b in range(out.shape[0]):
+                total[b, rows] += parts[at[j] + b * step[j]]
+        out[...] = total
+
     def delta(self, do, o):
         acc = accum_dtype(do.dtype)
         return self.xp.einsum("bshd,bshd->bhs", do.astype(acc, copy=False), o.astype(acc, copy=False))

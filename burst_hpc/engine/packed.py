@@ -92,22 +92,43 @@ class PackedPasses:
             return _run_views(buffers, slots, cuts)
         return list(buffers)
 
-    def home(self, grads, transport):
+    def home(self, grads, transport, dtypes):
         """This rank's own rows of the float32 buffers ``grads`` (dK, dV over the packed keys), with what the
-        other ranks computed for its runs added in; each other rank's runs sent home."""
-        xp, p = self.plan.xp, self.packing
+        other ranks computed for them added in, each converted to its one of ``dtypes``; each other rank's runs
+        sent home, gathered into one message a gradient (a run a message from its place measured 0.98-0.99x on
+        4 x H200). Every sender's runs land in one buffer a gradient, and one pass a gradient (the backend's
+        rows_sum) reads a row's own slot and its partials and writes it converted."""
+        xp, p, be = self.plan.xp, self.packing, self.plan.backend
+        batch, shape = grads[0].shape[0], grads[0].shape[2:]
         sends = [(b, [_take(g, self.index(("recv", b), slots)) for g in grads]) for b, slots in p.receives]
-        recvs = [(a, [xp.empty((g.shape[0], len(rows)) + g.shape[2:], g.dtype) for g in grads]) for a, rows in p.sends]
+        table, blocks = self.home_table(batch)
+        parts = [xp.empty((batch * blocks[-1],) + shape, g.dtype) for g in grads]
+        recvs = [(a, [x[batch * lo:batch * hi].reshape((batch, hi - lo) + shape) for x in parts])
+                 for (a, _), lo, hi in zip(p.sends, blocks[:-1], blocks[1:])]
         pending = transport.exchange(sends, recvs) if sends or recvs else None
-        # the buffer is the rank's own keys as they are (nothing arrives): its gradients are the own rows already
-        own = list(grads) if p.start is not None else [_take(g, self.index("own", p.own)) for g in grads]
+        outs = [xp.empty((batch, len(p.own)) + shape, dtype) for dtype in dtypes]
         if pending is not None:
             pending.wait()
-        for (a, bufs), (_, rows) in zip(recvs, p.sends):
-            at = self.index(("send", a), rows)
-            for mine, part in zip(own, bufs):
-                mine[:, at] += part
-        return own
+        for g, part, out in zip(grads, parts, outs):
+            be.rows_sum(g, *table, part, out)
+        return outs
+
+    def home_table(self, batch):
+        """(own, ptr, at, step) of the backend's rows_sum over the partials of ``home`` for a batch of ``batch``,
+        on the plan's device and made once, and the offsets of each sender's block of rows in the partials
+        buffer (one block a rank in ``packing.sends``, (batch, rows) each)."""
+        p = self.packing
+        blocks = np.cumsum([0] + [len(rows) for _, rows in p.sends])
+        if ("home", batch) not in self._index:
+            rows = np.concatenate([rows for _, rows in p.sends] or [np.zeros(0, np.int64)])
+            at = np.concatenate([batch * lo + np.arange(hi - lo) for lo, hi in zip(blocks[:-1], blocks[1:])]
+                                or [np.zeros(0, np.int64)]).astype(np.int64)
+            step = np.repeat(np.diff(blocks), np.diff(blocks)).astype(np.int32)
+            order = np.argsort(rows, kind="stable")
+            ptr = np.zeros(len(p.own) + 1, np.int32)
+            np.cumsum(np.bincount(rows, minlength=len(p.own)), out=ptr[1:])
+            self._index[("home", batch)] = tuple(self.plan.xp.asarray(x) for x in (ptr, at[order], step[order]))
+        return (self.index("own", p.own),) + self._index[("home", batch)], blocks
 
     def spans(self, rows, meter):
         """The (lo, hi) query rows of each block call of a pass over the first ``rows``: one call, or on the NumPy
@@ -195,14 +216,11 @@ class PackedPasses:
         else:
             dkp.fill(0)
             dvp.fill(0)
-        dk, dv = (dk_out, dv_out) if alone else self.home([dkp, dvp], near)
+        dtypes = (k.dtype, v.dtype) if convert else (acc, acc)
+        dk, dv = (dk_out, dv_out) if alone else self.home([dkp, dvp], near, dtypes)
         if on_step is not None:
             on_step(1, 1)
-        if not convert:
-            return dq, dk, dv
-        if alone:
-            return dq_out, dk, dv
-        return dq_out, dk.astype(k.dtype), dv.astype(v.dtype)
+        return (dq_out if convert else dq), dk, dv
 
 
 def _run_views(arrays, at, cuts):

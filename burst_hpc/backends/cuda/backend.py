@@ -326,6 +326,23 @@ class CudaBackend:
               np.int32(codes[kind]), np.int32(codes[launch.dtype_kind(o.dtype)]), np.int32(lanes)))
         return out
 
+    def rows_sum(self, src, own, ptr, at, step, parts, out):
+        """The block contract's ``rows_sum`` in one pass (attn_delta.cu's attn_rows_sum)."""
+        cupy = self.xp
+        b, s = out.shape[:2]
+        width = int(np.prod(out.shape[2:]))
+        if out.size == 0:
+            return
+        arrays = [cupy.ascontiguousarray(x) for x in (src, parts)]
+        if not out.flags.c_contiguous:
+            raise BackendError("rows_sum writes a contiguous out")
+        kern = self.modules.kernel(contract.DELTA_SOURCE, "attn_rows_sum", 0)
+        vec = int(width % 8 == 0)
+        grid = min(-(-b * s * (width // 8 if vec else width) // 256), 16384)
+        kern((grid,), (256,), (arrays[0], np.int64(src.shape[1]), own, ptr, at, step, arrays[1], out, np.int32(b),
+                               np.int32(s), np.int32(width), np.int32(self._dtype_codes[launch.dtype_kind(out.dtype)]),
+                               np.int32(vec)))
+
 
 class _WideHeads:
     """Heads wider than every kernel: numpy_backend's tiled online softmax on CuPy arrays (WIDE_TILE x
