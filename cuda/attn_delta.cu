@@ -115,3 +115,23 @@ extern "C" __global__ void __launch_bounds__(256)
     }
   }
 }
+
+// Rows moved between arrays of rows (the packed passes' placing and gathering of keys and gradients, as one
+// launch each): dst[b, dst_rows[i], :] = src[b, src_rows[i], :] for i < n, a null index meaning row i itself.
+// src (B, src_len, bytes) and dst (B, dst_len, bytes) contiguous; a CTA a row at a time, its threads along it;
+// vec: rows a multiple of 16 bytes and both arrays 16-byte aligned (16 bytes a thread), else a byte a thread.
+extern "C" __global__ void __launch_bounds__(256)
+    attn_rows_copy(const unsigned char* src, i64 src_len, const i64* src_rows, unsigned char* dst, i64 dst_len,
+                   const i64* dst_rows, int B, i64 n, int bytes, int vec) {
+  for (i64 row = blockIdx.x; row < B * n; row += gridDim.x) {
+    const i64 i = row % n, b = row / n;
+    const unsigned char* const from = src + (b * src_len + (src_rows != nullptr ? src_rows[i] : i)) * bytes;
+    unsigned char* const to = dst + (b * dst_len + (dst_rows != nullptr ? dst_rows[i] : i)) * bytes;
+    if (vec) {
+      for (int c = threadIdx.x; c < bytes / 16; c += blockDim.x)
+        reinterpret_cast<uint4*>(to)[c] = reinterpret_cast<const uint4*>(from)[c];
+    } else {
+      for (int c = threadIdx.x; c < bytes; c += blockDim.x) to[c] = from[c];
+    }
+  }
+}

@@ -721,3 +721,26 @@ def test_rows_sum_adds_every_partial_and_converts_once(rng, d, dtype):
     tol = 0 if dtype == np.float32 else float(np.abs(want).max()) * 2.0 ** -7
     assert np.abs(cupy.asnumpy(got).astype(np.float64) - exact).max() <= max(tol, 1e-5)
     assert np.ptp(np.diff(ptr)) >= 2   # rows with none and with several partials
+
+
+@pytest.mark.parametrize("d", [128, 3])
+@pytest.mark.parametrize("dtype", [BF16, np.dtype("float16"), np.dtype("float32")], ids=["bf16", "fp16", "f32"])
+def test_rows_copy_moves_exactly_the_listed_rows(rng, d, dtype):
+    """attn_rows_copy (the packed passes' placing and gathering of rows) against NumPy's fancy indexing: a batch
+    of 2, indices on either side, both and neither, 16-byte rows and 6- or 12-byte ones; other rows untouched."""
+    from burst_hpc.backends.numpy_backend import NumpyBackend
+
+    batch, n_src, n_dst, h = 2, 40, 57, 2
+    src = rng.standard_normal((batch, n_src, h, d)).astype(dtype)
+    picks = rng.permutation(n_src)[:23].astype(np.int64)
+    places = rng.permutation(n_dst)[:23].astype(np.int64)
+    for src_rows, dst_rows, dst_len in ((picks, None, 23), (None, places[:n_src], n_dst), (picks, places, n_dst),
+                                        (None, None, n_src)):
+        src_rows = None if src_rows is None else src_rows[:len(places) if dst_rows is None else len(dst_rows)]
+        start = rng.standard_normal((batch, dst_len, h, d)).astype(dtype)
+        want = start.copy()
+        NumpyBackend().rows_copy(src, src_rows, want, dst_rows)
+        got = cupy.asarray(start)
+        _be().rows_copy(cupy.asarray(src), None if src_rows is None else cupy.asarray(src_rows), got,
+                        None if dst_rows is None else cupy.asarray(dst_rows))
+        assert np.array_equal(cupy.asnumpy(got).view(np.uint8), want.view(np.uint8))

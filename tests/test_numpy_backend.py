@@ -363,3 +363,18 @@ def test_rows_sum_adds_each_rows_partials_to_its_own_slot(rng):
         want[b, 3] += parts[2 + 3 * b]
         want[b, 4] += parts[7 + 2 * b]
     assert out.dtype == BF16 and max_err(out, want) <= 2.0 ** -7 * np.abs(want).max()
+
+
+def test_rows_copy_moves_the_listed_rows_and_no_other(rng):
+    """rows_copy: dst[:, dst_rows] = src[:, src_rows], an index None meaning the first rows in order."""
+    src = rng.standard_normal((2, 6, 3)).astype(FP32)
+    be = NumpyBackend()
+    dst = np.zeros((2, 4, 3), FP32)
+    be.rows_copy(src, np.array([5, 0, 2]), dst, None)
+    assert np.array_equal(dst[:, :3], src[:, [5, 0, 2]]) and not dst[:, 3].any()
+    dst = np.zeros((2, 8, 3), FP32)
+    be.rows_copy(src, None, dst, np.array([7, 1]))
+    assert np.array_equal(dst[:, [7, 1]], src[:, :2]) and not dst[:, [0, 2, 3, 4, 5, 6]].any()
+    dst = np.zeros((2, 6, 3), FP32)
+    be.rows_copy(src, None, dst, None)
+    assert np.array_equal(dst, src)

@@ -23,6 +23,11 @@ reading key/value head h // (Hq // Hkv). Inputs may be strided views along S (a 
 
     delta(do, o) -> (B, Hq, S) accumulator-type rowsum(do * o)
 
+    rows_copy(src, src_rows, dst, dst_rows)
+        dst[:, dst_rows] = src[:, src_rows], rows of contiguous (B, S, ...) arrays of one dtype; an index None
+        is the first rows in order, as many as the other lists (both None: all of src's); src_rows, dst_rows
+        int64 arrays on the device (the packed passes place and gather keys and gradients with it).
+
     rows_sum(src, own, ptr, at, step, parts, out)
         The packed backward's gradients of a rank's own keys, from every rank's share, converted once:
         out[b, r] = src[b, own[r]] + the sum over j in [ptr[r], ptr[r+1]) of parts[at[j] + b * step[j]].

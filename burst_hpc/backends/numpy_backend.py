@@ -180,6 +180,10 @@ class NumpyBackend:
                                  * acc.type(scale)).transpose(0, 2, 1, 3)
             dq[:, q0:q1] += _ungroup(dq_t)
 
+    def rows_copy(self, src, src_rows, dst, dst_rows):
+        n = len(src_rows) if src_rows is not None else len(dst_rows) if dst_rows is not None else src.shape[1]
+        dst[:, slice(n) if dst_rows is None else dst_rows] = src[:, slice(n) if src_rows is None else src_rows]
+
     def rows_sum(self, src, own, ptr, at, step, parts, out):
         xp = self.xp
         total = src[:, own]

@@ -34,7 +34,7 @@ class PackedPasses:
     def index(self, name, rows):
         """``rows`` (int64 NumPy) as an index array on the plan's device, made once."""
         if name not in self._index:
-            self._index[name] = self.plan.xp.asarray(rows)
+            self._index[name] = self.plan.xp.asarray(rows, dtype=np.int64)
         return self._index[name]
 
     def gather(self, arrays, transport, meanwhile=None, in_place=False):
@@ -66,7 +66,7 @@ class PackedPasses:
         pending = transport.exchange(sends, recvs) if sends or recvs else None
         try:
             for buf, x in zip(packed, arrays):
-                _put(buf, self.index("own", p.own), x)
+                self.put(buf, self.index("own", p.own), x)
             if meanwhile is not None:
                 meanwhile()
         finally:   # the posted receives complete before their buffers could be let go
@@ -74,7 +74,7 @@ class PackedPasses:
                 pending.wait()
         for b, slots in p.receives:
             for buf, part in zip(packed, staged.get(b, ())):
-                _put(buf, self.index(("recv", b), slots), part)
+                self.put(buf, self.index(("recv", b), slots), part)
         return packed
 
     def messages(self, arrays, name, rows, cuts, in_place):
@@ -82,7 +82,7 @@ class PackedPasses:
         gathered copy an array."""
         if in_place:
             return _run_views(arrays, rows, cuts)
-        return [_take(x, self.index(name, rows)) for x in arrays]
+        return [self.take(x, self.index(name, rows)) for x in arrays]
 
     @staticmethod
     def places(buffers, slots, cuts, in_place):
@@ -92,6 +92,16 @@ class PackedPasses:
             return _run_views(buffers, slots, cuts)
         return list(buffers)
 
+    def take(self, x, at):
+        """x[:, at]: rows ``at`` (an index array on the device) of a contiguous (B, S, ...) array, a new array."""
+        out = self.plan.xp.empty((x.shape[0], len(at)) + x.shape[2:], x.dtype)
+        self.plan.backend.rows_copy(x, at, out, None)
+        return out
+
+    def put(self, buf, at, x):
+        """buf[:, at] = x, rows of contiguous arrays."""
+        self.plan.backend.rows_copy(x, None, buf, at)
+
     def home(self, grads, transport, dtypes):
         """This rank's own rows of the float32 buffers ``grads`` (dK, dV over the packed keys), with what the
         other ranks computed for them added in, each converted to its one of ``dtypes``; each other rank's runs
@@ -100,7 +110,7 @@ class PackedPasses:
         rows_sum) reads a row's own slot and its partials and writes it converted."""
         xp, p, be = self.plan.xp, self.packing, self.plan.backend
         batch, shape = grads[0].shape[0], grads[0].shape[2:]
-        sends = [(b, [_take(g, self.index(("recv", b), slots)) for g in grads]) for b, slots in p.receives]
+        sends = [(b, [self.take(g, self.index(("recv", b), slots)) for g in grads]) for b, slots in p.receives]
         table, blocks = self.home_table(batch)
         parts = [xp.empty((batch * blocks[-1],) + shape, g.dtype) for g in grads]
         recvs = [(a, [x[batch * lo:batch * hi].reshape((batch, hi - lo) + shape) for x in parts])
@@ -231,21 +241,3 @@ def _run_views(arrays, at, cuts):
 def _rows(x, lo, hi, axis=1):
     """Rows lo..hi of ``x`` along ``axis`` (None stays None)."""
     return None if x is None else x[(slice(None),) * axis + (slice(lo, hi),)]
-
-
-def _words(x):
-    """A contiguous (B, S, ...) array as (B, S, words) of the widest unsigned integer that divides a row: the
-    packing moves whole rows without arithmetic, in few wide elements (on any array module's bfloat16)."""
-    row = x.dtype.itemsize * int(np.prod(x.shape[2:]))
-    width = next(w for w in (8, 4, 2, 1) if row % w == 0)
-    return x.reshape(x.shape[0], x.shape[1], row // x.dtype.itemsize).view(np.dtype(f"u{width}"))
-
-
-def _take(x, at):
-    """x[:, at]: rows ``at`` (an index array) of a contiguous (B, S, ...) array, a new contiguous array."""
-    return _words(x)[:, at].view(x.dtype).reshape((x.shape[0], len(at)) + x.shape[2:])
-
-
-def _put(buf, at, x):
-    """buf[:, at] = x, rows of contiguous arrays."""
-    _words(buf)[:, at] = _words(x)
