@@ -108,24 +108,31 @@ def test_each_launch_step_and_message_pays_its_fixed_cost_once(layout, backward)
 
 @pytest.mark.parametrize("scheme", ["ring", "gather"])
 def test_a_pass_that_moves_nothing_pays_no_step(scheme):
-    """A step's fixed cost is its exchange's: one rank's pass (nothing moves) is priced without it, a pass
-    over two ranks with it once a step; its block calls pay their launches either way."""
+    """A step's fixed cost is its exchange's: one rank's pass (nothing moves) is priced without it, a ring pass
+    over two ranks with it once a step, and so the gather across nodes (its stepped passes); the gather on one
+    node (the packed passes, whose host runs ahead of the GPU) pays none but waits for its transfers. Block
+    calls pay their launches either way."""
     free = Rates("free", 1e30, 1e30, 1e30, 1e30, 0.0, 0.0)
-    for ranks in (1, 2):
+    for ranks, nodes in ((1, 1), (2, 1), (2, 2)):
         seqlen = 256 * ranks
         mask = masks.make(seqlen, True, None, documents(np.random.default_rng(ranks), seqlen, "capped",
                                                         longest=seqlen // 2))
         pr = costmodel.Problem(1, seqlen, 4, 2, 64, 2, mask)
         layout = make_layout("chunks" if scheme == "gather" else "contiguous", seqlen, ranks, mask)
-        acc = account(layout, mask, scheme, costmodel.direction_of(pr, layout, False), None)
+        per_node = ranks // nodes if nodes > 1 else None
+        acc = account(layout, mask, scheme, costmodel.direction_of(pr, layout, False), per_node)
 
         def seconds(**fixed):
-            return costmodel.pass_prediction(scheme, pr, costmodel.Cluster(1, ranks), replace(free, **fixed),
-                                             layout, False).time
+            return costmodel.pass_prediction(scheme, pr, costmodel.Cluster(nodes, ranks // nodes),
+                                             replace(free, **fixed), layout, False).time
 
-        assert seconds(step_us=1e6) == pytest.approx(0.0 if ranks == 1 else acc.work.shape[0])
+        stepped = ranks > 1 and (scheme == "ring" or nodes > 1)
+        assert acc.stepped == (scheme == "ring" or nodes > 1)
+        assert seconds(step_us=1e6) == pytest.approx(acc.work.shape[0] if stepped else 0.0)
         assert acc.launches.sum() > 0
         assert seconds(fwd_launch_us=1e6) == pytest.approx(acc.launches.max(axis=1).sum())
+        if scheme == "gather" and ranks > 1 and nodes == 1:   # the keys' exchange, then the call
+            assert acc.work.shape[0] == 2 and not acc.work[0].any() and acc.ends["due"].max() == 0
 
 
 def test_ulysses_inside_one_node_still_pays_its_steps():

@@ -78,11 +78,14 @@ class Account:
     node for the ring: whether a neighbour is across the network depends on the local rank; one
     rank for the double ring and Ulysses, whose rails are alike); the balanced schedule lists
     every rank's. Every row of ``ends`` is one message at one end: the count of messages a step
-    posts, and their bytes, are what the cost model charges a link for."""
+    posts, and their bytes, are what the cost model charges a link for. ``stepped``: whether each step pays a
+    step's fixed cost (the host posting and waiting between steps); the packed passes do not: the host issues
+    the whole pass ahead of the GPU, which waits only for the transfers."""
     work: np.ndarray
     launches: np.ndarray
     tiles: np.ndarray
     ends: dict
+    stepped: bool = True
 
 
 @lru_cache(maxsize=64)
@@ -208,16 +211,18 @@ def _gather_account(mask, layout, returns, per_node):
                 tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs])
     if per_node is None:
         # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
-        # the exchange home and its additions after it. The forward priced as one step (on NVLink its exchange
-        # and placement cost about a step's fixed cost, 4 x H100), the backward as three (its K/V gather, the
-        # call, the partials home: each exposed); with nothing to move (one rank), each pass its one call
+        # the exchange home and the sum after it. Each transfer is waited for, not hidden under a step's kernels:
+        # the forward is two steps (its keys' exchange, the call), the backward three (its keys' exchange, under
+        # the delta pre-pass; the call; the partials home), none with a step's fixed cost (a 4 x H200 timeline,
+        # GPU-paced: 20 us from the posting to the transfer, the host long ahead); one rank alone, its one call
         total = work.sum(axis=0)
-        backward = "kv" in returns and bool(moves)
-        work, launches = (np.zeros((3 if backward else 1, layout.size), np.int64) for _ in range(2))
-        work[int(backward)], launches[int(backward)] = total, total > 0
+        steps = 1 + bool(moves) + ("kv" in returns and bool(moves))
+        at = int(bool(moves))
+        work, launches = (np.zeros((steps, layout.size), np.int64) for _ in range(2))
+        work[at], launches[at] = total, total > 0
         tiled = np.zeros(work.shape + (len(tiles.COUNTS),))
-        tiled[int(backward)] = [packed_tiles(mask, layout, r) if total[r] else np.zeros(len(tiles.COUNTS))
-                               for r in range(layout.size)]
+        tiled[at] = [packed_tiles(mask, layout, r) if total[r] else np.zeros(len(tiles.COUNTS))
+                     for r in range(layout.size)]
         moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
     for x in (work, launches, tiled):
         x.setflags(write=False)
@@ -227,7 +232,7 @@ def _gather_account(mask, layout, returns, per_node):
         tokens = sum(hi - lo for lo, hi in rows)
         for end, rank in (("out", sender), ("in", receiver)):
             ends.setdefault(posted, []).append((due, rank, far, end, what, "kv", tokens))
-    return Account(work, launches, tiled, _in_order(ends))
+    return Account(work, launches, tiled, _in_order(ends), stepped=per_node is not None)
 
 
 def packed_tiles(mask, layout, rank):
