@@ -117,7 +117,7 @@ def main(argv=None):
     compute = max(streams, key=lambda s: sum(e["dur"] for e in streams[s] if "attn" in e["name"]))
     lines = []
     lines.append(f"rank {r}, {args.layout}, {args.pass_}, {args.dist}: {args.calls} call(s), {end - t0:.0f} us from "
-                 f"the barrier's end to the last work; the host issues a call in {np.median(host):.2f} ms (median of 5)")
+                 f"the barrier's end to the last work; the host issues a call in {np.median(host):.2f} ms")
     for sid, evs in streams.items():
         busy = sum(e["dur"] for e in evs)
         lines.append(f"\n== stream {sid}{' (compute)' if sid == compute else ''}: {len(evs)} items, busy {busy:.0f} us")

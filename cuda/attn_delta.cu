@@ -1,6 +1,7 @@
-// The passes at memory bandwidth around the backward's block calls: the delta pre-pass of both kernel families
-// (rowsum(do * o) per (batch, head, query row), in float32, before the backward walks its block pairs), and the
-// packed backward's sum of its keys' gradients from every rank (attn_rows_sum).
+// The passes at memory bandwidth around the block calls: the delta pre-pass of both kernel families' backward
+// (rowsum(do * o) per (batch, head, query row), in float32, before the backward walks its block pairs), the
+// packed backward's sum of its keys' gradients from every rank (attn_rows_sum), and the packed passes' row moves
+// (attn_rows_copy).
 #include "common.cuh"
 #include "contract.cuh"
 

@@ -173,7 +173,8 @@ def _fake_cupy(launches):
         setattr(cupy, name, lambda *a, _f=getattr(np, name), **k: wrap(_f(*a, **k)))
     cupy.empty = lambda shape, dtype=float: _pooled(shape, dtype)
     cupy.zeros = lambda shape, dtype=float: _fill(_pooled(shape, dtype), 0)
-    cupy.full = lambda shape, value, dtype=None: _fill(_pooled(shape, dtype or np.asarray(value).dtype), value)
+    cupy.full = lambda shape, value, dtype=None: _fill(
+        _pooled(shape, np.asarray(value).dtype if dtype is None else dtype), value)
     cupy.__getattr__ = lambda name: getattr(np, name)  # the tiled path of wide heads: NumPy functions
     return cupy
 

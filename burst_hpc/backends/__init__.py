@@ -32,7 +32,7 @@ reading key/value head h // (Hq // Hkv). Inputs may be strided views along S (a 
         The packed backward's gradients of a rank's own keys, from every rank's share, converted once:
         out[b, r] = src[b, own[r]] + the sum over j in [ptr[r], ptr[r+1]) of parts[at[j] + b * step[j]].
         src (B, K, ...) and parts (rows, ...) float accumulators, out (B, S, ...) contiguous in the inputs'
-        dtype or the accumulator's; own, at int64 and ptr, step int32 (S + 1 offsets) arrays on the device.
+        dtype or the accumulator's; own, at int64 and ptr (S + 1 offsets), step int32 arrays on the device.
 
 A pass tells a block call where the pair stands among the pairs that write the same rows (its query
 rows for o, lse and dq; its keys for dk, dv), so that nothing outside the kernels fills or converts:

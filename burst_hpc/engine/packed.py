@@ -7,7 +7,7 @@ the buffer, sends each other rank's runs home and adds the ones that come back i
 The passes take the modes RingPasses takes (passes.py): ``skip_compute`` (the exchanges alone),
 ``transport`` (in place of the plan's), ``on_step`` (called once, after the single step), ``meter``,
 ``clock`` and ``rehearse`` (the launch over the first REHEARSAL_KEYS query rows only)."""
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import numpy as np
 
@@ -109,6 +109,8 @@ class PackedPasses:
         4 x H200). Every sender's runs land in one buffer a gradient, and one pass a gradient (the backend's
         rows_sum) reads a row's own slot and its partials and writes it converted."""
         xp, p, be = self.plan.xp, self.packing, self.plan.backend
+        if p.start is not None and not p.sends and all(g.dtype == d for g, d in zip(grads, dtypes)):
+            return list(grads)   # the buffer is the rank's own keys and nothing comes home: they are its gradients
         batch, shape = grads[0].shape[0], grads[0].shape[2:]
         sends = [(b, [self.take(g, self.index(("recv", b), slots)) for g in grads]) for b, slots in p.receives]
         table, blocks = self.home_table(batch)

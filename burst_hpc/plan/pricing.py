@@ -55,8 +55,8 @@ class Costs:
         self.seconds, self.latency = nbytes / links[acc.ends["far"], 0], links[acc.ends["far"], 1]
         self.launch = (rates.bwd_launch_us if backward else rates.fwd_launch_us) * 1e-6
         # a step's fixed cost is its exchanges' (the host posting, waiting, bookkeeping): a pass on one rank
-        # (``alone``) has none, nor the packed passes (workload.Account.stepped); its calls queue on the GPU behind each other (one H200, 8k documents: a
-        # step's 150 us made the one-GPU backward predicted 22-23% slow)
+        # (``alone``) has none, its calls queue on the GPU behind each other (one H200, 8k documents: a step's
+        # 150 us made the one-GPU backward predicted 22-23% slow); nor the packed passes (Account.stepped)
         self.step = 0.0 if alone or not acc.stepped else rates.step_us * 1e-6
 
     def kernels(self, scales):

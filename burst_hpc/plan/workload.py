@@ -196,6 +196,7 @@ def _gather_account(mask, layout, returns, per_node):
 
     count, tasks, moves = gather.plan(mask, layout, returns)
     _, seen, _ = gather.sight(mask, layout)
+    stepped = True
     work, launches = (np.zeros((count, layout.size), np.int64) for _ in range(2))
     tiled = np.zeros((count, layout.size, len(tiles.COUNTS)))
     for r, mine in enumerate(tasks):
@@ -212,9 +213,12 @@ def _gather_account(mask, layout, returns, per_node):
     if per_node is None:
         # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
         # the exchange home and the sum after it. Each transfer is waited for, not hidden under a step's kernels:
-        # the forward is two steps (its keys' exchange, the call), the backward three (its keys' exchange, under
-        # the delta pre-pass; the call; the partials home), none with a step's fixed cost (a 4 x H200 timeline,
-        # GPU-paced: 20 us from the posting to the transfer, the host long ahead); one rank alone, its one call
+        # the forward is two steps (its keys' exchange, the call), the backward three (its keys' exchange; the
+        # call; the partials home), none with a step's fixed cost (a 4 x H200 timeline, GPU-paced: 20 us from the
+        # posting to the transfer, the host long ahead); one rank alone, its one call. The engine runs the delta
+        # pre-pass under the backward's exchange, priced after the steps with the rest outside the kernels; the
+        # row moves and the sum home (memory-bound, 20-60 us) are not priced
+        stepped = False
         total = work.sum(axis=0)
         steps = 1 + bool(moves) + ("kv" in returns and bool(moves))
         at = int(bool(moves))
@@ -232,7 +236,7 @@ def _gather_account(mask, layout, returns, per_node):
         tokens = sum(hi - lo for lo, hi in rows)
         for end, rank in (("out", sender), ("in", receiver)):
             ends.setdefault(posted, []).append((due, rank, far, end, what, "kv", tokens))
-    return Account(work, launches, tiled, _in_order(ends), stepped=per_node is not None)
+    return Account(work, launches, tiled, _in_order(ends), stepped)
 
 
 def packed_tiles(mask, layout, rank):

@@ -329,29 +329,34 @@ class CudaBackend:
 
     def rows_sum(self, src, own, ptr, at, step, parts, out):
         """The block contract's ``rows_sum`` in one pass (attn_delta.cu's attn_rows_sum)."""
-        cupy = self.xp
         b, s = out.shape[:2]
-        width = int(np.prod(out.shape[2:]))
+        width = math.prod(out.shape[2:])
+        if (src.dtype != np.float32 or parts.dtype != np.float32 or src.shape[0] != b or src.shape[2:] != out.shape[2:]
+                or not all(x.flags.c_contiguous for x in (src, parts, out)) or len(ptr) != s + 1
+                or any(x.dtype != np.int64 for x in (own, at)) or any(x.dtype != np.int32 for x in (ptr, step))):
+            raise BackendError("rows_sum takes contiguous float32 src and parts, a contiguous out of their rows, "
+                               "int64 own and at, int32 ptr (one more than out's rows) and step")
         if out.size == 0:
             return
-        arrays = [cupy.ascontiguousarray(x) for x in (src, parts)]
-        if not out.flags.c_contiguous:
-            raise BackendError("rows_sum writes a contiguous out")
-        kern = self.modules.kernel(contract.DELTA_SOURCE, "attn_rows_sum", 0)
-        vec = int(width % 8 == 0)
+        vec = int(width % 8 == 0 and all(x.data.ptr % 16 == 0 for x in (src, parts, out)))
         grid = min(-(-b * s * (width // 8 if vec else width) // 256), 16384)
-        kern((grid,), (256,), (arrays[0], np.int64(src.shape[1]), own, ptr, at, step, arrays[1], out, np.int32(b),
-                               np.int32(s), np.int32(width), np.int32(self._dtype_codes[launch.dtype_kind(out.dtype)]),
-                               np.int32(vec)))
-
+        self.modules.kernel(contract.DELTA_SOURCE, "attn_rows_sum", 0)(
+            (grid,), (256,), (src, np.int64(src.shape[1]), own, ptr, at, step, parts, out, np.int32(b), np.int32(s),
+                              np.int32(width), np.int32(self._dtype_codes[launch.dtype_kind(out.dtype)]),
+                              np.int32(vec)))
 
     def rows_copy(self, src, src_rows, dst, dst_rows):
         """The block contract's ``rows_copy`` in one launch (attn_delta.cu's attn_rows_copy: a CuPy fancy index
         took 50-90 us of the host a call on a lent H200 host, 4 ranks)."""
-        n = len(src_rows) if src_rows is not None else len(dst_rows) if dst_rows is not None else src.shape[1]
+        lists = [len(x) for x in (src_rows, dst_rows) if x is not None]
+        n = lists[0] if lists else src.shape[1]
         b, row = src.shape[0], src.itemsize * math.prod(src.shape[2:])
-        if not (src.flags.c_contiguous and dst.flags.c_contiguous) or dst.dtype != src.dtype:
-            raise BackendError("rows_copy moves rows between contiguous arrays of one dtype")
+        if (not (src.flags.c_contiguous and dst.flags.c_contiguous) or dst.dtype != src.dtype
+                or dst.shape[0] != b or dst.shape[2:] != src.shape[2:] or len(set(lists)) > 1
+                or any(x is not None and x.dtype != np.int64 for x in (src_rows, dst_rows))
+                or (src_rows is None and n > src.shape[1]) or (dst_rows is None and n > dst.shape[1])):
+            raise BackendError("rows_copy moves rows between contiguous arrays of one dtype and row shape, as many "
+                               "as each int64 index lists (an index None: the first rows, as many as there are)")
         if n == 0 or b == 0 or row == 0:
             return
         vec = row % 16 == 0 and src.data.ptr % 16 == 0 and dst.data.ptr % 16 == 0
