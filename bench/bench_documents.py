@@ -34,7 +34,7 @@ from burst_hpc.plan.workload import account, documents
 
 import bench_packed
 import evidence
-from evidence import queued, timed
+from evidence import issued, queued, timed
 
 
 PASSES = ("fwd", "bwd", "fwdbwd")
@@ -157,6 +157,7 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
                     burst_hpc.burst_attention_backward(mine["do"], mine["q"], mine["k"], mine["v"], out, stats, **kw)
 
             seconds = (queued if args.timing == "queued" else timed)(comm, run, args.iters, args.warmup, xp)
+            row[f"{pass_}_host_ms"] = issued(comm, run, max(1, min(args.iters, 5)), xp) * 1e3
             directions = {"fwd": (False,), "bwd": (True,), "fwdbwd": (False, True)}[pass_]
             pred = [costmodel.pass_prediction(scheme, problem, cluster, rates, placed, b) for b in directions]
             predicted = sum(p.time for p in pred)
@@ -184,9 +185,10 @@ def table(rows, args, device, passes):
              f"{TIMING_TEXT[args.timing]}; TFLOP/s per GPU at the slowest rank's pace over the visible pairs (backward alone 2.5x, forward+backward "
              "3.5x the forward's count: FlashAttention's and MagiAttention's conventions agree); (prediction) the cost "
              "model's; **bold**: the fastest layout measured; d: the default layout (layout=None), c: "
-             "choose_layout's pick for that pass\n",
-             "| documents | layout | scheme | critical path / mean | steps | " + " | ".join(passes) + " |",
-             "|---|---|---|---|---|" + "---|" * len(passes)]
+             "choose_layout's pick for that pass; host ms: the slowest rank's median time to issue a call of each "
+             "pass, the GPU kept busy meanwhile (above the GPU's own time, a loop without a barrier waits for it)\n",
+             "| documents | layout | scheme | critical path / mean | steps | " + " | ".join(passes) + " | host ms |",
+             "|---|---|---|---|---|" + "---|" * len(passes) + "---|"]
     for dist in dict.fromkeys(row["dist"] for row in rows):
         group = [row for row in rows if row["dist"] == dist]
         best = {p: max(row[p + "_tflops_per_gpu"] for row in group) for p in passes}
@@ -198,7 +200,8 @@ def table(rows, args, device, passes):
                 marks = ("d" if row["default"] else "") + ("c" if p in row["picked"] else "")
                 cells.append(f"{text} ({row[p + '_predicted_tflops_per_gpu']:.3g}){' ' + marks if marks else ''}")
             lines.append(f"| {dist} ({row['documents']}, longest {row['longest']}) | {row['layout']} | "
-                         f"{row['scheme']} | {row['critical_over_mean']:.2f} | {row['steps']} | " + " | ".join(cells) + " |")
+                         f"{row['scheme']} | {row['critical_over_mean']:.2f} | {row['steps']} | " + " | ".join(cells)
+                         + " | " + " / ".join(f"{row[p + '_host_ms']:.2f}" for p in passes) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -98,6 +98,28 @@ def queued(comm, fn, iters, warmup, xp=np, flush_bytes=256 * 10**6):
     return float(slowest.mean())
 
 
+def issued(comm, fn, iters, xp=np, busy_ms=30.0):
+    """Median seconds the host takes to issue a call of ``fn``, the slowest rank's: on the GPU with the device
+    kept busy for ``busy_ms`` first (bench/timing.gpu_busy), so the host never waits for it (a training loop
+    whose GPU work is shorter than this waits for the host); on the CPU the call itself."""
+    mine = []
+    for _ in range(iters):
+        if xp is not np:
+            import timing
+
+            xp.cuda.Device().synchronize()
+            comm.Barrier()
+            timing.gpu_busy(busy_ms)
+        else:
+            comm.Barrier()
+        start = time.perf_counter()
+        fn()
+        mine.append(time.perf_counter() - start)
+    if xp is not np:
+        xp.cuda.Device().synchronize()
+    return comm.allreduce(float(np.median(mine)), op=max_op())
+
+
 def device_barrier(comm, xp, flush_bytes=256 * 10**6):
     """(barrier, flush) on the current CuPy stream, as MagiAttention's benchmark queues them before each call:
     ``barrier()`` all-reduces a ``flush_bytes`` buffer across the ranks (NCCL, the ring's own communicator on

@@ -30,6 +30,7 @@ def test_rows_for_every_layout_pass_and_distribution(comm, tmp_path, timing):
         assert row["timing"] == timing
         for pass_ in bench_documents.PASSES:
             assert row[pass_] > 0 and row[pass_ + "_tflops_per_gpu"] > 0 and row[pass_ + "_predicted_tflops_per_gpu"] > 0
+            assert 0 < row[pass_ + "_host_ms"] < 1e3 * 60
     for dist in ("uniform",):
         group = {r["layout"]: r for r in rows if r["dist"] == dist}
         assert [lay for lay, r in group.items() if r["default"]] == ["zigzag"]
@@ -39,7 +40,7 @@ def test_rows_for_every_layout_pass_and_distribution(comm, tmp_path, timing):
         assert group["balanced"]["critical_over_mean"] <= min(
             group["contiguous"]["critical_over_mean"], group["zigzag"]["critical_over_mean"]) + 1e-9
     text = open(out).read()
-    assert "| balanced |" in text and "| uniform (" in text and " d" in text
+    assert "| balanced |" in text and "| uniform (" in text and " d" in text and "| host ms |" in text
     assert bench_documents.TIMING_TEXT[timing] in text
 
 
