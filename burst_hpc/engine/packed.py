@@ -127,11 +127,11 @@ class PackedPasses:
 
     def home_table(self, batch):
         """(own, ptr, at, step) of the backend's rows_sum over the partials of ``home`` for a batch of ``batch``,
-        on the plan's device and made once, and the offsets of each sender's block of rows in the partials
-        buffer (one block a rank in ``packing.sends``, (batch, rows) each)."""
-        p = self.packing
-        blocks = np.cumsum([0] + [len(rows) for _, rows in p.sends])
+        on the plan's device, and the offsets of each sender's block of rows in the partials buffer (one block a
+        rank in ``packing.sends``, (batch, rows) each): made once per batch size."""
         if ("home", batch) not in self._index:
+            p = self.packing
+            blocks = np.cumsum([0] + [len(rows) for _, rows in p.sends])
             rows = np.concatenate([rows for _, rows in p.sends] or [np.zeros(0, np.int64)])
             at = np.concatenate([batch * lo + np.arange(hi - lo) for lo, hi in zip(blocks[:-1], blocks[1:])]
                                 or [np.zeros(0, np.int64)]).astype(np.int64)
@@ -139,8 +139,9 @@ class PackedPasses:
             order = np.argsort(rows, kind="stable")
             ptr = np.zeros(len(p.own) + 1, np.int32)
             np.cumsum(np.bincount(rows, minlength=len(p.own)), out=ptr[1:])
-            self._index[("home", batch)] = tuple(self.plan.xp.asarray(x) for x in (ptr, at[order], step[order]))
-        return (self.index("own", p.own),) + self._index[("home", batch)], blocks
+            table = (self.index("own", p.own),) + tuple(self.plan.xp.asarray(x) for x in (ptr, at[order], step[order]))
+            self._index[("home", batch)] = table, blocks
+        return self._index[("home", batch)]
 
     def spans(self, rows, meter):
         """The (lo, hi) query rows of each block call of a pass over the first ``rows``: one call, or on the NumPy
