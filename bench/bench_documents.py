@@ -140,10 +140,11 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
         mine = {name: xp.asarray(placed.shard(x, r)).astype(dtype) for name, x in full.items()}
         scheme = costmodel.pick(problem, cluster, rates, placed)   # what scheme='auto' runs
         kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=placed, scheme=scheme)
-        work = account(placed, mask, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None).work
+        acc = account(placed, mask, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None)
+        work = acc.work
         row = {"dist": dist, "layout": layout, "scheme": scheme, "P": P, "tokens": S, "documents": len(cu) - 1,
                "longest": int(np.diff(cu).max()), "device": device, "steps": int(work.shape[0]),
-               "critical_over_mean": float(work.max(axis=1).sum() * P / work.sum()),
+               "critical_over_mean": float(acc.critical * P / work.sum()),
                "timing": args.timing,
                "default": layout == default_kind(True), "picked": [p for p in passes if picked[p] == layout]}
         o, lse = burst_hpc.burst_attention(mine["q"], mine["k"], mine["v"], **kw)

@@ -11,6 +11,7 @@ from burst_hpc.errors import BurstError
 from burst_hpc.plan import gather, masks
 from burst_hpc.plan.callplan import checked_call, plan_arrays
 from burst_hpc.plan.layout import as_layout
+from burst_hpc.plan.packing import packing
 from burst_hpc.plan.workload import documents
 from burst_hpc.reference import attention_backward_reference, attention_reference
 from test_ring import raises_everywhere, shared_rng
@@ -95,9 +96,73 @@ def test_gather_runs_packed_on_one_node_and_stepped_across_nodes(comm, per_node,
         calls = []
         monkeypatch.setattr(plan.backend, "forward_block", lambda *a, **kw: calls.append(kw))
         plan.passes.forward(*shards)
-        start = plan.passes.packing.start    # a rank alone with its own run keeps the call's own mask from there
-        assert len(calls) == 1 and calls[0]["first"]
-        assert calls[0]["q_start"] == calls[0]["k_start"] == (0 if start is None else start)
+        p = plan.passes.packing
+        start = p.start    # a rank alone with its own run keeps the call's own mask from there
+        early, late = p.spans(shards[0].shape[1])
+        assert len(calls) == len(early) + len(late) and all(c["first"] for c in calls)
+        assert [c["q_start"] for c in calls] == [(0 if start is None else start) + lo for lo, _ in early + late]
+        assert all(c["k_start"] == (0 if start is None else start) for c in calls)
+
+
+def test_the_forward_computes_rows_that_see_only_own_keys_while_the_others_travel(comm, monkeypatch):
+    """The packed forward's early runs (rows whose keys are all the rank's own) are block calls issued before the
+    keys' exchange is waited for, the rest after; every row is computed once and the results (the backward's
+    too, after such a forward) are the oracle's."""
+    seqlen = LOCAL * comm.size
+    cu, placed = None, as_layout("chunks", seqlen, comm.size, causal=True, cu_seqlens=None, window=None)
+    for seed in range(100 if comm.size > 1 else 0):   # the first whose documents give a rank early runs
+        cu = documents(np.random.default_rng(seed), seqlen, "capped", longest=max(1, seqlen // 4))
+        placed = as_layout("chunks", seqlen, comm.size, causal=True, cu_seqlens=cu, window=None)
+        if any(packing(masks.make(seqlen, True, None, cu), placed, r).early for r in range(comm.size)):
+            break
+    else:
+        seed = 0
+    rng = np.random.default_rng([seed, 5])
+    q, k, v, do = (rng.standard_normal((1, seqlen, h, 8)) for h in (4, 2, 2, 4))
+    shards = [placed.shard(x, comm.rank) for x in (q, k, v, do)]
+    plan = plan_arrays(comm, shards[0], checked_call(comm.size, *shards[:3], True, None, placed, "auto",
+                                                     cu_seqlens=cu, scheme="gather"))
+    log, real = [], plan.backend.forward_block
+
+    def block(q, *a, **kw):
+        lo = kw["q_start"] - plan.passes.where["q_start"]
+        log.append(("call", lo, lo + q.shape[1]))
+        return real(q, *a, **kw)
+
+    class Waits:   # the plan's transport, the moment its exchange is waited for logged
+        def __init__(self, inner):
+            self.inner = inner
+
+        def exchange(self, sends, recvs):
+            pending = self.inner.exchange(sends, recvs)
+
+            class Logged:
+                def wait(self):
+                    log.append(("wait",))
+                    pending.wait()
+            return Logged()
+
+    p = plan.passes.packing
+    early, late = p.spans(shards[0].shape[1])
+    own = np.zeros(p.keys, bool)
+    own[p.own] = True
+    for lo, hi in early:   # every key an early row sees is the rank's own
+        assert all(own[p.lo[r]:p.hi[r]].all() for r in range(lo, hi))
+    assert comm.allreduce(len(early)) > 0 or comm.size == 1
+    assert sum(hi - lo for lo, hi in early + late) == shards[0].shape[1]
+    near = plan.decomposition.transports(plan.xp)[0]
+    monkeypatch.setattr(plan.backend, "forward_block", block)
+    o, lse = plan.passes.forward(*shards[:3], transport=Waits(near))
+    waits = [n for n, entry in enumerate(log) if entry[0] == "wait"]
+    assert [entry[1:] for entry in log[:waits[0]] if entry[0] == "call"] == list(early) if waits else not early
+    assert sorted(entry[1:] for entry in log if entry[0] == "call") == sorted(early + late)
+    grads = plan.passes.backward(None, shards[3], *shards[:3], o, lse)
+    mask = dict(causal=True, cu_seqlens=cu)
+    ref_o, ref_lse = attention_reference(q, k, v, **mask)
+    np.testing.assert_allclose(o, placed.shard(ref_o, comm.rank), atol=1e-10, err_msg=f"seed {seed}")
+    np.testing.assert_allclose(lse, placed.shard(ref_lse, comm.rank, axis=2), rtol=1e-6, err_msg=f"seed {seed}")
+    for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, **mask)):
+        np.testing.assert_allclose(got, placed.shard(want, comm.rank), atol=2e-5, rtol=1e-4, err_msg=f"{name} {seed}")
 
 
 def test_gather_ranks_alone_with_their_documents_run_their_own_mask(comm, monkeypatch):

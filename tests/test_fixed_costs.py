@@ -10,6 +10,7 @@ import burst_hpc
 from burst_hpc.plan import costmodel, masks
 from burst_hpc.plan.accounting import visible_pairs
 from burst_hpc.plan.layout import layouts_for, make_layout
+from burst_hpc.plan.packing import packing
 from burst_hpc.plan.rates import GPU_RATES, Rates, rates_for
 from burst_hpc.plan.workload import account, documents
 
@@ -131,8 +132,15 @@ def test_a_pass_that_moves_nothing_pays_no_step(scheme):
         assert seconds(step_us=1e6) == pytest.approx(acc.work.shape[0] if stepped else 0.0)
         assert acc.launches.sum() > 0
         assert seconds(fwd_launch_us=1e6) == pytest.approx(acc.launches.max(axis=1).sum())
-        if scheme == "gather" and ranks > 1 and nodes == 1:   # the keys' exchange, then the call
-            assert acc.work.shape[0] == 2 and not acc.work[0].any() and acc.ends["due"].max() == 0
+        if scheme == "gather" and ranks > 1 and nodes == 1:   # the keys' exchange (the early runs under it), the rest
+            assert acc.work.shape[0] == 2 and acc.ends["due"].max() == 0
+            for r in range(ranks):
+                p = packing(mask, layout, r)
+                pairs = p.hi.astype(np.int64) - p.lo
+                for t, runs in enumerate(p.spans(len(pairs))):
+                    assert acc.work[t, r] == sum(pairs[lo:hi].sum() for lo, hi in runs)
+                    assert acc.launches[t, r] == len(runs)
+            assert acc.work[0].any()
 
 
 def test_ulysses_inside_one_node_still_pays_its_steps():

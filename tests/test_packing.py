@@ -94,3 +94,35 @@ def test_a_first_call_then_a_merging_last_call_make_one_call(documents):
     ref_o, ref_lse = reference.attention_reference(q, k, v, **mask.arguments)
     np.testing.assert_allclose(out, ref_o, atol=2e-5)
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_forwards_early_runs_see_only_own_keys(seed):
+    """Packing.early: runs of query rows, in order, each seeing only the rank's own keys and carrying at least
+    EARLY_SHARE of its visible pairs, at most EARLY_RUNS; none where nothing arrives; with the late runs of
+    ``spans`` every row once, also over the first rows only (a rehearsal)."""
+    from burst_hpc.plan.packing import EARLY_RUNS, EARLY_SHARE
+
+    rng = np.random.default_rng([seed, 12])
+    size = int(rng.integers(2, 6))
+    seqlen = size * 128 * int(rng.integers(1, 4))
+    mask = random_mask(rng, seqlen)
+    layout = make_layout(str(rng.choice(["chunks", "contiguous", "zigzag"])), seqlen, size, mask)
+    for r in range(size):
+        p = packing(mask, layout, r)
+        work = (p.hi - p.lo).astype(np.int64)
+        own = np.zeros(p.keys, bool)
+        own[p.own] = True
+        assert len(p.early) <= EARLY_RUNS and (not p.receives) <= (p.early == ())
+        assert all(a < b for a, b in p.early) and all(b <= c for (_, b), (c, _) in zip(p.early, p.early[1:]))
+        for lo, hi in p.early:
+            assert all(own[p.lo[row]:p.hi[row]].all() for row in range(lo, hi))
+            assert work[lo:hi].sum() >= EARLY_SHARE * work.sum() > 0
+        for rows in (len(p.lo), int(rng.integers(0, len(p.lo) + 1))):
+            early, late = p.spans(rows)
+            covered = np.zeros(rows, np.int64)
+            for lo, hi in early + late:
+                assert 0 <= lo < hi <= rows
+                covered[lo:hi] += 1
+            assert (covered == 1).all()
+            assert late == tuple(sorted(late))

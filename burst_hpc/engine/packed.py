@@ -7,7 +7,8 @@ the buffer, sends each other rank's runs home and adds the ones that come back i
 The passes take the modes RingPasses takes (passes.py): ``skip_compute`` (the exchanges alone),
 ``transport`` (in place of the plan's), ``on_step`` (called once, after the single step), ``meter``,
 ``clock`` and ``rehearse`` (the launch over the first REHEARSAL_KEYS query rows only)."""
-from contextlib import nullcontext
+from contextlib import closing, nullcontext
+import itertools
 
 import numpy as np
 
@@ -37,10 +38,12 @@ class PackedPasses:
             self._index[name] = self.plan.xp.asarray(rows, dtype=np.int64)
         return self._index[name]
 
-    def gather(self, arrays, transport, meanwhile=None, in_place=False):
+    def gather(self, arrays, transport, meanwhile=None, in_place=False, zeroed=False):
         """The packed buffers of ``arrays`` (this rank's K and V, contiguous): the runs other ranks' queries see
-        posted first, own rows placed while they travel (and ``meanwhile()`` queued, work that needs no keys),
-        then the runs this rank's queries see placed. ``in_place`` with one sequence in the batch: each run of
+        posted first, own rows placed while they travel (and ``meanwhile(buffers)`` queued, work that needs no
+        other rank's keys: it may read the own slots of the buffers; ``zeroed``: the others hold zeros until
+        their keys land, so a kernel's tile that reaches past its rows' keys multiplies its weights 0 by finite
+        values), then the runs this rank's queries see placed. ``in_place`` with one sequence in the batch: each run of
         consecutive rows to or from a peer with at most IN_PLACE_RUNS of them travels as its own message, from its
         place and into its place, nothing copied on either side (the forward: 4 x H200, 8k tokens a GPU,
         1.08-1.20x on uniform documents, 1.10-1.42x on MagiAttention's; the backward measured 0.96x on uniform
@@ -58,7 +61,7 @@ class PackedPasses:
             if sends:
                 transport.exchange(sends, []).wait()
             return arrays
-        packed = [xp.empty((x.shape[0], p.keys) + x.shape[2:], x.dtype) for x in arrays]
+        packed = [(xp.zeros if zeroed else xp.empty)((x.shape[0], p.keys) + x.shape[2:], x.dtype) for x in arrays]
         staged = {b: [xp.empty((x.shape[0], len(slots)) + x.shape[2:], x.dtype) for x in arrays]
                   for (b, slots), cuts in zip(p.receives, p.receive_cuts, strict=True) if not runs(cuts)}
         recvs = [(b, self.places(staged.get(b, packed), slots, cuts, b not in staged))
@@ -68,7 +71,7 @@ class PackedPasses:
             for buf, x in zip(packed, arrays):
                 self.put(buf, self.index("own", p.own), x)
             if meanwhile is not None:
-                meanwhile()
+                meanwhile(packed)
         finally:   # the posted receives complete before their buffers could be let go
             if pending is not None:
                 pending.wait()
@@ -143,27 +146,29 @@ class PackedPasses:
             self._index[("home", batch)] = table, blocks
         return self._index[("home", batch)]
 
-    def spans(self, rows, meter):
-        """The (lo, hi) query rows of each block call of a pass over the first ``rows``: one call, or on the NumPy
-        backend under a meter PROGRESS_PARTS calls of whole tiles, so progress comes during the pass."""
-        be, step = self.plan.backend, max(1, rows)
+    def spans(self, runs, meter):
+        """The (lo, hi) query rows of each block call over ``runs`` ((lo, hi) each): a call a run, or on the NumPy
+        backend under a meter calls of whole tiles, PROGRESS_PARTS over all the runs, so progress comes during the
+        pass."""
+        be, step = self.plan.backend, None
+        rows = sum(hi - lo for lo, hi in runs)
         if meter is not None and be.name == "numpy" and rows > be.block_q:
             step = be.block_q * -(-rows // (PROGRESS_PARTS * be.block_q))
-        return [(lo, min(rows, lo + step)) for lo in range(0, rows, step)] or [(0, 0)]
+        return [(a, min(hi, a + (step or hi - lo))) for lo, hi in runs
+                for a in range(lo, hi, step or max(1, hi - lo))] or list(runs[:1])
 
-    def calls(self, rows, meter, clock):
+    def calls(self, spans, meter, clock):
         """The block calls of ``spans`` as (lo, hi, first, last), each timed by ``clock`` and its visible pairs
         told to ``meter`` (between its begin and end)."""
-        spans = self.spans(rows, meter)
-        work = (self.packing.hi[:rows] - self.packing.lo[:rows]).astype(np.int64)
+        work = np.concatenate([[0], np.cumsum(self.packing.hi - self.packing.lo, dtype=np.int64)])
         if meter is not None:
-            meter.begin(int(work.sum()))
+            meter.begin(int(sum(work[b] - work[a] for a, b in spans)))
         try:
             for i, (lo, hi) in enumerate(spans):
                 with clock() if clock is not None else nullcontext():
                     yield lo, hi, i == 0, i == len(spans) - 1
                 if meter is not None:
-                    meter.done(int(work[lo:hi].sum()))
+                    meter.done(int(work[hi] - work[lo]))
         finally:
             if meter is not None:
                 meter.end()
@@ -178,7 +183,6 @@ class PackedPasses:
         plan, d = self.plan, self.plan.decomposition
         xp, be = plan.xp, plan.backend
         near = lanes(plan, transport, far, inner)[0]
-        kp, vp = self.gather([xp.ascontiguousarray(k), xp.ascontiguousarray(v)], near, in_place=True)
         rows = min(q.shape[1], REHEARSAL_KEYS) if rehearse else q.shape[1]
         q = q[:, :rows]
         lse = xp.empty((q.shape[0], q.shape[2], rows), xp.float32 if q.dtype != plan.acc else plan.acc)
@@ -186,10 +190,22 @@ class PackedPasses:
             o, out = xp.empty(q.shape, plan.acc), None
         else:
             o, out = None, xp.empty(q.shape, q.dtype)
-        if not skip_compute:
-            for a, b, _, _ in self.calls(rows, meter, clock):
-                be.forward_block(q[:, a:b], kp, vp, _rows(o, a, b), lse[:, :, a:b], scale=d.scale, first=True,
-                                 out=_rows(out, a, b), **self.at(a))
+        arrays = [xp.ascontiguousarray(k), xp.ascontiguousarray(v)]
+        if skip_compute:
+            self.gather(arrays, near, in_place=True)
+        else:
+            early, late = (self.spans(runs, meter) for runs in self.packing.spans(rows))
+            calls = self.calls(early + late, meter, clock)
+
+            def run(count, kp, vp):
+                for a, b, _, _ in itertools.islice(calls, count):
+                    be.forward_block(q[:, a:b], kp, vp, _rows(o, a, b), lse[:, :, a:b], scale=d.scale, first=True,
+                                     out=_rows(out, a, b), **self.at(a))
+
+            with closing(calls):
+                kp, vp = self.gather(arrays, near, (lambda buffers: run(len(early), *buffers)) if early else None,
+                                     in_place=True, zeroed=bool(early))
+                run(None, kp, vp)
         if on_step is not None:
             on_step(1, 1)
         return (o if out is None else out), lse.astype(xp.float32, copy=False)
@@ -206,7 +222,7 @@ class PackedPasses:
         o = None if o is None else o[:, :rows]
         delta = None if delta is None else delta[:, :, :rows]
 
-        def meanwhile():   # where keys arrive, rowsum(do * o) runs while they travel, not after in the call
+        def meanwhile(_):   # where keys arrive, rowsum(do * o) runs while they travel, not after in the call
             nonlocal delta
             if delta is None and not skip_compute:
                 delta = be.delta(do, o)
@@ -217,11 +233,12 @@ class PackedPasses:
         dq_out = xp.empty(q.shape, q.dtype) if convert else None
         # keys no other rank sees, in the buffer as they are: their gradients written once, in the inputs' dtype
         alone = convert and self.packing.start is not None and not self.packing.sends and not skip_compute
-        one = alone and len(self.spans(rows, meter)) == 1   # one call: no float32 dK, dV at all
+        spans = self.spans([(0, rows)], meter)
+        one = alone and len(spans) == 1   # one call: no float32 dK, dV at all
         dkp, dvp = (None, None) if one else (xp.empty(x.shape, acc) for x in (kp, vp))
         dk_out, dv_out = (xp.empty(x.shape, x.dtype) for x in (k, v)) if alone else (None, None)
         if not skip_compute:
-            for a, b, first, last in self.calls(rows, meter, clock):
+            for a, b, first, last in self.calls(spans, meter, clock):
                 be.backward_block(q[:, a:b], kp, vp, do[:, a:b], lse[:, :, a:b], _rows(delta, a, b, 2),
                                   _rows(dq, a, b), dkp, dvp, scale=d.scale, o=None if delta is not None else o[:, a:b],
                                   first_q=True, first_kv=first, dq_out=_rows(dq_out, a, b),

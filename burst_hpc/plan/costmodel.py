@@ -83,7 +83,7 @@ def ulysses_kv_heads(pr, per_node):
 class PassPrediction:
     """One pass predicted step by step (``predict``)."""
     time: float          # seconds
-    compute: float       # seconds of the critical path's kernels (the busiest rank of every step), block calls' too
+    compute: float       # seconds of the critical path's kernels (Costs.compute), block calls' too
     mean: float          # seconds of the mean rank's kernels (no block calls' fixed costs)
     steps: int
     network: float       # bytes the busiest GPU sends over the network
@@ -210,7 +210,7 @@ def pass_prediction(scheme, pr, cl, rates, layout, backward, scale=1):
         time = time + _all_to_alls(pr, cl, rates, backward, scales)
     sent = acc.ends["far"].astype(bool) & acc.ends["out"].astype(bool)
     network = np.bincount(acc.ends["rank"][sent], nbytes[sent], minlength=1).max()
-    compute = costs.critical(scales).sum(axis=0) + outside * scales
+    compute = costs.compute(scales) + outside * scales
     mean = costs.kernels(scales).sum(axis=(0, 1)) / cl.ranks + outside * scales
     fixed = 0.0
     if np.ndim(scale) == 0:
@@ -218,7 +218,7 @@ def pass_prediction(scheme, pr, cl, rates, layout, backward, scale=1):
         fixed = time - float(costs.run(scales, fixed=False)[0])
     work = acc.work.sum()
     return PassPrediction(time, compute, mean, acc.work.shape[0], float(network), fixed, acc.work.shape[0] * costs.step,
-                          acc.work.max(axis=1).sum() * cl.ranks / work if work else 1.0,
+                          acc.critical * cl.ranks / work if work else 1.0,
                           attention_flops(pr.batch, heads, pr.head_dim, work / cl.ranks, backward))
 
 

@@ -64,17 +64,30 @@ class Costs:
         tiled = self.per_tile[:, None] * scales[None, :] ** tiles.COUNT_POWERS[:, None]
         return self.acc.work[:, :, None] * self.per_pair * scales ** 2 + self.acc.tiles @ tiled
 
-    def critical(self, scales, fixed=True):
-        """(steps, scales): each step's busiest rank's kernels (its work and, ``fixed``, its block calls)."""
+    def calls(self, scales, fixed=True):
+        """(steps, ranks, scales): each rank's kernels at each step (its work and, ``fixed``, its block calls)."""
         work = self.kernels(scales)
         if fixed and self.launch:
             work = work + self.acc.launches[:, :, None] * self.launch
-        return work.max(axis=1)
+        return work
+
+    def critical(self, scales, fixed=True):
+        """(steps, scales): each step's busiest rank's kernels."""
+        return self.calls(scales, fixed).max(axis=1)
+
+    def compute(self, scales):
+        """(scales,): the kernels' seconds on the pass's critical path: each step's busiest rank's, summed; where the
+        ranks do not wait for each other between steps (not ``Account.stepped``), the busiest rank's over all."""
+        if self.acc.stepped:
+            return self.critical(scales).sum(axis=0)
+        return self.calls(scales).sum(axis=0).max(axis=0)
 
     def run(self, scales, fixed=True):
         """Seconds of the pass for each of ``scales`` (``fixed``: with the fixed costs), the seconds outside the
         kernels (they grow with the tokens) after its steps."""
         latency = self.latency if fixed else np.zeros_like(self.latency)
+        if not self.acc.stepped:
+            return _run_ranks(self.acc, self.calls(scales, fixed), self.seconds, latency, scales) + self.outside * scales
         return _run(self.acc, self.critical(scales, fixed), self.seconds, latency, self.step if fixed else 0.0,
                     scales) + self.outside * scales
 
@@ -101,6 +114,31 @@ def _run(acc, critical, seconds, latency, step, scales):
             arrived[dues] = np.maximum(arrived[dues], np.maximum.reduceat(done[by_due], due_starts, axis=0))
         time = np.maximum(start + compute, arrived[t]) + step
     return time
+
+
+def _run_ranks(acc, calls, seconds, latency, scales):
+    """Seconds of the steps of a pass whose ranks do not wait for each other between steps (the packed passes: the
+    host issues the whole pass, each rank's GPU waits only for its own transfers), for each of ``scales``
+    (``calls`` (steps, ranks, scales): each rank's kernels at each step): a rank's step ends when its kernels
+    and every transfer at one of its link ends due then are done. A step's transfers start once every rank has
+    reached it (sender and receiver both post them); each link end carries its messages one after another."""
+    steps = _link_steps(acc)
+    ranks = calls.shape[1]
+    free = np.zeros((4 * ranks, scales.size))
+    arrived = np.zeros(calls.shape)
+    time = np.zeros((ranks, scales.size))
+    for t, compute in enumerate(calls):
+        start = time
+        if t in steps:
+            rows, ends, counts, last, *_ = steps[t]
+            carried = np.cumsum(seconds[rows, None] * scales + latency[rows, None], axis=0)
+            before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
+            begin = np.maximum(start.max(axis=0), free[ends]) - before
+            done = np.repeat(begin, counts, axis=0) + carried
+            free[ends] = done[last]
+            np.maximum.at(arrived, (acc.ends["due"][rows], acc.ends["rank"][rows]), done)
+        time = np.maximum(start + compute, arrived[t])
+    return time.max(axis=0)
 
 
 @lru_cache(maxsize=64)

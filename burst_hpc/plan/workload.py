@@ -8,6 +8,7 @@ from functools import lru_cache
 import numpy as np
 
 from . import masks, schedule, tiles, workplan
+from .packing import packing
 from ..errors import BurstError, MaskError
 from .layout import check_layout, make_layout
 from .schedule import balanced_by_schedule, double_ring_steps, held_pieces, plain_ring_steps, steps as schedule_steps
@@ -86,6 +87,14 @@ class Account:
     tiles: np.ndarray
     ends: dict
     stepped: bool = True
+
+    @property
+    def critical(self):
+        """The visible pairs on the pass's critical path: each step's busiest rank's, summed; where the ranks do not
+        wait for each other between steps (not ``stepped``), the busiest rank's over all steps."""
+        if self.stepped:
+            return int(self.work.max(axis=1).sum())
+        return int(self.work.sum(axis=0).max())
 
 
 @lru_cache(maxsize=64)
@@ -218,15 +227,26 @@ def _gather_account(mask, layout, returns, per_node):
         # posting to the transfer, the host long ahead); one rank alone, its one call. The engine runs the delta
         # pre-pass under the backward's exchange, priced after the steps with the rest outside the kernels; the
         # row moves and the sum home (memory-bound, 20-60 us) are not priced
+        # The forward computes its early runs (packing.Packing.early) in the exchange's step, the rest after it.
         stepped = False
         total = work.sum(axis=0)
         steps = 1 + bool(moves) + ("kv" in returns and bool(moves))
         at = int(bool(moves))
         work, launches = (np.zeros((steps, layout.size), np.int64) for _ in range(2))
-        work[at], launches[at] = total, total > 0
         tiled = np.zeros(work.shape + (len(tiles.COUNTS),))
-        tiled[at] = [packed_tiles(mask, layout, r) if total[r] else np.zeros(len(tiles.COUNTS))
-                     for r in range(layout.size)]
+        for r in range(layout.size):
+            if not total[r]:
+                continue
+            if "kv" in returns:
+                work[at, r], launches[at, r], tiled[at, r] = total[r], 1, packed_tiles(mask, layout, r)
+                continue
+            p = packing(mask, layout, r)
+            pairs = np.concatenate([[0], np.cumsum(p.hi - p.lo, dtype=np.int64)])
+            for t, runs in zip((0, at), p.spans(len(p.lo))):
+                for lo, hi in runs:
+                    work[t, r] += pairs[hi] - pairs[lo]
+                    launches[t, r] += 1
+                    tiled[t, r] += packed_tiles(mask, layout, r, (lo, hi))
         moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
     for x in (work, launches, tiled):
         x.setflags(write=False)
@@ -239,14 +259,14 @@ def _gather_account(mask, layout, returns, per_node):
     return Account(work, launches, tiled, _in_order(ends), stepped)
 
 
-def packed_tiles(mask, layout, rank):
-    """tiles.call_tiles of ``rank``'s one block call of the packed passes: its queries against its packed keys,
-    the call the engine runs (packing.Packing.call: the packed bounds, or the rank's own run in the call's mask)."""
-    from .packing import packing
-
+def packed_tiles(mask, layout, rank, rows=None):
+    """tiles.call_tiles of a block call of ``rank``'s packed passes over its query ``rows`` ((lo, hi); None: all)
+    against its packed keys, the call the engine runs (packing.Packing.call: the packed bounds, or the rank's own
+    run in the call's mask)."""
     packed = packing(mask, layout, rank)
+    lo, hi = (0, packed.lo.size) if rows is None else rows
     call = packed.call(mask, ("priced", mask, layout, rank))
-    return tiles.call_tiles(call["mask"], call["q_start"], packed.lo.size, call["k_start"], packed.keys, call["masked"])
+    return tiles.call_tiles(call["mask"], call["q_start"] + lo, hi - lo, call["k_start"], packed.keys, call["masked"])
 
 
 def _in_order(ends):
