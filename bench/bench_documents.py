@@ -68,6 +68,7 @@ def main(argv=None):
     ap.add_argument("--longest", type=float, default=0.25, help="uniform: the longest document, a share of S")
     ap.add_argument("--dists", default="uniform,magi", help="document length distributions: uniform, magi")
     ap.add_argument("--layouts", default=",".join(LAYOUTS))
+    ap.add_argument("--transport", default="auto", help="the calls' transport (auto, nccl, mpi, staged)")
     ap.add_argument("--passes", default=",".join(PASSES), help="fwd, bwd (backward alone), fwdbwd")
     ap.add_argument("--ranks-per-node", type=int, default=8, help="for the cost model's prediction (default 8)")
     ap.add_argument("--timing", choices=TIMINGS, default="queued",
@@ -139,13 +140,13 @@ def measure(comm, args, dist, cu, passes, xp, dtype, device):
             raise burst_hpc.LayoutError(placed)
         mine = {name: xp.asarray(placed.shard(x, r)).astype(dtype) for name, x in full.items()}
         scheme = costmodel.pick(problem, cluster, rates, placed)   # what scheme='auto' runs
-        kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=placed, scheme=scheme)
+        kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=placed, scheme=scheme, transport=args.transport)
         acc = account(placed, mask, scheme, "forward", cluster.per_node if cluster.nodes > 1 else None)
         work = acc.work
         row = {"dist": dist, "layout": layout, "scheme": scheme, "P": P, "tokens": S, "documents": len(cu) - 1,
                "longest": int(np.diff(cu).max()), "device": device, "steps": int(work.shape[0]),
                "critical_over_mean": float(acc.critical * P / work.sum()),
-               "timing": args.timing,
+               "timing": args.timing, "transport": args.transport,
                "default": layout == default_kind(True), "picked": [p for p in passes if picked[p] == layout]}
         o, lse = burst_hpc.burst_attention(mine["q"], mine["k"], mine["v"], **kw)
         for pass_ in passes:
