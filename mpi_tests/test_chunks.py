@@ -98,7 +98,7 @@ def test_gather_runs_packed_on_one_node_and_stepped_across_nodes(comm, per_node,
         plan.passes.forward(*shards)
         p = plan.passes.packing
         start = p.start    # a rank alone with its own run keeps the call's own mask from there
-        early, late = p.spans(shards[0].shape[1])
+        early, late = p.split(shards[0].shape[1])
         assert len(calls) == len(early) + len(late) and all(c["first"] for c in calls)
         assert [c["q_start"] for c in calls] == [(0 if start is None else start) + lo for lo, _ in early + late]
         assert all(c["k_start"] == (0 if start is None else start) for c in calls)
@@ -143,7 +143,7 @@ def test_the_forward_computes_rows_that_see_only_own_keys_while_the_others_trave
             return Logged()
 
     p = plan.passes.packing
-    early, late = p.spans(shards[0].shape[1])
+    early, late = p.split(shards[0].shape[1])
     own = np.zeros(p.keys, bool)
     own[p.own] = True
     for lo, hi in early:   # every key an early row sees is the rank's own

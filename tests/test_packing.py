@@ -119,7 +119,7 @@ def test_the_forwards_early_runs_see_only_own_keys(seed):
             assert all(own[p.lo[row]:p.hi[row]].all() for row in range(lo, hi))
             assert work[lo:hi].sum() >= EARLY_SHARE * work.sum() > 0
         for rows in (len(p.lo), int(rng.integers(0, len(p.lo) + 1))):
-            early, late = p.spans(rows)
+            early, late = p.split(rows)
             covered = np.zeros(rows, np.int64)
             for lo, hi in early + late:
                 assert 0 <= lo < hi <= rows

@@ -1,14 +1,14 @@
-"""The gather scheme's passes in one block call each, on packed keys (plan/packing.py): the keys and values
-this rank's queries see, its own and the runs other ranks send it, laid end to end in global order, and
-every query row run once against them through its interval of buffer positions (masks.Packed). The
-forward writes the output in the input's dtype from that call; the backward adds dK/dV into float32 over
-the buffer, sends each other rank's runs home and adds the ones that come back into its own.
+"""The gather scheme's passes on packed keys (plan/packing.py): the keys and values this rank's queries see,
+its own and the runs other ranks send it, laid end to end in global order, and every query row run once against
+them through its interval of buffer positions (masks.Packed). The forward runs the rows that see only own keys
+(Packing.early) while the others travel, then the rest, each run a block call, and writes the output in the
+input's dtype from them; the backward runs its rows in one block call after the exchange, adds dK/dV into
+float32 over the buffer, sends each other rank's runs home and adds the ones that come back into its own.
 
 The passes take the modes RingPasses takes (passes.py): ``skip_compute`` (the exchanges alone),
 ``transport`` (in place of the plan's), ``on_step`` (called once, after the single step), ``meter``,
 ``clock`` and ``rehearse`` (the launch over the first REHEARSAL_KEYS query rows only)."""
-from contextlib import closing, nullcontext
-import itertools
+from contextlib import contextmanager, nullcontext
 
 import numpy as np
 
@@ -22,7 +22,7 @@ IN_PLACE_RUNS = 64
 
 
 class PackedPasses:
-    """The gather scheme's passes on packed keys: one exchange, one block call a pass."""
+    """The gather scheme's passes on packed keys: one exchange of keys a pass, the block calls around it."""
 
     def __init__(self, plan):
         d = plan.decomposition
@@ -146,32 +146,35 @@ class PackedPasses:
             self._index[("home", batch)] = table, blocks
         return self._index[("home", batch)]
 
-    def spans(self, runs, meter):
-        """The (lo, hi) query rows of each block call over ``runs`` ((lo, hi) each): a call a run, or on the NumPy
-        backend under a meter calls of whole tiles, PROGRESS_PARTS over all the runs, so progress comes during the
-        pass."""
+    def spans(self, runs, meter, rows):
+        """The (lo, hi) query rows of each block call over ``runs`` ((lo, hi) each) of a pass over ``rows`` rows: a
+        call a run, or on the NumPy backend under a meter calls of whole tiles, about PROGRESS_PARTS over the pass,
+        so progress comes during it."""
         be, step = self.plan.backend, None
-        rows = sum(hi - lo for lo, hi in runs)
         if meter is not None and be.name == "numpy" and rows > be.block_q:
             step = be.block_q * -(-rows // (PROGRESS_PARTS * be.block_q))
         return [(a, min(hi, a + (step or hi - lo))) for lo, hi in runs
                 for a in range(lo, hi, step or max(1, hi - lo))] or list(runs[:1])
 
-    def calls(self, spans, meter, clock):
-        """The block calls of ``spans`` as (lo, hi, first, last), each timed by ``clock`` and its visible pairs
-        told to ``meter`` (between its begin and end)."""
-        work = np.concatenate([[0], np.cumsum(self.packing.hi - self.packing.lo, dtype=np.int64)])
+    @contextmanager
+    def metered(self, spans, meter):
+        """Around a pass's block calls over ``spans``: ``meter`` told their visible pairs (begin, then end)."""
         if meter is not None:
-            meter.begin(int(sum(work[b] - work[a] for a, b in spans)))
+            pairs = self.packing.pairs
+            meter.begin(int(sum(pairs[b] - pairs[a] for a, b in spans)))
         try:
-            for i, (lo, hi) in enumerate(spans):
-                with clock() if clock is not None else nullcontext():
-                    yield lo, hi, i == 0, i == len(spans) - 1
-                if meter is not None:
-                    meter.done(int(work[hi] - work[lo]))
+            yield
         finally:
             if meter is not None:
                 meter.end()
+
+    def timed(self, lo, hi, meter, clock, call):
+        """``call()``, the block call of query rows lo..hi, timed by ``clock`` and its visible pairs told to
+        ``meter`` after it."""
+        with clock() if clock is not None else nullcontext():
+            call()
+        if meter is not None:
+            meter.done(int(self.packing.pairs[hi] - self.packing.pairs[lo]))
 
     def at(self, lo):
         """The block call's mask arguments for the query rows from local row ``lo``."""
@@ -194,18 +197,18 @@ class PackedPasses:
         if skip_compute:
             self.gather(arrays, near, in_place=True)
         else:
-            early, late = (self.spans(runs, meter) for runs in self.packing.spans(rows))
-            calls = self.calls(early + late, meter, clock)
+            early, late = (self.spans(runs, meter, rows) for runs in self.packing.split(rows))
 
-            def run(count, kp, vp):
-                for a, b, _, _ in itertools.islice(calls, count):
-                    be.forward_block(q[:, a:b], kp, vp, _rows(o, a, b), lse[:, :, a:b], scale=d.scale, first=True,
-                                     out=_rows(out, a, b), **self.at(a))
+            def run(spans, kp, vp):
+                for a, b in spans:
+                    self.timed(a, b, meter, clock, lambda: be.forward_block(
+                        q[:, a:b], kp, vp, _rows(o, a, b), lse[:, :, a:b], scale=d.scale, first=True,
+                        out=_rows(out, a, b), **self.at(a)))
 
-            with closing(calls):
-                kp, vp = self.gather(arrays, near, (lambda buffers: run(len(early), *buffers)) if early else None,
+            with self.metered(early + late, meter):
+                kp, vp = self.gather(arrays, near, (lambda buffers: run(early, *buffers)) if early else None,
                                      in_place=True, zeroed=bool(early))
-                run(None, kp, vp)
+                run(late, kp, vp)
         if on_step is not None:
             on_step(1, 1)
         return (o if out is None else out), lse.astype(xp.float32, copy=False)
@@ -233,16 +236,19 @@ class PackedPasses:
         dq_out = xp.empty(q.shape, q.dtype) if convert else None
         # keys no other rank sees, in the buffer as they are: their gradients written once, in the inputs' dtype
         alone = convert and self.packing.start is not None and not self.packing.sends and not skip_compute
-        spans = self.spans([(0, rows)], meter)
+        spans = self.spans([(0, rows)], meter, rows)
         one = alone and len(spans) == 1   # one call: no float32 dK, dV at all
         dkp, dvp = (None, None) if one else (xp.empty(x.shape, acc) for x in (kp, vp))
         dk_out, dv_out = (xp.empty(x.shape, x.dtype) for x in (k, v)) if alone else (None, None)
         if not skip_compute:
-            for a, b, first, last in self.calls(spans, meter, clock):
-                be.backward_block(q[:, a:b], kp, vp, do[:, a:b], lse[:, :, a:b], _rows(delta, a, b, 2),
-                                  _rows(dq, a, b), dkp, dvp, scale=d.scale, o=None if delta is not None else o[:, a:b],
-                                  first_q=True, first_kv=first, dq_out=_rows(dq_out, a, b),
-                                  dk_out=dk_out if last else None, dv_out=dv_out if last else None, **self.at(a))
+            with self.metered(spans, meter):
+                for i, (a, b) in enumerate(spans):
+                    first, last = i == 0, i == len(spans) - 1
+                    self.timed(a, b, meter, clock, lambda: be.backward_block(
+                        q[:, a:b], kp, vp, do[:, a:b], lse[:, :, a:b], _rows(delta, a, b, 2), _rows(dq, a, b), dkp,
+                        dvp, scale=d.scale, o=None if delta is not None else o[:, a:b], first_q=True, first_kv=first,
+                        dq_out=_rows(dq_out, a, b), dk_out=dk_out if last else None,
+                        dv_out=dv_out if last else None, **self.at(a)))
         else:
             dkp.fill(0)
             dvp.fill(0)

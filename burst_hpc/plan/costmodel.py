@@ -15,6 +15,9 @@ mean) are done and every transfer due then has arrived. A transfer is posted at 
 step (some schedules post transfers steps before they are due) and has arrived when both its
 sender's outgoing and its receiver's incoming link of its class have carried it: each link carries
 its transfers one after another in the order they are posted, a latency once per step and link.
+The packed passes (the gather on one node: Account.stepped False) are priced rank by rank instead
+(pricing._run_ranks): a rank's step ends when its own kernels and the transfers at its own link ends are
+done, without waiting for the other ranks, and a step's transfers start when the last rank reaches it.
 What cannot overlap is added: Ulysses' all-to-alls inside the node, the backward's work outside its
 kernels (pricing.outside_seconds). Exposed communication =
 predicted time - compute alone.

@@ -15,8 +15,8 @@ backward (its calls over row runs measured 0.75-0.8x on 2 x H200: each block cal
 GPU time it saves), wait for every run: on one node a run crosses NVLink in a fraction of what the many small
 pair launches of the stepped gather cost; between nodes the stepped gather hides the transfers under the rank's
 own work (gather.py)."""
-from dataclasses import dataclass
-from functools import lru_cache
+from dataclasses import dataclass, replace
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -55,7 +55,12 @@ class Packing:
     start: int = None
     early: tuple = ()
 
-    def spans(self, rows):
+    @cached_property
+    def pairs(self):
+        """int64 (rows + 1,): the visible pairs of the query rows before each row (prefix sums of hi - lo)."""
+        return np.concatenate([[0], np.cumsum(self.hi - self.lo, dtype=np.int64)])
+
+    def split(self, rows):
         """(early, late): the forward's block calls over the first ``rows`` query rows as (lo, hi) runs, those
         computed while the keys travel and those after, together every row once, each list in order."""
         early = tuple((lo, min(hi, rows)) for lo, hi in self.early if lo < rows)
@@ -106,23 +111,21 @@ def packing(mask, layout, rank):
     sends = tuple((a, _rows(seen[a][rank])) for a in range(size) if a != rank and seen[a][rank])
     first = int(own_global[0]) if len(own_global) else 0
     alone = not arriving and np.array_equal(own_global, np.arange(first, first + len(own_global)))
-    own = np.searchsorted(order, own_global)
-    return Packing(rank, len(order), own, receives, sends, lo.astype(np.int32), hi.astype(np.int32),
-                   tuple(_cuts(layout.indices(b)[rows], rows) for b, rows in arriving),
-                   tuple(_cuts(own_global[rows], rows) for _, rows in sends), first if alone else None,
-                   _early(own, len(order), lo, hi) if arriving else ())
+    packed = Packing(rank, len(order), np.searchsorted(order, own_global), receives, sends, lo.astype(np.int32),
+                     hi.astype(np.int32), tuple(_cuts(layout.indices(b)[rows], rows) for b, rows in arriving),
+                     tuple(_cuts(own_global[rows], rows) for _, rows in sends), first if alone else None)
+    return replace(packed, early=_early(packed)) if arriving else packed
 
 
-def _early(own, keys, lo, hi):
-    """Packing.early: the runs of query rows whose [lo, hi) holds only ``own`` slots of a buffer of ``keys``,
-    those of at least EARLY_SHARE of the visible pairs, the EARLY_RUNS heaviest, in order."""
-    foreign = np.ones(keys + 1, np.int64)
-    foreign[own] = 0
+def _early(packed):
+    """Packing.early of ``packed``: the runs of its query rows whose keys [lo, hi) are all own slots, those of at
+    least EARLY_SHARE of the visible pairs, the EARLY_RUNS heaviest, in order."""
+    foreign = np.ones(packed.keys + 1, np.int64)
+    foreign[packed.own] = 0
     foreign = np.concatenate([[0], np.cumsum(foreign[:-1])])
-    local = np.concatenate([[False], foreign[hi] == foreign[lo], [False]])
+    local = np.concatenate([[False], foreign[packed.hi] == foreign[packed.lo], [False]])
     edges = np.flatnonzero(np.diff(local.astype(np.int8)))
-    runs = list(zip(edges[::2].tolist(), edges[1::2].tolist()))
-    work = np.concatenate([[0], np.cumsum(hi - lo, dtype=np.int64)])
-    weight = [int(work[b] - work[a]) for a, b in runs]
-    heavy = sorted((w, run) for w, run in zip(weight, runs) if w > 0 and w >= EARLY_SHARE * work[-1])[::-1]
+    pairs = packed.pairs
+    runs = [(int(pairs[b] - pairs[a]), (a, b)) for a, b in zip(edges[::2].tolist(), edges[1::2].tolist())]
+    heavy = sorted(run for run in runs if run[0] > 0 and run[0] >= EARLY_SHARE * pairs[-1])[::-1]
     return tuple(sorted(run for _, run in heavy[:EARLY_RUNS]))

@@ -120,8 +120,9 @@ def _run_ranks(acc, calls, seconds, latency, scales):
     """Seconds of the steps of a pass whose ranks do not wait for each other between steps (the packed passes: the
     host issues the whole pass, each rank's GPU waits only for its own transfers), for each of ``scales``
     (``calls`` (steps, ranks, scales): each rank's kernels at each step): a rank's step ends when its kernels
-    and every transfer at one of its link ends due then are done. A step's transfers start once every rank has
-    reached it (sender and receiver both post them); each link end carries its messages one after another."""
+    and every transfer at one of its link ends due then are done (its senders' outgoing ends are not waited for: a
+    message queued behind others there is priced as arriving early). A step's transfers start once every rank
+    has reached it (sender and receiver both post them); each link end carries its messages one after another."""
     steps = _link_steps(acc)
     ranks = calls.shape[1]
     free = np.zeros((4 * ranks, scales.size))

@@ -241,10 +241,9 @@ def _gather_account(mask, layout, returns, per_node):
                 work[at, r], launches[at, r], tiled[at, r] = total[r], 1, packed_tiles(mask, layout, r)
                 continue
             p = packing(mask, layout, r)
-            pairs = np.concatenate([[0], np.cumsum(p.hi - p.lo, dtype=np.int64)])
-            for t, runs in zip((0, at), p.spans(len(p.lo))):
+            for t, runs in zip((0, at), p.split(len(p.lo))):
                 for lo, hi in runs:
-                    work[t, r] += pairs[hi] - pairs[lo]
+                    work[t, r] += p.pairs[hi] - p.pairs[lo]
                     launches[t, r] += 1
                     tiled[t, r] += packed_tiles(mask, layout, r, (lo, hi))
         moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
