@@ -211,14 +211,15 @@ def _gather_account(mask, layout, returns, per_node):
     for r, mine in enumerate(tasks):
         for t, visits in enumerate(mine):
             work[t, r] = sum(w for _, _, w in visits)
+            if per_node is None:   # the packed passes' calls and tiles, below
+                continue
             # the block calls the engine makes for each visit (engine.passes: visit_pairs over the held keys)
             calls = [schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
                 layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows,
                 packed=schedule.packs_visits("gather", mask))
                 for shard, rows, w in visits if w]
             launches[t, r] = sum(len(pairs) for pairs in calls)
-            if per_node is not None:   # else the packed call's tiles, below
-                tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs])
+            tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs])
     if per_node is None:
         # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
         # the exchange home and the sum after it. Each transfer is waited for, not hidden under a step's kernels:
