@@ -87,7 +87,8 @@ class Costs:
         kernels (they grow with the tokens) after its steps."""
         latency = self.latency if fixed else np.zeros_like(self.latency)
         if not self.acc.stepped:
-            return _run_ranks(self.acc, self.calls(scales, fixed), self.seconds, latency, scales) + self.outside * scales
+            return (_run_ranks(self.acc, self.calls(scales, fixed), self.seconds, latency, scales)
+                    + self.outside * scales)
         return _run(self.acc, self.critical(scales, fixed), self.seconds, latency, self.step if fixed else 0.0,
                     scales) + self.outside * scales
 
@@ -105,15 +106,24 @@ def _run(acc, critical, seconds, latency, step, scales):
     for t, compute in enumerate(critical):
         start = time
         if t in steps:
-            rows, ends, counts, last, by_due, dues, due_starts = steps[t]
-            carried = np.cumsum(seconds[rows, None] * scales + latency[rows, None], axis=0)   # end after end
-            before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
-            begin = np.maximum(start, free[ends]) - before
-            done = np.repeat(begin, counts, axis=0) + carried
-            free[ends] = done[last]
+            by_due, dues, due_starts = steps[t][4:]
+            done = _carried(steps[t], start, free, seconds, latency, scales)
             arrived[dues] = np.maximum(arrived[dues], np.maximum.reduceat(done[by_due], due_starts, axis=0))
         time = np.maximum(start + compute, arrived[t]) + step
     return time
+
+
+def _carried(posted, start, free, seconds, latency, scales):
+    """(rows, scales): when each message a step posts (``posted``: its _link_steps entry) is done at its link end,
+    the ends carrying theirs one after another from ``start`` (scales,) or when each end is ``free``, which is
+    advanced past them."""
+    rows, ends, counts, last = posted[:4]
+    carried = np.cumsum(seconds[rows, None] * scales + latency[rows, None], axis=0)   # end after end
+    before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
+    begin = np.maximum(start, free[ends]) - before
+    done = np.repeat(begin, counts, axis=0) + carried
+    free[ends] = done[last]
+    return done
 
 
 def _run_ranks(acc, calls, seconds, latency, scales):
@@ -131,12 +141,8 @@ def _run_ranks(acc, calls, seconds, latency, scales):
     for t, compute in enumerate(calls):
         start = time
         if t in steps:
-            rows, ends, counts, last, *_ = steps[t]
-            carried = np.cumsum(seconds[rows, None] * scales + latency[rows, None], axis=0)
-            before = np.concatenate([np.zeros((1, scales.size)), carried[last[:-1]]])
-            begin = np.maximum(start.max(axis=0), free[ends]) - before
-            done = np.repeat(begin, counts, axis=0) + carried
-            free[ends] = done[last]
+            rows = steps[t][0]
+            done = _carried(steps[t], start.max(axis=0), free, seconds, latency, scales)
             np.maximum.at(arrived, (acc.ends["due"][rows], acc.ends["rank"][rows]), done)
         time = np.maximum(start + compute, arrived[t])
     return time.max(axis=0)

@@ -221,14 +221,13 @@ def _gather_account(mask, layout, returns, per_node):
             launches[t, r] = sum(len(pairs) for pairs in calls)
             tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs])
     if per_node is None:
-        # one node: the packed passes (engine/packed.py): every run moves, then one block call; in the backward
-        # the exchange home and the sum after it. Each transfer is waited for, not hidden under a step's kernels:
-        # the forward is two steps (its keys' exchange, the call), the backward three (its keys' exchange; the
+        # one node: the packed passes (engine/packed.py): every run moves, then the block calls; in the backward
+        # the exchange home and the sum after it. The forward is two steps (its keys' exchange with its early runs
+        # under it, packing.Packing.early; the rest of its rows), the backward three (its keys' exchange; its one
         # call; the partials home), none with a step's fixed cost (a 4 x H200 timeline, GPU-paced: 20 us from the
-        # posting to the transfer, the host long ahead); one rank alone, its one call. The engine runs the delta
+        # posting to the transfer, the host long ahead); one rank alone, its calls. The engine runs the delta
         # pre-pass under the backward's exchange, priced after the steps with the rest outside the kernels; the
         # row moves and the sum home (memory-bound, 20-60 us) are not priced
-        # The forward computes its early runs (packing.Packing.early) in the exchange's step, the rest after it.
         stepped = False
         total = work.sum(axis=0)
         steps = 1 + bool(moves) + ("kv" in returns and bool(moves))
@@ -238,11 +237,9 @@ def _gather_account(mask, layout, returns, per_node):
         for r in range(layout.size):
             if not total[r]:
                 continue
-            if "kv" in returns:
-                work[at, r], launches[at, r], tiled[at, r] = total[r], 1, packed_tiles(mask, layout, r)
-                continue
             p = packing(mask, layout, r)
-            for t, runs in zip((0, at), p.split(len(p.lo))):
+            split = ((), ((0, len(p.lo)),)) if "kv" in returns else p.split(len(p.lo))
+            for t, runs in zip((0, at), split):
                 for lo, hi in runs:
                     work[t, r] += p.pairs[hi] - p.pairs[lo]
                     launches[t, r] += 1
