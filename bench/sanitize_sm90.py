@@ -6,8 +6,9 @@ causal and interval masks, bf16 and fp16) once on small shapes, for compute-sani
     (--forward-only: the forward kernels alone; --backward-only: the backward instances, each once, after
     the forward at one tile height)
 
-The forward runs on 3 CTAs, so each takes several tiles, and runs four times: plain, with its key range
-cut in two (key splits), with the cross-tile step switched from its default, and as the block contract's
+The forward runs on 3 CTAs, so each takes several tiles, and runs five times: plain, with its key range
+cut in two (key splits), with the cross-tile step switched from its default, with the query heads of a K/V group
+packed into its tiles (PackGQA, under the interval mask) switched from its default, and as the block contract's
 first and last pair (its 16-bit output from the epilogue). The backward also runs as a first and last pair
 (delta and dq's zeros in the pre-pass; dK, dV straight from the registers where one CTA holds the group). The backward runs in both CTA orders (in order, walking up; the host's
 heavy-first order: documents heaviest first, walking down, a short causal grid's key blocks in pieces). Shapes: lengths that are not
@@ -41,9 +42,10 @@ def main():
             be.kernels.forced_tile_height = rows
             for mode in ("full", "causal", "interval"):
                 causal = mode != "full"
-                b, sq, sk, hq, hkv = (1, 900, 1000, 4, 2) if mode == "interval" else (1, 200, 300, 4, 2)
+                b, sq, sk, hq, hkv = (1, 900, 1000, 8, 1) if mode == "interval" else (1, 200, 300, 4, 2)
                 # interval: documents and a window over the 1000 positions, the queries the last 900: the last
-                # document, 840 rows, is a run of forward tiles of its own (plan/tiles.forward_tiles)
+                # document, 840 rows, is a run of forward tiles of its own (plan/tiles.forward_tiles); 8 query
+                # heads a K/V head, packed into the forward's tiles (PackGQA)
                 window, cu = ((40, 0), np.array([0, 90, 137, 160, 1000])) if mode == "interval" else (None, None)
                 mask = masks.make(sk, True, window, cu)
                 q, k, v, do = (rng.standard_normal((b, n, h, d)).astype(np.float32)
@@ -57,7 +59,8 @@ def main():
                 be.forward_block(*dev[:3], o, lse, scale=scale, masked=causal, q_start=q_start, mask=mask)
                 # the same with each query tile's keys cut in two parts (key splits), and with the cross-tile
                 # step (16-bit probabilities round differently per part: the results agree to about 1e-3)
-                for name, value in (("forced_key_splits", 2), ("cross_tile", not be.kernels.cross_tile)):
+                for name, value in (("forced_key_splits", 2), ("cross_tile", not be.kernels.cross_tile),
+                                    ("pack_gqa", not be.kernels.pack_gqa)):
                     o2, lse2 = cupy.zeros_like(o), cupy.full_like(lse, -np.inf)
                     default = getattr(be.kernels, name)
                     setattr(be.kernels, name, value)

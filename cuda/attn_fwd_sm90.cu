@@ -33,6 +33,12 @@
 // and mhi[its first row] >= tile end. The query tiles are the host's (`order`: plan/tiles.forward_tiles): up
 // to BM rows [first, end), a long document's starting on its first row, so its key tiles start on its first
 // key; rows from `end` on in the tile's BM belong to the next tile and are computed but never written.
+// PackGQA (interval masks, argument pack_log2 = lp > 0; FlashAttention-3 packs every varlen call): a tile's BM
+// rows are BM >> lp positions x the 1 << lp query heads of one K/V group that share its K/V tiles (row r:
+// position first + (r >> lp), head h + (r & ((1 << lp) - 1)); the q tensor map's box is (64, 1 << lp,
+// BM >> lp) of (D, H, S), which lands in shared memory in that row order). A short document's last tile
+// then wastes at most BM >> lp positions' rows, not BM; each thread's two accumulator rows are 8 >> lp
+// positions of one head apart.
 // The epilogue merges the block result into the caller's (o, lse) exactly like the sm80 kernel; the old o
 // rows are prefetched to L2 two key tiles before it. At the first pair of a query shard's rows (argument
 // `first`) the running (o, lse) are not read; at the last (`out`) the final output goes to `out` in the
@@ -97,7 +103,8 @@ struct Smem {
   __device__ static u32 v_empty(u32 base, int s) { return k_full(base, s) + 24; }
 };
 
-// One tile of the schedule: query rows [m0, m_end) of (batch b, query head h), ntiles key tiles from key k0
+// One tile of the schedule: query rows [m0, m_end) of (batch b, query head h; PackGQA: positions [m0, m_end)
+// of query heads h .. h + (1 << lp) - 1), ntiles key tiles from key k0
 // (ntiles <= 0: nothing visible, the tile is skipped); with key splits, part `split` of the key tiles of
 // query tile `id`.
 struct Tile {
@@ -112,7 +119,8 @@ static_assert(sizeof(Tile) == 4 * (kSlotInts - 1), "a Q stage's slot holds the i
 // query tile next to each other in the order; each part merges its result into (o, lse) on its own.
 template <int BM, int BN, bool CAUSAL, bool IV>
 struct TileScheduler {
-  int nmb, Hq, BH, hchunk, nsplit, Sq, Sk;
+  int nmb, Hq, BH, hchunk, nsplit, Sq, Sk;  // Hq, BH, hchunk: in packs of 1 << lp query heads
+  int lp;
   const int *order, *mlo, *mhi;
   i64 off, kofs;
   int* counter;
@@ -148,7 +156,7 @@ struct TileScheduler {
       t.m_end = min(t.m0 + BM, Sq);
     }
     t.b = bh / Hq;
-    t.h = bh - t.b * Hq;
+    t.h = (bh - t.b * Hq) << lp;
     int n_begin, n_end;
     tile_keys<CAUSAL, IV>(t.m0, t.m_end - t.m0, Sq, Sk, off, mlo, mhi, kofs, &n_begin, &n_end);
     t.k0 = n_begin;  // 0 unless IV
@@ -254,15 +262,15 @@ __device__ __forceinline__ void pack_p(const float* s, u32 (*p)[4]) {
   }
 }
 
-// this thread's o rows (row0, row0 + 8: D floats each, from column 0) and the warp's lse entries into L2,
+// this thread's o rows (row0, row0 + step: D floats each, from column 0) and the warp's lse entries into L2,
 // ahead of the merge that reads them
 template <int D>
 __device__ __forceinline__ void prefetch_rows(const float* o_rows, i64 oss, const float* lse_rows, i64 lss, int row0,
-                                              int Sq, int lane) {
+                                              int step, int Sq, int lane) {
   if (lane % 4 != 0) return;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
+    const int row = row0 + step * r;
     if (row >= Sq) continue;
 #pragma unroll
     for (int c = 0; c < D; c += 32) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(o_rows + row * oss + c));
@@ -279,17 +287,19 @@ struct ConsumerTile {
   fwd90::Tile tl;
   int qs;     // the Q stage holding the tile's queries
   u32 q_lo;   // descriptor low word of this warpgroup's 64 rows of Q
-  int mw0;    // first query row of this warpgroup
-  int row0;   // this thread's rows: row0, row0 + 8
+  int mw0;    // first query row (position) of this warpgroup
+  int row0;   // this thread's rows: row0, row0 + step (PackGQA: positions of one head)
+  int step;
   // IV: the key range [klo, khi) (local, within [0, Sk]) of this thread's rows, and of the warpgroup's first
   // and last rows (global bounds until resolve())
   int klo[2], khi[2], wg_lo_last, wg_hi_first;
 
-  __device__ __forceinline__ ConsumerTile(const fwd90::Tile& t, int q_stage, u32 q_addr, int cw, int tid, int Sq, int Sk,
-                                          const int* mlo, const int* mhi)
+  __device__ __forceinline__ ConsumerTile(const fwd90::Tile& t, int q_stage, u32 q_addr, int cw, int tid, int lp,
+                                          int Sq, int Sk, const int* mlo, const int* mhi)
       : tl(t), qs(q_stage), q_lo(desc_lo(q_addr + cw * 64 * 128, 16)) {
-    mw0 = tl.m0 + 64 * cw;
-    row0 = mw0 + 16 * (tid / 32) + (tid % 32) / 4;
+    mw0 = tl.m0 + ((64 * cw) >> lp);
+    row0 = tl.m0 + ((64 * cw + 16 * (tid / 32) + (tid % 32) / 4) >> lp);
+    step = 8 >> lp;
     klo[0] = klo[1] = 0;
     khi[0] = khi[1] = Sk;
     wg_lo_last = 0;
@@ -297,11 +307,11 @@ struct ConsumerTile {
     if (IV) {
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
-        const int row = min(row0 + 8 * r, Sq - 1);
+        const int row = min(row0 + step * r, Sq - 1);
         klo[r] = mlo[row];
         khi[r] = mhi[row];
       }
-      wg_lo_last = mlo[min(mw0 + 63, tl.m_end - 1)];  // rows from m_end on are never written
+      wg_lo_last = mlo[min(tl.m0 + ((64 * cw + 63) >> lp), tl.m_end - 1)];  // rows from m_end on are never written
       wg_hi_first = mhi[min(mw0, Sq - 1)];
     }
   }
@@ -333,8 +343,9 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
   extern __shared__ unsigned char smem_raw[];
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   volatile int* const slot = reinterpret_cast<volatile int*>(smem_raw + (base - smem_u32(smem_raw)) + L::kSlot);
-  const TileScheduler<BM, BN, CAUSAL, IV> sched{args.nq, args.Hq, args.B * args.Hq, args.hchunk,
-                                                args.nsplit, args.Sq, args.Sk, args.order, args.mlo, args.mhi,
+  const int lp = IV ? args.pack_log2 : 0;  // PackGQA: 1 << lp query heads of a K/V group in a tile's rows
+  const TileScheduler<BM, BN, CAUSAL, IV> sched{args.nq, args.Hq >> lp, (args.B * args.Hq) >> lp, args.hchunk,
+                                                args.nsplit, args.Sq, args.Sk, lp, args.order, args.mlo, args.mhi,
                                                 args.off, args.kofs, args.next_tile};
 
   if (threadIdx.x == 0) {
@@ -436,16 +447,19 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
   auto consumer_tile = [&] {  // the producer's Tile of the next Q stage
     const volatile int* const s = slot + kSlotInts * q_pipe.stage;
     const Tile tl{s[1], s[2], s[3], s[4], s[5], s[6], s[7], s[8]};
-    const CT ct(tl, q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, args.Sq, args.Sk, args.mlo,
+    const CT ct(tl, q_pipe.stage, base + L::kQ + q_pipe.stage * L::kQTile, cw, tid, lp, args.Sq, args.Sk, args.mlo,
                 args.mhi);
     q_pipe.advance();
     return ct;
   };
-  auto o_rows_of = [&](const Tile& tl) { return args.o + tl.b * args.osb + tl.h * args.osh; };
-  auto lse_rows_of = [&](const Tile& tl) { return args.lse + tl.b * args.lsb + tl.h * args.lsh; };
+  // this thread's query head in a tile: the tile's first, plus (PackGQA) its rows' place in the pack
+  const int hoff = (64 * cw + 16 * (tid / 32) + lane / 4) & ((1 << lp) - 1);
+  auto o_rows_of = [&](const Tile& tl) { return args.o + tl.b * args.osb + (tl.h + hoff) * args.osh; };
+  auto lse_rows_of = [&](const Tile& tl) { return args.lse + tl.b * args.lsb + (tl.h + hoff) * args.lsh; };
   // where the epilogue writes a tile's rows (out: this thread's first column as well)
   auto rows_of = [&](const Tile& tl) {
-    u16* const out_rows = args.out == nullptr ? nullptr : args.out + tl.b * args.tsb + tl.h * args.tsh + 2 * (lane % 4);
+    u16* const out_rows =
+        args.out == nullptr ? nullptr : args.out + tl.b * args.tsb + (tl.h + hoff) * args.tsh + 2 * (lane % 4);
     return FwdRows{o_rows_of(tl) + 2 * (lane % 4), args.oss, out_rows, args.tss,
                    lse_rows_of(tl), args.lss, args.first != 0};
   };
@@ -466,11 +480,11 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
       named_barrier_sync(kMerge + cw, 128);
     }
     if (args.nsplit > 1)
-      merge_rows<D, true, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.tl.m_end);
+      merge_rows<D, true, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.step, ct.tl.m_end);
     else if (args.first && args.out != nullptr)
-      store_rows<D, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.tl.m_end);
+      store_rows<D, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.step, ct.tl.m_end);
     else
-      merge_rows<D, false, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.tl.m_end);
+      merge_rows<D, false, BF16>(rows_of(ct.tl), acc, mm, ll, ct.row0, ct.step, ct.tl.m_end);
     if (args.nsplit > 1) {
       __threadfence();
       named_barrier_sync(kMerge + cw, 128);
@@ -500,7 +514,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
     for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
   };
   auto prefetch = [&](const CT& ct) {  // the running (o, lse), unless the pair is the first to write them
-    if (!args.first) prefetch_rows<D>(o_rows_of(ct.tl), args.oss, lse_rows_of(ct.tl), args.lss, ct.row0, ct.tl.m_end, lane);
+    if (!args.first) prefetch_rows<D>(o_rows_of(ct.tl), args.oss, lse_rows_of(ct.tl), args.lss, ct.row0, ct.step, ct.tl.m_end,
+                                     lane);
   };
 
   int idx = next_index();

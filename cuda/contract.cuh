@@ -114,6 +114,7 @@ struct Fwd90Params : PairParams {
   i64 osb, oss, osh, lsb, lsh, lss, tsb, tss, tsh;  // o, lse, out
   int hchunk, nsplit, cross_tile, first;
   int nq;  // query tiles of the schedule: ceil(Sq / BM), or under interval masks the order's (first, end) pairs
+  int pack_log2;  // interval masks: a tile's rows are BM >> pack_log2 positions x (1 << pack_log2) query heads
 };
 
 // The sm90 backward's dk_out, dv_out, the block contract's (the last pair of these keys; the host passes them

@@ -1,5 +1,7 @@
 // The sm90 kernels' epilogues: accumulator registers (wgmma fragment layout: this thread's rows
-// row0 and row0 + 8, columns 8 j + 2 (lane % 4) + {0, 1}) into the caller's float32 arrays.
+// row0 and row0 + 8, columns 8 j + 2 (lane % 4) + {0, 1}) into the caller's float32 arrays. The forward's
+// rows may hold several query heads (PackGQA, attn_fwd_sm90.cu): its two accumulator rows are then `step`
+// (8 / heads) positions of one head apart.
 #pragma once
 #include "sm90_primitives.cuh"
 
@@ -48,7 +50,7 @@ struct FwdRows {
 // L2: read the running (o, lse) from L2, not L1 (rows another SM merged into since this one last read them).
 template <int D, bool L2, bool BF16>
 __device__ __forceinline__ void merge_rows(const FwdRows& to, const float* acc, const float* m, float* l, int row0,
-                                           int Sq) {
+                                           int step, int Sq) {
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
@@ -57,14 +59,14 @@ __device__ __forceinline__ void merge_rows(const FwdRows& to, const float* acc, 
   float l_old[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
+    const int row = row0 + step * r;
     l_old[r] = (row < Sq && !to.first) ? load_f32<L2>(to.lse + row * to.lss) : -BH_INF;
   }
   __syncwarp();  // every lane of a quad has read lse before its first lane writes it
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    const int row = row0 + 8 * r;
+    const int row = row0 + step * r;
     const bool seen = l[r] != 0.f;  // a NaN l (the row saw a NaN or Inf) is merged: lb, ln and o are NaN
     if (row >= Sq || !(seen || to.first || to.out != nullptr)) continue;
     const float lo = l_old[r];
@@ -111,13 +113,13 @@ __device__ __forceinline__ void merge_rows(const FwdRows& to, const float* acc, 
 // acc holds 0 * Inf = NaN), a NaN l makes the row NaN.
 template <int D, bool BF16>
 __device__ __forceinline__ void store_rows(const FwdRows& to, const float* acc, const float* m, float* l, int row0,
-                                           int Sq) {
+                                           int step, int Sq) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 1);
     l[r] += __shfl_xor_sync(0xffffffffu, l[r], 2);
-    const int row = row0 + 8 * r;
+    const int row = row0 + step * r;
     if (row >= Sq) continue;
     const bool seen = l[r] != 0.f;
     const float wb = 1.f / l[r];

@@ -63,6 +63,12 @@ CASES = [  # seqlen, hq, hkv, d, causal, documents, window (, dtype)
     (3000, 4, 2, 128, True, 4, None),
     (2700, 2, 1, 64, True, 3, (800, 0)),
     (2200, 2, 2, 128, False, 3, None),
+    # groups the forward packs into a tile's rows (PackGQA: 8, 8 of 16, 2 of 6, 4) and one it cannot (3)
+    (1000, 16, 2, 128, True, 9, None),
+    (1100, 16, 1, 64, True, 7, (300, 0)),
+    (900, 12, 2, 128, True, 11, None, np.float16),
+    (1000, 8, 2, 256, True, 9, None),
+    (700, 3, 1, 128, True, 5, None),
 ]
 
 
@@ -126,6 +132,51 @@ def test_a_first_call_then_a_merging_last_call_make_one_call(documents):
     a, b = (cupy.asnumpy(x).astype(np.float64) for x in (out, single))
     assert np.abs(a - b).max() <= 2 ** -7 * np.abs(b).max() + 1e-3
     np.testing.assert_allclose(cupy.asnumpy(lse), cupy.asnumpy(single_lse), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("heads", [(8, 1), (16, 2), (6, 1)], ids=lambda h: f"h{h[0]}:{h[1]}")
+def test_packed_query_heads_give_the_unpacked_forward(heads):
+    """The sm90 forward with the query heads of a K/V group packed into a tile's rows (PackGQA) against the same
+    call unpacked and the oracle, on ring block pairs (rows and keys of a longer packed sequence, short and long
+    documents, some rows seeing nothing), merging into a running (o, lse) and as one first-and-last call."""
+    be = get_backend(cupy.zeros(1))
+    if not hasattr(be, "kernels") or not hasattr(be.kernels, "pack_gqa"):
+        pytest.skip("PackGQA is the sm90 forward's")
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    hq, hkv = heads
+    seqlen, d = 3000, 128
+    cu = documents(rng, seqlen, 12)
+    cu = np.union1d(cu, [1500, 2900])   # a long document and a short one at the end
+    mask = masks.make(seqlen, True, None, cu)
+    for q_start, q_len, k_start, k_len in ((0, seqlen, 0, seqlen), (1100, 1500, 333, 2000), (1400, 1000, 0, 1500)):
+        q = rng.standard_normal((1, q_len, hq, d)).astype(BF16)
+        k, v = (rng.standard_normal((1, k_len, hkv, d)).astype(BF16) for _ in range(2))
+        kw = dict(causal=True, q_start=q_start, k_start=k_start, cu_seqlens=cu)
+        ref_o, ref_lse = attention_reference(q, k, v, **kw)
+        ctx = f"seed={seed} heads {heads} rows {q_start}+{q_len} keys {k_start}+{k_len}"
+        results = {}
+        for packed in (True, False):
+            be.kernels.pack_gqa = packed
+            try:
+                o = cupy.zeros((1, q_len, hq, d), cupy.float32)
+                lse = cupy.full((1, hq, q_len), -cupy.inf, cupy.float32)
+                be.forward_block(*(cupy.asarray(x) for x in (q, k, v)), o, lse, scale=d ** -0.5, masked=True,
+                                 q_start=q_start, k_start=k_start, mask=mask)
+                out, lse1 = cupy.empty((1, q_len, hq, d), BF16), cupy.empty((1, hq, q_len), cupy.float32)
+                be.forward_block(*(cupy.asarray(x) for x in (q, k, v)), None, lse1, scale=d ** -0.5, masked=True,
+                                 q_start=q_start, k_start=k_start, mask=mask, first=True, out=out)
+            finally:
+                be.kernels.pack_gqa = True
+            for name, got, got_lse in (("merged", o, lse), ("first and last", out, lse1)):
+                got, got_lse = cupy.asnumpy(got).astype(np.float64), cupy.asnumpy(got_lse)
+                np.testing.assert_array_equal(np.isneginf(got_lse), np.isneginf(ref_lse), err_msg=f"{ctx} {name}")
+                seen = ~np.isneginf(ref_lse)
+                assert seen.any() and np.abs(got_lse[seen] - ref_lse[seen]).max() < 1e-3, f"{ctx} {name} {packed}"
+                assert _err(got, ref_o) < 2e-2, f"{ctx} {name} packed={packed}"
+                results[packed, name] = got
+        for name in ("merged", "first and last"):
+            assert np.abs(results[True, name] - results[False, name]).max() < 2e-2, f"{ctx} {name}"
 
 
 BLOCK_SETS = {  # seqlen, documents, window, (q_start, q_len, k_start, k_len) pairs

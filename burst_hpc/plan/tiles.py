@@ -18,6 +18,7 @@ bounds. ``call_tiles`` counts, per head, what the cost model prices (COUNTS):
   tiles whose key blocks walk up; ``bwd_shared_down`` the same over those whose key blocks walk down
   (``walk_down``: a short document's, which meet on its rows and share them better).
 """
+import math
 from typing import NamedTuple
 
 import numpy as np
@@ -41,6 +42,17 @@ WALK_DOWN_BLOCKS = 64
 # second holds a few rows: on packs of documents up to 200 / 400 tokens 1.17x / 1.06x the query and key tiles of
 # a grid of tiles; with 4, 1.00x there and 0.89-0.91x on the 8k MagiAttention sets (bench_packed.py's)
 LONG_DOCUMENT_TILES = 4
+# PackGQA: under an interval mask the sm90 forward's tile rows hold up to this many query heads of one K/V group
+# (FlashAttention-3 packs every varlen call), a tile of 128 rows then 16 positions of 8 heads
+MAX_PACKED_HEADS = 8
+
+
+def packed_heads(group):
+    """The query heads of one K/V group (``group`` query heads per K/V head) that the sm90 forward packs into a
+    tile's rows under an interval mask: the largest power of two up to MAX_PACKED_HEADS that divides the group (its
+    tile's rows are then bm / that positions of that many heads; 1: no packing). A short document's last tile
+    wastes at most those fewer positions' rows."""
+    return math.gcd(int(group), MAX_PACKED_HEADS)
 
 
 def pieces(t_end):

@@ -5,7 +5,7 @@ import numpy as np
 
 from . import launch, tma
 from ...recent import Recent
-from ...plan.tiles import WALK_DOWN_BLOCKS, forward_tiles, key_block_ranges, walk_down
+from ...plan.tiles import WALK_DOWN_BLOCKS, forward_tiles, key_block_ranges, packed_heads, walk_down
 from .contract import PARAMS, SOURCES, mask_mode
 from .launch import mask_args, strides
 
@@ -43,6 +43,8 @@ class Sm90Kernels:
     ``cross_tile``: the forward's cross-tile step (a tile's last P V issued with the next tile's first Q K^T;
     shapes with two Q buffers, D <= 128 with two consumer warpgroups; on by default: 3-6% at 16k, docs/KERNELS.md). ``max_ctas``: None, or at most this many
     CTAs for the persistent forward (tests and the sanitizer: many tiles per CTA on small shapes).
+    ``pack_gqa``: under an interval mask the forward packs the query heads of a K/V group into a tile's rows
+    (``plan.tiles.packed_heads``; PackGQA).
 
     The launches take the block contract's first / last flags (``ends``): the forward writes its 16-bit output
     from the epilogue and skips the running (o, lse) at a first pair; the backward's row pre-pass computes
@@ -62,6 +64,7 @@ class Sm90Kernels:
         self.forced_key_splits = None
         self.cross_tile = True
         self.max_ctas = None
+        self.pack_gqa = True
         self._splits = {}
         self._counters = {}
         self._locks = {}
@@ -147,7 +150,7 @@ class Sm90Kernels:
     def settings(self):
         """The knobs above that change a launch (part of a kept launch's key)."""
         return (self.forced_tile_height, self.heavy_first, self.walk_down_blocks, self.key_splits,
-                self.forced_key_splits, self.cross_tile, self.max_ctas)
+                self.forced_key_splits, self.cross_tile, self.max_ctas, self.pack_gqa)
 
     def forward(self, kind, q, k, v, o, lse, *, scale, masked, mask, q_start, k_start, first=False, out=None):
         import cupy
@@ -172,9 +175,9 @@ class Sm90Kernels:
             # visits hold (0, -inf)
             lse.fill(-np.inf)
             (o if out is None else out).fill(0)
-        bm, bn = made.tile
+        rows, bn, pack = made.tile
         try:
-            maps = tma.device_maps(cupy, ((q, bm), (k, bn), (v, bn)))
+            maps = tma.device_maps(cupy, ((q, rows, pack), (k, bn), (v, bn)))
         except tma.TensorMapError:  # a stride order the driver refuses: run on contiguous copies
             copies = [cupy.ascontiguousarray(x) for x in (q, k, v)]
             if all(c is x for c, x in zip(copies, (q, k, v))):
@@ -192,29 +195,34 @@ class Sm90Kernels:
         mode = mask_mode(masked, mask)
         kernel = self.modules.table(FORWARD).find(kind, d, mode, self.tile_height(d, b * hq, sq))
         bm, bn = kernel.query_rows, kernel.keys
+        # a tile: `rows` positions of `pack` query heads (PackGQA under interval masks)
+        pack = packed_heads(hq // hkv) if mode == "interval" and self.pack_gqa else 1
+        rows = bm // pack
         off = int(q_start) - int(k_start)
         nsplit = self.key_split(bm, bn, b * hq, sq, sk, mode, off)
-        every_tile = _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, bm, bn)
+        every_tile = _every_tile_sees_keys(mode, mask, q_start, sq, k_start, sk, rows, bn)
         if out is not None and (nsplit > 1 or not (first or every_tile)):
             return launch.Kept(via_float32=True)
         clear = first and (nsplit > 1 or not every_tile)
         kern = self.modules.kernel(FORWARD, kernel.name, kernel.smem_bytes)
-        # the schedule: heads in chunks whose K/V stay in L2, query tiles longest first inside a chunk
-        kv_bytes_per_head = 2 * sk * d * q.itemsize * hkv // hq
-        hchunk = max(1, min(b * hq, L2_CHUNK_BYTES // max(1, kv_bytes_per_head)))
+        # the schedule: heads (packs of them) in chunks whose K/V stay in L2, query tiles longest first inside a chunk
+        kv_bytes_per_pack = 2 * sk * d * q.itemsize * hkv * pack // hq
+        packs = b * hq // pack
+        hchunk = max(1, min(packs, L2_CHUNK_BYTES // max(1, kv_bytes_per_pack)))
         order, nq = (None, -(-sq // bm))
         if mode == "interval":
-            order, nq = _longest_first(mask, q_start, sq, k_start, sk, bm, bn)[:2]
-        locks = self.tile_locks(nq * b * hq * (kernel.threads // 128 - 1)) if nsplit > 1 else None
-        grid = (min(nq * b * hq * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
+            order, nq = _longest_first(mask, q_start, sq, k_start, sk, rows, bn)[:2]
+        locks = self.tile_locks(nq * packs * (kernel.threads // 128 - 1)) if nsplit > 1 else None
+        grid = (min(nq * packs * nsplit, launch.sm_count(), self.max_ctas or launch.sm_count()),)
         fields = dict(order=order, next_tile=self.tile_counter(), locks=locks)
         args = self.forward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
                                  mask=mask if mode == "interval" else None, tmaps=None, nq=nq, hchunk=hchunk,
-                                 nsplit=nsplit, cross_tile=self.cross_tile, first=first and not clear, **fields,
+                                 nsplit=nsplit, cross_tile=self.cross_tile, first=first and not clear,
+                                 pack_log2=pack.bit_length() - 1, **fields,
                                  **launch.array_fields(("o", o, "osb oss osh"), ("lse", lse, "lsb lsh lss"),
                                                        ("out", out, "tsb tss tsh")))
         held = (fields, mask.device_intervals(cupy) if mode == "interval" else None)
-        return launch.Kept(kern, grid, (kernel.threads,), kernel.smem_bytes, args, held=held, tile=(bm, bn),
+        return launch.Kept(kern, grid, (kernel.threads,), kernel.smem_bytes, args, held=held, tile=(rows, bn, pack),
                            clear=clear, via_float32=False)
 
     # ---- backward --------------------------------------------------------------------------------------

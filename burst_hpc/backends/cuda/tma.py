@@ -3,8 +3,9 @@
 A BSHD array of 16-bit values (or a float32 accumulator) becomes a 4-d tensor map (D, H, S, B) with the
 array's own strides, so strided views (a zigzag half, heads interleaved with other data) need no copy. A
 box is 128 bytes of head-dim columns (the 128-byte swizzle width: 64 16-bit or 32 float32 values) of
-``rows`` tokens of one head of one batch entry; rows past the end of S read as zeros and are not written. The kernels take the maps from global memory: ``device_maps`` packs
-them into one device buffer, cached by geometry (a map holds only an address and a shape, so the same
+``rows`` tokens of one head (or of a few: the query heads the forward packs into a tile, PackGQA) of one batch
+entry; rows past the end of S read as zeros and are not written. The kernels take the maps from global memory:
+``device_maps`` packs them into one device buffer, cached by geometry (a map holds only an address and a shape, so the same
 geometry always gives the same bytes).
 """
 import ctypes
@@ -43,9 +44,9 @@ def _encoder():
     return _encode
 
 
-def encode_bshd(x, rows):
+def encode_bshd(x, rows, heads=1):
     """The 128-byte tensor map of the BSHD device array ``x`` (16-bit or float32) with boxes of 128 bytes of
-    head-dim columns x ``rows`` tokens."""
+    head-dim columns x ``heads`` heads x ``rows`` tokens (in shared memory: token-major, then head)."""
     b, s, h, d = x.shape
     item = x.itemsize
     cols = 128 // item
@@ -54,7 +55,7 @@ def encode_bshd(x, rows):
                              f"multiple of {cols}; got {x.dtype}, shape {x.shape}, strides {x.strides}")
     dims = (ctypes.c_uint64 * 4)(d, h, s, b)
     strides = (ctypes.c_uint64 * 3)(x.strides[2], x.strides[1], x.strides[0])
-    box = (ctypes.c_uint32 * 4)(cols, 1, rows, 1)
+    box = (ctypes.c_uint32 * 4)(cols, heads, rows, 1)
     steps = (ctypes.c_uint32 * 4)(1, 1, 1, 1)
     raw = ctypes.create_string_buffer(_MAP_BYTES + 64)  # the driver wants a 64-byte aligned CUtensorMap
     addr = (ctypes.addressof(raw) + 63) & ~63
@@ -63,19 +64,20 @@ def encode_bshd(x, rows):
                      _L2_PROMOTION_256B, _OOB_FILL_ZERO)
     if err != 0:
         raise TensorMapError(f"cuTensorMapEncodeTiled failed (CUresult {err}) for shape {x.shape}, "
-                             f"strides {x.strides}, box rows {rows}")
+                             f"strides {x.strides}, box rows {rows}, heads {heads}")
     return ctypes.string_at(addr, _MAP_BYTES)
 
 
-def _geometry(x, rows):
-    return (x.data.ptr, x.shape, x.strides, x.dtype.name, rows)
+def _geometry(x, box):
+    return (x.data.ptr, x.shape, x.strides, x.dtype.name, box)
 
 
-def device_maps(cupy, arrays_and_rows):
-    """One device buffer holding the tensor maps of [(array, box rows), ...] back to back (cached)."""
-    key = (cupy.cuda.Device().id, tuple(_geometry(x, r) for x, r in arrays_and_rows))
+def device_maps(cupy, boxes):
+    """One device buffer holding the tensor maps of [(array, box rows) or (array, box rows, box heads), ...]
+    back to back (cached)."""
+    key = (cupy.cuda.Device().id, tuple(_geometry(x, tuple(box)) for x, *box in boxes))
     buf = _cache.get(key)
     if buf is None:
-        host = np.frombuffer(b"".join(encode_bshd(x, r) for x, r in arrays_and_rows), dtype=np.uint8)
+        host = np.frombuffer(b"".join(encode_bshd(x, *box) for x, *box in boxes), dtype=np.uint8)
         buf = _cache.put(key, cupy.asarray(host))
     return buf
