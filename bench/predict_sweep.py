@@ -2,7 +2,8 @@
 one H100, the sm90 kernels on one call over causal documents at S = 8k and 32k, Hq = 64, Hkv = 8, D = 128): each
 call's predicted GPU time (pricing.call_seconds with H100's built-in rates: its tiles, and the backward's
 pre-pass and dQ conversion; no launch or step costs, which the sweep's per-call GPU time does not hold) beside
-the measured one. No GPU needed.
+the measured one. No GPU needed. The sweep ran before the forward packed a K/V group's query heads into its tiles
+(PackGQA, 2026-11-27): its calls are priced on the tiles those kernels ran (gqa_pack 1).
 
     python bench/predict_sweep.py
 """

@@ -200,3 +200,31 @@ def test_pairs_under_masks_of_their_own_count_as_each_alone(rng):
     alone = np.array([tiles.calls_tiles(mask if p.mask is None else p.mask, [p.q_start], [p.q.stop - p.q.start],
                                         [p.k_start], [p.k.stop - p.k.start], [p.masked])[0] for p in pairs])
     assert np.allclose(tiles.pairs_calls_tiles(mask, pairs), alone)
+
+
+def test_packed_query_heads_are_the_largest_power_of_two_dividing_the_group_up_to_eight():
+    assert {g: tiles.packed_heads(g) for g in (1, 2, 3, 4, 6, 8, 12, 16, 24)} == {
+        1: 1, 2: 2, 3: 1, 4: 4, 6: 2, 8: 8, 12: 4, 16: 8, 24: 8}
+
+
+def test_packed_forward_tiles_are_counted_per_head_of_the_pack(rng):
+    """Under documents the forward's tiles of 8 packed heads are tiles of 16 positions, 1/8 of a tile a head: short
+    documents then run fewer tiles a head (a tile of 128 rows reaches over several of them), a long document about
+    as many; a plain causal mask (the causal instance, never packed) and the backward's counts do not change."""
+    s = 4096
+    short = masks.make(s, True, None, np.arange(0, s + 1, 48).tolist() + [s])
+    plain, packed = (tiles.call_tiles(short, 0, s, 0, s, True, p) for p in (1, 8))
+    assert packed[0] < 0.8 * plain[0] and packed[1] <= plain[1]
+    assert packed[2:].tolist() == plain[2:].tolist()
+    per_pos = tiles.forward_tiles(short, 0, s, 0, s, 16, 128)
+    assert packed[0] == per_pos.key_tiles.sum() / 8 and packed[1] == (per_pos.key_tiles > 0).sum() / 8
+    long = masks.make(s, True, None, [0, s])
+    assert tiles.call_tiles(long, 0, s, 0, s, True, 8).tolist() == tiles.call_tiles(long, 0, s, 0, s, True).tolist()
+    causal = masks.make(s, True)
+    assert tiles.call_tiles(causal, 0, s, 0, s, True, 8).tolist() == tiles.call_tiles(causal, 0, s, 0, s).tolist()
+    # the model packs by the problem's group: a pass of 8 query heads a K/V head is priced on packed tiles
+    cu = masks.random_documents(rng, s, 20)
+    mask = masks.make(s, True, None, cu)
+    layout = make_layout("chunks", s, 2, mask=mask)
+    a, b = (account(layout, mask, "gather", "forward", None, p).tiles.sum(axis=(0, 1)) for p in (1, 8))
+    assert b[0] < a[0] and b[2:].tolist() == a[2:].tolist()

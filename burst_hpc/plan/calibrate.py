@@ -29,6 +29,7 @@ import numpy as np
 from .. import __version__, config
 from ..errors import BurstError
 from .pricing import TILE_PRICES as PRICED
+from .tiles import packed_heads
 
 FIXED = ("fwd_launch_us", "bwd_launch_us", "step_us", "intra_latency_us")   # the Rates fields measured here
 TILES = PRICED + ("bwd_token_ns",)   # the kernels' prices (pricing.TILE_PRICES) and the backward's per-token pass
@@ -115,18 +116,19 @@ def tile_masks():
     return [masks.make(n, True, None, None if doc is None else np.arange(0, n + 1, doc)) for n, doc in TILE_CALLS]
 
 
-def fit_tiles(samples, head_dim=128):
+def fit_tiles(samples, head_dim=128, gqa_pack=1):
     """{TILES field: ns} fitting ``samples`` [(mask, heads, forward seconds, backward seconds)] (one call each over
-    the whole mask: its kernels and the backward's pass outside them, no launch): the forward's and the
-    backward's terms apart, by least squares on each call's error relative to its time, every price >= 0 (of
-    the columns' subsets, the least error whose solution has none negative)."""
+    the whole mask: its kernels and the backward's pass outside them, no launch; the forward's tiles holding
+    ``gqa_pack`` heads under interval masks): the forward's and the backward's terms apart, by least squares on
+    each call's error relative to its time, every price >= 0 (of the columns' subsets, the least error whose
+    solution has none negative)."""
     from . import tiles
     from .pricing import backward_counts
 
     design, seconds = [], []
     for mask, heads, fwd, bwd in samples:
         per = heads * head_dim / 128 * 1e-9   # a price in ns a head at D = 128, the call's seconds
-        counts = tiles.call_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, not mask.is_full)
+        counts = tiles.call_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, not mask.is_full, gqa_pack)
         design.append(np.append(counts, mask.seqlen) * per)   # the last column: bwd_token_ns's tokens
         seconds.append((fwd, bwd))
     design, seconds = np.array(design), np.array(seconds)
@@ -162,7 +164,9 @@ def tile_times(time_call):
 
 def measure_tiles(times, head_dim=128):
     """{TILES field: ns} fitting ``times`` (tile_times' list; several ranks': the slowest of each call)."""
-    return fit_tiles([(mask, TILE_HEADS[0], fwd, bwd) for mask, (fwd, bwd) in zip(tile_masks(), times)], head_dim)
+    heads, kv_heads = TILE_HEADS
+    return fit_tiles([(mask, heads, fwd, bwd) for mask, (fwd, bwd) in zip(tile_masks(), times)], head_dim,
+                     packed_heads(heads // kv_heads))
 
 
 BUSY_MS = 3.0   # the GPU kept busy this long before a timed call: longer than the host takes to issue it

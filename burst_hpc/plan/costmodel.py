@@ -37,6 +37,7 @@ from ..errors import BurstError, LayoutError
 from .layout import LAYOUTS, Layout, layouts_for, make_layout
 from .placement import chunk_counts
 from .rates import rates_for
+from .tiles import packed_heads
 
 
 SCHEMES = ("ring", "double_ring", "ulysses_ring", "gather")
@@ -197,10 +198,11 @@ def pass_prediction(scheme, pr, cl, rates, layout, backward, scale=1):
 
     # the gather schedule's backward moves keys and values (decisions.gather_backward_ring)
     direction = "backward" if backward and scheme == "gather" else direction_of(pr, layout, backward)
-    acc = account(layout, pr.mask, scheme, direction, cl.per_node if cl.nodes > 1 else None)
     heads, kv_heads = pr.heads, pr.kv_heads
     if scheme == "ulysses_ring":
         heads, kv_heads = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node)
+    acc = account(layout, pr.mask, scheme, direction, cl.per_node if cl.nodes > 1 else None,
+                  packed_heads(heads // kv_heads))
     prices = kernel_prices(rates, pr.batch, heads, pr.head_dim, backward)
     tokens = layout.local * (cl.per_node if scheme == "ulysses_ring" else 1)   # a rank's query tokens
     outside = outside_seconds(rates, pr.batch, heads, pr.head_dim, tokens, backward)

@@ -34,11 +34,12 @@ def outside_seconds(rates, batch, heads, head_dim, tokens, backward):
     return rates.bwd_token_ns * 1e-9 * batch * heads * head_dim / 128 * tokens if backward else 0.0
 
 
-def call_seconds(rates, mask, batch, heads, head_dim, backward):
+def call_seconds(rates, mask, batch, heads, head_dim, backward, gqa_pack=1):
     """Predicted seconds of one call over the whole of ``mask`` (a masks.Mask) on one device: its kernels and
-    the seconds outside them, no fixed costs (bench/predict_sweep.py; `burst-hpc plan --measure`)."""
+    the seconds outside them, no fixed costs (bench/predict_sweep.py; `burst-hpc plan --measure`); ``gqa_pack``
+    as tiles.call_tiles takes it."""
     per_pair, per_tile = kernel_prices(rates, batch, heads, head_dim, backward)
-    counts = tiles.call_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, not mask.is_full)
+    counts = tiles.call_tiles(mask, 0, mask.seqlen, 0, mask.seqlen, not mask.is_full, gqa_pack)
     return (per_pair * visible_pairs(mask) + counts @ per_tile
             + outside_seconds(rates, batch, heads, head_dim, mask.seqlen, backward))
 

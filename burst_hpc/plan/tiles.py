@@ -159,16 +159,18 @@ def _tiles(run_call, run_first, run_end, lo, hi, q_start, k_start, sk, bm, bn):
     return ForwardTiles(tile_call, first, end, begin, np.where(stop > begin, -(-(stop - begin) // bn), 0))
 
 
-def call_tiles(mask, q_start, sq, k_start, sk, masked=True):
+def call_tiles(mask, q_start, sq, k_start, sk, masked=True, gqa_pack=1):
     """float64 (len(COUNTS),): the tiles of one block call of queries [q_start, +sq) against keys [k_start, +sk)
-    per head; ``masked`` False: a full pair (every tile of the rectangle)."""
-    return calls_tiles(mask, *([x] for x in (q_start, sq, k_start, sk, masked)))[0]
+    per head; ``masked`` False: a full pair (every tile of the rectangle). ``gqa_pack``: the query heads the
+    forward packs into a tile under an interval mask (packed_heads of the call's group; 1: none)."""
+    return calls_tiles(mask, *([x] for x in (q_start, sq, k_start, sk, masked)), gqa_pack)[0]
 
 
-def calls_tiles(mask, q_start, sq, k_start, sk, masked):
+def calls_tiles(mask, q_start, sq, k_start, sk, masked, gqa_pack=1):
     """float64 (calls, len(COUNTS)): call_tiles of many block calls at once (each argument an array over the
     calls; ``mask``: a masks.Mask over the positions of every call's rows and keys): the forward's query tiles
-    and the backward's key blocks of every call laid end to end, each searched in the mask's bounds."""
+    and the backward's key blocks of every call laid end to end, each searched in the mask's bounds. Under an
+    interval mask the forward's tiles of ``gqa_pack`` heads count 1 / gqa_pack each a head."""
     q_start, sq, k_start, sk, masked = (x.reshape(-1) for x in np.broadcast_arrays(
         *(np.asarray(x, np.int64) for x in (q_start, sq, k_start, sk)), np.asarray(masked, bool)))
     masked = masked & (sq > 0) & (sk > 0) & (not mask.is_full)
@@ -182,16 +184,19 @@ def calls_tiles(mask, q_start, sq, k_start, sk, masked):
         lo, hi = mask.intervals
         calls = np.flatnonzero(masked)
         documents = mask.kind == "intervals" and mask.window is None   # the backward's walks down (walk_down)
-        out[calls, :2] = _forward_tiles(mask, q_start[calls], sq[calls], k_start[calls], sk[calls])
+        pack = gqa_pack if mask.kind == "intervals" else 1   # the interval instance packs (backends/cuda/sm90.py)
+        out[calls, :2] = _forward_tiles(mask, q_start[calls], sq[calls], k_start[calls], sk[calls], pack)
         out[calls, 2:] = _backward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls], documents)
     return out
 
 
-def _forward_tiles(mask, q_start, sq, k_start, sk):
-    """(calls, 2): the forward's key tiles (forward_tiles) and its query tiles with any key, of every call."""
-    t = forward_tiles(mask, q_start, sq, k_start, sk, *FORWARD_TILE)
+def _forward_tiles(mask, q_start, sq, k_start, sk, pack):
+    """(calls, 2): the forward's key tiles (forward_tiles) and its query tiles with any key, of every call, per
+    head: tiles of FORWARD_TILE rows hold ``pack`` heads' rows, FORWARD_TILE / pack positions."""
+    rows, keys = FORWARD_TILE
+    t = forward_tiles(mask, q_start, sq, k_start, sk, rows // pack, keys)
     return np.stack([np.bincount(t.call, t.key_tiles, sq.size), np.bincount(t.call, t.key_tiles > 0, sq.size)],
-                    axis=1)
+                    axis=1) / pack
 
 
 def _backward_tiles(lo, hi, q_start, sq, k_start, sk, documents):
@@ -224,21 +229,21 @@ def _backward_tiles(lo, hi, q_start, sq, k_start, sk, documents):
     return np.stack([np.bincount(call, t_end - t_lo, sq.size), *shared], axis=1)
 
 
-def pairs_tiles(mask, pairs):
+def pairs_tiles(mask, pairs, gqa_pack=1):
     """call_tiles summed over block pairs (schedule.BlockPair, as the engine runs them)."""
-    return pairs_calls_tiles(mask, pairs).sum(axis=0)
+    return pairs_calls_tiles(mask, pairs, gqa_pack).sum(axis=0)
 
 
-def pairs_calls_tiles(mask, pairs):
+def pairs_calls_tiles(mask, pairs, gqa_pack=1):
     """calls_tiles of block pairs (schedule.BlockPair, each under its own mask where it has one, else ``mask``),
     one row each."""
     out = np.zeros((len(pairs), len(COUNTS)))
     plain = [i for i, p in enumerate(pairs) if p.mask is None]
     if plain:
-        out[plain] = calls_tiles(mask, *_columns([pairs[i] for i in plain]))
+        out[plain] = calls_tiles(mask, *_columns([pairs[i] for i in plain]), gqa_pack)
     own = [i for i, p in enumerate(pairs) if p.mask is not None]
     if own:
-        out[own] = _own_masks_tiles([pairs[i] for i in own])
+        out[own] = _own_masks_tiles([pairs[i] for i in own], gqa_pack)
     return out
 
 
@@ -249,7 +254,7 @@ def _columns(pairs, rows=0, keys=0):
     return q_start + rows, sq, k_start + keys, sk, masked.astype(bool)
 
 
-def _own_masks_tiles(pairs):
+def _own_masks_tiles(pairs, gqa_pack):
     """calls_tiles of pairs under masks of their own (the gather's visits, masks.Packed, whose bounds never
     decrease: schedule.packed_visit makes none other), in one search: the masks laid end to end, each one's rows
     and keys after the previous ones', so the bounds still never decrease (a stepped gather's account meets a
@@ -264,4 +269,4 @@ def _own_masks_tiles(pairs):
     at = {m: i for i, m in enumerate(distinct)}
     index = np.array([at[p.mask] for p in pairs])
     joined = Packed(lo, hi, int(keys[-1]), ("joined",) + tuple(m.key for m in distinct))
-    return calls_tiles(joined, *_columns(pairs, rows[index], keys[index]))
+    return calls_tiles(joined, *_columns(pairs, rows[index], keys[index]), gqa_pack)

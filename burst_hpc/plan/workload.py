@@ -98,10 +98,11 @@ class Account:
 
 
 @lru_cache(maxsize=64)
-def account(layout, mask, scheme, direction, per_node=None):
+def account(layout, mask, scheme, direction, per_node=None, gqa_pack=1):
     """The Account of ``direction``'s pass under ``scheme`` ('ring', 'double_ring', 'ulysses_ring', 'gather')
     over the ranks of ``layout`` (a layout.Layout) under ``mask`` (a masks.Mask), ``per_node`` a node (None: one node), from the
-    schedules the engine runs (schedule.py, schemes.py)."""
+    schedules the engine runs (schedule.py, schemes.py); its tiles counted with ``gqa_pack`` query heads in a
+    forward tile under interval masks (tiles.packed_heads of the problem's group)."""
     from .schemes import position_pairs, work_rounds
 
     near, returns = DIRECTIONS[direction]
@@ -110,18 +111,18 @@ def account(layout, mask, scheme, direction, per_node=None):
     nodes = size // w
     shard = seqlen // size
     if scheme == "ring" and balanced_by_schedule(layout, mask):
-        return _balanced_account(mask, size, near, returns, node_list(size, per_node), per_node)
+        return _balanced_account(mask, size, near, returns, node_list(size, per_node), per_node, gqa_pack)
     if scheme == "gather":
-        return _gather_account(mask, layout, returns, per_node)
+        return _gather_account(mask, layout, returns, per_node, gqa_pack)
     if scheme == "ring":
         template = schedule_steps(layout, 0, near, returns, mask, None)
-        pairs = (masks.pair_work(mask, layout),) + pair_calls(mask, layout)
+        pairs = (masks.pair_work(mask, layout),) + pair_calls(mask, layout, gqa_pack)
         return _rotated(template, pairs, lambda x, r: (x + r) % size, size, shard, w, w if nodes > 1 else 1)
     if scheme == "double_ring":
         rounds = work_rounds(position_pairs(mask, layout, range(size)), nodes, near == "q",
                              lambda p, o: [(p // w - o) % nodes * w + (p % w - t) % w for t in range(w)])
         template = double_ring_steps(0, nodes, w, near, returns, rounds)
-        pairs = (masks.pair_work(mask, layout),) + pair_calls(mask, layout)
+        pairs = (masks.pair_work(mask, layout),) + pair_calls(mask, layout, gqa_pack)
         return _rotated(template, pairs, lambda x, r: ((x // w + r // w) % nodes) * w + (x % w + r % w) % w, size,
                         shard, w, 1)
     if scheme == "ulysses_ring":   # a ring over the rails: shards are whole nodes' tokens, for 1/w of the heads
@@ -129,7 +130,7 @@ def account(layout, mask, scheme, direction, per_node=None):
                             lambda p, o: [(p - o) % nodes])
         template = plain_ring_steps(0, nodes, near, returns, count)
         pairs = masks.pair_work(mask, layout).reshape(nodes, w, nodes, w).sum(axis=(1, 3))
-        node_account = _rotated(template, (pairs,) + position_calls(mask, layout, w), lambda x, r: (x + r) % nodes,
+        node_account = _rotated(template, (pairs,) + position_calls(mask, layout, w, gqa_pack), lambda x, r: (x + r) % nodes,
                                 nodes, w * shard, 1, 1)
         return replace(node_account, work=np.repeat(node_account.work, w, axis=1),
                        launches=np.repeat(node_account.launches, w, axis=1),
@@ -164,7 +165,7 @@ def _rotated(template, pairs, rotate, positions, tokens, per_node, shown):
     return Account(work, launches, tiled, _in_order(ends))
 
 
-def _balanced_account(mask, size, near, returns, nodes, per_node):
+def _balanced_account(mask, size, near, returns, nodes, per_node, gqa_pack):
     plan, work = workplan.work_plan(mask, size, near, returns, None, nodes)
     count, moves = schedule.work_transfers(mask, size, near, returns, nodes)
     full, calls = np.zeros((count, size), np.int64), np.zeros((count, size), np.int64)
@@ -176,7 +177,8 @@ def _balanced_account(mask, size, near, returns, nodes, per_node):
     seen = _seen(mask, first_row, end_row, first_key, first_key + chunk)
     np.add.at(calls, (t, r), seen)
     tiled = np.zeros((count, size, len(tiles.COUNTS)))
-    np.add.at(tiled, (t, r), tiles.calls_tiles(mask, first_row, end_row - first_row, first_key, chunk, True))
+    np.add.at(tiled, (t, r), tiles.calls_tiles(mask, first_row, end_row - first_row, first_key, chunk, True,
+                                                     gqa_pack))
     for x in (full, calls, tiled):
         x.setflags(write=False)
     ends = {}
@@ -198,7 +200,7 @@ def _seen(mask, first_row, end_row, first_key, end_key):
     return (first < last).astype(np.int64)
 
 
-def _gather_account(mask, layout, returns, per_node):
+def _gather_account(mask, layout, returns, per_node, gqa_pack):
     """The Account of the gather schedule (gather.plan), every rank's ends listed; on one node (``per_node``
     None) as the packed passes run it."""
     from . import gather
@@ -219,7 +221,7 @@ def _gather_account(mask, layout, returns, per_node):
                 packed=schedule.packs_visits("gather", mask))
                 for shard, rows, w in visits if w]
             launches[t, r] = sum(len(pairs) for pairs in calls)
-            tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs])
+            tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs], gqa_pack)
     if per_node is None:
         # one node: the packed passes (engine/packed.py): every run moves, then the block calls; in the backward
         # the exchange home and the sum after it. The forward is two steps (its keys' exchange with its early runs
@@ -243,7 +245,7 @@ def _gather_account(mask, layout, returns, per_node):
                 for lo, hi in runs:
                     work[t, r] += p.pairs[hi] - p.pairs[lo]
                     launches[t, r] += 1
-                    tiled[t, r] += packed_tiles(mask, layout, r, (lo, hi))
+                    tiled[t, r] += packed_tiles(mask, layout, r, (lo, hi), gqa_pack)
         moves = [(0, 0) + move[2:] if move[4] == "data" else (2, 2) + move[2:] for move in moves]
     for x in (work, launches, tiled):
         x.setflags(write=False)
@@ -256,14 +258,15 @@ def _gather_account(mask, layout, returns, per_node):
     return Account(work, launches, tiled, _in_order(ends), stepped)
 
 
-def packed_tiles(mask, layout, rank, rows=None):
+def packed_tiles(mask, layout, rank, rows=None, gqa_pack=1):
     """tiles.call_tiles of a block call of ``rank``'s packed passes over its query ``rows`` ((lo, hi); None: all)
     against its packed keys, the call the engine runs (packing.Packing.call: the packed bounds, or the rank's own
     run in the call's mask)."""
     packed = packing(mask, layout, rank)
     lo, hi = (0, packed.lo.size) if rows is None else rows
     call = packed.call(mask, ("priced", mask, layout, rank))
-    return tiles.call_tiles(call["mask"], call["q_start"] + lo, hi - lo, call["k_start"], packed.keys, call["masked"])
+    return tiles.call_tiles(call["mask"], call["q_start"] + lo, hi - lo, call["k_start"], packed.keys, call["masked"],
+                            gqa_pack)
 
 
 def _in_order(ends):
@@ -277,7 +280,7 @@ def _in_order(ends):
 
 
 @lru_cache(maxsize=16)
-def pair_calls(mask, layout):
+def pair_calls(mask, layout, gqa_pack=1):
     """(launches, tiles), read-only: the block calls of rank a's queries against rank b's keys, as the engine
     makes them (schedule.block_pairs: hidden pairs make none; ``mask`` as pair_work takes it), (size, size)
     int64, and their kernels' tiles (tiles.pairs_tiles), (size, size, len(tiles.COUNTS)) float64. Only the
@@ -293,19 +296,19 @@ def pair_calls(mask, layout):
         at += [(a, b)] * len(made)
         pairs += made
     if pairs:
-        np.add.at(tiled, tuple(np.array(at).T), tiles.pairs_calls_tiles(mask, pairs))
+        np.add.at(tiled, tuple(np.array(at).T), tiles.pairs_calls_tiles(mask, pairs, gqa_pack))
     for x in (launches, tiled):
         x.setflags(write=False)
     return launches, tiled
 
 
-def position_calls(mask, layout, per_node):
+def position_calls(mask, layout, per_node, gqa_pack=1):
     """pair_calls of Ulysses' positions (a node's ``per_node`` shards joined, schemes.position_pairs): the
     block calls and tiles of every (query, key) pair of shards of the positions, summed. An upper bound: the
     engine runs a position's joined pieces through one block_pairs, which fuses neighbouring full pairs
     into fewer calls (counting those exactly takes seconds at 16 nodes of 8)."""
     nodes = layout.size // per_node
-    launches, tiled = pair_calls(mask, layout)
+    launches, tiled = pair_calls(mask, layout, gqa_pack)
     return (launches.reshape(nodes, per_node, nodes, per_node).sum(axis=(1, 3)),
             tiled.reshape(nodes, per_node, nodes, per_node, -1).sum(axis=(1, 3)))
 
