@@ -211,6 +211,8 @@ def test_packed_forward_tiles_are_counted_per_head_of_the_pack(rng):
     """Under documents the forward's tiles of 8 packed heads are tiles of 16 positions, 1/8 of a tile a head: short
     documents then run fewer tiles a head (a tile of 128 rows reaches over several of them), a long document about
     as many; a plain causal mask (the causal instance, never packed) and the backward's counts do not change."""
+    one = masks.make(48, True, None, [0, 48])   # by hand: 3 tiles of 16 positions, 1 key tile each, 1/8 a head
+    assert tiles.call_tiles(one, 0, 48, 0, 48, True, 8)[:2].tolist() == [3 / 8, 3 / 8]
     s = 4096
     short = masks.make(s, True, None, np.arange(0, s + 1, 48).tolist() + [s])
     plain, packed = (tiles.call_tiles(short, 0, s, 0, s, True, p) for p in (1, 8))

@@ -201,8 +201,9 @@ def pass_prediction(scheme, pr, cl, rates, layout, backward, scale=1):
     heads, kv_heads = pr.heads, pr.kv_heads
     if scheme == "ulysses_ring":
         heads, kv_heads = pr.heads // cl.per_node, ulysses_kv_heads(pr, cl.per_node)
+    # the forward's tiles pack a group's query heads (the backward's prices never read those counts)
     acc = account(layout, pr.mask, scheme, direction, cl.per_node if cl.nodes > 1 else None,
-                  packed_heads(heads // kv_heads))
+                  1 if backward else packed_heads(heads // kv_heads))
     prices = kernel_prices(rates, pr.batch, heads, pr.head_dim, backward)
     tokens = layout.local * (cl.per_node if scheme == "ulysses_ring" else 1)   # a rank's query tokens
     outside = outside_seconds(rates, pr.batch, heads, pr.head_dim, tokens, backward)
