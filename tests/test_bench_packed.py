@@ -105,14 +105,16 @@ def test_report_leaves_a_wrong_peer_out_of_the_ratios():
            "outside": {"fwd": 0.5, "bwd": 0.25, "fwd+bwd": 0.2}, "describe": {"documents": 10},
            "gpu_tflops": {"fwd": 380.0, "bwd": 260.0, "fwd+bwd": 290.0},
            "split": {"fwd": (0.21, 0.43), "bwd": (0.3, 2.0), "fwd+bwd": (0.5, 2.4)},
+           "magi_tflops": {"fwd": 450.0, "bwd": 300.0, "fwd+bwd": 330.0},
            "kernels": {"fwd": {"attn_fwd_sm90_bf16_d128_m2_interval": 475.0, "cupy_copy__float32_bfloat16": 319.0},
                        "bwd": {"attn_delta": 256.0}}}
     md = bench_packed.report({(8192, "magi"): [row]}, args, "H100", "torch x")
     fwd = next(line for line in md.splitlines() if "| fwd |" in line).split(" | ")
-    # S, documents, pass, ours, varlen, flex, FA3, ours/varlen, ours/flex, ours/FA3, outside, alone, GPU alone, host
+    # S, documents, pass, ours, varlen, flex, FA3, ours/varlen, ours/flex, ours/FA3, outside, alone, GPU alone, host,
+    # as MagiAttention times, that / FA3
     assert fwd[3:7] == ["200", "100", "-", "483"]
     assert fwd[7:10] == ["2.00x", "-", "0.41x"]
-    assert fwd[10:14] == ["50%", "400", "380", "0.21 |"]
+    assert fwd[10:16] == ["50%", "400", "380", "0.21", "450", "0.93x |"]
     assert "WRONG: flex at (8192, 'magi')" in md
     assert "| fwd | *`attn_fwd_sm90_bf16_d128_m2_interval` | 475 |" in md
 
