@@ -179,6 +179,44 @@ def test_packed_query_heads_give_the_unpacked_forward(heads):
             assert np.abs(results[True, name] - results[False, name]).max() < 2e-2, f"{ctx} {name}"
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_packed_query_heads_at_every_tile_height_with_key_splits(d):
+    """PackGQA at each forward tile height (D = 64: 128 and 192 rows, 16 and 24 positions of 8 heads), with the key
+    range cut in two across CTAs and on 3 CTAs (many tiles each): a ring block pair of 16 query heads a K/V head
+    against the oracle; the tile counter and the locks are back at zero after each call."""
+    be = get_backend(cupy.zeros(1))
+    if not hasattr(be, "kernels") or not hasattr(be.kernels, "pack_gqa"):
+        pytest.skip("PackGQA is the sm90 forward's")
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    seqlen, q_start, q_len, k_start, k_len = 2000, 600, 1000, 200, 1300
+    cu = documents(rng, seqlen, 9)
+    mask = masks.make(seqlen, True, None, cu)
+    q = rng.standard_normal((2, q_len, 16, d)).astype(BF16)
+    k, v = (rng.standard_normal((2, k_len, 1, d)).astype(BF16) for _ in range(2))
+    kw = dict(causal=True, q_start=q_start, k_start=k_start, cu_seqlens=cu)
+    ref_o, ref_lse = attention_reference(q, k, v, **kw)
+    seen = ~np.isneginf(ref_lse)
+    for rows in be.kernels.tile_heights(d):
+        for parts, ctas in ((None, None), (2, None), (None, 3)):
+            ctx = f"seed={seed} d={d} BM={rows} key splits {parts} CTAs {ctas}"
+            be.kernels.forced_tile_height, be.kernels.forced_key_splits, be.kernels.max_ctas = rows, parts, ctas
+            try:
+                o = cupy.zeros((2, q_len, 16, d), cupy.float32)
+                lse = cupy.full((2, 16, q_len), -cupy.inf, cupy.float32)
+                be.forward_block(*(cupy.asarray(x) for x in (q, k, v)), o, lse, scale=d ** -0.5, masked=True,
+                                 q_start=q_start, k_start=k_start, mask=mask)
+                cupy.cuda.get_current_stream().synchronize()
+                assert cupy.asnumpy(be.kernels.tile_counter()).tolist() == [0, 0], ctx
+                assert not cupy.asnumpy(be.kernels.tile_locks(1)).any(), ctx
+            finally:
+                be.kernels.forced_tile_height = be.kernels.forced_key_splits = be.kernels.max_ctas = None
+            got_lse = cupy.asnumpy(lse)
+            np.testing.assert_array_equal(np.isneginf(got_lse), ~seen, err_msg=ctx)
+            assert seen.any() and np.abs(got_lse[seen] - ref_lse[seen]).max() < 1e-3, ctx
+            assert _err(cupy.asnumpy(o), ref_o) < 2e-2, ctx
+
+
 BLOCK_SETS = {  # seqlen, documents, window, (q_start, q_len, k_start, k_len) pairs
     "short documents, window": (2048, 7, (300, 0), ((1024, 512, 640, 512), (1500, 300, 0, 1600), (300, 200, 600, 128))),
     "long documents": (4096, 4, None, ((1100, 1500, 333, 2000), (2500, 1596, 0, 4096), (77, 900, 50, 1000))),
