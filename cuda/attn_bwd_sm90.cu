@@ -125,10 +125,17 @@ struct Walk {
   u32 base;                      // shared memory, 1024-byte aligned (Smem offsets)
   const float *s_lse, *s_delta;  // the row stages (generic pointers to base + kLse, kDelta)
   const int *s_klo, *s_khi;      // (IV) base + kKlo, kKhi
-  int n0, b, hk, h_first, hpb;   // first key; batch, kv head, first query head, query heads
+  const int* tiles;              // (IV) each query tile's first row (the host's backward_tiles); else tile t's is t BM
+  int n0, key_end, b, hk, h_first, hpb;  // first key, one past the last; batch, kv head, first query head, query heads
   int t_lo, t_end, steps;        // the query tiles of each head, and tiles x heads
   bool down;                     // the step order (WalkStep)
 };
+
+// The first query row of tile t
+template <int BM, bool IV>
+__device__ __forceinline__ int tile_row(const Walk& w, int t) {
+  return IV ? w.tiles[t] : t * BM;
+}
 
 // A step's query head and tile. Walking down (Walk::down, the host's choice per key block under interval masks:
 // plan/tiles.walk_down), the walk goes tile by tile from the last (t_end - 1) down to t_lo, every head of the CTA at
@@ -153,14 +160,14 @@ struct WalkStep {
 
 // NCOL columns of a consumer's dK or dV (64 keys, accumulator layout: this thread's keys key0 and key0 + 8,
 // columns 8 j + 2 (lane % 4) + {0, 1}) times `scale` into `at` (row of key 0, column 0 of these columns);
-// keys past Sk are not written
+// keys at or past key_end (the CTA's end) are not written
 template <int NCOL, bool BF16>
-__device__ __forceinline__ void store_rows16(u16* at, i64 ss, const float* acc, float scale, int key0, int Sk) {
+__device__ __forceinline__ void store_rows16(u16* at, i64 ss, const float* acc, float scale, int key0, int key_end) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const int key = key0 + 8 * r;
-    if (key >= Sk) continue;
+    if (key >= key_end) continue;
     u16* const p = at + key * ss + 2 * (lane % 4);
 #pragma unroll
     for (int j = 0; j < NCOL / 8; ++j)
@@ -168,13 +175,14 @@ __device__ __forceinline__ void store_rows16(u16* at, i64 ss, const float* acc, 
   }
 }
 
-// A CTA whose keys no query tile sees, at the pair that writes dk_out, dv_out: zeros there (every thread)
+// A CTA whose keys [n0, key_end) no query tile sees, at the pair that writes dk_out, dv_out: zeros there (every
+// thread)
 template <int D>
-__device__ __forceinline__ void zero_kv_out(const KvOut& kv, int b, int hk, int n0, int Sk) {
+__device__ __forceinline__ void zero_kv_out(const KvOut& kv, int b, int hk, int n0, int key_end) {
   constexpr int BN = bwd90::Cfg<D>::BN, G = D / 8;
   for (int i = threadIdx.x; i < BN * G; i += blockDim.x) {
     const int key = n0 + i / G;
-    if (key >= Sk) continue;
+    if (key >= key_end) continue;
     const i64 at = b * kv.sb + key * kv.ss + hk * kv.sh + 8 * (i % G);
     *reinterpret_cast<uint4*>(kv.dk + at) = make_uint4(0u, 0u, 0u, 0u);
     *reinterpret_cast<uint4*>(kv.dv + at) = make_uint4(0u, 0u, 0u, 0u);
@@ -183,8 +191,17 @@ __device__ __forceinline__ void zero_kv_out(const KvOut& kv, int b, int hk, int 
 
 static_assert(bwd90::Smem<256>::kBytes <= 227 * 1024, "D = 256 shared memory");
 
+// The query row of row-table entry i (tiles, bm: as attn_bwd_sm90_rows takes them); Sq where none
+__device__ __forceinline__ int table_row(const int* tiles, int bm, int i, int Sq) {
+  if (tiles == nullptr) return min(i, Sq);
+  const int t = i / bm, r = tiles[t] + i % bm;
+  return r < tiles[t + 1] ? r : Sq;
+}
+
 // The pre-pass: the row table the producer copies per tile. rows[0][b][h][i] = lse * log2(e) (+inf for rows
-// past Sq and rows that saw nothing, so their P is 0), rows[1][b][h][i] = delta (0 there); i < Sq_pad.
+// past Sq and rows that saw nothing, so their P is 0), rows[1][b][h][i] = delta (0 there); i < Sq_pad. Entry i
+// is query row i, or with `tiles` (interval masks: each query tile's first row, then Sq) row tiles[i / bm] +
+// i % bm of tile i / bm while that is before the next tile's first (else a row past the end, as above).
 // Only lse = -inf is "saw nothing": a NaN lse (the row saw a NaN or Inf) stays NaN, so its P, dS and the
 // gradients it feeds are NaN.
 // delta is read from `delta`, or with `dout` set computed here as rowsum(do * o) (do, o: the kernels' 16-bit
@@ -195,14 +212,16 @@ static_assert(bwd90::Smem<256>::kBytes <= 227 * 1024, "D = 256 shared memory");
 // visible keys [klo, khi) as local key indices (empty past Sq, kept nondecreasing there).
 extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* delta, float* rows, i64 lsb, i64 lsh,
                                               i64 lss, i64 dsb, i64 dsh, i64 dss, int B, int H, int Sq, int Sq_pad,
-                                              const int* mlo, const int* mhi, i64 kofs, int Sk, int D,
+                                              const int* tiles, int bm, const int* mlo, const int* mhi, i64 kofs,
+                                              int Sk, int D,
                                               const u16* dout, const u16* o, i64 gsb, i64 gss, i64 gsh, i64 osb,
                                               i64 oss, i64 osh, int bf16, float* dq, i64 qsb, i64 qss, i64 qsh) {
   if (mlo != nullptr) {
     int* const bounds = reinterpret_cast<int*>(rows + 2 * static_cast<i64>(B) * H * Sq_pad);
     for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < Sq_pad; i += gridDim.x * blockDim.x) {
-      bounds[i] = i < Sq ? local_key(mlo[i], kofs, Sk) : Sk + 1;  // rows past the end: empty, and the
-      bounds[Sq_pad + i] = i < Sq ? local_key(mhi[i], kofs, Sk) : Sk + 1;  // bounds stay nondecreasing
+      const int r = table_row(tiles, bm, i, Sq);
+      bounds[i] = r < Sq ? local_key(mlo[r], kofs, Sk) : Sk + 1;  // rows past the end: empty, and a
+      bounds[Sq_pad + i] = r < Sq ? local_key(mhi[r], kofs, Sk) : Sk + 1;  // tile's bounds stay nondecreasing
     }
   }
   // G lanes per (batch, head, row), rows in table order; a warp's lanes run each round together (shuffles)
@@ -214,7 +233,7 @@ extern "C" __global__ void attn_bwd_sm90_rows(const float* lse, const float* del
     const i64 t = first + lane;
     const i64 idx = t / G;
     const int part = static_cast<int>(t - idx * G);
-    const int i = static_cast<int>(idx % Sq_pad);
+    const int i = table_row(tiles, bm, static_cast<int>(idx % Sq_pad), Sq);
     const i64 bh = idx / Sq_pad;
     const int h = static_cast<int>(bh % H), b = static_cast<int>(bh / H);
     const bool row = t < lanes && i < Sq;
@@ -320,20 +339,20 @@ __device__ __forceinline__ void dq_part(float* acc, u32 ds_lo, u32 k_lo) {
 
 // P^T = exp2(S^T * scale*log2e - lse*log2e) in place over NQ query columns of S^T (accumulator layout): element
 // (j, e) is key key0 + 8 (e >> 1), query q0 + 8 j + qc + (e & 1); l2, klo, khi point at the row of query
-// q0 + qc. With need_mask, masked on global positions: keys at or past Sk, causal (the key after the query's
+// q0 + qc. With need_mask, masked on global positions: keys at or past key_end (the CTA's end), causal (the key after the query's
 // position + off), IV (the key outside the row's [klo, khi)).
 template <int NQ, bool CAUSAL, bool IV>
 __device__ __forceinline__ void probs_t(float* st, const float* l2, const int* klo, const int* khi, bool need_mask,
-                                        int key0, int q0, int qc, int Sk, i64 off, float sl2) {
+                                        int key0, int q0, int qc, int key_end, i64 off, float sl2) {
   if (need_mask) {
-    const int klim = Sk - key0;
+    const int klim = key_end - key0;
     // hidden when 8 (e >> 1) - 8 j - (e & 1) > dl; clamped so the int compare cannot overflow
     const int dl = static_cast<int>(
         max(static_cast<i64>(-4 * NQ), min(static_cast<i64>(4 * NQ), static_cast<i64>(q0) + off - key0 + qc)));
 #pragma unroll
     for (int j = 0; j < NQ / 8; ++j) {
       const float2 lj = *reinterpret_cast<const float2*>(l2 + 8 * j);
-      int2 lo2 = make_int2(0, 0), hi2 = make_int2(Sk, Sk);
+      int2 lo2 = make_int2(0, 0), hi2 = make_int2(key_end, key_end);
       if (IV) {
         lo2 = *reinterpret_cast<const int2*>(klo + 8 * j);
         hi2 = *reinterpret_cast<const int2*>(khi + 8 * j);
@@ -361,6 +380,7 @@ __device__ __forceinline__ void probs_t(float* st, const float* l2, const int* k
 // staged in the step's stage, in the Q tile (c = 0) or the dO tile (c = 1), as four 64 x 32 float32 boxes
 // (stage_f32_rows); once the reductions have read a tile, the writer's arrival on its empty barrier lets the
 // loader refill it.
+template <bool IV>
 __device__ __forceinline__ void dq_writer_wide(const bwd90::Walk& w, const unsigned char* tdq, int lane) {
   using namespace bwd90;
   using L = Smem<256>;
@@ -382,7 +402,7 @@ __device__ __forceinline__ void dq_writer_wide(const bwd90::Walk& w, const unsig
         const u32 part = w.base + (c == 0 ? L::kQ : L::kDO) + s * L::kTile;
 #pragma unroll
         for (int box = 0; box < HD / 32; ++box)
-          tma_reduce_add_4d(tdq, part + box * 8192, HD * c + 32 * box, at.h, at.t * BM, w.b);
+          tma_reduce_add_4d(tdq, part + box * 8192, HD * c + 32 * box, at.h, tile_row<BM, IV>(w, at.t), w.b);
         bulk_commit();
       }
     }
@@ -407,7 +427,7 @@ __device__ __forceinline__ void dq_writer_wide(const bwd90::Walk& w, const unsig
 template <bool BF16>
 __device__ __forceinline__ void store_dkdv_wide(const bwd90::Walk& w, int c, const float* acc_dk, const float* acc_dv,
                                                 const unsigned char* tdk, const unsigned char* tdv, float scale,
-                                                const KvOut& kv, int Sk) {
+                                                const KvOut& kv) {
   using namespace bwd90;
   constexpr int D = 256, HD = D / CONSUMERS;
   using L = Smem<D>;
@@ -417,8 +437,8 @@ __device__ __forceinline__ void store_dkdv_wide(const bwd90::Walk& w, int c, con
   if (kv.dk != nullptr) {  // the 16-bit outputs, from the registers
     const i64 at = w.b * kv.sb + w.hk * kv.sh + HD * c;
     const int key0 = w.n0 + 16 * warp + lane / 4;
-    store_rows16<HD, BF16>(kv.dk + at, kv.ss, acc_dk, scale, key0, Sk);
-    store_rows16<HD, BF16>(kv.dv + at, kv.ss, acc_dv, 1.f, key0, Sk);
+    store_rows16<HD, BF16>(kv.dk + at, kv.ss, acc_dk, scale, key0, w.key_end);
+    store_rows16<HD, BF16>(kv.dv + at, kv.ss, acc_dv, 1.f, key0, w.key_end);
     return;
   }
   const u32 dk_staging = base + L::kQ + c * L::kTile, dv_staging = base + L::kDO + c * L::kTile;
@@ -446,7 +466,7 @@ __device__ __forceinline__ void store_dkdv_wide(const bwd90::Walk& w, int c, con
 // blocks when its M or N spans two of them.
 template <bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsigned char* tdk, const unsigned char* tdv,
-                                              int Sk, i64 off, float scale, float sl2, const KvOut& kv) {
+                                              i64 off, float scale, float sl2, const KvOut& kv) {
   using namespace bwd90;
   constexpr int D = 256, BN = Cfg<D>::BN, BM = Cfg<D>::BM;
   constexpr int NQ = BM / CONSUMERS;  // queries of S^T, dP^T per consumer
@@ -503,10 +523,10 @@ __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsign
     const int* khi = w.s_khi + s * BM + NQ * c + qc;
     // IV: every key of the CTA visible from every row of this consumer's NQ when the last row's band starts at
     // or before n0 and the first row's band ends at or after n0 + BN
-    const bool need_mask = (w.n0 + BN > Sk) ||
+    const bool need_mask = (w.n0 + BN > w.key_end) ||
                            (CAUSAL && static_cast<i64>(w.n0 + BN - 1) > static_cast<i64>(q0) + off) ||
                            (IV && !(klo[NQ - 1 - qc] <= w.n0 && khi[-qc] >= w.n0 + BN));
-    probs_t<NQ, CAUSAL, IV>(st, l2, klo, khi, need_mask, key0, q0, qc, Sk, off, sl2);
+    probs_t<NQ, CAUSAL, IV>(st, l2, klo, khi, need_mask, key0, q0, qc, w.key_end, off, sl2);
 
     wgmma_wait<0>();
     fence_operands<NQ / 2>(dpt);
@@ -570,7 +590,7 @@ __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsign
     pipe.advance();
   }
 
-  store_dkdv_wide<BF16>(w, c, acc_dk, acc_dv, tdk, tdv, scale, kv, Sk);
+  store_dkdv_wide<BF16>(w, c, acc_dk, acc_dv, tdk, tdv, scale, kv);
 }
 
 // The producer's loader (warp 0, one thread): K and V once, then the Q and dO tiles of every step through their
@@ -600,8 +620,8 @@ __device__ __forceinline__ void load_walk(const bwd90::Walk& w, const unsigned c
   PipeState<STAGES> pipe;
   for (int n = 0; n < w.steps; ++n) {
     const int h = at.h, t = at.t;
-    const int m0 = t * BM, s = pipe.stage;
-    const float* row_lse = rows + (static_cast<i64>(w.b) * Hq + h) * Sq_pad + m0;
+    const int m0 = tile_row<BM, IV>(w, t), s = pipe.stage;  // its rows' table entries: t BM..
+    const float* row_lse = rows + (static_cast<i64>(w.b) * Hq + h) * Sq_pad + t * BM;
     mbar_wait(L::q_empty(base, s), pipe.phase ^ 1);
     mbar_arrive_expect_tx(L::q_full(base, s), L::kTile + (IV ? 3 : 1) * BM * 4);
 #pragma unroll
@@ -609,8 +629,8 @@ __device__ __forceinline__ void load_walk(const bwd90::Walk& w, const unsigned c
       tma_load_4d(base + L::kQ + s * L::kTile + db * BM * 128, tq, L::q_full(base, s), db * 64, h, m0, w.b);
     bulk_load(base + L::kLse + s * BM * 4, row_lse, BM * 4, L::q_full(base, s));
     if (IV) {
-      bulk_load(base + L::kKlo + s * BM * 4, bounds + m0, BM * 4, L::q_full(base, s));
-      bulk_load(base + L::kKhi + s * BM * 4, bounds + Sq_pad + m0, BM * 4, L::q_full(base, s));
+      bulk_load(base + L::kKlo + s * BM * 4, bounds + t * BM, BM * 4, L::q_full(base, s));
+      bulk_load(base + L::kKhi + s * BM * 4, bounds + Sq_pad + t * BM, BM * 4, L::q_full(base, s));
     }
     mbar_wait(L::do_empty(base, s), pipe.phase ^ 1);
     mbar_arrive_expect_tx(L::do_full(base, s), L::kTile + BM * 4);
@@ -626,7 +646,7 @@ __device__ __forceinline__ void load_walk(const bwd90::Walk& w, const unsigned c
 // D = 64, 128, the dQ writer (producer warp 1): consumer c's dQ part (64 x 64 float32, two 64 x 32 boxes) waits
 // in its own staging buffer; the writer adds it into dq and frees the buffer (kDqEmpty + c) once the copy engine
 // has read it.
-template <int D>
+template <int D, bool IV>
 __device__ __forceinline__ void dq_writer(const bwd90::Walk& w, const unsigned char* tdq, int lane) {
   using namespace bwd90;
   using L = Smem<D>;
@@ -641,7 +661,7 @@ __device__ __forceinline__ void dq_writer(const bwd90::Walk& w, const unsigned c
     for (int c = 0; c < CONSUMERS; ++c) {
       named_barrier_sync(kDqFull + c, kWriterSync);
       if (lane == 0) {
-        const int col = D == 128 ? 64 * c : 0, row = t * BM + (D == 128 ? 0 : 64 * c);
+        const int col = D == 128 ? 64 * c : 0, row = tile_row<BM, IV>(w, t) + (D == 128 ? 0 : 64 * c);
         const u32 part = w.base + L::kDQ + c * L::kDqPart;
         tma_reduce_add_4d(tdq, part, col, h, row, w.b);
         tma_reduce_add_4d(tdq, part + L::kDqPart / 2, col + 32, h, row, w.b);
@@ -661,12 +681,12 @@ __device__ __forceinline__ void dq_writer(const bwd90::Walk& w, const unsigned c
 
 // D = 64, 128, consumer warpgroup cw's epilogue: dk += scale * dK, dv += dV (its 64 keys) by TMA tensor
 // reductions (adds in L2, so CTAs that share a kv head through a split GQA group need no atomics; keys past Sk
-// are not written). Staged in the Q / dO stages, free once both consumers are past their last step; dK first,
+// are not written, keys past the CTA's end get 0: masked, their P and dS are 0). Staged in the Q / dO stages, free once both consumers are past their last step; dK first,
 // then dV in the same buffer.
 template <int D, bool BF16>
 __device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const float* acc_dk, const float* acc_dv,
                                            const unsigned char* tdk, const unsigned char* tdv, float scale,
-                                           const KvOut& kv, int Sk) {
+                                           const KvOut& kv) {
   using namespace bwd90;
   using L = Smem<D>;
   const int tid = threadIdx.x % 128, lane = tid % 32, warp = tid / 32;
@@ -674,8 +694,8 @@ __device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const f
   if (kv.dk != nullptr) {  // the 16-bit outputs, from the registers
     const i64 at = w.b * kv.sb + w.hk * kv.sh;
     const int key0 = w.n0 + 64 * cw + 16 * warp + lane / 4;
-    store_rows16<D, BF16>(kv.dk + at, kv.ss, acc_dk, scale, key0, Sk);
-    store_rows16<D, BF16>(kv.dv + at, kv.ss, acc_dv, 1.f, key0, Sk);
+    store_rows16<D, BF16>(kv.dk + at, kv.ss, acc_dk, scale, key0, w.key_end);
+    store_rows16<D, BF16>(kv.dv + at, kv.ss, acc_dv, 1.f, key0, w.key_end);
     return;
   }
   const u32 staging = w.base + L::kQ + cw * 64 * D * 4;
@@ -703,8 +723,7 @@ __device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const f
 // registers for the walk.
 template <int D, bool BF16, bool CAUSAL, bool IV>
 __device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const unsigned char* tdk,
-                                         const unsigned char* tdv, int Sk, i64 off, float scale, float sl2,
-                                         const KvOut& kv) {
+                                         const unsigned char* tdv, i64 off, float scale, float sl2, const KvOut& kv) {
   using namespace bwd90;
   using L = Smem<D>;
   constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
@@ -751,10 +770,10 @@ __device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const uns
     const int* khi = w.s_khi + s * BM + qc;
     // IV: every key of this consumer visible from every row of the tile when the last row's band starts
     // at or before key_lo and the first row's band ends at or after key_lo + 64
-    const bool need_mask = (w.n0 + BN > Sk) ||
+    const bool need_mask = (w.n0 + BN > w.key_end) ||
                            (CAUSAL && static_cast<i64>(key_lo + 63) > static_cast<i64>(m0) + off) ||
                            (IV && !(klo[BM - 1 - qc] <= key_lo && khi[-qc] >= key_lo + 64));
-    probs_t<BM, CAUSAL, IV>(st, l2, klo, khi, need_mask, key0, m0, qc, Sk, off, sl2);
+    probs_t<BM, CAUSAL, IV>(st, l2, klo, khi, need_mask, key0, m0, qc, w.key_end, off, sl2);
     u32 pa[BM / 16][4];
 #pragma unroll
     for (int kk = 0; kk < BM / 16; ++kk)
@@ -805,7 +824,7 @@ __device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const uns
     at.next(w);
     pipe.advance();
   }
-  store_dkdv<D, BF16>(w, cw, acc_dk, acc_dv, tdk, tdv, scale, kv, Sk);
+  store_dkdv<D, BF16>(w, cw, acc_dk, acc_dv, tdk, tdv, scale, kv);
 }
 
 // The block index, read afresh (the compiler cannot reuse an earlier read's derived values).
@@ -822,21 +841,24 @@ __device__ __forceinline__ bwd90::Walk walk_of(int lin, u32 base, unsigned char*
   using L = Smem<D>;
   constexpr int BN = Cfg<D>::BN, BM = Cfg<D>::BM;
   unsigned char* const at = smem_raw + (base - smem_u32(smem_raw));
-  const int nkb = (args.Sk + BN - 1) / BN, nsplit = args.group / args.hpb;
-  const KeyBlockTile tile = KeyBlockTile::at(lin, nkb, args.order, nsplit, args.Hkv);
-  const int n0 = tile.kb * BN;
-  int t_lo = 0, t_end = args.Sq_pad / BM;  // the query tiles this CTA walks
+  const int nsplit = args.group / args.hpb;
+  const KeyBlockTile tile = KeyBlockTile::at(lin, args.nkb, args.order, nsplit, args.Hkv);
+  int n0 = tile.kb * BN, key_end = min(n0 + BN, args.Sk);  // this CTA's keys
+  int t_lo = 0, t_end = args.Sq_pad / BM;                  // the query tiles it walks
   if (CAUSAL) {  // query tiles in which no row sees key n0 or later are skipped
     const i64 first_q = static_cast<i64>(n0) - args.off;  // the first query that sees key n0
     t_lo = first_q <= 0 ? 0 : static_cast<int>(min(static_cast<i64>(t_end), first_q / BM));
   }
   bool down = false;
-  if (IV) t_lo = args.ranges[3 * tile.kb], t_end = args.ranges[3 * tile.kb + 1], down = args.ranges[3 * tile.kb + 2];
+  if (IV) {
+    const int* const r = args.ranges + 5 * tile.kb;
+    t_lo = r[0], t_end = r[1], down = r[2], n0 = r[3], key_end = r[4];
+  }
   // step order: WalkStep (down: tile by tile from the last, every head at each; up: head by head)
   const int steps = n0 < args.Sk ? (t_end - t_lo) * args.hpb : 0;
   return {base, reinterpret_cast<const float*>(at + L::kLse), reinterpret_cast<const float*>(at + L::kDelta),
-          reinterpret_cast<const int*>(at + L::kKlo), reinterpret_cast<const int*>(at + L::kKhi), n0, tile.b,
-          tile.hk, tile.hk * args.group + tile.split * args.hpb, args.hpb, t_lo, t_end, steps, down};
+          reinterpret_cast<const int*>(at + L::kKlo), reinterpret_cast<const int*>(at + L::kKhi), args.tiles, n0,
+          key_end, tile.b, tile.hk, tile.hk * args.group + tile.split * args.hpb, args.hpb, t_lo, t_end, steps, down};
 }
 
 template <int D, bool BF16, bool CAUSAL, bool IV>
@@ -847,7 +869,7 @@ __device__ __forceinline__ void attn_bwd_sm90(const Bwd90Params args) {
   const u32 base = (smem_u32(smem_raw) + 1023u) & ~1023u;
   const Walk walk = walk_of<D, CAUSAL, IV>(blockIdx.x, base, smem_raw, args);
   if (walk.steps <= 0) {  // nothing visible: dq, dk, dv stay as they are; dk_out, dv_out get zeros
-    if (args.kv.dk != nullptr) zero_kv_out<D>(args.kv, walk.b, walk.hk, walk.n0, args.Sk);
+    if (args.kv.dk != nullptr) zero_kv_out<D>(args.kv, walk.b, walk.hk, walk.n0, walk.key_end);
     return;
   }
 
@@ -876,17 +898,17 @@ __device__ __forceinline__ void attn_bwd_sm90(const Bwd90Params args) {
     const Walk pw = walk_of<D, CAUSAL, IV>(block_index_x(), base, smem_raw, args);
     if (warp == 0 && lane == 0) load_walk<D, IV>(pw, tq, tk, tv, tdo, args.rows, args.B, args.Hq, args.Sq_pad);
     else if (warp == 1) {
-      if constexpr (Cfg<D>::kWide) dq_writer_wide(pw, tdq, lane);
-      else dq_writer<D>(pw, tdq, lane);
+      if constexpr (Cfg<D>::kWide) dq_writer_wide<IV>(pw, tdq, lane);
+      else dq_writer<D, IV>(pw, tdq, lane);
     }
     return;
   }
   // ------------------------------------------------------------------------------------ consumers
   warpgroup_reg_alloc<Cfg<D>::kConsumerRegs>();
   if constexpr (Cfg<D>::kWide)
-    consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, args.Sk, args.off, args.scale, args.sl2, args.kv);
+    consumer_wide<BF16, CAUSAL, IV>(walk, tdk, tdv, args.off, args.scale, args.sl2, args.kv);
   else
-    consumer<D, BF16, CAUSAL, IV>(walk, wg - 1, tdk, tdv, args.Sk, args.off, args.scale, args.sl2, args.kv);
+    consumer<D, BF16, CAUSAL, IV>(walk, wg - 1, tdk, tdv, args.off, args.scale, args.sl2, args.kv);
 }
 
 #define BH_BWD90_NAME(DT, MASK, D) attn_bwd_sm90_##DT##_d##D##_##MASK
@@ -905,8 +927,9 @@ __device__ __forceinline__ void attn_bwd_sm90(const Bwd90Params args) {
 // named attn_bwd_sm90_<dtype>_d<D>_<mask>; the kernel table attn_bwd_sm90_kernels lists them with their
 // geometry. The arguments (Bwd90Params, contract.cuh): tmaps: the q, k, v, do (16-bit) and dq, dk, dv (float32)
 // tensor maps, 128 bytes each; rows: the table of attn_bwd_sm90_rows (Sq_pad rows per head); ranges (interval
-// only): the query tiles [ranges[3 kb], ranges[3 kb + 1]) key block kb walks (the host's key_block_ranges) and,
-// ranges[3 kb + 2] != 0, whether it walks them down (WalkStep; the host's plan/tiles.walk_down);
+// only): per key block kb five ints (the host's plan/tiles.backward_tiles): the query tiles [r[0], r[1]) it walks,
+// whether it walks them down (r[2] != 0: WalkStep; plan/tiles.walk_down) and its keys [r[3], r[4]); tiles
+// (interval only): each query tile's first row, then Sq (else tile t's first row is t BM); nkb: key blocks;
 // order: null or the CTA order (KeyBlockTile) over the 1-D grid of key blocks x head slots; hpb: query heads per CTA; kv: KvOut
 #define BH_BWD90_SHAPES(X) X(128) X(64) X(256)
 BH_INSTANCES(BH_BWD90_SHAPES, BH_BWD90_KERNELS)

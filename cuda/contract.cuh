@@ -130,7 +130,7 @@ struct KvOut {
 struct Bwd90Params : PairParams {
   const unsigned char* tmaps;  // the q, k, v, do (16-bit) and dq, dk, dv (float32) tensor maps
   const float* rows;
-  const int *ranges, *order;
+  const int *ranges, *order, *tiles;
   KvOut kv;
-  int Sq_pad, hpb;
+  int Sq_pad, hpb, nkb;
 };

@@ -1,5 +1,5 @@
-"""The sm90 backward's schedule made on the host (no GPU needed): the query tiles each key block walks under an
-interval mask (tiles.key_block_ranges) and the CTA order (launch.key_block_order)."""
+"""The sm90 backward's schedule made on the host (no GPU needed): its key blocks and query tiles under an interval
+mask and the tiles each block walks (tiles.backward_tiles), and the CTA order (launch.key_block_order)."""
 import heapq
 import sys
 import types
@@ -12,31 +12,62 @@ from burst_hpc.plan import masks, tiles
 from burst_hpc.recent import Recent
 
 
-def test_ranges_are_the_tiles_whose_rows_see_the_block(rng):
+def test_blocks_and_tiles_partition_the_call_and_walk_the_tiles_whose_rows_see_them(rng):
     for _ in range(300):
-        s = int(rng.integers(2, 600))
+        s = int(rng.integers(2, 900))
         window = (int(rng.integers(-1, 150)), int(rng.integers(-1, 40))) if rng.random() < 0.5 else None
-        cu = masks.random_documents(rng, s, int(rng.integers(1, min(s, 9) + 1))) if window is None or rng.random() < 0.5 else None
+        cu = (masks.random_documents(rng, s, int(rng.integers(1, min(s, 12) + 1)))
+              if window is None or rng.random() < 0.5 else None)
         mask = masks.make(s, bool(rng.random() < 0.8), window, cu)
         if mask.kind != "intervals":
             continue
         q0, k0 = (int(x) for x in rng.integers(0, s, 2))
         sq, sk = int(rng.integers(1, s - q0 + 1)), int(rng.integers(1, s - k0 + 1))
         bm, bn = int(rng.choice([64, 128])), int(rng.choice([64, 128]))
-        t_lo, t_end = tiles.key_block_ranges(mask, q0, sq, k0, sk, bm, bn)
+        t = tiles.backward_tiles(mask, q0, sq, k0, sk, bm, bn)
+        firsts, blocks = np.append(t.tile_first, sq), np.stack([t.block_first, t.block_end], 1)
+        assert (t.tile_call == 0).all() and (t.block_call == 0).all()
+        assert firsts[0] == 0 and (np.diff(firsts) > 0).all() and (np.diff(firsts) <= bm).all()
+        assert blocks[0, 0] == 0 and blocks[-1, 1] == sk and (blocks[1:, 0] == blocks[:-1, 1]).all()
+        assert ((blocks[:, 1] > blocks[:, 0]) & (blocks[:, 1] - blocks[:, 0] <= bn)).all()
         lo, hi = mask.rows(q0, sq)
-        for kb in range(-(-sk // bn)):
-            first, last = k0 + kb * bn, k0 + min(sk, (kb + 1) * bn) - 1
-            seen = np.flatnonzero((hi > first) & (lo <= last))  # rows seeing a key of the block
-            want = (seen[0] // bm, seen[-1] // bm + 1) if len(seen) else None
-            got = (t_lo[kb], t_end[kb])
-            assert (got if got[1] > got[0] else None) == want, (s, q0, sq, k0, sk, bm, bn, kb)
+        for (first, end), got in zip(blocks, zip(t.t_lo, t.t_end)):
+            seen = np.flatnonzero((hi > k0 + first) & (lo < k0 + end))  # rows seeing a key of the block
+            tile = np.searchsorted(firsts, seen, side="right") - 1
+            want = (tile[0], tile[-1] + 1) if len(seen) else None
+            assert (got if got[1] > got[0] else None) == want, (s, q0, sq, k0, sk, bm, bn, first)
+
+
+def test_blocks_and_tiles_start_on_documents():
+    """A document of at least LONG_DOCUMENT_TILES tiles starts a query tile and a key block (its keys are its rows'
+    positions), so no block or tile holds two such documents' positions; short ones share them; a call whose
+    grid walks no more steps keeps the grid."""
+    cu = np.array([0, 300, 900, 1000, 1100, 2000])   # long, long, short, short, long (bm 64: at least 256 rows)
+    mask = masks.make(2000, True, None, cu)
+    t = tiles.backward_tiles(mask, 0, 2000, 0, 2000, 64, 128)
+    for start in (0, 300, 900, 1100):
+        assert start in t.tile_first and start in t.block_first
+    assert 1000 not in t.block_first   # 900-1100: a run of two short documents, blocks of 128 from 900
+    assert np.intersect1d(t.block_first, [900, 1028]).tolist() == [900, 1028]
+    aligned = int((t.t_end - t.t_lo).sum())
+    grid = tiles.backward_tiles(masks.make(2000, True), 0, 2000, 0, 2000, 64, 128)   # plain causal: the grid
+    assert grid.tile_first.tolist() == list(range(0, 2000, 64))
+    assert grid.block_first.tolist() == list(range(0, 2000, 128))
+    on_grid = sum(int(((mask.rows(0, 2000)[1][a:a + 64, None] > np.arange(0, 2000, 128)) &
+                       (mask.rows(0, 2000)[0][a:a + 64, None] < np.minimum(np.arange(0, 2000, 128) + 128, 2000))
+                       ).any(axis=0).sum()) for a in range(0, 2000, 64))
+    assert aligned < on_grid
+
+
+def _ranges(mask, s):
+    t = tiles.backward_tiles(mask, 0, s, 0, s, 64, 128)
+    return t.t_lo, t.t_end
 
 
 def test_order_runs_every_cta_once_documents_together_heaviest_first(rng):
     cu = masks.random_documents(rng, 4000, 9)
     mask = masks.make(4000, True, None, cu)
-    t_lo, t_end = tiles.key_block_ranges(mask, 0, 4000, 0, 4000, 64, 128)
+    t_lo, t_end = _ranges(mask, 4000)
     nkb, slots = len(t_lo), 5
     order = launch.key_block_order(t_lo, t_end, slots)
     assert order.dtype == np.int32 and sorted(order.tolist()) == list(range(nkb * slots))
@@ -74,7 +105,7 @@ def test_order_shortens_the_tail_of_packed_documents():
     while ends[-1] < 8192:
         ends.append(min(8192, ends[-1] + int(rng.integers(1, 2049))))
     mask = masks.make(8192, True, None, np.array(ends))
-    t_lo, t_end = tiles.key_block_ranges(mask, 0, 8192, 0, 8192, 64, 128)
+    t_lo, t_end = _ranges(mask, 8192)
     nkb, slots = len(t_lo), 8
     work = (t_end - t_lo) * 8 + 4  # steps of 8 heads, and a start and epilogue
     in_order = _makespan(range(nkb * slots), nkb, work)
@@ -101,7 +132,7 @@ def test_causal_pieces_shorten_a_short_grids_tail(monkeypatch):
 
 @pytest.fixture
 def host_schedule(monkeypatch):
-    """sm90._key_block_schedule on the host: a CuPy stand-in whose arrays are NumPy's, an empty schedule cache and
+    """sm90's backward schedule on the host: a CuPy stand-in whose arrays are NumPy's, an empty schedule cache and
     an H100's 132 SMs."""
     fake = types.ModuleType("cupy")
     fake.cuda = types.SimpleNamespace(Device=lambda: types.SimpleNamespace(id=0))
@@ -118,8 +149,9 @@ def test_which_masks_take_an_order(host_schedule):
     s, cu = 8192, np.array([0, 1000, 5000, 8192])
 
     def schedule(mode, mask, heavy_first=True, s=s):
-        ranges, order = sm90._key_block_schedule(mode, mask, 0, s, 0, s, 64, 128, 8, heavy_first, 64)
-        return isinstance(ranges, np.ndarray), isinstance(order, np.ndarray)
+        plan = sm90._backward_schedule(mode, mask, 0, s, 0, s, 64, 128, 64)
+        order = sm90._key_block_order(mode, mask, plan, 0, s, 0, s, 64, 128, 8, heavy_first, 64)
+        return isinstance(plan.ranges, np.ndarray), isinstance(order, np.ndarray)
 
     documents = masks.make(s, True, None, cu)
     assert schedule("interval", documents) == (True, True)
@@ -134,7 +166,8 @@ def test_which_masks_take_an_order(host_schedule):
 
 def test_short_documents_walk_down_long_ones_up(host_schedule):
     """tiles.walk_down: the key blocks of a document (a run with one end tile) of at most ``most`` blocks walk
-    down, a longer document's walk up; the host's ranges carry it as each key block's third int."""
+    down, a longer document's walk up; the host's ranges carry it as each key block's third int, its keys as
+    the fourth and fifth, and the query tiles' first rows go with them."""
     t_end = np.array([3, 3, 3, 9, 9, 20, 20, 20, 20, 20, 21, 21])
     t_lo = np.array([0, 1, 2, 3, 5, 9, 11, 13, 15, 17, 19, 21])   # the last block is seen by no row
     assert tiles.pieces(t_end).tolist() == [0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 3, 3]
@@ -145,13 +178,16 @@ def test_short_documents_walk_down_long_ones_up(host_schedule):
     s = 32768
     cu = np.array([0, 512, 512 + 16384, s])    # documents of 4, 128 and 124 key blocks of 128
     mask = masks.make(s, True, None, cu)
-    ranges, _ = sm90._key_block_schedule("interval", mask, 0, s, 0, s, 64, 128, 8, True, 64)
-    triples = ranges.reshape(-1, 3)
-    t_lo, t_end = tiles.key_block_ranges(mask, 0, s, 0, s, 64, 128)
-    assert (triples[:, 0] == t_lo).all() and (triples[:, 1] == t_end).all()
-    assert triples[:, 2].tolist() == [1] * 4 + [0] * 252
-    again, _ = sm90._key_block_schedule("interval", mask, 0, s, 0, s, 64, 128, 8, True, 128)
-    assert again.reshape(-1, 3)[:, 2].tolist() == [1] * 256        # a different rule is a different entry
-    window = masks.make(s, True, (1000, 0), cu)                       # sliding windows walk up
-    ranges, _ = sm90._key_block_schedule("interval", window, 0, s, 0, s, 64, 128, 8, True, 64)
-    assert not ranges.reshape(-1, 3)[:, 2].any()
+    plan = sm90._backward_schedule("interval", mask, 0, s, 0, s, 64, 128, 64)
+    rows = plan.ranges.reshape(-1, 5)
+    t = tiles.backward_tiles(mask, 0, s, 0, s, 64, 128)
+    assert plan.blocks == len(rows) == 256 and plan.tiles == len(t.tile_first)
+    assert (rows[:, 0] == t.t_lo).all() and (rows[:, 1] == t.t_end).all()
+    assert (rows[:, 3] == t.block_first).all() and (rows[:, 4] == t.block_end).all()
+    assert plan.firsts.tolist() == t.tile_first.tolist() + [s]
+    assert rows[:, 2].tolist() == [1] * 4 + [0] * 252
+    again = sm90._backward_schedule("interval", mask, 0, s, 0, s, 64, 128, 128)
+    assert again.ranges.reshape(-1, 5)[:, 2].tolist() == [1] * 256   # a different rule is a different entry
+    window = masks.make(s, True, (1000, 0), cu)                          # sliding windows walk up
+    plan = sm90._backward_schedule("interval", window, 0, s, 0, s, 64, 128, 64)
+    assert not plan.ranges.reshape(-1, 5)[:, 2].any()

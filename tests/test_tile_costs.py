@@ -21,32 +21,41 @@ import predict_sweep  # noqa: E402
 NO_FIXED = dict(intra_latency_us=0.0, inter_latency_us=0.0, fwd_launch_us=0.0, bwd_launch_us=0.0, step_us=0.0)
 
 
+def runs_from(starts, size):
+    """[first, end) runs of positions from the document starts ``starts`` (sorted, the first one the call's first
+    position, then its end): each document of at least LONG_DOCUMENT_TILES * size positions a run of its own,
+    the shorter ones between such sharing runs."""
+    runs, before_long = [], True
+    for first, end in zip(starts[:-1], starts[1:]):
+        long = end - first >= tiles.LONG_DOCUMENT_TILES * size
+        if long or before_long:
+            runs.append([first, end])
+        else:
+            runs[-1][1] = end
+        before_long = long
+    return runs
+
+
 def brute_tiles(whole, q0, k0, seen, documents=False):
     """tiles.COUNTS of a block call from the dense visibility of the whole sequence ``whole`` and of the call's
-    rows x keys ``seen`` (from q0, k0): the forward's tiles, one row at a time: the call's documents (a row that
-    sees none of the keys the row before it sees starts one), each of at least LONG_DOCUMENT_TILES tiles of rows
-    a run of its own and the shorter ones between in runs, tiles of 128 rows from each run's first, each with the
-    key tiles of 128 from its first row's first key to its last row's last, clipped to the call's keys (counted
-    where that holds any), or the call's grid of tiles where that runs fewer query and key tiles; the backward's
-    (64-row tile, 128-key block) pairs with any visible pair, and the square root of each tile's such key blocks,
-    summed apart for key blocks walking up and down (``documents``: those in runs of at most 64 with one last
-    tile)."""
+    rows x keys ``seen`` (from q0, k0), one row at a time. The call's documents: a row that sees none of the
+    keys the row before it sees starts one (its first key starts one on the key side), each of at least
+    LONG_DOCUMENT_TILES tiles a run of its own and the shorter ones between in runs. The forward's tiles of 128
+    rows from each run's first, each with the key tiles of 128 from its first row's first key to its last row's
+    last, clipped to the call's keys (counted where that holds any), or the call's grid of tiles where that
+    runs fewer query and key tiles; the backward's (query tile, key block) pairs with any visible pair, tiles of
+    64 rows and blocks of 128 keys cut so from the runs of rows and keys, or on a grid where that has no more
+    such pairs, and the square root of each tile's such key blocks, summed apart for key blocks walking up and
+    down (``documents``: those in runs of at most 64 with one last tile)."""
     (fm, fn), (bm, bn) = tiles.FORWARD_TILE, tiles.BACKWARD_TILE
     sq, sk = seen.shape
     lo = [int(np.flatnonzero(row)[0]) for row in whole]
     hi = [int(np.flatnonzero(row)[-1]) + 1 for row in whole]
-    runs, before_long = [], True
-    for r in range(q0, q0 + sq):
-        if r == q0 or lo[r] >= hi[r - 1]:   # a document starts
-            end = next((x for x in range(r + 1, q0 + sq) if lo[x] >= hi[x - 1]), q0 + sq)
-            long = end - r >= tiles.LONG_DOCUMENT_TILES * fm
-            if long or before_long:
-                runs.append([r, end])
-            else:
-                runs[-1][1] = end
-            before_long = long
+    row_starts = [r for r in range(q0, q0 + sq) if r == q0 or lo[r] >= hi[r - 1]] + [q0 + sq]
+    document_keys = {lo[r] for r in range(len(whole)) if r == 0 or lo[r] >= hi[r - 1]}
+    key_starts = [k0] + sorted(k for k in document_keys if k0 < k < k0 + sk) + [k0 + sk]
     laid = []
-    for cuts in (runs, [[q0, q0 + sq]]):   # the runs, and a grid (one run): the fewer tiles kept
+    for cuts in (runs_from(row_starts, fm), [[q0, q0 + sq]]):   # the runs, and a grid: the fewer tiles kept
         key_tiles = query_tiles = 0
         for first, end in cuts:
             for m in range(first, end, fm):
@@ -56,8 +65,15 @@ def brute_tiles(whole, q0, k0, seen, documents=False):
                     query_tiles += 1
         laid.append((key_tiles + query_tiles, key_tiles, query_tiles))
     _, key_tiles, query_tiles = laid[0] if laid[0][0] <= laid[1][0] else laid[1]
-    sq, sk = seen.shape
-    blocks = np.array([[seen[m:m + bm, n:n + bn].any() for n in range(0, sk, bn)] for m in range(0, sq, bm)])
+
+    def cut(runs, size, at):
+        return [(m - at, min(m + size, end) - at) for first, end in runs for m in range(first, end, size)]
+
+    walked = []
+    for rows, keys in ((runs_from(row_starts, bm), runs_from(key_starts, bn)), ([[q0, q0 + sq]], [[k0, k0 + sk]])):
+        row_tiles, key_blocks = cut(rows, bm, q0), cut(keys, bn, k0)
+        walked.append(np.array([[seen[a:b, c:d].any() for c, d in key_blocks] for a, b in row_tiles]))
+    blocks = walked[0] if walked[0].sum() < walked[1].sum() else walked[1]
     down = np.zeros(blocks.shape[1], bool)
     if documents:   # runs of seen key blocks with one last tile, at most 64 long (tiles.walk_down)
         last = [np.flatnonzero(column).max() if column.any() else -1 for column in blocks.T]

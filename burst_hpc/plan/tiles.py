@@ -4,9 +4,9 @@ the ranges and counts from here) and what the cost model prices (docs/RING.md, "
 The forward runs query tiles of at most bm rows: a call's rows cut into runs (a long document, or a stretch of
 shorter ones), each into tiles of bm rows from its first, or a grid of tiles where that runs fewer
 (``forward_tiles``), each against the key tiles of bn from the first key its first row sees to the last its last
-row sees, skipping a tile that sees none; the backward runs one CTA per key block of bn keys, walking the query
-tiles of bm rows in which some row sees one of its keys (``key_block_ranges``). A
-full pair (no mask) runs every tile of its rectangle, a causal one is counted by the same rule on its rows'
+row sees, skipping a tile that sees none; the backward runs one CTA per key block of at most bn keys, walking
+the query tiles of at most bm rows in which some row sees one of its keys, both laid out from document starts
+too, or on a grid where that walks fewer steps (``backward_tiles``). A full pair (no mask) runs every tile of its rectangle, a causal one is counted by the same rule on its rows'
 bounds. ``call_tiles`` counts, per head, what the cost model prices (COUNTS):
 
 - ``fwd_key_tiles``: the forward's key tiles (each a bm x bn product and its softmax update);
@@ -78,19 +78,6 @@ def walk_down(t_lo, t_end, most=None):
     return (seen & (np.bincount(piece, seen)[piece] <= most)).astype(np.int64)
 
 
-def key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn):
-    """(t_lo, t_end), int64 per key block of bn keys: the query tiles of bm rows [t_lo, t_end) in which some row
-    sees one of its keys under ``mask`` (a masks.Mask; each row's bounds never decrease, so two binary searches:
-    the first row whose end passes the block's first key, the first row after it whose start passes its last
-    key); t_lo = t_end where no row does."""
-    lo, hi = mask.rows(q_start, sq)
-    first_key = int(k_start) + np.arange(0, sk, bn, dtype=np.int64)
-    last_key = np.minimum(first_key + bn, int(k_start) + sk) - 1
-    r_first = np.searchsorted(hi, first_key, side="right")
-    r_end = np.maximum(r_first, np.searchsorted(lo, last_key, side="right"))
-    return r_first // bm, np.where(r_end > r_first, -(-r_end // bm), r_first // bm)
-
-
 class ForwardTiles(NamedTuple):
     """The sm90 forward's query tiles of block calls (``forward_tiles``), one entry per tile."""
     call: np.ndarray       # the call (an index into the calls' arrays)
@@ -105,58 +92,146 @@ def forward_tiles(mask, q_start, sq, k_start, sk, bm, bn):
     sm90 forward's interval instance runs (its host table: backends/cuda/sm90.py), and what the cost model counts
     for every masked call (a causal mask's rows form one run: its tiles are those of the causal instance).
 
-    A call's rows are cut into runs at document starts (masks.document_starts): each document of at least
-    LONG_DOCUMENT_TILES * bm rows is a run of its own, and so is each stretch of shorter documents between two
-    such. A run is cut into tiles of bm rows from its first. A tile's keys go from its first row's lo to its last
-    row's hi, in key tiles of bn from that first key: a long document's tiles start on its first row and its key
-    tiles on its first key, so the tile at i bm rows into it loads exactly i + 1 key tiles (FlashAttention-3's
+    A call's rows are cut into runs at document starts (masks.document_starts; ``runs``): each document of at
+    least LONG_DOCUMENT_TILES * bm rows is a run of its own, and so is each stretch of shorter documents between
+    two such. A run is cut into tiles of bm rows from its first. A tile's keys go from its first row's lo to its
+    last row's hi, in key tiles of bn from that first key: a long document's tiles start on its first row and its
+    key tiles on its first key, so the tile at i bm rows into it loads exactly i + 1 key tiles (FlashAttention-3's
     varlen tiles). Tiles on a grid of bm rows would straddle documents: the rows past a boundary load the earlier
     document's keys too, about a key tile more per query tile (the 8k MagiAttention sets: 393 -> 342 key tiles).
     Short documents share tiles: a tile of a short document's last few rows would compute bm rows for them. A
     long document's last tile is whole work for its last few rows too, so where a call's grid of tiles (one run)
     runs fewer query and key tiles, the call keeps the grid (random packs of 8k tokens: the runs 0.92-1.04x the
     grid's tiles)."""
-    q_start, sq, k_start, sk = (x.reshape(-1) for x in np.broadcast_arrays(
-        *(np.asarray(x, np.int64) for x in (q_start, sq, k_start, sk))))
-    starts, (lo, hi) = masks.document_starts(mask), mask.intervals
-    # each call's documents: its row 0, then the document starts inside it (local rows)
-    inside_lo = np.searchsorted(starts, q_start, side="right")
-    inside_end = np.maximum(inside_lo, np.searchsorted(starts, q_start + sq, side="left"))
-    count = np.where(sq > 0, 1 + inside_end - inside_lo, 0)
-    call = np.repeat(np.arange(q_start.size), count)
-    if not call.size:   # no call has rows
-        return ForwardTiles(*(np.zeros(0, np.int64) for _ in ForwardTiles._fields))
-    k = np.arange(call.size) - np.repeat(np.cumsum(count) - count, count)
+    q_start, sq, k_start, sk = _calls(q_start, sq, k_start, sk)
+    lo, hi = mask.intervals
+    laid = [_tiles(*cut(*runs(masks.document_starts(mask), q_start, sq, bm), bm), lo, hi, q_start, k_start, sk, bn)
+            for runs in (document_runs, grid_runs)]
+    cost = [np.bincount(t.call, t.key_tiles + (t.key_tiles > 0), q_start.size) for t in laid]
+    return ForwardTiles(*_merged(laid, cost[0] <= cost[1], lambda t: t[:2]))
+
+
+def _calls(*columns):
+    """The block calls' columns (q_start, sq, k_start, sk: ints or arrays) as flat int64 arrays of one length."""
+    return tuple(x.reshape(-1) for x in np.broadcast_arrays(*(np.asarray(x, np.int64) for x in columns)))
+
+
+def _merged(laid, keep, key):
+    """Two layouts (tuples of per-item arrays, the first the item's call) merged: the first's items of the calls
+    where ``keep``, the second's elsewhere, ordered by ``key(merged)`` (call, then first position)."""
+    first, second = laid
+    chosen = [np.flatnonzero(keep[first[0]]), np.flatnonzero(~keep[second[0]])]
+    merged = [np.concatenate([x[chosen[0]], y[chosen[1]]]) for x, y in zip(first, second)]
+    call, at = key(merged)
+    order = np.lexsort((at, call))
+    return tuple(x[order] for x in merged)
+
+
+def document_runs(starts, begin, count, size):
+    """(call, first, end) of the runs of positions [begin, begin + count) of each call (arrays over the calls;
+    first and end local to the call), cut at ``starts`` (sorted global positions where a document begins): each
+    document of at least LONG_DOCUMENT_TILES * size positions is a run of its own, and so is each stretch of
+    shorter documents between two such (the forward's query tiles, the backward's query tiles and key blocks)."""
+    inside_lo = np.searchsorted(starts, begin, side="right")
+    inside_end = np.maximum(inside_lo, np.searchsorted(starts, begin + count, side="left"))
+    pieces = np.where(count > 0, 1 + inside_end - inside_lo, 0)
+    call = np.repeat(np.arange(begin.size), pieces)
+    if not call.size:   # no call has positions
+        return (np.zeros(0, np.int64),) * 3
+    k = np.arange(call.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
     at = np.clip(inside_lo[call] + k - 1, 0, max(starts.size - 1, 0))
-    doc = np.where(k == 0, 0, starts[at] - q_start[call]) if starts.size else np.zeros(call.size, np.int64)
+    doc = np.where(k == 0, 0, starts[at] - begin[call]) if starts.size else np.zeros(call.size, np.int64)
     last_of_call = np.append(k[1:] == 0, True)
-    doc_end = np.where(last_of_call, sq[call], np.append(doc[1:], 0))
-    long = doc_end - doc >= LONG_DOCUMENT_TILES * bm
-    cut = np.flatnonzero((k == 0) | long | np.append(True, long[:-1]))
-    runs = _tiles(call[cut], doc[cut], doc_end[np.append(cut[1:] - 1, call.size - 1)], lo, hi, q_start, k_start,
-                  sk, bm, bn)
-    rows = np.flatnonzero(sq > 0)
-    grid = _tiles(rows, np.zeros(rows.size, np.int64), sq[rows], lo, hi, q_start, k_start, sk, bm, bn)
-    cost = [np.bincount(t.call, t.key_tiles + (t.key_tiles > 0), q_start.size) for t in (runs, grid)]
-    keep = cost[0] <= cost[1]
-    chosen = [np.flatnonzero(keep[runs.call]), np.flatnonzero(~keep[grid.call])]
-    merged = [np.concatenate([x[chosen[0]], y[chosen[1]]]) for x, y in zip(runs, grid)]
-    order = np.lexsort((merged[1], merged[0]))   # by call, then row
-    return ForwardTiles(*(x[order] for x in merged))
+    doc_end = np.where(last_of_call, count[call], np.append(doc[1:], 0))
+    long = doc_end - doc >= LONG_DOCUMENT_TILES * size
+    at = np.flatnonzero((k == 0) | long | np.append(True, long[:-1]))
+    return call[at], doc[at], doc_end[np.append(at[1:] - 1, call.size - 1)]
 
 
-def _tiles(run_call, run_first, run_end, lo, hi, q_start, k_start, sk, bm, bn):
-    """ForwardTiles of runs of rows [run_first, run_end) of the calls run_call: tiles of bm rows from each run's
-    first, their keys from the first row's lo to the last row's hi (bounds lo, hi), clipped to the call's."""
-    per_run = -(-(run_end - run_first) // bm)
-    tile_call = np.repeat(run_call, per_run)
+def grid_runs(starts, begin, count, size):
+    """(call, first, end): each call's positions one run (a grid of tiles), as document_runs gives them."""
+    call = np.flatnonzero(count > 0)
+    return call, np.zeros(call.size, np.int64), count[call]
+
+
+def cut(call, first, end, size):
+    """(call, first, end) of the tiles of ``size`` positions of runs [first, end) of the calls ``call``, each run's
+    from its first position."""
+    per_run = -(-(end - first) // size)
+    tile_call = np.repeat(call, per_run)
     j = np.arange(tile_call.size) - np.repeat(np.cumsum(per_run) - per_run, per_run)
-    first = np.repeat(run_first, per_run) + j * bm
-    end = np.minimum(first + bm, np.repeat(run_end, per_run))
+    tile_first = np.repeat(first, per_run) + j * size
+    return tile_call, tile_first, np.minimum(tile_first + size, np.repeat(end, per_run))
+
+
+def _tiles(tile_call, first, end, lo, hi, q_start, k_start, sk, bn):
+    """ForwardTiles of the query tiles [first, end) of the calls tile_call: their keys from the first row's lo to
+    the last row's hi (bounds lo, hi), clipped to the call's, in key tiles of bn."""
     q0, k0, keys = q_start[tile_call], k_start[tile_call], sk[tile_call]
     begin = np.clip(lo[q0 + first] - k0, 0, keys)
     stop = np.clip(hi[q0 + end - 1] - k0, 0, keys)
     return ForwardTiles(tile_call, first, end, begin, np.where(stop > begin, -(-(stop - begin) // bn), 0))
+
+
+class BackwardTiles(NamedTuple):
+    """The sm90 backward's tiles of block calls under an interval mask (``backward_tiles``): its query tiles and
+    key blocks, one entry each, ordered by call then position."""
+    tile_call: np.ndarray    # per query tile: the call
+    tile_first: np.ndarray   # its first row, local to the call (a call's tiles partition its rows)
+    block_call: np.ndarray   # per key block (a CTA of a head slot): the call
+    block_first: np.ndarray  # its first key, local to the call (a call's blocks partition its keys)
+    block_end: np.ndarray    # one past its last key
+    t_lo: np.ndarray         # the query tiles it walks, [t_lo, t_end) counted from its call's first tile: those
+    t_end: np.ndarray        # in which some row sees one of its keys (t_lo = t_end: none)
+
+
+def backward_tiles(mask, q_start, sq, k_start, sk, bm, bn):
+    """BackwardTiles of one call, or of many (each argument an array over the calls), under ``mask``: what the
+    sm90 backward's interval instance runs (backends/cuda/sm90.py) and what the cost model counts.
+
+    Its CTAs own key blocks of at most bn keys and walk the query tiles of at most bm rows in which some row sees
+    one of their keys. Both start on documents, as the forward's query tiles do (``document_runs``: a document
+    of at least LONG_DOCUMENT_TILES tiles a run of its own, shorter ones between such sharing runs; the key side
+    cut at the first key of each document of rows): a block on a grid of bn keys that straddles two documents
+    walks the query tiles of both, and a grid tile of rows straddling two documents is walked by the key blocks
+    of both (the 8k MagiAttention sets: 758 / 859 -> 684 / 774 steps, 80-82% -> 89-91% of their pairs visible;
+    uniform documents 744 / 926 -> 712 / 884). Where a call's grid of tiles and blocks walks no more steps, the
+    call keeps the grid."""
+    q_start, sq, k_start, sk = _calls(q_start, sq, k_start, sk)
+    lo, hi = mask.intervals
+    starts = masks.document_starts(mask)
+    key_starts = np.unique(lo[starts]) if starts.size else starts
+    laid = [_walks(cut(*runs(starts, q_start, sq, bm), bm), cut(*runs(key_starts, k_start, sk, bn), bn),
+                   lo, hi, q_start, sq, k_start)
+            for runs in (document_runs, grid_runs)]
+    steps = [np.bincount(t.block_call, t.t_end - t.t_lo, q_start.size) for t in laid]
+    keep = steps[0] < steps[1]
+    return BackwardTiles(*_merged([t[:2] for t in laid], keep, lambda t: t),
+                         *_merged([t[2:] for t in laid], keep, lambda t: t[:2]))
+
+
+def _walks(tiles, blocks, lo, hi, q_start, sq, k_start):
+    """BackwardTiles of the query tiles ``tiles`` and key blocks ``blocks`` ((call, first, end) of each, local,
+    ordered by call then position): the query tiles each block walks, found by two binary searches in the bounds
+    (each row's bounds never decrease): the first row whose end passes the block's first key, the first row after
+    it whose start passes its last key."""
+    tile_call, tile_first, _ = tiles
+    call, first, end = blocks
+    rows_lo, rows_end = q_start[call], (q_start + sq)[call]
+    r_first = np.clip(np.searchsorted(hi, k_start[call] + first, side="right"), rows_lo, rows_end) - rows_lo
+    r_end = np.maximum(r_first, np.clip(np.searchsorted(lo, k_start[call] + end - 1, side="right"), rows_lo,
+                                        rows_end) - rows_lo)
+    # a row's tile: the last tile of its call starting at or before it
+    span = int(sq.max()) + 1 if sq.size else 1
+    tile_key = tile_call * span + tile_first
+    call_first_tile = np.searchsorted(tile_call, np.arange(sq.size))
+
+    def tile_of(r):
+        return np.searchsorted(tile_key, call * span + r, side="right") - 1 - call_first_tile[call]
+
+    t_lo = tile_of(r_first)
+    t_end = np.where(r_end > r_first, tile_of(r_end - 1) + 1, t_lo)
+    return BackwardTiles(tile_call, tile_first, call, first, end, t_lo, t_end)
 
 
 def call_tiles(mask, q_start, sq, k_start, sk, masked=True, gqa_pack=1):
@@ -181,12 +256,11 @@ def calls_tiles(mask, q_start, sq, k_start, sk, masked, gqa_pack=1):
     out[full] = np.stack([-(-sq // fm) * -(-sk // fn), -(-sq // fm), query_tiles * key_blocks,
                           query_tiles * np.sqrt(key_blocks), np.zeros(sq.size)], axis=1)[full]
     if masked.any():
-        lo, hi = mask.intervals
         calls = np.flatnonzero(masked)
         documents = mask.kind == "intervals" and mask.window is None   # the backward's walks down (walk_down)
         pack = gqa_pack if mask.kind == "intervals" else 1   # the interval instance packs (backends/cuda/sm90.py)
         out[calls, :2] = _forward_tiles(mask, q_start[calls], sq[calls], k_start[calls], sk[calls], pack)
-        out[calls, 2:] = _backward_tiles(lo, hi, q_start[calls], sq[calls], k_start[calls], sk[calls], documents)
+        out[calls, 2:] = _backward_tiles(mask, q_start[calls], sq[calls], k_start[calls], sk[calls], documents)
     return out
 
 
@@ -199,34 +273,25 @@ def _forward_tiles(mask, q_start, sq, k_start, sk, pack):
                     axis=1) / pack
 
 
-def _backward_tiles(lo, hi, q_start, sq, k_start, sk, documents):
+def _backward_tiles(mask, q_start, sq, k_start, sk, documents):
     """(calls, 3): the backward's steps and its query tiles' sqrt(key blocks that see them), summed apart for the
-    key blocks walking up and down (walk_down, where ``documents``), of every call (key_block_ranges, each call's
-    rows searched as a slice of the bounds)."""
-    bm, bn = BACKWARD_TILE
-    blocks, tiles_of = -(-sk // bn), -(-sq // bm)
-    call = np.repeat(np.arange(sq.size), blocks)
-    first_key = k_start[call] + (np.arange(call.size) - np.repeat(np.cumsum(blocks) - blocks, blocks)) * bn
-    last_key = np.minimum(first_key + bn, (k_start + sk)[call]) - 1
-    rows_lo, rows_end = q_start[call], (q_start + sq)[call]
-    r_first = np.clip(np.searchsorted(hi, first_key, side="right"), rows_lo, rows_end) - rows_lo
-    r_end = np.maximum(r_first, np.clip(np.searchsorted(lo, last_key, side="right"), rows_lo, rows_end) - rows_lo)
-    t_lo = r_first // bm
-    t_end = np.where(r_end > r_first, -(-r_end // bm), t_lo)
+    key blocks walking up and down (walk_down, where ``documents``), of every call (backward_tiles)."""
+    t = backward_tiles(mask, q_start, sq, k_start, sk, *BACKWARD_TILE)
+    tiles_of = np.bincount(t.tile_call, minlength=sq.size)
     # a piece never spans two calls: its key is the call and the end tile
-    key = call * (tiles_of.max() + 1)
-    down = walk_down(key + t_lo, key + t_end).astype(bool) if documents else np.zeros(call.size, bool)
+    key = t.block_call * (tiles_of.max(initial=0) + 1)
+    down = (walk_down(key + t.t_lo, key + t.t_end).astype(bool) if documents
+            else np.zeros(t.block_call.size, bool))
     # key blocks that see each query tile, every call's tiles end to end: +1 at t_lo, -1 at t_end (within the call),
     # apart for the blocks walking up and down (a query tile's blocks are one document's: one direction)
-    offsets = np.cumsum(tiles_of) - tiles_of
-    tile_call = np.repeat(np.arange(sq.size), tiles_of)
+    offsets = (np.cumsum(tiles_of) - tiles_of)[t.block_call]
     shared = []
     for walking in (~down, down):
-        seen_by = np.zeros(tiles_of.sum() + 1, np.int64)
-        np.add.at(seen_by, offsets[call[walking]] + t_lo[walking], 1)
-        np.add.at(seen_by, offsets[call[walking]] + t_end[walking], -1)
-        shared.append(np.bincount(tile_call, np.sqrt(np.cumsum(seen_by[:-1])), sq.size))
-    return np.stack([np.bincount(call, t_end - t_lo, sq.size), *shared], axis=1)
+        seen_by = np.zeros(t.tile_call.size + 1, np.int64)
+        np.add.at(seen_by, offsets[walking] + t.t_lo[walking], 1)
+        np.add.at(seen_by, offsets[walking] + t.t_end[walking], -1)
+        shared.append(np.bincount(t.tile_call, np.sqrt(np.cumsum(seen_by[:-1])), sq.size))
+    return np.stack([np.bincount(t.block_call, t.t_end - t.t_lo, sq.size), *shared], axis=1)
 
 
 def pairs_tiles(mask, pairs, gqa_pack=1):

@@ -1,11 +1,13 @@
 """The sm90 family's launches: the wgmma / TMA / warp-specialized kernels of attn_fwd_sm90.cu and
 attn_bwd_sm90.cu, Hopper only (sm_90a; docs/KERNELS.md, "sm90 forward", "sm90 backward"). Kernel names and
 geometry come from the sources' kernel tables (contract.py)."""
+from typing import NamedTuple
+
 import numpy as np
 
 from . import launch, tma
 from ...recent import Recent
-from ...plan.tiles import WALK_DOWN_BLOCKS, forward_tiles, key_block_ranges, packed_heads, walk_down
+from ...plan.tiles import WALK_DOWN_BLOCKS, backward_tiles, forward_tiles, packed_heads, walk_down
 from .contract import PARAMS, SOURCES, mask_mode
 from .launch import mask_args, strides
 
@@ -271,7 +273,7 @@ class Sm90Kernels:
             maps = tma.device_maps(cupy, boxes())
         # the row table (attn_bwd_sm90_rows): lse * log2(e) and delta per (batch, head, row), delta computed
         # from do and o when not given, dq's rows zeroed at a first pair; then with a mask each row's visible key
-        # range; the query tiles each key block walks and the CTA order come from the host (_key_block_schedule)
+        # range; the key blocks, query tiles and CTA order come from the host (_backward_schedule, _key_block_order)
         rows = cupy.empty(made.rows_size, np.float32)
         none = (np.uint64(0), *(np.int64(0),) * 3)
         delta_args = (delta, *strides(delta)) if delta is not None else none
@@ -308,31 +310,33 @@ class Sm90Kernels:
         kernel = self.modules.table(BACKWARD).find(kind, d, mode)
         bm, bn = kernel.query_rows, kernel.keys
         group = hq // hkv
-        nkb = (sk + bn - 1) // bn
+        plan = _backward_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, self.walk_down_blocks)
+        nkb = plan.blocks
         hpb, nsplit = launch.split_group(group, nkb, b * hkv)
         # dK, dV straight into their 16-bit outputs when one CTA holds the whole GQA group of its keys and the
         # pair is their first and last; else added into float32 (zeroed here at a first pair, converted after)
         kv_direct = first_kv and dk_out is not None and nsplit == 1 and dk_out.strides == dv_out.strides
-        sq_pad = -(-sq // bm) * bm
+        sq_pad = plan.tiles * bm
         mlo, mhi, kofs = mask_args(mask if mode == "interval" else None, q_start, sq, k_start)
         lanes = b * hq * sq_pad * (d // 8)
         slots = nsplit * b * hkv
-        ranges, order = _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first,
-                                            self.walk_down_blocks)
+        order = _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first,
+                                 self.walk_down_blocks)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
         args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
                                   mask=mask if mode == "interval" else None, tmaps=None,
-                                  rows=None, ranges=ranges, order=order, Sq_pad=sq_pad, hpb=hpb, kv=kv)
-        held = (ranges, order, mask.device_intervals(cupy) if mode == "interval" else None)
+                                  rows=None, ranges=plan.ranges, tiles=plan.firsts, order=order, Sq_pad=sq_pad,
+                                  nkb=nkb, hpb=hpb, kv=kv)
+        held = (plan, order, mask.device_intervals(cupy) if mode == "interval" else None)
         return launch.Kept(kern, (nkb * slots,), (kernel.threads,), kernel.smem_bytes, args, held=held,
                            tile=(bm, bn), kv_direct=kv_direct,
                            rows_size=2 * b * hq * sq_pad + (2 * sq_pad if mode == "interval" else 0),
                            prep=self.modules.kernel(BACKWARD, "attn_bwd_sm90_rows", 0),
                            prep_grid=(min(-(-lanes // _PREPASS_THREADS), _PREPASS_BLOCKS),),
                            prep_block=(_PREPASS_THREADS,),
-                           prep_sizes=(np.int32(b), np.int32(hq), np.int32(sq), np.int32(sq_pad), mlo, mhi, kofs,
-                                       np.int32(sk), np.int32(d)),
+                           prep_sizes=(np.int32(b), np.int32(hq), np.int32(sq), np.int32(sq_pad), plan.firsts,
+                                       np.int32(bm), mlo, mhi, kofs, np.int32(sk), np.int32(d)),
                            prep_bf16=np.int32(kind == "bf16"))
 
     def to16(self, kind, x, out):
@@ -389,33 +393,53 @@ def _longest_first(mask, q_start, sq, k_start, sk, bm, bn):
     return _cached(("forward", mask, int(q_start), sq, int(k_start), sk, bm, bn), make)
 
 
-def _key_block_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, slots, heavy_first, down_blocks):
-    """(ranges, order) of a backward launch of instance ``mode``: under an interval mask the query tiles each key
-    block of bn walks (key_block_ranges) and its walk's direction (walk_down with ``down_blocks``), int32
-    triples on the device; with ``heavy_first`` the CTA order
-    (launch.key_block_order) under documents, and under a causal mask while the grid is a few waves
-    (launch.causal_order_band). A null pointer for either where none: the kernel's own ranges, head slot after
-    head slot. A sliding window keeps that plain order: its key blocks weigh alike (no tail to shorten) and
-    each would be a piece of its own, the order that lost L2 sharing on documents."""
-    import cupy
+class BackwardSchedule(NamedTuple):
+    """The sm90 backward's key blocks and query tiles of one call (``_backward_schedule``)."""
+    blocks: int        # key blocks (the CTAs of a head slot)
+    tiles: int         # query tiles (the row table holds tiles x bm rows a head)
+    ranges: object     # interval: per key block (t_lo, t_end, down, first key, end key), int32 on the device
+    firsts: object     # interval: each query tile's first row, then sq, int32 on the device
+    t_lo: np.ndarray   # the query tiles [t_lo, t_end) each key block walks (the CTA order's weights)
+    t_end: np.ndarray
 
-    nkb = -(-sk // bn)
-    band = launch.causal_order_band(nkb, slots) if mode == "causal" else None
-    null = np.uint64(0)
-    ordered = heavy_first and (band is not None if mode == "causal" else mode == "interval" and mask.window is None)
-    if mode == "full" or mode == "causal" and not ordered:
-        return null, null
+
+def _backward_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, down_blocks):
+    """BackwardSchedule of a backward launch of instance ``mode``: under an interval mask the key blocks and query
+    tiles of plan/tiles.backward_tiles (laid out from document starts) and each block's walk direction (walk_down
+    with ``down_blocks``; a sliding window's walk up); else blocks of bn keys and tiles of bm rows on a grid, the
+    kernel's own (null ranges and firsts), whose walks under a causal mask start where key block kb is first seen,
+    at query kb * bn - off (the kernel's rule)."""
+    import cupy
 
     def make():
         if mode == "interval":
-            t_lo, t_end = key_block_ranges(mask, q_start, sq, k_start, sk, bm, bn)
-            down = walk_down(t_lo, t_end, down_blocks) if mask.window is None else np.zeros_like(t_end)
-            ranges = cupy.asarray(np.stack([t_lo, t_end, down], 1).astype(np.int32).ravel())
-        else:  # key block kb is first seen by query kb * bn - off (the kernel's own rule)
-            t_end = np.full(nkb, -(-sq // bm))
-            t_lo = np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end)
-            ranges = null
-        return ranges, cupy.asarray(launch.key_block_order(t_lo, t_end, slots, band)) if ordered else null
+            t = backward_tiles(mask, q_start, sq, k_start, sk, bm, bn)
+            down = walk_down(t.t_lo, t.t_end, down_blocks) if mask.window is None else np.zeros_like(t.t_end)
+            ranges = np.stack([t.t_lo, t.t_end, down, t.block_first, t.block_end], 1).astype(np.int32)
+            firsts = np.append(t.tile_first, sq).astype(np.int32)
+            return BackwardSchedule(len(t.t_lo), len(t.tile_first), cupy.asarray(ranges.ravel()),
+                                    cupy.asarray(firsts), t.t_lo, t.t_end)
+        nkb, tiles = -(-sk // bn), -(-sq // bm)
+        t_end = np.full(nkb, tiles)
+        t_lo = np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end)
+        return BackwardSchedule(nkb, tiles, np.uint64(0), np.uint64(0), t_lo, t_end)
 
     return _cached(("backward", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm,
-                    bn, slots, ordered, down_blocks if mode == "interval" else None), make)
+                    bn, down_blocks if mode == "interval" else None), make)
+
+
+def _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, heavy_first, down_blocks):
+    """The backward's CTA order over plan's key blocks (a BackwardSchedule) x ``slots`` head slots: with
+    ``heavy_first`` launch.key_block_order under documents, and under a causal mask while the grid is a few waves
+    (launch.causal_order_band); else a null pointer, the kernel's own order, head slot after head slot. A sliding
+    window keeps that plain order: its key blocks weigh alike (no tail to shorten) and each would be a piece of
+    its own, the order that lost L2 sharing on documents."""
+    import cupy
+
+    band = launch.causal_order_band(plan.blocks, slots) if mode == "causal" else None
+    ordered = heavy_first and (band is not None if mode == "causal" else mode == "interval" and mask.window is None)
+    if not ordered:
+        return np.uint64(0)
+    return _cached(("order", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm, bn,
+                    slots, down_blocks if mode == "interval" else None),
+                   lambda: cupy.asarray(launch.key_block_order(plan.t_lo, plan.t_end, slots, band)))
