@@ -62,7 +62,7 @@ struct Cfg {
   static constexpr int kWalkDoneThreads = 128 * CONSUMERS + (kWide ? 32 : 0);
   // setmaxnreg split of the launch's 168 registers per thread (3 x 168 = 24 + 2 x 240). At D = 256 the
   // consumers compile without spills from 224 up, so they take 232 and the producer 40: at 24 the interval
-  // loader spills (32-36 bytes; so do the D = 64, 128 interval instances)
+  // loader spills (32-36 bytes; the D = 64, 128 interval instances' producers spill 60 and 28, outside the loop)
   static constexpr int kProducerRegs = kWide ? 40 : PRODUCER_REGS, kConsumerRegs = kWide ? 232 : CONSUMER_REGS;
   static_assert(kProducerRegs + CONSUMERS * kConsumerRegs <= (1 + CONSUMERS) * (65536 / THREADS / 8 * 8),
                 "setmaxnreg split exceeds the launch's registers");
@@ -339,7 +339,8 @@ __device__ __forceinline__ void dq_part(float* acc, u32 ds_lo, u32 k_lo) {
 
 // P^T = exp2(S^T * scale*log2e - lse*log2e) in place over NQ query columns of S^T (accumulator layout): element
 // (j, e) is key key0 + 8 (e >> 1), query q0 + 8 j + qc + (e & 1); l2, klo, khi point at the row of query
-// q0 + qc. With need_mask, masked on global positions: keys at or past key_end (the CTA's end), causal (the key after the query's
+// q0 + qc (q0: read only by the causal mask; interval tiles start where the host's table says). With need_mask,
+// masked on global positions: keys at or past key_end (the CTA's end), causal (the key after the query's
 // position + off), IV (the key outside the row's [klo, khi)).
 template <int NQ, bool CAUSAL, bool IV>
 __device__ __forceinline__ void probs_t(float* st, const float* l2, const int* klo, const int* khi, bool need_mask,
@@ -503,7 +504,7 @@ __device__ __forceinline__ void consumer_wide(const bwd90::Walk& w, const unsign
   PipeState<STAGES> pipe;
   for (int n = 0; n < w.steps; ++n) {
     const int t = at.t;
-    const int m0 = t * BM, s = pipe.stage;
+    const int m0 = t * BM, s = pipe.stage;  // the causal mask's first row (interval tiles: tiles[t])
     const u32 q_tile = base + L::kQ + s * L::kTile, do_tile = base + L::kDO + s * L::kTile;
     // S^T, dP^T: B = rows NQ c.. of the Q / dO tile (K-major; 32 rows = 4 swizzle atoms on, 1024-aligned)
     const u32 q_lo = desc_lo(q_tile + c * NQ * 128, 16), do_lo = desc_lo(do_tile + c * NQ * 128, 16);
@@ -620,7 +621,8 @@ __device__ __forceinline__ void load_walk(const bwd90::Walk& w, const unsigned c
   PipeState<STAGES> pipe;
   for (int n = 0; n < w.steps; ++n) {
     const int h = at.h, t = at.t;
-    const int m0 = tile_row<BM, IV>(w, t), s = pipe.stage;  // its rows' table entries: t BM..
+    const int m0 = tile_row<BM, IV>(w, t), s = pipe.stage;
+    // the tile's rows in the row table: entries t BM.. (the pre-pass writes it in tile order)
     const float* row_lse = rows + (static_cast<i64>(w.b) * Hq + h) * Sq_pad + t * BM;
     mbar_wait(L::q_empty(base, s), pipe.phase ^ 1);
     mbar_arrive_expect_tx(L::q_full(base, s), L::kTile + (IV ? 3 : 1) * BM * 4);
@@ -681,8 +683,8 @@ __device__ __forceinline__ void dq_writer(const bwd90::Walk& w, const unsigned c
 
 // D = 64, 128, consumer warpgroup cw's epilogue: dk += scale * dK, dv += dV (its 64 keys) by TMA tensor
 // reductions (adds in L2, so CTAs that share a kv head through a split GQA group need no atomics; keys past Sk
-// are not written, keys past the CTA's end get 0: masked, their P and dS are 0). Staged in the Q / dO stages, free once both consumers are past their last step; dK first,
-// then dV in the same buffer.
+// are not written, keys past the CTA's end get 0: masked, their P and dS are 0). Staged in the Q / dO stages,
+// free once both consumers are past their last step; dK first, then dV in the same buffer.
 template <int D, bool BF16>
 __device__ __forceinline__ void store_dkdv(const bwd90::Walk& w, int cw, const float* acc_dk, const float* acc_dv,
                                            const unsigned char* tdk, const unsigned char* tdv, float scale,
@@ -754,7 +756,7 @@ __device__ __forceinline__ void consumer(const bwd90::Walk& w, int cw, const uns
   PipeState<STAGES> pipe;
   for (int n = 0; n < w.steps; ++n) {
     const int t = at.t;
-    const int m0 = t * BM, s = pipe.stage;
+    const int m0 = t * BM, s = pipe.stage;  // the causal mask's first row (interval tiles: tiles[t])
     const u32 q_lo = desc_lo(base + L::kQ + s * L::kTile, 16), do_lo = desc_lo(base + L::kDO + s * L::kTile, 16);
     const u32 qmn_lo = desc_lo(base + L::kQ + s * L::kTile, BM * 128);
     const u32 domn_lo = desc_lo(base + L::kDO + s * L::kTile, BM * 128);

@@ -150,7 +150,7 @@ def test_which_masks_take_an_order(host_schedule):
 
     def schedule(mode, mask, heavy_first=True, s=s):
         plan = sm90._backward_schedule(mode, mask, 0, s, 0, s, 64, 128, 64)
-        order = sm90._key_block_order(mode, mask, plan, 0, s, 0, s, 64, 128, 8, heavy_first, 64)
+        order = sm90._key_block_order(mode, mask, plan, 0, s, 0, s, 64, 128, 8, heavy_first)
         return isinstance(plan.ranges, np.ndarray), isinstance(order, np.ndarray)
 
     documents = masks.make(s, True, None, cu)

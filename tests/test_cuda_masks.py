@@ -217,6 +217,54 @@ def test_packed_query_heads_at_every_tile_height_with_key_splits(d):
             assert _err(cupy.asnumpy(o), ref_o) < 2e-2, ctx
 
 
+# documents of several tiles at offsets off every tile's grid: the sm90 backward's key blocks and query tiles start
+# on them (plan/tiles.backward_tiles), some of a few keys or rows (1412-1421)
+ALIGNED_DOCUMENTS = np.array([0, 300, 333, 900, 1421, 1500, 2100])
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("heads", [(2, 2), (16, 1)], ids=lambda h: f"h{h[0]}:{h[1]}")
+def test_backward_blocks_and_tiles_from_document_starts(d, heads):
+    """The backward under documents whose key blocks and query tiles start on them, off the grid (the host's
+    layout checked first): short blocks and tiles, a tile's box reaching into the next tile's rows, a block's
+    into the next block's keys. Against the oracle as one call (h2:2: one CTA holds a K/V head, dK and dV go
+    straight to 16 bits; h16:1: the group split over CTAs, added in float32) and as a block pair of a longer
+    sequence adding into poisoned float32 accumulators."""
+    from burst_hpc.plan import tiles
+
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    seqlen, cu, (hq, hkv) = int(ALIGNED_DOCUMENTS[-1]), ALIGNED_DOCUMENTS, heads
+    mask = masks.make(seqlen, True, None, cu)
+    bm, bn = (128, 128) if d == 64 else (64, 64) if d == 256 else (64, 128)   # the sm90 backward's tiles
+    laid = tiles.backward_tiles(mask, 0, seqlen, 0, seqlen, bm, bn)
+    assert 333 in laid.tile_first and 333 in laid.block_first and 1421 in laid.block_first
+    kw = dict(causal=True, cu_seqlens=cu)
+    q, k, v, do = (rng.standard_normal((1, seqlen, h, d)).astype(BF16) for h in (hq, hkv, hkv, hq))
+    ctx = f"seed={seed} d={d} heads={heads}"
+    o, lse = burst_hpc.attention(*(cupy.asarray(x) for x in (q, k, v)), **kw)
+    plain = plain_attention(q, k, v, do, True, None, BF16, None, cu)
+    grads = burst_hpc.attention_backward(*(cupy.asarray(x) for x in (do, q, k, v)), o, lse, **kw)
+    for name, got, want, base in zip(("dq", "dk", "dv"), grads, attention_backward_reference(do, q, k, v, **kw),
+                                     plain[2:]):
+        floor = 3e-3 * max(1.0, float(np.abs(want).max()))
+        assert _err(cupy.asnumpy(got), want) <= 3 * _err(base, want) + floor, f"{ctx} {name}"
+    # a block pair: rows 333.. against keys 250.. (its key blocks start on 333 - 250 = 83 too)
+    q0, sq, k0, sk = 333, 1500, 250, 1700
+    pair = dict(causal=True, q_start=q0, k_start=k0, cu_seqlens=cu)
+    qs, dos, ks, vs = q[:, q0:q0 + sq], do[:, q0:q0 + sq], k[:, k0:k0 + sk], v[:, k0:k0 + sk]
+    ref_o, ref_lse = attention_reference(qs, ks, vs, **pair)
+    delta = np.einsum("bshd,bshd->bhs", dos.astype(np.float64), ref_o).astype(np.float32)
+    poison = [rng.standard_normal(x.shape).astype(np.float32) for x in (qs, ks, vs)]
+    acc = [cupy.asarray(p.copy()) for p in poison]
+    get_backend(cupy.zeros(1)).backward_block(
+        *(cupy.asarray(np.ascontiguousarray(x)) for x in (qs, ks, vs, dos)),
+        cupy.asarray(ref_lse.astype(np.float32)), cupy.asarray(delta), *acc, scale=d ** -0.5, masked=True,
+        q_start=q0, k_start=k0, mask=mask)
+    for name, got, p, want in zip(("dq", "dk", "dv"), acc, poison, attention_backward_reference(dos, qs, ks, vs, **pair)):
+        assert _err(cupy.asnumpy(got) - p, want) < 5e-2 * max(1.0, float(np.abs(want).max())), f"{ctx} pair {name}"
+
+
 BLOCK_SETS = {  # seqlen, documents, window, (q_start, q_len, k_start, k_len) pairs
     "short documents, window": (2048, 7, (300, 0), ((1024, 512, 640, 512), (1500, 300, 0, 1600), (300, 200, 600, 128))),
     "long documents": (4096, 4, None, ((1100, 1500, 333, 2000), (2500, 1596, 0, 4096), (77, 900, 50, 1000))),

@@ -220,11 +220,21 @@ def _intervals(mask):
 def document_starts(mask):
     """int64, read-only: the rows (a Packed mask's own rows) at which a run of rows with disjoint keys begins:
     row 0 and every row that sees none of the keys the row before it sees (lo[r] >= hi[r - 1]; under documents,
-    each document's first row). The sm90 forward starts its query tiles there (plan/tiles.forward_tiles)."""
+    each document's first row). The sm90 forward and backward start their query tiles there (plan/tiles)."""
     lo, hi = mask.intervals
     starts = np.concatenate([[0], np.flatnonzero(lo[1:] >= hi[:-1]) + 1]) if lo.size else np.zeros(0, np.int64)
     starts.setflags(write=False)
     return starts
+
+
+@lru_cache(maxsize=4)
+def document_keys(mask):
+    """int64, read-only: the first key of each run of rows of ``document_starts``, sorted and distinct (under
+    documents, each document's first key). The sm90 backward starts its key blocks there (plan/tiles.backward_tiles)."""
+    starts = document_starts(mask)
+    keys = np.unique(mask.intervals[0][starts]) if starts.size else np.zeros(0, np.int64)
+    keys.setflags(write=False)
+    return keys
 
 
 @lru_cache(maxsize=16)   # a stepped gather's pass calls under a Packed mask of each shard it visits

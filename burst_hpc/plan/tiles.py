@@ -6,8 +6,9 @@ shorter ones), each into tiles of bm rows from its first, or a grid of tiles whe
 (``forward_tiles``), each against the key tiles of bn from the first key its first row sees to the last its last
 row sees, skipping a tile that sees none; the backward runs one CTA per key block of at most bn keys, walking
 the query tiles of at most bm rows in which some row sees one of its keys, both laid out from document starts
-too, or on a grid where that walks fewer steps (``backward_tiles``). A full pair (no mask) runs every tile of its rectangle, a causal one is counted by the same rule on its rows'
-bounds. ``call_tiles`` counts, per head, what the cost model prices (COUNTS):
+too, or on a grid where that walks fewer steps (``backward_tiles``). A full pair (no mask) runs every tile of its
+rectangle, a causal one is counted by the same rule on its rows' bounds. ``call_tiles`` counts, per head, what
+the cost model prices (COUNTS):
 
 - ``fwd_key_tiles``: the forward's key tiles (each a bm x bn product and its softmax update);
 - ``fwd_query_tiles``: the forward's query tiles with any key (each one's Q load, merge and store);
@@ -37,10 +38,11 @@ COUNT_POWERS = np.array([2.0, 1.0, 2.0, 1.5, 1.5])
 
 # the longest piece (key blocks) whose sm90 backward CTAs walk their query tiles down under documents (walk_down)
 WALK_DOWN_BLOCKS = 64
-# the forward's query tiles (forward_tiles): a document of at least this many tiles of rows is a run of tiles of its
-# own; shorter ones share runs. Every document its own run would give a 200-token document two tiles of which the
-# second holds a few rows: on packs of documents up to 200 / 400 tokens 1.17x / 1.06x the query and key tiles of
-# a grid of tiles; with 4, 1.00x there and 0.89-0.91x on the 8k MagiAttention sets (bench_packed.py's)
+# the forward's query tiles (forward_tiles) and the backward's tiles and key blocks (backward_tiles): a document of
+# at least this many tiles is a run of tiles of its own; shorter ones share runs. Every document its own run would
+# give a 200-token document two tiles of which the second holds a few rows: on packs of documents up to 200 / 400
+# tokens 1.17x / 1.06x the query and key tiles of a grid of tiles; with 4, 1.00x there and 0.89-0.91x on the 8k
+# MagiAttention sets (bench_packed.py's)
 LONG_DOCUMENT_TILES = 4
 # PackGQA: under an interval mask the sm90 forward's tile rows hold up to this many query heads of one K/V group
 # (FlashAttention-3 packs every varlen call), a tile of 128 rows then 16 positions of 8 heads
@@ -92,9 +94,9 @@ def forward_tiles(mask, q_start, sq, k_start, sk, bm, bn):
     sm90 forward's interval instance runs (its host table: backends/cuda/sm90.py), and what the cost model counts
     for every masked call (a causal mask's rows form one run: its tiles are those of the causal instance).
 
-    A call's rows are cut into runs at document starts (masks.document_starts; ``runs``): each document of at
-    least LONG_DOCUMENT_TILES * bm rows is a run of its own, and so is each stretch of shorter documents between
-    two such. A run is cut into tiles of bm rows from its first. A tile's keys go from its first row's lo to its
+    A call's rows are cut into runs at document starts (masks.document_starts; ``_document_runs``): each document
+    of at least LONG_DOCUMENT_TILES * bm rows is a run of its own, and so is each stretch of shorter documents
+    between two such. A run is cut into tiles of bm rows from its first. A tile's keys go from its first row's lo to its
     last row's hi, in key tiles of bn from that first key: a long document's tiles start on its first row and its
     key tiles on its first key, so the tile at i bm rows into it loads exactly i + 1 key tiles (FlashAttention-3's
     varlen tiles). Tiles on a grid of bm rows would straddle documents: the rows past a boundary load the earlier
@@ -105,8 +107,8 @@ def forward_tiles(mask, q_start, sq, k_start, sk, bm, bn):
     grid's tiles)."""
     q_start, sq, k_start, sk = _calls(q_start, sq, k_start, sk)
     lo, hi = mask.intervals
-    laid = [_tiles(*cut(*runs(masks.document_starts(mask), q_start, sq, bm), bm), lo, hi, q_start, k_start, sk, bn)
-            for runs in (document_runs, grid_runs)]
+    laid = [_tiles(*_cut(*runs(masks.document_starts(mask), q_start, sq, bm), bm), lo, hi, q_start, k_start, sk, bn)
+            for runs in (_document_runs, _grid_runs)]
     cost = [np.bincount(t.call, t.key_tiles + (t.key_tiles > 0), q_start.size) for t in laid]
     return ForwardTiles(*_merged(laid, cost[0] <= cost[1], lambda t: t[:2]))
 
@@ -127,18 +129,18 @@ def _merged(laid, keep, key):
     return tuple(x[order] for x in merged)
 
 
-def document_runs(starts, begin, count, size):
+def _document_runs(starts, begin, count, size):
     """(call, first, end) of the runs of positions [begin, begin + count) of each call (arrays over the calls;
     first and end local to the call), cut at ``starts`` (sorted global positions where a document begins): each
     document of at least LONG_DOCUMENT_TILES * size positions is a run of its own, and so is each stretch of
     shorter documents between two such (the forward's query tiles, the backward's query tiles and key blocks)."""
     inside_lo = np.searchsorted(starts, begin, side="right")
     inside_end = np.maximum(inside_lo, np.searchsorted(starts, begin + count, side="left"))
-    pieces = np.where(count > 0, 1 + inside_end - inside_lo, 0)
-    call = np.repeat(np.arange(begin.size), pieces)
+    parts = np.where(count > 0, 1 + inside_end - inside_lo, 0)
+    call = np.repeat(np.arange(begin.size), parts)
     if not call.size:   # no call has positions
         return (np.zeros(0, np.int64),) * 3
-    k = np.arange(call.size) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+    k = np.arange(call.size) - np.repeat(np.cumsum(parts) - parts, parts)
     at = np.clip(inside_lo[call] + k - 1, 0, max(starts.size - 1, 0))
     doc = np.where(k == 0, 0, starts[at] - begin[call]) if starts.size else np.zeros(call.size, np.int64)
     last_of_call = np.append(k[1:] == 0, True)
@@ -148,13 +150,13 @@ def document_runs(starts, begin, count, size):
     return call[at], doc[at], doc_end[np.append(at[1:] - 1, call.size - 1)]
 
 
-def grid_runs(starts, begin, count, size):
-    """(call, first, end): each call's positions one run (a grid of tiles), as document_runs gives them."""
+def _grid_runs(starts, begin, count, size):
+    """(call, first, end): each call's positions one run (a grid of tiles), as _document_runs gives them."""
     call = np.flatnonzero(count > 0)
     return call, np.zeros(call.size, np.int64), count[call]
 
 
-def cut(call, first, end, size):
+def _cut(call, first, end, size):
     """(call, first, end) of the tiles of ``size`` positions of runs [first, end) of the calls ``call``, each run's
     from its first position."""
     per_run = -(-(end - first) // size)
@@ -190,20 +192,22 @@ def backward_tiles(mask, q_start, sq, k_start, sk, bm, bn):
     sm90 backward's interval instance runs (backends/cuda/sm90.py) and what the cost model counts.
 
     Its CTAs own key blocks of at most bn keys and walk the query tiles of at most bm rows in which some row sees
-    one of their keys. Both start on documents, as the forward's query tiles do (``document_runs``: a document
+    one of their keys. Both start on documents, as the forward's query tiles do (``_document_runs``: a document
     of at least LONG_DOCUMENT_TILES tiles a run of its own, shorter ones between such sharing runs; the key side
     cut at the first key of each document of rows): a block on a grid of bn keys that straddles two documents
     walks the query tiles of both, and a grid tile of rows straddling two documents is walked by the key blocks
-    of both (the 8k MagiAttention sets: 758 / 859 -> 684 / 774 steps, 80-82% -> 89-91% of their pairs visible;
-    uniform documents 744 / 926 -> 712 / 884). Where a call's grid of tiles and blocks walks no more steps, the
+    of both (the 8k MagiAttention sets: 758 / 859 -> 686 / 773 steps, 80-82% -> 89-91% of their pairs visible;
+    uniform documents 744 / 926 -> 715 / 884). Where a call's grid of tiles and blocks walks no more steps, the
     call keeps the grid."""
     q_start, sq, k_start, sk = _calls(q_start, sq, k_start, sk)
     lo, hi = mask.intervals
-    starts = masks.document_starts(mask)
-    key_starts = np.unique(lo[starts]) if starts.size else starts
-    laid = [_walks(cut(*runs(starts, q_start, sq, bm), bm), cut(*runs(key_starts, k_start, sk, bn), bn),
-                   lo, hi, q_start, sq, k_start)
-            for runs in (document_runs, grid_runs)]
+    cuts = [(runs(masks.document_starts(mask), q_start, sq, bm), runs(masks.document_keys(mask), k_start, sk, bn))
+            for runs in (_document_runs, _grid_runs)]
+    if all(len(rows[0]) == len(grid[0]) for rows, grid in zip(*cuts)):   # one run a call: the grid
+        cuts = cuts[1:]
+    laid = [_walks(_cut(*rows, bm), _cut(*keys, bn), lo, hi, q_start, sq, k_start) for rows, keys in cuts]
+    if len(laid) == 1:
+        return laid[0]
     steps = [np.bincount(t.block_call, t.t_end - t.t_lo, q_start.size) for t in laid]
     keep = steps[0] < steps[1]
     return BackwardTiles(*_merged([t[:2] for t in laid], keep, lambda t: t),
@@ -229,7 +233,7 @@ def _walks(tiles, blocks, lo, hi, q_start, sq, k_start):
     def tile_of(r):
         return np.searchsorted(tile_key, call * span + r, side="right") - 1 - call_first_tile[call]
 
-    t_lo = tile_of(r_first)
+    t_lo = np.where(sq[call] > 0, tile_of(r_first), 0)   # a call without rows: no tiles, nothing walked
     t_end = np.where(r_end > r_first, tile_of(r_end - 1) + 1, t_lo)
     return BackwardTiles(tile_call, tile_first, call, first, end, t_lo, t_end)
 

@@ -320,8 +320,7 @@ class Sm90Kernels:
         mlo, mhi, kofs = mask_args(mask if mode == "interval" else None, q_start, sq, k_start)
         lanes = b * hq * sq_pad * (d // 8)
         slots = nsplit * b * hkv
-        order = _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first,
-                                 self.walk_down_blocks)
+        order = _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, self.heavy_first)
         kern = self.modules.kernel(BACKWARD, kernel.name, kernel.smem_bytes)
         kv = launch.array_fields(("dk", dk_out, "sb ss sh"), ("dv", dv_out, "")) if kv_direct else {}
         args = self.backward_args(q, k, scale=scale, q_start=q_start, k_start=k_start,
@@ -411,24 +410,24 @@ def _backward_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, down_blocks
     at query kb * bn - off (the kernel's rule)."""
     import cupy
 
-    def make():
-        if mode == "interval":
-            t = backward_tiles(mask, q_start, sq, k_start, sk, bm, bn)
-            down = walk_down(t.t_lo, t.t_end, down_blocks) if mask.window is None else np.zeros_like(t.t_end)
-            ranges = np.stack([t.t_lo, t.t_end, down, t.block_first, t.block_end], 1).astype(np.int32)
-            firsts = np.append(t.tile_first, sq).astype(np.int32)
-            return BackwardSchedule(len(t.t_lo), len(t.tile_first), cupy.asarray(ranges.ravel()),
-                                    cupy.asarray(firsts), t.t_lo, t.t_end)
+    if mode != "interval":
         nkb, tiles = -(-sk // bn), -(-sq // bm)
         t_end = np.full(nkb, tiles)
         t_lo = np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end)
         return BackwardSchedule(nkb, tiles, np.uint64(0), np.uint64(0), t_lo, t_end)
 
-    return _cached(("backward", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm,
-                    bn, down_blocks if mode == "interval" else None), make)
+    def make():
+        t = backward_tiles(mask, q_start, sq, k_start, sk, bm, bn)
+        down = walk_down(t.t_lo, t.t_end, down_blocks) if mask.window is None else np.zeros_like(t.t_end)
+        ranges = np.stack([t.t_lo, t.t_end, down, t.block_first, t.block_end], 1).astype(np.int32)
+        firsts = np.append(t.tile_first, sq).astype(np.int32)
+        return BackwardSchedule(len(t.t_lo), len(t.tile_first), cupy.asarray(ranges.ravel()), cupy.asarray(firsts),
+                                t.t_lo, t.t_end)
+
+    return _cached(("backward", mask, int(q_start), sq, int(k_start), sk, bm, bn, down_blocks), make)
 
 
-def _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, heavy_first, down_blocks):
+def _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, heavy_first):
     """The backward's CTA order over plan's key blocks (a BackwardSchedule) x ``slots`` head slots: with
     ``heavy_first`` launch.key_block_order under documents, and under a causal mask while the grid is a few waves
     (launch.causal_order_band); else a null pointer, the kernel's own order, head slot after head slot. A sliding
@@ -441,5 +440,4 @@ def _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, 
     if not ordered:
         return np.uint64(0)
     return _cached(("order", mode, mask if mode == "interval" else None, int(q_start), sq, int(k_start), sk, bm, bn,
-                    slots, down_blocks if mode == "interval" else None),
-                   lambda: cupy.asarray(launch.key_block_order(plan.t_lo, plan.t_end, slots, band)))
+                    slots), lambda: cupy.asarray(launch.key_block_order(plan.t_lo, plan.t_end, slots, band)))
