@@ -514,8 +514,8 @@ __device__ __forceinline__ void attn_fwd_sm90(const Fwd90Params args) {
     for (int i = 0; i < D / 2; ++i) acc[i] = 0.f;
   };
   auto prefetch = [&](const CT& ct) {  // the running (o, lse), unless the pair is the first to write them
-    if (!args.first) prefetch_rows<D>(o_rows_of(ct.tl), args.oss, lse_rows_of(ct.tl), args.lss, ct.row0, ct.step, ct.tl.m_end,
-                                     lane);
+    if (!args.first)
+      prefetch_rows<D>(o_rows_of(ct.tl), args.oss, lse_rows_of(ct.tl), args.lss, ct.row0, ct.step, ct.tl.m_end, lane);
   };
 
   int idx = next_index();

@@ -130,8 +130,8 @@ def account(layout, mask, scheme, direction, per_node=None, gqa_pack=1):
                             lambda p, o: [(p - o) % nodes])
         template = plain_ring_steps(0, nodes, near, returns, count)
         pairs = masks.pair_work(mask, layout).reshape(nodes, w, nodes, w).sum(axis=(1, 3))
-        node_account = _rotated(template, (pairs,) + position_calls(mask, layout, w, gqa_pack), lambda x, r: (x + r) % nodes,
-                                nodes, w * shard, 1, 1)
+        node_account = _rotated(template, (pairs,) + position_calls(mask, layout, w, gqa_pack),
+                                lambda x, r: (x + r) % nodes, nodes, w * shard, 1, 1)
         return replace(node_account, work=np.repeat(node_account.work, w, axis=1),
                        launches=np.repeat(node_account.launches, w, axis=1),
                        tiles=np.repeat(node_account.tiles, w, axis=1))

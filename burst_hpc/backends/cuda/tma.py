@@ -5,8 +5,8 @@ array's own strides, so strided views (a zigzag half, heads interleaved with oth
 box is 128 bytes of head-dim columns (the 128-byte swizzle width: 64 16-bit or 32 float32 values) of
 ``rows`` tokens of one head (or of a few: the query heads the forward packs into a tile, PackGQA) of one batch
 entry; rows past the end of S read as zeros and are not written. The kernels take the maps from global memory:
-``device_maps`` packs them into one device buffer, cached by geometry (a map holds only an address and a shape, so the same
-geometry always gives the same bytes).
+``device_maps`` packs them into one device buffer, cached by geometry (a map holds only an address and a shape,
+so the same geometry always gives the same bytes).
 """
 import ctypes
 
