@@ -306,3 +306,40 @@ def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing(blocks):
         for name, got, p, want in zip(("dq", "dk", "dv"), acc, poison,
                                       attention_backward_reference(do, q, k, v, **kw)):
             assert _err(cupy.asnumpy(got) - p, want) < 5e-2 * max(1.0, float(np.abs(want).max())), f"{ctx} {name}"
+
+
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
+def test_dq_out_from_the_kernel_at_a_last_pair(d, docs):
+    """dq_out, dk_out, dv_out written at a last pair: a block pair whose first query rows see none of its keys
+    (dq_out zero there, or what earlier pairs left), against the oracle; the same shapes again on other inputs (a
+    kept launch); and a last pair that is not the first, adding to what an earlier pair left in the float32
+    accumulator."""
+    seed = int(np.random.SeedSequence().entropy % 2**63)
+    rng = np.random.default_rng(seed)
+    seqlen, hq, hkv = 1300, 4, 2
+    cu = documents(rng, seqlen, 6) if docs else None
+    mask = masks.make(seqlen, True, None, cu)
+    q0, sq, k0, sk = 100, 1111, 400, 777   # rows 100..399 see no key of the block
+    kw = dict(causal=True, q_start=q0, k_start=k0, cu_seqlens=cu)
+    be = get_backend(cupy.zeros(1))
+    for call in range(3):
+        q, do = (rng.standard_normal((1, sq, hq, d)).astype(BF16) for _ in range(2))
+        k, v = (rng.standard_normal((1, sk, hkv, d)).astype(BF16) for _ in range(2))
+        ref_o, ref_lse = attention_reference(q, k, v, **kw)
+        delta = np.einsum("bshd,bshd->bhs", do.astype(np.float64), ref_o).astype(np.float32)
+        earlier = rng.standard_normal(q.shape).astype(np.float32) if call == 2 else np.zeros(q.shape, np.float32)
+        dq_out, dk_out, dv_out = (cupy.full(x.shape, 7, BF16) for x in (q, k, v))
+        be.backward_block(*(cupy.asarray(x) for x in (q, k, v, do)), cupy.asarray(ref_lse.astype(np.float32)),
+                          cupy.asarray(delta), cupy.asarray(earlier) if call == 2 else None, None, None,
+                          scale=d ** -0.5, masked=True, mask=mask, q_start=q0, k_start=k0, first_q=call < 2,
+                          first_kv=True, dq_out=dq_out, dk_out=dk_out, dv_out=dv_out)
+        ctx = f"seed={seed} d={d} call={call}"
+        wants = attention_backward_reference(do, q, k, v, **kw)
+        got = cupy.asnumpy(dq_out).astype(np.float64)
+        want = earlier + wants[0]
+        np.testing.assert_array_equal(got[:, :k0 - q0], earlier[:, :k0 - q0].astype(BF16).astype(np.float64),
+                                      err_msg=ctx)
+        assert _err(got, want) < 3e-2 * max(1.0, float(np.abs(want).max())), ctx
+        for name, out, want in zip(("dk", "dv"), (dk_out, dv_out), wants[1:]):
+            assert _err(cupy.asnumpy(out), want) < 3e-2 * max(1.0, float(np.abs(want).max())), f"{ctx} {name}"
