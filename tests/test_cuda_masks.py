@@ -310,7 +310,7 @@ def test_blocks_of_a_longer_sequence_and_rows_that_see_nothing(blocks):
 
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("docs", [False, True], ids=["causal", "documents"])
-def test_dq_out_from_the_kernel_at_a_last_pair(d, docs):
+def test_dq_out_at_a_last_pair_whose_first_rows_see_nothing(d, docs):
     """dq_out, dk_out, dv_out written at a last pair: a block pair whose first query rows see none of its keys
     (dq_out zero there, or what earlier pairs left), against the oracle; the same shapes again on other inputs (a
     kept launch); and a last pair that is not the first, adding to what an earlier pair left in the float32
