@@ -332,6 +332,21 @@ def test_a_packed_mask_counts_its_own_rows_against_its_keys(size, rng, seed):
         np.testing.assert_array_equal(counts, want, err_msg=f"seed={seed} rank {rank}")
 
 
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_block_counts_are_the_oracle_mask_summed_over_blocks(causal, window, rng, seed):
+    """masks.block_counts (each block of rows computed over its band of key blocks only) sums the oracle's mask
+    over every block of rows and keys, grains that do not divide the sequence, with and without documents."""
+    for docs in (None, documents(rng, 97)):
+        mask = masks.make(97, causal, window, docs)
+        dense = visible(np.arange(97), np.arange(97), causal, window, docs)
+        for rows, keys in ((1, 1), (8, 8), (5, 13), (64, 7), (97, 97), (200, 3)):
+            want = np.add.reduceat(np.add.reduceat(dense.astype(np.int64), np.arange(0, 97, rows), axis=0),
+                                   np.arange(0, 97, keys), axis=1)
+            np.testing.assert_array_equal(masks.block_counts(mask, rows, keys), want,
+                                          err_msg=f"seed={seed} {rows}x{keys} docs={docs}")
+
+
 def test_a_repeated_argument_set_gets_its_mask_and_a_bad_one_is_still_refused(rng):
     """masks.make keeps the Masks of recent argument sets (validate.given_key): the same arguments give the same
     Mask; offsets changed in place, or arguments equal only in value (True for 1), are checked anew."""

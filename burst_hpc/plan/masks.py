@@ -265,16 +265,28 @@ def block_counts(mask, rows, keys):
     """int64 (ceil(S / rows), ceil(S / keys)), read-only: the visible (query, key) pairs of every block of ``rows``
     query rows against every block of ``keys`` keys. The row intervals never shrink, so the pairs of a block
     of rows with the keys before a point come from prefix sums and searchsorted, without visiting
-    the rows one by one. A Packed mask: its own rows against its keys (``seqlen`` of them)."""
+    the rows one by one, and a block of rows sees only the key blocks from its first row's first key to its last
+    row's last: only those are computed (the rest are zeros never written, so a large grid of short documents costs
+    the memory and time of its band, not of its square). A Packed mask: its own rows against its keys (``seqlen``
+    of them)."""
     lo, hi = mask.intervals
     lo_sums, span_sums = (np.concatenate([[0], np.cumsum(x)]) for x in (lo, hi - lo))
-    starts = np.arange(0, lo.size, rows, dtype=np.int64)[:, None]     # (row block, 1)
-    ends = np.append(np.arange(0, mask.seqlen, keys, dtype=np.int64), mask.seqlen)[None, :]   # (1, key boundary)
-    done = np.clip(np.searchsorted(hi, ends, side="right"), starts, starts + rows)   # rows seeing no key past x
-    begun = np.clip(np.searchsorted(lo, ends, side="right"), starts, starts + rows)  # rows seeing a key before x
-    # visible pairs of each block of rows with the keys before each boundary x
-    before = span_sums[done] - span_sums[starts] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
-    out = np.diff(before, axis=1)
+    starts = np.arange(0, lo.size, rows, dtype=np.int64)
+    nkeys = -(-mask.seqlen // keys)
+    out = np.zeros((starts.size, nkeys), np.int64)
+    if starts.size:
+        first = np.minimum(lo[starts].astype(np.int64) // keys, nkeys)
+        width = np.maximum(np.minimum(-(-hi[np.minimum(starts + rows, lo.size) - 1].astype(np.int64) // keys), nkeys)
+                           - first, 0)
+        # each block of rows at the key boundaries of its band: the keys before each boundary x
+        block = np.repeat(np.arange(starts.size), width + 1)
+        at = np.arange(block.size) - np.repeat(np.cumsum(width + 1) - (width + 1), width + 1)
+        ends, begin = np.minimum((first[block] + at) * keys, mask.seqlen), starts[block]
+        done = np.clip(np.searchsorted(hi, ends, side="right"), begin, begin + rows)   # rows seeing no key past x
+        begun = np.clip(np.searchsorted(lo, ends, side="right"), begin, begin + rows)  # rows seeing a key before x
+        before = span_sums[done] - span_sums[begin] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
+        inside = at[1:] > 0   # the differences within a band, not across two
+        out[block[1:][inside], first[block[1:][inside]] + at[1:][inside] - 1] = np.diff(before)[inside]
     out.setflags(write=False)
     return out
 
