@@ -33,10 +33,12 @@ def sight(mask, layout):
     layout). ``mask``: the call's masks.Mask; ``layout`` a layout.Layout."""
     size, unit = layout.size, layout.grain
     units = [[start // unit + i for start, n in layout.pieces(r) for i in range(n // unit)] for r in range(size)]
-    visible = masks.block_counts(mask, unit, unit) > 0
+    ptr, key, pairs = masks.block_band(mask, unit, unit)
     seen = []
     for a in range(size):
-        sees = visible[units[a]].any(axis=0)
+        at, _ = masks.band_entries(ptr, np.array(units[a], np.int64))
+        sees = np.zeros(ptr.size - 1, bool)
+        sees[key[at][pairs[at] > 0]] = True
         seen.append(tuple(_runs([i for i, u in enumerate(units[b]) if sees[u]], unit) for b in range(size)))
     return tuple(tuple(u) for u in units), tuple(seen), unit
 
@@ -99,8 +101,8 @@ def plan(mask, layout, returns):
     size = layout.size
     remote = any(seen[a][b] for a in range(size) for b in range(size) if a != b)
     steps = step_count(layout) if remote else 1
-    counts = masks.block_counts(mask, balance.row_unit(unit), unit)   # (row block, key unit): visible pairs
-    works = [_rank_work(counts, units, seen, unit, r, layout.nodes, "kv" in returns) for r in range(size)]
+    band = masks.block_band(mask, balance.row_unit(unit), unit)   # (row block, key unit): visible pairs
+    works = [_rank_work(band, units, seen, unit, r, layout.nodes, "kv" in returns) for r in range(size)]
     # step 0 holds own work only: the same share on every rank (as much as the least has, up to a step's)
     head = min(min(int(w[r].sum()) for r, w in enumerate(works)),
                min(sum(int(x.sum()) for x in w.values()) for w in works) / steps) if steps > 1 else None
@@ -120,21 +122,29 @@ def plan(mask, layout, returns):
     return count, tasks, tuple(moves)
 
 
-def _rank_work(counts, units, seen, unit, rank, nodes=None, far_first=False):
+def _rank_work(band, units, seen, unit, rank, nodes=None, far_first=False):
     """{shard: int64 work of each block of ``rank``'s query rows (local order) against the keys of
-    ``shard`` it sees}, own keys first, then the others by ring distance; ``counts`` the visible pairs
-    of every block of rows against every unit of keys, ``units``, ``seen``, ``unit`` as ``sight`` gives
-    them. With ``nodes`` (the layout's node of each rank) the other nodes' keys come last, so their
-    transfers have the longest to arrive, or with ``far_first`` (the backward) first, so their partials
-    go home under the rest of the work."""
+    ``shard`` it sees}, own keys first, then the others by ring distance; ``band`` the visible pairs
+    of every block of rows against the units of keys it can see (masks.block_band), ``units``, ``seen``,
+    ``unit`` as ``sight`` gives them. With ``nodes`` (the layout's node of each rank) the other nodes' keys
+    come last, so their transfers have the longest to arrive, or with ``far_first`` (the backward) first, so
+    their partials go home under the rest of the work."""
     size = len(units)
-    ratio = counts.shape[0] // counts.shape[1]   # row blocks a unit
-    mine = counts[[u * ratio + i for u in units[rank] for i in range(ratio)]]
+    ptr, key, pairs = band
+    ratio = (ptr.size - 1) // sum(len(u) for u in units)   # row blocks a unit
+    blocks = np.array([u * ratio + i for u in units[rank] for i in range(ratio)], np.int64)
+    at, local = masks.band_entries(ptr, blocks)
     others = [(rank - d) % size for d in range(1, size) if seen[rank][(rank - d) % size]]
     if nodes is not None:
         others.sort(key=lambda b: (nodes[b] == nodes[rank]) == far_first)
     owners = [(rank, None)] + [(b, seen[rank][b]) for b in others]
-    return {shard: mine[:, _key_units(units[shard], keys, unit)].sum(axis=1) for shard, keys in owners}
+    owner = np.full(sum(len(u) for u in units), -1)   # the place in ``owners`` of each key unit it sees
+    for i, (shard, keys) in enumerate(owners):
+        owner[_key_units(units[shard], keys, unit)] = i
+    shard_of = owner[key[at]]
+    kept = shard_of >= 0
+    work = np.bincount(shard_of[kept] * blocks.size + local[kept], pairs[at][kept], len(owners) * blocks.size)
+    return {shard: w for (shard, _), w in zip(owners, work.reshape(len(owners), blocks.size).astype(np.int64))}
 
 
 def _cut(rank, work, rows, steps, head):

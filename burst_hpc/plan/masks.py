@@ -261,34 +261,51 @@ def make(seqlen, causal=False, window=None, cu_seqlens=None):
 
 
 @lru_cache(maxsize=4)   # a planner asks the same few grains over and over; an entry can be large
-def block_counts(mask, rows, keys):
-    """int64 (ceil(S / rows), ceil(S / keys)), read-only: the visible (query, key) pairs of every block of ``rows``
-    query rows against every block of ``keys`` keys. The row intervals never shrink, so the pairs of a block
-    of rows with the keys before a point come from prefix sums and searchsorted, without visiting
-    the rows one by one, and a block of rows sees only the key blocks from its first row's first key to its last
-    row's last: only those are computed (the rest are zeros never written, so a large grid of short documents costs
-    the memory and time of its band, not of its square). A Packed mask: its own rows against its keys (``seqlen``
-    of them)."""
+def block_band(mask, rows, keys):
+    """(ptr, key, pairs), read-only int64: the visible (query, key) pairs of every block of ``rows`` query rows
+    against the blocks of ``keys`` keys in its band, those from its first row's first key to its last row's last
+    (the only ones it can see: zeros among them), block i's entries from ptr[i] to ptr[i + 1], ``key`` the key
+    block of each. The row intervals never shrink, so the pairs of a block of rows with the keys before a point
+    come from prefix sums and searchsorted, without visiting the rows one by one; a grid of short documents costs
+    its band, not its square. A Packed mask: its own rows against its keys (``seqlen`` of them)."""
     lo, hi = mask.intervals
     lo_sums, span_sums = (np.concatenate([[0], np.cumsum(x)]) for x in (lo, hi - lo))
     starts = np.arange(0, lo.size, rows, dtype=np.int64)
     nkeys = -(-mask.seqlen // keys)
-    out = np.zeros((starts.size, nkeys), np.int64)
-    if starts.size:
-        first = np.minimum(lo[starts].astype(np.int64) // keys, nkeys)
-        width = np.maximum(np.minimum(-(-hi[np.minimum(starts + rows, lo.size) - 1].astype(np.int64) // keys), nkeys)
-                           - first, 0)
-        # each block of rows at the key boundaries of its band: the keys before each boundary x
-        block = np.repeat(np.arange(starts.size), width + 1)
-        at = np.arange(block.size) - np.repeat(np.cumsum(width + 1) - (width + 1), width + 1)
-        ends, begin = np.minimum((first[block] + at) * keys, mask.seqlen), starts[block]
-        done = np.clip(np.searchsorted(hi, ends, side="right"), begin, begin + rows)   # rows seeing no key past x
-        begun = np.clip(np.searchsorted(lo, ends, side="right"), begin, begin + rows)  # rows seeing a key before x
-        before = span_sums[done] - span_sums[begin] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
-        inside = at[1:] > 0   # the differences within a band, not across two
-        out[block[1:][inside], first[block[1:][inside]] + at[1:][inside] - 1] = np.diff(before)[inside]
+    first = np.minimum(lo[starts].astype(np.int64) // keys, nkeys)
+    width = np.maximum(np.minimum(-(-hi[np.minimum(starts + rows, lo.size) - 1].astype(np.int64) // keys), nkeys)
+                       - first, 0) if starts.size else np.zeros(0, np.int64)
+    # each block of rows at the key boundaries of its band: the pairs with the keys before each boundary x
+    block = np.repeat(np.arange(starts.size), width + 1)
+    at = np.arange(block.size) - np.repeat(np.cumsum(width + 1) - (width + 1), width + 1)
+    ends, begin = np.minimum((first[block] + at) * keys, mask.seqlen), starts[block]
+    done = np.clip(np.searchsorted(hi, ends, side="right"), begin, begin + rows)   # rows seeing no key past x
+    begun = np.clip(np.searchsorted(lo, ends, side="right"), begin, begin + rows)  # rows seeing a key before x
+    before = span_sums[done] - span_sums[begin] + (begun - done) * ends - (lo_sums[begun] - lo_sums[done])
+    inside = at[1:] > 0   # the differences within a band, not across two
+    out = (np.concatenate([[0], np.cumsum(width)]), (first[block] + at - 1)[1:][inside], np.diff(before)[inside])
+    for x in out:
+        x.setflags(write=False)
+    return out
+
+
+@lru_cache(maxsize=4)
+def block_counts(mask, rows, keys):
+    """int64 (ceil(S / rows), ceil(S / keys)), read-only: the visible (query, key) pairs of every block of ``rows``
+    query rows against every block of ``keys`` keys (block_band's entries, zeros elsewhere, never written)."""
+    ptr, key, pairs = block_band(mask, rows, keys)
+    out = np.zeros((ptr.size - 1, -(-mask.seqlen // keys)), np.int64)
+    out[np.repeat(np.arange(ptr.size - 1), np.diff(ptr)), key] = pairs
     out.setflags(write=False)
     return out
+
+
+def band_entries(ptr, blocks):
+    """The entries of block_band's ``ptr`` of the row ``blocks`` (int64, in that order), and the position in
+    ``blocks`` of each entry's block."""
+    spans = ptr[blocks + 1] - ptr[blocks]
+    local = np.repeat(np.arange(blocks.size), spans)
+    return np.repeat(ptr[blocks], spans) + np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans), local
 
 
 @lru_cache(maxsize=16)
