@@ -53,8 +53,8 @@ def test_one_node_is_always_the_flat_ring():
 
 
 def test_thresholds_follow_the_formulas():
-    """forward n >= c F / (g B): 2 * 670e12 / 50e9 = 26.8k tokens for causal MHA (F: H100's forward on full
-    tiles, 1.65 us a 128 x 128 key tile over 132 SMs; a shard's diagonal tiles and query tiles slow it a little);
+    """forward n >= c F / (g B): 2 * 714e12 / 50e9 = 28.6k tokens for causal MHA (F: H100's forward on full
+    tiles, 1.55 us a 128 x 128 key tile over 132 SMs; a shard's diagonal tiles and query tiles slow it: 26.8k);
     GQA 4:1 a quarter; a two-level scheme divides B's requirement by w."""
     pr, cl = Problem(1, M, 32, 32, 128, 2, masks.make(M, True)), Cluster(16, 8)
     flat = costmodel.hiding_tokens("ring", pr, cl, H100_50)

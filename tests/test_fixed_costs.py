@@ -14,16 +14,16 @@ from burst_hpc.plan.packing import packing
 from burst_hpc.plan.rates import GPU_RATES, Rates, rates_for
 from burst_hpc.plan.workload import account, documents
 
-# Measured 2026-11-26 (evening, tree d75d03a) on 4 x H200 (NVLink, NCCL) by bench/bench_documents.py in
-# MagiAttention's setting (bf16, D = 128, Hq = 64, Hkv = 8, causal, documents of uniform length up to
-# S/4, seed 0), TFLOP/s per GPU at the slowest rank's pace (docs/BENCHMARKS.md, "4 x H200, 8k and 32k tokens a
-# GPU"): {tokens per GPU: {layout: (forward, forward+backward)}}. The forward has since become ~7% faster on
-# documents (c7074cf), so these forward figures are low; the model (kernels priced by their tiles) predicts the
-# forward 1-16% above them but the balanced one at 32k 27% above (527: its forward's exposed partials are not
-# priced as they run), forward+backward within 10%. The morning's run of the same table (older kernels: 8k
-# contiguous 274 / 241, zigzag 205 / 215, balanced 139 / 195) ranked the same.
-MEASURED = {8192: {"contiguous": (275, 249), "zigzag": (234, 219), "balanced": (147, 199)},
-            32768: {"contiguous": (388, 358), "zigzag": (335, 307), "balanced": (416, 406)}}
+# Measured 2026-11-27 (tree c71d637) on 4 x H200 (NVLink, NCCL) by bench/bench_documents.py in MagiAttention's
+# setting (bf16, D = 128, Hq = 64, Hkv = 8, causal, documents of uniform length up to S/4, seed 0), TFLOP/s per GPU
+# at the slowest rank's pace (docs/BENCHMARKS.md, "4, 2 and 1 x H200 on the final tree";
+# bench/data/documents-2026-11-27b.jsonl): {tokens per GPU: {layout: (forward, forward+backward)}}. The kernels
+# priced by their tiles as the sweep of 2026-11-27 fits them (rates.py; faster kernels than these runs had: PackGQA
+# and the backward from document starts came after) predict forward+backward within 12%, the forward 1-33% above
+# (the balanced one at 32k: its forward's exposed partials are not priced as they run). The runs of 2026-11-26
+# (older kernels: 8k contiguous 275 / 249, zigzag 234 / 219, balanced 147 / 199) ranked the same.
+MEASURED = {8192: {"contiguous": (282, 275), "zigzag": (239, 228), "balanced": (150, 217)},
+            32768: {"contiguous": (383, 365), "zigzag": (343, 315), "balanced": (423, 427)}}
 RANKS = 4
 
 

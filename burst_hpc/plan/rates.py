@@ -54,15 +54,14 @@ def scaled(rates, fwd, bwd):
                    bwd_shared_down_ns=rates.bwd_shared_down_ns * bwd, bwd_token_ns=rates.bwd_token_ns * bwd)
 
 
-# Kernel prices: the sm90 kernels timed on one H100 (bench/data/sweep-2026-11-26.json, bench/predict_sweep.py:
-# causal documents of 128..32768 tokens at S = 8k and 32k, Hq = 64, Hkv = 8, D = 128, bf16), fitted as
-# time x 132 SMs = 1.65 us a key tile + 2.70 us a query tile (forward, within 7% of every point) and 2.2 us a
-# step + 4.07 us x sqrt(n) a query tile seen by n key blocks walking up, 2.05 us x sqrt(n) walking down (the
-# backward's kernel: a short document's CTAs walk its tiles down together and share its rows, tiles.walk_down;
-# within 15% of every point, the 8k bench sets 8-12% slower than they run); the backward's pre-pass
-# and dQ conversion 0.63 ns a query token and head (memory-bound: 195 + 134 us at 8k). H200: the kernels scaled
-# by its measured forward / backward rates (610 / 530 TFLOP/s against H100's 600 / 520), the memory-bound
-# pass by its bandwidth (4.8 against 3.35 TB/s).
+# Kernel prices: the sm90 kernels timed on one H100 (bench/data/sweep-2026-11-27.json, bench/predict_sweep.py:
+# causal documents of 128..32768 tokens at S = 8k and 32k, Hq = 64, Hkv = 8, D = 128, bf16, the forward packing a
+# K/V group's query heads), fitted by calibrate.fit_tiles as time x 132 SMs = 1.55 us a key tile + 2.87 us a
+# query tile (forward, within 8.5% of every point, the bench sets within 2.2%) and 2.24 us a step + 4.69 us x
+# sqrt(n) a query tile seen by n key blocks (the backward's kernel; its tiles walking down share nothing more in
+# this fit), + 0.96 ns a query token and head outside it, its pre-pass and dQ conversion (memory-bound; within
+# 12.3% of every point, the bench sets within 8.9%). H200: the kernels scaled by its measured forward / backward
+# rates (610 / 530 TFLOP/s against H100's 600 / 520), the memory-bound pass by its bandwidth (4.8 against 3.35 TB/s).
 # Links: ../shared/DEVICE.md's NCCL ring exchange on 4 x H200 (16 MiB at 130 GB/s, 64 MiB at 157 GB/s:
 # 30 us a message and 170 GB/s beyond it; H100: 300 GB/s, its larger messages); 50 GB/s per GPU between
 # nodes is a 400 Gb/s NIC per GPU. The launch fixed costs are docs/BENCHMARKS.md's 20-40 us launches: 25 us a
@@ -75,8 +74,8 @@ def scaled(rates, fwd, bwd):
 GPU_FIXED = dict(intra_latency_us=30.0, inter_latency_us=30.0, fwd_launch_us=25.0, bwd_launch_us=50.0,
                  step_us=150.0)
 SMS = 132
-H100_TILES = dict(fwd_key_tile_ns=1650.0 / SMS, fwd_query_tile_ns=2700.0 / SMS, bwd_step_ns=2200.0 / SMS,
-                  bwd_shared_ns=4070.0 / SMS, bwd_shared_down_ns=2050.0 / SMS, bwd_token_ns=0.63)
+H100_TILES = dict(fwd_key_tile_ns=1550.0 / SMS, fwd_query_tile_ns=2870.0 / SMS, bwd_step_ns=2240.0 / SMS,
+                  bwd_shared_ns=4690.0 / SMS, bwd_shared_down_ns=0.0, bwd_token_ns=0.96)
 H200_TILES = dict(fwd_key_tile_ns=H100_TILES["fwd_key_tile_ns"] * 600 / 610,
                   fwd_query_tile_ns=H100_TILES["fwd_query_tile_ns"] * 600 / 610,
                   bwd_step_ns=H100_TILES["bwd_step_ns"] * 520 / 530,
