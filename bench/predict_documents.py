@@ -1,33 +1,29 @@
-"""The cost model's predictions against the packed-documents runs of docs/BENCHMARKS.md ("2 and 4 x H100 after
-the backward's CTA order", 2026-11-26, chunks rows): bench_documents.py's prediction path (costmodel.pick, then
-costmodel.pass_prediction per pass) on the same document sets, H100's built-in rates, no GPU needed.
+"""The cost model's predictions against the packed-documents runs on the current kernels (docs/BENCHMARKS.md,
+"Where the 4-GPU calls of MagiAttention's lengths wait": the 4 x H200 table row, and the 2 x H200 rows of the tree
+before its tried change; chunks layout): bench_documents.py's prediction
+path (the chunks placed with the model's chunk by costmodel.cluster_layouts, costmodel.pick, then
+costmodel.pass_prediction per pass) on the same document sets, H200's built-in rates, no GPU needed.
 
     python bench/predict_documents.py
 
-Prints, per row and pass, measured and predicted TFLOP/s per GPU and predicted / measured - 1. The forward
-figures were measured before the forward became ~7% faster on documents (c7074cf): the measured forward of
-these rows would now be ~7% higher.
+Prints, per row and pass, measured and predicted TFLOP/s per GPU and predicted / measured - 1.
 """
 import os
 import sys
-
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from burst_hpc.plan import costmodel, masks  # noqa: E402
 from burst_hpc.plan.accounting import visible_pairs  # noqa: E402
-from burst_hpc.plan.layout import make_layout  # noqa: E402
 from burst_hpc.plan.rates import GPU_RATES  # noqa: E402
 
 import bench_documents  # noqa: E402
 
-# (GPUs, tokens a GPU, documents): measured TFLOP/s per GPU fwd, bwd, fwdbwd (docs/BENCHMARKS.md, H100 80GB HBM3)
-MEASURED = {(2, 8192, "uniform"): (373, 249, 277), (2, 8192, "magi"): (409, 266, 296),
-            (2, 32768, "uniform"): (545, 443, 459), (4, 8192, "uniform"): (428, 312, 340),
-            (4, 8192, "magi"): (333, 223, 247), (4, 32768, "uniform"): (552, 468, 456)}
+# (GPUs, tokens a GPU, documents): measured TFLOP/s per GPU fwd, bwd, fwdbwd (docs/BENCHMARKS.md, NVIDIA H200, the
+# kernels of c81e218, the middle of each measured range)
+MEASURED = {(4, 8192, "uniform"): (496, 411, 434.5), (4, 8192, "magi"): (428, 340, 364),
+            (2, 8192, "uniform"): (478.5, 370, 396), (2, 8192, "magi"): (504, 385, 415)}
 DIRECTIONS = {"fwd": (False,), "bwd": (True,), "fwdbwd": (False, True)}
-FORWARD_SINCE = 1.07   # the forward's gain on documents since these runs (c7074cf), as the lead measured it
 
 
 def predicted_tflops(P, tokens, dist, rates, heads=64, kv_heads=8, head_dim=128):
@@ -37,7 +33,7 @@ def predicted_tflops(P, tokens, dist, rates, heads=64, kv_heads=8, head_dim=128)
     mask = masks.make(S, True, None, cu)
     problem = costmodel.Problem(1, S, heads, kv_heads, head_dim, 2, mask)
     cluster = costmodel.Cluster(1, P)
-    placed = make_layout("chunks", S, P, mask)
+    placed = costmodel.cluster_layouts(problem, cluster, rates, ("chunks",))["chunks"]
     scheme = costmodel.pick(problem, cluster, rates, placed)
     flops = 4.0 * visible_pairs(mask) * heads * head_dim
     out = {}
@@ -48,20 +44,17 @@ def predicted_tflops(P, tokens, dist, rates, heads=64, kv_heads=8, head_dim=128)
 
 
 def main():
-    rates = GPU_RATES["H100"]
-    print("| GPUs | tokens/GPU | documents | pass | measured | predicted | predicted / measured - 1 | "
-          "against the forward ~7% faster |")
-    print("|---|---|---|---|---|---|---|---|")
-    worst = now = 0.0
+    rates = GPU_RATES["H200"]
+    print("| GPUs | tokens/GPU | documents | pass | measured | predicted | predicted / measured - 1 |")
+    print("|---|---|---|---|---|---|---|")
+    worst = 0.0
     for (P, tokens, dist), measured in MEASURED.items():
         got = predicted_tflops(P, tokens, dist, rates)
         for pass_, value in zip(DIRECTIONS, measured):
             error = got[pass_] / value - 1
-            faster = got[pass_] / (value * FORWARD_SINCE) - 1 if pass_ == "fwd" else error
-            worst, now = max(worst, abs(error)), max(now, abs(faster))
-            print(f"| {P} | {tokens // 1024}k | {dist} | {pass_} | {value} | {got[pass_]:.0f} | {error:+.1%} | "
-                  f"{faster:+.1%} |")
-    print(f"worst: {worst:.1%} (against the forward ~7% faster: {now:.1%})")
+            worst = max(worst, abs(error))
+            print(f"| {P} | {tokens // 1024}k | {dist} | {pass_} | {value:g} | {got[pass_]:.0f} | {error:+.1%} |")
+    print(f"worst: {worst:.1%}")
 
 
 if __name__ == "__main__":
