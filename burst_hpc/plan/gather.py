@@ -36,7 +36,8 @@ def sight(mask, layout):
     ptr, key, pairs = masks.block_band(mask, unit, unit)
     seen = []
     for a in range(size):
-        at, _ = masks.band_entries(ptr, np.array(units[a], np.int64))
+        rows = np.array(units[a], np.int64)
+        at, _ = masks.ranges(ptr[rows], ptr[rows + 1] - ptr[rows])
         sees = np.zeros(ptr.size - 1, bool)
         sees[key[at][pairs[at] > 0]] = True
         seen.append(tuple(_runs([i for i, u in enumerate(units[b]) if sees[u]], unit) for b in range(size)))
@@ -129,16 +130,16 @@ def _rank_work(band, units, seen, unit, rank, nodes=None, far_first=False):
     ``unit`` as ``sight`` gives them. With ``nodes`` (the layout's node of each rank) the other nodes' keys
     come last, so their transfers have the longest to arrive, or with ``far_first`` (the backward) first, so
     their partials go home under the rest of the work."""
-    size = len(units)
+    size, count = len(units), sum(len(u) for u in units)
     ptr, key, pairs = band
-    ratio = (ptr.size - 1) // sum(len(u) for u in units)   # row blocks a unit
+    ratio = (ptr.size - 1) // count   # row blocks a unit
     blocks = np.array([u * ratio + i for u in units[rank] for i in range(ratio)], np.int64)
-    at, local = masks.band_entries(ptr, blocks)
+    at, local = masks.ranges(ptr[blocks], ptr[blocks + 1] - ptr[blocks])
     others = [(rank - d) % size for d in range(1, size) if seen[rank][(rank - d) % size]]
     if nodes is not None:
         others.sort(key=lambda b: (nodes[b] == nodes[rank]) == far_first)
     owners = [(rank, None)] + [(b, seen[rank][b]) for b in others]
-    owner = np.full(sum(len(u) for u in units), -1)   # the place in ``owners`` of each key unit it sees
+    owner = np.full(count, -1)   # the place in ``owners`` of each key unit it sees
     for i, (shard, keys) in enumerate(owners):
         owner[_key_units(units[shard], keys, unit)] = i
     shard_of = owner[key[at]]

@@ -274,10 +274,9 @@ def block_band(mask, rows, keys):
     nkeys = -(-mask.seqlen // keys)
     first = np.minimum(lo[starts].astype(np.int64) // keys, nkeys)
     width = np.maximum(np.minimum(-(-hi[np.minimum(starts + rows, lo.size) - 1].astype(np.int64) // keys), nkeys)
-                       - first, 0) if starts.size else np.zeros(0, np.int64)
+                       - first, 0)
     # each block of rows at the key boundaries of its band: the pairs with the keys before each boundary x
-    block = np.repeat(np.arange(starts.size), width + 1)
-    at = np.arange(block.size) - np.repeat(np.cumsum(width + 1) - (width + 1), width + 1)
+    at, block = ranges(0, width + 1)
     ends, begin = np.minimum((first[block] + at) * keys, mask.seqlen), starts[block]
     done = np.clip(np.searchsorted(hi, ends, side="right"), begin, begin + rows)   # rows seeing no key past x
     begun = np.clip(np.searchsorted(lo, ends, side="right"), begin, begin + rows)  # rows seeing a key before x
@@ -300,12 +299,13 @@ def block_counts(mask, rows, keys):
     return out
 
 
-def band_entries(ptr, blocks):
-    """The entries of block_band's ``ptr`` of the row ``blocks`` (int64, in that order), and the position in
-    ``blocks`` of each entry's block."""
-    spans = ptr[blocks + 1] - ptr[blocks]
-    local = np.repeat(np.arange(blocks.size), spans)
-    return np.repeat(ptr[blocks], spans) + np.arange(spans.sum()) - np.repeat(np.cumsum(spans) - spans, spans), local
+def ranges(first, lengths):
+    """(positions, index): the ranges first[i], ..., first[i] + lengths[i] - 1 (``first`` an array or one int)
+    laid end to end, int64, and the i of each position."""
+    lengths = np.asarray(lengths, np.int64)
+    index = np.repeat(np.arange(lengths.size), lengths)
+    offsets = np.arange(index.size) - (np.cumsum(lengths) - lengths)[index]
+    return np.broadcast_to(np.asarray(first, np.int64), lengths.shape)[index] + offsets, index
 
 
 @lru_cache(maxsize=16)

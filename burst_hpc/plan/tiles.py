@@ -137,10 +137,9 @@ def _document_runs(starts, begin, count, size):
     inside_lo = np.searchsorted(starts, begin, side="right")
     inside_end = np.maximum(inside_lo, np.searchsorted(starts, begin + count, side="left"))
     parts = np.where(count > 0, 1 + inside_end - inside_lo, 0)
-    call = np.repeat(np.arange(begin.size), parts)
+    k, call = masks.ranges(0, parts)
     if not call.size:   # no call has positions
         return (np.zeros(0, np.int64),) * 3
-    k = np.arange(call.size) - np.repeat(np.cumsum(parts) - parts, parts)
     at = np.clip(inside_lo[call] + k - 1, 0, max(starts.size - 1, 0))
     doc = np.where(k == 0, 0, starts[at] - begin[call]) if starts.size else np.zeros(call.size, np.int64)
     last_of_call = np.append(k[1:] == 0, True)
@@ -159,11 +158,9 @@ def _grid_runs(starts, begin, count, size):
 def _cut(call, first, end, size):
     """(call, first, end) of the tiles of ``size`` positions of runs [first, end) of the calls ``call``, each run's
     from its first position."""
-    per_run = -(-(end - first) // size)
-    tile_call = np.repeat(call, per_run)
-    j = np.arange(tile_call.size) - np.repeat(np.cumsum(per_run) - per_run, per_run)
-    tile_first = np.repeat(first, per_run) + j * size
-    return tile_call, tile_first, np.minimum(tile_first + size, np.repeat(end, per_run))
+    j, run = masks.ranges(0, -(-(end - first) // size))
+    tile_first = first[run] + j * size
+    return call[run], tile_first, np.minimum(tile_first + size, end[run])
 
 
 def _tiles(tile_call, first, end, lo, hi, q_start, k_start, sk, bn):

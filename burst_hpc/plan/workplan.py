@@ -16,6 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from .balance import assign, block_work
+from .masks import ranges
 
 BEFORE = 0.5      # the share of its work inside the node a rank runs before its work across nodes
 # across nodes, the steps after step 0 a rank works inside its node (where it has the work) before work
@@ -99,10 +100,8 @@ def _far_of(node, r):
 def _expand(tasks):
     """The units (i, j, block) of tasks (i, j, b0, b1), in order."""
     tasks = np.asarray(tasks, np.int64).reshape(-1, 4)
-    lengths = tasks[:, 3] - tasks[:, 2]
-    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
-    blocks = np.arange(lengths.sum()) - starts + np.repeat(tasks[:, 2], lengths)
-    return np.column_stack([np.repeat(tasks[:, 0], lengths), np.repeat(tasks[:, 1], lengths), blocks])
+    blocks, task = ranges(tasks[:, 2], tasks[:, 3] - tasks[:, 2])
+    return np.column_stack([tasks[task, 0], tasks[task, 1], blocks])
 
 
 def _middle(prefix, units, far, turn, r, near, size):
@@ -189,8 +188,7 @@ def visits_of(units, unit, cuts):
     first = np.array([u for u, _, _ in cuts[:-1]], np.int64)
     last = np.minimum(np.array([u for u, _, _ in cuts[1:]], np.int64) + 1, len(units))   # one past
     lengths = np.maximum(last - first, 0)
-    step = np.repeat(np.arange(count), lengths)
-    at = np.arange(lengths.sum()) - np.repeat(np.cumsum(lengths) - lengths, lengths) + np.repeat(first, lengths)
+    at, step = ranges(first, lengths)
     lo = units[at, 2] * unit
     hi = lo + unit
     starts = np.cumsum(lengths) - lengths
