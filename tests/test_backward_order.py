@@ -191,3 +191,22 @@ def test_short_documents_walk_down_long_ones_up(host_schedule):
     window = masks.make(s, True, (1000, 0), cu)                          # sliding windows walk up
     plan = sm90._backward_schedule("interval", window, 0, s, 0, s, 64, 128, 64)
     assert not plan.ranges.reshape(-1, 5)[:, 2].any()
+
+
+def test_the_group_splits_until_its_heaviest_cta_holds_half_an_sms_share(rng, monkeypatch):
+    """launch.split_group: the most query heads per CTA (a divisor of the group) for which the heaviest CTA's steps
+    are at most half of an SM's share of all the steps; with equal walks that is two waves of CTAs (the rule
+    before walks were weighed), and a call whose few working blocks walk long is split further."""
+    monkeypatch.setattr(launch, "sm_count", lambda: 132)
+    assert launch.split_group(8, np.ones(40), 8) == (8, 1)      # 320 CTAs: two waves and more
+    assert launch.split_group(8, np.ones(20), 8) == (4, 2)      # 160 CTAs: split to 320
+    assert launch.split_group(8, np.zeros(5), 8) == (8, 1)      # nothing walks: nothing to balance
+    for _ in range(200):
+        group = int(rng.choice([1, 2, 3, 4, 6, 8, 16]))
+        walks = rng.integers(0, 80, int(rng.integers(1, 120))) * (rng.random(1) < 0.9)
+        kv = int(rng.integers(1, 9))
+        hpb, nsplit = launch.split_group(group, walks, kv)
+        share = walks.sum() * group * kv / (2 * 132)
+        assert hpb * nsplit == group and hpb >= 1
+        assert hpb == 1 or walks.max() * hpb <= share
+        assert all(walks.max() * h > share for h in range(hpb + 1, group + 1) if group % h == 0)

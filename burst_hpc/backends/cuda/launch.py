@@ -282,12 +282,16 @@ def sm_count():
     return cupy.cuda.Device().attributes["MultiProcessorCount"]
 
 
-def split_group(group, key_blocks, kv_heads):
-    """(query heads per CTA, CTAs per GQA group) of a backward: split the group over CTAs only as far as
-    needed to fill the GPU (fewer dK/dV atomics). ``kv_heads``: batch x kv heads."""
-    target = 2 * sm_count()
+def split_group(group, walks, kv_heads):
+    """(query heads per CTA, CTAs per GQA group) of a backward whose key blocks walk ``walks`` query tiles each
+    (an array; equal walks when the kernel plans none): split the group over CTAs only as far as needed (fewer
+    dK/dV atomics) for the heaviest CTA to hold at most half an SM's share of the steps. With equal walks that is
+    two waves of CTAs; under documents a call over a few of them (the packed backward's runs of rows) has few
+    blocks that walk, long ones, which alone would set its length. ``kv_heads``: batch x kv heads."""
+    walks = np.asarray(walks, np.int64)
+    share = walks.sum() * group * kv_heads / (2 * sm_count())
     hpb = group
-    while hpb > 1 and key_blocks * kv_heads * (group // hpb) < target:
+    while hpb > 1 and walks.max(initial=0) * hpb > share:
         hpb -= 1
         while group % hpb:
             hpb -= 1

@@ -1,6 +1,8 @@
 """The sm80 family's launches: the mma.sync / ldmatrix / cp.async kernels of attn_fwd.cu and attn_bwd.cu,
 which run on any GPU of compute capability >= 8.0 (docs/KERNELS.md, "sm80 forward", "sm80 backward").
 Kernel names and geometry come from the sources' kernel tables (contract.py)."""
+import numpy as np
+
 from . import launch
 from .contract import PARAMS, SOURCES, mask_mode
 
@@ -38,7 +40,7 @@ class Sm80Kernels:
         mode = mask_mode(masked, mask)
         kernel = self.modules.table(BACKWARD).find(kind, d, mode)
         nkb = -(-sk // kernel.keys)
-        hpb, nsplit = launch.split_group(group, nkb, b * hkv)
+        hpb, nsplit = launch.split_group(group, np.ones(nkb), b * hkv)
         # 1-D grid; causal: heavy key blocks first inside chunks of order_g head slots (see attn_bwd.cu)
         slots = nsplit * b * hkv
         order_g = launch.heavy_first_heads(nkb, slots) if mode == "causal" else 1
