@@ -11,8 +11,9 @@ home once, added there into the owner's own.
 
 The forward runs first, while the keys travel, the runs of query rows that see only the rank's own keys
 (``early``: local documents, the first rows of a document that starts here); the rest of its rows, and the
-backward (its calls over row runs measured 0.75-0.8x on 2 x H200: each block call costs the host more than the
-GPU time it saves), wait for every run: on one node a run crosses NVLink in a fraction of what the many small
+backward, wait for every run (the backward's rows as calls of their own measured 0.75-0.8x on 2 x H200 run under
+the keys' exchange, 0.93-0.94x run last under the way home of dK/dV: split calls cost the host, and their
+kernels, more than the waits they hide): on one node a run crosses NVLink in a fraction of what the many small
 pair launches of the stepped gather cost; between nodes the stepped gather hides the transfers under the rank's
 own work (gather.py)."""
 from dataclasses import dataclass, replace

@@ -314,12 +314,13 @@ class Sm90Kernels:
         nkb = plan.blocks
         # dK, dV straight into their 16-bit outputs when one CTA holds the whole GQA group of its keys and the
         # pair is their first and last; else added into float32 (zeroed here at a first pair, converted after).
-        # Where they can go straight, the group is split only to fill the GPU (each block that walks weighed
-        # alike): the float32 round trip costs more than the heaviest CTA's tail (one H100, 8k documents,
-        # split for that tail: backward 0.94-0.96x)
+        # Where they can go straight under an interval mask, the group is split only to fill the GPU (each block
+        # that walks weighed alike): there the float32 round trip costs more than the heaviest CTA's tail (one
+        # H100, 8k documents, split for that tail: backward 0.94-0.96x); a causal mask's many heavy blocks pay
+        # for it (8k, 64:8 heads: 1.07x)
         direct = first_kv and dk_out is not None and dk_out.strides == dv_out.strides
         walks = plan.t_end - plan.t_lo
-        hpb, nsplit = launch.split_group(group, np.sign(walks) if direct else walks, b * hkv)
+        hpb, nsplit = launch.split_group(group, np.sign(walks) if direct and mode == "interval" else walks, b * hkv)
         kv_direct = direct and nsplit == 1
         sq_pad = plan.tiles * bm
         mlo, mhi, kofs = mask_args(mask if mode == "interval" else None, q_start, sq, k_start)
