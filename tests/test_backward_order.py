@@ -210,3 +210,25 @@ def test_the_group_splits_until_its_heaviest_cta_holds_half_an_sms_share(rng, mo
         assert hpb * nsplit == group and hpb >= 1
         assert hpb == 1 or walks.max() * hpb <= share
         assert all(walks.max() * h > share for h in range(hpb + 1, group + 1) if group % h == 0)
+
+
+def test_a_launch_splits_its_group_by_the_walks_it_runs(host_schedule):
+    """sm90._group_split: a causal grid's blocks walk from where they are first seen (64:8 heads at 8k: the first
+    block's 128 tiles x 8 heads pass half an SM's share, so the group splits, even where dK, dV could go straight
+    into 16 bits); a full mask's walk every tile (two waves: whole); documents split for their heaviest block only
+    where dK, dV go through float32 anyway, and a call over a few documents' rows splits further."""
+    s = 8192
+    rng = np.random.default_rng(0)
+    ends = [0]
+    while ends[-1] < s:
+        ends.append(min(s, ends[-1] + int(rng.integers(1, 2049))))
+    cases = {"causal": masks.make(s, True), "full": masks.make(s), "interval": masks.make(s, True, None, np.array(ends))}
+
+    def split(mode, direct, q_start=0, sq=s):
+        plan = sm90._backward_schedule(mode, cases[mode], q_start, sq, 0, s, 64, 128, 64)
+        return sm90._group_split(mode, plan, 8, 8, direct)
+
+    assert split("causal", True) == split("causal", False) == (4, 2)
+    assert split("full", True) == split("full", False) == (8, 1)
+    assert split("interval", True) == (8, 1) and split("interval", False) == (4, 2)
+    assert split("interval", False, s - 1000, 1000) == (2, 4)

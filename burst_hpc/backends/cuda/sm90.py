@@ -313,14 +313,9 @@ class Sm90Kernels:
         plan = _backward_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, self.walk_down_blocks)
         nkb = plan.blocks
         # dK, dV straight into their 16-bit outputs when one CTA holds the whole GQA group of its keys and the
-        # pair is their first and last; else added into float32 (zeroed here at a first pair, converted after).
-        # Where they can go straight under an interval mask, the group is split only to fill the GPU (each block
-        # that walks weighed alike): there the float32 round trip costs more than the heaviest CTA's tail (one
-        # H100, 8k documents, split for that tail: backward 0.94-0.96x); a causal mask's many heavy blocks pay
-        # for it (8k, 64:8 heads: 1.07x)
+        # pair is their first and last; else added into float32 (zeroed here at a first pair, converted after)
         direct = first_kv and dk_out is not None and dk_out.strides == dv_out.strides
-        walks = plan.t_end - plan.t_lo
-        hpb, nsplit = launch.split_group(group, np.sign(walks) if direct and mode == "interval" else walks, b * hkv)
+        hpb, nsplit = _group_split(mode, plan, group, b * hkv, direct)
         kv_direct = direct and nsplit == 1
         sq_pad = plan.tiles * bm
         mlo, mhi, kofs = mask_args(mask if mode == "interval" else None, q_start, sq, k_start)
@@ -419,7 +414,8 @@ def _backward_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, down_blocks
     if mode != "interval":
         nkb, tiles = -(-sk // bn), -(-sq // bm)
         t_end = np.full(nkb, tiles)
-        t_lo = np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end)
+        t_lo = (np.clip((np.arange(nkb) * bn - (int(q_start) - int(k_start))) // bm, 0, t_end) if mode == "causal"
+                else np.zeros(nkb, np.int64))
         return BackwardSchedule(nkb, tiles, np.uint64(0), np.uint64(0), t_lo, t_end)
 
     def make():
@@ -431,6 +427,17 @@ def _backward_schedule(mode, mask, q_start, sq, k_start, sk, bm, bn, down_blocks
                                 t.t_lo, t.t_end)
 
     return _cached(("backward", mask, int(q_start), sq, int(k_start), sk, bm, bn, down_blocks), make)
+
+
+def _group_split(mode, plan, group, kv_heads, direct):
+    """(query heads per CTA, CTAs per GQA group) of a backward launch of ``plan`` (a BackwardSchedule) over
+    ``kv_heads`` (batch x K/V heads): launch.split_group over its blocks' walks. ``direct``: dK, dV could go
+    straight into their 16-bit outputs, which a split forgoes; there, under an interval mask, the blocks that walk
+    are weighed alike (the group split only to fill the GPU): the float32 round trip costs more than the heaviest
+    CTA's tail (one H100, 8k documents, split for that tail: backward 0.94-0.96x), where a causal mask's many heavy
+    blocks pay for it (8k, 64:8 heads: 1.07x)."""
+    walks = plan.t_end - plan.t_lo
+    return launch.split_group(group, np.sign(walks) if direct and mode == "interval" else walks, kv_heads)
 
 
 def _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, heavy_first):
