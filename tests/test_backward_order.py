@@ -222,7 +222,8 @@ def test_a_launch_splits_its_group_by_the_walks_it_runs(host_schedule):
     ends = [0]
     while ends[-1] < s:
         ends.append(min(s, ends[-1] + int(rng.integers(1, 2049))))
-    cases = {"causal": masks.make(s, True), "full": masks.make(s), "interval": masks.make(s, True, None, np.array(ends))}
+    cases = {"causal": masks.make(s, True), "full": masks.make(s),
+             "interval": masks.make(s, True, None, np.array(ends))}
 
     def split(mode, direct, q_start=0, sq=s):
         plan = sm90._backward_schedule(mode, cases[mode], q_start, sq, 0, s, 64, 128, 64)
