@@ -211,17 +211,20 @@ def _gather_account(mask, layout, returns, per_node, gqa_pack):
     work, launches = (np.zeros((count, layout.size), np.int64) for _ in range(2))
     tiled = np.zeros((count, layout.size, len(tiles.COUNTS)))
     for r, mine in enumerate(tasks):
+        at, pairs = [], []   # the rank's block calls, counted in one search (tiles.pairs_calls_tiles)
         for t, visits in enumerate(mine):
             work[t, r] = sum(w for _, _, w in visits)
             if per_node is None:   # the packed passes' calls and tiles, below
                 continue
             # the block calls the engine makes for each visit (engine.passes: visit_pairs over the held keys)
-            calls = [schedule.visit_pairs(layout.pieces(r), schedule.held_pieces(
-                layout.pieces(shard), None if shard == r else seen[r][shard]), mask, rows,
-                packed=schedule.packs_visits("gather", mask))
-                for shard, rows, w in visits if w]
-            launches[t, r] = sum(len(pairs) for pairs in calls)
-            tiled[t, r] = tiles.pairs_tiles(mask, [p for pairs in calls for p in pairs], gqa_pack)
+            made = [p for shard, rows, w in visits if w for p in schedule.visit_pairs(
+                layout.pieces(r), schedule.held_pieces(layout.pieces(shard), None if shard == r else seen[r][shard]),
+                mask, rows, packed=schedule.packs_visits("gather", mask))]
+            launches[t, r] = len(made)
+            at += [t] * len(made)
+            pairs += made
+        if pairs:
+            np.add.at(tiled[:, r], np.array(at), tiles.pairs_calls_tiles(mask, pairs, gqa_pack))
     if per_node is None:
         # one node: the packed passes (engine/packed.py): every run moves, then the block calls; in the backward
         # the exchange home and the sum after it. The forward is two steps (its keys' exchange with its early runs
