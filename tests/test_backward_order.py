@@ -201,6 +201,11 @@ def test_the_group_splits_until_its_heaviest_cta_holds_half_an_sms_share(rng, mo
     assert launch.split_group(8, np.ones(40), 8) == (8, 1)      # 320 CTAs: two waves and more
     assert launch.split_group(8, np.ones(20), 8) == (4, 2)      # 160 CTAs: split to 320
     assert launch.split_group(8, np.zeros(5), 8) == (8, 1)      # nothing walks: nothing to balance
+    assert launch.split_group(8, np.ones(33), 8) == (8, 1) and launch.split_group(8, np.ones(32), 8) == (4, 2)
+    for group in range(1, 17):   # equal walks: the two waves of the rule before walks were weighed
+        for blocks in range(1, 70):
+            old = next(h for h in range(group, 0, -1) if group % h == 0 and (h == 1 or blocks * 3 * group // h >= 264))
+            assert launch.split_group(group, np.full(blocks, 7), 3)[0] == old
     for _ in range(200):
         group = int(rng.choice([1, 2, 3, 4, 6, 8, 16]))
         walks = rng.integers(0, 80, int(rng.integers(1, 120))) * (rng.random(1) < 0.9)
@@ -233,3 +238,4 @@ def test_a_launch_splits_its_group_by_the_walks_it_runs(host_schedule):
     assert split("full", True) == split("full", False) == (8, 1)
     assert split("interval", True) == (8, 1) and split("interval", False) == (4, 2)
     assert split("interval", False, s - 1000, 1000) == (2, 4)
+    assert split("interval", True, s - 1000, 1000) == (2, 4)   # split to fill the GPU anyway: by the walks

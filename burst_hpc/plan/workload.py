@@ -211,7 +211,7 @@ def _gather_account(mask, layout, returns, per_node, gqa_pack):
     work, launches = (np.zeros((count, layout.size), np.int64) for _ in range(2))
     tiled = np.zeros((count, layout.size, len(tiles.COUNTS)))
     for r, mine in enumerate(tasks):
-        at, pairs = [], []   # the rank's block calls, counted in one search (tiles.pairs_calls_tiles)
+        step_of, pairs = [], []   # the rank's block calls, counted in one search (tiles.pairs_calls_tiles)
         for t, visits in enumerate(mine):
             work[t, r] = sum(w for _, _, w in visits)
             if per_node is None:   # the packed passes' calls and tiles, below
@@ -221,10 +221,10 @@ def _gather_account(mask, layout, returns, per_node, gqa_pack):
                 layout.pieces(r), schedule.held_pieces(layout.pieces(shard), None if shard == r else seen[r][shard]),
                 mask, rows, packed=schedule.packs_visits("gather", mask))]
             launches[t, r] = len(made)
-            at += [t] * len(made)
+            step_of += [t] * len(made)
             pairs += made
         if pairs:
-            np.add.at(tiled[:, r], np.array(at), tiles.pairs_calls_tiles(mask, pairs, gqa_pack))
+            np.add.at(tiled[:, r], np.array(step_of), tiles.pairs_calls_tiles(mask, pairs, gqa_pack))
     if per_node is None:
         # one node: the packed passes (engine/packed.py): every run moves, then the block calls; in the backward
         # the exchange home and the sum after it. The forward is two steps (its keys' exchange with its early runs

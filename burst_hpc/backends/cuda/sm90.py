@@ -433,11 +433,15 @@ def _group_split(mode, plan, group, kv_heads, direct):
     """(query heads per CTA, CTAs per GQA group) of a backward launch of ``plan`` (a BackwardSchedule) over
     ``kv_heads`` (batch x K/V heads): launch.split_group over its blocks' walks. ``direct``: dK, dV could go
     straight into their 16-bit outputs, which a split forgoes; there, under an interval mask, the blocks that walk
-    are weighed alike (the group split only to fill the GPU): the float32 round trip costs more than the heaviest
-    CTA's tail (one H100, 8k documents, split for that tail: backward 0.94-0.96x), where a causal mask's many heavy
-    blocks pay for it (8k, 64:8 heads: 1.07x)."""
+    are weighed alike (the group split only to fill the GPU) unless that splits it anyway: the float32 round trip
+    costs more than the heaviest CTA's tail (one H100, 8k documents, split for that tail: backward 0.94-0.96x),
+    where a causal mask's many heavy blocks pay for it (8k, 64:8 heads: 1.07x)."""
     walks = plan.t_end - plan.t_lo
-    return launch.split_group(group, np.sign(walks) if direct and mode == "interval" else walks, kv_heads)
+    if direct and mode == "interval":
+        whole = launch.split_group(group, np.sign(walks), kv_heads)
+        if whole[1] == 1:
+            return whole
+    return launch.split_group(group, walks, kv_heads)
 
 
 def _key_block_order(mode, mask, plan, q_start, sq, k_start, sk, bm, bn, slots, heavy_first):
