@@ -26,6 +26,7 @@ from burst_hpc.plan import costmodel, masks  # noqa: E402
 from burst_hpc.plan.accounting import visible_pairs  # noqa: E402
 from burst_hpc.plan.layout import Layout  # noqa: E402
 from burst_hpc.plan.packing import packing  # noqa: E402
+from burst_hpc.plan.placement import Placement  # noqa: E402
 from burst_hpc.plan.rates import GPU_RATES  # noqa: E402
 
 import bench_documents  # noqa: E402
@@ -35,16 +36,8 @@ CANDIDATES = 25   # swaps priced a round
 
 def layout_of(owned, seqlen, chunk):
     """The chunks Layout of ``owned`` (each rank's chunk indices)."""
-    runs = []
-    for chunks in owned:
-        pieces = []
-        for c in sorted(chunks):
-            if pieces and pieces[-1][0] + pieces[-1][1] == c * chunk:
-                pieces[-1] = (pieces[-1][0], pieces[-1][1] + chunk)
-            else:
-                pieces.append((c * chunk, chunk))
-        runs.append(tuple(pieces))
-    return Layout("chunks", seqlen, len(owned), tuple(runs), chunk=chunk)
+    placed = Placement(chunk, tuple(tuple(sorted(c)) for c in owned), (0,) * len(owned))
+    return Layout("chunks", seqlen, len(owned), tuple(placed.pieces(r) for r in range(len(owned))), chunk=chunk)
 
 
 def main(argv=None):
@@ -86,10 +79,10 @@ def main(argv=None):
             i, j = rng.integers(len(owned[a])), rng.integers(len(owned[b]))
             swapped = [list(x) for x in owned]
             swapped[a][i], swapped[b][j] = owned[b][j], owned[a][i]
-            tried.append((sum(priced(swapped)), swapped))
-        total, swapped = min(tried, key=lambda x: x[0])
-        if total < sum(best):
-            owned, best = swapped, priced(swapped)
+            tried.append((priced(swapped), swapped))
+        seconds, swapped = min(tried, key=lambda x: sum(x[0]))
+        if sum(seconds) < sum(best):
+            owned, best = swapped, seconds
             print(f"round {round_}: {rates_of(*best)}", flush=True)
     if args.save:
         with open(args.save, "w") as f:

@@ -40,8 +40,9 @@ def main(path):
         rows.append(row)
         print(S, case, round(row["fwd_us"]), round(row["bwd_us"]), flush=True)
     tree = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip() or "?"
-    json.dump({"source": f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, tree {tree}", "heads": 64,
-               "kv_heads": 8, "head_dim": 128, "rows": rows}, open(path, "w"), indent=1)
+    with open(path, "w") as f:
+        json.dump({"source": f"{cupy.cuda.runtime.getDeviceProperties(0)['name'].decode()}, tree {tree}",
+                   "heads": 64, "kv_heads": 8, "head_dim": 128, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
