@@ -82,6 +82,7 @@ class Case:
     poison: tuple = None   # (tensor, value, batch, token, head, dim): one non-finite input element
     disagree: tuple = None  # (rank, argument, value): that rank first passes this value instead
     last_pairs: bool = False  # also with BURST_HPC_RING_LAST_PAIRS=1 (run_case)
+    receive: int = 0   # BY_NODES' weight of a received key row (make_layout's receive)
 
     def line(self):
         """The one-line reproducer."""
@@ -92,7 +93,8 @@ class Case:
                 f"B={self.batch} S={self.seqlen} Hq={self.heads} Hkv={self.kv_heads} D={self.head_dim} "
                 f"{self.dtype} causal={self.causal} layout={self.layout} scheme={self.scheme} "
                 f"ranks_per_node={self.ranks_per_node} cu_seqlens={self.cu_seqlens} window={self.window} "
-                f"scale={self.scale} backward_ring={self.backward_ring} poison={self.poison} disagree={self.disagree}")
+                f"scale={self.scale} backward_ring={self.backward_ring} poison={self.poison} disagree={self.disagree} "
+                f"receive={self.receive}")
 
 
 def draw(seed, ranks, backend="numpy", dtype=None, last_pairs=False):
@@ -137,6 +139,8 @@ def draw(seed, ranks, backend="numpy", dtype=None, last_pairs=False):
         c.disagree = disagreement(other, c)
     path = np.random.default_rng([seed, ranks, 3])   # its own stream too
     c.last_pairs = last_pairs or (backend == "numpy" and path.random() < LAST_PAIRS_SHARE)
+    weigh = np.random.default_rng([seed, ranks, 4])   # and this
+    c.receive = int(weigh.choice([0, 1, 4, 16])) * c.seqlen // 8
     return c
 
 
@@ -195,8 +199,8 @@ def window_side(rng, seqlen):
 
 def called_layout(name, case):
     """The layout argument a call of ``case`` passes for the drawn ``name``: BY_NODES is the chunks Layout placed
-    by the case's nodes (a name cannot say it), or the name 'chunks' where the sequence does not split so (the
-    same refusal); other names as they are."""
+    by the case's nodes, received keys weighing the case's ``receive`` (a name cannot say either), or the name
+    'chunks' where the sequence does not split so (the same refusal); other names as they are."""
     import burst_hpc
 
     if name != BY_NODES:
@@ -205,7 +209,7 @@ def called_layout(name, case):
                                      None if case.cu_seqlens is None else np.array(case.cu_seqlens))
     try:
         return burst_hpc.make_layout("chunks", case.seqlen, case.ranks, mask,
-                                     ranks_per_node=case.ranks_per_node or case.ranks)
+                                     ranks_per_node=case.ranks_per_node or case.ranks, receive=case.receive)
     except burst_hpc.LayoutError:
         return "chunks"
 

@@ -80,7 +80,7 @@ def test_layout_functions_follow_the_placement():
         shard(x, 0, size, "chunks")
 
 
-@pytest.mark.parametrize("layout", ["chunks", "zigzag", "contiguous"])
+@pytest.mark.parametrize("layout", ["chunks", "chunks weighing receives", "zigzag", "contiguous"])
 @pytest.mark.parametrize("seed", range(3))
 def test_each_rank_receives_exactly_the_keys_its_queries_see(seed, layout):
     """sight's runs against a brute force over the mask: the units of another rank's shard that hold
@@ -91,7 +91,9 @@ def test_each_rank_receives_exactly_the_keys_its_queries_see(seed, layout):
     cu = documents(rng, seqlen, "capped", longest=seqlen // 4)
     window = (int(rng.integers(0, seqlen // 2)), 0) if seed == 2 else None
     mask = masks.make(seqlen, True, window, cu)
-    placed = make_layout(layout, seqlen, size, mask)
+    weighted = layout == "chunks weighing receives"
+    placed = make_layout("chunks", seqlen, size, mask, chunk=16, receive=40) if weighted else \
+        make_layout(layout, seqlen, size, mask)
     units, seen, unit = gather.sight(mask, placed)
     lo, hi = mask.intervals
     for a in range(size):
@@ -304,3 +306,114 @@ def test_a_named_scheme_prices_the_chunks_it_runs():
     assert isinstance(burst_hpc.choose_layout(mask.seqlen, 8, causal=True, cu_seqlens=mask.cu_seqlens, heads=16,
                                               kv_heads=4, ranks_per_node=4, scheme="ring", rates=rates),
                       burst_hpc.Layout)
+
+
+def naive_balance_receives(owner, areas, sight, size, weight):
+    """balance_receives written plainly: every cost from scratch, every swap tried in its order (the costliest
+    part; its partners cheapest first, then its chunks, then theirs, in chunk order)."""
+    owner = owner.copy()
+
+    def cost(p):
+        held = owner == p
+        return int(areas[held].sum()) + weight * int((sight[held].any(axis=0) & ~held).sum())
+
+    while True:
+        costs = [cost(p) for p in range(size)]
+        a = int(np.argmax(costs))
+        best, swap = costs[a], None
+        for b in sorted((p for p in range(size) if p != a), key=lambda p: (costs[p], p))[:placement.PARTNERS]:
+            for i in np.flatnonzero(owner == a):
+                for j in np.flatnonzero(owner == b):
+                    owner[i], owner[j] = b, a
+                    high = max(cost(p) for p in range(size))
+                    owner[i], owner[j] = a, b
+                    if high < best:
+                        best, swap = high, (i, j)
+        if swap is None:
+            return owner
+        i, j = swap
+        owner[i], owner[j] = owner[j], owner[i]
+
+
+@pytest.mark.parametrize("seed", range(24))
+def test_balance_receives_takes_the_swaps_a_plain_search_takes(seed):
+    """The incremental search (counts of the chunks that see each key, a part's swaps priced at once) ends where
+    the plain one does, on random areas and sight, every part with chunks and some without a partner's."""
+    rng = np.random.default_rng(seed)
+    size = int(rng.integers(2, 6))
+    n = size * int(rng.integers(1, 6))
+    areas = rng.integers(0, 50, n)
+    sight = rng.random((n, n)) < rng.uniform(0.05, 0.5)
+    np.fill_diagonal(sight, True)
+    owner = rng.permutation(np.repeat(np.arange(size), n // size))
+    weight = int(rng.integers(1, 40))
+    got = placement.balance_receives(owner, areas, sight, size, weight)
+    assert np.array_equal(got, naive_balance_receives(owner, areas, sight, size, weight))
+    assert np.array_equal(np.bincount(got, minlength=size), np.bincount(owner, minlength=size))
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("size,chunk", [(2, 256), (4, 256), (4, 1024), (8, 512)])
+def test_weighing_receives_lowers_the_busiest_load(seed, size, chunk):
+    """With a weight the busiest rank's load (its area plus the weight for each key row of another rank its
+    queries see) is at most the area-balanced placement's under that weight; without one the load is the
+    area."""
+    mask, weight = capped(seed, size, 8192), 400
+    plain = placement.place_chunks(mask, size, chunk)
+    weighed = placement.place_chunks(mask, size, chunk, receive=weight)
+    assert plain.load == plain.area
+
+    def loads(found):
+        sight = masks.block_counts(mask, chunk, chunk) > 0
+        owner = np.empty(len(sight), np.int64)
+        for r, held in enumerate(found.owned):
+            owner[list(held)] = r
+        received = [chunk * int((sight[owner == r].any(axis=0) & (owner != r)).sum()) for r in range(size)]
+        return [a + weight * n for a, n in zip(found.area, received)]
+
+    assert loads(weighed) == list(weighed.load)
+    assert max(weighed.load) <= max(loads(plain))
+    assert sorted(c for held in weighed.owned for c in held) == list(range(size * 8192 // chunk))
+    assert {len(held) for held in weighed.owned} == {8192 // chunk}
+
+
+def test_a_received_row_weighs_its_bytes_against_a_pairs_time():
+    """receive_weight: the K/V heads' share of a row's bytes against the query heads' of a pair's work (8 times
+    the GQA group's weight with as many K/V heads as query heads), float32 heavier than bf16, the backward's
+    gradients home included when it is priced; the head dim cancels."""
+    from burst_hpc.plan import costmodel
+    from burst_hpc.plan.rates import GPU_RATES
+
+    mask, rates = capped(0, 4, 1024), GPU_RATES["H200"]
+
+    def weight(heads, kv_heads, head_dim=128, itemsize=2, backward=True):
+        return costmodel.receive_weight(costmodel.Problem(1, mask.seqlen, heads, kv_heads, head_dim, itemsize, mask),
+                                        rates, backward)
+
+    gqa = weight(64, 8)
+    assert 300 < gqa < 600
+    assert abs(weight(64, 64) - 8 * gqa) <= 8
+    assert weight(64, 8, head_dim=64) == gqa
+    assert weight(64, 8, itemsize=4) > gqa
+    assert weight(64, 8, backward=False) != gqa
+    with pytest.raises(LayoutError, match="cannot weigh"):
+        make_layout("chunks", mask.seqlen, 4, mask, receive=-1)
+
+
+def test_the_planner_picks_the_fastest_chunk_and_weight():
+    """cluster_layouts (the gather scheme auto runs) picks, among every chunk with the keys received weighed or
+    not, one within MARGIN of the fastest predicted; on MagiAttention's 4-GPU setting a weighed one."""
+    from burst_hpc.plan import costmodel
+    from burst_hpc.plan.rates import GPU_RATES
+
+    mask, rates = capped(0, 4, 8192), GPU_RATES["H100"]
+    pr = costmodel.Problem(1, mask.seqlen, 64, 8, 128, 2, mask)
+    cl = costmodel.Cluster(1, 4)
+    weight = costmodel.receive_weight(pr, rates)
+    chosen = costmodel.cluster_layouts(pr, cl, rates)["chunks"]
+    times = {(n, w): costmodel.predict("gather", pr, cl, rates,
+                                       make_layout("chunks", mask.seqlen, 4, mask, chunk=8192 // n, receive=w)).fwdbwd
+             for n in placement.chunk_counts(8192) for w in (0, weight)}
+    assert costmodel.predict("gather", pr, cl, rates, chosen).fwdbwd <= min(times.values()) / (1 - costmodel.MARGIN)
+    assert chosen in {make_layout("chunks", mask.seqlen, 4, mask, chunk=8192 // n, receive=weight)
+                      for n in placement.chunk_counts(8192)}

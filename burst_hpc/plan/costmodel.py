@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import gather
+from . import gather, tiles
 from .accounting import attention_flops, cheaper_backward_ring, step_bytes, transfer_bytes
 from .pricing import Costs, kernel_prices, outside_seconds
 from ..errors import BurstError, LayoutError
@@ -246,10 +246,13 @@ def _all_to_alls(pr, cl, rates, backward, scale):
 
 def cluster_layouts(pr, cl, rates, kinds=LAYOUTS, backward=True, scheme="auto", backward_ring="auto"):
     """layout.layouts_for the problem over the cluster, the chunks layout placed by its nodes in the chunk
-    (placement.chunk_counts) predicted fastest (forward+backward, or the forward alone) under ``scheme``
-    (auto: its pick, ``backward_ring`` as ``auto_schemes`` takes it); the chunk placement.place chooses unless
-    another is faster by more than MARGIN. Across nodes the fewest chunks are often fastest though the least
-    balanced: a document cut into more chunks crosses more nodes."""
+    (placement.chunk_counts), balancing each rank's area alone or with the keys it receives (receive_weight),
+    predicted fastest (forward+backward, or the forward alone) under ``scheme`` (auto: its pick,
+    ``backward_ring`` as ``auto_schemes`` takes it); placement.place's (its chunk, area alone) unless another is
+    faster by more than MARGIN. Across nodes the fewest chunks are often fastest though the least balanced: a
+    document cut into more chunks crosses more nodes. The keys received weigh where the gather scheme sends
+    only the keys a rank's queries see (4 x H100, 8k tokens a GPU, MagiAttention's document lengths: 1.11x
+    forward+backward); the ring sends every key to every rank, so the area alone is its balance."""
     per_node = cl.per_node if cl.nodes > 1 else None
     out = layouts_for(pr.seqlen, cl.ranks, pr.mask, kinds, per_node)
     chosen = out.get("chunks")
@@ -261,11 +264,27 @@ def cluster_layouts(pr, cl, rates, kinds=LAYOUTS, backward=True, scheme="auto", 
 
         least = seconds(chosen)
         for count in chunk_counts(chosen.local):
-            layout = make_layout("chunks", pr.seqlen, cl.ranks, pr.mask, per_node, chosen.local // count)
-            if layout != chosen and (time := seconds(layout)) < least * (1 - MARGIN):
-                chosen, least = layout, time
+            for receive in sorted({0, receive_weight(pr, rates, backward)}):
+                layout = make_layout("chunks", pr.seqlen, cl.ranks, pr.mask, per_node, chosen.local // count,
+                                     receive)
+                if layout != chosen and (time := seconds(layout)) < least * (1 - MARGIN):
+                    chosen, least = layout, time
         out["chunks"] = chosen
     return out
+
+
+def receive_weight(pr, rates, backward=True):
+    """The visible pairs a key row weighs for the rank that receives it (placement.balance_receives), whole: the
+    row's K and V in and, with the backward, its float32 dK and dV home, at a link's rate inside a node, against
+    a visible pair's kernel time (forward, plus backward) at the rates' prices of a key tile's (a backward
+    step's) pairs. Whole pairs: every rank weighs alike. bf16, Hq 64, Hkv 8, D 128 on H200: 405."""
+    row = 2 * pr.kv_heads * pr.head_dim * (pr.itemsize + (4 if backward else 0)) / (rates.intra_gbps * 1e9)
+    pair = 0.0
+    for bwd, (rows, cols), price in ((False, tiles.FORWARD_TILE, "fwd_key_tile_ns"),
+                                     (True, tiles.BACKWARD_TILE, "bwd_step_ns"))[:1 + bool(backward)]:
+        per_pair, _ = kernel_prices(rates, 1, pr.heads, pr.head_dim, bwd)
+        pair += per_pair + getattr(rates, price) * 1e-9 * pr.heads * pr.head_dim / 128 / (rows * cols)
+    return int(round(row / pair)) if pair > 0 else 0
 
 
 def options(pr, cl, rates, layouts=None, schemes=SCHEMES):

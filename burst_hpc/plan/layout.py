@@ -214,7 +214,7 @@ def _split_error(seqlen, size, kind):
     return LayoutError(f"sequence length {seqlen} does not split over {size} ranks with the {kind} layout: {what}")
 
 
-def make_layout(kind, seqlen, size, mask=None, ranks_per_node=None, chunk=None):
+def make_layout(kind, seqlen, size, mask=None, ranks_per_node=None, chunk=None, receive=0):
     """The Layout of ``kind`` for ``seqlen`` tokens over ``size`` ranks.
 
     Parameters
@@ -230,6 +230,10 @@ def make_layout(kind, seqlen, size, mask=None, ranks_per_node=None, chunk=None):
         first, each node's share then on its ranks (None, or every rank on one node: over one node).
     chunk : int, optional
         The chunks layout's chunk, dividing a rank's tokens (None: placement.place chooses it).
+    receive : int, optional
+        The chunks layout's weight of a key row a rank receives, in visible pairs (placement.py; 0: each
+        rank's visible area balanced alone). choose_layout prices it from the call's shapes and links
+        (costmodel.receive_weight).
 
     Returns
     -------
@@ -253,19 +257,22 @@ def make_layout(kind, seqlen, size, mask=None, ranks_per_node=None, chunk=None):
         per_node = per_node if per_node < size else None
     if kind == "chunks" and chunk is not None and (chunk < 1 or seqlen % size or (seqlen // size) % chunk):
         raise LayoutError(f"chunks of {chunk} tokens do not split a rank's {seqlen / size:g} tokens")
-    return _layout(kind, seqlen, size, mask if kind == "chunks" and size > 1 else None, per_node,
-                   chunk if kind == "chunks" and size > 1 else None)
+    if receive < 0:
+        raise LayoutError(f"a received key row cannot weigh {receive} visible pairs: give 0 or more")
+    placed = kind == "chunks" and size > 1
+    return _layout(kind, seqlen, size, mask if placed else None, per_node, chunk if placed else None,
+                   int(receive) if placed else 0)
 
 
 @lru_cache(maxsize=32)
-def _layout(kind, seqlen, size, mask, per_node=None, chunk=None):
+def _layout(kind, seqlen, size, mask, per_node=None, chunk=None, receive=0):
     """:func:`make_layout`'s Layout, kept: a call that names its layout makes it again on every call, and
     the chunks layout places the tokens by the mask (placement.place) once."""
     parts = _parts(size, kind)
     if seqlen % parts:
         raise _split_error(seqlen, size, kind)
     if kind == "chunks" and size > 1:
-        return _chunks(seqlen, size, mask, per_node, chunk)
+        return _chunks(seqlen, size, mask, per_node, chunk, receive)
     chunk = seqlen // parts
     if parts == size:
         runs = tuple(((r * chunk, chunk),) for r in range(size))
@@ -274,15 +281,17 @@ def _layout(kind, seqlen, size, mask, per_node=None, chunk=None):
     return Layout(kind, seqlen, size, runs, balances_by_schedule=kind == "balanced")
 
 
-def _chunks(seqlen, size, mask, per_node, chunk):
-    """The chunks layout of ``mask`` (placement.place, or place_chunks of ``chunk``)."""
+def _chunks(seqlen, size, mask, per_node, chunk, receive):
+    """The chunks layout of ``mask`` (placement.place, or place_chunks of ``chunk``), keys received weighing
+    ``receive``."""
     if mask is None or mask.seqlen != seqlen:
         raise LayoutError("the chunks layout places tokens by the mask: pass the call's causal, cu_seqlens and "
                           "window with it (as burst_attention takes them, None where the call has none), or shard "
                           "by the Layout burst_hpc.choose_layout or make_layout returns")
     from .placement import place, place_chunks
 
-    found = place(mask, size, per_node) if chunk is None else place_chunks(mask, size, chunk, per_node)
+    found = (place(mask, size, per_node, receive) if chunk is None
+             else place_chunks(mask, size, chunk, per_node, receive))
     return Layout("chunks", seqlen, size, tuple(found.pieces(r) for r in range(size)), chunk=found.chunk,
                   nodes=None if per_node is None else tuple(r // per_node for r in range(size)))
 
@@ -306,13 +315,14 @@ def _said_mask(seqlen, causal, cu_seqlens, window):
     return masks.make(seqlen, causal, window, cu_seqlens)
 
 
-def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS, ranks_per_node=None):
+def layouts_for(seqlen, size, mask=None, kinds=LAYOUTS, ranks_per_node=None, receive=0):
     """{kind: its Layout, or why the length does not split in it (the LayoutError's text)} for each
-    of ``kinds``: the layouts a planner can choose among (chunks placed by nodes of ``ranks_per_node``)."""
+    of ``kinds``: the layouts a planner can choose among (chunks placed by nodes of ``ranks_per_node``,
+    keys received weighing ``receive``)."""
     out = {}
     for kind in kinds:
         try:
-            out[kind] = make_layout(kind, seqlen, size, mask, ranks_per_node)
+            out[kind] = make_layout(kind, seqlen, size, mask, ranks_per_node, receive=receive)
         except LayoutError as e:
             out[kind] = str(e)
     return out

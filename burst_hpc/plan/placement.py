@@ -6,11 +6,18 @@ pairs of its query chunks, against every key) is balanced: greedy over chunks so
 to the lightest rank that has room (largest processing time first). A rank keeps its chunks in
 natural order, tokens in natural order inside each, so its shard is a few runs of the sequence.
 
-Documents stay on one rank where that costs no balance: chunks joined by visibility (a query of one
-sees a key of the next: one document, or a window, across the boundary) form *units* of at most
-``cap`` chunks that are dealt whole. The cap is halved from a rank's whole share down to one chunk;
-the largest whose critical area is within SLACK of the best (usually one chunk, every chunk on its
-own) is kept: a document then needs no communication, unless splitting it is what balances.
+Documents stay on one rank where that costs no balance: after the deal, chunks are swapped between
+ranks to keep the visible pairs of a document (or a window across a boundary) on one rank, while no
+rank's area grows past SLACK over the deal's busiest (``gather_documents``): a document then needs no
+communication, unless splitting it is what balances.
+
+Then, given a ``receive`` weight (the visible pairs a key row costs a rank that receives it: its K, V
+in and, in the backward, its dK, dV home, against a pair's compute; costmodel.receive_weight prices it
+from the call's shapes and the link), chunks are swapped to lower the most any rank costs, its area
+plus ``receive`` for each key row of another rank its queries see (``balance_receives``). On 4 x H100
+at 8k tokens a GPU this gave MagiAttention's document lengths 1.11x forward+backward (the area-balanced
+placement left one rank receiving 1.5x the key rows of another and waiting for them). Without a
+weight (a layout named 'chunks', which knows only the mask) the placement balances area alone.
 
 The chunk length is the plan's: the fewest chunks per rank (CHUNKS_PER_RANK, multiples of the
 kernels' tile, TILE tokens, where the shard allows) whose critical area is within TOLERANCE of the
@@ -22,8 +29,11 @@ no balance), then each node's chunks to its ranks. A key a query sees on another
 network (several times slower than the links inside a node): dealt flat, a document's chunks land on
 ranks of any node; dealt by nodes, only a document too heavy for a node's share crosses.
 
-Everything is a pure function of (mask, ranks, ranks a node): every rank computes the same placement from
-the agreed arguments (kept with its Layout: layout.make_layout).
+Across nodes the receive weight balances each node's ranks (the keys a rank receives inside its node);
+the nodes' deal keeps area and documents only.
+
+Everything is a pure function of (mask, ranks, ranks a node, weight; integers): every rank computes the
+same placement from the agreed arguments (kept with its Layout: layout.make_layout).
 """
 from dataclasses import dataclass
 
@@ -35,15 +45,18 @@ TILE = 128                        # the kernels' tile height: chunks are multipl
 CHUNKS_PER_RANK = (4, 8, 16, 32)  # the counts the plan tries, fewest first
 TOLERANCE = 0.02                  # the fewest chunks whose busiest rank holds at most this share over the mean
 SLACK = 0.01                      # a document kept whole may cost this share of critical area over the best
+PARTNERS = 8                      # the cheapest parts the costliest may swap with, a round of balance_receives
 
 
 @dataclass(frozen=True)
 class Placement:
     """Chunks of ``chunk`` tokens; ``owned[r]`` the chunk indices rank r holds, in natural order;
-    ``area[r]`` its visible (query, key) pairs."""
+    ``area[r]`` its visible (query, key) pairs; ``load[r]`` its area plus the receive weight for each key
+    row of another rank its queries see (None: its area)."""
     chunk: int
     owned: tuple
     area: tuple
+    load: tuple = None
 
     def pieces(self, rank):
         """Rank ``rank``'s (global_start, length) runs, in local order (adjacent chunks joined)."""
@@ -58,19 +71,21 @@ class Placement:
 
     @property
     def imbalance(self):
-        """The busiest rank's area over the mean (1.0: balanced; no visible pair: 1.0)."""
-        mean = sum(self.area) / len(self.area)
-        return max(self.area) / mean if mean else 1.0
+        """The busiest rank's load over the mean (1.0: balanced; no visible pair: 1.0)."""
+        load = self.area if self.load is None else self.load
+        mean = sum(load) / len(load)
+        return max(load) / mean if mean else 1.0
 
 
-def place(mask, size, per_node=None):
+def place(mask, size, per_node=None, receive=0):
     """The Placement of ``mask`` (the call's masks.Mask, of any kind) over ``size`` ranks;
     ``mask.seqlen`` must be a multiple of ``size``. ``per_node``: ranks a node, positions node by node
-    (None: one node; it must divide ``size``)."""
+    (None: one node; it must divide ``size``); ``receive``: visible pairs a received key row weighs (an
+    int; 0: area alone)."""
     local = mask.seqlen // size
     best = None
     for count in chunk_counts(local):
-        found = place_chunks(mask, size, local // count, per_node)
+        found = place_chunks(mask, size, local // count, per_node, receive)
         if found.imbalance <= 1 + TOLERANCE:
             return found
         if best is None or found.imbalance < best.imbalance:
@@ -89,32 +104,99 @@ def chunk_counts(local):
     return exact or [n for n in range(1, min(local, CHUNKS_PER_RANK[-1]) + 1) if local % n == 0]
 
 
-def place_chunks(mask, size, chunk, per_node=None):
+def place_chunks(mask, size, chunk, per_node=None, receive=0):
     """The Placement of chunks of ``chunk`` tokens: dealt to the nodes (``per_node`` ranks each; None:
-    one node), then each node's to its ranks (``split``)."""
+    one node), then each node's to its ranks (``split``; the last level weighs the keys each rank
+    receives by ``receive`` visible pairs a row)."""
     pairs = masks.block_counts(mask, chunk, chunk)
     areas = pairs.sum(axis=1)
     per_node = size if per_node is None else per_node
     owner = np.zeros(len(areas), np.int64)
-    for parts in ((size // per_node, per_node) if per_node < size else (size,)):
+    levels = (size // per_node, per_node) if per_node < size else (size,)
+    for level, parts in enumerate(levels):
+        weight = int(receive) * chunk if level == len(levels) - 1 else 0
         below = np.empty_like(owner)
         for group in range(owner.max() + 1):
             held = np.flatnonzero(owner == group)
-            below[held] = group * parts + split(areas[held], pairs[np.ix_(held, held)], parts)
+            below[held] = group * parts + split(areas[held], pairs[np.ix_(held, held)], parts, weight)
         owner = below
     owned = tuple(tuple(np.flatnonzero(owner == r).tolist()) for r in range(size))
-    return Placement(chunk, owned, tuple(int(areas[list(c)].sum()) for c in owned))
+    area = tuple(int(areas[list(c)].sum()) for c in owned)
+    sight = pairs > 0
+    received = [int((sight[list(c)].any(axis=0) & (owner != r)).sum()) * chunk for r, c in enumerate(owned)]
+    return Placement(chunk, owned, area, tuple(a + int(receive) * n for a, n in zip(area, received)))
 
 
-def split(areas, pairs, parts):
+def split(areas, pairs, parts, weight=0):
     """The part (of ``parts``) of each chunk of ``areas`` (``pairs``: the visible pairs between them): dealt
     by area (``deal``), then chunks swapped between parts to keep documents together within SLACK of that
-    balance (``gather_documents``)."""
+    balance (``gather_documents``), then, with a ``weight`` (visible pairs a chunk of keys received weighs),
+    to balance each part's area and the keys it receives (``balance_receives``)."""
     owned, area = deal(areas, parts)
     owner = np.empty(len(areas), np.int64)
     for part, chunks in enumerate(owned):
         owner[list(chunks)] = part
-    return gather_documents(owner, areas, pairs + pairs.T, parts, max(area) * (1 + SLACK))
+    owner = gather_documents(owner, areas, pairs + pairs.T, parts, max(area) * (1 + SLACK))
+    return balance_receives(owner, areas, pairs > 0, parts, weight) if weight > 0 and parts > 1 else owner
+
+
+def balance_receives(owner, areas, sight, size, weight):
+    """``owner`` after swaps of two chunks between parts that lower the most any part costs: its area (the
+    visible pairs of its chunks) plus ``weight`` for each chunk of another part its queries see (``sight``
+    (n, n) bool: chunk i's queries see chunk j's keys), the keys it receives. Each round the costliest part
+    (the first of equals) takes the swap, with one of the PARTNERS cheapest other parts, that lowers the
+    highest cost most (the first such in chunk order); it stops when none does. Counts never change;
+    integers throughout, so every rank finds the same."""
+    owner = owner.copy()
+    seen = sight.astype(np.int32)
+    count = np.stack([seen[owner == p].sum(axis=0) for p in range(size)])   # chunks of a part that see each
+    area = np.bincount(owner, areas, minlength=size).astype(np.int64)
+
+    def received(p):
+        return int(((count[p] > 0) & (owner != p)).sum())
+
+    def gives(mine, theirs):
+        return areas[mine][:, None] - areas[theirs][None]
+
+    def after(p, out, into):
+        """(len(out), len(into)): the chunks part p receives once it gives chunk ``out[x]`` for ``into[y]``:
+        those it received, less the keys only the chunk given saw (and the chunk taken does not), plus those
+        no chunk of it saw that the chunk taken does, then the two chunks' own places: the one given is
+        another's, the one taken its own."""
+        other = owner != p
+        only = ((count[p] == 1) & other)[None] & (seen[out] > 0)         # keys only out[x] sees, of others
+        unseen = ((count[p] == 0) & other).astype(np.float64)           # keys none of p's chunks sees
+        lost = only.sum(axis=1)[:, None] - only.astype(np.float64) @ seen[into].T
+        gained = (seen[into].astype(np.float64) @ unseen)[None]
+        give = count[p, out][:, None] - seen[np.ix_(out, out)].diagonal()[:, None] + seen[np.ix_(into, out)].T
+        take = count[p, into][None] - seen[np.ix_(out, into)] + seen[np.ix_(into, into)].diagonal()[None]
+        return (received(p) - lost + gained + (give > 0) - (take > 0)).astype(np.int64)
+
+    cost = area + weight * np.array([received(p) for p in range(size)], np.int64)
+    for _ in range(len(owner) * size):
+        a = int(np.argmax(cost))
+        mine = np.flatnonzero(owner == a)
+        best, swap = cost[a], None
+        for b in sorted((p for p in range(size) if p != a), key=lambda p: (cost[p], p))[:PARTNERS]:
+            theirs = np.flatnonzero(owner == b)
+            rest = max((cost[p] for p in range(size) if p not in (a, b)), default=0)
+            high = np.maximum(np.maximum(area[a] - gives(mine, theirs) + weight * after(a, mine, theirs),
+                                         area[b] + gives(mine, theirs) + weight * after(b, theirs, mine).T), rest)
+            k = int(np.argmin(high))
+            if high.flat[k] < best:
+                best, swap = high.flat[k], (int(mine[k // len(theirs)]), int(theirs[k % len(theirs)]))
+        if swap is None:
+            break
+        i, j = swap
+        a, b = owner[i], owner[j]
+        owner[i], owner[j] = b, a
+        count[a] += seen[j] - seen[i]
+        count[b] += seen[i] - seen[j]
+        area[a] += areas[j] - areas[i]
+        area[b] += areas[i] - areas[j]
+        for p in (a, b):
+            cost[p] = area[p] + weight * received(p)
+    return owner
 
 
 def deal(areas, size):
