@@ -246,13 +246,14 @@ def _all_to_alls(pr, cl, rates, backward, scale):
 
 def cluster_layouts(pr, cl, rates, kinds=LAYOUTS, backward=True, scheme="auto", backward_ring="auto"):
     """layout.layouts_for the problem over the cluster, the chunks layout placed by its nodes in the chunk
-    (placement.chunk_counts), balancing each rank's area alone or with the keys it receives (receive_weight),
-    predicted fastest (forward+backward, or the forward alone) under ``scheme`` (auto: its pick,
-    ``backward_ring`` as ``auto_schemes`` takes it); placement.place's (its chunk, area alone) unless another is
-    faster by more than MARGIN. Across nodes the fewest chunks are often fastest though the least balanced: a
-    document cut into more chunks crosses more nodes. The keys received weigh where the gather scheme sends
-    only the keys a rank's queries see (4 x H100, 8k tokens a GPU, MagiAttention's document lengths: 1.11x
-    forward+backward); the ring sends every key to every rank, so the area alone is its balance."""
+    (placement.chunk_counts) predicted fastest (forward+backward, or the forward alone) under ``scheme`` (auto:
+    its pick, ``backward_ring`` as ``auto_schemes`` takes it); placement.place's (its chunk, each rank's area
+    balanced) unless another is faster by more than MARGIN. Across nodes the fewest chunks are often fastest
+    though the least balanced: a document cut into more chunks crosses more nodes. Under the gather scheme
+    (which auto runs in this layout) the other chunks are placed weighing the keys each rank receives
+    (receive_weight): it sends a rank only the keys its queries see (4 x H100, 8k tokens a GPU: 1.06x
+    forward+backward on uniform document lengths, 1.07x on MagiAttention's); a ring sends every key to every
+    rank, so the area alone is its balance."""
     per_node = cl.per_node if cl.nodes > 1 else None
     out = layouts_for(pr.seqlen, cl.ranks, pr.mask, kinds, per_node)
     chosen = out.get("chunks")
@@ -263,12 +264,11 @@ def cluster_layouts(pr, cl, rates, kinds=LAYOUTS, backward=True, scheme="auto", 
             return picked["chunks"].seconds(backward) if picked else np.inf   # the scheme named does not run
 
         least = seconds(chosen)
+        receive = receive_weight(pr, rates, backward) if scheme in ("auto", "gather") else 0
         for count in chunk_counts(chosen.local):
-            for receive in sorted({0, receive_weight(pr, rates, backward)}):
-                layout = make_layout("chunks", pr.seqlen, cl.ranks, pr.mask, per_node, chosen.local // count,
-                                     receive)
-                if layout != chosen and (time := seconds(layout)) < least * (1 - MARGIN):
-                    chosen, least = layout, time
+            layout = make_layout("chunks", pr.seqlen, cl.ranks, pr.mask, per_node, chosen.local // count, receive)
+            if layout != chosen and (time := seconds(layout)) < least * (1 - MARGIN):
+                chosen, least = layout, time
         out["chunks"] = chosen
     return out
 
