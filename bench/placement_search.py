@@ -36,7 +36,7 @@ CANDIDATES = 25   # swaps priced a round
 
 def layout_of(owned, seqlen, chunk):
     """The chunks Layout of ``owned`` (each rank's chunk indices)."""
-    placed = Placement(chunk, tuple(tuple(sorted(c)) for c in owned), (0,) * len(owned))
+    placed = Placement(chunk, tuple(tuple(sorted(c)) for c in owned), (0,) * len(owned), (0,) * len(owned))
     return Layout("chunks", seqlen, len(owned), tuple(placed.pieces(r) for r in range(len(owned))), chunk=chunk)
 
 

@@ -251,9 +251,8 @@ def cluster_layouts(pr, cl, rates, kinds=LAYOUTS, backward=True, scheme="auto", 
     balanced) unless another is faster by more than MARGIN. Across nodes the fewest chunks are often fastest
     though the least balanced: a document cut into more chunks crosses more nodes. Under the gather scheme
     (which auto runs in this layout) the other chunks are placed weighing the keys each rank receives
-    (receive_weight): it sends a rank only the keys its queries see (4 x H100, 8k tokens a GPU: 1.06x
-    forward+backward on uniform document lengths, 1.07x on MagiAttention's); a ring sends every key to every
-    rank, so the area alone is its balance."""
+    (receive_weight): it sends a rank only the keys its queries see (docs/BENCHMARKS.md, "The placement weighs
+    the keys each rank receives"); a ring sends every key to every rank, so the area alone is its balance."""
     per_node = cl.per_node if cl.nodes > 1 else None
     out = layouts_for(pr.seqlen, cl.ranks, pr.mask, kinds, per_node)
     chosen = out.get("chunks")

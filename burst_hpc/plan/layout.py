@@ -257,8 +257,9 @@ def make_layout(kind, seqlen, size, mask=None, ranks_per_node=None, chunk=None, 
         per_node = per_node if per_node < size else None
     if kind == "chunks" and chunk is not None and (chunk < 1 or seqlen % size or (seqlen // size) % chunk):
         raise LayoutError(f"chunks of {chunk} tokens do not split a rank's {seqlen / size:g} tokens")
-    if receive < 0:
-        raise LayoutError(f"a received key row cannot weigh {receive} visible pairs: give 0 or more")
+    if isinstance(receive, bool) or not isinstance(receive, (int, np.integer)) or receive < 0:
+        raise LayoutError(f"receive is the visible pairs a received key row weighs, a whole number of 0 or more; "
+                          f"got {receive!r}")
     placed = kind == "chunks" and size > 1
     return _layout(kind, seqlen, size, mask if placed else None, per_node, chunk if placed else None,
                    int(receive) if placed else 0)

@@ -14,14 +14,11 @@ communication, unless splitting it is what balances.
 Then, given a ``receive`` weight (the visible pairs a key row costs a rank that receives it: its K, V
 in and, in the backward, its dK, dV home, against a pair's compute; costmodel.receive_weight prices it
 from the call's shapes and the link), chunks are swapped to lower the most any rank costs, its area
-plus ``receive`` for each key row of another rank its queries see (``balance_receives``). On 4 x H100
-at 8k tokens a GPU this gave MagiAttention's document lengths 1.11x forward+backward (the area-balanced
-placement left one rank receiving 1.5x the key rows of another and waiting for them). Without a
-weight (a layout named 'chunks', which knows only the mask) the placement balances area alone.
-
-The chunk length is the plan's: the fewest chunks per rank (CHUNKS_PER_RANK, multiples of the
-kernels' tile, TILE tokens, where the shard allows) whose critical area is within TOLERANCE of the
-mean, else the best balanced of them: fewer chunks are fewer runs, kernel launches and messages.
+plus ``receive`` for each key row of another rank its queries see (``balance_receives``): under the
+gather scheme a rank receives exactly those rows, and equal areas can leave one rank receiving several
+times the rows of another and waiting for them (docs/BENCHMARKS.md, "The placement weighs the keys each
+rank receives"). Without a weight (a layout named 'chunks', which knows only the mask) the placement
+balances area alone.
 
 Across nodes (``per_node`` ranks a node, positions node by node) the chunks are dealt twice: to the
 nodes first, by the same rules (each node's area balanced, documents kept on one node where that costs
@@ -52,11 +49,11 @@ PARTNERS = 8                      # the cheapest parts the costliest may swap wi
 class Placement:
     """Chunks of ``chunk`` tokens; ``owned[r]`` the chunk indices rank r holds, in natural order;
     ``area[r]`` its visible (query, key) pairs; ``load[r]`` its area plus the receive weight for each key
-    row of another rank its queries see (None: its area)."""
+    row of another rank its queries see (its area without a weight)."""
     chunk: int
     owned: tuple
     area: tuple
-    load: tuple = None
+    load: tuple
 
     def pieces(self, rank):
         """Rank ``rank``'s (global_start, length) runs, in local order (adjacent chunks joined)."""
@@ -71,10 +68,10 @@ class Placement:
 
     @property
     def imbalance(self):
-        """The busiest rank's load over the mean (1.0: balanced; no visible pair: 1.0)."""
-        load = self.area if self.load is None else self.load
-        mean = sum(load) / len(load)
-        return max(load) / mean if mean else 1.0
+        """The busiest rank's load over the mean area (1.0: areas balanced and no key received or weighed; no
+        visible pair: 1.0): the mean area is the same for every chunk, so the least imbalance is the least load."""
+        mean = sum(self.area) / len(self.area)
+        return max(self.load) / mean if mean else 1.0
 
 
 def place(mask, size, per_node=None, receive=0):
@@ -145,10 +142,11 @@ def balance_receives(owner, areas, sight, size, weight):
     visible pairs of its chunks) plus ``weight`` for each chunk of another part its queries see (``sight``
     (n, n) bool: chunk i's queries see chunk j's keys), the keys it receives. Each round the costliest part
     (the first of equals) takes the swap, with one of the PARTNERS cheapest other parts, that lowers the
-    highest cost most (the first such in chunk order); it stops when none does. Counts never change;
-    integers throughout, so every rank finds the same."""
+    highest cost most (the first such in chunk order); it stops when none does (each round lowers the highest
+    cost, so within chunks x parts rounds). Counts never change; integers throughout, so every rank finds the
+    same."""
     owner = owner.copy()
-    seen = sight.astype(np.int32)
+    seen = sight.astype(np.int64)
     count = np.stack([seen[owner == p].sum(axis=0) for p in range(size)])   # chunks of a part that see each
     area = np.bincount(owner, areas, minlength=size).astype(np.int64)
 
@@ -165,12 +163,12 @@ def balance_receives(owner, areas, sight, size, weight):
         another's, the one taken its own."""
         other = owner != p
         only = ((count[p] == 1) & other)[None] & (seen[out] > 0)         # keys only out[x] sees, of others
-        unseen = ((count[p] == 0) & other).astype(np.float64)           # keys none of p's chunks sees
-        lost = only.sum(axis=1)[:, None] - only.astype(np.float64) @ seen[into].T
-        gained = (seen[into].astype(np.float64) @ unseen)[None]
+        unseen = ((count[p] == 0) & other).astype(np.int64)             # keys none of p's chunks sees
+        lost = only.sum(axis=1)[:, None] - only.astype(np.int64) @ seen[into].T
+        gained = (seen[into] @ unseen)[None]
         give = count[p, out][:, None] - seen[np.ix_(out, out)].diagonal()[:, None] + seen[np.ix_(into, out)].T
         take = count[p, into][None] - seen[np.ix_(out, into)] + seen[np.ix_(into, into)].diagonal()[None]
-        return (received(p) - lost + gained + (give > 0) - (take > 0)).astype(np.int64)
+        return received(p) - lost + gained + (give > 0) - (take > 0)
 
     cost = area + weight * np.array([received(p) for p in range(size)], np.int64)
     for _ in range(len(owner) * size):
