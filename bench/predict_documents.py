@@ -1,8 +1,8 @@
-"""The cost model's predictions against the packed-documents runs on the current kernels (docs/BENCHMARKS.md,
-"Where the 4-GPU calls of MagiAttention's lengths wait": the 4 x H200 table row, and the 2 x H200 rows of the tree
-before its tried change; chunks layout): bench_documents.py's prediction
-path (the chunks placed with the model's chunk by costmodel.cluster_layouts, costmodel.pick, then
-costmodel.pass_prediction per pass) on the same document sets, H200's built-in rates, no GPU needed.
+"""The cost model's predictions against the packed-documents runs on the current kernels and placement
+(docs/BENCHMARKS.md, "The placement weighs the keys each rank receives": the 4 x H100 and 2 x H200 rows of the
+chunks layout): bench_documents.py's prediction path (the chunks placed with the model's chunk and receive weight
+by costmodel.cluster_layouts, costmodel.pick, then costmodel.pass_prediction per pass) on the same document sets,
+the built-in rates of the GPU each row ran on, no GPU needed.
 
     python bench/predict_documents.py
 
@@ -19,10 +19,10 @@ from burst_hpc.plan.rates import GPU_RATES  # noqa: E402
 
 import bench_documents  # noqa: E402
 
-# (GPUs, tokens a GPU, documents): measured TFLOP/s per GPU fwd, bwd, fwdbwd (docs/BENCHMARKS.md, NVIDIA H200, the
-# kernels of c81e218, the middle of each measured range)
-MEASURED = {(4, 8192, "uniform"): (496, 411, 434.5), (4, 8192, "magi"): (428, 340, 364),
-            (2, 8192, "uniform"): (478.5, 370, 396), (2, 8192, "magi"): (504, 385, 415)}
+# (GPUs, tokens a GPU, documents, GPU): measured TFLOP/s per GPU fwd, bwd, fwdbwd (docs/BENCHMARKS.md, 2026-11-28,
+# the kernels of c81e218, the middle of each measured range)
+MEASURED = {(4, 8192, "uniform", "H100"): (544, 403.5, 438.5), (4, 8192, "magi", "H100"): (435, 326.5, 355.5),
+            (2, 8192, "uniform", "H200"): (488, 384, 409), (2, 8192, "magi", "H200"): (498, 412, 433.5)}
 DIRECTIONS = {"fwd": (False,), "bwd": (True,), "fwdbwd": (False, True)}
 
 
@@ -44,16 +44,16 @@ def predicted_tflops(P, tokens, dist, rates, heads=64, kv_heads=8, head_dim=128)
 
 
 def main():
-    rates = GPU_RATES["H200"]
     print("| GPUs | tokens/GPU | documents | pass | measured | predicted | predicted / measured - 1 |")
     print("|---|---|---|---|---|---|---|")
     worst = 0.0
-    for (P, tokens, dist), measured in MEASURED.items():
-        got = predicted_tflops(P, tokens, dist, rates)
+    for (P, tokens, dist, gpu), measured in MEASURED.items():
+        got = predicted_tflops(P, tokens, dist, GPU_RATES[gpu])
         for pass_, value in zip(DIRECTIONS, measured):
             error = got[pass_] / value - 1
             worst = max(worst, abs(error))
-            print(f"| {P} | {tokens // 1024}k | {dist} | {pass_} | {value:g} | {got[pass_]:.0f} | {error:+.1%} |")
+            print(f"| {P} x {gpu} | {tokens // 1024}k | {dist} | {pass_} | {value:g} | {got[pass_]:.0f} | "
+                  f"{error:+.1%} |")
     print(f"worst: {worst:.1%}")
 
 
