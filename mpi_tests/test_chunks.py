@@ -79,6 +79,32 @@ def test_packed_gather_of_a_batch_matches_the_oracle(comm, docs, window, causal)
         np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} seed {seed}")
 
 
+@pytest.mark.parametrize("per_node", [None, 2])
+def test_a_placement_weighing_receives_matches_the_oracle(comm, per_node):
+    """The chunks Layout placed weighing the keys each rank receives (make_layout's receive; by nodes of 2 where
+    there are several), as choose_layout hands it to a caller: shards cut by it, the gather scheme's passes over
+    them, the oracle's output and gradients; and it is another placement than the area's where there are ranks
+    to swap between."""
+    seed, cu, q, k, v, do = draw(comm, "capped")
+    mask = masks.make(q.shape[1], True, None, cu)
+    nodes = per_node if per_node is not None and comm.size % per_node == 0 else None
+    placed = burst_hpc.make_layout("chunks", q.shape[1], comm.size, mask, nodes, chunk=LOCAL // 4, receive=64)
+    ctx = f"seed {seed} {placed!r}"
+
+    def mine(x, axis=1):
+        return placed.shard(x, comm.rank, axis=axis)
+
+    kw = dict(comm=comm, causal=True, cu_seqlens=cu, layout=placed, scheme="gather", ranks_per_node=nodes)
+    ref_o, ref_lse = attention_reference(q, k, v, causal=True, cu_seqlens=cu)
+    o, lse = burst_hpc.burst_attention(mine(q), mine(k), mine(v), **kw)
+    np.testing.assert_allclose(o, mine(ref_o), atol=1e-10, err_msg=ctx)
+    np.testing.assert_allclose(lse, mine(ref_lse, axis=2), rtol=1e-6, err_msg=ctx)
+    grads = burst_hpc.burst_attention_backward(mine(do), mine(q), mine(k), mine(v), o, lse, **kw)
+    for name, got, want in zip("dq dk dv".split(), grads, attention_backward_reference(do, q, k, v, causal=True,
+                                                                                      cu_seqlens=cu)):
+        np.testing.assert_allclose(got, mine(want), atol=2e-5, rtol=1e-4, err_msg=f"{name} {ctx}")
+
+
 @pytest.mark.parametrize("per_node", [None, 1])
 def test_gather_runs_packed_on_one_node_and_stepped_across_nodes(comm, per_node, monkeypatch):
     """One node: the gather scheme's passes are one block call each on packed keys; every rank a node of its
