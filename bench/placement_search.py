@@ -10,8 +10,9 @@ Hkv 8, D 128, the built-in rates of --gpu; no GPU needed.
 Prints the predicted TFLOP/s per GPU (forward, backward, forward+backward) of the start and of each better
 placement found, then each rank's visible pairs, the share of them its early rows hold (packing.Packing.early)
 and the key rows it receives and sends, for both placements; --save writes the one found (JSON: dist, ranks,
-tokens a GPU, chunk, each rank's chunk indices) for a run on GPUs to place by. A search, not a solver: each round prices CANDIDATES
-random swaps and keeps the best if it is faster; the layout's own placement balances each rank's area and the keys it receives by a rule.
+tokens a GPU, chunk, each rank's chunk indices) for a run on GPUs to place by. A search, not a solver: each round
+prices CANDIDATES random swaps and keeps the best if it is faster; the layout's own placement balances each rank's
+area and the keys it receives by a rule.
 """
 import argparse
 import json
