@@ -185,10 +185,7 @@ def cmd_plan(args):
     if rank == 0:
         print(tables.describe(problem, cluster, rates))
         print(text)
-        placed = ""
-        if pick.layout.placed_by_mask:
-            placed = f" (chunks of {pick.layout.grain} tokens" + (
-                f", placed by nodes of {pick.layout.per_node})" if pick.layout.per_node else ")")
+        placed = tables.placement_words(problem, cluster, rates, pick.layout)
         print(f"pick: layout {pick.layout.kind}{placed}, scheme {pick.scheme} ({pick.fwdbwd:.3g} s forward+backward; "
               f"shard by it: burst_hpc.choose_layout)")
     return 0
