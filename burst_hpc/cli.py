@@ -185,7 +185,7 @@ def cmd_plan(args):
     if rank == 0:
         print(tables.describe(problem, cluster, rates))
         print(text)
-        placed = tables.placement_words(problem, cluster, rates, pick.layout)
+        placed = tables.placement_words(pick.layout)
         print(f"pick: layout {pick.layout.kind}{placed}, scheme {pick.scheme} ({pick.fwdbwd:.3g} s forward+backward; "
               f"shard by it: burst_hpc.choose_layout)")
     return 0

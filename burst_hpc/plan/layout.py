@@ -54,6 +54,9 @@ class Layout:
         The chunks layout placed by nodes: the node of each rank (None: placed over one node).
     per_node : int or None
         Ranks a node of ``nodes``.
+    receive : int
+        The chunks layout's weight of a key row a rank receives (make_layout's ``receive``) where it
+        moved chunks from the area's balance; 0 otherwise. Not part of equality: the runs are.
     """
     kind: str
     seqlen: int
@@ -62,6 +65,7 @@ class Layout:
     balances_by_schedule: bool = False
     chunk: int = None                 # the chunks layout's chunk (None: grain is the runs' gcd)
     nodes: tuple = None               # the chunks layout's node of each rank (None: placed over one node)
+    receive: int = 0                  # the chunks layout's weight of a received key row where it moved chunks
 
     def __post_init__(self):
         # the chunk and the nodes too: the gather schedule sends runs whole in chunks (grain) and orders its
@@ -81,7 +85,7 @@ class Layout:
 
     def __reduce__(self):   # rebuilt where unpickled: a string's hash differs from process to process
         return Layout, (self.kind, self.seqlen, self.size, self.runs, self.balances_by_schedule, self.chunk,
-                        self.nodes)
+                        self.nodes, self.receive)
 
     @property
     def local(self):
@@ -121,7 +125,7 @@ class Layout:
             runs[rank] = self.runs[position]
             nodes[rank] = None if self.nodes is None else self.nodes[position]
         return Layout(self.kind, self.seqlen, self.size, tuple(runs), self.balances_by_schedule, self.chunk,
-                      None if self.nodes is None else tuple(nodes))
+                      None if self.nodes is None else tuple(nodes), self.receive)
 
     def indices(self, rank):
         """Global token indices of rank ``rank``'s shard, in local order (int64)."""
@@ -294,7 +298,7 @@ def _chunks(seqlen, size, mask, per_node, chunk, receive):
     found = (place(mask, size, per_node, receive) if chunk is None
              else place_chunks(mask, size, chunk, per_node, receive))
     return Layout("chunks", seqlen, size, tuple(found.pieces(r) for r in range(size)), chunk=found.chunk,
-                  nodes=None if per_node is None else tuple(r // per_node for r in range(size)))
+                  nodes=None if per_node is None else tuple(r // per_node for r in range(size)), receive=found.receive)
 
 
 class _Unsaid:

@@ -49,11 +49,13 @@ PARTNERS = 8                      # the cheapest parts the costliest may swap wi
 class Placement:
     """Chunks of ``chunk`` tokens; ``owned[r]`` the chunk indices rank r holds, in natural order;
     ``area[r]`` its visible (query, key) pairs; ``load[r]`` its area plus the receive weight for each key
-    row of another rank its queries see (its area without a weight)."""
+    row of another rank its queries see (its area without a weight); ``receive`` that weight where it moved
+    chunks (0: placed as by area alone)."""
     chunk: int
     owned: tuple
     area: tuple
     load: tuple
+    receive: int = 0
 
     def pieces(self, rank):
         """Rank ``rank``'s (global_start, length) runs, in local order (adjacent chunks joined)."""
@@ -103,38 +105,43 @@ def chunk_counts(local):
 
 def place_chunks(mask, size, chunk, per_node=None, receive=0):
     """The Placement of chunks of ``chunk`` tokens: dealt to the nodes (``per_node`` ranks each; None:
-    one node), then each node's to its ranks (``split``; the last level weighs the keys each rank
-    receives by ``receive`` visible pairs a row)."""
+    one node), then each node's to its ranks (``split``), the last level balancing each rank's area with the
+    keys it receives at ``receive`` visible pairs a row (``balance_receives``)."""
     pairs = masks.block_counts(mask, chunk, chunk)
     areas = pairs.sum(axis=1)
     per_node = size if per_node is None else per_node
     owner = np.zeros(len(areas), np.int64)
     levels = (size // per_node, per_node) if per_node < size else (size,)
+    moved = False
     for level, parts in enumerate(levels):
-        weight = int(receive) * chunk if level == len(levels) - 1 else 0
         below = np.empty_like(owner)
         for group in range(owner.max() + 1):
             held = np.flatnonzero(owner == group)
-            below[held] = group * parts + split(areas[held], pairs[np.ix_(held, held)], parts, weight)
+            part = split(areas[held], pairs[np.ix_(held, held)], parts)
+            if receive and parts > 1 and level == len(levels) - 1:
+                weighed = balance_receives(part, areas[held], pairs[np.ix_(held, held)] > 0, parts,
+                                           int(receive) * chunk)
+                moved = moved or not np.array_equal(weighed, part)
+                part = weighed
+            below[held] = group * parts + part
         owner = below
     owned = tuple(tuple(np.flatnonzero(owner == r).tolist()) for r in range(size))
     area = tuple(int(areas[list(c)].sum()) for c in owned)
     sight = pairs > 0
     received = [int((sight[list(c)].any(axis=0) & (owner != r)).sum()) * chunk for r, c in enumerate(owned)]
-    return Placement(chunk, owned, area, tuple(a + int(receive) * n for a, n in zip(area, received)))
+    return Placement(chunk, owned, area, tuple(a + int(receive) * n for a, n in zip(area, received)),
+                     int(receive) if moved else 0)
 
 
-def split(areas, pairs, parts, weight=0):
+def split(areas, pairs, parts):
     """The part (of ``parts``) of each chunk of ``areas`` (``pairs``: the visible pairs between them): dealt
     by area (``deal``), then chunks swapped between parts to keep documents together within SLACK of that
-    balance (``gather_documents``), then, with a ``weight`` (visible pairs a chunk of keys received weighs),
-    to balance each part's area and the keys it receives (``balance_receives``)."""
+    balance (``gather_documents``)."""
     owned, area = deal(areas, parts)
     owner = np.empty(len(areas), np.int64)
     for part, chunks in enumerate(owned):
         owner[list(chunks)] = part
-    owner = gather_documents(owner, areas, pairs + pairs.T, parts, max(area) * (1 + SLACK))
-    return balance_receives(owner, areas, pairs > 0, parts, weight) if weight > 0 and parts > 1 else owner
+    return gather_documents(owner, areas, pairs + pairs.T, parts, max(area) * (1 + SLACK))
 
 
 def balance_receives(owner, areas, sight, size, weight):

@@ -88,20 +88,17 @@ def describe(pr, cl, rates):
             f"{rates.inter_latency_us:g} us a message inside / between nodes")
 
 
-def placement_words(pr, cl, rates, layout):
+def placement_words(layout):
     """How a layout placed by the mask was placed, for the plan's pick line: ' (chunks of N tokens, placed by
     nodes of w, the keys each rank receives weighed at W pairs a row)', each part where it holds; '' for the
     other layouts."""
     if not layout.placed_by_mask:
         return ""
-    from .layout import make_layout
-
     words = [f"chunks of {layout.grain} tokens"]
     if layout.per_node:
         words.append(f"placed by nodes of {layout.per_node}")
-    weight = costmodel.receive_weight(pr, rates)
-    if weight and layout != make_layout("chunks", pr.seqlen, cl.ranks, pr.mask, layout.per_node, layout.chunk):
-        words.append(f"the keys each rank receives weighed at {weight} pairs a row")
+    if layout.receive:
+        words.append(f"the keys each rank receives weighed at {layout.receive} pairs a row")
     return f" ({', '.join(words)})"
 
 
