@@ -25,6 +25,7 @@ from mpi4py import MPI
 import burst_hpc
 from burst_hpc.plan import masks
 from burst_hpc.plan.layout import make_layout
+from burst_hpc.plan.rates import rates_for
 
 import bench_documents
 import evidence
@@ -38,7 +39,9 @@ def main(argv=None):
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dist", default="uniform")
-    ap.add_argument("--layout", default="chunks")
+    ap.add_argument("--layout", default="chunks",
+                    help="a layout name, or 'pick': choose_layout's pick for the pass on this GPU's rates (the "
+                         "chunks layout placed as bench_documents.py's pick places it, receives weighed)")
     ap.add_argument("--pass", dest="pass_", default="fwdbwd", choices=("fwd", "bwd", "fwdbwd"))
     ap.add_argument("--calls", type=int, default=1)
     ap.add_argument("--rank", default="0", help="whose timeline to print: a rank, or 'all' (in rank order)")
@@ -60,7 +63,12 @@ def main(argv=None):
     burst_hpc.select_device(comm)
     S, H, Hkv, D = args.tokens_per_rank * P, args.heads, args.kv_heads, args.head_dim
     cu = bench_documents.document_set(args.dist, S, args.seed, S // 4)
-    placed = make_layout(args.layout, S, P, masks.make(S, True, None, cu))
+    if args.layout == "pick":
+        rates = rates_for("cuda", cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"].decode())
+        placed = burst_hpc.choose_layout(S, P, causal=True, cu_seqlens=cu, heads=H, kv_heads=Hkv, head_dim=D,
+                                         dtype=parse_dtype("bf16"), backward=args.pass_ != "fwd", rates=rates)
+    else:
+        placed = make_layout(args.layout, S, P, masks.make(S, True, None, cu))
     rng = np.random.default_rng([args.seed, 7])
     mine = {name: cupy.asarray(placed.shard(rng.standard_normal((1, S, h, D)).astype(np.float32), r))
             .astype(parse_dtype("bf16")) for name, h in (("q", H), ("k", Hkv), ("v", Hkv), ("do", H))}
@@ -116,7 +124,8 @@ def main(argv=None):
         streams[e["tid"]].append(e)
     compute = max(streams, key=lambda s: sum(e["dur"] for e in streams[s] if "attn" in e["name"]))
     lines = []
-    lines.append(f"rank {r}, {args.layout}, {args.pass_}, {args.dist}: {args.calls} call(s), {end - t0:.0f} us from "
+    placement = f" (chunks of {placed.chunk}, receives weighed at {placed.receive})" if placed.chunk else ""
+    lines.append(f"rank {r}, {args.layout}{placement}, {args.pass_}, {args.dist}: {args.calls} call(s), {end - t0:.0f} us from "
                  f"the barrier's end to the last work; the host issues a call in {np.median(host):.2f} ms")
     for sid, evs in streams.items():
         busy = sum(e["dur"] for e in evs)
