@@ -160,21 +160,24 @@ def balance_receives(owner, areas, sight, size, weight):
     def received(p):
         return int(((count[p] > 0) & (owner != p)).sum())
 
-    def gives(mine, theirs):
-        return areas[mine][:, None] - areas[theirs][None]
-
     def after(p, out, into):
-        """(len(out), len(into)): the chunks part p receives once it gives chunk ``out[x]`` for ``into[y]``:
-        those it received, less the keys only the chunk given saw (and the chunk taken does not), plus those
-        no chunk of it saw that the chunk taken does, then the two chunks' own places: the one given is
-        another's, the one taken its own."""
+        """(len(out), len(into)): the chunks part p receives once it gives chunk ``out[x]`` (``out``: every chunk
+        of p) for ``into[y]``: those it received, less the keys only the chunk given saw (and the chunk taken
+        does not), plus those no chunk of it saw that the chunk taken does, then the two chunks' own places: the
+        one given is another's, the one taken its own. A key only one chunk of p sees is that chunk's alone, so
+        the keys each chunk given loses are sums over runs of columns, not a product."""
         other = owner != p
-        only = ((count[p] == 1) & other)[None] & (seen[out] > 0)         # keys only out[x] sees, of others
-        unseen = ((count[p] == 0) & other).astype(np.int64)             # keys none of p's chunks sees
-        lost = only.sum(axis=1)[:, None] - only.astype(np.int64) @ seen[into].T
-        gained = (seen[into] @ unseen)[None]
-        give = count[p, out][:, None] - seen[np.ix_(out, out)].diagonal()[:, None] + seen[np.ix_(into, out)].T
-        take = count[p, into][None] - seen[np.ix_(out, into)] + seen[np.ix_(into, into)].diagonal()[None]
+        only = np.flatnonzero((count[p] == 1) & other)                 # keys one chunk of p sees, of others
+        whose = seen[np.ix_(out, only)].argmax(axis=0) if len(only) else only   # the chunk of out seeing each
+        order = np.argsort(whose, kind="stable")
+        runs = np.searchsorted(whose[order], np.arange(len(out) + 1))
+        sums = np.zeros((len(into), len(only) + 1), np.int64)
+        np.cumsum(seen[np.ix_(into, only[order])], axis=1, out=sums[:, 1:])
+        kept = (sums[:, runs[1:]] - sums[:, runs[:-1]]).T                # keys only out[x] sees that into[y] sees
+        lost = np.diff(runs)[:, None] - kept
+        gained = seen[np.ix_(into, np.flatnonzero((count[p] == 0) & other))].sum(axis=1)[None]
+        give = count[p, out][:, None] - seen[out, out][:, None] + seen[np.ix_(into, out)].T
+        take = count[p, into][None] - seen[np.ix_(out, into)] + seen[into, into][None]
         return received(p) - lost + gained + (give > 0) - (take > 0)
 
     cost = area + weight * np.array([received(p) for p in range(size)], np.int64)
@@ -182,11 +185,17 @@ def balance_receives(owner, areas, sight, size, weight):
         a = int(np.argmax(cost))
         mine = np.flatnonzero(owner == a)
         best, swap = cost[a], None
-        for b in sorted((p for p in range(size) if p != a), key=lambda p: (cost[p], p))[:PARTNERS]:
-            theirs = np.flatnonzero(owner == b)
+        partners = sorted((p for p in range(size) if p != a), key=lambda p: (cost[p], p))[:PARTNERS]
+        held = [np.flatnonzero(owner == b) for b in partners]   # parts without chunks take no swap
+        partners, held = [b for b, x in zip(partners, held) if len(x)], [x for x in held if len(x)]
+        candidates = np.concatenate(held) if held else np.zeros(0, np.int64)
+        gives_all = areas[mine][:, None] - areas[candidates][None]
+        mine_after = after(a, mine, candidates)   # what part a receives, whichever partner it swaps with
+        ends = np.cumsum([0] + [len(theirs) for theirs in held])
+        for b, theirs, lo, hi in zip(partners, held, ends[:-1], ends[1:]):
             rest = max((cost[p] for p in range(size) if p not in (a, b)), default=0)
-            high = np.maximum(np.maximum(area[a] - gives(mine, theirs) + weight * after(a, mine, theirs),
-                                         area[b] + gives(mine, theirs) + weight * after(b, theirs, mine).T), rest)
+            high = np.maximum(np.maximum(area[a] - gives_all[:, lo:hi] + weight * mine_after[:, lo:hi],
+                                         area[b] + gives_all[:, lo:hi] + weight * after(b, theirs, mine).T), rest)
             k = int(np.argmin(high))
             if high.flat[k] < best:
                 best, swap = high.flat[k], (int(mine[k // len(theirs)]), int(theirs[k % len(theirs)]))
