@@ -231,8 +231,11 @@ def document_starts(mask):
 def document_keys(mask):
     """int64, read-only: the first key of each run of rows of ``document_starts``, sorted and distinct (under
     documents, each document's first key). The sm90 backward starts its key blocks there (plan/tiles.backward_tiles)."""
-    starts = document_starts(mask)
-    keys = np.unique(mask.intervals[0][starts]) if starts.size else np.zeros(0, np.int64)
+    firsts = mask.intervals[0][document_starts(mask)]
+    if firsts.size and np.all(firsts[1:] >= firsts[:-1]):   # bounds that never decrease (every mask the API makes)
+        keys = firsts[np.concatenate([[True], firsts[1:] != firsts[:-1]])]
+    else:
+        keys = np.unique(firsts)
     keys.setflags(write=False)
     return keys
 
