@@ -1,6 +1,6 @@
 """The cost model's predictions against the packed-documents runs on the current kernels and placement
 (docs/BENCHMARKS.md, "The placement weighs the keys each rank receives": the 4 x H100 and 2 x H200 rows of the
-chunks layout): bench_documents.py's prediction path (the chunks placed with the model's chunk and receive weight
+chunks layout; "4 x H200 meets the 8k targets": the 4 x H200 rows): bench_documents.py's prediction path (the chunks placed with the model's chunk and receive weight
 by costmodel.cluster_layouts, costmodel.pick, then costmodel.pass_prediction per pass) on the same document sets,
 the built-in rates of the GPU each row ran on, no GPU needed.
 
@@ -20,9 +20,10 @@ from burst_hpc.plan.rates import GPU_RATES  # noqa: E402
 import bench_documents  # noqa: E402
 
 # (GPUs, tokens a GPU, documents, GPU): measured TFLOP/s per GPU fwd, bwd, fwdbwd (docs/BENCHMARKS.md, 2026-11-28,
-# the kernels of c81e218, the middle of each measured range)
+# the kernels of c81e218, the middle of each measured range; 4 x H200: the twentieth session's, the median of four)
 MEASURED = {(4, 8192, "uniform", "H100"): (544, 403.5, 438.5), (4, 8192, "magi", "H100"): (435, 326.5, 355.5),
-            (2, 8192, "uniform", "H200"): (488, 384, 409), (2, 8192, "magi", "H200"): (498, 412, 433.5)}
+            (2, 8192, "uniform", "H200"): (488, 384, 409), (2, 8192, "magi", "H200"): (498, 412, 433.5),
+            (4, 8192, "uniform", "H200"): (548, 391.5, 425), (4, 8192, "magi", "H200"): (465, 365.5, 390)}
 DIRECTIONS = {"fwd": (False,), "bwd": (True,), "fwdbwd": (False, True)}
 
 

@@ -276,7 +276,7 @@ def receive_weight(pr, rates, backward=True):
     """The visible pairs a key row weighs for the rank that receives it (placement.balance_receives), whole: the
     row's K and V in and, with the backward, its float32 dK and dV home, at a link's rate inside a node, against
     a visible pair's kernel time (forward, plus backward) at the rates' prices of a key tile's (a backward
-    step's) pairs. Whole pairs: every rank weighs alike. bf16, Hq 64, Hkv 8, D 128: 413 on H200's rates, 230
+    step's) pairs. Whole pairs: every rank weighs alike. bf16, Hq 64, Hkv 8, D 128: 413 on H200's rates, 405
     on H100's."""
     row = 2 * pr.kv_heads * pr.head_dim * (pr.itemsize + (4 if backward else 0)) / (rates.intra_gbps * 1e9)
     pair = 0.0

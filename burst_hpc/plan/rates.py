@@ -63,7 +63,9 @@ def scaled(rates, fwd, bwd):
 # 12.3% of every point, the bench sets within 8.9%). H200: the kernels scaled by its measured forward / backward
 # rates (610 / 530 TFLOP/s against H100's 600 / 520), the memory-bound pass by its bandwidth (4.8 against 3.35 TB/s).
 # Links: ../shared/DEVICE.md's NCCL ring exchange on 4 x H200 (16 MiB at 130 GB/s, 64 MiB at 157 GB/s:
-# 30 us a message and 170 GB/s beyond it; H100: 300 GB/s, its larger messages); 50 GB/s per GPU between
+# 30 us a message and 170 GB/s beyond it), H100 and H200 alike (the same NVLink; at H100's former 300 GB/s, what
+# 256 MiB messages reach, 8 of the 24 rows of the 2026-11-28 4 x H100 table were predicted over 15% fast, 3 at
+# 170); 50 GB/s per GPU between
 # nodes is a 400 Gb/s NIC per GPU. The launch fixed costs are docs/BENCHMARKS.md's 20-40 us launches: 25 us a
 # forward block call, 50 us a backward one (three or four kernels); 150 us a step (an exchange's: a pass on one rank
 # pays none, pricing.Costs) is what the 2 and 4 x H100
@@ -83,7 +85,7 @@ H200_TILES = dict(fwd_key_tile_ns=H100_TILES["fwd_key_tile_ns"] * 600 / 610,
                   bwd_shared_down_ns=H100_TILES["bwd_shared_down_ns"] * 520 / 530,
                   bwd_token_ns=H100_TILES["bwd_token_ns"] * 3.35 / 4.8)
 GPU_RATES = {
-    "H100": Rates("H100", math.inf, math.inf, 300.0, 50.0, **GPU_FIXED, **H100_TILES),
+    "H100": Rates("H100", math.inf, math.inf, 170.0, 50.0, **GPU_FIXED, **H100_TILES),
     "H200": Rates("H200", math.inf, math.inf, 170.0, 50.0, **GPU_FIXED, **H200_TILES),
     # the NumPy path's block call and step as `burst-hpc compile --backend numpy` measured them on a 2-core host
     "cpu": Rates("cpu", 0.02, 0.01, 5.0, 5.0, 20.0, 20.0, 120.0, 130.0, 5.0),
