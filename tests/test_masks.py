@@ -362,3 +362,22 @@ def test_a_repeated_argument_set_gets_its_mask_and_a_bad_one_is_still_refused(rn
     cu[2] = 3
     with pytest.raises(MaskError, match="strictly increasing"):
         masks.make(30, True, (4, 0), cu)
+
+
+@pytest.mark.parametrize("window", WINDOWS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_document_keys_are_the_distinct_first_keys_of_the_document_starts(causal, window, rng, seed):
+    """document_keys: the first key of every run of document_starts, sorted and distinct, read-only, as np.unique
+    gives them, for the masks the API makes and for bounds that decrease (a Packed mask made by hand)."""
+    seqlen = int(rng.integers(1, 600))
+    made = [masks.make(seqlen, causal, window, cu) for cu in (None, documents(rng, seqlen))]
+    lo = np.sort(rng.integers(1, 50, 40))[::-1].copy()   # rows that see nothing: every row starts a run
+    made.append(masks.Packed(lo, np.zeros_like(lo), 60, ("decreasing", seed)))
+    for mask in made:
+        if mask.kind != "intervals":
+            continue
+        got = masks.document_keys(mask)
+        starts = masks.document_starts(mask)
+        want = np.unique(mask.intervals[0][starts])
+        np.testing.assert_array_equal(got, want, err_msg=f"seed={seed}")
+        assert got.dtype == want.dtype and not got.flags.writeable
